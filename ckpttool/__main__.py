@@ -1,0 +1,3 @@
+from ckpttool.cli import main
+
+main()

@@ -1,0 +1,57 @@
+"""The errors ckpttool raises.
+
+Every error a user can cause with bad input is a :class:`CkptError`. The CLI prints its message
+as one line (``Error: ...``) and exits with its ``exit_code``; nothing else reaches the user as
+a traceback.
+"""
+
+from __future__ import annotations
+
+#: Exit code for "the command could not do its job" (bad input, unreadable file, refused file).
+EXIT_ERROR = 2
+#: Exit code for "the command ran and found a difference or a problem" (diff, verify, scan).
+EXIT_FOUND = 1
+
+
+class CkptError(Exception):
+    """Base class of every error ckpttool raises on purpose."""
+
+    exit_code = EXIT_ERROR
+
+
+class InputError(CkptError):
+    """The path given is not usable: missing, a directory, empty, unreadable."""
+
+
+class NotACheckpointError(CkptError):
+    """The file is readable but is not a checkpoint format ckpttool knows (or is TorchScript)."""
+
+
+class CorruptCheckpointError(CkptError):
+    """The file claims to be a checkpoint but its structure is broken (truncated, bad sizes...)."""
+
+
+class UnsafePickleError(CkptError):
+    """A pickle names a callable that could run code (``os.system``, ``builtins.eval``...).
+
+    Nothing it names was imported or called; the file is refused.
+    """
+
+
+class ResourceLimitError(CkptError):
+    """A pickle asks for more memory, nesting or time than any real checkpoint needs."""
+
+
+class LayoutError(CkptError):
+    """The checkpoint is readable but does not have the layout this operation needs."""
+
+
+class OutputExistsError(CkptError):
+    """The output path exists and the operation was not told to overwrite it."""
+
+
+class CheckpointKeyError(CkptError, KeyError):
+    """A caller asked for a reserved or missing key (e.g. ``extra_state`` colliding with ``step``)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
