@@ -1,0 +1,128 @@
+"""safetensors: an 8-byte header length, a JSON header, then the tensor bytes.
+
+The header is checked by the rules the format sets (and that the reference implementation
+enforces): length limit, offsets contiguous from 0 with no gap or overlap, each size equal to
+numel x itemsize, nothing after the last tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any, BinaryIO
+
+from ckpttool.errors import CorruptCheckpointError
+from ckpttool.formats.base import Parsed
+from ckpttool.records import ITEMSIZE, StorageRecord, TensorRecord
+
+MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
+
+DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64", "C128": "complex128",
+}  # fmt: skip
+CODES = {name: code for code, name in DTYPES.items()}
+
+
+def header_length(first_bytes: bytes) -> int:
+    return int(struct.unpack("<Q", first_bytes[:8])[0])
+
+
+def looks_like_safetensors(first_bytes: bytes, file_size: int) -> bool:
+    if len(first_bytes) < 9:
+        return False
+    n = header_length(first_bytes)
+    return first_bytes[8:9] == b"{" and 2 <= n
+
+
+def read_safetensors(handle: BinaryIO, file_size: int, *, strict: bool) -> Parsed:
+    handle.seek(0)
+    n = header_length(handle.read(8))
+    if n > MAX_HEADER:
+        raise CorruptCheckpointError(
+            f"safetensors header claims {n:,} bytes (the format's limit is {MAX_HEADER:,})"
+        )
+    if 8 + n > file_size:
+        raise CorruptCheckpointError(
+            f"safetensors header claims {n:,} bytes but the file has {file_size - 8:,} after "
+            "its length field (truncated file?)"
+        )
+    try:
+        header = json.loads(handle.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CorruptCheckpointError(f"safetensors header is not valid JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError("safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CorruptCheckpointError("safetensors __metadata__ must map strings to strings")
+    data_start = 8 + n
+    problems: list[str] = []
+    root: dict[str, Any] = {}
+    extents: list[tuple[int, int, str]] = []
+    for name, info in header.items():
+        record = _tensor(name, info)
+        begin, end = info["data_offsets"]
+        if end - begin != record.nbytes:
+            problems.append(
+                f"{name}: holds {end - begin:,} bytes, but {record.dtype}{list(record.shape)} "
+                f"needs {record.nbytes:,}"
+            )
+        root[name] = record
+        extents.append((begin, end, name))
+    extents.sort()
+    position = 0
+    for begin, end, name in extents:
+        if begin > position:
+            problems.append(f"{name}: {begin - position:,} unused bytes before it (a gap)")
+        elif begin < position:
+            problems.append(f"{name}: overlaps the tensor before it by {position - begin:,} bytes")
+        position = max(position, end)
+    data_size = file_size - data_start
+    if position > data_size:
+        problems.append(f"tensors extend {position - data_size:,} bytes past the end of the file")
+    elif position < data_size:
+        problems.append(f"{data_size - position:,} trailing bytes after the last tensor")
+    if problems and strict:
+        raise CorruptCheckpointError(f"invalid safetensors file: {problems[0]}")
+
+    def span(storage: StorageRecord) -> tuple[int, int]:
+        begin, end = header[storage.key]["data_offsets"]
+        return data_start + begin, end - begin
+
+    return Parsed(
+        format="safetensors",
+        root=root,
+        span=span,
+        details={"header_bytes": n},
+        metadata=metadata,
+        storages=[t.storage for t in root.values() if t.storage is not None],
+        problems=problems,
+    )
+
+
+def _tensor(name: str, info: Any) -> TensorRecord:
+    try:
+        dtype_code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        if not all(isinstance(v, int) and v >= 0 for v in [*shape, begin, end]) or end < begin:
+            raise ValueError("negative or non-integer size")
+    except (KeyError, TypeError, ValueError) as error:
+        raise CorruptCheckpointError(f"safetensors entry {name!r} is malformed ({error})") from None
+    if dtype_code not in DTYPES:
+        raise CorruptCheckpointError(f"safetensors entry {name!r} has unknown dtype {dtype_code!r}")
+    dtype = DTYPES[dtype_code]
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    storage = StorageRecord(
+        name, dtype, (end - begin) // ITEMSIZE[dtype], "cpu", f"safetensors:{name}", end - begin
+    )
+    if numel * ITEMSIZE[dtype] > end - begin:
+        storage = StorageRecord(name, dtype, numel, "cpu", f"safetensors:{name}", end - begin)
+    return TensorRecord(name, dtype, shape, stride, 0, storage)

@@ -1,0 +1,1077 @@
+"""A pickle reader that runs nothing: the allow-list walker every torch format shares.
+
+``pickle.Unpickler`` imports whatever module a pickle names and calls whatever it is told to;
+that is how a checkpoint runs ``os.system``. This module interprets the opcodes itself instead.
+A ``GLOBAL`` becomes a :class:`~ckpttool.records.GlobalRef` (a name, never imported). Calls
+(``REDUCE``, ``NEWOBJ``, ``INST``, ``OBJ``) are *emulated* for a short allow-list of data
+constructs (tensor rebuilders, ``OrderedDict``, NumPy arrays and scalars, ``set``...); any other
+call yields an :class:`~ckpttool.records.OpaqueObject` that records the class name and
+arguments. Names that only make sense as an attack (``os.system``, ``builtins.eval``...) are
+refused outright. ``BUILD`` is applied only to objects this reader created.
+
+Resources are bounded: every length prefix is checked against the bytes that remain (a
+``BINBYTES8`` claiming a terabyte fails at once), the memo is a dict (``LONG_BINPUT
+0x7fffffff`` costs one entry), nesting depth and the size of the expanded tree are capped, and
+cycles are refused.
+"""
+
+from __future__ import annotations
+
+import codecs
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpttool.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError
+from ckpttool.records import GlobalRef, OpaqueObject, StorageRecord, TensorRecord
+
+MAX_DEPTH = 200  # nesting of containers; real checkpoints stay under 20
+MAX_NODES = 20_000_000  # nodes of the fully expanded tree (shared references counted each time)
+MAX_SECONDS = 60.0  # wall-clock budget for one pickle
+
+# Modules (and builtins) whose only use in a checkpoint is to run code or touch the system.
+_DANGEROUS_MODULES = frozenset(
+    """os posix nt posixpath ntpath subprocess sys runpy importlib imp pty shutil socket
+    pickle _pickle cPickle marshal ctypes code codeop pdb bdb webbrowser multiprocessing asyncio
+    functools operator types inspect platform pip setuptools tempfile io _io signal threading
+    _thread timeit trace cProfile profile doctest ensurepip venv sysconfig zipimport pkgutil
+    site commands popen2 urllib http ftplib telnetlib smtplib requests shelve dbm sqlite3 glob
+    fcntl resource gc weakref copy copyreg_unsafe builtins_unsafe nturl2path _posixsubprocess
+    _osx_support distutils xmlrpc logging unittest""".split()
+)
+_DANGEROUS_PREFIXES = ("torch.hub", "torch.jit", "torch._C", "torch.ops", "torch._dynamo")
+_DANGEROUS_NAMES = frozenset(
+    {
+        "builtins.eval",
+        "builtins.exec",
+        "builtins.compile",
+        "builtins.open",
+        "builtins.__import__",
+        "builtins.getattr",
+        "builtins.setattr",
+        "builtins.delattr",
+        "builtins.globals",
+        "builtins.locals",
+        "builtins.vars",
+        "builtins.input",
+        "builtins.breakpoint",
+        "builtins.exit",
+        "builtins.quit",
+        "builtins.help",
+        "builtins.memoryview",
+        "builtins.type",
+        "builtins.object",
+        "builtins.super",
+        "builtins.classmethod",
+        "builtins.staticmethod",
+        "builtins.property",
+        "torch.load",
+        "torch.serialization.load",
+        "torch.save",
+        "numpy.load",
+        "numpy.save",
+        "numpy.fromfile",
+        "numpy.testing._private.utils.runstring",
+        "numpy.lib.npyio.load",
+        "numpy.f2py",
+        "copyreg.__newobj_ex__",
+    }
+)
+# py2 names written by protocol 0/1 pickles
+_RENAMED_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg", "_compat_pickle": "pickle"}
+
+_STORAGE_DTYPES = {
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+    "QInt8Storage": "qint8",
+    "QInt32Storage": "qint32",
+    "QUInt8Storage": "quint8",
+    "QUInt4x2Storage": "quint4x2",
+    "QUInt2x4Storage": "quint2x4",
+    "UntypedStorage": "uint8",
+}
+
+# NumPy type codes (without byte order) -> torch dtype names.
+_NUMPY_DTYPES = {
+    "f8": "float64",
+    "f4": "float32",
+    "f2": "float16",
+    "i8": "int64",
+    "i4": "int32",
+    "i2": "int16",
+    "i1": "int8",
+    "u8": "uint64",
+    "u4": "uint32",
+    "u2": "uint16",
+    "u1": "uint8",
+    "b1": "bool",
+    "c16": "complex128",
+    "c8": "complex64",
+}
+_STRUCT_CODES = {
+    "f8": "d",
+    "f4": "f",
+    "f2": "e",
+    "i8": "q",
+    "i4": "i",
+    "i2": "h",
+    "i1": "b",
+    "u8": "Q",
+    "u4": "I",
+    "u2": "H",
+    "u1": "B",
+    "b1": "?",
+}
+
+
+def classify_global(module: str, name: str) -> str:
+    """'safe' (emulated data construct), 'dangerous' (code execution) or 'unknown'."""
+    module = _RENAMED_MODULES.get(module, module)
+    qualname = f"{module}.{name}"
+    if qualname in _EMULATED or qualname in _TORCH_DTYPE_GLOBALS or _is_storage_class(qualname):
+        return "safe"
+    root = module.split(".")[0]
+    if (
+        qualname in _DANGEROUS_NAMES
+        or root in _DANGEROUS_MODULES
+        or module.startswith(_DANGEROUS_PREFIXES)
+        or (module == "builtins" and name not in _SAFE_BUILTIN_NAMES)
+    ):
+        return "dangerous"
+    return "unknown"
+
+
+_SAFE_BUILTIN_NAMES = frozenset(
+    {"set", "frozenset", "bytearray", "slice", "complex", "range", "bytes", "int", "float",
+     "str", "bool", "tuple", "list", "dict", "Exception", "ValueError", "KeyError"}
+)  # fmt: skip
+
+
+def _is_storage_class(qualname: str) -> bool:
+    module, _, name = qualname.rpartition(".")
+    return module in ("torch", "torch.storage", "torch.cuda") and (
+        name in _STORAGE_DTYPES or name == "TypedStorage"
+    )
+
+
+@dataclass(frozen=True)
+class _TorchDtype:
+    name: str  # "float16"
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+_TORCH_DTYPE_GLOBALS = {
+    f"torch.{name}": _TorchDtype(name)
+    for name in [
+        "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8",
+        "bits16", "bits1x8", "bits2x4", "bits4x2",
+    ]
+}  # fmt: skip
+
+
+class _NdarrayBuilder:
+    """What ``numpy.core.multiarray._reconstruct`` returns until BUILD gives it its data."""
+
+    __slots__ = ("record",)
+
+    def __init__(self) -> None:
+        self.record: TensorRecord | OpaqueObject = OpaqueObject("numpy.ndarray")
+
+
+class _NumpyDtype:
+    __slots__ = ("byteorder", "code")
+
+    def __init__(self, code: str) -> None:
+        self.code = code.lstrip("<>=|")
+        self.byteorder = ">" if code.startswith(">") else "<"
+
+    def __repr__(self) -> str:
+        return f"numpy.dtype({self.byteorder}{self.code})"
+
+
+@dataclass
+class ItemSpan:
+    """Where one item of the top-level dict sits in the pickle bytes (for in-place edits)."""
+
+    key: Any
+    key_start: int
+    value_start: int
+    value_end: int
+
+
+@dataclass
+class PickleResult:
+    root: Any
+    end: int  # offset just past STOP
+    globals_seen: list[tuple[str, str, str]] = field(default_factory=list)  # module, name, class
+    root_items: list[ItemSpan] = field(default_factory=list)
+    stop_at: int = -1  # offset of the STOP opcode
+    frames: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) of FRAME ops
+    memo_puts: dict[int, int] = field(default_factory=dict)  # memo index -> offset of its PUT
+    memo_gets: list[tuple[int, int]] = field(default_factory=list)  # (memo index, offset)
+
+
+PersistentLoad = Callable[[Any], Any]
+
+
+def _bad(pos: int, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"invalid pickle at byte {pos}: {what}")
+
+
+class SafeUnpickler:
+    """Interprets one pickle in ``data`` starting at ``start``. See the module docstring.
+
+    ``refuse_dangerous=False`` records dangerous globals instead of raising (for ``scan``).
+    """
+
+    def __init__(
+        self,
+        data: bytes | memoryview,
+        start: int = 0,
+        *,
+        persistent_load: PersistentLoad | None = None,
+        refuse_dangerous: bool = True,
+        track_spans: bool = False,
+    ) -> None:
+        self.data = memoryview(data)
+        self.pos = start
+        self.persistent_load = persistent_load
+        self.refuse_dangerous = refuse_dangerous
+        self.track_spans = track_spans
+        self.stack: list[Any] = []
+        self.starts: list[int] = []  # byte offset where each stack item began
+        self.metastack: list[tuple[list[Any], list[int], int]] = []
+        self.memo: dict[int, Any] = {}
+        self.created: set[int] = set()  # ids of objects BUILD may touch (made by this reader)
+        self.result = PickleResult(root=None, end=start)
+
+    # -- reading primitives ---------------------------------------------------------------
+    def _take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise CorruptCheckpointError(
+                f"pickle truncated or corrupt: an item at byte {self.pos} claims {n:,} bytes "
+                f"but only {len(self.data) - self.pos:,} remain"
+            )
+        chunk = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return chunk
+
+    def _line(self) -> bytes:
+        end = bytes(self.data[self.pos : self.pos + 65536]).find(b"\n")
+        if end < 0:
+            raise _bad(self.pos, "unterminated text line")
+        line = bytes(self.data[self.pos : self.pos + end])
+        self.pos += end + 1
+        return line
+
+    def _u(self, fmt: str, n: int) -> int:
+        return int(struct.unpack(fmt, self._take(n))[0])
+
+    # -- stack helpers --------------------------------------------------------------------
+    def _push(self, value: Any, start: int) -> None:
+        self.stack.append(value)
+        self.starts.append(start)
+        if len(self.stack) > 1_000_000:
+            raise ResourceLimitError("pickle stack grows past 1,000,000 items")
+
+    def _pop(self) -> tuple[Any, int]:
+        if not self.stack:
+            raise _bad(self.pos, "stack underflow")
+        return self.stack.pop(), self.starts.pop()
+
+    def _pop_mark(self) -> tuple[list[Any], list[int], int]:
+        if not self.metastack:
+            raise _bad(self.pos, "no MARK on the stack")
+        items, starts = self.stack, self.starts
+        self.stack, self.starts, mark_pos = self.metastack.pop()
+        return items, starts, mark_pos
+
+    def _new(self, obj: Any) -> Any:
+        self.created.add(id(obj))
+        return obj
+
+    # -- globals and calls ----------------------------------------------------------------
+    def _global(self, module: str, name: str) -> Any:
+        module = _RENAMED_MODULES.get(module, module)
+        kind = classify_global(module, name)
+        self.result.globals_seen.append((module, name, kind))
+        if kind == "dangerous" and self.refuse_dangerous:
+            raise UnsafePickleError(
+                f"refusing to read: the pickle calls {module}.{name}, which can run code or "
+                "touch your system (nothing was run). Do not load this file with torch.load; "
+                "`ckpttool scan` lists everything it references"
+            )
+        qualname = f"{module}.{name}"
+        if qualname in _TORCH_DTYPE_GLOBALS:
+            return _TORCH_DTYPE_GLOBALS[qualname]
+        return GlobalRef(module, name)
+
+    def _call(self, func: Any, args: Any) -> Any:
+        if not isinstance(func, GlobalRef):
+            raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
+        if not isinstance(args, tuple):
+            raise _bad(self.pos, "call arguments are not a tuple")
+        handler = _EMULATED.get(func.qualname)
+        if handler is None and _is_storage_class(func.qualname):
+            handler = _opaque_call
+        result = handler(self, func, args) if handler else _opaque_call(self, func, args)
+        mutable = (dict, list, set, OpaqueObject, _NdarrayBuilder, _NumpyDtype)
+        return self._new(result) if isinstance(result, mutable) else result
+
+    def _build(self, obj: Any, state: Any) -> Any:
+        if isinstance(obj, (GlobalRef, _TorchDtype)) or id(obj) not in self.created:
+            name = obj.qualname if isinstance(obj, GlobalRef) else type(obj).__name__
+            raise UnsafePickleError(
+                f"refusing to read: the pickle uses BUILD to modify {name}, an object it did "
+                "not create (an attack on the reading process; nothing was modified)"
+            )
+        if isinstance(obj, OpaqueObject):
+            obj.state = state
+        elif isinstance(obj, _NdarrayBuilder):
+            obj.record = _ndarray_from_state(obj, state, self.pos)
+        elif isinstance(obj, _NumpyDtype):
+            if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">", "|", "="):
+                obj.byteorder = ">" if state[1] == ">" else "<"
+        # dicts (OrderedDict `_metadata`), lists, tensors: the state is not part of the data.
+        return obj
+
+    # -- main loop ------------------------------------------------------------------------
+    def load(self) -> PickleResult:
+        deadline = time.monotonic() + MAX_SECONDS
+        ops = 0
+        data = self.data
+        dispatch = _DISPATCH
+        while True:
+            if self.pos >= len(data):
+                raise CorruptCheckpointError("pickle truncated: it ends before its STOP opcode")
+            op_pos = self.pos
+            code = data[self.pos]
+            self.pos += 1
+            handler = dispatch.get(code)
+            if handler is None:
+                raise _bad(op_pos, f"unknown opcode 0x{code:02x}")
+            try:
+                if handler(self, op_pos):
+                    break
+            except (IndexError, KeyError, TypeError, ValueError, struct.error, OverflowError,
+                    UnicodeDecodeError, AttributeError, RecursionError) as error:  # fmt: skip
+                raise _bad(op_pos, f"{type(error).__name__}: {error}") from None
+            ops += 1
+            if ops & 0x3FFF == 0 and time.monotonic() > deadline:
+                raise ResourceLimitError(f"pickle takes over {MAX_SECONDS:.0f} s to walk")
+        try:
+            self.result.root = finalize(self.result.root)
+        except (TypeError, ValueError, RecursionError) as error:
+            raise _bad(self.pos, f"{type(error).__name__}: {error}") from None
+        self.result.end = self.pos
+        return self.result
+
+
+# ---------------------------------------------------------------------------------------
+# Opcode handlers: each takes (unpickler, offset of the opcode) and returns True on STOP.
+
+
+def _op_stop(u: SafeUnpickler, pos: int) -> bool:
+    root, _ = u._pop()
+    if u.stack or u.metastack:
+        raise _bad(pos, "STOP with items left on the stack")
+    u.result.root = root
+    u.result.stop_at = pos
+    return True
+
+
+def _op_proto(u: SafeUnpickler, pos: int) -> bool:
+    version = u._take(1)[0]
+    if version > 5:
+        raise _bad(pos, f"unsupported pickle protocol {version}")
+    return False
+
+
+def _op_frame(u: SafeUnpickler, pos: int) -> bool:
+    length = u._u("<Q", 8)
+    if length > len(u.data) - u.pos:
+        raise _bad(pos, f"FRAME claims {length:,} bytes past the end")
+    u.result.frames.append((pos, length))
+    return False
+
+
+def _push_const(value: Any) -> Callable[[SafeUnpickler, int], bool]:
+    def handler(u: SafeUnpickler, pos: int) -> bool:
+        u._push(value, pos)
+        return False
+
+    return handler
+
+
+def _push_read(read: Callable[[SafeUnpickler], Any]) -> Callable[[SafeUnpickler, int], bool]:
+    def handler(u: SafeUnpickler, pos: int) -> bool:
+        u._push(read(u), pos)
+        return False
+
+    return handler
+
+
+def _read_int_text(u: SafeUnpickler) -> Any:
+    line = u._line()
+    if line == b"00":
+        return False
+    if line == b"01":
+        return True
+    return int(line)
+
+
+def _read_long_text(u: SafeUnpickler) -> int:
+    line = u._line()
+    return int(line[:-1] if line.endswith(b"L") else line)
+
+
+def _read_string_text(u: SafeUnpickler) -> str:
+    line = u._line()
+    if len(line) < 2 or line[0] != line[-1] or line[:1] not in (b"'", b'"'):
+        raise ValueError("badly quoted STRING")
+    return str(codecs.escape_decode(line[1:-1])[0].decode("latin-1"))
+
+
+def _op_mark(u: SafeUnpickler, pos: int) -> bool:
+    u.metastack.append((u.stack, u.starts, pos))
+    u.stack, u.starts = [], []
+    if len(u.metastack) > MAX_DEPTH * 10:
+        raise ResourceLimitError("pickle nests MARKs deeper than any checkpoint")
+    return False
+
+
+def _op_pop(u: SafeUnpickler, pos: int) -> bool:
+    if u.stack:
+        u._pop()
+    else:
+        u._pop_mark()
+    return False
+
+
+def _op_pop_mark(u: SafeUnpickler, pos: int) -> bool:
+    u._pop_mark()
+    return False
+
+
+def _op_dup(u: SafeUnpickler, pos: int) -> bool:
+    value, start = u._pop()
+    u._push(value, start)
+    u._push(value, pos)
+    return False
+
+
+def _memo_put(index_reader: Callable[[SafeUnpickler], int]) -> Callable[[SafeUnpickler, int], bool]:
+    def handler(u: SafeUnpickler, pos: int) -> bool:
+        index = index_reader(u)
+        if not u.stack:
+            raise _bad(pos, "memo PUT on an empty stack")
+        u.memo[index] = u.stack[-1]
+        if u.track_spans:
+            u.result.memo_puts[index] = pos
+        return False
+
+    return handler
+
+
+def _memo_get(index_reader: Callable[[SafeUnpickler], int]) -> Callable[[SafeUnpickler, int], bool]:
+    def handler(u: SafeUnpickler, pos: int) -> bool:
+        index = index_reader(u)
+        if index not in u.memo:
+            raise _bad(pos, f"memo GET of index {index} that was never PUT")
+        u._push(u.memo[index], pos)
+        if u.track_spans:
+            u.result.memo_gets.append((index, pos))
+        return False
+
+    return handler
+
+
+def _op_memoize(u: SafeUnpickler, pos: int) -> bool:
+    if not u.stack:
+        raise _bad(pos, "MEMOIZE on an empty stack")
+    index = len(u.memo)
+    u.memo[index] = u.stack[-1]
+    if u.track_spans:
+        u.result.memo_puts[index] = pos
+    return False
+
+
+def _op_empty(factory: Callable[[], Any]) -> Callable[[SafeUnpickler, int], bool]:
+    def handler(u: SafeUnpickler, pos: int) -> bool:
+        u._push(u._new(factory()), pos)
+        return False
+
+    return handler
+
+
+def _op_tuple_n(n: int) -> Callable[[SafeUnpickler, int], bool]:
+    def handler(u: SafeUnpickler, pos: int) -> bool:
+        if len(u.stack) < n:
+            raise _bad(pos, "stack underflow")
+        items = tuple(u.stack[len(u.stack) - n :])
+        start = u.starts[len(u.stack) - n] if n else pos
+        del u.stack[len(u.stack) - n :]
+        del u.starts[len(u.starts) - n :]
+        u._push(items, start)
+        return False
+
+    return handler
+
+
+def _op_tuple(u: SafeUnpickler, pos: int) -> bool:
+    items, _, mark_pos = u._pop_mark()
+    u._push(tuple(items), mark_pos)
+    return False
+
+
+def _op_list(u: SafeUnpickler, pos: int) -> bool:
+    items, _, mark_pos = u._pop_mark()
+    u._push(u._new(list(items)), mark_pos)
+    return False
+
+
+def _op_dict(u: SafeUnpickler, pos: int) -> bool:
+    items, _, mark_pos = u._pop_mark()
+    if len(items) % 2:
+        raise _bad(pos, "DICT with an odd number of items")
+    u._push(u._new(dict(zip(items[::2], items[1::2]))), mark_pos)
+    return False
+
+
+def _op_frozenset(u: SafeUnpickler, pos: int) -> bool:
+    items, _, mark_pos = u._pop_mark()
+    u._push(frozenset(items), mark_pos)
+    return False
+
+
+def _extend(u: SafeUnpickler, target: Any, items: list[Any], pos: int) -> None:
+    if isinstance(target, list):
+        target.extend(items)
+    elif isinstance(target, OpaqueObject):
+        target.listitems.extend(items)
+    else:
+        raise _bad(pos, f"APPEND to a {type(target).__name__}")
+
+
+def _op_append(u: SafeUnpickler, pos: int) -> bool:
+    value, _ = u._pop()
+    _extend(u, u.stack[-1], [value], pos)
+    return False
+
+
+def _op_appends(u: SafeUnpickler, pos: int) -> bool:
+    items, _, _ = u._pop_mark()
+    _extend(u, u.stack[-1], items, pos)
+    return False
+
+
+def _set_items(u: SafeUnpickler, items: list[Any], starts: list[int], end: int, pos: int) -> None:
+    if len(items) % 2:
+        raise _bad(pos, "SETITEMS with an odd number of items")
+    target = u.stack[-1]
+    if isinstance(target, dict):
+        for key, value in zip(items[::2], items[1::2]):
+            target[key] = value
+    elif isinstance(target, OpaqueObject):
+        target.dictitems.update(zip(items[::2], items[1::2]))
+    else:
+        raise _bad(pos, f"SETITEMS on a {type(target).__name__}")
+    if u.track_spans and len(u.stack) == 1 and not u.metastack:
+        for i in range(0, len(items), 2):
+            value_end = starts[i + 2] if i + 2 < len(starts) else end
+            u.result.root_items.append(ItemSpan(items[i], starts[i], starts[i + 1], value_end))
+
+
+def _op_setitem(u: SafeUnpickler, pos: int) -> bool:
+    value, value_start = u._pop()
+    key, key_start = u._pop()
+    _set_items(u, [key, value], [key_start, value_start], pos, pos)
+    return False
+
+
+def _op_setitems(u: SafeUnpickler, pos: int) -> bool:
+    items, starts, _ = u._pop_mark()
+    _set_items(u, items, starts, pos, pos)
+    return False
+
+
+def _op_additems(u: SafeUnpickler, pos: int) -> bool:
+    items, _, _ = u._pop_mark()
+    target = u.stack[-1]
+    if not isinstance(target, set):
+        raise _bad(pos, "ADDITEMS on a non-set")
+    target.update(items)
+    return False
+
+
+def _op_global(u: SafeUnpickler, pos: int) -> bool:
+    module = u._line().decode("utf-8")
+    name = u._line().decode("utf-8")
+    u._push(u._global(module, name), pos)
+    return False
+
+
+def _op_stack_global(u: SafeUnpickler, pos: int) -> bool:
+    name, _ = u._pop()
+    module, start = u._pop()
+    if not isinstance(module, str) or not isinstance(name, str):
+        raise _bad(pos, "STACK_GLOBAL with non-string names")
+    u._push(u._global(module, name), start)
+    return False
+
+
+def _op_reduce(u: SafeUnpickler, pos: int) -> bool:
+    args, _ = u._pop()
+    func, start = u._pop()
+    u._push(u._call(func, args), start)
+    return False
+
+
+def _op_newobj(u: SafeUnpickler, pos: int) -> bool:
+    args, _ = u._pop()
+    cls, start = u._pop()
+    u._push(u._call(cls, args), start)
+    return False
+
+
+def _op_newobj_ex(u: SafeUnpickler, pos: int) -> bool:
+    kwargs, _ = u._pop()
+    args, _ = u._pop()
+    cls, start = u._pop()
+    result = u._call(cls, args)
+    if isinstance(result, OpaqueObject) and kwargs:
+        result.state = {"__kwargs__": kwargs}
+    u._push(result, start)
+    return False
+
+
+def _op_inst(u: SafeUnpickler, pos: int) -> bool:
+    module = u._line().decode("utf-8")
+    name = u._line().decode("utf-8")
+    cls = u._global(module, name)
+    items, _, mark_pos = u._pop_mark()
+    u._push(u._call(cls, tuple(items)), mark_pos)
+    return False
+
+
+def _op_obj(u: SafeUnpickler, pos: int) -> bool:
+    items, _, mark_pos = u._pop_mark()
+    if not items:
+        raise _bad(pos, "OBJ without a class")
+    u._push(u._call(items[0], tuple(items[1:])), mark_pos)
+    return False
+
+
+def _op_build(u: SafeUnpickler, pos: int) -> bool:
+    state, _ = u._pop()
+    u._build(u.stack[-1], state)
+    return False
+
+
+def _op_persid(binary: bool) -> Callable[[SafeUnpickler, int], bool]:
+    def handler(u: SafeUnpickler, pos: int) -> bool:
+        if binary:
+            pid, start = u._pop()
+        else:
+            pid, start = u._line().decode("ascii"), pos
+        if u.persistent_load is None:
+            raise CorruptCheckpointError(
+                "the pickle refers to external tensor data, but this file has none "
+                "(a torch checkpoint's data.pkl taken out of its archive?)"
+            )
+        u._push(u.persistent_load(pid), start)
+        return False
+
+    return handler
+
+
+def _op_unsupported(what: str) -> Callable[[SafeUnpickler, int], bool]:
+    def handler(u: SafeUnpickler, pos: int) -> bool:
+        raise CorruptCheckpointError(f"unsupported pickle at byte {pos}: {what}")
+
+    return handler
+
+
+def _bytes_of(n_reader: Callable[[SafeUnpickler], int]) -> Callable[[SafeUnpickler], bytes]:
+    return lambda u: bytes(u._take(n_reader(u)))
+
+
+def _str_of(n_reader: Callable[[SafeUnpickler], int]) -> Callable[[SafeUnpickler], str]:
+    return lambda u: str(u._take(n_reader(u)), "utf-8", "surrogatepass")
+
+
+def _n(fmt: str, size: int) -> Callable[[SafeUnpickler], int]:
+    return lambda u: u._u(fmt, size)
+
+
+_DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
+    ord("."): _op_stop,
+    0x80: _op_proto,
+    0x95: _op_frame,
+    ord("("): _op_mark,
+    ord("0"): _op_pop,
+    ord("1"): _op_pop_mark,
+    ord("2"): _op_dup,
+    ord("N"): _push_const(None),
+    0x88: _push_const(True),
+    0x89: _push_const(False),
+    ord("I"): _push_read(_read_int_text),
+    ord("J"): _push_read(_n("<i", 4)),
+    ord("K"): _push_read(_n("<B", 1)),
+    ord("M"): _push_read(_n("<H", 2)),
+    ord("L"): _push_read(_read_long_text),
+    0x8A: _push_read(lambda u: int.from_bytes(u._take(u._u("<B", 1)), "little", signed=True)),
+    0x8B: _push_read(lambda u: int.from_bytes(u._take(u._u("<i", 4)), "little", signed=True)),
+    ord("F"): _push_read(lambda u: float(u._line())),
+    ord("G"): _push_read(lambda u: float(struct.unpack(">d", u._take(8))[0])),
+    ord("S"): _push_read(_read_string_text),
+    ord("T"): _push_read(lambda u: str(u._take(u._u("<i", 4)), "latin-1")),
+    ord("U"): _push_read(lambda u: str(u._take(u._u("<B", 1)), "latin-1")),
+    ord("B"): _push_read(_bytes_of(_n("<I", 4))),
+    ord("C"): _push_read(_bytes_of(_n("<B", 1))),
+    0x8E: _push_read(_bytes_of(_n("<Q", 8))),
+    0x96: _push_read(lambda u: bytearray(u._take(u._u("<Q", 8)))),
+    ord("V"): _push_read(lambda u: u._line().decode("raw-unicode-escape")),
+    0x8C: _push_read(_str_of(_n("<B", 1))),
+    ord("X"): _push_read(_str_of(_n("<I", 4))),
+    0x8D: _push_read(_str_of(_n("<Q", 8))),
+    ord("]"): _op_empty(list),
+    ord("a"): _op_append,
+    ord("e"): _op_appends,
+    ord("l"): _op_list,
+    ord(")"): _push_const(()),
+    ord("t"): _op_tuple,
+    0x85: _op_tuple_n(1),
+    0x86: _op_tuple_n(2),
+    0x87: _op_tuple_n(3),
+    ord("}"): _op_empty(dict),
+    ord("d"): _op_dict,
+    ord("s"): _op_setitem,
+    ord("u"): _op_setitems,
+    0x8F: _op_empty(set),
+    0x90: _op_additems,
+    0x91: _op_frozenset,
+    ord("g"): _memo_get(lambda u: int(u._line())),
+    ord("h"): _memo_get(_n("<B", 1)),
+    ord("j"): _memo_get(_n("<I", 4)),
+    ord("p"): _memo_put(lambda u: int(u._line())),
+    ord("q"): _memo_put(_n("<B", 1)),
+    ord("r"): _memo_put(_n("<I", 4)),
+    0x94: _op_memoize,
+    ord("c"): _op_global,
+    0x93: _op_stack_global,
+    ord("R"): _op_reduce,
+    ord("b"): _op_build,
+    ord("i"): _op_inst,
+    ord("o"): _op_obj,
+    0x81: _op_newobj,
+    0x92: _op_newobj_ex,
+    ord("P"): _op_persid(binary=False),
+    ord("Q"): _op_persid(binary=True),
+    0x82: _op_unsupported("EXT1 (copyreg extension registry)"),
+    0x83: _op_unsupported("EXT2 (copyreg extension registry)"),
+    0x84: _op_unsupported("EXT4 (copyreg extension registry)"),
+    0x97: _op_unsupported("NEXT_BUFFER (out-of-band buffers)"),
+    0x98: _op_unsupported("READONLY_BUFFER (out-of-band buffers)"),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Emulated calls: the data constructs the allow-list knows. Each returns plain data.
+
+
+def _opaque_call(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    return OpaqueObject(func.qualname, args)
+
+
+def _ordered_dict(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    out: dict[Any, Any] = {}
+    if args and isinstance(args[0], (list, tuple)):
+        for pair in args[0]:
+            key, value = pair
+            out[key] = value
+    return out
+
+
+def _set_call(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    items = args[0] if args else ()
+    return set(items) if func.name == "set" else frozenset(items)
+
+
+def _plain_call(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    constructors: dict[str, Callable[..., Any]] = {
+        "bytearray": bytearray, "complex": complex, "slice": slice, "range": range,
+        "bytes": bytes, "int": int, "float": float, "str": str, "bool": bool,
+        "tuple": tuple, "list": list, "dict": dict,
+    }  # fmt: skip
+    if func.name in ("bytes", "bytearray") and args and isinstance(args[0], int):
+        raise ResourceLimitError(f"pickle asks for {func.name}({args[0]:,}) (an allocation)")
+    if all(isinstance(a, (int, float, str, bytes, bool, type(None), list, tuple)) for a in args):
+        return constructors[func.name](*args)
+    return OpaqueObject(func.qualname, args)
+
+
+def _codecs_encode(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # how protocol 2 stores bytes: _codecs.encode(latin1-decoded text, "latin1")
+    text, encoding = args
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        return OpaqueObject(func.qualname, args)
+    return text.encode("latin-1")
+
+
+def _reconstructor(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # copyreg._reconstructor(cls, base, state): how protocols 0/1 build objects
+    cls = args[0]
+    return OpaqueObject(cls.qualname if isinstance(cls, GlobalRef) else "?", ())
+
+
+def _torch_size(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    return tuple(args[0]) if args else ()
+
+
+def _torch_device(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    return ":".join(str(a) for a in args if a is not None)
+
+
+def _storage_dtype(storage: Any) -> str:
+    if not isinstance(storage, StorageRecord):
+        raise ValueError("tensor rebuilt from something that is not a storage")
+    return storage.dtype
+
+
+def _tensor(
+    storage: Any, offset: Any, size: Any, stride: Any, dtype: str, requires_grad: Any = False
+) -> TensorRecord:
+    if not (isinstance(offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)):
+        raise ValueError("tensor with malformed offset/size/stride")
+    if len(size) != len(stride) or not all(isinstance(v, int) and v >= 0 for v in size + stride):
+        raise ValueError(f"tensor with malformed shape {size} / stride {stride}")
+    if offset < 0:
+        raise ValueError("tensor with a negative storage offset")
+    return TensorRecord("", dtype, size, stride, offset, storage, bool(requires_grad))
+
+
+def _rebuild_tensor(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    storage, offset, size, stride = args[:4]
+    requires_grad = args[4] if len(args) > 4 and func.name != "_rebuild_tensor" else False
+    return _tensor(storage, offset, size, stride, _storage_dtype(storage), requires_grad)
+
+
+def _rebuild_tensor_v3(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    storage, offset, size, stride, requires_grad, _hooks, dtype = args[:7]
+    if not isinstance(dtype, _TorchDtype):
+        raise ValueError("_rebuild_tensor_v3 without a torch dtype")
+    if isinstance(storage, StorageRecord) and storage.dtype == "uint8" and dtype.name != "uint8":
+        # v3 tensors view an untyped (byte) storage; re-express it in the tensor's dtype
+        from dataclasses import replace
+
+        itemsize = _itemsize(dtype.name)
+        storage = replace(storage, dtype=dtype.name, numel=storage.numel // itemsize)
+    return _tensor(storage, offset, size, stride, dtype.name, requires_grad)
+
+
+def _itemsize(dtype: str) -> int:
+    from ckpttool.records import ITEMSIZE
+
+    return ITEMSIZE.get(dtype, 1)
+
+
+def _rebuild_parameter(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    from dataclasses import replace
+
+    data, requires_grad = args[0], args[1] if len(args) > 1 else True
+    if not isinstance(data, TensorRecord):
+        return OpaqueObject(func.qualname, args)
+    return replace(data, kind="parameter", requires_grad=bool(requires_grad))
+
+
+def _rebuild_from_type_v2(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    inner, new_type, inner_args, _state = args
+    tensor = u._call(inner, inner_args)
+    if isinstance(tensor, TensorRecord) and isinstance(new_type, GlobalRef):
+        if new_type.name == "Parameter":
+            from dataclasses import replace
+
+            return replace(tensor, kind="parameter")
+        return tensor
+    return OpaqueObject(func.qualname, args)
+
+
+def _rebuild_meta(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    dtype, size, stride, requires_grad = args[:4]
+    name = dtype.name if isinstance(dtype, _TorchDtype) else "float32"
+    return _tensor(None, 0, tuple(size), tuple(stride), name, requires_grad)
+
+
+def _np_reconstruct(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    return _NdarrayBuilder()
+
+
+def _np_dtype(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    return _NumpyDtype(str(args[0])) if args and isinstance(args[0], str) else OpaqueObject(
+        func.qualname, args
+    )
+
+
+def _np_scalar(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    dtype, raw = args[0], args[1] if len(args) > 1 else b""
+    if isinstance(dtype, _NumpyDtype) and isinstance(raw, bytes) and dtype.code in _STRUCT_CODES:
+        order = ">" if dtype.byteorder == ">" else "<"
+        return struct.unpack(order + _STRUCT_CODES[dtype.code], raw)[0]
+    return OpaqueObject(func.qualname, args)
+
+
+def _ndarray_from_state(builder: _NdarrayBuilder, state: Any, pos: int) -> Any:
+    # ndarray.__setstate__((version, shape, dtype, is_fortran, rawdata))
+    if not (isinstance(state, tuple) and len(state) == 5):
+        return OpaqueObject("numpy.ndarray", (), state)
+    _, shape, dtype, fortran, raw = state
+    if not isinstance(dtype, _NumpyDtype) or dtype.code not in _NUMPY_DTYPES:
+        return OpaqueObject("numpy.ndarray", (), state)
+    if not isinstance(raw, (bytes, bytearray)) or not isinstance(shape, tuple):
+        return OpaqueObject("numpy.ndarray", (), state)  # object arrays carry a list
+    name = _NUMPY_DTYPES[dtype.code]
+    itemsize = _itemsize(name)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * itemsize != len(raw):
+        raise _bad(pos, f"NumPy array of shape {shape} carries {len(raw)} bytes")
+    strides: list[int] = []
+    acc = 1
+    dims = list(shape) if fortran else list(reversed(shape))
+    for n in dims:
+        strides.append(acc)
+        acc *= n
+    stride = tuple(strides) if fortran else tuple(reversed(strides))
+    byteorder = "big" if dtype.byteorder == ">" else "little"
+    storage = StorageRecord("", name, numel, "cpu", "inline", len(raw), byteorder)
+    return TensorRecord(
+        "", name, tuple(shape), stride, 0, storage, kind="ndarray", inline_data=bytes(raw)
+    )
+
+
+_EMULATED: dict[str, Callable[[SafeUnpickler, GlobalRef, tuple[Any, ...]], Any]] = {
+    "collections.OrderedDict": _ordered_dict,
+    "collections.defaultdict": lambda u, f, a: {},
+    "builtins.set": _set_call,
+    "builtins.frozenset": _set_call,
+    **{f"builtins.{name}": _plain_call for name in _SAFE_BUILTIN_NAMES - {"set", "frozenset"}},
+    "_codecs.encode": _codecs_encode,
+    "copyreg._reconstructor": _reconstructor,
+    "torch.Size": _torch_size,
+    "torch.device": _torch_device,
+    "torch._utils._rebuild_tensor": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch._utils._rebuild_meta_tensor_no_storage": _rebuild_meta,
+    "torch.nn.parameter.Parameter": _opaque_call,
+    "torch.Tensor": _opaque_call,
+    "numpy.core.multiarray._reconstruct": _np_reconstruct,
+    "numpy._core.multiarray._reconstruct": _np_reconstruct,
+    "numpy.ndarray": _opaque_call,
+    "numpy.dtype": _np_dtype,
+    "numpy.core.multiarray.scalar": _np_scalar,
+    "numpy._core.multiarray.scalar": _np_scalar,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Finalisation: replace internal placeholders, refuse cycles, bound depth and expanded size.
+
+
+def finalize(root: Any) -> Any:
+    done: dict[int, Any] = {}
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+
+    def visit(node: Any, depth: int) -> tuple[Any, int]:
+        if depth > MAX_DEPTH:
+            raise ResourceLimitError(f"the pickle nests containers more than {MAX_DEPTH} deep")
+        if isinstance(node, _NdarrayBuilder):
+            node = node.record
+        elif isinstance(node, _NumpyDtype):
+            return f"numpy.dtype('{node.byteorder}{node.code}')", 1
+        elif isinstance(node, _TorchDtype):
+            return str(node), 1
+        if not isinstance(node, (dict, list, tuple, set, frozenset, OpaqueObject)):
+            return node, 1
+        key = id(node)
+        if key in done:
+            return done[key], sizes[key]
+        if key in on_path:
+            raise CorruptCheckpointError(
+                "the pickle builds a structure that contains itself; no checkpoint does that"
+            )
+        on_path.add(key)
+        total = 1
+        out: Any
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                fk, ks = visit(k, depth + 1)
+                fv, vs = visit(v, depth + 1)
+                out[fk] = fv
+                total += ks + vs
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            parts = [visit(v, depth + 1) for v in node]
+            total += sum(s for _, s in parts)
+            values = [v for v, _ in parts]
+            out = values if isinstance(node, list) else type(node)(values)
+        else:
+            out = OpaqueObject(node.cls)
+            out.args, s1 = visit(node.args, depth + 1)
+            out.state, s2 = visit(node.state, depth + 1)
+            items, s3 = visit(node.dictitems, depth + 1)
+            out.dictitems = items
+            out.listitems, s4 = visit(node.listitems, depth + 1)
+            total += s1 + s2 + s3 + s4
+        if total > MAX_NODES:
+            raise ResourceLimitError(
+                f"the pickle expands to over {MAX_NODES:,} objects (a reference bomb)"
+            )
+        on_path.discard(key)
+        done[key] = out
+        sizes[key] = total
+        return out, total
+
+    return visit(root, 0)[0]
+
+
+def load_pickle(
+    data: bytes | memoryview,
+    start: int = 0,
+    *,
+    persistent_load: PersistentLoad | None = None,
+    refuse_dangerous: bool = True,
+    track_spans: bool = False,
+) -> PickleResult:
+    """Read one pickle safely; see :class:`SafeUnpickler`."""
+    unpickler = SafeUnpickler(
+        data,
+        start,
+        persistent_load=persistent_load,
+        refuse_dangerous=refuse_dangerous,
+        track_spans=track_spans,
+    )
+    return unpickler.load()

@@ -1,0 +1,208 @@
+"""The one door to checkpoint files: :func:`open_checkpoint`.
+
+Every command reads through here. Opening a file recognises its format, walks its pickle with
+:mod:`ckpttool.pickle_safe` (nothing in it runs), and returns a :class:`Checkpoint`: the object
+tree with tensors as :class:`~ckpttool.records.TensorRecord` s. No tensor bytes are read;
+:meth:`Checkpoint.read_bytes` reads exactly the bytes a value needs when a command asks, with
+``pread`` on the open file (never the whole file). torch is not imported.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ckpttool.errors import CorruptCheckpointError, InputError, NotACheckpointError
+from ckpttool.formats.base import Parsed
+from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
+from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_torch_legacy
+from ckpttool.formats.torch_zip import read_torch_zip
+from ckpttool.pickle_safe import PickleResult, load_pickle
+from ckpttool.records import StorageRecord, TensorRecord, get_path, tensors
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: its object tree, format facts, and access to tensor bytes."""
+
+    path: Path
+    format: str
+    root: Any
+    file_size: int
+    details: dict[str, Any]
+    metadata: dict[str, str]
+    problems: list[str]
+    pickle: PickleResult | None
+    _parsed: Parsed = field(repr=False)
+    _handle: BinaryIO = field(repr=False)
+
+    def tensors(self, section: str | None = None) -> list[TensorRecord]:
+        """Every tensor with its dotted key, in file order (``section`` limits to a subtree)."""
+        if section:
+            return tensors(self.section(section), section)
+        return tensors(self.root)
+
+    def section(self, name: str) -> Any:
+        try:
+            return get_path(self.root, name)
+        except KeyError:
+            raise InputError(f"{self.path}: no section {name!r} in this checkpoint") from None
+
+    def storage_span(self, storage: StorageRecord) -> tuple[int, int]:
+        """(absolute file offset, byte length) of a storage's bytes."""
+        return self._parsed.span(storage)
+
+    def read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
+        """The bytes covering ``record``'s elements and the element offset of its first one.
+
+        Only the range from the tensor's first to its last element is read.
+        """
+        if record.inline_data is not None:
+            return record.inline_data, record.storage_offset
+        if record.storage is None:
+            raise InputError(f"{record.key}: a meta tensor has no values")
+        offset, length = self.storage_span(record.storage)
+        itemsize = record.itemsize
+        first = record.storage_offset * itemsize
+        stop = record.extent * itemsize
+        if stop > length:
+            raise CorruptCheckpointError(f"{record.key}: extends past its storage's bytes")
+        data = bytearray(stop - first)
+        got = os.preadv(self._handle.fileno(), [data], offset + first) if data else 0
+        if got != stop - first:
+            raise CorruptCheckpointError(f"{record.key}: file ends inside its data (truncated)")
+        return data, 0
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    refuse_dangerous: bool = True,
+    track_spans: bool = False,
+) -> Checkpoint:
+    """Open ``path`` safely and lazily. Raises a :class:`~ckpttool.errors.CkptError` subclass.
+
+    ``strict=False`` records structural problems in ``Checkpoint.problems`` where it can go on
+    (``verify`` uses this); ``refuse_dangerous=False`` records dangerous globals instead of
+    refusing the file (``scan``).
+    """
+    path = Path(path)
+    handle = _open_input(path)
+    try:
+        file_size = os.fstat(handle.fileno()).st_size
+        parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
+        problems = list(parsed.problems) + check_extents(parsed)
+        if problems and strict:
+            raise CorruptCheckpointError(problems[0])
+    except BaseException:
+        handle.close()
+        raise
+    return Checkpoint(
+        path=path,
+        format=parsed.format,
+        root=parsed.root,
+        file_size=file_size,
+        details=parsed.details,
+        metadata=parsed.metadata,
+        problems=problems,
+        pickle=parsed.pickle,
+        _parsed=parsed,
+        _handle=handle,
+    )
+
+
+def _open_input(path: Path) -> BinaryIO:
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except OSError as error:
+        raise InputError(f"{path}: cannot access ({error.strerror})") from None
+    if stat.S_ISDIR(mode):
+        hint = ""
+        if (path / ".metadata").exists():
+            hint = " (a torch.distributed.checkpoint directory: not supported yet)"
+        raise InputError(f"{path}: is a directory, not a checkpoint file{hint}")
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{path}: not a regular file")
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - owned by the returned Checkpoint
+    except OSError as error:
+        raise InputError(f"{path}: cannot open ({error.strerror})") from None
+    if os.fstat(handle.fileno()).st_size == 0:
+        handle.close()
+        raise InputError(f"{path}: the file is empty (an interrupted save?)")
+    return handle
+
+
+def _parse(
+    handle: BinaryIO, file_size: int, strict: bool, refuse_dangerous: bool, track_spans: bool
+) -> Parsed:
+    head = handle.read(64)
+    handle.seek(0)
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return read_torch_zip(handle, refuse_dangerous=refuse_dangerous, track_spans=track_spans)
+    if looks_like_safetensors(head, file_size):
+        return read_safetensors(handle, file_size, strict=strict)
+    if head.startswith(MAGIC_PREFIX[:4]) or head[:1] in (b"\x80", b"(", b"}", b"]", b"c"):
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                if head.startswith(MAGIC_PREFIX):
+                    return read_torch_legacy(
+                        view, refuse_dangerous=refuse_dangerous, track_spans=track_spans
+                    )
+                return _read_bare_pickle(view, refuse_dangerous, track_spans)
+            finally:
+                view.release()
+    if head.startswith(b"\x1f\x8b") or head[257:262] == b"ustar":
+        raise NotACheckpointError("a compressed or tar archive, not a checkpoint")
+    raise NotACheckpointError(
+        f"not a checkpoint: unrecognised format (first bytes {head[:8]!r}); ckpttool reads "
+        "torch.save files (zip or legacy), safetensors and pickles"
+    )
+
+
+def _read_bare_pickle(view: memoryview, refuse_dangerous: bool, track_spans: bool) -> Parsed:
+    result = load_pickle(view, 0, refuse_dangerous=refuse_dangerous, track_spans=track_spans)
+    details = {"trailing_bytes": len(view) - result.end}
+
+    def no_span(storage: StorageRecord) -> tuple[int, int]:
+        raise CorruptCheckpointError("a bare pickle has no tensor storage")
+
+    return Parsed(format="pickle", root=result.root, span=no_span, pickle=result, details=details)
+
+
+def check_extents(parsed: Parsed) -> list[str]:
+    """Every tensor within its storage, every storage within the bytes the file has."""
+    problems = []
+    for storage in parsed.storages:
+        if storage.nbytes > storage.data_size:
+            problems.append(
+                f"storage {storage.key!r} claims {storage.nbytes:,} bytes but the file holds "
+                f"{storage.data_size:,} for it (truncated or tampered file)"
+            )
+    for record in tensors(parsed.root):
+        if record.storage is None or record.inline_data is not None:
+            continue
+        needed = record.extent * record.itemsize
+        if needed > record.storage.nbytes:
+            problems.append(
+                f"tensor {record.key!r} ({record.dtype}{list(record.shape)}) reaches byte "
+                f"{needed:,} of its storage, which has {record.storage.nbytes:,}"
+            )
+    return problems

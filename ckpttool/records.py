@@ -1,0 +1,232 @@
+"""Typed records that describe a checkpoint without holding its tensor bytes.
+
+A checkpoint is read into an object tree made of plain Python values (dict, list, tuple, set,
+int, float, str, bytes, bool, None) and three record types defined here:
+
+* :class:`TensorRecord` for every tensor (and NumPy array) the file contains,
+* :class:`OpaqueObject` for any other object the pickle would have built (a config class, an
+  ``argparse.Namespace``): its class name and the plain data it carries, never imported,
+* :class:`GlobalRef` for a reference to a class or function that is stored as a value.
+
+Everything else (reading values, layout recognition, rendering) works on these records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Bytes per element, by torch dtype name (without ``torch.``).
+ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "qint8": 1,
+    "quint8": 1,
+    "qint32": 4,
+    "quint4x2": 1,
+    "quint2x4": 1,
+    "bits8": 1,
+    "bits16": 2,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
+}
+
+FLOATING_DTYPES = frozenset(
+    {"float64", "float32", "float16", "bfloat16"} | {d for d in ITEMSIZE if d.startswith("float8")}
+)
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """One block of tensor bytes in the file; several tensors may view the same storage."""
+
+    key: str  # the storage's name in the file: zip record "data/<key>", legacy key, tensor name
+    dtype: str  # element type the storage was saved with ("float32"; "uint8" if untyped)
+    numel: int  # number of elements the file claims the storage has
+    location: str  # device it was saved from: "cpu", "cuda:0", ... (never used to load)
+    record: str  # where its bytes live: zip member name, "legacy:<key>", "inline", ...
+    data_size: int  # bytes actually present in the file for it (checked against numel)
+    byteorder: str = "little"
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE.get(self.dtype, 1)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """A tensor (or NumPy array) as described by the file: everything but its values."""
+
+    key: str  # dotted path from the top of the object tree ("" until the tree is flattened)
+    dtype: str  # torch dtype name without "torch." ("float16"); NumPy arrays use the same names
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # in elements
+    storage_offset: int  # in elements of ``dtype``
+    storage: StorageRecord | None  # None for meta tensors (no data)
+    requires_grad: bool = False
+    kind: str = "tensor"  # "tensor", "parameter" or "ndarray"
+    inline_data: bytes | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE.get(self.dtype, 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def extent(self) -> int:
+        """Number of storage elements from the storage's start to one past the last element."""
+        if self.numel == 0:
+            return self.storage_offset
+        return self.storage_offset + 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    @property
+    def is_floating(self) -> bool:
+        return self.dtype in FLOATING_DTYPES
+
+    @property
+    def location(self) -> str:
+        return self.storage.location if self.storage is not None else "meta"
+
+    def same_storage(self, other: TensorRecord) -> bool:
+        return self.storage is not None and self.storage == other.storage
+
+
+@dataclass(frozen=True)
+class GlobalRef:
+    """A class or function named by the pickle. Never imported; only its name is kept."""
+
+    module: str
+    name: str
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    def __str__(self) -> str:
+        return f"<global {self.qualname}>"
+
+
+class OpaqueObject:
+    """An object of a class ckpttool does not reconstruct: its name and the data it carries."""
+
+    __slots__ = ("args", "cls", "dictitems", "listitems", "state")
+
+    def __init__(self, cls: str, args: Any = (), state: Any = None) -> None:
+        self.cls = cls  # "argparse.Namespace", "__main__.TrainConfig", ...
+        self.args = args  # what the pickle passed to the class (or its reconstructor)
+        self.state = state  # what BUILD would have set (usually the instance __dict__)
+        self.dictitems: dict[Any, Any] = {}  # items SETITEMS added (dict subclasses)
+        self.listitems: list[Any] = []  # items APPENDS added (list subclasses)
+
+    def fields(self) -> dict[str, Any]:
+        """The plain data this object carries, by name, for display and flattening."""
+        out: dict[str, Any] = {}
+        if isinstance(self.state, dict):
+            out.update({str(k): v for k, v in self.state.items()})
+        elif isinstance(self.state, tuple) and len(self.state) == 2:
+            # (dict state, slot state), as copyreg produces for classes with __slots__
+            for part in self.state:
+                if isinstance(part, dict):
+                    out.update({str(k): v for k, v in part.items()})
+        elif self.state is not None:
+            out["__state__"] = self.state
+        if self.args not in ((), None):
+            out.setdefault("__args__", self.args)
+        if self.dictitems:
+            out.update({str(k): v for k, v in self.dictitems.items()})
+        if self.listitems:
+            out["__items__"] = self.listitems
+        return out
+
+    def __repr__(self) -> str:
+        return f"<{self.cls} object>"
+
+
+def children(node: Any) -> Iterator[tuple[str, Any]]:
+    """The (name, child) pairs under a container node, in file order."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield str(key), value
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            yield str(index), value
+    elif isinstance(node, OpaqueObject):
+        yield from node.fields().items()
+
+
+def is_container(node: Any) -> bool:
+    return isinstance(node, (dict, list, tuple, OpaqueObject))
+
+
+def join_key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def walk(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every (dotted key, leaf) under ``node``; tensors are leaves. Iterative, file order."""
+    stack: list[tuple[str, Any]] = [(prefix, node)]
+    while stack:
+        key, current = stack.pop()
+        if is_container(current):
+            stack.extend(reversed([(join_key(key, n), c) for n, c in children(current)]))
+        else:
+            yield key, current
+
+
+def tensors(node: Any, prefix: str = "") -> list[TensorRecord]:
+    """All tensor records under ``node`` with their ``key`` set to their dotted path."""
+    from dataclasses import replace
+
+    return [replace(leaf, key=key) for key, leaf in walk(node, prefix) if isinstance(leaf, TensorRecord)]
+
+
+def get_path(node: Any, dotted: str) -> Any:
+    """The node at a dotted path (``optimizer.state``), or KeyError."""
+    current = node
+    for part in dotted.split(".") if dotted else []:
+        for name, child in children(current):
+            if name == part:
+                current = child
+                break
+        else:
+            raise KeyError(dotted)
+    return current
