@@ -43,3 +43,59 @@ def cli() -> None:
 
 def main() -> None:
     cli(prog_name="ckpttool")
+
+
+def _echo_json(data: object) -> None:
+    import json
+
+    click.echo(json.dumps(data, indent=2))
+
+
+@cli.command()
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema in README).")
+@click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose key matches GLOB.")
+@click.option("--section", metavar="KEY", help="Only the subtree at KEY (e.g. model, optimizer).")
+@click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")
+@click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
+@click.option("--depth", type=click.IntRange(min=0), help="Limit --tree to this depth.")
+def show(
+    path: str,
+    as_json: bool,
+    pattern: str | None,
+    section: str | None,
+    stats: bool,
+    tree: bool,
+    depth: int | None,
+) -> None:
+    """Describe a checkpoint without loading it and without running its pickle.
+
+    Reads torch.save files (zip and legacy), safetensors and plain pickles. Tensor bytes are
+    read only with --stats.
+
+    \b
+    Examples:
+      ckpttool show checkpoints/pretrain_768_resume.pth
+      ckpttool show out/pretrain_768.pth --filter '*layers.0.*' --stats
+      ckpttool show ckpt.pth --section optimizer --json
+      ckpttool show ckpt.pth --tree --depth 2
+    """
+    from ckpttool import render
+    from ckpttool.reader import open_checkpoint
+    from ckpttool.show import build_report
+
+    with open_checkpoint(path) as ckpt:
+        if tree or depth is not None:
+            root = ckpt.section(section) if section else ckpt.root
+            if as_json:
+                _echo_json(render.plain(root))
+            else:
+                click.echo(render.render_tree(root, depth))
+            return
+        report = build_report(ckpt, section=section, pattern=pattern, stats=stats)
+    if as_json:
+        _echo_json(render.show_json(report))
+        return
+    click.echo(render.render_show(report))
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}", err=True)

@@ -231,6 +231,10 @@ class PickleResult:
 PersistentLoad = Callable[[Any], Any]
 
 
+class TruncatedPickleError(CorruptCheckpointError):
+    """The bytes end before the pickle does (or a length prefix points past them)."""
+
+
 def _bad(pos: int, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"invalid pickle at byte {pos}: {what}")
 
@@ -265,7 +269,7 @@ class SafeUnpickler:
     # -- reading primitives ---------------------------------------------------------------
     def _take(self, n: int) -> memoryview:
         if n < 0 or self.pos + n > len(self.data):
-            raise CorruptCheckpointError(
+            raise TruncatedPickleError(
                 f"pickle truncated or corrupt: an item at byte {self.pos} claims {n:,} bytes "
                 f"but only {len(self.data) - self.pos:,} remain"
             )
@@ -276,6 +280,8 @@ class SafeUnpickler:
     def _line(self) -> bytes:
         end = bytes(self.data[self.pos : self.pos + 65536]).find(b"\n")
         if end < 0:
+            if len(self.data) - self.pos < 65536:
+                raise TruncatedPickleError("pickle truncated inside a text line")
             raise _bad(self.pos, "unterminated text line")
         line = bytes(self.data[self.pos : self.pos + end])
         self.pos += end + 1
@@ -360,7 +366,7 @@ class SafeUnpickler:
         dispatch = _DISPATCH
         while True:
             if self.pos >= len(data):
-                raise CorruptCheckpointError("pickle truncated: it ends before its STOP opcode")
+                raise TruncatedPickleError("pickle truncated: it ends before its STOP opcode")
             op_pos = self.pos
             code = data[self.pos]
             self.pos += 1

@@ -9,7 +9,6 @@ tree with tensors as :class:`~ckpttool.records.TensorRecord` s. No tensor bytes 
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any, BinaryIO
 from ckpttool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckpttool.formats.base import Parsed
 from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
-from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_torch_legacy
+from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_growing, read_torch_legacy
 from ckpttool.formats.torch_zip import read_torch_zip
 from ckpttool.pickle_safe import PickleResult, load_pickle
 from ckpttool.records import StorageRecord, TensorRecord, get_path, tensors
@@ -159,16 +158,11 @@ def _parse(
     if looks_like_safetensors(head, file_size):
         return read_safetensors(handle, file_size, strict=strict)
     if head.startswith(MAGIC_PREFIX[:4]) or head[:1] in (b"\x80", b"(", b"}", b"]", b"c"):
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                if head.startswith(MAGIC_PREFIX):
-                    return read_torch_legacy(
-                        view, refuse_dangerous=refuse_dangerous, track_spans=track_spans
-                    )
-                return _read_bare_pickle(view, refuse_dangerous, track_spans)
-            finally:
-                view.release()
+        if head.startswith(MAGIC_PREFIX):
+            return read_torch_legacy(
+                handle, file_size, refuse_dangerous=refuse_dangerous, track_spans=track_spans
+            )
+        return _read_bare_pickle(handle, file_size, refuse_dangerous, track_spans)
     if head.startswith(b"\x1f\x8b") or head[257:262] == b"ustar":
         raise NotACheckpointError("a compressed or tar archive, not a checkpoint")
     raise NotACheckpointError(
@@ -177,9 +171,17 @@ def _parse(
     )
 
 
-def _read_bare_pickle(view: memoryview, refuse_dangerous: bool, track_spans: bool) -> Parsed:
-    result = load_pickle(view, 0, refuse_dangerous=refuse_dangerous, track_spans=track_spans)
-    details = {"trailing_bytes": len(view) - result.end}
+def _read_bare_pickle(
+    handle: BinaryIO, file_size: int, refuse_dangerous: bool, track_spans: bool
+) -> Parsed:
+    result = read_growing(
+        handle,
+        file_size,
+        lambda data: load_pickle(
+            data, 0, refuse_dangerous=refuse_dangerous, track_spans=track_spans
+        ),
+    )
+    details = {"trailing_bytes": file_size - result.end}
 
     def no_span(storage: StorageRecord) -> tuple[int, int]:
         raise CorruptCheckpointError("a bare pickle has no tensor storage")

@@ -7,13 +7,15 @@ raw bytes. Storage offsets are found by hopping over those counts, never reading
 
 from __future__ import annotations
 
+import os
 import struct
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO, TypeVar
 
 from ckpttool.errors import CorruptCheckpointError, NotACheckpointError
 from ckpttool.formats.base import Parsed
 from ckpttool.formats.torch_zip import storage_dtype
-from ckpttool.pickle_safe import load_pickle
+from ckpttool.pickle_safe import TruncatedPickleError, load_pickle
 from ckpttool.records import ITEMSIZE, StorageRecord
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -22,7 +24,41 @@ PROTOCOL_VERSION = 1001
 MAGIC_PREFIX = b"\x80\x02\x8a\x0a" + MAGIC_NUMBER.to_bytes(10, "little")
 
 
-def read_torch_legacy(data: memoryview, *, refuse_dangerous: bool, track_spans: bool) -> Parsed:
+FIRST_WINDOW = 1 << 24  # the pickles of a legacy file come first and are small
+
+T = TypeVar("T")
+
+
+def read_growing(handle: BinaryIO, file_size: int, parse: Callable[[bytes], T]) -> T:
+    """Run ``parse`` on the file's first bytes, reading more only while the pickle needs it.
+
+    The tensor data that follows a legacy file's pickles is never read.
+    """
+    window = min(FIRST_WINDOW, file_size)
+    while True:
+        handle.seek(0)
+        data = handle.read(window)
+        try:
+            return parse(data)
+        except TruncatedPickleError:
+            if window >= file_size:
+                raise
+            window = min(window * 4, file_size)
+
+
+def read_torch_legacy(
+    handle: BinaryIO, file_size: int, *, refuse_dangerous: bool, track_spans: bool
+) -> Parsed:
+    return read_growing(
+        handle,
+        file_size,
+        lambda data: _read_legacy(data, handle, file_size, refuse_dangerous, track_spans),
+    )
+
+
+def _read_legacy(
+    data: bytes, handle: BinaryIO, file_size: int, refuse_dangerous: bool, track_spans: bool
+) -> Parsed:
     magic = load_pickle(data, 0)
     if magic.root != MAGIC_NUMBER:
         raise NotACheckpointError("not a torch legacy file (wrong magic number)")
@@ -53,11 +89,12 @@ def read_torch_legacy(data: memoryview, *, refuse_dangerous: bool, track_spans: 
     for key in keys:
         if key not in claimed:
             raise CorruptCheckpointError(f"legacy storage {key!r} is not used by the object")
-        if offset + 8 > len(data):
+        count_bytes = os.pread(handle.fileno(), 8, offset)
+        if len(count_bytes) != 8:
             raise CorruptCheckpointError(f"file truncated before storage {key!r}")
-        (count,) = struct.unpack("<q", data[offset : offset + 8])
+        (count,) = struct.unpack("<q", count_bytes)
         nbytes = count * ITEMSIZE.get(claimed[key][0], 1)
-        if count < 0 or offset + 8 + nbytes > len(data):
+        if count < 0 or offset + 8 + nbytes > file_size:
             raise CorruptCheckpointError(
                 f"legacy storage {key!r} claims {max(count, 0):,} elements but the file ends first"
             )
@@ -84,7 +121,7 @@ def read_torch_legacy(data: memoryview, *, refuse_dangerous: bool, track_spans: 
         refuse_dangerous=refuse_dangerous,
         track_spans=track_spans,
     )
-    details = {"byteorder": byteorder, "trailing_bytes": len(data) - offset}
+    details = {"byteorder": byteorder, "trailing_bytes": file_size - offset}
     return Parsed(
         format="torch-legacy",
         root=result.root,

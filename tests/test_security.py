@@ -1,0 +1,136 @@
+"""The reader never runs code from a pickle and fails fast on resource bombs."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckpttool.cli import cli
+from ckpttool.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    ResourceLimitError,
+    UnsafePickleError,
+)
+from ckpttool.pickle_safe import load_pickle
+from ckpttool.reader import open_checkpoint
+from tests import adversarial
+
+CONTAINERS = {
+    "bare": lambda payload: payload,
+    "zip": adversarial.torch_zip,
+    "legacy": adversarial.legacy_stream,
+}
+
+
+@pytest.mark.parametrize("payload_name", sorted(adversarial.PAYLOADS))
+def test_payloads_are_real(tmp_path: Path, payload_name: str) -> None:
+    """Positive control: Python's own unpickler does run each payload."""
+    marker = tmp_path / "ran"
+    payload = adversarial.PAYLOADS[payload_name](marker)
+    code = "import pickle, sys, time; pickle.loads(sys.stdin.buffer.read()); time.sleep(0.2)"
+    subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, check=False)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("container", sorted(CONTAINERS))
+@pytest.mark.parametrize("payload_name", sorted(adversarial.PAYLOADS))
+def test_payload_refused_and_not_run(tmp_path: Path, payload_name: str, container: str) -> None:
+    marker = tmp_path / "ran"
+    path = tmp_path / f"{payload_name}.{container}"
+    path.write_bytes(CONTAINERS[container](adversarial.PAYLOADS[payload_name](marker)))
+    with pytest.raises(UnsafePickleError, match="refusing to read"):
+        open_checkpoint(path)
+    result = CliRunner().invoke(cli, ["show", str(path)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: refusing to read: the pickle calls ")
+    assert result.stderr.count("\n") == 1
+    assert "Traceback" not in result.output + result.stderr
+    assert not marker.exists()
+
+
+def test_scan_mode_records_dangerous_globals_without_running(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    result = load_pickle(adversarial.global_reduce_p0(marker), refuse_dangerous=False)
+    assert ("os", "system", "dangerous") in result.globals_seen
+    assert result.root.cls == "os.system"  # an opaque record of the would-be call
+    assert not marker.exists()
+
+
+def test_build_on_a_global_is_refused() -> None:
+    with pytest.raises(UnsafePickleError, match="BUILD to modify collections.OrderedDict"):
+        load_pickle(adversarial.build_on_allowed_global())
+    import collections
+
+    assert collections.OrderedDict.__repr__ is not 1  # noqa: F632 - the class is untouched
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize(
+    ("build", "error"),
+    [
+        (adversarial.memo_bomb, None),  # a single memo entry: reads fine, a None
+        (adversarial.binbytes8_terabyte, CorruptCheckpointError),
+        (adversarial.deep_nesting, ResourceLimitError),
+        (adversarial.deep_marks, ResourceLimitError),
+        (adversarial.self_reference, CorruptCheckpointError),
+    ],
+)
+def test_resource_bombs_fail_fast_in_little_memory(build, error) -> None:  # type: ignore[no-untyped-def]
+    before = _peak_rss_mb()
+    start = time.monotonic()
+    if error is None:
+        assert load_pickle(build()).root is None
+    else:
+        with pytest.raises(error):
+            load_pickle(build())
+    assert time.monotonic() - start < 5
+    assert _peak_rss_mb() - before < 100
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (adversarial.storage_larger_than_record, "claims 4,000 bytes but the file holds 16"),
+        (adversarial.extent_past_storage, "reaches byte 4,000 of its storage, which has 16"),
+        (adversarial.duplicate_data_pkl, "two records named 'archive/data.pkl'"),
+    ],
+)
+def test_broken_archives_are_refused(tmp_path: Path, build, message: str) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "broken.pth"
+    with pytest.warns(UserWarning) if build is adversarial.duplicate_data_pkl else _nothing():
+        path.write_bytes(build())
+    with pytest.raises(CorruptCheckpointError, match=message):
+        open_checkpoint(path)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_corpus_script_writes_files_every_one_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    with pytest.warns(UserWarning):  # zipfile warns about the duplicate name, as it should
+        paths = adversarial.write_corpus(tmp_path / "corpus", marker)
+    readable = []
+    for path in paths:
+        try:
+            open_checkpoint(path).close()
+            readable.append(path.name)
+        except CkptError:
+            pass
+    assert readable == ["memo_bomb.pth"]  # harmless once the memo is a dict
+    assert not marker.exists()
