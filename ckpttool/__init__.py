@@ -1,14 +1,69 @@
-"""ckpttool: inspect, compare, convert and repair PyTorch checkpoints; save and resume exactly."""
+"""ckpttool: inspect, compare, convert and repair PyTorch checkpoints; save and resume exactly.
+
+The training-loop API (``save_checkpoint``, ``load_checkpoint``, ``resume_training``,
+``SkipBatchSampler``...) needs torch; it is imported on first use so that ``ckpttool show``
+and the reader start without importing torch.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 from ckpttool.atomic import atomic_write
 from ckpttool.errors import CkptError
 
+_LAZY = {
+    "SkipBatchSampler": "ckpttool.train",
+    "capture_rng_state": "ckpttool.train",
+    "checkpoint_paths": "ckpttool.train",
+    "load_checkpoint": "ckpttool.train",
+    "restore_rng_state": "ckpttool.train",
+    "resume_training": "ckpttool.train",
+    "save_checkpoint": "ckpttool.train",
+    "open_checkpoint": "ckpttool.reader",
+    "Checkpoint": "ckpttool.reader",
+    "TensorRecord": "ckpttool.records",
+    "show": "ckpttool.show",
+}
+
+if TYPE_CHECKING:
+    from ckpttool.reader import Checkpoint, open_checkpoint
+    from ckpttool.records import TensorRecord
+    from ckpttool.show import show
+    from ckpttool.train import (
+        SkipBatchSampler,
+        capture_rng_state,
+        checkpoint_paths,
+        load_checkpoint,
+        restore_rng_state,
+        resume_training,
+        save_checkpoint,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ckpttool' has no attribute {name!r}")
+
+
 __all__ = [
+    "Checkpoint",
     "CkptError",
+    "SkipBatchSampler",
+    "TensorRecord",
     "__version__",
     "atomic_write",
+    "capture_rng_state",
+    "checkpoint_paths",
+    "load_checkpoint",
+    "open_checkpoint",
+    "restore_rng_state",
+    "resume_training",
+    "save_checkpoint",
+    "show",
 ]

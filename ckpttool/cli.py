@@ -35,7 +35,10 @@ class CkptGroup(click.Group):
             sys.exit(EXIT_ERROR)
 
 
-@click.group(cls=CkptGroup, help="Inspect, compare, convert and repair PyTorch checkpoints.\n\n" + EXIT_CODES_HELP)
+@click.group(
+    cls=CkptGroup,
+    help="Inspect, compare, convert and repair PyTorch checkpoints.\n\n" + EXIT_CODES_HELP,
+)
 @click.version_option(__version__, prog_name="ckpttool")
 def cli() -> None:
     pass

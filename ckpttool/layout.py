@@ -199,7 +199,7 @@ def _state_matches(entry: Any, shape: tuple[int, ...]) -> bool:
 
 def rng_present(root: Any) -> list[str]:
     """Which RNG states a checkpoint carries (ckpttool's ``rng`` dict or common top-level keys)."""
-    found = []
+    found: list[str] = []
     rng = root.get("rng") if isinstance(root, dict) else None
     if isinstance(rng, dict):
         found.extend(str(k) for k in rng)

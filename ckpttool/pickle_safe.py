@@ -33,13 +33,81 @@ MAX_SECONDS = 60.0  # wall-clock budget for one pickle
 
 # Modules (and builtins) whose only use in a checkpoint is to run code or touch the system.
 _DANGEROUS_MODULES = frozenset(
-    """os posix nt posixpath ntpath subprocess sys runpy importlib imp pty shutil socket
-    pickle _pickle cPickle marshal ctypes code codeop pdb bdb webbrowser multiprocessing asyncio
-    functools operator types inspect platform pip setuptools tempfile io _io signal threading
-    _thread timeit trace cProfile profile doctest ensurepip venv sysconfig zipimport pkgutil
-    site commands popen2 urllib http ftplib telnetlib smtplib requests shelve dbm sqlite3 glob
-    fcntl resource gc weakref copy copyreg_unsafe builtins_unsafe nturl2path _posixsubprocess
-    _osx_support distutils xmlrpc logging unittest""".split()
+    {
+        "os",
+        "posix",
+        "nt",
+        "posixpath",
+        "ntpath",
+        "subprocess",
+        "sys",
+        "runpy",
+        "importlib",
+        "imp",
+        "pty",
+        "shutil",
+        "socket",
+        "pickle",
+        "_pickle",
+        "cPickle",
+        "marshal",
+        "ctypes",
+        "code",
+        "codeop",
+        "pdb",
+        "bdb",
+        "webbrowser",
+        "multiprocessing",
+        "asyncio",
+        "functools",
+        "operator",
+        "types",
+        "inspect",
+        "platform",
+        "pip",
+        "setuptools",
+        "tempfile",
+        "io",
+        "_io",
+        "signal",
+        "threading",
+        "_thread",
+        "timeit",
+        "trace",
+        "cProfile",
+        "profile",
+        "doctest",
+        "ensurepip",
+        "venv",
+        "sysconfig",
+        "zipimport",
+        "pkgutil",
+        "site",
+        "commands",
+        "popen2",
+        "urllib",
+        "http",
+        "ftplib",
+        "telnetlib",
+        "smtplib",
+        "requests",
+        "shelve",
+        "dbm",
+        "sqlite3",
+        "glob",
+        "fcntl",
+        "resource",
+        "gc",
+        "weakref",
+        "copy",
+        "nturl2path",
+        "_posixsubprocess",
+        "_osx_support",
+        "distutils",
+        "xmlrpc",
+        "logging",
+        "unittest",
+    }
 )
 _DANGEROUS_PREFIXES = ("torch.hub", "torch.jit", "torch._C", "torch.ops", "torch._dynamo")
 _DANGEROUS_NAMES = frozenset(
@@ -352,9 +420,13 @@ class SafeUnpickler:
             obj.state = state
         elif isinstance(obj, _NdarrayBuilder):
             obj.record = _ndarray_from_state(obj, state, self.pos)
-        elif isinstance(obj, _NumpyDtype):
-            if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">", "|", "="):
-                obj.byteorder = ">" if state[1] == ">" else "<"
+        elif (
+            isinstance(obj, _NumpyDtype)
+            and isinstance(state, tuple)
+            and len(state) > 1
+            and state[1] in ("<", ">", "|", "=")
+        ):
+            obj.byteorder = ">" if state[1] == ">" else "<"
         # dicts (OrderedDict `_metadata`), lists, tensors: the state is not part of the data.
         return obj
 
@@ -931,8 +1003,10 @@ def _np_reconstruct(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) ->
 
 
 def _np_dtype(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
-    return _NumpyDtype(str(args[0])) if args and isinstance(args[0], str) else OpaqueObject(
-        func.qualname, args
+    return (
+        _NumpyDtype(str(args[0]))
+        if args and isinstance(args[0], str)
+        else OpaqueObject(func.qualname, args)
     )
 
 

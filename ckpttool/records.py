@@ -216,7 +216,9 @@ def tensors(node: Any, prefix: str = "") -> list[TensorRecord]:
     """All tensor records under ``node`` with their ``key`` set to their dotted path."""
     from dataclasses import replace
 
-    return [replace(leaf, key=key) for key, leaf in walk(node, prefix) if isinstance(leaf, TensorRecord)]
+    return [
+        replace(leaf, key=key) for key, leaf in walk(node, prefix) if isinstance(leaf, TensorRecord)
+    ]
 
 
 def get_path(node: Any, dotted: str) -> Any:

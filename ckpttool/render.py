@@ -103,7 +103,8 @@ def render_show(report: ShowReport) -> str:
         f"format:     {report.format}  ({human_size(report.file_size)} on disk)",
         f"layout:     {report.layout_title}",
         f"tensors:    {len(report.tensors)}  ({human_count(report.num_parameters)} parameters)",
-        "bytes:      " + ", ".join(f"{d} {human_size(n)}" for d, n in report.bytes_by_dtype.items()),
+        "bytes:      "
+        + ", ".join(f"{d} {human_size(n)}" for d, n in report.bytes_by_dtype.items()),
     ]
     top = {k: v for k, v in report.fields.items() if "." not in k}
     for key, value in top.items():

@@ -63,12 +63,7 @@ def obj_p1(marker: Path) -> bytes:
 
 def memo_indirection_p2(marker: Path) -> bytes:
     # the callable goes into the memo, is popped, and comes back through BINGET
-    return (
-        b"\x80\x02cos\nsystem\nq\x070"
-        + b"h\x07"
-        + _binunicode(_command(marker))
-        + b"\x85R."
-    )
+    return b"\x80\x02cos\nsystem\nq\x070" + b"h\x07" + _binunicode(_command(marker)) + b"\x85R."
 
 
 def builtins_eval_p2(marker: Path) -> bytes:
@@ -84,14 +79,7 @@ def subprocess_popen_p2(marker: Path) -> bytes:
 def nested_in_checkpoint_p2(marker: Path) -> bytes:
     """A plausible checkpoint dict with one entry that calls os.system."""
     payload = global_reduce_p2(marker, "os", "system")[2:-1]  # without PROTO and STOP
-    return (
-        b"\x80\x02}("
-        + _binunicode("epoch")
-        + b"K\x01"
-        + _binunicode("config")
-        + payload
-        + b"u."
-    )
+    return b"\x80\x02}(" + _binunicode("epoch") + b"K\x01" + _binunicode("config") + payload + b"u."
 
 
 PAYLOADS: dict[str, Callable[[Path], bytes]] = {

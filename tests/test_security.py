@@ -64,7 +64,7 @@ def test_scan_mode_records_dangerous_globals_without_running(tmp_path: Path) -> 
 
 
 def test_build_on_a_global_is_refused() -> None:
-    with pytest.raises(UnsafePickleError, match="BUILD to modify collections.OrderedDict"):
+    with pytest.raises(UnsafePickleError, match=r"BUILD to modify collections\.OrderedDict"):
         load_pickle(adversarial.build_on_allowed_global())
     import collections
 

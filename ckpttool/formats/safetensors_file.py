@@ -36,7 +36,7 @@ def looks_like_safetensors(first_bytes: bytes, file_size: int) -> bool:
     if len(first_bytes) < 9:
         return False
     n = header_length(first_bytes)
-    return first_bytes[8:9] == b"{" and 2 <= n
+    return first_bytes[8:9] == b"{" and n >= 2
 
 
 def read_safetensors(handle: BinaryIO, file_size: int, *, strict: bool) -> Parsed:

@@ -137,7 +137,9 @@ def _parse_pid(pid: Any) -> tuple[str, str, str, int]:
         raise CorruptCheckpointError(f"unexpected legacy persistent id {pid!r:.80}")
     _, storage_type, key, location, numel, view_metadata = pid
     if view_metadata is not None:
-        raise CorruptCheckpointError("legacy storage views (files from torch < 0.4) are not supported")
+        raise CorruptCheckpointError(
+            "legacy storage views (files from torch < 0.4) are not supported"
+        )
     if not isinstance(numel, int) or numel < 0:
         raise CorruptCheckpointError(f"legacy storage {key!r} has a bad size {numel!r}")
     return str(key), storage_dtype(storage_type), str(location), numel

@@ -41,14 +41,14 @@ def open_zip(handle: BinaryIO) -> zipfile.ZipFile:
 
 
 def find_data_pkl(names: list[str]) -> str:
+    if is_torchscript(names):
+        raise NotACheckpointError(
+            "this is a TorchScript archive (torch.jit.save), not a checkpoint: it holds "
+            "code, and only torch.jit.load can open it (do so only if you trust it)"
+        )
     candidates = [n for n in names if n.endswith("data.pkl") and n.count("/") <= 1]
     candidates = [n for n in candidates if n.rsplit("/", 1)[-1] == "data.pkl"]
     if len(candidates) != 1:
-        if is_torchscript(names):
-            raise NotACheckpointError(
-                "this is a TorchScript archive (torch.jit.save), not a checkpoint: it holds "
-                "code, and only torch.jit.load can open it (do so only if you trust it)"
-            )
         what = "no data.pkl" if not candidates else f"{len(candidates)} data.pkl records"
         raise NotACheckpointError(f"a zip archive with {what}: not a torch checkpoint")
     return candidates[0]
@@ -62,8 +62,6 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
         duplicate = next(n for n in names if names.count(n) > 1)
         raise CorruptCheckpointError(f"the zip archive has two records named {duplicate!r}")
     pkl_name = find_data_pkl(names)
-    if is_torchscript(names):
-        find_data_pkl([])  # raises the TorchScript error
     prefix = pkl_name[: -len("data.pkl")]
     info = archive.getinfo(pkl_name)
     if info.file_size > MAX_DATA_PKL:

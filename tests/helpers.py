@@ -1,0 +1,52 @@
+"""Shared test helpers: the fixture list and a torch-side flattening to compare against."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+FIXTURES = Path(__file__).parent / "fixtures"
+NOT_CHECKPOINTS = {"torchscript.pt"}
+
+
+def fixture_files() -> list[Path]:
+    """Every committed checkpoint fixture (not the generator, not the TorchScript archive)."""
+    return sorted(
+        p
+        for p in FIXTURES.rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc", ".md") and p.name not in NOT_CHECKPOINTS
+        and "__pycache__" not in p.parts
+    )  # fmt: skip
+
+
+def fixture_id(path: Path) -> str:
+    return str(path.relative_to(FIXTURES))
+
+
+def flatten_loaded(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, tensor or ndarray) for an object torch.load returned, in ckpttool's keys."""
+    import numpy as np
+    import torch
+
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        yield prefix, obj
+        return
+    if isinstance(obj, dict):
+        items: Any = ((str(k), v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = ((str(i), v) for i, v in enumerate(obj))
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        items = vars(obj).items()
+    else:
+        return
+    for name, value in items:
+        yield from flatten_loaded(value, f"{prefix}.{name}" if prefix else name)
+
+
+def dtype_name(value: Any) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype).removeprefix("torch.")
+    return str(value.dtype)
