@@ -1,0 +1,89 @@
+"""Which tensors an operation works on, and under which names: sections and key prefixes.
+
+Shared by ``diff`` and ``convert``: a resume checkpoint's weights live under ``model``, a
+Lightning checkpoint's under ``state_dict``; DDP and ``torch.compile`` add ``module.`` and
+``_orig_mod.`` to every key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from ckpttool.errors import InputError
+from ckpttool.layout import detect_layout, model_section
+from ckpttool.reader import Checkpoint
+from ckpttool.records import TensorRecord, tensors
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The tensors of one checkpoint an operation uses, keyed relative to ``section``."""
+
+    layout: str
+    section: str | None  # "model", "state_dict", a user's --section, or None (whole file)
+    auto: bool  # True when the section was chosen from the layout, not by the user
+    tensors: dict[str, TensorRecord]  # normalised key -> record (record.key is the original)
+
+
+def strip_prefixes(key: str, prefixes: Sequence[str]) -> str:
+    """Remove any of ``prefixes`` from the start of ``key``, repeatedly (``module._orig_mod.x``)."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in prefixes:
+            if prefix and key.startswith(prefix):
+                key = key[len(prefix) :]
+                changed = True
+    return key
+
+
+def normalise(
+    records: Iterable[TensorRecord],
+    *,
+    section: str | None,
+    strip: Sequence[str] = (),
+    ignore_wrappers: bool = False,
+) -> dict[str, TensorRecord]:
+    """Key each record by its path below ``section`` with prefixes removed.
+
+    Raises :class:`InputError` when two tensors end up with the same name.
+    """
+    prefixes = list(strip) + (list(WRAPPER_PREFIXES) if ignore_wrappers else [])
+    out: dict[str, TensorRecord] = {}
+    for record in records:
+        key = record.key
+        if section and key.startswith(section + "."):
+            key = key[len(section) + 1 :]
+        key = strip_prefixes(key, prefixes)
+        if key in out:
+            raise InputError(
+                f"after removing prefixes, {out[key].key!r} and {record.key!r} are both {key!r}"
+            )
+        out[key] = record
+    return out
+
+
+def select(
+    ckpt: Checkpoint,
+    *,
+    section: str | None = None,
+    strip: Sequence[str] = (),
+    ignore_wrappers: bool = False,
+    auto_section: bool = True,
+) -> Selection:
+    """The weights of ``ckpt``: ``section`` if given, else the layout's model section."""
+    layout = detect_layout(ckpt.root, ckpt.format)
+    auto = False
+    if section is None and auto_section:
+        section = model_section(layout)
+        auto = section is not None
+    records = tensors(ckpt.section(section), section) if section else ckpt.tensors()
+    keyed = normalise(records, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
+    return Selection(layout, section, auto, keyed)
+
+
+def rekey(record: TensorRecord, key: str) -> TensorRecord:
+    return replace(record, key=key)
