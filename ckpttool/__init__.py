@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from ckpttool.atomic import atomic_write
 from ckpttool.errors import CkptError
 
 _LAZY = {
+    "atomic_write": "ckpttool.atomic",
     "SkipBatchSampler": "ckpttool.train",
     "capture_rng_state": "ckpttool.train",
     "checkpoint_paths": "ckpttool.train",
@@ -29,6 +29,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from ckpttool.atomic import atomic_write
     from ckpttool.reader import Checkpoint, open_checkpoint
     from ckpttool.records import TensorRecord
     from ckpttool.show import show

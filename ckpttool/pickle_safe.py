@@ -43,7 +43,8 @@ from ckpttool.records import GlobalRef, OpaqueObject
 
 MAX_DEPTH = 200  # nesting of containers; real checkpoints stay under 20
 MAX_NODES = 20_000_000  # nodes of the fully expanded tree (shared references counted each time)
-MAX_SECONDS = 60.0  # wall-clock budget for one pickle
+MAX_SECONDS = 60.0
+MAX_STACK = 1_000_000  # wall-clock budget for one pickle
 
 
 @dataclass
@@ -132,10 +133,9 @@ class SafeUnpickler:
 
     # -- stack helpers --------------------------------------------------------------------
     def _push(self, value: Any, start: int) -> None:
+        # the stack's size is checked every few thousand opcodes in load()
         self.stack.append(value)
         self.starts.append(start)
-        if len(self.stack) > 1_000_000:
-            raise ResourceLimitError("pickle stack grows past 1,000,000 items")
 
     def _pop(self) -> tuple[Any, int]:
         if not self.stack:
@@ -224,8 +224,11 @@ class SafeUnpickler:
                     UnicodeDecodeError, AttributeError, RecursionError) as error:  # fmt: skip
                 raise _bad(op_pos, f"{type(error).__name__}: {error}") from None
             ops += 1
-            if ops & 0x3FFF == 0 and time.monotonic() > deadline:
-                raise ResourceLimitError(f"pickle takes over {MAX_SECONDS:.0f} s to walk")
+            if ops & 0x3FFF == 0:
+                if time.monotonic() > deadline:
+                    raise ResourceLimitError(f"pickle takes over {MAX_SECONDS:.0f} s to walk")
+                if len(self.stack) > MAX_STACK:
+                    raise ResourceLimitError(f"pickle stack grows past {MAX_STACK:,} items")
         try:
             self.result.root = finalize(self.result.root)
         except (TypeError, ValueError, RecursionError) as error:
@@ -568,7 +571,20 @@ def _str_of(n_reader: Callable[[SafeUnpickler], int]) -> Callable[[SafeUnpickler
 
 
 def _n(fmt: str, size: int) -> Callable[[SafeUnpickler], int]:
-    return lambda u: u._u(fmt, size)
+    """A reader of one fixed-size little-endian integer argument (the hot path of parsing)."""
+    signed = fmt[-1].islower()
+
+    def read(u: SafeUnpickler) -> int:
+        pos = u.pos
+        stop = pos + size
+        if stop > len(u.data):
+            raise TruncatedPickleError(f"pickle truncated at byte {pos}")
+        u.pos = stop
+        if size == 1 and not signed:
+            return u.data[pos]
+        return int.from_bytes(u.data[pos:stop], "little", signed=signed)
+
+    return read
 
 
 _DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {

@@ -38,12 +38,15 @@ class Checkpoint:
     pickle: PickleResult | None
     _parsed: Parsed = field(repr=False)
     _handle: BinaryIO = field(repr=False)
+    _all_tensors: list[TensorRecord] | None = field(default=None, repr=False)
 
     def tensors(self, section: str | None = None) -> list[TensorRecord]:
         """Every tensor with its dotted key, in file order (``section`` limits to a subtree)."""
         if section:
             return tensors(self.section(section), section)
-        return tensors(self.root)
+        if self._all_tensors is None:
+            self._all_tensors = tensors(self.root)
+        return list(self._all_tensors)
 
     def section(self, name: str) -> Any:
         try:
@@ -104,7 +107,8 @@ def open_checkpoint(
     try:
         file_size = os.fstat(handle.fileno()).st_size
         parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
-        problems = list(parsed.problems) + check_extents(parsed)
+        records = tensors(parsed.root)
+        problems = list(parsed.problems) + check_extents(parsed, records)
         if problems and strict:
             raise CorruptCheckpointError(problems[0])
     except BaseException:
@@ -121,6 +125,7 @@ def open_checkpoint(
         pickle=parsed.pickle,
         _parsed=parsed,
         _handle=handle,
+        _all_tensors=records,
     )
 
 
@@ -189,7 +194,7 @@ def _read_bare_pickle(
     return Parsed(format="pickle", root=result.root, span=no_span, pickle=result, details=details)
 
 
-def check_extents(parsed: Parsed) -> list[str]:
+def check_extents(parsed: Parsed, records: list[TensorRecord]) -> list[str]:
     """Every tensor within its storage, every storage within the bytes the file has."""
     problems = []
     for storage in parsed.storages:
@@ -198,7 +203,7 @@ def check_extents(parsed: Parsed) -> list[str]:
                 f"storage {storage.key!r} claims {storage.nbytes:,} bytes but the file holds "
                 f"{storage.data_size:,} for it (truncated or tampered file)"
             )
-    for record in tensors(parsed.root):
+    for record in records:
         if record.storage is None or record.inline_data is not None:
             continue
         needed = record.extent * record.itemsize

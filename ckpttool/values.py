@@ -11,12 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ckpttool.errors import InputError
 from ckpttool.records import TensorRecord
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from ckpttool.reader import Checkpoint
@@ -39,6 +38,8 @@ def numpy_code(record: TensorRecord) -> str:
 
 def read_array(ckpt: Checkpoint, record: TensorRecord) -> np.ndarray:
     """The tensor's elements as a NumPy array with its shape (bfloat16/float8 as raw ints)."""
+    import numpy as np
+
     data, first = ckpt.read_bytes(record)
     flat = np.frombuffer(data, dtype=numpy_code(record))
     if record.numel == 0:
@@ -54,6 +55,8 @@ def read_array(ckpt: Checkpoint, record: TensorRecord) -> np.ndarray:
 
 def as_float(record: TensorRecord, array: np.ndarray) -> np.ndarray:
     """Numeric view for statistics: bfloat16 widened exactly to float32; others as they are."""
+    import numpy as np
+
     if record.dtype == "bfloat16":
         return (array.astype(np.uint32) << 16).view(np.float32)
     if record.dtype.startswith(("float8", "float4", "q", "bits", "complex32")):
@@ -73,6 +76,8 @@ class TensorStats:
 
 def tensor_stats(ckpt: Checkpoint, record: TensorRecord) -> TensorStats:
     """min/max/mean/std over finite values, and NaN/Inf counts, in float64, chunk by chunk."""
+    import numpy as np
+
     flat = as_float(record, read_array(ckpt, record)).reshape(-1)
     lo, hi, total, total_sq, count, nan, inf = math.inf, -math.inf, 0.0, 0.0, 0, 0, 0
     for start in range(0, flat.size, CHUNK):
@@ -107,6 +112,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def read_tensor(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
     """The tensor as a contiguous CPU torch tensor that owns its memory (views are copied)."""
+    import numpy as np
     import torch
 
     dtype = torch_dtype(record.dtype)
