@@ -8,6 +8,7 @@ the file named by ``marker`` — tests assert that file never appears.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import struct
 import sys
@@ -186,6 +187,30 @@ def duplicate_data_pkl() -> bytes:
     return buffer.getvalue()
 
 
+def safetensors_file(header: dict[str, object], data: bytes, length: int | None = None) -> bytes:
+    """A safetensors file from a header dict and data bytes; ``length`` overrides N."""
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def _entry(begin: int, end: int, shape: list[int]) -> dict[str, object]:
+    return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+SAFETENSORS_BROKEN: dict[str, Callable[[], bytes]] = {
+    "overlap": lambda: safetensors_file(
+        {"a": _entry(0, 8, [2]), "b": _entry(4, 12, [2])}, bytes(12)
+    ),
+    "gap": lambda: safetensors_file({"a": _entry(0, 8, [2]), "b": _entry(12, 20, [2])}, bytes(20)),
+    "trailing": lambda: safetensors_file({"a": _entry(0, 8, [2])}, bytes(12)),
+    "size_mismatch": lambda: safetensors_file({"a": _entry(0, 8, [3])}, bytes(8)),
+    "header_past_end": lambda: safetensors_file({"a": _entry(0, 8, [2])}, bytes(8), length=4096),
+    "header_over_100mb": lambda: safetensors_file(
+        {"a": _entry(0, 8, [2])}, bytes(8), length=200_000_000
+    ),
+}
+
+
 def write_corpus(out: Path, marker: Path) -> list[Path]:
     """Write every hostile input under ``out`` (used by ``python -m tests.adversarial``)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -204,6 +229,8 @@ def write_corpus(out: Path, marker: Path) -> list[Path]:
     files["storage_larger_than_record.pth"] = storage_larger_than_record()
     files["extent_past_storage.pth"] = extent_past_storage()
     files["duplicate_data_pkl.pth"] = duplicate_data_pkl()
+    for name, build_broken in SAFETENSORS_BROKEN.items():
+        files[f"safetensors_{name}.safetensors"] = build_broken()
     paths = []
     for name, data in files.items():
         path = out / name

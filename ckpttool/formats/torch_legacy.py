@@ -78,7 +78,9 @@ def _read_legacy(
         claimed.setdefault(key, (dtype, numel, location))
         return StorageRecord(key, dtype, numel, location, "", 0)
 
-    first = load_pickle(data, object_start, persistent_load=record_pid, refuse_dangerous=True)
+    first = load_pickle(
+        data, object_start, persistent_load=record_pid, refuse_dangerous=refuse_dangerous
+    )
     keys_result = load_pickle(data, first.end)
     keys = keys_result.root
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
