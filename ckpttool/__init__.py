@@ -26,12 +26,14 @@ _LAZY = {
     "Checkpoint": "ckpttool.reader",
     "TensorRecord": "ckpttool.records",
     "show": "ckpttool.show",
+    "rescale_step": "ckpttool.rescale",
 }
 
 if TYPE_CHECKING:
     from ckpttool.atomic import atomic_write
     from ckpttool.reader import Checkpoint, open_checkpoint
     from ckpttool.records import TensorRecord
+    from ckpttool.rescale import rescale_step
     from ckpttool.show import show
     from ckpttool.train import (
         SkipBatchSampler,
@@ -63,6 +65,7 @@ __all__ = [
     "checkpoint_paths",
     "load_checkpoint",
     "open_checkpoint",
+    "rescale_step",
     "restore_rng_state",
     "resume_training",
     "save_checkpoint",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -47,13 +47,19 @@ def atomic_write(target: str | os.PathLike[str]) -> Iterator[BinaryIO]:
 
 
 @contextlib.contextmanager
-def atomic_group(targets: list[Path]) -> Iterator[list[BinaryIO]]:
+def atomic_group(
+    targets: list[Path], *, check: Callable[[list[Path]], None] | None = None
+) -> Iterator[list[BinaryIO]]:
     """Write several files that must appear together (shards + index) or not at all.
 
     All temp files are written and fsynced first; only then are they renamed, index last.
     A crash between renames can leave some new shards beside the old index; the caller puts the
     index (the file readers start from) last in ``targets`` so that it is never ahead of its
     shards.
+
+    ``check``, if given, is called with the temp files' paths once they are complete and
+    closed, before anything is renamed: an exception from it (``convert``'s read-back
+    verification) removes the temps and leaves every target as it was.
     """
     stack = contextlib.ExitStack()
     temps: list[tuple[Path, Path]] = []
@@ -71,6 +77,8 @@ def atomic_group(targets: list[Path]) -> Iterator[list[BinaryIO]]:
             handle.flush()
             os.fsync(handle.fileno())
         stack.close()
+        if check is not None:
+            check([tmp_path for tmp_path, _ in temps])
         umask = os.umask(0)
         os.umask(umask)
         for tmp_path, target in temps:

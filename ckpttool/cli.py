@@ -18,7 +18,7 @@ EXIT_CODES_HELP = """\b
 Exit codes:
   0  success (diff: no differences; verify/scan: nothing found)
   1  diff: the checkpoints differ; verify/scan: a problem was found;
-     convert: the written file failed verification (it was removed)
+     convert, rescale-step: the written file failed verification (it was removed)
   2  error: missing/unreadable/corrupt/unsafe input, bad usage"""
 
 
@@ -103,6 +103,74 @@ def show(
     click.echo(render.render_show(report))
     for warning in report.warnings:
         click.echo(f"warning: {warning}", err=True)
+
+
+@cli.command("rescale-step")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option(
+    "--world-size", "world_size", type=click.IntRange(min=1), required=True, metavar="N",
+    help="Number of GPUs (ranks) the run will resume on.",
+)  # fmt: skip
+@click.option(
+    "--from-world-size", type=click.IntRange(min=1), metavar="M",
+    help="Number of GPUs the step was counted on, for files without (or with a wrong) world_size.",
+)  # fmt: skip
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), metavar="B",
+    help="Per-rank batch size, to report the repeated samples in samples.",
+)  # fmt: skip
+@click.option("--strict", is_flag=True, help="Refuse when the new step cannot be exact.")
+@click.option(
+    "--step-key", metavar="KEY",
+    help="Top-level field to rescale instead of 'step' (also allows non-resume layouts).",
+)  # fmt: skip
+@click.option("-o", "--output", metavar="OUT", help="Write to OUT instead of in place.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--backup", is_flag=True, help="Keep the original as PATH.bak (never overwritten).")
+@click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def rescale_step(
+    path: str,
+    world_size: int,
+    from_world_size: int | None,
+    batch_size: int | None,
+    strict: bool,
+    step_key: str | None,
+    output: str | None,
+    force: bool,
+    backup: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Repair a resume checkpoint's step for a different number of GPUs.
+
+    step counts batches per rank: new step = step x saved world_size // N, and world_size
+    becomes N. The file is rewritten atomically, tensors copied byte for byte (never loaded),
+    and the change is recorded in its 'rescaled_from' list.
+
+    \b
+    Examples:
+      ckpttool rescale-step out/pretrain_768_resume.pth --world-size 2 --dry-run
+      ckpttool rescale-step out/pretrain_768_resume.pth --world-size 2 --backup
+      ckpttool rescale-step old_resume.pth --world-size 4 --from-world-size 8 -o new_resume.pth
+      ckpttool rescale-step last.ckpt --world-size 2 --from-world-size 4 --step-key global_step
+    """
+    import os
+
+    from ckpttool.progress import Progress
+    from ckpttool.render_rescale import report_json, report_lines
+    from ckpttool.rescale import rescale_step as run_rescale
+
+    with Progress(os.path.getsize(path) if os.path.isfile(path) else 0, "rescale") as bar:
+        report = run_rescale(
+            path, world_size, from_world_size=from_world_size, step_key=step_key,
+            strict=strict, output=output, overwrite=force, backup=backup, dry_run=dry_run,
+            batch_size=batch_size, progress=bar.advance,
+        )  # fmt: skip
+    if as_json:
+        _echo_json(report_json(report))
+    else:
+        click.echo("\n".join(report_lines(report)))
 
 
 @cli.command("verify")

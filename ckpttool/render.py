@@ -112,6 +112,9 @@ def render_show(report: ShowReport) -> str:
     scaler = {k: v for k, v in report.fields.items() if k.startswith("scaler.")}
     if scaler:
         lines.append("scaler:     " + ", ".join(f"{k[7:]}={v}" for k, v in scaler.items()))
+    history = _rescale_history(report.fields)
+    if history:
+        lines.append(f"rescaled_from: {history}")
     if report.rng:
         lines.append("rng:        " + ", ".join(report.rng))
     if report.optimizer is not None:
@@ -131,6 +134,19 @@ def render_show(report: ShowReport) -> str:
         headers[5:5] = ["min", "max", "mean", "std", "nan", "inf"]
     lines.append(tabulate(rows, headers=headers, disable_numparse=True))
     return "\n".join(lines)
+
+
+def _rescale_history(fields: dict[str, Any]) -> str:
+    """``rescale-step``'s history (``rescaled_from.N.<key>`` fields) as one line, oldest first."""
+    entries: dict[str, dict[str, Any]] = {}
+    for key, value in fields.items():
+        parts = key.split(".")
+        if len(parts) == 3 and parts[0] == "rescaled_from":
+            entries.setdefault(parts[1], {})[parts[2]] = value
+    return "; ".join(
+        ", ".join(f"{name} {value}" for name, value in entries[index].items())
+        for index in sorted(entries, key=lambda index: (len(index), index))  # "10" after "9"
+    )
 
 
 def _optimizer_lines(report: ShowReport) -> list[str]:

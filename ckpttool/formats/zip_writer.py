@@ -9,9 +9,10 @@ offsets need them. The handle must be seekable (ckpttool always writes to a temp
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -26,6 +27,8 @@ _ZIP64_ID = 0x0001
 _MAX32 = 0xFFFFFFFF
 _FLAGS = 0x800  # names are UTF-8
 _VERSION = 45  # zip64-capable
+_COPY_CHUNK = 64 << 20  # bytes per copy_file_range call (progress steps)
+_FALLBACK_CHUNK = 8 << 20  # buffer of the read/write loop where the kernel cannot copy
 
 
 @dataclass
@@ -49,6 +52,38 @@ class TorchZipWriter:
 
     def write_stream(self, name: str, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
         """Write a record whose bytes arrive in chunks (e.g. a storage copied from a file)."""
+        encoded, offset = self._begin(name)
+        crc, size = 0, 0
+        for chunk in chunks:
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+            self.handle.write(chunk)
+        self._finish(encoded, offset, crc, size)
+
+    def write_copy(
+        self,
+        name: str,
+        source_fd: int,
+        source_offset: int,
+        size: int,
+        crc: int,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Write a record whose bytes are ``size`` bytes of another file, copied in the kernel.
+
+        For rewriting a zip with most records unchanged: the bytes never pass through Python
+        (``os.copy_file_range``, a plain read/write loop where that is unavailable) and ``crc``
+        is the record's known CRC-32 (from the source archive), not recomputed.
+        """
+        encoded, offset = self._begin(name)
+        self.handle.flush()
+        start = self.handle.tell()
+        copy_range(source_fd, source_offset, self.handle.fileno(), start, size, progress)
+        self.handle.seek(start + size)
+        self._finish(encoded, offset, crc, size)
+
+    def _begin(self, name: str) -> tuple[bytes, int]:
+        """Write the local header (sizes and CRC patched by _finish); return (name, offset)."""
         if name in self.names:
             raise ValueError(f"duplicate zip record {name!r}")
         self.names.add(name)
@@ -62,11 +97,9 @@ class TorchZipWriter:
                                       len(encoded), len(extra)))  # fmt: skip
         self.handle.write(encoded)
         self.handle.write(extra)
-        crc, size = 0, 0
-        for chunk in chunks:
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-            self.handle.write(chunk)
+        return encoded, offset
+
+    def _finish(self, encoded: bytes, offset: int, crc: int, size: int) -> None:
         end = self.handle.tell()
         # patch CRC and sizes (32-bit fields say 0xFFFFFFFF when the zip64 field holds them)
         self.handle.seek(offset + 14)
@@ -104,6 +137,43 @@ class TorchZipWriter:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is None:
             self.close()
+
+
+def copy_range(
+    source_fd: int,
+    source_offset: int,
+    dest_fd: int,
+    dest_offset: int,
+    size: int,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Copy ``size`` bytes between two files at explicit offsets, in the kernel where possible."""
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    buffer = memoryview(bytearray(0 if use_kernel else _FALLBACK_CHUNK))
+    while done < size:
+        want = min(_COPY_CHUNK if use_kernel else _FALLBACK_CHUNK, size - done)
+        if use_kernel:
+            try:
+                got = os.copy_file_range(
+                    source_fd, dest_fd, want, source_offset + done, dest_offset + done
+                )
+            except OSError:  # e.g. EXDEV on old kernels, EINVAL on some file systems
+                use_kernel = False
+                buffer = memoryview(bytearray(_FALLBACK_CHUNK))
+                continue
+        else:
+            got = os.preadv(source_fd, [buffer[:want]], source_offset + done)
+            if got > 0:
+                written = 0
+                while written < got:
+                    at = dest_offset + done + written
+                    written += os.pwrite(dest_fd, buffer[written:got], at)
+        if got <= 0:
+            raise EOFError(f"source ends {size - done:,} bytes early")
+        done += got
+        if progress is not None:
+            progress(got)
 
 
 def _zip64_local_placeholder() -> bytes:

@@ -1,0 +1,82 @@
+"""How ``rescale-step`` reports what it did: one fact per line for people, JSON for scripts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpttool.rescale import HISTORY_KEY, WORLD_SIZE_KEY, RescaleReport, describe_repeats
+
+__all__ = ["report_json", "report_lines"]
+
+
+def report_json(report: RescaleReport) -> dict[str, Any]:
+    """The ``--json`` schema of ``rescale-step`` (documented in docs_rescale.md)."""
+    plan = report.plan
+    batch_size = report.batch_size
+    return {
+        "path": str(report.path),
+        "output": str(report.output),
+        "format": report.format,
+        "layout": report.layout,
+        "step_key": plan.step_key,
+        "from": {"step": plan.old_step, "world_size": plan.from_world_size},
+        "to": {"step": plan.new_step, "world_size": plan.world_size},
+        "file_world_size": plan.file_world_size,
+        "changed": plan.changed,
+        "exact": plan.exact,
+        "global_batches": plan.global_batches,
+        "repeated_batches": plan.repeated_batches,
+        "repeated_batches_per_rank": str(plan.repeated_per_rank),
+        "batch_size": batch_size,
+        "repeated_samples": plan.repeated_samples(batch_size) if batch_size else None,
+        "max_repeated_samples_per_rank": (
+            plan.max_repeated_samples_per_rank(batch_size) if batch_size else None
+        ),
+        HISTORY_KEY: list(plan.history),
+        "dry_run": report.dry_run,
+        "written": report.written,
+        "backup": str(report.backup) if report.backup else None,
+    }
+
+
+def report_lines(report: RescaleReport) -> list[str]:
+    """The human report, one fact per line."""
+    plan = report.plan
+    name = plan.step_key
+    lines = [
+        f"{name} {plan.old_step} @ world_size {plan.from_world_size} -> "
+        f"{name} {plan.new_step} @ world_size {plan.world_size}"
+    ]
+    if plan.world_size_from_option:
+        says = "has no world_size" if plan.file_world_size is None else (
+            f"says world_size {plan.file_world_size!r}"
+        )  # fmt: skip
+        lines.append(f"the file {says}; the step was taken as counted on {plan.from_world_size}")
+    if not plan.changed:
+        lines.append("nothing to do: the file already matches; nothing was written")
+        return lines
+    if plan.exact:
+        lines.append(
+            f"exact: {plan.old_step} x {plan.from_world_size} = {plan.global_batches} global "
+            f"batches = {plan.world_size} x {plan.new_step}"
+        )
+    else:
+        lines.append(
+            f"not exact: {plan.old_step} x {plan.from_world_size} = {plan.global_batches} "
+            f"global batches, {plan.world_size} x {plan.new_step} = "
+            f"{plan.new_step * plan.world_size} skipped: "
+            + describe_repeats(plan, report.batch_size)
+        )
+    history = ", ".join(
+        f"{entry.get(name, '?')} @ world_size {entry.get(WORLD_SIZE_KEY, '?')}"
+        for entry in plan.history
+    )
+    lines.append(f"{HISTORY_KEY}: {history}")
+    if report.dry_run:
+        lines.append("dry run: nothing was written")
+    else:
+        where = "in place" if report.output == report.path else f"from {report.path}"
+        lines.append(f"wrote {report.output} ({where})")
+    if report.backup:
+        lines.append(f"backup: {report.backup}")
+    return lines

@@ -1,0 +1,370 @@
+"""``rescale-step``: repair a resume checkpoint's ``step`` for a different number of GPUs.
+
+A resume checkpoint's ``step`` counts dataloader batches *per rank*: saved on 8 GPUs at step
+1200, the run had consumed 1200 x 8 = 9600 global batches; resumed on 2 GPUs, each rank must
+skip 4800 batches, not 1200. MiniMind patches this silently at load time
+(``step * saved_world_size // world_size``); here it is an explicit, inspectable repair of the
+file, recorded in the file itself (``rescaled_from``).
+
+:func:`rescale_fields` is the repair as a pure ``dict -> dict`` function; :func:`rescale_step`
+applies it to a file by splicing the pickle (:mod:`ckpttool.rewrite`): tensors are copied byte
+for byte, never loaded, torch is never imported, and the result replaces the file atomically
+after it has been read back and checked.
+
+When ``step * saved`` is not a multiple of the new world size, the floor leaves
+``r = (step * saved) % world_size`` global batches (``r * batch_size`` samples, with
+``batch_size`` samples per rank-batch) that the resumed run trains a second time: ``r <
+world_size``, so on average less than one batch per rank (``r / world_size`` of one). With a
+sampler that deals one shuffled order out to the ranks in turn, as ``DistributedSampler`` does,
+no rank repeats more than ``ceil(r * batch_size / world_size)`` samples (at most one batch), and
+no sample is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from ckpttool.atomic import atomic_group
+from ckpttool.errors import InputError, LayoutError, OutputExistsError
+from ckpttool.layout import LAYOUT_TITLES, LIGHTNING, detect_layout, is_resume
+from ckpttool.reader import open_checkpoint
+from ckpttool.rewrite import FieldRewrite, verify_rewrite
+
+__all__ = [
+    "HISTORY_KEY",
+    "InexactRescaleError",
+    "RescalePlan",
+    "RescaleReport",
+    "describe_repeats",
+    "rescale_fields",
+    "rescale_step",
+]
+
+#: Top-level key holding the rescale history: ``[{"step": 1200, "world_size": 8}, ...]``, one
+#: entry per rescale, oldest first, each with the step (under the rescaled key's name) and the
+#: world size it was counted under before that rescale.
+HISTORY_KEY = "rescaled_from"
+WORLD_SIZE_KEY = "world_size"
+
+
+class InexactRescaleError(InputError):
+    """``strict`` was asked for and the new world size does not divide the batches consumed."""
+
+
+@dataclass(frozen=True)
+class RescalePlan:
+    """What a rescale does: old and new step and world size, and the cost of the floor."""
+
+    step_key: str
+    old_step: int
+    new_step: int
+    from_world_size: int  # the world size the old step was counted under
+    file_world_size: Any  # what the file's world_size field holds (None when absent)
+    world_size: int  # the new one
+    history: tuple[dict[str, Any], ...]  # rescaled_from after the change
+
+    @property
+    def global_batches(self) -> int:
+        """Batches the saved run had consumed over all its ranks."""
+        return self.old_step * self.from_world_size
+
+    @property
+    def repeated_batches(self) -> int:
+        """Global batches the resumed run trains again because of the floor (< world_size)."""
+        return self.global_batches - self.new_step * self.world_size
+
+    @property
+    def exact(self) -> bool:
+        return self.repeated_batches == 0
+
+    @property
+    def repeated_per_rank(self) -> Fraction:
+        """Repeated batches per rank on average: always below one."""
+        return Fraction(self.repeated_batches, self.world_size)
+
+    def repeated_samples(self, batch_size: int) -> int:
+        """Samples trained twice over all ranks, with ``batch_size`` samples per rank-batch."""
+        return self.repeated_batches * batch_size
+
+    def max_repeated_samples_per_rank(self, batch_size: int) -> int:
+        return math.ceil(self.repeated_samples(batch_size) / self.world_size)
+
+    @property
+    def world_size_from_option(self) -> bool:
+        return self.file_world_size != self.from_world_size
+
+    @property
+    def changed(self) -> bool:
+        return self.new_step != self.old_step or self.file_world_size != self.world_size
+
+
+def _positive(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def rescale_fields(
+    fields: Mapping[str, Any],
+    world_size: int,
+    *,
+    from_world_size: int | None = None,
+    step_key: str = "step",
+    strict: bool = False,
+) -> tuple[dict[str, Any], RescalePlan]:
+    """Rescale ``fields[step_key]`` from the saved world size to ``world_size``.
+
+    Returns the new top-level fields (a new dict: ``step_key`` and ``world_size`` updated in
+    place, ``world_size`` and ``rescaled_from`` appended when absent, everything else and the
+    key order untouched) and the plan. The saved world size is ``from_world_size`` when given
+    (for files without one, or with a wrong one), else the file's ``world_size``. When nothing
+    would change, the fields come back equal and ``plan.changed`` is False.
+
+    >>> new, plan = rescale_fields({"epoch": 1, "step": 1200, "world_size": 8}, 2)
+    >>> new
+    {'epoch': 1, 'step': 4800, 'world_size': 2, 'rescaled_from': [{'step': 1200, 'world_size': 8}]}
+    """
+    world_size = _positive(world_size, "the new world size")
+    if step_key in (WORLD_SIZE_KEY, HISTORY_KEY):
+        raise InputError(f"{step_key!r} cannot be the step key")
+    if step_key not in fields:
+        names = ", ".join(map(str, fields)) or "none"
+        raise LayoutError(f"no {step_key!r} field to rescale (top-level keys: {names})")
+    old_step = fields[step_key]
+    if isinstance(old_step, bool) or not isinstance(old_step, int) or old_step < 0:
+        raise LayoutError(
+            f"{step_key!r} holds {old_step!r}, not a count of batches (a non-negative int); "
+            "nothing was changed"
+        )
+    file_world_size = fields.get(WORLD_SIZE_KEY)
+    if from_world_size is not None:
+        saved = _positive(from_world_size, "--from-world-size")
+    elif isinstance(file_world_size, int) and not isinstance(file_world_size, bool):
+        saved = _positive(file_world_size, "the file's world_size")
+    else:
+        has = "no world_size" if file_world_size is None else f"world_size {file_world_size!r}"
+        raise InputError(
+            f"the checkpoint has {has}, so the number of GPUs its step was counted on is "
+            "unknown: pass --from-world-size M (older MiniMind files do not record it)"
+        )
+    new_step = old_step * saved // world_size
+    history_before = fields.get(HISTORY_KEY, [])
+    if not isinstance(history_before, list) or not all(
+        isinstance(entry, dict) for entry in history_before
+    ):
+        raise LayoutError(
+            f"{HISTORY_KEY!r} holds {history_before!r:.60}, not ckpttool's history list; "
+            "refusing to overwrite it"
+        )
+    history = [dict(entry) for entry in history_before]
+    plan = RescalePlan(step_key, old_step, new_step, saved, file_world_size, world_size, ())
+    if not plan.changed:
+        return dict(fields), replace(plan, history=tuple(history))
+    if strict and not plan.exact:
+        raise InexactRescaleError(
+            f"{old_step} x {saved} = {plan.global_batches} global batches is not a multiple of "
+            f"{world_size}: {describe_repeats(plan)}; refused (--strict)"
+        )
+    history.append({step_key: old_step, WORLD_SIZE_KEY: saved})
+    new_fields = dict(fields)
+    new_fields[step_key] = new_step
+    new_fields[WORLD_SIZE_KEY] = world_size
+    new_fields[HISTORY_KEY] = history
+    return new_fields, replace(plan, history=tuple(history))
+
+
+def describe_repeats(plan: RescalePlan, batch_size: int | None = None) -> str:
+    text = (
+        f"{plan.repeated_batches} global batch{'es' if plan.repeated_batches != 1 else ''} "
+        f"({plan.repeated_per_rank} of a batch per rank) will be trained twice"
+    )
+    if batch_size:
+        text += (
+            f": {plan.repeated_samples(batch_size)} samples at batch size {batch_size}, at most "
+            f"{plan.max_repeated_samples_per_rank(batch_size)} on any rank"
+        )
+    return text
+
+
+@dataclass(frozen=True)
+class RescaleReport:
+    path: Path
+    output: Path  # where the result goes (== path when in place)
+    format: str
+    layout: str
+    plan: RescalePlan
+    batch_size: int | None
+    dry_run: bool
+    written: bool  # False for a dry run and when nothing would change
+    backup: Path | None
+
+
+def rescale_step(
+    path: str | os.PathLike[str],
+    world_size: int,
+    *,
+    from_world_size: int | None = None,
+    step_key: str | None = None,
+    strict: bool = False,
+    output: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+    backup: bool = False,
+    dry_run: bool = False,
+    batch_size: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> RescaleReport:
+    """Rescale the step of the resume checkpoint at ``path`` for ``world_size`` ranks.
+
+    Writes in place (atomically: temp file, fsync, rename, fsync of the directory) or to
+    ``output`` (refused if it exists, unless ``overwrite``). ``backup`` keeps the original as
+    ``PATH.bak`` (refused if that exists). ``dry_run`` plans and checks everything but writes
+    nothing. ``step_key`` names the field to rescale; when not given, the file must be a
+    resume checkpoint and ``step`` is used. Raises a :class:`~ckpttool.errors.CkptError`.
+    """
+    path = Path(path)
+    target = Path(output) if output is not None else path
+    in_place = _same_file(path, target)
+    backup_path = path.with_name(path.name + ".bak")
+    if backup and not in_place:
+        raise InputError("--backup applies to in-place rewrites; with -o the original is kept")
+    if backup and os.path.lexists(backup_path):
+        raise OutputExistsError(
+            f"{backup_path} already exists: move it away first (it is never overwritten)"
+        )
+    if not in_place and os.path.lexists(target) and not overwrite:
+        raise OutputExistsError(f"{target} already exists (pass --force to replace it)")
+    if target.is_dir():
+        raise InputError(f"{target} is a directory; -o takes the output file's path")
+    if batch_size is not None:
+        _positive(batch_size, "--batch-size")
+    with open_checkpoint(path, track_spans=True) as ckpt:
+        layout = detect_layout(ckpt.root, ckpt.format)
+        _check_layout(path, ckpt.format, layout, ckpt.root, step_key)
+        new_fields, plan = rescale_fields(
+            ckpt.root,
+            world_size,
+            from_world_size=from_world_size,
+            step_key=step_key or "step",
+            strict=strict,
+        )
+        report = RescaleReport(
+            path, target, ckpt.format, layout, plan, batch_size, dry_run, False, None
+        )
+        if not plan.changed:
+            return report
+        changes = {key: new_fields[key] for key in (plan.step_key, WORLD_SIZE_KEY, HISTORY_KEY)}
+        with FieldRewrite(ckpt, changes) as rewrite:
+            if dry_run:
+                return report
+            mode = os.stat(path).st_mode & 0o7777
+            # Through a symlink, replace the file it points to, not the link.
+            write_to = Path(os.path.realpath(path)) if in_place else target
+            try:
+                made_backup = _write(rewrite, write_to, backup_path if backup else None, progress)
+            except OSError as error:
+                raise InputError(f"cannot write {target} ({error.strerror or error})") from error
+    if in_place:
+        with contextlib.suppress(OSError):
+            os.chmod(write_to, mode)  # new files get the umask's mode; keep the original's
+    return RescaleReport(
+        path, target, report.format, layout, plan, batch_size, False, True,
+        backup_path if made_backup else None,
+    )  # fmt: skip
+
+
+def _write(
+    rewrite: FieldRewrite,
+    target: Path,
+    backup_path: Path | None,
+    progress: Callable[[int], None] | None,
+) -> bool:
+    """Write, read back and check, keep the backup, replace. Returns whether a backup was made.
+
+    The check and the backup run on the complete, fsynced temp file before the rename, so any
+    failure leaves the original in place (and no backup of ours behind).
+    """
+    made_backup = False
+    original = os.stat(rewrite.ckpt.path)
+
+    def check_then_backup(temps: list[Path]) -> None:
+        nonlocal made_backup
+        verify_rewrite(rewrite.ckpt, temps[0], rewrite.changes)
+        if backup_path is not None:
+            _make_backup(Path(os.path.realpath(rewrite.ckpt.path)), backup_path)
+            made_backup = True
+
+    try:
+        with atomic_group([target], check=check_then_backup) as (handle,):
+            rewrite.write(handle, progress)
+    except BaseException:
+        if made_backup and backup_path is not None and _unchanged(target, original):
+            with contextlib.suppress(OSError):
+                backup_path.unlink()
+        raise
+    return made_backup
+
+
+def _unchanged(path: Path, before: os.stat_result) -> bool:
+    """Whether ``path`` is still the file ``before`` described (not yet replaced)."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (before.st_dev, before.st_ino)
+
+
+def _make_backup(path: Path, backup_path: Path) -> None:
+    """A hard link: instant and exact (the rewrite gives ``path`` a new inode); else a copy.
+
+    ``path`` is the real file: ``os.link`` on a symlink would link the symlink itself.
+    """
+    try:
+        os.link(path, backup_path)
+    except FileExistsError:
+        raise OutputExistsError(f"{backup_path} appeared while rewriting; it was kept") from None
+    except OSError:
+        with open(backup_path, "xb") as out, open(path, "rb") as source:
+            shutil.copyfileobj(source, out, 8 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def _check_layout(
+    path: Path, file_format: str, layout: str, root: Any, step_key: str | None
+) -> None:
+    if file_format == "safetensors":
+        raise LayoutError(
+            f"{path}: a safetensors file holds weights only; there is no training step to rescale"
+        )
+    if not isinstance(root, dict):
+        raise LayoutError(
+            f"{path}: the file holds a {LAYOUT_TITLES.get(layout, layout)}, not a dict"
+        )
+    if step_key is not None or is_resume(layout):
+        return
+    if layout == LIGHTNING:
+        raise LayoutError(
+            f"{path}: a Lightning checkpoint; its global_step counts optimizer steps, not "
+            "dataloader batches per rank, so rescaling it is not the right repair by default. "
+            "If you know it should scale with the number of GPUs, name it: --step-key global_step"
+        )
+    raise LayoutError(
+        f"{path}: a {LAYOUT_TITLES.get(layout, layout)}, not a resume checkpoint (those have "
+        "model, optimizer, epoch and step); nothing to rescale. To rescale another top-level "
+        "field that counts batches per rank, name it with --step-key KEY"
+    )
