@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import subprocess
 import sys
@@ -107,18 +108,14 @@ def test_resource_bombs_fail_fast_in_little_memory(build, error) -> None:  # typ
 )
 def test_broken_archives_are_refused(tmp_path: Path, build, message: str) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "broken.pth"
-    with pytest.warns(UserWarning) if build is adversarial.duplicate_data_pkl else _nothing():
+    with (
+        pytest.warns(UserWarning)
+        if build is adversarial.duplicate_data_pkl
+        else contextlib.nullcontext()
+    ):
         path.write_bytes(build())
     with pytest.raises(CorruptCheckpointError, match=message):
         open_checkpoint(path)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def test_corpus_script_writes_files_every_one_refused(tmp_path: Path) -> None:

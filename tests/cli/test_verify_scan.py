@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import zipfile
@@ -78,19 +79,15 @@ def test_verify_finds_local_header_disagreeing_with_directory(tmp_path: Path) ->
 )
 def test_verify_structural_problems(tmp_path: Path, build, fragment: str) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "broken.pth"
-    with pytest.warns(UserWarning) if build is adversarial.duplicate_data_pkl else _quiet():
+    with (
+        pytest.warns(UserWarning)
+        if build is adversarial.duplicate_data_pkl
+        else contextlib.nullcontext()
+    ):
         path.write_bytes(build())
     result = run("verify", path)
     assert result.exit_code == 1
     assert fragment in result.stdout
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 @pytest.mark.parametrize(
