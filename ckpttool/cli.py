@@ -173,6 +173,86 @@ def rescale_step(
         click.echo("\n".join(report_lines(report)))
 
 
+@cli.command("convert")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", required=False, type=click.Path(path_type=str))
+@click.option(
+    "--to", "to", type=click.Choice(["safetensors", "pth"]),
+    help="Output format (default: from DST's suffix; safetensors without DST).",
+)  # fmt: skip
+@click.option(
+    "--dtype", type=click.Choice(["keep", "fp16", "bf16", "fp32"]), default="keep",
+    show_default=True, help="Cast floating tensors (integer tensors are never cast).",
+)  # fmt: skip
+@click.option("--allow-overflow", is_flag=True, help="Write values too large for --dtype as inf.")
+@click.option("--section", metavar="KEY", help="Convert the subtree KEY (default: the weights).")
+@click.option(
+    "--strip-prefix", "strip", multiple=True, metavar="PREFIX",
+    help="Remove PREFIX from tensor names (repeatable).",
+)  # fmt: skip
+@click.option(
+    "--ignore-wrappers", is_flag=True,
+    help="Remove DDP/torch.compile prefixes (module., _orig_mod.).",
+)  # fmt: skip
+@click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose name matches GLOB.")
+@click.option("--keep-shared", is_flag=True, help="Write tied tensors as separate copies.")
+@click.option(
+    "--max-shard-size", metavar="SIZE",
+    help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
+)  # fmt: skip
+@click.option("--no-verify", is_flag=True, help="Skip reading the output back (not advised).")
+@click.option("--force", is_flag=True, help="Replace outputs that exist.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def convert_command(
+    src: str,
+    dst: str | None,
+    to: str | None,
+    dtype: str,
+    allow_overflow: bool,
+    section: str | None,
+    strip: tuple[str, ...],
+    ignore_wrappers: bool,
+    pattern: str | None,
+    keep_shared: bool,
+    max_shard_size: str | None,
+    no_verify: bool,
+    force: bool,
+    as_json: bool,
+) -> None:
+    """Convert weights to safetensors (or a plain .pth) and verify the result bit for bit.
+
+    SRC may be a weights file, a resume checkpoint (its model), a Lightning .ckpt (its
+    state_dict), a legacy torch file or a safetensors file. DST defaults to SRC with a
+    .safetensors suffix. Tied tensors are stored once, their names kept in __metadata__. The
+    output is written atomically and read back before it replaces anything.
+
+    \b
+    Examples:
+      ckpttool convert out/pretrain_768.pth
+      ckpttool convert out/pretrain_768_resume.pth model.safetensors --dtype bf16
+      ckpttool convert model.safetensors model.pth
+      ckpttool convert ddp.pth --ignore-wrappers --filter 'model.layers.*'
+      ckpttool convert big.pth shards/ --max-shard-size 2GB
+    """
+    from ckpttool.convert import convert
+    from ckpttool.convert_render import report_json, report_lines
+    from ckpttool.progress import Progress
+
+    with Progress(0, "convert") as bar:
+        report = convert(
+            src, dst, to=to, dtype=dtype, section=section, strip=strip,
+            ignore_wrappers=ignore_wrappers, pattern=pattern, keep_shared=keep_shared,
+            max_shard_size=max_shard_size, allow_overflow=allow_overflow, verify=not no_verify,
+            force=force, progress=bar.advance, on_total=lambda n: setattr(bar, "total", max(n, 1)),
+        )  # fmt: skip
+    if as_json:
+        _echo_json(report_json(report))
+    else:
+        click.echo(report_lines(report))
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+
+
 @cli.command("verify")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--values", is_flag=True, help="Also read every floating tensor: NaN/Inf.")

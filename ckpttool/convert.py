@@ -1,0 +1,321 @@
+"""``convert``: weights to safetensors (or a plain ``.pth``) and back, verified by reading back.
+
+The conversion streams: the output's layout is decided from the reader's records
+(:mod:`ckpttool.convert_plan`), its header is written first, then each tensor is read
+(``pread`` of just its bytes), cast if asked, written and freed. Peak memory is a few times the
+largest tensor, never the file. torch is not imported: NumPy casts (:mod:`ckpttool.cast`) and
+the ``.pth`` pickle is generated (:mod:`ckpttool.writers`).
+
+Every output is written to temp files next to its target (:func:`ckpttool.atomic.atomic_group`);
+before they replace anything, each is opened again through the reader and every tensor is
+compared bit for bit with the (cast) source, and its size with the expected size. A mismatch
+removes the temps and raises :class:`VerificationError` (exit code 1): a bad file never appears
+under the target's name and an existing target is left as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from ckpttool.atomic import atomic_group
+from ckpttool.cast import CastCounts, cast_array, stored_dtype
+from ckpttool.convert_output import FORMATS, OutFile, check_targets, parse_size, plan_outputs
+from ckpttool.convert_plan import FIELD_PREFIX, Plan, Planned, build_plan
+from ckpttool.errors import EXIT_FOUND, CkptError, InputError
+from ckpttool.reader import Checkpoint, open_checkpoint
+from ckpttool.records import TensorRecord
+from ckpttool.values import read_array
+from ckpttool.writers import PickledTensor, safetensors_header, write_pth
+
+Progress = Callable[[int], None]
+Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
+
+
+class OverflowRefusedError(CkptError):
+    """Casting would turn finite values into inf; refused unless ``allow_overflow``."""
+
+
+class VerificationError(CkptError):
+    """The written output did not read back identical to the source; it was removed."""
+
+    exit_code = EXIT_FOUND
+
+
+@dataclass
+class ConvertReport:
+    """What a conversion wrote (``outputs``: shards first, index last)."""
+
+    source: Path
+    outputs: list[Path]
+    format: str  # "safetensors" or "pth"
+    layout: str
+    section: str | None
+    tensors: int  # tensors stored (aliases not counted)
+    aliases: dict[str, str]  # alias -> stored name
+    tensor_bytes: int
+    file_bytes: int
+    dtype: str  # "keep", "fp16", "bf16", "fp32"
+    cast: dict[str, int]  # "float32->float16" -> number of tensors
+    underflow: dict[str, int]  # tensor -> values that became 0
+    overflow: dict[str, int]  # tensor -> values that became inf (only with allow_overflow)
+    fields: dict[str, str]  # __metadata__ entries kept from non-tensor entries
+    notes: list[str] = field(default_factory=list)
+    verified: bool = False
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str] | None = None,
+    *,
+    to: str | None = None,
+    dtype: str = "keep",
+    section: str | None = None,
+    strip: Sequence[str] = (),
+    ignore_wrappers: bool = False,
+    pattern: str | None = None,
+    keep_shared: bool = False,
+    max_shard_size: str | int | None = None,
+    allow_overflow: bool = False,
+    verify: bool = True,
+    force: bool = False,
+    progress: Progress | None = None,
+    on_total: Progress | None = None,
+) -> ConvertReport:
+    """Convert the weights in ``src`` to safetensors (or ``to="pth"``); see the module doc.
+
+    ``progress`` is called with the bytes each tensor adds (written, then verified);
+    ``on_total`` once, before any is written, with the total it will add up to.
+
+    Raises :class:`~ckpttool.errors.OutputExistsError` if an output exists and not ``force``,
+    :class:`OverflowRefusedError` if a cast overflows and not ``allow_overflow``,
+    :class:`VerificationError` (exit code 1) if the output does not read back identical.
+    """
+    if to is not None and to not in FORMATS:
+        raise InputError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
+    shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
+    src_path = Path(src)
+    with open_checkpoint(src_path) as ckpt:
+        plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
+                          pattern=pattern, dtype=dtype, keep_shared=keep_shared)  # fmt: skip
+        files = plan_outputs(src_path, dst, to, shard_size, plan)
+        check_targets(src_path, files, force)
+        counts: dict[str, CastCounts] = {}
+        write_progress = progress or (lambda n: None)
+        if on_total is not None:
+            on_total(plan.tensor_bytes * (2 if verify else 1))
+
+        def produce(planned: Planned) -> bytes | bytearray | memoryview:
+            data, cast = tensor_bytes(ckpt, planned)
+            if cast is not None:
+                counts[planned.name] = cast
+                if cast.overflow and not allow_overflow:
+                    raise OverflowRefusedError(_overflow_message(planned, cast))
+            write_progress(planned.nbytes)
+            return data
+
+        def check(temps: list[Path]) -> None:
+            if verify:
+                verify_outputs(ckpt, list(zip(temps, files)), write_progress)
+
+        try:
+            with atomic_group([f.target for f in files], check=check) as handles:
+                for handle, out_file in zip(handles, files):
+                    _write(handle, out_file, plan.names, produce)
+        except OSError as error:  # permissions, a full disk: one line, not a traceback
+            raise InputError(f"conversion failed, nothing was written: {error}") from error
+    cast_summary: dict[str, int] = {}
+    for planned in plan.stored:
+        if planned.dtype != planned.record.dtype:
+            key = f"{planned.record.dtype}->{planned.dtype}"
+            cast_summary[key] = cast_summary.get(key, 0) + 1
+    output_format = "pth" if files[0].kind == "pth" else "safetensors"
+    underflow = {name: c.underflow for name, c in counts.items() if c.underflow}
+    return ConvertReport(
+        source=src_path,
+        outputs=[f.target for f in files],
+        format=output_format,
+        layout=plan.layout,
+        section=plan.section,
+        tensors=len(plan.stored),
+        aliases=dict(plan.aliases),
+        tensor_bytes=plan.tensor_bytes,
+        file_bytes=sum(f.target.stat().st_size for f in files),
+        dtype=dtype,
+        cast=cast_summary,
+        underflow=underflow,
+        overflow={name: c.overflow for name, c in counts.items() if c.overflow},
+        fields={k: v for k, v in files[0].metadata.items() if k in plan.fields},
+        notes=_notes(plan, output_format, underflow),
+        verified=verify,
+    )
+
+
+def _notes(plan: Plan, output_format: str, underflow: dict[str, int]) -> list[str]:
+    """What the user should know: entries left out, fields a .pth cannot hold, underflow."""
+    notes = list(plan.notes)
+    if plan.left_out:
+        notes.append(f"not converted (not weights): {', '.join(plan.left_out)}")
+    if output_format == "pth" and (plan.fields or plan.carried):
+        entries: dict[str, int] = {}
+        for key in [*plan.carried, *plan.fields]:
+            entry = (
+                key.removeprefix(FIELD_PREFIX).split(".")[0]
+                if key.startswith(FIELD_PREFIX)
+                else key
+            )
+            entries[entry] = entries.get(entry, 0) + 1
+        names = [f"{e} ({n} values)" if n > 1 else e for e, n in entries.items()]
+        notes.append(f"a .pth state dict holds tensors only; not written: {', '.join(names)}")
+    if underflow:
+        target = plan.stored[0].dtype
+        shown = ", ".join(f"{name} ({count:,})" for name, count in list(underflow.items())[:5])
+        more = f" (+{len(underflow) - 5} more tensors)" if len(underflow) > 5 else ""
+        notes.append(f"values that became 0 in {target} (underflow): {shown}{more}")
+    return notes
+
+
+def tensor_bytes(
+    ckpt: Checkpoint, planned: Planned
+) -> tuple[bytes | bytearray | memoryview, CastCounts | None]:
+    """The contiguous little-endian bytes ``planned`` is stored as, and what a cast lost."""
+    record = planned.record
+    plain = (
+        planned.dtype == record.dtype
+        and record.inline_data is None
+        and record.is_contiguous
+        and (record.storage is None or record.storage.byteorder == "little")
+    )
+    if plain:  # the common case: the bytes as they are in the file, one pread
+        if record.numel == 0:
+            return b"", None
+        data, first = ckpt.read_bytes(record)
+        return memoryview(data)[first * record.itemsize :], None
+    values = np.ascontiguousarray(read_array(ckpt, record))
+    if values.dtype.byteorder == ">":
+        values = values.astype(values.dtype.newbyteorder("<"))
+    counts = None
+    if planned.dtype != record.dtype:
+        values, counts = cast_array(values.view(stored_dtype(record.dtype)), record.dtype,
+                                    planned.dtype)  # fmt: skip
+    return values.reshape(-1).view(np.uint8).data, counts
+
+
+# --- writing and reading back ---------------------------------------------------------------
+
+
+def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce) -> None:
+    if out.kind == "index":
+        handle.write(out.content)
+        out.expected_size = len(out.content)
+    elif out.kind == "safetensors":
+        header = safetensors_header([p.out for p in out.tensors], out.metadata)
+        handle.write(header)
+        for planned in out.tensors:
+            handle.write(produce(planned))
+        out.expected_size = len(header) + sum(p.nbytes for p in out.tensors)
+    else:
+        keys = {p.name: str(i) for i, p in enumerate(out.tensors)}
+        by_name = {p.name: p for p in out.tensors}
+        entries = []
+        for name in names:  # source order; an alias names its stored tensor's storage
+            stored = by_name[out.aliases.get(name, name)]
+            entries.append(PickledTensor(name, keys[stored.name], replace(stored.out, name=name)))
+        write_pth(handle, entries, ((keys[p.name], produce(p)) for p in out.tensors))
+        out.expected_size = handle.tell()
+
+
+def verify_outputs(
+    ckpt: Checkpoint, written: list[tuple[Path, OutFile]], progress: Progress
+) -> None:
+    """Read every written file back through the reader; raise if anything differs."""
+    problems: list[str] = []
+    for temp, out in written:
+        size = temp.stat().st_size
+        if size != out.expected_size:
+            problems.append(f"{out.target.name} has {size:,} bytes, {out.expected_size:,} expected")
+        elif out.kind == "index":
+            if temp.read_bytes() != out.content:
+                problems.append(f"{out.target.name} does not hold the index written")
+        else:
+            problems += _verify_file(ckpt, temp, out, progress)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise VerificationError(
+            f"the output did not read back identical to the source, so it was removed: "
+            f"{problems[0]}{more}"
+        )
+
+
+def _verify_file(ckpt: Checkpoint, temp: Path, out: OutFile, progress: Progress) -> list[str]:
+    name = out.target.name
+    try:
+        written = open_checkpoint(temp)
+    except CkptError as error:
+        return [f"{name} cannot be read back ({error})"]
+    with written:
+        found = {record.key: record for record in written.tensors()}
+        expected = [p.name for p in out.tensors]
+        if out.kind == "pth":
+            expected += list(out.aliases)
+        if sorted(found) != sorted(expected):
+            return [f"{name} holds tensors {_diff_names(found, expected)}"]
+        if out.kind == "safetensors" and written.metadata != out.metadata:
+            return [f"{name}'s __metadata__ differs from what was written"]
+        problems = []
+        for planned in out.tensors:
+            record = found[planned.name]
+            if (record.dtype, record.shape) != (planned.dtype, planned.record.shape):
+                problems.append(f"{planned.name} reads back as {record.dtype}{list(record.shape)}")
+                continue
+            want, _ = tensor_bytes(ckpt, planned)
+            got = _stored_bytes(written, record)
+            if got is None or not _same_bytes(want, got):
+                problems.append(f"{planned.name} does not read back bit-for-bit equal")
+            progress(planned.nbytes)
+        for alias, stored in out.aliases.items():
+            if out.kind == "pth" and not _same_view(found[alias], found[stored]):
+                problems.append(f"{alias} does not share {stored}'s storage")
+        return [f"{name}: {problem}" for problem in problems]
+
+
+def _stored_bytes(written: Checkpoint, record: TensorRecord) -> memoryview | None:
+    """A written tensor's bytes; None if it is not stored contiguously (it always should be)."""
+    if not record.is_contiguous:
+        return None
+    if record.numel == 0:
+        return memoryview(b"")
+    data, first = written.read_bytes(record)
+    start = first * record.itemsize
+    return memoryview(data)[start : start + record.nbytes]
+
+
+def _same_bytes(want: bytes | bytearray | memoryview, got: memoryview) -> bool:
+    if len(want) != len(got):
+        return False
+    return bool(np.array_equal(np.frombuffer(want, np.uint8), np.frombuffer(got, np.uint8)))
+
+
+def _same_view(a: TensorRecord, b: TensorRecord) -> bool:
+    return a.same_storage(b) and (a.storage_offset, a.shape, a.stride) == (
+        b.storage_offset, b.shape, b.stride
+    )  # fmt: skip
+
+
+def _diff_names(found: dict[str, TensorRecord], expected: list[str]) -> str:
+    extra = sorted(set(found) - set(expected))
+    missing = sorted(set(expected) - set(found))
+    return f"{extra[:3]} not written and lacks {missing[:3]}"
+
+
+def _overflow_message(planned: Planned, counts: CastCounts) -> str:
+    return (
+        f"{planned.name}: {counts.overflow:,} value(s) would overflow to inf in {planned.dtype} "
+        f"(max |x| = {counts.max_abs:.6g}); nothing was written. Keep the dtype, choose bf16, "
+        "or pass --allow-overflow to write them as inf"
+    )

@@ -1,0 +1,228 @@
+"""What ``convert`` will write, decided from the reader's records before any byte is written.
+
+Which tensors (section, prefixes, ``--filter``), under which names, in which dtype; which names
+are aliases of a stored tensor (tied weights); which non-tensor entries become ``__metadata__``
+fields and which are reported as left out. Pure functions over an open
+:class:`~ckpttool.reader.Checkpoint`; nothing here reads tensor bytes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ckpttool.cast import CASTABLE, TARGETS
+from ckpttool.errors import InputError
+from ckpttool.keys import WRAPPER_PREFIXES, select, strip_prefixes
+from ckpttool.reader import Checkpoint
+from ckpttool.records import TensorRecord, walk
+from ckpttool.writers import OutTensor
+
+#: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
+ALIASES_KEY = "ckpttool.aliases"
+#: Prefix of the ``__metadata__`` keys that keep a checkpoint's scalar fields (JSON values).
+FIELD_PREFIX = "ckpttool.field."
+SOURCE_KEY = "ckpttool.source"
+VERSION_KEY = "ckpttool.version"
+#: Keys convert computes itself; a safetensors source's values for them are not carried over.
+OWN_KEYS = frozenset({"format", SOURCE_KEY, VERSION_KEY, ALIASES_KEY})
+MAX_FIELD_CHARS = 1024  # longer strings are left out (listed in a note) rather than stored
+MAX_FIELDS_PER_ENTRY = 64  # an entry with more scalars (RNG state, loop counters) is left out
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One tensor to store: its output name, its source record and its output dtype."""
+
+    name: str
+    record: TensorRecord
+    dtype: str
+
+    @property
+    def out(self) -> OutTensor:
+        return OutTensor(self.name, self.dtype, self.record.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.out.nbytes
+
+
+@dataclass
+class Plan:
+    layout: str
+    section: str | None
+    names: list[str]  # every output name (stored and aliases), in source order
+    stored: list[Planned]  # source order
+    aliases: dict[str, str]  # alias name -> stored name
+    fields: dict[str, str]  # FIELD_PREFIX + dotted key -> JSON value
+    carried: dict[str, str]  # a safetensors source's own __metadata__ entries, kept
+    left_out: list[str]  # entries not converted, described for a note
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(p.nbytes for p in self.stored)
+
+
+def build_plan(
+    ckpt: Checkpoint,
+    *,
+    section: str | None = None,
+    strip: Sequence[str] = (),
+    ignore_wrappers: bool = False,
+    pattern: str | None = None,
+    dtype: str = "keep",
+    keep_shared: bool = False,
+) -> Plan:
+    """Decide names, dtypes, aliases and metadata fields for converting ``ckpt``."""
+    if dtype != "keep" and dtype not in TARGETS:
+        raise InputError(f"--dtype must be one of keep, {', '.join(TARGETS)}; got {dtype!r}")
+    selection = select(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
+    selected_keys = {record.key for record in selection.tensors.values()}
+    named = dict(selection.tensors)
+    notes: list[str] = []
+    prefixes = [*strip, *(WRAPPER_PREFIXES if ignore_wrappers else ())]
+    alias_entries: set[str] = set()
+    if ckpt.format == "safetensors":
+        alias_entries = _add_recorded_aliases(ckpt, named, prefixes, notes)
+    if pattern is not None:
+        named = {k: r for k, r in named.items() if fnmatch.fnmatchcase(k, pattern)}
+        if not named:
+            raise InputError(f"--filter {pattern!r} matches no tensor")
+    meta = [k for k, r in named.items() if r.storage is None and r.inline_data is None]
+    if meta:
+        notes.append(f"left out {len(meta)} meta tensor(s) without values: {_some(meta)}")
+        named = {k: r for k, r in named.items() if k not in meta}
+    if not named:
+        where = f" in section {selection.section!r}" if selection.section else ""
+        raise InputError(f"{ckpt.path}: no tensors to convert{where}")
+    target = TARGETS.get(dtype)
+    uncastable = sorted(
+        {r.dtype for r in named.values() if target and r.is_floating and r.dtype not in CASTABLE}
+    )
+    if uncastable:
+        notes.append(f"{', '.join(uncastable)} tensors are kept as they are (not cast)")
+    aliases = {} if keep_shared else find_aliases(named)
+    stored = [
+        Planned(name, record, target if target and record.dtype in CASTABLE else record.dtype)
+        for name, record in named.items()
+        if name not in aliases
+    ]
+    fields, left_out = collect_fields(ckpt.root, selection.section, selected_keys)
+    carried = {}
+    if ckpt.format == "safetensors":
+        # save_model-style alias entries are re-recorded under ckpttool.aliases
+        skip = OWN_KEYS | alias_entries
+        carried = {k: v for k, v in ckpt.metadata.items() if k not in skip}
+    return Plan(selection.layout, selection.section, list(named), stored, aliases, fields,
+                carried, left_out, notes)  # fmt: skip
+
+
+def find_aliases(named: dict[str, TensorRecord]) -> dict[str, str]:
+    """Names that are the very same tensor as another (same storage, offset, shape, stride).
+
+    Which name is stored follows ``safetensors.torch._remove_duplicate_names``: the first in
+    sorted order (all names of a group cover the same elements, so all are equally complete).
+    ``safetensors.torch.load_model`` accepts whichever name a file kept. Tensors that share a
+    storage as *different* views are not aliases: each is stored with its own values.
+    """
+    groups: dict[Any, list[str]] = {}
+    for name, record in named.items():
+        if record.storage is None or record.inline_data is not None or record.numel == 0:
+            continue
+        view = (record.storage, record.dtype, record.storage_offset, record.shape, record.stride)
+        groups.setdefault(view, []).append(name)
+    aliases: dict[str, str] = {}
+    for names in groups.values():
+        keep, *others = sorted(names)
+        aliases.update({other: keep for other in others})
+    return aliases
+
+
+def recorded_aliases(
+    metadata: dict[str, str], stored: set[str], notes: list[str]
+) -> dict[str, str]:
+    """``{alias: stored}`` a safetensors file's ``__metadata__`` declares, as ``diff`` reads it.
+
+    Both conventions: ckpttool's ``ckpttool.aliases`` JSON object, and
+    ``safetensors.torch.save_model``'s one entry per alias (a key that is not a tensor whose
+    value is one).
+    """
+    declared: dict[str, str] = {}
+    if ALIASES_KEY in metadata:
+        try:
+            parsed = json.loads(metadata[ALIASES_KEY])
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in parsed.items()
+        ):
+            declared.update(parsed)
+        else:
+            notes.append(f"ignored {ALIASES_KEY} in the source's metadata: not a JSON object")
+    for name, target in metadata.items():
+        if name not in OWN_KEYS and name not in stored and target in stored:
+            declared.setdefault(name, target)
+    return {alias: target for alias, target in declared.items() if target in stored}
+
+
+def _add_recorded_aliases(
+    ckpt: Checkpoint, named: dict[str, TensorRecord], prefixes: list[str], notes: list[str]
+) -> set[str]:
+    """Give back the names a tied-weights file stored once; return the metadata keys used."""
+    stored = {record.key: record for record in named.values()}
+    declared = recorded_aliases(ckpt.metadata, set(stored), notes)
+    for alias, target in declared.items():
+        name = strip_prefixes(alias, prefixes)
+        if name not in named:
+            named[name] = replace(stored[target], key=alias)
+    return {alias for alias in declared if alias in ckpt.metadata}
+
+
+def collect_fields(
+    root: Any, section: str | None, selected_keys: set[str]
+) -> tuple[dict[str, str], list[str]]:
+    """Scalar entries outside the weights as metadata fields; the rest described for a note.
+
+    Entries are judged as a whole (``epoch``, ``config``, ``optimizer``...): one made only of
+    scalars and short strings becomes ``ckpttool.field.<dotted key>`` fields with JSON values;
+    any other (optimizer state, RNG state, bytes) is listed as left out, never dropped silently.
+    """
+    groups: dict[str, list[tuple[str, Any]]] = {}
+    for key, leaf in walk(root):
+        if isinstance(leaf, TensorRecord) and key in selected_keys:
+            continue
+        groups.setdefault(_entry_name(key, section), []).append((key, leaf))
+    fields: dict[str, str] = {}
+    left_out: list[str] = []
+    for entry, leaves in groups.items():
+        if len(leaves) <= MAX_FIELDS_PER_ENTRY and all(_is_small_scalar(v) for _, v in leaves):
+            fields.update({FIELD_PREFIX + key: json.dumps(value) for key, value in leaves})
+            continue
+        count = sum(isinstance(v, TensorRecord) for _, v in leaves)
+        parts = [f"{count} tensor{'s' * (count != 1)}"] if count else []
+        others = len(leaves) - count
+        if others:
+            parts.append(f"{others} other value{'s' * (others != 1)}")
+        left_out.append(f"{entry or '(root)'} ({', '.join(parts)})")
+    return fields, left_out
+
+
+def _entry_name(key: str, section: str | None) -> str:
+    if section and key.startswith(section + "."):
+        return f"{section}.{key[len(section) + 1 :].split('.')[0]}"
+    return key.split(".")[0]
+
+
+def _is_small_scalar(value: Any) -> bool:
+    if isinstance(value, str):
+        return len(value) <= MAX_FIELD_CHARS
+    return value is None or isinstance(value, (bool, int, float))
+
+
+def _some(names: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")

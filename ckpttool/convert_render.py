@@ -1,0 +1,74 @@
+"""How ``convert`` reports what it wrote: a few lines for people, one JSON object for scripts.
+
+Notes (entries left out, underflow) are not here: the CLI prints them on stderr so that
+``--json`` output stays clean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpttool.convert import ConvertReport
+from ckpttool.layout import LAYOUT_TITLES
+from ckpttool.render import human_size
+
+__all__ = ["report_json", "report_lines"]
+
+_SHOWN = 4  # aliases and fields listed by name before "(+N more)"
+
+
+def report_json(report: ConvertReport) -> dict[str, Any]:
+    """The ``--json`` schema of ``convert`` (documented in docs_convert.md)."""
+    return {
+        "source": str(report.source),
+        "outputs": [str(path) for path in report.outputs],
+        "format": report.format,
+        "layout": report.layout,
+        "section": report.section,
+        "tensors": report.tensors,
+        "aliases": report.aliases,
+        "tensor_bytes": report.tensor_bytes,
+        "file_bytes": report.file_bytes,
+        "dtype": report.dtype,
+        "cast": report.cast,
+        "underflow": report.underflow,
+        "overflow": report.overflow,
+        "fields": report.fields,
+        "notes": report.notes,
+        "verified": report.verified,
+    }
+
+
+def report_lines(report: ConvertReport) -> str:
+    """``wrote DST (...)`` and one line per fact worth knowing."""
+    if len(report.outputs) > 1:
+        what = f"{report.outputs[-1]} and {len(report.outputs) - 1} shards"
+    else:
+        what = str(report.outputs[0])
+    count = f"{report.tensors} tensor{'s' * (report.tensors != 1)}"
+    lines = [f"wrote {what} ({report.format}, {count}, {human_size(report.file_bytes)})"]
+    section = f", section {report.section!r}" if report.section else ""
+    layout = LAYOUT_TITLES.get(report.layout, report.layout)
+    lines.append(f"  from      {report.source} ({layout}{section})")
+    if report.cast:
+        casts = ", ".join(f"{kind.replace('->', ' -> ')} ({n})" for kind, n in report.cast.items())
+        lines.append(f"  cast      {casts}")
+    if report.overflow:
+        total = sum(report.overflow.values())
+        lines.append(f"  overflow  {total:,} values written as inf (--allow-overflow)")
+    if report.aliases:
+        pairs = [f"{alias} -> {stored}" for alias, stored in report.aliases.items()]
+        lines.append(f"  aliases   {_some(pairs)}; stored once")
+    if report.fields:
+        names = [key.removeprefix("ckpttool.field.") for key in report.fields]
+        lines.append(f"  fields    {_some(names)}; kept in __metadata__")
+    if report.verified:
+        lines.append("  verified  every tensor read back bit for bit, sizes as expected")
+    else:
+        lines.append("  verified  no (--no-verify)")
+    return "\n".join(lines)
+
+
+def _some(items: list[str]) -> str:
+    shown = ", ".join(items[:_SHOWN])
+    return shown + (f" (+{len(items) - _SHOWN} more)" if len(items) > _SHOWN else "")
