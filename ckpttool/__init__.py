@@ -25,7 +25,6 @@ _LAZY = {
     "open_checkpoint": "ckpttool.reader",
     "Checkpoint": "ckpttool.reader",
     "TensorRecord": "ckpttool.records",
-    "show": "ckpttool.show",
     "rescale_step": "ckpttool.rescale",
 }
 
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
     from ckpttool.reader import Checkpoint, open_checkpoint
     from ckpttool.records import TensorRecord
     from ckpttool.rescale import rescale_step
-    from ckpttool.show import show
     from ckpttool.train import (
         SkipBatchSampler,
         capture_rng_state,
@@ -69,5 +67,4 @@ __all__ = [
     "restore_rng_state",
     "resume_training",
     "save_checkpoint",
-    "show",
 ]
