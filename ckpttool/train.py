@@ -1,0 +1,396 @@
+"""Save and resume a training loop exactly: MiniMind's checkpoint layout, made durable and exact.
+
+MiniMind (``trainer/trainer_utils.py: lm_checkpoint``, ``SkipBatchSampler``) writes two files per
+save: ``{weight}_{hidden}[_moe].pth`` (fp16 weights, for inference and the next stage) and
+``{weight}_{hidden}[_moe]_resume.pth`` (weights, optimizer, epoch, step, world_size, wandb_id,
+scaler). This module keeps those names and that layout, so files move freely between the two, and
+fixes what keeps MiniMind's resume from being exact or safe:
+
+* **Lossy weights.** MiniMind stores the resume file's ``model`` as ``v.half()``: a resumed run
+  continues from fp16-rounded fp32 weights, so it drifts from the run it replaces. Here the resume
+  file keeps the training dtype; only the weights file is fp16.
+* **No fsync.** ``torch.save(tmp); os.replace(tmp, path)`` is atomic against a crashed process but
+  not against a power loss: the rename can reach the disk before the data does. Both files go
+  through :func:`ckpttool.atomic.atomic_write` (fsync file, replace, fsync directory).
+* **No RNG, no scheduler.** Without the RNG state, dropout masks after a resume differ from those
+  of the uninterrupted run; without the scheduler, the LR restarts its warmup. Both are saved.
+  RNG states are stored as tensors, ints and tuples, so the file loads with
+  ``torch.load(weights_only=True)`` without allow-listing anything: loading never runs code.
+
+``step`` counts the batches already trained in ``epoch`` (MiniMind's dataloader step, not an
+optimizer-update count). ``step == batches_per_epoch`` therefore means "epoch finished": resuming
+gives ``SkipBatchSampler`` a skip that covers the whole epoch, the first resumed epoch is empty,
+and training goes on with the next one, with no special case in the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+import random
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.utils.data import Sampler
+
+from ckpttool.atomic import atomic_write
+from ckpttool.errors import (
+    CheckpointKeyError,
+    CorruptCheckpointError,
+    LayoutError,
+    UnsafePickleError,
+)
+
+logger = logging.getLogger("ckpttool")
+
+#: Keys of the resume dict that ``save_checkpoint`` owns; ``extra_state`` may not use them.
+RESERVED_KEYS = frozenset(
+    {"model", "optimizer", "epoch", "step", "world_size", "wandb_id", "scaler", "scheduler", "rng"}
+)
+
+__all__ = [
+    "RESERVED_KEYS",
+    "SkipBatchSampler",
+    "capture_rng_state",
+    "checkpoint_paths",
+    "load_checkpoint",
+    "restore_rng_state",
+    "resume_training",
+    "save_checkpoint",
+]
+
+
+def checkpoint_paths(
+    save_dir: str | Path, weight: str, hidden_size: int, use_moe: bool = False
+) -> tuple[Path, Path]:
+    """MiniMind's two file names: ``(weights_path, resume_path)``.
+
+    >>> checkpoint_paths("out", "pretrain", 768, use_moe=True)
+    (PosixPath('out/pretrain_768_moe.pth'), PosixPath('out/pretrain_768_moe_resume.pth'))
+    """
+    stem = f"{weight}_{hidden_size}{'_moe' if use_moe else ''}"
+    save_dir = Path(save_dir)
+    return save_dir / f"{stem}.pth", save_dir / f"{stem}_resume.pth"
+
+
+def _unwrap(obj: Any) -> Any:
+    """The module a DDP / DataParallel / ``torch.compile`` wrapper holds, in any nesting order."""
+    while True:
+        if isinstance(obj, DistributedDataParallel | DataParallel):
+            obj = obj.module
+        elif isinstance(getattr(obj, "_orig_mod", None), torch.nn.Module):
+            obj = obj._orig_mod
+        else:
+            return obj
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _current_world_size() -> int:
+    """The torch.distributed world size when a process group is up, else 1."""
+    return dist.get_world_size() if _distributed() else 1
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy (global), torch CPU and every CUDA device's RNG state, as safe-to-load types.
+
+    NumPy's ``get_state()`` tuple holds an ndarray, which ``weights_only`` loading refuses; its
+    MT19937 key is stored as an int64 tensor instead, beside the plain-int/float rest.
+    """
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": str(name),
+            "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Undo :func:`capture_rng_state`; CUDA states only for devices this process has."""
+    if "python" in state:
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+    if "numpy" in state:
+        saved = state["numpy"]
+        key = np.asarray(torch.as_tensor(saved["key"]).cpu().numpy(), dtype=np.uint32)
+        rest = (saved["pos"], saved["has_gauss"], saved["cached_gaussian"])
+        np.random.set_state((saved["bit_generator"], key, *rest))
+    if "torch" in state:
+        # map_location="cuda" moves every tensor of the file, RNG states included.
+        torch.set_rng_state(state["torch"].cpu())
+    cuda_states = state.get("cuda") or []
+    if cuda_states and torch.cuda.is_available():
+        device_count = torch.cuda.device_count()
+        for device, device_state in enumerate(cuda_states[:device_count]):
+            torch.cuda.set_rng_state(device_state.cpu(), device)
+        if len(cuda_states) > device_count:
+            logger.info(
+                "checkpoint has RNG states for %d CUDA devices, this process sees %d; "
+                "the extra ones are ignored",
+                len(cuda_states),
+                device_count,
+            )
+
+
+def _cpu_state_dict(state_dict: Mapping[str, Any], *, half: bool) -> dict[str, Any]:
+    """``{k: v.cpu()}``, floating-point tensors also ``.half()``-ed when ``half`` (as MiniMind)."""
+    return {
+        key: (value.half() if half and value.is_floating_point() else value).detach().cpu()
+        if isinstance(value, torch.Tensor)
+        else value
+        for key, value in state_dict.items()
+    }
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    save_dir: str | Path,
+    weight: str,
+    hidden_size: int,
+    use_moe: bool = False,
+    epoch: int,
+    step: int,
+    scaler: Any | None = None,
+    scheduler: Any | None = None,
+    extra_state: Mapping[str, Any] | None = None,
+    wandb_id: str | None = None,
+) -> tuple[Path, Path]:
+    """Write the weights file and the resume file atomically; return ``(weights_path, resume_path)``.
+
+    The weights file is ``{name: tensor.half().cpu()}`` as in MiniMind, except that only
+    floating-point tensors are halved (halving an int or bool buffer would corrupt it). The resume
+    file is a dict, in this key order: ``model`` (training dtype, CPU), ``optimizer``, ``epoch``,
+    ``step`` (batches trained in ``epoch``), ``world_size``, ``wandb_id``, ``scaler`` and
+    ``scheduler`` (their state dicts, when given), ``rng`` (:func:`capture_rng_state`), then the
+    ``extra_state`` items: a value with ``state_dict()`` is stored as its state dict (DDP and
+    ``torch.compile`` wrappers unwrapped), anything else as is.
+
+    Under torch.distributed only rank 0 writes; every rank then waits at ``dist.barrier()`` so no
+    rank returns before the files are complete. ``model`` may be wrapped in DDP and/or
+    ``torch.compile``. Raises :class:`CheckpointKeyError` when ``extra_state`` uses a reserved key.
+    """
+    extra_state = dict(extra_state or {})
+    collisions = sorted(RESERVED_KEYS.intersection(extra_state))
+    if collisions:
+        raise CheckpointKeyError(
+            f"extra_state key {collisions[0]!r} collides with a key save_checkpoint writes itself "
+            f"(reserved: {', '.join(sorted(RESERVED_KEYS))}); rename it"
+        )
+    weights_path, resume_path = checkpoint_paths(save_dir, weight, hidden_size, use_moe)
+    try:
+        if not _distributed() or dist.get_rank() == 0:
+            weights_path.parent.mkdir(parents=True, exist_ok=True)
+            state_dict = _unwrap(model).state_dict()
+            with atomic_write(weights_path) as handle:
+                torch.save(_cpu_state_dict(state_dict, half=True), handle)
+            resume_data: dict[str, Any] = {
+                "model": _cpu_state_dict(state_dict, half=False),
+                "optimizer": optimizer.state_dict(),
+                "epoch": epoch,
+                "step": step,
+                "world_size": _current_world_size(),
+                "wandb_id": wandb_id,
+            }
+            if scaler is not None:
+                resume_data["scaler"] = scaler.state_dict()
+            if scheduler is not None:
+                resume_data["scheduler"] = scheduler.state_dict()
+            resume_data["rng"] = capture_rng_state()
+            for key, value in extra_state.items():
+                raw = _unwrap(value)
+                resume_data[key] = raw.state_dict() if hasattr(raw, "state_dict") else value
+            with atomic_write(resume_path) as handle:
+                torch.save(resume_data, handle)
+    finally:
+        # Also when rank 0's write fails: the other ranks must not hang; rank 0 then raises.
+        if _distributed():
+            dist.barrier()
+    return weights_path, resume_path
+
+
+def load_checkpoint(
+    save_dir: str | Path,
+    weight: str,
+    hidden_size: int,
+    use_moe: bool = False,
+    map_location: str | torch.device = "cpu",
+) -> dict[str, Any] | None:
+    """Load the resume file, or return ``None`` when there is none.
+
+    Loads with ``torch.load(weights_only=True)``: a file naming any class beyond tensors and plain
+    containers is refused with :class:`UnsafePickleError`, never loaded unsafely. When the saved
+    ``world_size`` (1 if absent, as in old MiniMind files) differs from the current one, ``step``
+    is rescaled to ``step * saved // current`` (MiniMind's rule: the same number of samples seen)
+    and ``world_size`` set to the current one; the change is logged at INFO on ``"ckpttool"``.
+    """
+    _, resume_path = checkpoint_paths(save_dir, weight, hidden_size, use_moe)
+    if not resume_path.exists():
+        return None
+    ckpt = _load_weights_only(resume_path, map_location)
+    if not isinstance(ckpt, dict):
+        raise LayoutError(
+            f"{resume_path} holds a {type(ckpt).__name__}, not a resume dict; "
+            f"see its layout with `ckpttool show {resume_path}`"
+        )
+    saved_world_size = ckpt.get("world_size", 1)
+    current_world_size = _current_world_size()
+    if saved_world_size != current_world_size:
+        saved_step = ckpt.get("step", 0)
+        ckpt["step"] = saved_step * saved_world_size // current_world_size
+        ckpt["world_size"] = current_world_size
+        logger.info(
+            "world_size changed %d -> %d: step %d -> %d",
+            saved_world_size,
+            current_world_size,
+            saved_step,
+            ckpt["step"],
+        )
+    return ckpt
+
+
+def _load_weights_only(path: Path, map_location: str | torch.device) -> Any:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        message = str(error)
+        # torch >= 2.4 says "GLOBAL mod.Name was not an allowed global", older "Unsupported class".
+        unsupported = re.search(r"(?:GLOBAL|Unsupported class) ([\w.]+)", message)
+        if unsupported:
+            raise UnsafePickleError(
+                f"{path} names {unsupported.group(1)}, which a weights-only load refuses; "
+                f"it was not loaded. Inspect it with `ckpttool scan {path}`, and if you trust "
+                f"it, re-save it with only tensors and plain containers"
+            ) from None
+        reason = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", message, re.DOTALL)
+        raise CorruptCheckpointError(
+            f"{path} is not a readable checkpoint ({reason.group(1) if reason else 'bad pickle'});"
+            f" it was not loaded. Inspect it with `ckpttool show {path}`"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as error:
+        # torch's messages go on with advice for torch.load's callers: keep the first sentence.
+        summary = str(error).strip().split(". ")[0].split("\n")[0] or type(error).__name__
+        raise CorruptCheckpointError(
+            f"{path} is truncated or corrupt ({summary}); inspect it with `ckpttool show {path}`"
+        ) from None
+
+
+def resume_training(
+    ckpt: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    scaler: Any | None = None,
+    scheduler: Any | None = None,
+    restore_rng: bool = True,
+) -> tuple[int, int]:
+    """Restore a loop's state from :func:`load_checkpoint`'s dict; return ``(start_epoch, start_step)``.
+
+    Restores the model (fp16 weights of MiniMind files are cast to the model's dtype by
+    ``load_state_dict``, which copies), the optimizer, then the scaler and scheduler when both the
+    checkpoint and the caller have one (a mismatch is logged as a warning: MiniMind files have no
+    scheduler), then the RNG state when ``restore_rng`` and the file has one. Call it after
+    building model, optimizer, scaler and scheduler and after any seeding, right before the loop.
+
+    Under DDP the file holds rank 0's RNG state; restoring it on every rank gives all ranks the
+    same dropout stream, so pass ``restore_rng=(rank == 0)`` there if that matters.
+    """
+    missing = [key for key in ("model", "optimizer", "epoch") if key not in ckpt]
+    if missing:
+        raise LayoutError(
+            f"not a resume checkpoint: no {', '.join(map(repr, missing))} key "
+            f"(keys: {', '.join(map(str, ckpt))})"
+        )
+    _unwrap(model).load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    for key, target in (("scaler", scaler), ("scheduler", scheduler)):
+        _restore_optional(ckpt, key, target)
+    if restore_rng and "rng" in ckpt:
+        restore_rng_state(ckpt["rng"])
+    return int(ckpt["epoch"]), int(ckpt.get("step", 0))
+
+
+def _restore_optional(ckpt: Mapping[str, Any], key: str, target: Any | None) -> None:
+    if target is None:
+        if key in ckpt:
+            logger.warning("checkpoint has %s state but no %s was passed; not restored", key, key)
+        return
+    if key not in ckpt:
+        logger.warning("checkpoint has no %s state; the %s passed starts fresh", key, key)
+        return
+    state = ckpt[key]
+    is_enabled = getattr(target, "is_enabled", None)
+    if not state and callable(is_enabled) and is_enabled():
+        # A disabled GradScaler (MiniMind with bf16) saves {}; an enabled one cannot load that.
+        logger.warning("checkpoint's %s state is empty (saved disabled); %s starts fresh", key, key)
+        return
+    target.load_state_dict(state)
+
+
+class _SizedIndices(Protocol):
+    def __iter__(self) -> Iterator[int]: ...
+    def __len__(self) -> int: ...
+
+
+class SkipBatchSampler(Sampler[list[int]]):
+    """Batch ``sampler``'s indices and drop the first ``skip_batches`` full batches (MiniMind's).
+
+    The trailing partial batch is yielded only when all ``skip_batches`` were skipped, so a skip
+    covering the whole epoch yields nothing. Only indices are iterated; the dataset is never read.
+
+    >>> list(SkipBatchSampler(range(10), 3, skip_batches=2))
+    [[6, 7, 8], [9]]
+    """
+
+    def __init__(self, sampler: _SizedIndices, batch_size: int, skip_batches: int = 0) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if skip_batches < 0:
+            raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.skip_batches = skip_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch: list[int] = []
+        skipped = 0
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) == self.batch_size:
+                if skipped < self.skip_batches:
+                    skipped += 1
+                else:
+                    yield batch
+                batch = []
+        if batch and skipped >= self.skip_batches:
+            yield batch
+
+    def __len__(self) -> int:
+        # A partial batch is yielded iff skip <= full batches, which this formula also counts.
+        return max(0, math.ceil(len(self.sampler) / self.batch_size) - self.skip_batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward to the wrapped sampler (e.g. ``DistributedSampler``) when it has ``set_epoch``."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
