@@ -1,0 +1,194 @@
+"""Which tensor of A is compared with which of B, and which fields differ (metadata only).
+
+Split from :mod:`ckpttool.diff` because matching has rules of its own (docs_diff.md):
+
+* keys are compared relative to the chosen section, with prefixes removed;
+* a key present on one side only is matched with a tensor the other side stores under another
+  name when (1) that side's safetensors ``__metadata__`` declares it an alias, as ckpttool's
+  ``"ckpttool.aliases"`` JSON object ``{alias: stored}`` (what ``convert`` writes) or as
+  ``safetensors.torch.save_model``'s one ``{alias: stored}`` entry per alias; or (2) on its own
+  side it is *tied* to a key both sides have (same storage, offset, shape, stride and dtype),
+  as when a file dropped the tied duplicate without saying so (Hugging Face). Two separate
+  copies are not a tie: without metadata they stay "only in A".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckpttool.keys import Selection, strip_prefixes
+from ckpttool.layout import scalar_fields
+from ckpttool.reader import Checkpoint
+from ckpttool.records import TensorRecord
+
+#: safetensors ``__metadata__`` key under which ``convert`` records dropped tied tensors.
+ALIASES_KEY = "ckpttool.aliases"
+#: safetensors ``__metadata__`` keys where ``convert`` records provenance (not compared).
+PROVENANCE_KEYS = ("ckpttool.source", "ckpttool.version")
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A key one side lacks, matched with a tensor that side stores under another name."""
+
+    side: str  # "a" or "b": the side without the key
+    stored_as: str  # the key (as compared) of the tensor it was matched with on that side
+    rule: str  # "metadata" or "shared_storage"
+
+
+@dataclass(frozen=True)
+class FieldDiff:
+    """A scalar or string field whose value differs (or that only one side has)."""
+
+    key: str  # dotted path below the compared subtree ("step", "optimizer.param_groups.0.lr")
+    status: str  # "changed", "only_a" or "only_b"
+    a: Any  # None when status is "only_b"
+    b: Any  # None when status is "only_a"
+
+
+@dataclass(frozen=True)
+class TensorPair:
+    key: str  # normalised key
+    a: TensorRecord | None
+    b: TensorRecord | None
+    alias: Alias | None = None
+
+
+def described_metadata(ckpt: Checkpoint) -> dict[str, Any]:
+    """The ``__metadata__`` entries compared as fields. Not alias declarations (either
+    convention: they are resolved as tensors) nor provenance (which file and ckpttool version
+    ``convert`` wrote it from), so that the same tensors saved two ways compare equal."""
+    names = {record.key for record in ckpt.tensors()}
+    kept = {
+        key: value
+        for key, value in ckpt.metadata.items()
+        if key not in (ALIASES_KEY, *PROVENANCE_KEYS) and not (key not in names and value in names)
+    }
+    return {"__metadata__": kept}
+
+
+def _normalised(key: str, section: str | None, prefixes: Sequence[str]) -> str:
+    if section and key.startswith(section + "."):
+        key = key[len(section) + 1 :]
+    return strip_prefixes(key, prefixes)
+
+
+def metadata_aliases(
+    ckpt: Checkpoint, selection: Selection, prefixes: Sequence[str], label: str, notes: list[str]
+) -> dict[str, str]:
+    """alias -> stored key, both as compared, from a safetensors file's ``__metadata__``."""
+    stored = {record.key for record in selection.tensors.values()}
+    declared: dict[str, str] = {}
+    text = ckpt.metadata.get(ALIASES_KEY)
+    if text is not None:
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in parsed.items()
+        ):
+            declared.update(parsed)
+        else:
+            notes.append(f"{label}: ignoring {ALIASES_KEY!r} metadata: not a JSON object of names")
+    for name, target in ckpt.metadata.items():  # safetensors.torch.save_model's convention
+        if name != ALIASES_KEY and name not in stored and target in stored:
+            declared.setdefault(name, target)
+    section = selection.section
+    return {
+        _normalised(name, section, prefixes): _normalised(target, section, prefixes)
+        for name, target in declared.items()
+        if target in stored
+    }
+
+
+def _view(record: TensorRecord) -> tuple[Any, ...] | None:
+    """Identity of the exact view a record is: two keys with the same view are tied."""
+    if record.storage is None or record.inline_data is not None:
+        return None
+    return (record.storage, record.storage_offset, record.shape, record.stride, record.dtype)
+
+
+def _find_alias(
+    key: str,
+    own: dict[str, TensorRecord],
+    other: dict[str, TensorRecord],
+    other_aliases: dict[str, str],
+    other_label: str,
+) -> tuple[TensorRecord, Alias] | None:
+    """Match ``key`` (present in ``own`` only) with a tensor ``other`` stores under another name."""
+    target = other_aliases.get(key)
+    if target is not None and target in other:
+        return other[target], Alias(other_label, target, "metadata")
+    view = _view(own[key])
+    if view is None:
+        return None
+    for name, record in own.items():
+        if name != key and name in other and _view(record) == view:
+            return other[name], Alias(other_label, name, "shared_storage")
+    return None
+
+
+def match_tensors(
+    tensors_a: dict[str, TensorRecord],
+    tensors_b: dict[str, TensorRecord],
+    aliases_a: dict[str, str] | None = None,
+    aliases_b: dict[str, str] | None = None,
+) -> list[TensorPair]:
+    """Pair tensors by key, resolving aliases; A's order, then B's keys that A lacks."""
+    pairs: list[TensorPair] = []
+    for key, record in tensors_a.items():
+        if key in tensors_b:
+            pairs.append(TensorPair(key, record, tensors_b[key]))
+            continue
+        found = _find_alias(key, tensors_a, tensors_b, aliases_b or {}, "b")
+        if found is None:
+            pairs.append(TensorPair(key, record, None))
+        else:
+            pairs.append(TensorPair(key, record, found[0], found[1]))
+    for key, record in tensors_b.items():
+        if key in tensors_a:
+            continue
+        found = _find_alias(key, tensors_b, tensors_a, aliases_a or {}, "a")
+        if found is None:
+            pairs.append(TensorPair(key, None, record))
+        else:
+            pairs.append(TensorPair(key, found[0], record, found[1]))
+    return pairs
+
+
+def alias_note(pair: TensorPair) -> str:
+    alias = pair.alias
+    assert alias is not None
+    lacking, having = ("B", "A") if alias.side == "b" else ("A", "B")
+    if alias.rule == "metadata":
+        why = f"{lacking}'s metadata names it an alias of {alias.stored_as!r}"
+    else:
+        why = f"{having} ties it to {alias.stored_as!r} (shared storage)"
+    return f"{lacking} has no {pair.key!r}: {why}, so it was compared with that tensor"
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equal values of the same type (1 and 1.0 differ; NaN equals NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
+
+
+def compare_fields(node_a: Any, node_b: Any) -> list[FieldDiff]:
+    """Scalar and string fields that differ between two subtrees (RNG state runs skipped)."""
+    fields_a, fields_b = scalar_fields(node_a), scalar_fields(node_b)
+    out: list[FieldDiff] = []
+    for key, value in fields_a.items():
+        if key not in fields_b:
+            out.append(FieldDiff(key, "only_a", value, None))
+        elif not same_value(value, fields_b[key]):
+            out.append(FieldDiff(key, "changed", value, fields_b[key]))
+    out.extend(FieldDiff(k, "only_b", None, v) for k, v in fields_b.items() if k not in fields_a)
+    return out

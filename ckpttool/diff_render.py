@@ -1,0 +1,175 @@
+"""Rendering a :class:`~ckpttool.diff.DiffReport`: the human table and the JSON document.
+
+The JSON schema is a contract (docs_diff.md documents it, tests/cli/test_diff.py checks it):
+change it only by adding keys. tabulate and ckpttool.render are imported only when there is
+something to render with them: two equal files print one line, fast (``diff --quick``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ckpttool.diff import (
+    DIFFER,
+    IDENTICAL,
+    ONLY_A,
+    ONLY_B,
+    WITHIN_TOLERANCE,
+    DiffReport,
+    FieldDiff,
+    Side,
+    TensorDiff,
+)
+from ckpttool.diff_values import ValueDiff
+from ckpttool.records import TensorRecord
+
+SCHEMA_VERSION = 1
+
+STATUS_TEXT = {
+    IDENTICAL: "identical",
+    WITHIN_TOLERANCE: "within tolerance",
+    DIFFER: "differ",
+    ONLY_A: "only in A",
+    ONLY_B: "only in B",
+}
+HEADERS = ["key", "status", "A", "B", "max abs diff", "max rel diff", "mismatched", "notes"]
+
+
+def field_line(entry: FieldDiff) -> str:
+    """``key: A -> B``; a side without the field shows ``(absent)``."""
+    from ckpttool.render import short
+
+    a = "(absent)" if entry.status == ONLY_B else short(entry.a, 40)
+    b = "(absent)" if entry.status == ONLY_A else short(entry.b, 40)
+    return f"{entry.key}: {a} -> {b}"
+
+
+def render_diff(report: DiffReport, *, show_all: bool = False) -> str:
+    """Field changes, then a table of the tensors that differ (all with ``show_all``), then
+    the one-line summary."""
+    lines = [field_line(entry) for entry in report.fields]
+    rows = [_row(entry) for entry in report.tensors if show_all or entry.status != IDENTICAL]
+    if rows:
+        from tabulate import tabulate
+
+        if lines:
+            lines.append("")
+        lines.append(tabulate(rows, headers=HEADERS, disable_numparse=True))
+    if lines:
+        lines.append("")
+    lines.append(report.summary())
+    return "\n".join(lines)
+
+
+def _row(entry: TensorDiff) -> list[str]:
+    values = entry.values
+    notes = list(entry.changes)
+    if entry.alias is not None:
+        side = entry.alias.side.upper()
+        notes.append(f"{side} stores it as {entry.alias.stored_as} ({entry.alias.rule})")
+    return [
+        entry.key,
+        STATUS_TEXT[entry.status],
+        _describe(entry.a),
+        _describe(entry.b),
+        _number(values.max_abs_diff) if values and not values.bitwise_equal else "",
+        _number(values.max_rel_diff) if values and not values.bitwise_equal else "",
+        _mismatched(values) if values and not values.bitwise_equal else "",
+        "; ".join(notes),
+    ]
+
+
+def _describe(record: TensorRecord | None) -> str:
+    return "-" if record is None else f"{record.dtype} {list(record.shape)}"
+
+
+def _number(value: float | None) -> str:
+    return "?" if value is None else f"{value:.4g}"
+
+
+def _mismatched(values: ValueDiff) -> str:
+    return f"{values.mismatched}/{values.numel} ({100 * values.mismatch_fraction:.3g}%)"
+
+
+def _json_number(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return str(value)  # "inf" / "nan": JSON has no infinity
+
+
+def side_json(side: Side) -> dict[str, Any]:
+    return {
+        "path": side.path,
+        "format": side.format,
+        "layout": side.layout,
+        "section": side.section,
+        "auto_section": side.auto_section,
+        "num_tensors": side.num_tensors,
+    }
+
+
+def tensor_json(entry: TensorDiff) -> dict[str, Any]:
+    def record_json(record: TensorRecord | None) -> dict[str, Any] | None:
+        if record is None:
+            return None
+        return {"key": record.key, "dtype": record.dtype, "shape": list(record.shape)}
+
+    values = None
+    if entry.values is not None:
+        v = entry.values
+        sides = {"a": entry.a, "b": entry.b}
+        cast = {
+            name: f"{record.dtype} -> {v.compared_as}"
+            for name, record in sides.items()
+            if record is not None and record.dtype != v.compared_as
+        }
+        values = {
+            "compared_as": v.compared_as,
+            "cast": cast or None,
+            "bitwise_equal": v.bitwise_equal,
+            "numel": v.numel,
+            "mismatched": v.mismatched,
+            "mismatch_fraction": v.mismatch_fraction,
+            "max_abs_diff": _json_number(v.max_abs_diff),
+            "max_rel_diff": _json_number(v.max_rel_diff),
+            "nan_positions_differ": v.nan_positions_differ,
+            "inf_positions_differ": v.inf_positions_differ,
+        }
+    alias = None
+    if entry.alias is not None:
+        alias = {
+            "side": entry.alias.side,
+            "stored_as": entry.alias.stored_as,
+            "rule": entry.alias.rule,
+        }
+    return {
+        "key": entry.key,
+        "status": entry.status,
+        "a": record_json(entry.a),
+        "b": record_json(entry.b),
+        "alias": alias,
+        "changes": list(entry.changes),
+        "values": values,
+    }
+
+
+def diff_json(report: DiffReport) -> dict[str, Any]:
+    from ckpttool.render import plain
+
+    return {
+        "schema": SCHEMA_VERSION,
+        "a": side_json(report.a),
+        "b": side_json(report.b),
+        "rtol": report.rtol,
+        "atol": report.atol,
+        "quick": report.quick,
+        "equal": report.equal,
+        "summary": report.counts(),
+        "notes": report.notes,
+        "fields": [
+            {"key": f.key, "status": f.status, "a": plain(f.a), "b": plain(f.b)}
+            for f in report.fields
+        ],
+        "tensors": [tensor_json(entry) for entry in report.tensors],
+    }
