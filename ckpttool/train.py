@@ -197,6 +197,7 @@ def save_checkpoint(
             f"(reserved: {', '.join(sorted(RESERVED_KEYS))}); rename it"
         )
     weights_path, resume_path = checkpoint_paths(save_dir, weight, hidden_size, use_moe)
+    written = False
     try:
         if not _distributed() or dist.get_rank() == 0:
             weights_path.parent.mkdir(parents=True, exist_ok=True)
@@ -221,11 +222,25 @@ def save_checkpoint(
                 resume_data[key] = raw.state_dict() if hasattr(raw, "state_dict") else value
             with atomic_write(resume_path) as handle:
                 torch.save(resume_data, handle)
+        written = True
     finally:
-        # Also when rank 0's write fails: the other ranks must not hang; rank 0 then raises.
+        # Also when rank 0's write fails: the other ranks must not hang, and must not carry on
+        # as if the files were there.
         if _distributed():
-            dist.barrier()
+            _agree_on_write(written)
     return weights_path, resume_path
+
+
+def _agree_on_write(written: bool) -> None:
+    """Wait for rank 0's write; every other rank raises if it failed (rank 0 raises its own)."""
+    dist.barrier()
+    outcome = [written]
+    dist.broadcast_object_list(outcome, src=0)
+    if not outcome[0] and dist.get_rank() != 0:
+        raise CorruptCheckpointError(
+            "rank 0 failed to write the checkpoint (its own error says why); "
+            "the files on disk are the previous ones"
+        )
 
 
 def load_checkpoint(

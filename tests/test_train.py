@@ -356,6 +356,7 @@ def test_only_rank_zero_writes_and_every_rank_waits(
     monkeypatch.setattr(ckpttool.train, "_current_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_rank", lambda: rank)
     monkeypatch.setattr(dist, "barrier", barrier)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda items, src: None)  # rank 0: wrote
     model, optimizer = make_training()
     paths = save(model, optimizer, tmp_path / "ckpts")
     assert paths == checkpoint_paths(tmp_path / "ckpts", "pretrain", 4)
@@ -404,11 +405,34 @@ def test_rank_zero_still_reaches_the_barrier_when_its_write_fails(
     monkeypatch.setattr(ckpttool.train, "_current_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "barrier", barrier)
+    shared: list[list[bool]] = []
+    monkeypatch.setattr(
+        dist, "broadcast_object_list", lambda items, src: shared.append(list(items))
+    )
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("no space")))
     model, optimizer = make_training()
     with pytest.raises(OSError, match="no space"):
         save(model, optimizer, tmp_path)
     assert barrier.calls == 1  # the other ranks are released, not left hanging
+    assert shared == [[False]]  # ... and told that the write failed
+
+
+def test_other_ranks_raise_when_rank_zero_failed_to_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def rank_zero_says_it_failed(items: list[bool], src: int) -> None:
+        assert src == 0
+        items[0] = False
+
+    monkeypatch.setattr(ckpttool.train, "_distributed", lambda: True)
+    monkeypatch.setattr(ckpttool.train, "_current_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "barrier", FakeBarrier())
+    monkeypatch.setattr(dist, "broadcast_object_list", rank_zero_says_it_failed)
+    model, optimizer = make_training()
+    with pytest.raises(CorruptCheckpointError, match="rank 0 failed to write the checkpoint"):
+        save(model, optimizer, tmp_path)
+    assert list(tmp_path.iterdir()) == []  # rank 1 wrote nothing either
 
 
 # --- load_checkpoint -------------------------------------------------------------------------
