@@ -49,6 +49,13 @@ def main() -> None:
     cli(prog_name="ckpttool")
 
 
+def _input_bytes(path: str) -> int:
+    """Bytes a check reads: a file's size, or the files of a directory checkpoint (DCP)."""
+    if os.path.isdir(path):
+        return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+    return os.path.getsize(path) if os.path.isfile(path) else 0
+
+
 def _echo_json(data: object) -> None:
     import json
 
@@ -74,8 +81,9 @@ def show(
 ) -> None:
     """Describe a checkpoint without loading it and without running its pickle.
 
-    Reads torch.save files (zip and legacy), safetensors and plain pickles. Tensor bytes are
-    read only with --stats.
+    Reads torch.save files (zip and legacy), safetensors, plain pickles and
+    torch.distributed.checkpoint directories (global shapes, chunks and their rank files).
+    Tensor bytes are read only with --stats.
 
     \b
     Examples:
@@ -83,6 +91,7 @@ def show(
       ckpttool show out/pretrain_768.pth --filter '*layers.0.*' --stats
       ckpttool show ckpt.pth --section optimizer --json
       ckpttool show ckpt.pth --tree --depth 2
+      ckpttool show checkpoints/step_1200/    # a DCP directory
     """
     from ckpttool import render
     from ckpttool.reader import open_checkpoint
@@ -142,8 +151,9 @@ def diff_command(
 ) -> None:
     """Compare two checkpoints: tensors, dtypes, shapes, values, and training fields.
 
-    Any two files ckpttool reads (torch zip, legacy, safetensors). A resume file against a plain
-    state dict compares the resume file's model. Values are streamed one tensor pair at a time.
+    Any two inputs ckpttool reads (torch zip, legacy, safetensors, DCP directories). A resume
+    file against a plain state dict compares the resume file's model. Values are streamed one
+    tensor pair at a time.
     Exits 0 when equal within tolerance, 1 when they differ, 2 on error.
 
     \b
@@ -152,6 +162,7 @@ def diff_command(
       ckpttool diff run1/ckpt.pth run2/ckpt.pth --rtol 1e-3 --all
       ckpttool diff ddp.pth model.safetensors --ignore-wrappers
       ckpttool diff a_resume.pth b_resume.pth --quick --json
+      ckpttool diff checkpoints/step_1200/ model.safetensors
     """
     from ckpttool.diff import open_side, plan_diff, run_diff
     from ckpttool.diff_render import diff_json, render_diff
@@ -295,7 +306,8 @@ def convert_command(
     """Convert weights to safetensors (or a plain .pth) and verify the result bit for bit.
 
     SRC may be a weights file, a resume checkpoint (its model), a Lightning .ckpt (its
-    state_dict), a legacy torch file or a safetensors file. DST defaults to SRC with a
+    state_dict), a legacy torch file, a safetensors file or a torch.distributed.checkpoint
+    directory (its shards assembled tensor by tensor). DST defaults to SRC with a
     .safetensors suffix. Tied tensors are stored once, their names kept in __metadata__. The
     output is written atomically and read back before it replaces anything.
 
@@ -306,6 +318,7 @@ def convert_command(
       ckpttool convert model.safetensors model.pth
       ckpttool convert ddp.pth --ignore-wrappers --filter 'model.layers.*'
       ckpttool convert big.pth shards/ --max-shard-size 2GB
+      ckpttool convert checkpoints/step_1200/ model.safetensors
     """
     from ckpttool.convert import convert
     from ckpttool.convert_render import report_json, report_lines
@@ -335,20 +348,22 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
 
     Zip structure (central directory vs local headers, CRC-32 of every record, duplicate
     names, truncation), every storage's size against the pickle's claims, every tensor's
-    extent, safetensors header rules, legacy storage sizes; temp files left next to the file by
-    an interrupted save.
+    extent, safetensors header rules, legacy storage sizes; for a torch.distributed.checkpoint
+    directory, every rank file present and of the right size and every chunk's archive; temp
+    files left next to the file by an interrupted save.
 
     \b
     Examples:
       ckpttool verify checkpoints/pretrain_768_resume.pth
       ckpttool verify out/*.pth --values --json
+      ckpttool verify checkpoints/step_1200/
     """
     from ckpttool.errors import EXIT_FOUND
     from ckpttool.progress import Progress
     from ckpttool.render_checks import verify_json, verify_lines
     from ckpttool.verify import verify
 
-    total = sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
+    total = sum(_input_bytes(p) for p in paths)
     with Progress(total, "verify") as bar:
         results = verify(paths, values=values, progress=bar.advance)
     if as_json:

@@ -113,9 +113,28 @@ def _view(record: TensorRecord) -> tuple[Any, ...] | None:
     return (record.storage, record.storage_offset, record.shape, record.stride, record.dtype)
 
 
+def _views(
+    own: dict[str, TensorRecord], other: dict[str, TensorRecord]
+) -> dict[tuple[Any, ...], list[str]]:
+    """Per exact view, the first two of ``own``'s names (file order) that ``other`` also has.
+
+    Two suffice (a key is never its own alias), and building it once keeps matching linear:
+    a hostile file can hang thousands of names on one view.
+    """
+    index: dict[tuple[Any, ...], list[str]] = {}
+    for name, record in own.items():
+        view = _view(record)
+        if view is not None and name in other:
+            names = index.setdefault(view, [])
+            if len(names) < 2:
+                names.append(name)
+    return index
+
+
 def _find_alias(
     key: str,
     own: dict[str, TensorRecord],
+    own_views: dict[tuple[Any, ...], list[str]],
     other: dict[str, TensorRecord],
     other_aliases: dict[str, str],
     other_label: str,
@@ -127,8 +146,8 @@ def _find_alias(
     view = _view(own[key])
     if view is None:
         return None
-    for name, record in own.items():
-        if name != key and name in other and _view(record) == view:
+    for name in own_views.get(view, ()):
+        if name != key:
             return other[name], Alias(other_label, name, "shared_storage")
     return None
 
@@ -141,11 +160,12 @@ def match_tensors(
 ) -> list[TensorPair]:
     """Pair tensors by key, resolving aliases; A's order, then B's keys that A lacks."""
     pairs: list[TensorPair] = []
+    views_a, views_b = _views(tensors_a, tensors_b), _views(tensors_b, tensors_a)
     for key, record in tensors_a.items():
         if key in tensors_b:
             pairs.append(TensorPair(key, record, tensors_b[key]))
             continue
-        found = _find_alias(key, tensors_a, tensors_b, aliases_b or {}, "b")
+        found = _find_alias(key, tensors_a, views_a, tensors_b, aliases_b or {}, "b")
         if found is None:
             pairs.append(TensorPair(key, record, None))
         else:
@@ -153,7 +173,7 @@ def match_tensors(
     for key, record in tensors_b.items():
         if key in tensors_a:
             continue
-        found = _find_alias(key, tensors_b, tensors_a, aliases_a or {}, "a")
+        found = _find_alias(key, tensors_b, views_b, tensors_a, aliases_a or {}, "a")
         if found is None:
             pairs.append(TensorPair(key, None, record))
         else:

@@ -15,7 +15,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
-from ckpttool.records import ITEMSIZE, GlobalRef, OpaqueObject, StorageRecord, TensorRecord
+from ckpttool.records import (
+    ITEMSIZE,
+    GlobalRef,
+    OpaqueObject,
+    StorageRecord,
+    TensorRecord,
+    fits_int64,
+    numel_fits_int64,
+)
 
 if TYPE_CHECKING:
     from ckpttool.pickle_safe import SafeUnpickler
@@ -46,6 +54,7 @@ _DANGEROUS_MODULES = frozenset(
         "codeop",
         "pdb",
         "bdb",
+        "pydoc",  # pydoc.pipepager(text, cmd) runs a shell: a known block-list bypass
         "webbrowser",
         "multiprocessing",
         "asyncio",
@@ -200,6 +209,8 @@ def classify_global(module: str, name: str) -> str:
     qualname = f"{module}.{name}"
     if qualname in _EMULATED or qualname in _TORCH_DTYPE_GLOBALS or _is_storage_class(qualname):
         return "safe"
+    if qualname in _DATA_RECORDS:
+        return "safe"
     root = module.split(".")[0]
     if (
         qualname in _DANGEROUS_NAMES
@@ -210,6 +221,21 @@ def classify_global(module: str, name: str) -> str:
         return "dangerous"
     return "unknown"
 
+
+# What a torch.distributed.checkpoint ``.metadata`` pickle names: dataclasses of plain fields,
+# a layout lookup, an enum, a path; and the BytesIO that DCP users store values as (its state
+# is its bytes; the rest of ``io`` stays dangerous). Known data records, classed "safe" for
+# ``scan``; like any class they are never imported or called here: each becomes an
+# OpaqueObject with its state, which :mod:`ckpttool.formats.dcp_metadata` interprets.
+_DCP = "torch.distributed.checkpoint"
+_DATA_RECORDS = frozenset(
+    {f"{_DCP}.metadata.{name}" for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )}
+    | {f"{_DCP}.filesystem._StorageInfo", "torch.serialization._get_layout"}
+    | {"pathlib.PosixPath", "pathlib.WindowsPath", "_io.BytesIO", "io.BytesIO"}
+)  # fmt: skip
 
 _SAFE_BUILTIN_NAMES = frozenset(
     {"set", "frozenset", "bytearray", "slice", "complex", "range", "bytes", "int", "float",
@@ -333,9 +359,11 @@ def _tensor(
     if not (isinstance(offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)):
         raise ValueError("tensor with malformed offset/size/stride")
     if len(size) != len(stride) or not all(isinstance(v, int) and v >= 0 for v in size + stride):
-        raise ValueError(f"tensor with malformed shape {size} / stride {stride}")
+        raise ValueError(f"tensor with a malformed shape or stride ({len(size)}/{len(stride)})")
     if offset < 0:
         raise ValueError("tensor with a negative storage offset")
+    if not (numel_fits_int64(size) and fits_int64(*stride, offset)):
+        raise ValueError("tensor sizes beyond torch's int64 range")
     return TensorRecord("", dtype, size, stride, offset, storage, bool(requires_grad))
 
 

@@ -39,10 +39,18 @@ from ckpttool.pickle_policy import (
     _TorchDtype,
     classify_global,
 )
-from ckpttool.records import GlobalRef, OpaqueObject
+from ckpttool.records import GlobalRef, OpaqueObject, TensorRecord
 
 MAX_DEPTH = 200  # nesting of containers; real checkpoints stay under 20
 MAX_NODES = 20_000_000  # nodes of the fully expanded tree (shared references counted each time)
+# Every object a pickle creates costs it bytes; what it refers to again (memo GET, DUP) is
+# free, and every consumer (show's table, --json, diff) then expands it once per reference: a
+# 3 KB "billion laughs" list became 19 million nodes, a 1.4 KB file 100,000 tensors. Real
+# checkpoints refer again to little (a tied weight, a shared config dict), so the nodes reached
+# a second time are bounded by REUSE_BASE + (pickle bytes) // REUSE_BYTES. Strings and bytes
+# weigh one node per 64 bytes, so a large string referred to 10,000 times counts as such.
+REUSE_BASE = 10_000
+REUSE_BYTES = 16
 MAX_SECONDS = 60.0
 MAX_STACK = 1_000_000  # wall-clock budget for one pickle
 
@@ -96,6 +104,10 @@ class SafeUnpickler:
         track_spans: bool = False,
     ) -> None:
         self.data = memoryview(data)
+        # text opcodes search for their newline in the bytes themselves (memoryview has no
+        # find); copying a window per line made protocol-0 pickles quadratic to read
+        self.raw = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        self.start = start
         self.pos = start
         self.persistent_load = persistent_load
         self.refuse_dangerous = refuse_dangerous
@@ -119,13 +131,13 @@ class SafeUnpickler:
         return chunk
 
     def _line(self) -> bytes:
-        end = bytes(self.data[self.pos : self.pos + 65536]).find(b"\n")
+        end = self.raw.find(b"\n", self.pos, self.pos + 65536)
         if end < 0:
             if len(self.data) - self.pos < 65536:
                 raise TruncatedPickleError("pickle truncated inside a text line")
             raise _bad(self.pos, "unterminated text line")
-        line = bytes(self.data[self.pos : self.pos + end])
-        self.pos += end + 1
+        line = bytes(self.raw[self.pos : end])
+        self.pos = end + 1
         return line
 
     def _u(self, fmt: str, n: int) -> int:
@@ -230,7 +242,8 @@ class SafeUnpickler:
                 if len(self.stack) > MAX_STACK:
                     raise ResourceLimitError(f"pickle stack grows past {MAX_STACK:,} items")
         try:
-            self.result.root = finalize(self.result.root)
+            reuse = REUSE_BASE + (self.pos - self.start) // REUSE_BYTES
+            self.result.root = finalize(self.result.root, max_reuse=reuse)
         except (TypeError, ValueError, RecursionError) as error:
             raise _bad(self.pos, f"{type(error).__name__}: {error}") from None
         self.result.end = self.pos
@@ -570,6 +583,22 @@ def _str_of(n_reader: Callable[[SafeUnpickler], int]) -> Callable[[SafeUnpickler
     return lambda u: str(u._take(n_reader(u)), "utf-8", "surrogatepass")
 
 
+#: Python refuses to print integers of more than 4,300 digits (a guard against quadratic
+#: conversion); a LONG4 holding one would make every renderer fail. No checkpoint has one.
+MAX_LONG_BYTES = 1785  # 8 x 1785 bits < 10**4300
+
+
+def _long4(u: SafeUnpickler) -> int:
+    pos = u.pos - 1
+    length = u._u("<i", 4)
+    if length > MAX_LONG_BYTES:
+        raise ResourceLimitError(
+            f"the pickle holds an integer of {length:,} bytes at byte {pos} (over 4,300 "
+            "decimal digits); no checkpoint needs one"
+        )
+    return int.from_bytes(u._take(length), "little", signed=True)
+
+
 def _n(fmt: str, size: int) -> Callable[[SafeUnpickler], int]:
     """A reader of one fixed-size little-endian integer argument (the hot path of parsing)."""
     signed = fmt[-1].islower()
@@ -604,7 +633,7 @@ _DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
     ord("M"): _push_read(_n("<H", 2)),
     ord("L"): _push_read(_read_long_text),
     0x8A: _push_read(lambda u: int.from_bytes(u._take(u._u("<B", 1)), "little", signed=True)),
-    0x8B: _push_read(lambda u: int.from_bytes(u._take(u._u("<i", 4)), "little", signed=True)),
+    0x8B: _push_read(lambda u: _long4(u)),
     ord("F"): _push_read(lambda u: float(u._line())),
     ord("G"): _push_read(lambda u: float(struct.unpack(">d", u._take(8))[0])),
     ord("S"): _push_read(_read_string_text),
@@ -663,10 +692,25 @@ _DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
 # Finalisation: replace internal placeholders, refuse cycles, bound depth and expanded size.
 
 
-def finalize(root: Any) -> Any:
+def _weight(leaf: Any) -> int:
+    return 1 + len(leaf) // 64 if isinstance(leaf, (str, bytes, bytearray)) else 1
+
+
+def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) -> Any:
     done: dict[int, Any] = {}
     sizes: dict[int, int] = {}
     on_path: set[int] = set()
+    leaves_seen: set[int] = set()  # ids of tensors and long strings met so far
+    reused = 0  # weight of the nodes reached again through a shared reference
+
+    def reuse(weight: int) -> None:
+        nonlocal reused
+        reused += weight
+        if reused > max_reuse:
+            raise ResourceLimitError(
+                f"the pickle refers to the same objects over and over: expanded, its shared "
+                f"references exceed {max_reuse:,} objects (a reference bomb)"
+            )
 
     def visit(node: Any, depth: int) -> tuple[Any, int]:
         if depth > MAX_DEPTH:
@@ -678,9 +722,15 @@ def finalize(root: Any) -> Any:
         elif isinstance(node, _TorchDtype):
             return str(node), 1
         if not isinstance(node, (dict, list, tuple, set, frozenset, OpaqueObject)):
-            return node, 1
+            weight = _weight(node)
+            if weight > 1 or isinstance(node, TensorRecord):
+                if id(node) in leaves_seen:
+                    reuse(weight)
+                leaves_seen.add(id(node))
+            return node, weight
         key = id(node)
         if key in done:
+            reuse(sizes[key])
             return done[key], sizes[key]
         if key in on_path:
             raise CorruptCheckpointError(
@@ -709,9 +759,9 @@ def finalize(root: Any) -> Any:
             out.dictitems = items
             out.listitems, s4 = visit(node.listitems, depth + 1)
             total += s1 + s2 + s3 + s4
-        if total > MAX_NODES:
+        if total > max_nodes:
             raise ResourceLimitError(
-                f"the pickle expands to over {MAX_NODES:,} objects (a reference bomb)"
+                f"the pickle expands to over {max_nodes:,} objects (a reference bomb)"
             )
         on_path.discard(key)
         done[key] = out

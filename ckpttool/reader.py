@@ -5,6 +5,10 @@ Every command reads through here. Opening a file recognises its format, walks it
 tree with tensors as :class:`~ckpttool.records.TensorRecord` s. No tensor bytes are read;
 :meth:`Checkpoint.read_bytes` reads exactly the bytes a value needs when a command asks, with
 ``pread`` on the open file (never the whole file). torch is not imported.
+
+A torch.distributed.checkpoint directory (``.metadata`` plus one data file per rank) opens the
+same way, as one checkpoint: :mod:`ckpttool.formats.dcp` gives each tensor its global shape and
+assembles its bytes from the chunks on read.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError, InputError, NotACheckpointError
-from ckpttool.formats.base import Parsed
+from ckpttool.formats.base import Parsed, read_at
+from ckpttool.formats.dcp import METADATA, is_dcp_directory, read_dcp
+from ckpttool.formats.dcp import data_size as dcp_size
 from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
 from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_growing, read_torch_legacy
 from ckpttool.formats.torch_zip import read_torch_zip
@@ -67,20 +73,25 @@ class Checkpoint:
             return record.inline_data, record.storage_offset
         if record.storage is None:
             raise InputError(f"{record.key}: a meta tensor has no values")
-        offset, length = self.storage_span(record.storage)
         itemsize = record.itemsize
         first = record.storage_offset * itemsize
         stop = record.extent * itemsize
+        if self._parsed.read is not None:  # not one span of one file: DCP's chunks
+            if stop > record.storage.nbytes:
+                raise CorruptCheckpointError(f"{record.key}: extends past its storage's bytes")
+            return self._parsed.read(record.storage, first, stop), 0
+        offset, length = self.storage_span(record.storage)
         if stop > length:
             raise CorruptCheckpointError(f"{record.key}: extends past its storage's bytes")
-        data = bytearray(stop - first)
-        got = os.preadv(self._handle.fileno(), [data], offset + first) if data else 0
-        if got != stop - first:
+        data = read_at(self._handle.fileno(), stop - first, offset + first)
+        if len(data) != stop - first:
             raise CorruptCheckpointError(f"{record.key}: file ends inside its data (truncated)")
         return data, 0
 
     def close(self) -> None:
         self._handle.close()
+        if self._parsed.close is not None:
+            self._parsed.close()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -103,16 +114,24 @@ def open_checkpoint(
     refusing the file (``scan``).
     """
     path = Path(path)
-    handle = _open_input(path)
+    directory = is_dcp_directory(path)
+    handle = _open_input(path / METADATA if directory else path)
+    parsed: Parsed | None = None
     try:
-        file_size = os.fstat(handle.fileno()).st_size
-        parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
+        if directory:
+            parsed = read_dcp(path, handle, strict=strict, refuse_dangerous=refuse_dangerous)
+            file_size = dcp_size(path, parsed)
+        else:
+            file_size = os.fstat(handle.fileno()).st_size
+            parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
         records = tensors(parsed.root)
         problems = list(parsed.problems) + check_extents(parsed, records)
         if problems and strict:
             raise CorruptCheckpointError(problems[0])
     except BaseException:
         handle.close()
+        if parsed is not None and parsed.close is not None:
+            parsed.close()
         raise
     return Checkpoint(
         path=path,
@@ -137,10 +156,12 @@ def _open_input(path: Path) -> BinaryIO:
     except OSError as error:
         raise InputError(f"{path}: cannot access ({error.strerror})") from None
     if stat.S_ISDIR(mode):
-        hint = ""
-        if (path / ".metadata").exists():
-            hint = " (a torch.distributed.checkpoint directory: not supported yet)"
-        raise InputError(f"{path}: is a directory, not a checkpoint file{hint}")
+        if any(path.glob("*.distcp")):
+            raise CorruptCheckpointError(
+                f"{path}: a torch.distributed.checkpoint directory without its {METADATA} file "
+                "(DCP writes it last: the save did not finish); use the previous checkpoint"
+            )
+        raise InputError(f"{path}: is a directory, not a checkpoint file")
     if not stat.S_ISREG(mode):
         raise InputError(f"{path}: not a regular file")
     try:

@@ -54,6 +54,28 @@ ITEMSIZE: dict[str, int] = {
     "bits4x2": 1,
 }
 
+#: torch counts elements, sizes, strides and offsets in int64; a file claiming more is broken
+#: (and a number with thousands of digits could not even be printed).
+INT64_MAX = 2**63 - 1
+
+
+def fits_int64(*values: int) -> bool:
+    """Whether each of these non-negative ints fits torch's int64."""
+    return all(v <= INT64_MAX for v in values)
+
+
+def numel_fits_int64(shape: tuple[int, ...] | list[int]) -> bool:
+    """Whether a shape's dimensions and its element count fit int64 (stops early on huge ones)."""
+    if not fits_int64(*shape) or 0 in shape:
+        return fits_int64(*shape)
+    product = 1
+    for size in shape:
+        product *= size
+        if product > INT64_MAX:
+            return False
+    return True
+
+
 FLOATING_DTYPES = frozenset(
     {"float64", "float32", "float16", "bfloat16"} | {d for d in ITEMSIZE if d.startswith("float8")}
 )
@@ -74,6 +96,33 @@ class StorageRecord:
     @property
     def nbytes(self) -> int:
         return self.numel * ITEMSIZE.get(self.dtype, 1)
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One stored piece of a tensor that was saved in pieces (a DCP shard of one rank)."""
+
+    file: str  # data file holding it, relative to the checkpoint directory ("__0_0.distcp")
+    offset: int  # where the piece's own small torch.save archive starts in that file
+    length: int  # bytes of that archive
+    offsets: tuple[int, ...]  # index of the piece's first element in the whole tensor
+    sizes: tuple[int, ...]  # the piece's shape
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class ChunkedStorageRecord(StorageRecord):
+    """The storage of a tensor stored as chunks in several files (torch.distributed.checkpoint).
+
+    It stands for the whole tensor, contiguous, as if it had been saved in one piece: reading a
+    range of it assembles the range from the chunks that cover it (``Checkpoint.read_bytes``).
+    """
+
+    chunks: tuple[ChunkRecord, ...] = ()
+    shape: tuple[int, ...] = ()  # the whole tensor's, which the chunks' offsets index
 
 
 @dataclass(frozen=True)
@@ -214,11 +263,18 @@ def walk(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 def tensors(node: Any, prefix: str = "") -> list[TensorRecord]:
     """All tensor records under ``node`` with their ``key`` set to their dotted path."""
-    from dataclasses import replace
-
     return [
-        replace(leaf, key=key) for key, leaf in walk(node, prefix) if isinstance(leaf, TensorRecord)
+        with_key(leaf, key) for key, leaf in walk(node, prefix) if isinstance(leaf, TensorRecord)
     ]
+
+
+def with_key(record: TensorRecord, key: str) -> TensorRecord:
+    """A copy of ``record`` with another key (``dataclasses.replace`` without its slow path:
+    listing a large checkpoint re-keys every record several times)."""
+    copy = object.__new__(TensorRecord)
+    copy.__dict__.update(record.__dict__)
+    copy.__dict__["key"] = key
+    return copy
 
 
 def get_path(node: Any, dotted: str) -> Any:

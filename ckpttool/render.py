@@ -8,7 +8,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from ckpttool.records import GlobalRef, OpaqueObject, TensorRecord, children
+from ckpttool.records import ChunkedStorageRecord, GlobalRef, OpaqueObject, TensorRecord, children
 from ckpttool.show import ShowReport
 
 _UNITS = ("B", "KB", "MB", "GB", "TB")
@@ -71,6 +71,11 @@ def tensor_json(info: Any) -> dict[str, Any]:
         "kind": record.kind,
         "notes": info.notes,
     }
+    if isinstance(record.storage, ChunkedStorageRecord):  # DCP: where each piece is stored
+        out["chunks"] = [
+            {"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
+            for c in record.storage.chunks
+        ]
     if info.stats is not None:
         out["stats"] = {k: plain(v) for k, v in vars(info.stats).items()}
     return out
@@ -101,6 +106,7 @@ def render_show(report: ShowReport) -> str:
     lines = [
         f"file:       {report.path}",
         f"format:     {report.format}  ({human_size(report.file_size)} on disk)",
+        *_data_files_line(report.details),
         f"layout:     {report.layout_title}",
         f"tensors:    {len(report.tensors)}  ({human_count(report.num_parameters)} parameters)",
         "bytes:      "
@@ -134,6 +140,17 @@ def render_show(report: ShowReport) -> str:
         headers[5:5] = ["min", "max", "mean", "std", "nan", "inf"]
     lines.append(tabulate(rows, headers=headers, disable_numparse=True))
     return "\n".join(lines)
+
+
+def _data_files_line(details: dict[str, Any]) -> list[str]:
+    """A directory checkpoint's data files (DCP: one per rank), missing ones marked."""
+    files = details.get("files")
+    if not isinstance(files, dict):
+        return []
+    sizes = [f"{name} {human_size(size) if size is not None else 'MISSING'}"
+             for name, size in files.items()]  # fmt: skip
+    chunks = details.get("tensor_chunks")
+    return [f"files:      {', '.join(sizes)}" + (f"  ({chunks} tensor chunks)" if chunks else "")]
 
 
 def _rescale_history(fields: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 
 from ckpttool.atomic import atomic_group
 from ckpttool.errors import InputError, LayoutError, OutputExistsError
+from ckpttool.formats.dcp import is_dcp_directory
 from ckpttool.layout import LAYOUT_TITLES, LIGHTNING, detect_layout, is_resume
 from ckpttool.reader import open_checkpoint
 from ckpttool.rewrite import FieldRewrite, verify_rewrite
@@ -241,6 +242,11 @@ def rescale_step(
         )
     if not in_place and os.path.lexists(target) and not overwrite:
         raise OutputExistsError(f"{target} already exists (pass --force to replace it)")
+    if is_dcp_directory(path):
+        raise LayoutError(
+            f"{path}: a torch.distributed.checkpoint directory; rescale-step rewrites one "
+            "checkpoint file (DCP keeps step inside one rank's data file), so it is not supported"
+        )
     if target.is_dir():
         raise InputError(f"{target} is a directory; -o takes the output file's path")
     if batch_size is not None:
@@ -353,7 +359,7 @@ def _check_layout(
         )
     if not isinstance(root, dict):
         raise LayoutError(
-            f"{path}: the file holds a {LAYOUT_TITLES.get(layout, layout)}, not a dict"
+            f"{path}: the file holds {LAYOUT_TITLES.get(layout, layout)!r}, not a dict"
         )
     if step_key is not None or is_resume(layout):
         return

@@ -6,19 +6,23 @@ is imported or called. "safe" are the data constructs the reader emulates (tenso
 ``OrderedDict``, NumPy arrays...); "dangerous" are callables whose only use in a pickle is to
 run code or touch the system; everything else is "unknown" (a config class, a model class):
 harmless to ckpttool, but ``torch.load(weights_only=False)`` would import and call it.
+
+A torch.distributed.checkpoint directory is one input: its ``.metadata``, its values' and every
+tensor chunk's pickles (torch reads the first with ``pickle.load`` and the values with
+``torch.load(weights_only=False)``, so they matter as much as any checkpoint's).
 """
 
 from __future__ import annotations
 
 import os
-import zipfile
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpttool.errors import CkptError, InputError, NotACheckpointError, UnsafePickleError
-from ckpttool.formats.torch_zip import is_torchscript, open_zip
+from ckpttool.formats.dcp import METADATA, DcpFiles, is_dcp_directory, load_metadata, present
+from ckpttool.formats.torch_zip import is_torchscript, open_zip, read_record
 from ckpttool.pickle_safe import SafeUnpickler
 from ckpttool.reader import open_checkpoint
 from ckpttool.records import StorageRecord
@@ -70,8 +74,8 @@ class ScanReport:
         return any(f.flagged or f.notes for f in self.files)
 
 
-def _pickles_of_zip(path: Path) -> tuple[str, list[tuple[str, bytes]], list[str]]:
-    """(format, [(record name, pickle bytes)], notes) for every .pkl record of a zip."""
+def _pickles_of_zip(path: Path) -> tuple[str, list[tuple[str, bytes]], list[str], list[str]]:
+    """(format, [(record name, pickle bytes)], notes, unreadable) for a zip's .pkl records."""
     with open(path, "rb") as handle:
         archive = open_zip(handle)
         names = archive.namelist()
@@ -81,13 +85,15 @@ def _pickles_of_zip(path: Path) -> tuple[str, list[tuple[str, bytes]], list[str]
             fmt = "torchscript"
             notes.append("a TorchScript archive: it carries code that torch.jit.load would run")
         pickles = []
-        for name in names:
-            if name.endswith(".pkl"):
-                try:
-                    pickles.append((name, archive.read(name)))
-                except (zipfile.BadZipFile, OSError) as error:
-                    notes.append(f"{name}: unreadable ({error})")
-        return fmt, pickles, notes
+        unreadable = []  # not scanned: the file could not be (fully) checked
+        file_size = os.fstat(handle.fileno()).st_size
+        for info in archive.infolist():
+            if info.filename.endswith(".pkl"):
+                try:  # bounded: a deflated record could inflate to gigabytes
+                    pickles.append((info.filename, read_record(handle, info, archive, file_size)))
+                except CkptError as error:
+                    unreadable.append(f"{info.filename}: unreadable ({error})")
+        return fmt, pickles, notes, unreadable
 
 
 def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, str]], str | None, str | None]:
@@ -104,16 +110,56 @@ def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, str]], str | Non
     return Counter(unpickler.result.globals_seen), attack, problem
 
 
+def _is_zip(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(4) == b"PK\x03\x04"
+
+
+def _scan_dcp(path: Path) -> tuple[Counter[tuple[str, str, str]], list[str], list[str]]:
+    """Globals of a DCP directory's every pickle: ``.metadata``, then each stored item's."""
+    counts, attack, problem = _walk_globals((path / METADATA).read_bytes())
+    if attack or problem:  # the metadata cannot be trusted to say where the items are
+        return counts, [f"{METADATA}: {attack}"] if attack else [], [f"{METADATA}: {problem}"]
+    try:
+        with open(path / METADATA, "rb") as handle:
+            _, meta = load_metadata(handle, refuse_dangerous=False)
+    except CkptError as error:  # not DCP metadata (an attack's pickle?): report its globals
+        return counts, [], [f"{METADATA}: {error}"]
+    sizes = {name: (path / name).stat().st_size for name in meta.files if (path / name).is_file()}
+    files = DcpFiles(path, sizes)
+    notes: list[str] = []
+    problems: list[str] = []
+    try:
+        for what, span in meta.items():
+            if not present(span, sizes):
+                problems.append(f"{what}: {span} is not in the directory")
+            elif files.pread(span.file, span.offset, min(4, span.length)) == b"PK\x03\x04":
+                try:
+                    archive = files.archive(span, refuse_dangerous=False)
+                except UnsafePickleError as error:  # BUILD on a global
+                    notes.append(f"{what}: {error}")
+                    continue
+                except CkptError as error:
+                    problems.append(f"{what}: {error}")
+                    continue
+                if archive.pickle is not None:
+                    counts.update(archive.pickle.globals_seen)
+    finally:
+        files.close()
+    return counts, notes, problems
+
+
 def scan_file(path: Path, allow: Iterable[str] = ()) -> FileScan:
     allowed = set(allow)
     counts: Counter[tuple[str, str, str]] = Counter()
     notes: list[str] = []
     problems: list[str] = []
     try:
-        with open(path, "rb") as handle:
-            zipped = handle.read(4) == b"PK\x03\x04"
-        if zipped:
-            fmt, pickles, notes = _pickles_of_zip(path)
+        if is_dcp_directory(path):
+            fmt = "dcp"
+            counts, notes, problems = _scan_dcp(path)
+        elif _is_zip(path):
+            fmt, pickles, notes, problems = _pickles_of_zip(path)
             for name, data in pickles:
                 found, attack, problem = _walk_globals(data)
                 counts.update(found)
@@ -140,12 +186,20 @@ def scan_file(path: Path, allow: Iterable[str] = ()) -> FileScan:
 
 
 def _files_under(directory: Path) -> list[Path]:
-    return sorted(
-        Path(root) / name
-        for root, _, names in os.walk(directory)
-        for name in names
-        if not name.startswith(".") and os.path.getsize(os.path.join(root, name)) > 0
-    )
+    """Files under ``directory``, recursively; a DCP directory is one input, not its files."""
+    found = []
+    for root, subdirectories, names in os.walk(directory):
+        here = Path(root)
+        if is_dcp_directory(here):
+            found.append(here)
+            subdirectories.clear()
+            continue
+        found.extend(
+            here / name
+            for name in names
+            if not name.startswith(".") and os.path.getsize(here / name) > 0
+        )
+    return sorted(found)
 
 
 def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> ScanReport:
@@ -157,7 +211,7 @@ def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> 
         path = Path(raw)
         if not path.exists():
             raise InputError(f"{path}: no such file or directory")
-        if path.is_dir():
+        if path.is_dir() and not is_dcp_directory(path):
             for child in _files_under(path):
                 result = scan_file(child, allow)
                 if result.not_a_checkpoint:

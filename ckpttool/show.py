@@ -18,7 +18,7 @@ from ckpttool.layout import (
     summarize_optimizer,
 )
 from ckpttool.reader import Checkpoint, open_checkpoint
-from ckpttool.records import TensorRecord
+from ckpttool.records import ChunkedStorageRecord, TensorRecord
 from ckpttool.values import TensorStats, tensor_stats
 
 
@@ -59,13 +59,13 @@ def tensor_notes(records: list[TensorRecord]) -> dict[str, list[str]]:
     notes: dict[str, list[str]] = {r.key: [] for r in records}
     for group in by_storage.values():
         if len(group) > 1:
-            for record in group:
-                others = [o.key for o in group if o is not record]
-                same = all(o.shape == record.shape and o.storage_offset == record.storage_offset
-                           and o.stride == record.stride for o in group)  # fmt: skip
-                label = "tied with" if same else "shares storage with"
-                more = f" (+{len(others) - 1})" if len(others) > 1 else ""
-                notes[record.key].append(f"{label} {others[0]}{more}")
+            # linear in the group: a hostile file can hang 100,000 views on one storage
+            same = len({(o.shape, o.storage_offset, o.stride) for o in group}) == 1
+            label = "tied with" if same else "shares storage with"
+            more = f" (+{len(group) - 2})" if len(group) > 2 else ""
+            for index, record in enumerate(group):
+                first_other = group[1] if index == 0 else group[0]
+                notes[record.key].append(f"{label} {first_other.key}{more}")
     for record in records:
         if not record.is_contiguous:
             notes[record.key].append("non-contiguous")
@@ -75,7 +75,18 @@ def tensor_notes(records: list[TensorRecord]) -> dict[str, list[str]]:
             notes[record.key].append(f"saved on {record.location}")
         if record.kind == "ndarray":
             notes[record.key].append("numpy")
+        if isinstance(record.storage, ChunkedStorageRecord):
+            notes[record.key].append(chunk_note(record.storage))
     return notes
+
+
+def chunk_note(storage: ChunkedStorageRecord, most: int = 4) -> str:
+    """How a DCP tensor is stored: "2 chunks: __0_0.distcp, __1_0.distcp"."""
+    files = list(dict.fromkeys(chunk.file for chunk in storage.chunks))
+    more = f" (+{len(files) - most} files)" if len(files) > most else ""
+    shown = ", ".join(files[:most]) + more
+    count = len(storage.chunks)
+    return f"{count} chunk{'s' if count != 1 else ''}: {shown}"
 
 
 def count_parameters(records: list[TensorRecord]) -> int:

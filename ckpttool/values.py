@@ -80,20 +80,23 @@ def tensor_stats(ckpt: Checkpoint, record: TensorRecord) -> TensorStats:
 
     flat = as_float(record, read_array(ckpt, record)).reshape(-1)
     lo, hi, total, total_sq, count, nan, inf = math.inf, -math.inf, 0.0, 0.0, 0, 0, 0
-    for start in range(0, flat.size, CHUNK):
-        chunk = flat[start : start + CHUNK]
-        if np.iscomplexobj(chunk):
-            chunk = np.abs(chunk)
-        chunk = chunk.astype(np.float64)
-        finite = np.isfinite(chunk)
-        nan += int(np.isnan(chunk).sum())
-        inf += int(np.isinf(chunk).sum())
-        values = chunk[finite] if not finite.all() else chunk
-        if values.size:
-            lo, hi = min(lo, float(values.min())), max(hi, float(values.max()))
-            total += float(values.sum())
-            total_sq += float(np.square(values).sum())
-            count += values.size
+    # A signaling NaN in the file makes the float64 cast warn "invalid value", values near
+    # float64's limit make the squares overflow: both are data, counted below, not warnings.
+    with np.errstate(invalid="ignore", over="ignore"):
+        for start in range(0, flat.size, CHUNK):
+            chunk = flat[start : start + CHUNK]
+            if np.iscomplexobj(chunk):
+                chunk = np.abs(chunk)
+            chunk = chunk.astype(np.float64)
+            finite = np.isfinite(chunk)
+            nan += int(np.isnan(chunk).sum())
+            inf += int(np.isinf(chunk).sum())
+            values = chunk[finite] if not finite.all() else chunk
+            if values.size:
+                lo, hi = min(lo, float(values.min())), max(hi, float(values.max()))
+                total += float(values.sum())
+                total_sq += float(np.square(values).sum())
+                count += values.size
     if count == 0:
         return TensorStats(math.nan, math.nan, math.nan, math.nan, nan, inf)
     mean = total / count

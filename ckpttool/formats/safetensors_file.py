@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError
 from ckpttool.formats.base import Parsed
-from ckpttool.records import ITEMSIZE, StorageRecord, TensorRecord
+from ckpttool.records import ITEMSIZE, StorageRecord, TensorRecord, fits_int64, numel_fits_int64
 
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 
@@ -55,6 +55,12 @@ def read_safetensors(handle: BinaryIO, file_size: int, *, strict: bool) -> Parse
         header = json.loads(handle.read(n).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CorruptCheckpointError(f"safetensors header is not valid JSON: {error}") from None
+    except RecursionError:  # what Python's decoder raises on [[[[...]]]] 100,000 deep
+        raise CorruptCheckpointError("safetensors header nests JSON too deeply") from None
+    except ValueError:  # the only other: a number of more than 4,300 digits
+        raise CorruptCheckpointError(
+            "safetensors header holds a number of more than 4,300 digits"
+        ) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError("safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -110,11 +116,17 @@ def read_safetensors(handle: BinaryIO, file_size: int, *, strict: bool) -> Parse
 def _tensor(name: str, info: Any) -> TensorRecord:
     try:
         dtype_code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        if not all(isinstance(v, int) and v >= 0 for v in [*shape, begin, end]) or end < begin:
+        if not isinstance(shape, list) or not all(
+            type(v) is int and v >= 0 for v in [*shape, begin, end]
+        ):
             raise ValueError("negative or non-integer size")
+        if end < begin:
+            raise ValueError("data_offsets end before they begin")
+        if not (numel_fits_int64(shape) and fits_int64(end)):
+            raise ValueError("sizes beyond int64")
     except (KeyError, TypeError, ValueError) as error:
         raise CorruptCheckpointError(f"safetensors entry {name!r} is malformed ({error})") from None
-    if dtype_code not in DTYPES:
+    if not isinstance(dtype_code, str) or dtype_code not in DTYPES:
         raise CorruptCheckpointError(f"safetensors entry {name!r} has unknown dtype {dtype_code!r}")
     dtype = DTYPES[dtype_code]
     shape = tuple(shape)

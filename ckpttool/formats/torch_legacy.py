@@ -16,7 +16,7 @@ from ckpttool.errors import CorruptCheckpointError, NotACheckpointError
 from ckpttool.formats.base import Parsed
 from ckpttool.formats.torch_zip import storage_dtype
 from ckpttool.pickle_safe import TruncatedPickleError, load_pickle
-from ckpttool.records import ITEMSIZE, StorageRecord
+from ckpttool.records import ITEMSIZE, StorageRecord, fits_int64
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -142,6 +142,6 @@ def _parse_pid(pid: Any) -> tuple[str, str, str, int]:
         raise CorruptCheckpointError(
             "legacy storage views (files from torch < 0.4) are not supported"
         )
-    if not isinstance(numel, int) or numel < 0:
-        raise CorruptCheckpointError(f"legacy storage {key!r} has a bad size {numel!r}")
+    if not isinstance(numel, int) or numel < 0 or not fits_int64(numel):
+        raise CorruptCheckpointError(f"legacy storage {key!r:.80} has a bad size {numel!r:.40}")
     return str(key), storage_dtype(storage_type), str(location), numel

@@ -7,16 +7,27 @@ storage's bytes can be read in place once its local header has been located.
 
 from __future__ import annotations
 
+import os
 import struct
 import zipfile
+import zlib
 from typing import Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError, NotACheckpointError, ResourceLimitError
 from ckpttool.formats.base import Parsed
 from ckpttool.pickle_safe import _STORAGE_DTYPES, load_pickle
-from ckpttool.records import GlobalRef, StorageRecord
+from ckpttool.records import GlobalRef, StorageRecord, fits_int64
 
 MAX_DATA_PKL = 1 << 30  # 1 GiB of pickle: far beyond any real checkpoint's object tree
+# torch stores records uncompressed; a compressed one (a re-zipped file) is inflated in memory,
+# so its inflated size is bounded: 300 KB of deflated zeros would otherwise become 300 MB.
+MAX_INFLATED = 64 << 20
+# What zipfile raises on hostile archives besides BadZipFile (bad UTF-8 names, unknown
+# compression, encryption flags, broken deflate streams, impossible offsets).
+ZIP_ERRORS = (
+    zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error, OverflowError,
+    NotImplementedError, RuntimeError, zlib.error,
+)  # fmt: skip
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
 
 
@@ -33,7 +44,7 @@ def is_torchscript(names: list[str]) -> bool:
 def open_zip(handle: BinaryIO) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(handle)
-    except zipfile.BadZipFile as error:
+    except ZIP_ERRORS as error:
         raise CorruptCheckpointError(
             f"corrupt or truncated zip archive ({error}); an interrupted torch.save leaves "
             "files like this: use the previous checkpoint"
@@ -63,18 +74,15 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
         raise CorruptCheckpointError(f"the zip archive has two records named {duplicate!r}")
     pkl_name = find_data_pkl(names)
     prefix = pkl_name[: -len("data.pkl")]
-    info = archive.getinfo(pkl_name)
-    if info.file_size > MAX_DATA_PKL:
-        raise ResourceLimitError(f"data.pkl claims {info.file_size:,} bytes")
-    try:
-        pickle_bytes = archive.read(pkl_name)
-        byteorder = "little"
-        if prefix + "byteorder" in archive.NameToInfo:
-            byteorder = archive.read(prefix + "byteorder").decode("ascii", "replace").strip()
-    except (zipfile.BadZipFile, OSError, EOFError) as error:
-        raise CorruptCheckpointError(f"cannot read {pkl_name}: {error}") from None
+    file_size = os.fstat(handle.fileno()).st_size
+    pickle_bytes = read_record(handle, archive.getinfo(pkl_name), archive, file_size)
+    byteorder = "little"
+    if prefix + "byteorder" in archive.NameToInfo:
+        info = archive.NameToInfo[prefix + "byteorder"]
+        raw = read_record(handle, info, archive, file_size, limit=64)
+        byteorder = raw.decode("ascii", "replace").strip()
     if byteorder not in ("little", "big"):
-        raise CorruptCheckpointError(f"byteorder record says {byteorder!r}")
+        raise CorruptCheckpointError(f"byteorder record says {byteorder!r:.40}")
 
     storages: dict[str, StorageRecord] = {}
 
@@ -89,8 +97,13 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
         member = archive.NameToInfo.get(record)
         if member is None:
             raise CorruptCheckpointError(f"storage {key!r} is missing from the archive")
-        if not isinstance(numel, int) or numel < 0:
-            raise CorruptCheckpointError(f"storage {key!r} has a bad size {numel!r}")
+        if not isinstance(numel, int) or numel < 0 or not fits_int64(numel):
+            raise CorruptCheckpointError(f"storage {key!r} has a bad size {numel!r:.40}")
+        if _data_start_at_least(member) + member.file_size > file_size:
+            raise CorruptCheckpointError(
+                f"storage record {record!r} claims {member.file_size:,} bytes, past the end of "
+                "the file (truncated or tampered file)"
+            )
         storage = StorageRecord(
             key, storage_dtype(storage_type), numel, str(location), record, member.file_size,
             byteorder,
@@ -118,8 +131,49 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
     )
 
 
+def _data_start_at_least(info: zipfile.ZipInfo) -> int:
+    """Where a record's bytes start at the earliest (its local header, no extra field)."""
+    return info.header_offset + _LOCAL_HEADER.size + len(info.filename.encode("utf-8"))
+
+
+def read_record(
+    handle: BinaryIO,
+    info: zipfile.ZipInfo,
+    archive: zipfile.ZipFile,
+    file_size: int,
+    limit: int = MAX_DATA_PKL,
+) -> bytes:
+    """A small record's bytes (data.pkl, byteorder), CRC-checked, within bounded memory.
+
+    Refused before anything is allocated: a size the file cannot hold (stored) or an inflated
+    size over ``MAX_INFLATED`` (compressed), and anything over ``limit``.
+    """
+    name = info.filename
+    if info.file_size > limit:
+        raise ResourceLimitError(f"{name} claims {info.file_size:,} bytes (limit {limit:,})")
+    if info.compress_type == zipfile.ZIP_STORED:
+        if _data_start_at_least(info) + info.file_size > file_size:
+            raise CorruptCheckpointError(
+                f"{name} claims {info.file_size:,} bytes, past the end of the file (truncated?)"
+            )
+    elif info.file_size > MAX_INFLATED:
+        raise ResourceLimitError(
+            f"{name} is compressed and inflates to {info.file_size:,} bytes (over "
+            f"{MAX_INFLATED:,}); torch never compresses records: a re-zipped or hostile file"
+        )
+    try:
+        return archive.read(info)
+    except ZIP_ERRORS as error:
+        raise CorruptCheckpointError(f"cannot read {name}: {error}") from None
+
+
 def member_span(handle: BinaryIO, info: zipfile.ZipInfo) -> tuple[int, int]:
-    """(absolute offset, length) of a stored record's bytes, from its local header."""
+    """(absolute offset, length) of a stored record's bytes, from its local header.
+
+    The span is checked against the file's size: a central directory may claim anything.
+    """
+    if info.header_offset < 0:
+        raise CorruptCheckpointError(f"record {info.filename!r} has a negative offset")
     handle.seek(info.header_offset)
     header = handle.read(_LOCAL_HEADER.size)
     if len(header) != _LOCAL_HEADER.size:
@@ -137,4 +191,10 @@ def member_span(handle: BinaryIO, info: zipfile.ZipInfo) -> tuple[int, int]:
             f"the zip's central directory says {info.filename!r} where the local header "
             f"says {local_name!r}"
         )
-    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size
+    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if start + info.file_size > os.fstat(handle.fileno()).st_size:
+        raise CorruptCheckpointError(
+            f"record {info.filename!r} claims {info.file_size:,} bytes, past the end of the file "
+            "(truncated or tampered file)"
+        )
+    return start, info.file_size
