@@ -1,8 +1,11 @@
 """Hostile inputs, built byte by byte: code-execution payloads, resource bombs, broken archives.
 
-Used by the security tests; ``python -m tests.adversarial OUT_DIR`` writes the whole corpus to
-a folder so any tool can be tried on it. Every code-execution payload, if it ran, would create
-the file named by ``marker`` — tests assert that file never appears.
+Used by the security tests and by ``tests/test_adversarial_cli.py`` (every command on every
+file); ``python -m tests.adversarial OUT_DIR`` writes the whole corpus (:func:`corpus`) to a
+folder so any tool can be tried on it. Besides files built from scratch it holds damaged copies
+of real fixtures (a flipped byte, a renamed local header, 20 truncations each of a zip, a legacy
+and a safetensors file). Every code-execution payload, if it ran, would create the file named
+by ``marker`` — tests assert that file never appears.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpttool.formats.torch_legacy import MAGIC_NUMBER, PROTOCOL_VERSION
+from tests.helpers import FIXTURES
 
 
 def _text(s: str) -> bytes:
@@ -83,6 +87,20 @@ def nested_in_checkpoint_p2(marker: Path) -> bytes:
     return b"\x80\x02}(" + _binunicode("epoch") + b"K\x01" + _binunicode("config") + payload + b"u."
 
 
+def frame_memoize_p4(marker: Path) -> bytes:
+    """Protocol 4 as CPython writes it: a FRAME, MEMOIZE, STACK_GLOBAL, the callable via BINGET."""
+    body = _short_unicode("os") + b"\x94" + _short_unicode("system") + b"\x94\x93\x94" + b"0"
+    body += b"h\x02" + _short_unicode(_command(marker)) + b"\x85R."
+    return b"\x80\x04\x95" + struct.pack("<Q", len(body)) + body
+
+
+def pydoc_pipepager_p2(marker: Path) -> bytes:
+    """A gadget outside the usual block lists: pydoc.pipepager(text, cmd) runs a shell."""
+    return (
+        b"\x80\x02cpydoc\npipepager\n" + _binunicode("") + _binunicode(_command(marker)) + b"\x86R."
+    )
+
+
 PAYLOADS: dict[str, Callable[[Path], bytes]] = {
     "global_reduce_p0_os_system": global_reduce_p0,
     "global_reduce_p2_posix_system": global_reduce_p2,
@@ -93,7 +111,20 @@ PAYLOADS: dict[str, Callable[[Path], bytes]] = {
     "builtins_eval_p2": builtins_eval_p2,
     "subprocess_popen_p2": subprocess_popen_p2,
     "nested_in_checkpoint_p2": nested_in_checkpoint_p2,
+    "frame_memoize_p4": frame_memoize_p4,
+    "pydoc_pipepager_p2": pydoc_pipepager_p2,
 }
+
+
+def touch_marker(path: str) -> None:
+    """A callable no deny-list names: what an unknown gadget looks like to the reader."""
+    Path(path).touch()
+
+
+def unlisted_callable_p2(marker: Path) -> bytes:
+    """Calls tests.adversarial.touch_marker: not on any deny-list, so the reader does not refuse
+    the file; it must record the call as an opaque object and still never make it."""
+    return b"\x80\x02ctests.adversarial\ntouch_marker\n" + _binunicode(str(marker)) + b"\x85R."
 
 
 def build_on_allowed_global() -> bytes:
@@ -122,6 +153,70 @@ def deep_marks(depth: int = 1_000_000) -> bytes:
 
 def self_reference() -> bytes:
     return b"\x80\x02]q\x00h\x00a."
+
+
+def reference_bomb() -> bytes:
+    """A 3 KB "billion laughs": 19 references to 1,000 references to a list of 1,000 ints."""
+    body = b"\x80\x02]q\x00(" + b"K\x01" * 1000 + b"e0"
+    body += b"]q\x01(" + b"h\x00" * 1000 + b"e0"
+    return body + b"]q\x02(" + b"h\x01" * 19 + b"e."
+
+
+def tensor_reference_bomb() -> bytes:
+    """1.4 KB of pickle naming one tensor 316 x 316 times: 100,000 rows for every consumer."""
+    tensor = tensor_pickle("0", 4, (4,))
+    tensor = tensor[tensor.index(b"ctorch._utils") : -2]  # the value of {"w": ...}
+    body = b"\x80\x02" + tensor + b"q\x000" + b"]q\x01(" + b"h\x00" * 316 + b"e0"
+    return torch_zip(body + b"]q\x02(" + b"h\x01" * 316 + b"e.", {"0": bytes(16)})
+
+
+def huge_int() -> bytes:
+    """{"step": an integer of 5,000 digits}: Python refuses to print it (ValueError)."""
+    value = 10**5000
+    raw = value.to_bytes((value.bit_length() >> 3) + 1, "little", signed=True)
+    return b"\x80\x02}" + _binunicode("step") + b"\x8b" + struct.pack("<i", len(raw)) + raw + b"s."
+
+
+def text_line_flood(lines: int = 100_000) -> bytes:
+    """A protocol-0 list of 100,000 text INTs: each opcode reads a line; must stay linear."""
+    return b"(" + b"I1\n" * lines + b"l."
+
+
+def zip_bomb_data_pkl(inflated: int = 256 << 20) -> bytes:
+    """A deflated data.pkl of ~250 KB that inflates to 256 MB (torch never compresses)."""
+    buffer = io.BytesIO()
+    with (
+        zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive,
+        archive.open("archive/data.pkl", "w", force_zip64=True) as record,
+    ):
+        record.write(b"\x80\x02N.")
+        chunk = bytes(1 << 20)
+        for _ in range(inflated >> 20):
+            record.write(chunk)
+    return buffer.getvalue()
+
+
+def record_size_lie() -> bytes:
+    """The central directory says data/0 holds 4 GiB (the file has 16 bytes); the pickle's
+    storage agrees, so the sizes match each other and only the file's size exposes the lie."""
+    from ckpttool.formats.zip_writer import TorchZipWriter
+
+    buffer = io.BytesIO()
+    writer = TorchZipWriter(buffer)
+    writer.write("archive/data.pkl", tensor_pickle("0", 1 << 30, (1 << 30,)))
+    writer.write("archive/data/0", bytes(16))
+    writer.entries[-1].size = 1 << 32
+    writer.close()
+    return buffer.getvalue()
+
+
+def deflated_storage() -> bytes:
+    """A re-zipped checkpoint: its storage record deflated (torch.load reads it; mmap cannot)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data.pkl", tensor_pickle("0", 4, (4,)))
+        archive.writestr("archive/data/0", bytes(16))
+    return buffer.getvalue()
 
 
 # --- containers for a pickle: torch zip, legacy stream -----------------------------------
@@ -208,14 +303,77 @@ SAFETENSORS_BROKEN: dict[str, Callable[[], bytes]] = {
     "header_over_100mb": lambda: safetensors_file(
         {"a": _entry(0, 8, [2])}, bytes(8), length=200_000_000
     ),
+    # JSON that Python's decoder itself chokes on: RecursionError, ValueError (int digits)
+    "deep_json": lambda: _raw_safetensors(b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    "huge_int": lambda: _raw_safetensors(
+        b'{"a":{"dtype":"F32","shape":[' + b"7" * 5000 + b'],"data_offsets":[0,4]}}', bytes(4)
+    ),
+    "unhashable_dtype": lambda: safetensors_file(
+        {"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, bytes(4)
+    ),
+    "huge_shape": lambda: safetensors_file(
+        {"a": {"dtype": "F32", "shape": [2**62] * 200, "data_offsets": [0, 4]}}, bytes(4)
+    ),
 }
 
 
-def write_corpus(out: Path, marker: Path) -> list[Path]:
-    """Write every hostile input under ``out`` (used by ``python -m tests.adversarial``)."""
-    out.mkdir(parents=True, exist_ok=True)
+def _raw_safetensors(header: bytes, data: bytes = b"") -> bytes:
+    return struct.pack("<Q", len(header)) + header + data
+
+
+# --- damaged copies of real fixtures --------------------------------------------------------
+
+#: The real files the corpus damages: a MiniMind resume (torch zip), a legacy file, safetensors.
+TRUNCATED_SOURCES = {
+    "resume": FIXTURES / "minimind/pretrain_32_resume.pth",
+    "legacy": FIXTURES / "legacy/resume_bigkeys.pth",
+    "safetensors": FIXTURES / "safetensors/model.safetensors",
+}
+
+
+def truncation_offsets(size: int, count: int = 20) -> list[int]:
+    """``count`` cut points: inside the first header, spread over the file, in the zip's tail."""
+    fixed = [1, 8, 30, 100, size - 100, size - 22, size - 1]
+    spread = [size * k // (count - len(fixed) + 1) for k in range(1, count - len(fixed) + 1)]
+    offsets = sorted(set(fixed + spread))
+    assert len(offsets) == count and offsets[0] > 0 and offsets[-1] < size
+    return offsets
+
+
+def truncated(source: Path, offset: int) -> bytes:
+    return source.read_bytes()[:offset]
+
+
+def _record_data_start(data: bytes, suffix: str) -> int:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(suffix))
+    name_len, extra_len = struct.unpack(
+        "<HH", data[info.header_offset + 26 : info.header_offset + 30]
+    )
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def bad_crc() -> bytes:
+    """The MiniMind resume fixture with one byte of a storage flipped: only a CRC shows it."""
+    data = bytearray(TRUNCATED_SOURCES["resume"].read_bytes())
+    data[_record_data_start(bytes(data), "/data/5") + 3] ^= 0xFF
+    return bytes(data)
+
+
+def local_header_mismatch() -> bytes:
+    """The resume fixture with a local header naming a record other than the directory does."""
+    data = bytearray(TRUNCATED_SOURCES["resume"].read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/3"))
+    data[info.header_offset + 30 + len(info.filename) - 1] = ord("9")
+    return bytes(data)
+
+
+def corpus(marker: Path) -> dict[str, bytes]:
+    """Every hostile input by file name. The suffix tells the container (``.pkl`` bare pickle,
+    ``.zip.pth``/``.pth`` torch zip, ``.legacy.pth`` legacy stream, ``.safetensors``)."""
     files: dict[str, bytes] = {}
-    for name, build in PAYLOADS.items():
+    for name, build in {**PAYLOADS, "unlisted_callable_p2": unlisted_callable_p2}.items():
         payload = build(marker)
         files[f"{name}.pkl"] = payload
         files[f"{name}.zip.pth"] = torch_zip(payload)
@@ -226,13 +384,32 @@ def write_corpus(out: Path, marker: Path) -> list[Path]:
     files["deep_nesting.pth"] = torch_zip(deep_nesting())
     files["deep_marks.pkl"] = deep_marks()
     files["self_reference.pth"] = torch_zip(self_reference())
+    files["reference_bomb.pkl"] = reference_bomb()
+    files["tensor_reference_bomb.pth"] = tensor_reference_bomb()
+    files["huge_int.pth"] = torch_zip(huge_int())
+    files["text_line_flood.pkl"] = text_line_flood()
+    files["zip_bomb_data_pkl.pth"] = zip_bomb_data_pkl()
+    files["record_size_lie.pth"] = record_size_lie()
+    files["deflated_storage.pth"] = deflated_storage()
     files["storage_larger_than_record.pth"] = storage_larger_than_record()
     files["extent_past_storage.pth"] = extent_past_storage()
     files["duplicate_data_pkl.pth"] = duplicate_data_pkl()
+    files["bad_crc.pth"] = bad_crc()
+    files["local_header_mismatch.pth"] = local_header_mismatch()
+    files["torchscript.pt"] = (FIXTURES / "special/torchscript.pt").read_bytes()
     for name, build_broken in SAFETENSORS_BROKEN.items():
         files[f"safetensors_{name}.safetensors"] = build_broken()
+    for kind, source in TRUNCATED_SOURCES.items():
+        for offset in truncation_offsets(source.stat().st_size):
+            files[f"truncated_{kind}_{offset}{source.suffix}"] = truncated(source, offset)
+    return files
+
+
+def write_corpus(out: Path, marker: Path) -> list[Path]:
+    """Write every hostile input under ``out`` (used by ``python -m tests.adversarial``)."""
+    out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, data in files.items():
+    for name, data in corpus(marker).items():
         path = out / name
         path.write_bytes(data)
         paths.append(path)

@@ -1,0 +1,175 @@
+"""What the fuzzers do to fixture bytes, and what they run on the result.
+
+Shared by the bounded hypothesis test (``tests/test_fuzz.py``) and the long-running fuzzer
+(``fuzz/fuzz_reader.py``). Mutations are structure-aware where that finds more: besides
+truncation, bit flips, inserted and deleted bytes, they overwrite length-like fields with
+boundary integers, swap or duplicate whole zip records (so the central directory points at
+the wrong bytes) and splice in bytes of another fixture.
+
+:func:`exercise` is the property: whatever the bytes, opening the file, building and rendering
+``show``'s report (with ``--stats``, which reads every tensor), and ``verify`` raise nothing but
+:class:`~ckpttool.errors.CkptError`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import struct
+import warnings
+import zipfile
+from pathlib import Path
+
+from ckpttool.errors import CkptError
+from tests.helpers import FIXTURES
+
+#: Seeds: one of each format and layout the reader knows (kept small: every example reads one).
+SEEDS = [
+    FIXTURES / name
+    for name in (
+        "minimind/pretrain_32_resume.pth",  # torch zip, MiniMind resume
+        "minimind/pretrain_32.pth",  # torch zip, fp16 state dict
+        "ckpttool/pretrain_32.pth",  # tied storage
+        "legacy/state_dict.pth",  # legacy stream
+        "legacy/resume_bigkeys.pth",
+        "safetensors/model.safetensors",
+        "lightning/epoch=1-step=40.ckpt",
+        "special/nested_generic.pth",  # every plain type, bf16, 0-dim, empty tensors
+        "special/numpy_rng.pth",  # NumPy arrays, dtypes and scalars
+        "special/namespace_config.pth",  # opaque objects
+        "special/views.pth",  # offsets, strides, shared storages
+        "special/custom_prefix.pth",
+    )
+]
+#: Integers that break length, offset and count fields.
+BOUNDARY = [0, 1, 0x7F, 0x80, 0xFF, 0x7FFF, 0xFFFF, 0x7FFFFFFF, 0xFFFFFFFF, 2**63 - 1, 2**64 - 1]
+#: Byte-level mutations, usable anywhere in a file.
+BYTE_MUTATIONS = ("truncate", "flip", "insert", "delete", "boundary_int", "splice")
+#: Structure-aware ones: zip records moved about, and the payloads behind a checksum or a
+#: length field (data.pkl inside the zip, the safetensors JSON header) mutated and re-wrapped
+#: with a valid CRC / length, so the pickle walker and the header checks see the damage.
+MUTATIONS = (*BYTE_MUTATIONS, "swap_records", "duplicate_record", "inner_pickle", "header_json")
+
+
+def zip_records(data: bytes | bytearray) -> list[tuple[int, int]]:
+    """(start, end) of each span that begins with a zip local header, up to the next one."""
+    starts = []
+    at = data.find(b"PK\x03\x04")
+    while at >= 0:
+        starts.append(at)
+        at = data.find(b"PK\x03\x04", at + 4)
+    central = data.find(b"PK\x01\x02")
+    ends = [*starts[1:], central if central > (starts[-1] if starts else 0) else len(data)]
+    return list(zip(starts, ends))
+
+
+def mutate(data: bytes, kind: str, rng: random.Random, others: list[bytes]) -> bytes:
+    """One mutation of ``kind``; positions and sizes from ``rng`` (reproducible from a seed)."""
+    out = bytearray(data)
+    size = len(out)
+    at = rng.randrange(size + 1)
+    if kind == "truncate":
+        return bytes(out[:at])
+    if kind == "flip":
+        for _ in range(rng.randint(1, 8)):
+            if out:
+                bit = rng.randrange(size * 8)
+                out[bit >> 3] ^= 1 << (bit & 7)
+    elif kind == "insert":
+        out[at:at] = rng.randbytes(rng.choice([1, 2, 4, 8, rng.randint(1, 512)]))
+    elif kind == "delete":
+        del out[at : at + rng.choice([1, 2, 4, 8, rng.randint(1, 4096)])]
+    elif kind == "boundary_int":
+        width = rng.choice([1, 2, 4, 8])
+        value = rng.choice(BOUNDARY) & ((1 << (8 * width)) - 1)
+        out[at : at + width] = value.to_bytes(width, "little")
+    elif kind in ("swap_records", "duplicate_record"):
+        records = zip_records(out)
+        if len(records) >= 2:
+            (a0, a1), (b0, b1) = sorted(rng.sample(records, 2))
+            if kind == "swap_records":
+                out[a0:b1] = out[b0:b1] + out[a1:b0] + out[a0:a1]
+            else:
+                out[b0:b0] = out[a0:a1]
+    elif kind == "splice":
+        other = rng.choice(others)
+        start = rng.randrange(len(other))
+        out[at : at + rng.randint(0, 4096)] = other[start : start + rng.randint(1, 8192)]
+    elif kind == "inner_pickle":
+        return _mutate_data_pkl(data, rng, others)
+    elif kind == "header_json":
+        return _mutate_header(data, rng)
+    else:
+        raise ValueError(f"unknown mutation {kind!r}")
+    return bytes(out)
+
+
+def _mutate_data_pkl(data: bytes, rng: random.Random, others: list[bytes]) -> bytes:
+    """Rebuild a torch zip with its data.pkl mutated (CRCs recomputed); else a plain flip."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            records = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    except Exception:  # not a readable zip (any more): a plain flip instead
+        return mutate(data, "flip", rng, others)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # duplicate names, after a duplicate_record
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+            for name, payload in records:
+                if name.endswith("data.pkl") and payload:
+                    payload = mutate(payload, rng.choice(BYTE_MUTATIONS), rng, others)
+                archive.writestr(name, payload)
+    return buffer.getvalue()
+
+
+def _mutate_header(data: bytes, rng: random.Random) -> bytes:
+    """A safetensors file with one value of its JSON header replaced, length field fixed."""
+    try:
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + length])
+        assert isinstance(header, dict) and header
+    except (struct.error, ValueError, AssertionError, RecursionError):
+        return mutate(data, "boundary_int", rng, [data])
+    name = rng.choice(list(header))
+    entry = header[name]
+    weird = [None, -1, 0, 2**64, "F32", "X9", [], {}, [1, 2, 3], [2**62, 2**62], 1.5, True]
+    if isinstance(entry, dict) and entry and rng.random() < 0.8:
+        field = rng.choice(list(entry))
+        value = entry[field]
+        if isinstance(value, list) and value and rng.random() < 0.5:
+            value[rng.randrange(len(value))] = rng.choice(weird)
+        else:
+            entry[field] = rng.choice(weird)
+    elif rng.random() < 0.5:
+        del header[name]
+    else:
+        header[name] = rng.choice(weird)
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data[8 + length :]
+
+
+def exercise(path: Path) -> None:
+    """Open, show (report, table, JSON, tree, stats) and verify ``path``.
+
+    Raises only :class:`CkptError`; any other exception is a bug the fuzzer reports.
+    """
+    from ckpttool import render
+    from ckpttool.reader import open_checkpoint
+    from ckpttool.show import build_report
+    from ckpttool.verify import verify_file
+
+    for strict in (True, False):
+        try:
+            with open_checkpoint(path, strict=strict, refuse_dangerous=strict) as ckpt:
+                report = build_report(ckpt, stats=strict)
+                render.render_show(report)
+                json.dumps(render.show_json(report), allow_nan=False)  # --json stays clean JSON
+                render.render_tree(ckpt.root, 4)
+                json.dumps(render.plain(ckpt.root), allow_nan=False)
+        except CkptError:
+            pass
+    try:
+        verify_file(path, values=True)
+    except CkptError:
+        pass
