@@ -1,6 +1,6 @@
 """Rendering a :class:`~ckpttool.diff.DiffReport`: the human table and the JSON document.
 
-The JSON schema is a contract (docs_diff.md documents it, tests/cli/test_diff.py checks it):
+The JSON schema is a contract (README.md documents it, tests/cli/test_diff.py checks it):
 change it only by adding keys. tabulate and ckpttool.render are imported only when there is
 something to render with them: two equal files print one line, fast (``diff --quick``).
 """

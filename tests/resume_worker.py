@@ -10,7 +10,7 @@ and a warmup+cosine LambdaLR, over shuffled data through SkipBatchSampler, savin
 ``SAVE_INTERVAL`` steps and at the end of each epoch as MiniMind does. Each trained batch is
 appended to LOG as a JSON line; the final model/optimizer/scaler/scheduler state goes to FINAL.
 
-The loop follows the rules docs_train.md gives for an exact resume:
+The loop follows the rules README.md gives for an exact resume:
 
 * the global RNG is seeded once, before the model is built, and then used only by dropout;
 * each epoch's order is a permutation from its own ``torch.Generator`` seeded ``42 + epoch``

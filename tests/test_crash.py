@@ -9,7 +9,7 @@ fsynced before it is renamed over the target, the directory after.
 
 The kill tests run :mod:`tests.crash_worker` (one process per operation, a fork per kill).
 ``CKPTTOOL_CRASH_KILLS`` sets the kills per operation (30 by default; the long run in
-docs_safety.md used 300).
+README.md used 300).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`ckpttool diff` through the CLI: output contract, JSON schema (docs_diff.md), exit codes."""
+"""`ckpttool diff` through the CLI: output contract, JSON schema (README), exit codes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ from tests.helpers import FIXTURES
 
 PAIRS = FIXTURES / "pairs"
 BASE = PAIRS / "base.pth"
-DOCS = Path(__file__).resolve().parents[2] / "docs_diff.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def diff_docs() -> str:
+    """README's `ckpttool diff` section, where the JSON schema is documented."""
+    return README.read_text().split("## `ckpttool diff`", 1)[1].split("\n## ", 1)[0]
 SUMMARY = re.compile(
     r"^\d+ identical, \d+ differ within tolerance, \d+ differ, \d+ only in A, \d+ only in B$"
 )
@@ -139,7 +144,7 @@ def test_quick_reads_no_bytes_through_the_cli(monkeypatch: pytest.MonkeyPatch) -
 
 
 def documented_example() -> dict[str, Any]:
-    text = DOCS.read_text()
+    text = diff_docs()
     block = text.split("```json\n", 1)[1].split("\n```", 1)[0]
     return json.loads(block)
 
@@ -170,7 +175,7 @@ def test_json_matches_the_documented_schema() -> None:
     assert aliased[0] == example["tensors"][0] | {"values": aliased[0]["values"]}
     assert aliased[0]["values"]["cast"] == {"a": "float16 -> float32"}
     assert data["summary"] == {"identical": 0, "within_tolerance": 0, "differ": 21, "only_a": 0, "only_b": 0}  # fmt: skip
-    table = DOCS.read_text().split("| key | meaning |", 1)[1]
+    table = diff_docs().split("| key | meaning |", 1)[1]
     for key in [*data, *data["a"], *data["tensors"][0], *aliased[0]["values"], *actual["fields"][0]]:  # fmt: skip
         assert f"`{key}`" in table or f"`{key}[]`" in table, key
 
