@@ -24,6 +24,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 def diff_docs() -> str:
     """README's `ckpttool diff` section, where the JSON schema is documented."""
     return README.read_text().split("## `ckpttool diff`", 1)[1].split("\n## ", 1)[0]
+
+
 SUMMARY = re.compile(
     r"^\d+ identical, \d+ differ within tolerance, \d+ differ, \d+ only in A, \d+ only in B$"
 )
