@@ -16,13 +16,18 @@ from typing import Any
 
 from ckpttool.cast import CASTABLE, TARGETS
 from ckpttool.errors import InputError
-from ckpttool.keys import WRAPPER_PREFIXES, select, strip_prefixes
+from ckpttool.keys import (
+    ALIASES_KEY,
+    WRAPPER_PREFIXES,
+    declared_aliases,
+    select,
+    strip_prefixes,
+)
 from ckpttool.reader import Checkpoint
 from ckpttool.records import TensorRecord, walk
 from ckpttool.writers import OutTensor
 
 #: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
-ALIASES_KEY = "ckpttool.aliases"
 #: Prefix of the ``__metadata__`` keys that keep a checkpoint's scalar fields (JSON values).
 FIELD_PREFIX = "ckpttool.field."
 SOURCE_KEY = "ckpttool.source"
@@ -151,22 +156,10 @@ def recorded_aliases(
     ``safetensors.torch.save_model``'s one entry per alias (a key that is not a tensor whose
     value is one).
     """
-    declared: dict[str, str] = {}
-    if ALIASES_KEY in metadata:
-        try:
-            parsed = json.loads(metadata[ALIASES_KEY])
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in parsed.items()
-        ):
-            declared.update(parsed)
-        else:
-            notes.append(f"ignored {ALIASES_KEY} in the source's metadata: not a JSON object")
-    for name, target in metadata.items():
-        if name not in OWN_KEYS and name not in stored and target in stored:
-            declared.setdefault(name, target)
-    return {alias: target for alias, target in declared.items() if target in stored}
+    declared, malformed = declared_aliases(metadata, stored, ignore=OWN_KEYS)
+    if malformed:
+        notes.append(f"ignored {ALIASES_KEY} in the source's metadata: not a JSON object")
+    return declared
 
 
 def _add_recorded_aliases(

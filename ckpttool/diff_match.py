@@ -14,19 +14,17 @@ Split from :mod:`ckpttool.diff` because matching has rules of its own (README.md
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.keys import Selection, strip_prefixes
+from ckpttool.keys import ALIASES_KEY, Selection, declared_aliases, strip_prefixes
 from ckpttool.layout import scalar_fields
 from ckpttool.reader import Checkpoint
 from ckpttool.records import TensorRecord
 
 #: safetensors ``__metadata__`` key under which ``convert`` records dropped tied tensors.
-ALIASES_KEY = "ckpttool.aliases"
 #: safetensors ``__metadata__`` keys where ``convert`` records provenance (not compared).
 PROVENANCE_KEYS = ("ckpttool.source", "ckpttool.version")
 
@@ -82,22 +80,9 @@ def metadata_aliases(
 ) -> dict[str, str]:
     """alias -> stored key, both as compared, from a safetensors file's ``__metadata__``."""
     stored = {record.key for record in selection.tensors.values()}
-    declared: dict[str, str] = {}
-    text = ckpt.metadata.get(ALIASES_KEY)
-    if text is not None:
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError:
-            parsed = None
-        if isinstance(parsed, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in parsed.items()
-        ):
-            declared.update(parsed)
-        else:
-            notes.append(f"{label}: ignoring {ALIASES_KEY!r} metadata: not a JSON object of names")
-    for name, target in ckpt.metadata.items():  # safetensors.torch.save_model's convention
-        if name != ALIASES_KEY and name not in stored and target in stored:
-            declared.setdefault(name, target)
+    declared, malformed = declared_aliases(ckpt.metadata, stored)
+    if malformed:
+        notes.append(f"{label}: ignoring {ALIASES_KEY!r} metadata: not a JSON object of names")
     section = selection.section
     return {
         _normalised(name, section, prefixes): _normalised(target, section, prefixes)

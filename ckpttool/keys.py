@@ -7,7 +7,8 @@ Lightning checkpoint's under ``state_dict``; DDP and ``torch.compile`` add ``mod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ckpttool.errors import InputError
@@ -16,6 +17,8 @@ from ckpttool.reader import Checkpoint
 from ckpttool.records import TensorRecord, tensors
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: safetensors ``__metadata__`` key under which ``convert`` records ``{alias: stored name}``.
+ALIASES_KEY = "ckpttool.aliases"
 
 
 @dataclass(frozen=True)
@@ -87,3 +90,32 @@ def select(
 
 def rekey(record: TensorRecord, key: str) -> TensorRecord:
     return replace(record, key=key)
+
+
+def declared_aliases(
+    metadata: Mapping[str, str], stored: Collection[str], ignore: Collection[str] = ()
+) -> tuple[dict[str, str], bool]:
+    """``{alias: stored name}`` that a safetensors file's ``__metadata__`` declares.
+
+    Both conventions: ckpttool's ``ckpttool.aliases`` JSON object, and
+    ``safetensors.torch.save_model``'s one entry per alias (a key that names no tensor, whose
+    value names one). Only aliases of tensors in ``stored`` are kept. The flag is True when
+    the ``ckpttool.aliases`` entry is there but is not a JSON object of names.
+    """
+    declared: dict[str, str] = {}
+    malformed = False
+    if ALIASES_KEY in metadata:
+        try:
+            parsed = json.loads(metadata[ALIASES_KEY])
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in parsed.items()
+        ):
+            declared.update(parsed)
+        else:
+            malformed = True
+    for name, target in metadata.items():
+        if name != ALIASES_KEY and name not in ignore and name not in stored and target in stored:
+            declared.setdefault(name, target)
+    return {alias: target for alias, target in declared.items() if target in stored}, malformed
