@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 import click
 
@@ -29,11 +30,18 @@ class CkptGroup(click.Group):
         try:
             return super().invoke(ctx)
         except CkptError as error:
-            click.echo(f"Error: {error}", err=True)
-            sys.exit(error.exit_code)
+            _fail(str(error), error.exit_code)
         except MemoryError:
-            click.echo("Error: out of memory while reading the file", err=True)
-            sys.exit(EXIT_ERROR)
+            _fail("out of memory while reading the file", EXIT_ERROR)
+        except OSError as error:  # a disk or permission problem the library did not expect
+            where = f": {error.filename}" if error.filename else ""
+            _fail(f"{error.strerror or error}{where}", EXIT_ERROR)
+
+
+def _fail(message: str, exit_code: int) -> NoReturn:
+    """One line on stderr, whatever the message holds, then the exit code."""
+    click.echo("Error: " + " ".join(message.split()), err=True)
+    sys.exit(exit_code)
 
 
 @click.group(
