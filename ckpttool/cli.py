@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -62,6 +63,21 @@ def _input_bytes(path: str) -> int:
     if os.path.isdir(path):
         return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
     return os.path.getsize(path) if os.path.isfile(path) else 0
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def key_prefix_options(command: F) -> F:
+    """``--strip-prefix`` and ``--ignore-wrappers``, shared by the commands that match keys."""
+    command = click.option(
+        "--ignore-wrappers", is_flag=True,
+        help="Remove DDP/torch.compile prefixes (module., _orig_mod.).",
+    )(command)  # fmt: skip
+    return click.option(
+        "--strip-prefix", "strip", multiple=True, metavar="PREFIX",
+        help="Remove PREFIX from tensor names (repeatable; in diff, on either side).",
+    )(command)  # fmt: skip
 
 
 def _echo_json(data: object) -> None:
@@ -134,14 +150,7 @@ def show(
     help="Absolute tolerance.",
 )  # fmt: skip
 @click.option("--section", metavar="KEY", help="Compare only the subtree KEY of both files.")
-@click.option(
-    "--strip-prefix", "strip", multiple=True, metavar="PREFIX",
-    help="Remove PREFIX from keys on either side (repeatable).",
-)  # fmt: skip
-@click.option(
-    "--ignore-wrappers", is_flag=True,
-    help="Remove DDP/torch.compile prefixes (module., _orig_mod.).",
-)  # fmt: skip
+@key_prefix_options
 @click.option("--all", "show_all", is_flag=True, help="List identical tensors too.")
 @click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
@@ -278,14 +287,7 @@ def rescale_step(
 )  # fmt: skip
 @click.option("--allow-overflow", is_flag=True, help="Write values too large for --dtype as inf.")
 @click.option("--section", metavar="KEY", help="Convert the subtree KEY (default: the weights).")
-@click.option(
-    "--strip-prefix", "strip", multiple=True, metavar="PREFIX",
-    help="Remove PREFIX from tensor names (repeatable).",
-)  # fmt: skip
-@click.option(
-    "--ignore-wrappers", is_flag=True,
-    help="Remove DDP/torch.compile prefixes (module., _orig_mod.).",
-)  # fmt: skip
+@key_prefix_options
 @click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose name matches GLOB.")
 @click.option("--keep-shared", is_flag=True, help="Write tied tensors as separate copies.")
 @click.option(

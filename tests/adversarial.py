@@ -282,6 +282,14 @@ def duplicate_data_pkl() -> bytes:
     return buffer.getvalue()
 
 
+#: Archives that are structurally broken, with the message the reader gives for each.
+BROKEN_ARCHIVES: list[tuple[Callable[[], bytes], str]] = [
+    (storage_larger_than_record, "claims 4,000 bytes but the file holds 16"),
+    (extent_past_storage, "reaches byte 4,000 of its storage, which has 16"),
+    (duplicate_data_pkl, "two records named 'archive/data.pkl'"),
+]
+
+
 def safetensors_file(header: dict[str, object], data: bytes, length: int | None = None) -> bytes:
     """A safetensors file from a header dict and data bytes; ``length`` overrides N."""
     raw = json.dumps(header).encode()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,3 +54,14 @@ def dtype_name(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return str(value.dtype).removeprefix("torch.")
     return str(value.dtype)
+
+
+def copy_fixture(name: str, tmp_path: Path) -> Path:
+    """A fixture copied into ``tmp_path``, for commands that modify their input."""
+    target = tmp_path / Path(name).name
+    shutil.copyfile(FIXTURES / name, target)
+    return target
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +25,7 @@ from ckpttool.reader import open_checkpoint
 from ckpttool.records import walk
 from ckpttool.rescale import InexactRescaleError, rescale_fields, rescale_step
 from ckpttool.rewrite import RewriteCheckError, verify_rewrite
-from tests.helpers import FIXTURES
+from tests.helpers import FIXTURES, copy_fixture, digest
 
 # fixture -> (step, world_size in the file); the legacy one has none (rescaled --from-world-size 4)
 RESUMES = {
@@ -36,16 +34,6 @@ RESUMES = {
     "ckpttool/pretrain_32_resume.pth": (40, 1),
     "legacy/resume_bigkeys.pth": (1500, None),
 }
-
-
-def copy_fixture(name: str, tmp_path: Path) -> Path:
-    target = tmp_path / Path(name).name
-    shutil.copyfile(FIXTURES / name, target)
-    return target
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # -- the pure function ----------------------------------------------------------------------

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,23 +10,13 @@ import torch
 from click.testing import CliRunner, Result
 
 from ckpttool.cli import cli
-from tests.helpers import FIXTURES
+from tests.helpers import copy_fixture, digest
 
 RESUME = "minimind/pretrain_32_resume.pth"  # step 1200, world_size 8
 
 
 def run(*args: object) -> Result:
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def copy_fixture(name: str, tmp_path: Path) -> Path:
-    target = tmp_path / Path(name).name
-    shutil.copyfile(FIXTURES / name, target)
-    return target
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_divisible_rescale_in_place(tmp_path: Path) -> None:
