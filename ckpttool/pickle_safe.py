@@ -51,8 +51,8 @@ MAX_NODES = 20_000_000  # nodes of the fully expanded tree (shared references co
 # weigh one node per 64 bytes, so a large string referred to 10,000 times counts as such.
 REUSE_BASE = 10_000
 REUSE_BYTES = 16
-MAX_SECONDS = 60.0
-MAX_STACK = 1_000_000  # wall-clock budget for one pickle
+MAX_SECONDS = 60.0  # wall-clock budget for one pickle
+MAX_STACK = 1_000_000  # items on the stack (checked every 16,384 opcodes)
 
 
 @dataclass
@@ -78,6 +78,10 @@ class PickleResult:
 
 
 PersistentLoad = Callable[[Any], Any]
+
+_U16 = struct.Struct("<H").unpack_from
+_U32 = struct.Struct("<I").unpack_from
+_I32 = struct.Struct("<i").unpack_from
 
 
 class TruncatedPickleError(CorruptCheckpointError):
@@ -216,31 +220,155 @@ class SafeUnpickler:
 
     # -- main loop ------------------------------------------------------------------------
     def load(self) -> PickleResult:
+        """Interpret opcodes until STOP.
+
+        The opcodes ``torch.save`` emits most (protocol 2: memo PUT/GET, small ints, MARK and
+        TUPLE, strings) are handled inline with the stack in local variables: listing a
+        checkpoint is this loop, and a function call per opcode was half its cost. Every other
+        opcode goes through ``_DISPATCH``. Both paths check lengths, the stack and the memo
+        the same way.
+        """
         deadline = time.monotonic() + MAX_SECONDS
-        ops = 0
         data = self.data
+        size = len(data)
         dispatch = _DISPATCH
-        while True:
-            if self.pos >= len(data):
-                raise TruncatedPickleError("pickle truncated: it ends before its STOP opcode")
-            op_pos = self.pos
-            code = data[self.pos]
-            self.pos += 1
-            handler = dispatch.get(code)
-            if handler is None:
-                raise _bad(op_pos, f"unknown opcode 0x{code:02x}")
-            try:
-                if handler(self, op_pos):
-                    break
-            except (IndexError, KeyError, TypeError, ValueError, struct.error, OverflowError,
-                    UnicodeDecodeError, AttributeError, RecursionError) as error:  # fmt: skip
-                raise _bad(op_pos, f"{type(error).__name__}: {error}") from None
-            ops += 1
-            if ops & 0x3FFF == 0:
-                if time.monotonic() > deadline:
-                    raise ResourceLimitError(f"pickle takes over {MAX_SECONDS:.0f} s to walk")
-                if len(self.stack) > MAX_STACK:
-                    raise ResourceLimitError(f"pickle stack grows past {MAX_STACK:,} items")
+        memo = self.memo
+        metastack = self.metastack
+        created = self.created
+        track = self.track_spans
+        stack, starts = self.stack, self.starts
+        pos = self.pos
+        op_pos = pos
+        ops = 0
+        try:
+            while True:
+                if pos >= size:
+                    raise TruncatedPickleError("pickle truncated: it ends before its STOP opcode")
+                op_pos = pos
+                code = data[pos]
+                pos += 1
+                ops += 1
+                if not ops & 0x3FFF:
+                    if time.monotonic() > deadline:
+                        raise ResourceLimitError(f"pickle takes over {MAX_SECONDS:.0f} s to walk")
+                    if len(stack) > MAX_STACK:
+                        raise ResourceLimitError(f"pickle stack grows past {MAX_STACK:,} items")
+                if code == 0x72 or code == 0x71:  # LONG_BINPUT, BINPUT
+                    width = 4 if code == 0x72 else 1
+                    if pos + width > size:
+                        raise TruncatedPickleError(f"pickle truncated at byte {pos}")
+                    index = _U32(data, pos)[0] if width == 4 else data[pos]
+                    pos += width
+                    if not stack:
+                        raise _bad(op_pos, "memo PUT on an empty stack")
+                    memo[index] = stack[-1]
+                    if track:
+                        self.result.memo_puts[index] = op_pos
+                elif code == 0x68 or code == 0x6A:  # BINGET, LONG_BINGET
+                    width = 1 if code == 0x68 else 4
+                    if pos + width > size:
+                        raise TruncatedPickleError(f"pickle truncated at byte {pos}")
+                    index = data[pos] if width == 1 else _U32(data, pos)[0]
+                    pos += width
+                    if index not in memo:
+                        raise _bad(op_pos, f"memo GET of index {index} that was never PUT")
+                    stack.append(memo[index])
+                    starts.append(op_pos)
+                    if track:
+                        self.result.memo_gets.append((index, op_pos))
+                elif code == 0x4B:  # BININT1
+                    if pos >= size:
+                        raise TruncatedPickleError(f"pickle truncated at byte {pos}")
+                    stack.append(data[pos])
+                    starts.append(op_pos)
+                    pos += 1
+                elif code == 0x28:  # MARK
+                    metastack.append((stack, starts, op_pos))
+                    stack, starts = [], []
+                    self.stack, self.starts = stack, starts
+                    if len(metastack) > MAX_DEPTH * 10:
+                        raise ResourceLimitError("pickle nests MARKs deeper than any checkpoint")
+                elif code == 0x74:  # TUPLE
+                    if not metastack:
+                        raise _bad(op_pos, "no MARK on the stack")
+                    items = tuple(stack)
+                    stack, starts, mark_pos = metastack.pop()
+                    self.stack, self.starts = stack, starts
+                    stack.append(items)
+                    starts.append(mark_pos)
+                elif code == 0x4D or code == 0x4A:  # BININT2, BININT
+                    width = 2 if code == 0x4D else 4
+                    if pos + width > size:
+                        raise TruncatedPickleError(f"pickle truncated at byte {pos}")
+                    stack.append((_U16 if width == 2 else _I32)(data, pos)[0])
+                    starts.append(op_pos)
+                    pos += width
+                elif code == 0x58 or code == 0x8C:  # BINUNICODE, SHORT_BINUNICODE
+                    if code == 0x58:
+                        if pos + 4 > size:
+                            raise TruncatedPickleError(f"pickle truncated at byte {pos}")
+                        length = _U32(data, pos)[0]
+                        pos += 4
+                    else:
+                        if pos >= size:
+                            raise TruncatedPickleError(f"pickle truncated at byte {pos}")
+                        length = data[pos]
+                        pos += 1
+                    if pos + length > size:
+                        raise TruncatedPickleError(
+                            f"pickle truncated or corrupt: an item at byte {pos} claims "
+                            f"{length:,} bytes but only {size - pos:,} remain"
+                        )
+                    stack.append(str(data[pos : pos + length], "utf-8", "surrogatepass"))
+                    starts.append(op_pos)
+                    pos += length
+                elif code == 0x29:  # EMPTY_TUPLE
+                    stack.append(())
+                    starts.append(op_pos)
+                elif 0x85 <= code <= 0x87:  # TUPLE1, TUPLE2, TUPLE3
+                    n = code - 0x84
+                    if len(stack) < n:
+                        raise _bad(op_pos, "stack underflow")
+                    items = tuple(stack[-n:])
+                    start = starts[-n]
+                    del stack[-n:]
+                    del starts[-n:]
+                    stack.append(items)
+                    starts.append(start)
+                elif code == 0x89 or code == 0x88 or code == 0x4E:  # NEWFALSE, NEWTRUE, NONE
+                    stack.append(None if code == 0x4E else code == 0x88)
+                    starts.append(op_pos)
+                elif code == 0x52:  # REDUCE: the callable stays where it was, as its result
+                    if len(stack) < 2:
+                        raise _bad(op_pos, "stack underflow")
+                    args = stack.pop()
+                    starts.pop()
+                    self.pos = pos
+                    stack[-1] = self._call(stack[-1], args)
+                elif code == 0x51:  # BINPERSID
+                    if not stack:
+                        raise _bad(op_pos, "stack underflow")
+                    if self.persistent_load is None:
+                        raise _no_persistent_load()
+                    self.pos = pos
+                    stack[-1] = self.persistent_load(stack[-1])
+                elif code == 0x7D or code == 0x5D:  # EMPTY_DICT, EMPTY_LIST
+                    container: dict[Any, Any] | list[Any] = {} if code == 0x7D else []
+                    created.add(id(container))
+                    stack.append(container)
+                    starts.append(op_pos)
+                else:
+                    handler = dispatch.get(code)
+                    if handler is None:
+                        raise _bad(op_pos, f"unknown opcode 0x{code:02x}")
+                    self.pos = pos
+                    if handler(self, op_pos):
+                        break
+                    pos = self.pos
+                    stack, starts = self.stack, self.starts
+        except (IndexError, KeyError, TypeError, ValueError, struct.error, OverflowError,
+                UnicodeDecodeError, AttributeError, RecursionError) as error:  # fmt: skip
+            raise _bad(op_pos, f"{type(error).__name__}: {error}") from None
         try:
             reuse = REUSE_BASE + (self.pos - self.start) // REUSE_BYTES
             self.result.root = finalize(self.result.root, max_reuse=reuse)
@@ -558,14 +686,18 @@ def _op_persid(binary: bool) -> Callable[[SafeUnpickler, int], bool]:
         else:
             pid, start = u._line().decode("ascii"), pos
         if u.persistent_load is None:
-            raise CorruptCheckpointError(
-                "the pickle refers to external tensor data, but this file has none "
-                "(a torch checkpoint's data.pkl taken out of its archive?)"
-            )
+            raise _no_persistent_load()
         u._push(u.persistent_load(pid), start)
         return False
 
     return handler
+
+
+def _no_persistent_load() -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        "the pickle refers to external tensor data, but this file has none "
+        "(a torch checkpoint's data.pkl taken out of its archive?)"
+    )
 
 
 def _op_unsupported(what: str) -> Callable[[SafeUnpickler, int], bool]:
