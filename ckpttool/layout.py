@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.records import OpaqueObject, TensorRecord, children, join_key, tensors, walk
+from ckpttool.records import OpaqueObject, TensorRecord, children, join_key, nodes, tensors, walk
 
 STATE_DICT = "state_dict"
 MINIMIND_RESUME = "minimind_resume"
@@ -145,7 +145,7 @@ def summarize_optimizer(optimizer: Any, model: Any) -> OptimizerSummary | None:
         if decoupled is not None:
             type_guess = "AdamW" if decoupled else "Adam"
     dtypes: dict[str, int] = {}
-    for record in tensors(state):
+    for record in _tensor_leaves(state):
         dtypes[record.dtype] = dtypes.get(record.dtype, 0) + record.nbytes
     summary = OptimizerSummary(
         type_guess, groups, len(state), dtypes, sum(dtypes.values()),
@@ -170,8 +170,11 @@ def map_param_names(optimizer: Mapping[str, Any], model: Any) -> dict[int, str]:
             indices.extend(i for i in group["params"] if isinstance(i, int))
     candidates = [r for r in tensors(model) if r.is_floating]
     unique: list[TensorRecord] = []
+    seen: set[tuple[Any, tuple[int, ...]]] = set()  # a set, not a scan: 100,000 tensors happen
     for record in candidates:
-        if not any(record.same_storage(seen) and record.shape == seen.shape for seen in unique):
+        identity = (record.storage, record.shape)
+        if record.storage is None or identity not in seen:
+            seen.add(identity)
             unique.append(record)
     attempts = [unique]
     tied_heads = [r for r in unique if r.key.endswith("lm_head.weight")]
@@ -213,8 +216,8 @@ def rng_present(root: Any) -> list[str]:
 def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list[str]:
     warnings = []
     if is_resume(layout) and isinstance(root, dict):
-        model_dtypes = {r.dtype for r in tensors(root.get("model"), "model") if r.is_floating}
-        state_dtypes = {r.dtype for r in tensors(root.get("optimizer"), "optimizer")}
+        model_dtypes = {r.dtype for r in _tensor_leaves(root.get("model")) if r.is_floating}
+        state_dtypes = {r.dtype for r in _tensor_leaves(root.get("optimizer"))}
         if "float16" in model_dtypes and "float32" in state_dtypes:
             warnings.append(
                 "the resume file stores the model in float16 while the optimizer state is "
@@ -227,7 +230,7 @@ def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list
             f"{len(wrapped)} keys carry DDP/torch.compile wrapper prefixes (module., _orig_mod.), "
             f"e.g. {wrapped[0]!r}: use --ignore-wrappers in diff/convert"
         )
-    opaque = sorted({leaf.cls for _, leaf in _walk_all(root) if isinstance(leaf, OpaqueObject)})
+    opaque = sorted({node.cls for node in nodes(root) if isinstance(node, OpaqueObject)})
     if opaque:
         warnings.append(
             "the pickle builds objects of classes ckpttool does not reconstruct (shown as "
@@ -236,16 +239,8 @@ def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list
     return warnings
 
 
-def _walk_all(root: Any) -> list[tuple[str, Any]]:
-    """Every node including containers (walk() yields only leaves)."""
-    out: list[tuple[str, Any]] = []
-    stack: list[tuple[str, Any]] = [("", root)]
-    while stack:
-        key, node = stack.pop()
-        out.append((key, node))
-        if _is_tree(node):
-            stack.extend((join_key(key, n), c) for n, c in children(node))
-    return out
+def _tensor_leaves(node: Any) -> list[TensorRecord]:
+    return [leaf for leaf in nodes(node) if isinstance(leaf, TensorRecord)]
 
 
 __all__ = [

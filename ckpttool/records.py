@@ -261,6 +261,21 @@ def walk(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield key, current
 
 
+def nodes(node: Any) -> Iterator[Any]:
+    """Every node under ``node``, containers included, without building keys (for questions
+    like "which classes" or "which dtypes", where names are not needed). Iterative."""
+    stack: list[Any] = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        if isinstance(current, dict):
+            stack.extend(reversed(current.values()))
+        elif isinstance(current, (list, tuple)):
+            stack.extend(reversed(current))
+        elif isinstance(current, OpaqueObject):
+            stack.extend(reversed(current.fields().values()))
+
+
 def tensors(node: Any, prefix: str = "") -> list[TensorRecord]:
     """All tensor records under ``node`` with their ``key`` set to their dotted path."""
     return [
