@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError, InputError, NotACheckpointError
-from ckpttool.formats.base import Parsed, read_at
-from ckpttool.formats.dcp import METADATA, is_dcp_directory, read_dcp
-from ckpttool.formats.dcp import data_size as dcp_size
+from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory, read_at
 from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
 from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_growing, read_torch_legacy
 from ckpttool.formats.torch_zip import read_torch_zip
@@ -115,10 +113,14 @@ def open_checkpoint(
     """
     path = Path(path)
     directory = is_dcp_directory(path)
-    handle = _open_input(path / METADATA if directory else path)
+    handle = _open_input(path / DCP_METADATA if directory else path)
     parsed: Parsed | None = None
     try:
         if directory:
+            # imported here: listing a single file should not pay for the DCP reader
+            from ckpttool.formats.dcp import data_size as dcp_size
+            from ckpttool.formats.dcp import read_dcp
+
             parsed = read_dcp(path, handle, strict=strict, refuse_dangerous=refuse_dangerous)
             file_size = dcp_size(path, parsed)
         else:
@@ -158,7 +160,7 @@ def _open_input(path: Path) -> BinaryIO:
     if stat.S_ISDIR(mode):
         if any(path.glob("*.distcp")):
             raise CorruptCheckpointError(
-                f"{path}: a torch.distributed.checkpoint directory without its {METADATA} file "
+                f"{path}: a torch.distributed.checkpoint directory without its {DCP_METADATA} file "
                 "(DCP writes it last: the save did not finish); use the previous checkpoint"
             )
         raise InputError(f"{path}: is a directory, not a checkpoint file")

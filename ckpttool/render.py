@@ -6,8 +6,6 @@ import json
 import math
 from typing import Any
 
-from tabulate import tabulate
-
 from ckpttool.records import ChunkedStorageRecord, GlobalRef, OpaqueObject, TensorRecord, children
 from ckpttool.show import ShowReport
 
@@ -138,6 +136,8 @@ def render_show(report: ShowReport) -> str:
     headers = ["key", "dtype", "shape", "numel", "size", "notes"]
     if any(info.stats is not None for info in report.tensors):
         headers[5:5] = ["min", "max", "mean", "std", "nan", "inf"]
+    from tabulate import tabulate  # here: --json and --tree print no table
+
     lines.append(tabulate(rows, headers=headers, disable_numparse=True))
     return "\n".join(lines)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpttool.layout import (
     LAYOUT_TITLES,
@@ -19,7 +19,9 @@ from ckpttool.layout import (
 )
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import ChunkedStorageRecord, TensorRecord
-from ckpttool.values import TensorStats, tensor_stats
+
+if TYPE_CHECKING:
+    from ckpttool.values import TensorStats
 
 
 @dataclass
@@ -116,6 +118,8 @@ def build_report(
     infos = [TensorInfo(r, notes.get(r.key, [])) for r in records]
     warnings = layout_warnings(ckpt.root, layout, all_records) + list(ckpt.problems)
     if stats:
+        from ckpttool.values import tensor_stats  # NumPy and value reading: only for --stats
+
         for info in infos:
             info.stats = tensor_stats(ckpt, info.record)
             if info.stats.nan or info.stats.inf:

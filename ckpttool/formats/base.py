@@ -10,6 +10,14 @@ from typing import Any
 from ckpttool.pickle_safe import PickleResult
 from ckpttool.records import StorageRecord
 
+#: The file a torch.distributed.checkpoint directory is recognised by (written last by DCP).
+DCP_METADATA = ".metadata"
+
+
+def is_dcp_directory(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a DCP checkpoint directory (checked without importing its reader)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))
+
 
 @dataclass
 class Parsed:

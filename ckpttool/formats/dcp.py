@@ -32,7 +32,7 @@ from ckpttool.errors import (
     NotACheckpointError,
     ResourceLimitError,
 )
-from ckpttool.formats.base import Parsed, read_at
+from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory, read_at
 from ckpttool.formats.dcp_metadata import (
     BytesEntry,
     DcpMetadata,
@@ -53,14 +53,10 @@ from ckpttool.records import (
     TensorRecord,
 )
 
-METADATA = ".metadata"
+METADATA = DCP_METADATA
 MAX_METADATA = 1 << 30  # as for a torch file's data.pkl
 MAX_RAW_VALUE = 64 << 20  # a value stored as raw bytes (a BytesIO, no archive) is kept up to this
 MAX_OPEN_FILES = 32  # data files held open at once (a 1024-rank checkpoint has 1024 of them)
-
-
-def is_dcp_directory(path: Path) -> bool:
-    return path.is_dir() and (path / METADATA).is_file()
 
 
 def present(span: StorageSpan, sizes: dict[str, int]) -> bool:
