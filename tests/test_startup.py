@@ -1,0 +1,91 @@
+"""What `ckpttool show` imports: start-up is most of its run time, so the import chain is a contract.
+
+Listing a 1.4 GB resume file takes about a tenth of a second, and most of that is Python
+starting and importing click and tabulate; one stray top-level import (torch: seconds; NumPy:
+a quarter of a second; ``importlib.metadata``, which tabulate 0.10 pulls in: a third of the
+run) costs more than reading the file. These tests run the real command in a fresh interpreter
+and check which modules it loaded. Each has a positive control: the same probe sees the module
+when the command does need it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import FIXTURES
+
+# Runs the CLI in-process in a fresh interpreter, then reports every module it imported.
+_PROBE = """
+import json, sys
+from ckpttool.cli import main
+sys.argv = ["ckpttool", *json.loads(sys.argv[1])]
+try:
+    main()
+except SystemExit as exit:
+    code = exit.code
+else:
+    code = 0
+sys.stdout.flush()
+print("\\n" + json.dumps({"exit": code, "modules": sorted(sys.modules)}))
+"""
+
+NOT_FOR_LISTING = [
+    "torch",
+    "numpy",
+    "importlib.metadata",  # tabulate 0.10 imports it (pyproject pins tabulate<0.10)
+    "email",
+    "ckpttool.values",
+    "ckpttool.formats.dcp",
+    "ckpttool.diff",
+    "ckpttool.convert",
+    "ckpttool.rescale",
+    "ckpttool.train",
+]
+
+
+def _modules_after(*args: str) -> set[str]:
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(list(args))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["exit"] == 0, result.stderr
+    return set(report["modules"])
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "minimind/pretrain_32_resume.pth",
+        "minimind/pretrain_32.pth",
+        "safetensors/model.safetensors",
+        "legacy/resume_bigkeys.pth",
+    ],
+)
+def test_show_imports_only_what_listing_needs(fixture: str) -> None:
+    modules = _modules_after("show", str(FIXTURES / fixture))
+    assert "tabulate" in modules and "ckpttool.reader" in modules  # the probe saw the command
+    assert sorted(modules & set(NOT_FOR_LISTING)) == []
+
+
+def test_show_json_does_not_need_tabulate() -> None:
+    modules = _modules_after("show", "--json", str(FIXTURES / "minimind/pretrain_32.pth"))
+    assert "ckpttool.reader" in modules
+    assert "tabulate" not in modules
+    assert sorted(modules & set(NOT_FOR_LISTING)) == []
+
+
+def test_probe_sees_what_stats_and_dcp_do_import(tmp_path: Path) -> None:
+    """Positive controls: values are read with NumPy; a DCP directory needs the DCP reader."""
+    stats = _modules_after("show", "--stats", str(FIXTURES / "minimind/pretrain_32.pth"))
+    assert {"numpy", "ckpttool.values"} <= stats
+    dcp_dirs = sorted(p.parent for p in FIXTURES.glob("dcp/*/.metadata"))
+    assert dcp_dirs, "no DCP fixture"
+    assert "ckpttool.formats.dcp" in _modules_after("show", str(dcp_dirs[0]))
