@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zipfile
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 from ckpttool.atomic import temp_name_pattern
 from ckpttool.errors import CkptError, InputError, NotACheckpointError
 from ckpttool.formats.torch_zip import open_zip
+from ckpttool.formats.zip_index import ZipIndex
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.values import tensor_stats
 
@@ -59,7 +59,7 @@ def check_zip_records(path: Path, progress: Callable[[int], None] | None = None)
 
 def check_archive(
     fd: int,
-    archive: zipfile.ZipFile,
+    archive: ZipIndex,
     base: int,
     progress: Callable[[int], None] | None = None,
 ) -> list[str]:

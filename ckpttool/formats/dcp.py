@@ -19,7 +19,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import zipfile
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +42,7 @@ from ckpttool.formats.dcp_metadata import (
     span_of,
 )
 from ckpttool.formats.torch_zip import open_zip, read_torch_zip
+from ckpttool.formats.zip_index import ZipIndex
 from ckpttool.pickle_safe import PickleResult, load_pickle
 from ckpttool.records import (
     ITEMSIZE,
@@ -139,7 +139,7 @@ class DcpFiles:
             raise CorruptCheckpointError(f"{name} ends inside an item's bytes (truncated)")
         return data
 
-    def zip_directory(self, span: StorageSpan) -> zipfile.ZipFile:
+    def zip_directory(self, span: StorageSpan) -> ZipIndex:
         """The zip directory of the archive at ``span`` (offsets relative to its start)."""
         return open_zip(io.BufferedReader(_Window(self.fd(span.file), span.offset, span.length)))
 

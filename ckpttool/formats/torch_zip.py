@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import struct
-import zipfile
 import zlib
 from typing import Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError, NotACheckpointError, ResourceLimitError
 from ckpttool.formats.base import Parsed
+from ckpttool.formats.zip_index import LOCAL_HEADER, ZIP_STORED, ZipIndex, ZipMember
 from ckpttool.pickle_safe import _STORAGE_DTYPES, load_pickle
 from ckpttool.records import GlobalRef, StorageRecord, fits_int64
 
@@ -22,13 +22,9 @@ MAX_DATA_PKL = 1 << 30  # 1 GiB of pickle: far beyond any real checkpoint's obje
 # torch stores records uncompressed; a compressed one (a re-zipped file) is inflated in memory,
 # so its inflated size is bounded: 300 KB of deflated zeros would otherwise become 300 MB.
 MAX_INFLATED = 64 << 20
-# What zipfile raises on hostile archives besides BadZipFile (bad UTF-8 names, unknown
-# compression, encryption flags, broken deflate streams, impossible offsets).
-ZIP_ERRORS = (
-    zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error, OverflowError,
-    NotImplementedError, RuntimeError, zlib.error,
-)  # fmt: skip
-_LOCAL_HEADER = struct.Struct("<4s5H3I2H")
+# What reading a hostile archive can raise: BadZipError (a ValueError), bad names
+# (UnicodeDecodeError, a ValueError), short reads, broken deflate streams.
+ZIP_ERRORS = (OSError, EOFError, ValueError, struct.error, OverflowError, zlib.error)
 
 
 def storage_dtype(storage_type: Any) -> str:
@@ -41,9 +37,9 @@ def is_torchscript(names: list[str]) -> bool:
     return any(n.endswith("constants.pkl") or "/code/" in n or n.startswith("code/") for n in names)
 
 
-def open_zip(handle: BinaryIO) -> zipfile.ZipFile:
+def open_zip(handle: BinaryIO) -> ZipIndex:
     try:
-        return zipfile.ZipFile(handle)
+        return ZipIndex(handle)
     except ZIP_ERRORS as error:
         raise CorruptCheckpointError(
             f"corrupt or truncated zip archive ({error}); an interrupted torch.save leaves "
@@ -131,15 +127,15 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
     )
 
 
-def _data_start_at_least(info: zipfile.ZipInfo) -> int:
+def _data_start_at_least(info: ZipMember) -> int:
     """Where a record's bytes start at the earliest (its local header, no extra field)."""
-    return info.header_offset + _LOCAL_HEADER.size + len(info.filename.encode("utf-8"))
+    return info.header_offset + LOCAL_HEADER.size + len(info.filename.encode("utf-8"))
 
 
 def read_record(
     handle: BinaryIO,
-    info: zipfile.ZipInfo,
-    archive: zipfile.ZipFile,
+    info: ZipMember,
+    archive: ZipIndex,
     file_size: int,
     limit: int = MAX_DATA_PKL,
 ) -> bytes:
@@ -151,7 +147,7 @@ def read_record(
     name = info.filename
     if info.file_size > limit:
         raise ResourceLimitError(f"{name} claims {info.file_size:,} bytes (limit {limit:,})")
-    if info.compress_type == zipfile.ZIP_STORED:
+    if info.compress_type == ZIP_STORED:
         if _data_start_at_least(info) + info.file_size > file_size:
             raise CorruptCheckpointError(
                 f"{name} claims {info.file_size:,} bytes, past the end of the file (truncated?)"
@@ -167,7 +163,7 @@ def read_record(
         raise CorruptCheckpointError(f"cannot read {name}: {error}") from None
 
 
-def member_span(handle: BinaryIO, info: zipfile.ZipInfo) -> tuple[int, int]:
+def member_span(handle: BinaryIO, info: ZipMember) -> tuple[int, int]:
     """(absolute offset, length) of a stored record's bytes, from its local header.
 
     The span is checked against the file's size: a central directory may claim anything.
@@ -175,13 +171,13 @@ def member_span(handle: BinaryIO, info: zipfile.ZipInfo) -> tuple[int, int]:
     if info.header_offset < 0:
         raise CorruptCheckpointError(f"record {info.filename!r} has a negative offset")
     handle.seek(info.header_offset)
-    header = handle.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size:
+    header = handle.read(LOCAL_HEADER.size)
+    if len(header) != LOCAL_HEADER.size:
         raise CorruptCheckpointError(f"record {info.filename!r} is cut off (truncated file)")
-    signature, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+    signature, _, _, method, _, _, _, _, _, name_len, extra_len = LOCAL_HEADER.unpack(header)
     if signature != b"PK\x03\x04":
         raise CorruptCheckpointError(f"record {info.filename!r} has no local header")
-    if method != zipfile.ZIP_STORED:
+    if method != ZIP_STORED:
         raise CorruptCheckpointError(
             f"record {info.filename!r} is compressed; torch never writes that (re-zipped file?)"
         )
@@ -191,7 +187,7 @@ def member_span(handle: BinaryIO, info: zipfile.ZipInfo) -> tuple[int, int]:
             f"the zip's central directory says {info.filename!r} where the local header "
             f"says {local_name!r}"
         )
-    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    start = info.header_offset + LOCAL_HEADER.size + name_len + extra_len
     if start + info.file_size > os.fstat(handle.fileno()).st_size:
         raise CorruptCheckpointError(
             f"record {info.filename!r} claims {info.file_size:,} bytes, past the end of the file "

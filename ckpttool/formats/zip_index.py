@@ -1,0 +1,248 @@
+"""A strict, read-only zip directory: what reading a torch.save archive needs, and no more.
+
+``zipfile`` parses the central directory well, but importing it pulls in ``shutil``, ``bz2``,
+``lzma``, ``threading`` and ``pathlib``: about a tenth of ``ckpttool show``'s run time, spent
+before the file is opened. A torch archive needs much less: find the end-of-directory record
+(zip64 included), list the members, and read a small member (``data.pkl``) whole. This module
+does that with ``struct`` and ``zlib``. Its members have the attribute names of
+``zipfile.ZipInfo`` (``filename``, ``header_offset``, ``compress_type``, ``CRC``...), so code
+that walks an archive reads the same with either.
+
+Everything the directory claims is checked before it is used: where the directory starts and
+how long it is, each entry's lengths, the zip64 extra field, and a member's bytes against the
+end of the file. Archives with data in front of them (a zip appended to another file) are read
+as ``zipfile`` reads them: offsets are shifted by the size of that prefix.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import BinaryIO, NamedTuple
+
+ZIP_STORED = 0
+ZIP_DEFLATED = 8
+
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
+_EOCD64_LOCATOR = struct.Struct("<4sLQL")
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")
+_CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # one central directory entry
+LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # a member's local header
+_MAX_COMMENT = 0xFFFF
+# A torch archive's directory holds one ~100-byte entry per storage: a few MB for the largest
+# models. A claim past this is a damaged or hostile end record; it is refused, not read.
+MAX_DIRECTORY = 256 << 20
+_MAX_EXTRACT_VERSION = 63  # what zipfile accepts: zip64, deflate, bzip2, lzma
+_UTF8_NAMES = 0x800
+_ENCRYPTED = 0x1
+_PATCHED = 0x20
+_STRONG_ENCRYPTION = 0x40
+
+
+class BadZipError(ValueError):
+    """The bytes are not a zip archive this module can read (the message says why)."""
+
+
+class ZipMember(NamedTuple):
+    """One central directory entry (field names as ``zipfile.ZipInfo``'s)."""
+
+    filename: str
+    header_offset: int  # where the member's local header starts in the file
+    compress_type: int  # 0 stored (what torch writes), 8 deflated, ...
+    compress_size: int  # bytes stored in the file
+    file_size: int  # bytes once inflated
+    CRC: int  # CRC-32 of the inflated bytes
+    flag_bits: int
+
+
+def _decode_name(raw: bytes, flags: int) -> str:
+    if b"\x00" in raw:  # zipfile cuts the name there: two names for one record
+        raise BadZipError(f"a member name holds a NUL byte ({raw[:60]!r})")
+    if raw.isascii():  # what torch writes; both encodings agree on ASCII
+        return raw.decode("ascii")
+    return raw.decode("utf-8" if flags & _UTF8_NAMES else "cp437")
+
+
+class ZipIndex:
+    """The central directory of the zip archive read through ``handle`` (seekable)."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self._handle = handle
+        self.size = handle.seek(0, 2)
+        start_dir, dir_size, count = self._find_directory()
+        self.filelist: list[ZipMember] = self._read_directory(start_dir, dir_size, count)
+        self.NameToInfo: dict[str, ZipMember] = {m.filename: m for m in self.filelist}
+
+    # -- zipfile.ZipFile's read-side names ----------------------------------------------------
+    def infolist(self) -> list[ZipMember]:
+        return list(self.filelist)
+
+    def namelist(self) -> list[str]:
+        return [member.filename for member in self.filelist]
+
+    def getinfo(self, name: str) -> ZipMember:
+        member = self.NameToInfo.get(name)
+        if member is None:
+            raise KeyError(f"there is no item named {name!r} in the archive")
+        return member
+
+    # -- parsing -----------------------------------------------------------------------------
+    def _pread(self, offset: int, length: int) -> bytes:
+        self._handle.seek(offset)
+        return self._handle.read(length)
+
+    def _find_directory(self) -> tuple[int, int, int]:
+        """(offset, byte length, entry count) of the central directory."""
+        if self.size < _EOCD.size:
+            raise BadZipError("File is not a zip file (too short)")
+        tail_start = max(0, self.size - _EOCD.size - _MAX_COMMENT)
+        tail = self._pread(tail_start, self.size - tail_start)
+        at = tail.rfind(b"PK\x05\x06")  # the last one, as zipfile takes it
+        if at < 0 or at + _EOCD.size > len(tail):
+            raise BadZipError("File is not a zip file (no end of central directory record)")
+        _, disk, dir_disk, _, count, dir_size, dir_offset, _ = _EOCD.unpack_from(tail, at)
+        location = tail_start + at
+        zip64 = False
+        if location >= _EOCD64_LOCATOR.size:
+            locator = self._pread(location - _EOCD64_LOCATOR.size, _EOCD64_LOCATOR.size)
+            signature, locator_disk, _, disks = _EOCD64_LOCATOR.unpack(locator)
+            if signature == b"PK\x06\x07":
+                if locator_disk != 0 or disks > 1:
+                    raise BadZipError("zip archives that span several disks are not supported")
+                record_at = location - _EOCD64_LOCATOR.size - _EOCD64.size
+                record = self._pread(record_at, _EOCD64.size) if record_at >= 0 else b""
+                if len(record) == _EOCD64.size and record[:4] == b"PK\x06\x06":
+                    fields = _EOCD64.unpack(record)
+                    disk, dir_disk, count, dir_size, dir_offset = (
+                        fields[4], fields[5], fields[7], fields[8], fields[9],
+                    )  # fmt: skip
+                    zip64 = True
+        if disk != 0 or dir_disk != 0:
+            raise BadZipError("zip archives that span several disks are not supported")
+        # bytes in front of the archive (zip appended to another file) shift every offset
+        directory_end = location - (_EOCD64.size + _EOCD64_LOCATOR.size if zip64 else 0)
+        self.concat = directory_end - dir_size - dir_offset
+        start_dir = dir_offset + self.concat
+        if start_dir < 0 or dir_size < 0:
+            raise BadZipError("Bad offset for central directory")
+        if dir_size > MAX_DIRECTORY:
+            raise BadZipError(f"the central directory claims {dir_size:,} bytes")
+        return start_dir, dir_size, count
+
+    def _read_directory(self, start_dir: int, dir_size: int, count: int) -> list[ZipMember]:
+        data = self._pread(start_dir, dir_size)
+        if len(data) != dir_size:
+            raise BadZipError("Truncated central directory")
+        members: list[ZipMember] = []
+        unpack = _CENTRAL.unpack_from
+        entry_size = _CENTRAL.size
+        pos = 0
+        while pos < dir_size:
+            if pos + entry_size > dir_size:
+                raise BadZipError("Truncated central directory")
+            (signature, _, _, extract_version, _, flags, method, _, _, crc, compressed, size,
+             name_len, extra_len, comment_len, _, _, _, offset) = unpack(data, pos)  # fmt: skip
+            if signature != b"PK\x01\x02":
+                raise BadZipError("Bad magic number for central directory")
+            if extract_version > _MAX_EXTRACT_VERSION:
+                raise BadZipError(f"zip file version {extract_version / 10:.1f} is not supported")
+            name_at = pos + entry_size
+            pos = name_at + name_len + extra_len + comment_len
+            if pos > dir_size:  # zipfile reads such an entry short; it is corrupt
+                raise BadZipError(
+                    f"the directory entry at byte {name_at - entry_size} runs past its end"
+                )
+            name = _decode_name(data[name_at : name_at + name_len], flags)
+            if 0xFFFFFFFF in (size, compressed, offset):
+                extra = data[name_at + name_len : name_at + name_len + extra_len]
+                size, compressed, offset = _zip64_extra(extra, size, compressed, offset)
+            else:
+                _check_extra(data, name_at + name_len, extra_len)
+            members.append(
+                ZipMember(name, offset + self.concat, method, compressed, size, crc, flags)
+            )
+        if len(members) != count and count != 0xFFFF:
+            raise BadZipError(
+                f"the central directory lists {len(members)} entries, its end record says {count}"
+            )
+        return members
+
+    # -- reading a member --------------------------------------------------------------------
+    def data_offset(self, member: ZipMember) -> int:
+        """Where ``member``'s bytes start, from its local header (checked against the entry)."""
+        header = self._pread(member.header_offset, LOCAL_HEADER.size)
+        if member.header_offset < 0 or len(header) != LOCAL_HEADER.size:
+            raise BadZipError(f"{member.filename}: local header past the end of the file")
+        signature, _, flags, _, _, _, _, _, _, name_len, extra_len = LOCAL_HEADER.unpack(header)
+        if signature != b"PK\x03\x04":
+            raise BadZipError(f"{member.filename}: bad magic number for file header")
+        local_name = self._handle.read(name_len)
+        if _decode_name(local_name, flags) != member.filename:
+            raise BadZipError(
+                f"File name in directory {member.filename!r} and header {local_name!r} differ."
+            )
+        either = flags | member.flag_bits  # zipfile goes by the directory's; either is enough
+        if either & (_ENCRYPTED | _STRONG_ENCRYPTION):
+            raise BadZipError(f"{member.filename}: the member is encrypted")
+        if either & _PATCHED:
+            raise BadZipError(f"{member.filename}: compressed patched data is not supported")
+        return member.header_offset + LOCAL_HEADER.size + name_len + extra_len
+
+    def read(self, member: ZipMember) -> bytes:
+        """A member's bytes, inflated and CRC-checked (callers bound ``file_size`` first)."""
+        start = self.data_offset(member)
+        if start + member.compress_size > self.size:
+            raise BadZipError(f"{member.filename}: the file ends inside this member")
+        raw = self._pread(start, member.compress_size)
+        if member.compress_type == ZIP_STORED:
+            if member.compress_size != member.file_size:
+                raise BadZipError(f"{member.filename}: stored size differs from its length")
+            data = raw
+        elif member.compress_type == ZIP_DEFLATED:
+            inflater = zlib.decompressobj(-15)
+            data = inflater.decompress(raw, member.file_size + 1)  # bounded, whatever it holds
+            if len(data) != member.file_size:
+                raise BadZipError(f"{member.filename}: inflates to a different size")
+        else:
+            raise BadZipError(
+                f"{member.filename}: compression method {member.compress_type} is not supported"
+            )
+        if zlib.crc32(data) != member.CRC:
+            raise BadZipError(f"Bad CRC-32 for file {member.filename!r}")
+        return data
+
+
+def _check_extra(data: bytes, at: int, length: int) -> None:
+    """Extra fields are (id, size, payload) records; one that overruns the field is corrupt."""
+    end = at + length
+    while end - at >= 4:
+        field_id, field_len = struct.unpack_from("<HH", data, at)
+        at += 4 + field_len
+        if at > end:
+            raise BadZipError(f"Corrupt extra field {field_id:04x} (size={field_len})")
+
+
+def _zip64_extra(extra: bytes, size: int, compressed: int, offset: int) -> tuple[int, int, int]:
+    """The 64-bit sizes and offset that replace 0xFFFFFFFF in an entry (zip64 extra field)."""
+    _check_extra(extra, 0, len(extra))
+    at = 0
+    while len(extra) - at >= 4:
+        field_id, field_len = struct.unpack_from("<HH", extra, at)
+        payload = extra[at + 4 : at + 4 + field_len]
+        at += 4 + field_len
+        if field_id != 0x0001:
+            continue
+        values = list(struct.unpack_from(f"<{len(payload) // 8}Q", payload))
+        try:
+            if size == 0xFFFFFFFF:
+                size = values.pop(0)
+            if compressed == 0xFFFFFFFF:
+                compressed = values.pop(0)
+            if offset == 0xFFFFFFFF:
+                offset = values.pop(0)
+        except IndexError:
+            raise BadZipError("Corrupt zip64 extra field") from None
+    return size, compressed, offset
+
+
+__all__ = ["LOCAL_HEADER", "ZIP_DEFLATED", "ZIP_STORED", "BadZipError", "ZipIndex", "ZipMember"]
