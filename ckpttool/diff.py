@@ -295,7 +295,7 @@ def _side(
     ckpt: Checkpoint, layout: str, section: str | None, auto: bool, selection: Selection
 ) -> Side:
     return Side(
-        str(ckpt.path), ckpt.format, layout, section, auto and section is not None,
+        ckpt.name, ckpt.format, layout, section, auto and section is not None,
         len(selection.tensors),
     )  # fmt: skip
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory, read_at
@@ -27,12 +26,15 @@ from ckpttool.formats.torch_zip import read_torch_zip
 from ckpttool.pickle_safe import PickleResult, load_pickle
 from ckpttool.records import StorageRecord, TensorRecord, get_path, tensors
 
+if TYPE_CHECKING:
+    from pathlib import Path
+
 
 @dataclass
 class Checkpoint:
     """An opened checkpoint: its object tree, format facts, and access to tensor bytes."""
 
-    path: Path
+    name: str  # the path it was opened from, as text (``path`` is the same as a Path)
     format: str
     root: Any
     file_size: int
@@ -43,6 +45,12 @@ class Checkpoint:
     _parsed: Parsed = field(repr=False)
     _handle: BinaryIO = field(repr=False)
     _all_tensors: list[TensorRecord] | None = field(default=None, repr=False)
+
+    @property
+    def path(self) -> Path:
+        from pathlib import Path  # not at import: listing a file never needs pathlib
+
+        return Path(self.name)
 
     def tensors(self, section: str | None = None) -> list[TensorRecord]:
         """Every tensor with its dotted key, in file order (``section`` limits to a subtree)."""
@@ -56,7 +64,7 @@ class Checkpoint:
         try:
             return get_path(self.root, name)
         except KeyError:
-            raise InputError(f"{self.path}: no section {name!r} in this checkpoint") from None
+            raise InputError(f"{self.name}: no section {name!r} in this checkpoint") from None
 
     def storage_span(self, storage: StorageRecord) -> tuple[int, int]:
         """(absolute file offset, byte length) of a storage's bytes."""
@@ -111,18 +119,20 @@ def open_checkpoint(
     (``verify`` uses this); ``refuse_dangerous=False`` records dangerous globals instead of
     refusing the file (``scan``).
     """
-    path = Path(path)
-    directory = is_dcp_directory(path)
-    handle = _open_input(path / DCP_METADATA if directory else path)
+    name = os.fspath(path)
+    directory = is_dcp_directory(name)
+    handle = _open_input(os.path.join(name, DCP_METADATA) if directory else name)
     parsed: Parsed | None = None
     try:
         if directory:
             # imported here: listing a single file should not pay for the DCP reader
+            from pathlib import Path
+
             from ckpttool.formats.dcp import data_size as dcp_size
             from ckpttool.formats.dcp import read_dcp
 
-            parsed = read_dcp(path, handle, strict=strict, refuse_dangerous=refuse_dangerous)
-            file_size = dcp_size(path, parsed)
+            parsed = read_dcp(Path(name), handle, strict=strict, refuse_dangerous=refuse_dangerous)
+            file_size = dcp_size(Path(name), parsed)
         else:
             file_size = os.fstat(handle.fileno()).st_size
             parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
@@ -136,7 +146,7 @@ def open_checkpoint(
             parsed.close()
         raise
     return Checkpoint(
-        path=path,
+        name=name,
         format=parsed.format,
         root=parsed.root,
         file_size=file_size,
@@ -150,15 +160,15 @@ def open_checkpoint(
     )
 
 
-def _open_input(path: Path) -> BinaryIO:
+def _open_input(path: str) -> BinaryIO:
     try:
-        mode = path.stat().st_mode
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except OSError as error:
         raise InputError(f"{path}: cannot access ({error.strerror})") from None
     if stat.S_ISDIR(mode):
-        if any(path.glob("*.distcp")):
+        if _has_dcp_shards(path):
             raise CorruptCheckpointError(
                 f"{path}: a torch.distributed.checkpoint directory without its {DCP_METADATA} file "
                 "(DCP writes it last: the save did not finish); use the previous checkpoint"
@@ -236,3 +246,11 @@ def check_extents(parsed: Parsed, records: list[TensorRecord]) -> list[str]:
                 f"{needed:,} of its storage, which has {record.storage.nbytes:,}"
             )
     return problems
+
+
+def _has_dcp_shards(directory: str) -> bool:
+    try:
+        with os.scandir(directory) as entries:
+            return any(entry.name.endswith(".distcp") for entry in entries)
+    except OSError:  # unreadable: say "a directory", as for any other
+        return False

@@ -140,7 +140,7 @@ def build_report(
     if ckpt.metadata:
         fields.update({f"__metadata__.{k}": v for k, v in ckpt.metadata.items()})
     return ShowReport(
-        path=str(ckpt.path),
+        path=ckpt.name,
         format=ckpt.format,
         file_size=ckpt.file_size,
         layout=layout,
