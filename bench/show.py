@@ -1,8 +1,10 @@
 """`ckpttool show` against torch.load, on a MiniMind-768 resume checkpoint (~1.25 GB).
 
 Run from the repository root: ``python -m bench.show [--runs 5]``. Prints two markdown tables:
-show vs ``torch.load(weights_only=True, mmap=True)`` vs a full ``torch.load``, and show on the
-weights file vs the same tensors 4x larger (listing time should not grow with file size).
+show vs ``torch.load(weights_only=True, mmap=True)`` vs a full ``torch.load`` (with the bare
+cost of starting Python and importing click and tabulate, which every run of a click command
+pays, for scale), and show on the weights file vs the same tensors 4x larger (listing time
+should not grow with file size).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch.load (full)": _torch_load(resume, mmap=False),
         "torch.load (mmap)": _torch_load(resume, mmap=True),
         "ckpttool show": [*show, str(resume)],
+        # the floor under any click + tabulate command on this machine, for scale
+        "python: import click, tabulate": [sys.executable, "-c", "import click, tabulate"],
     }
     print(compare(rows, baseline="torch.load (mmap)", runs=args.runs))
     print(f"\n### show: flat with file size ({weights.name} vs {scaled.name})\n")
