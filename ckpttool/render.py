@@ -128,7 +128,7 @@ def render_show(report: ShowReport) -> str:
     for info in report.tensors:
         record = info.record
         row = [record.key, record.dtype, list(record.shape), record.numel,
-               human_size(record.nbytes), "; ".join(info.notes)]  # fmt: skip
+               human_size(record.nbytes), "; ".join(info.notes) or None]  # fmt: skip
         if info.stats is not None:
             s = info.stats
             row[5:5] = [_num(s.min), _num(s.max), _num(s.mean), _num(s.std), s.nan, s.inf]
@@ -136,6 +136,8 @@ def render_show(report: ShowReport) -> str:
     headers = ["key", "dtype", "shape", "numel", "size", "notes"]
     if any(info.stats is not None for info in report.tensors):
         headers[5:5] = ["min", "max", "mean", "std", "nan", "inf"]
+    # tabulate prints None as an empty cell, and types it without trying int() and float()
+    # on it as it does on "": most rows have no notes.
     from tabulate import tabulate  # here: --json and --tree print no table
 
     lines.append(tabulate(rows, headers=headers, disable_numparse=True))
