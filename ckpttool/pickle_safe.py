@@ -223,9 +223,9 @@ class SafeUnpickler:
         """Interpret opcodes until STOP.
 
         The opcodes ``torch.save`` emits most (protocol 2: memo PUT/GET, small ints, MARK and
-        TUPLE, strings) are handled inline with the stack in local variables: listing a
-        checkpoint is this loop, and a function call per opcode was half its cost. Every other
-        opcode goes through ``_DISPATCH``. Both paths check lengths, the stack and the memo
+        TUPLE, strings, REDUCE, BINPERSID: ``INLINE_OPCODES``) are handled inline with the
+        stack in local variables: listing a checkpoint is this loop, and a function call per
+        opcode was half its cost. Every other opcode goes through ``_DISPATCH``. Both paths check lengths, the stack and the memo
         the same way.
         """
         deadline = time.monotonic() + MAX_SECONDS
@@ -406,14 +406,6 @@ def _op_frame(u: SafeUnpickler, pos: int) -> bool:
     return False
 
 
-def _push_const(value: Any) -> Callable[[SafeUnpickler, int], bool]:
-    def handler(u: SafeUnpickler, pos: int) -> bool:
-        u._push(value, pos)
-        return False
-
-    return handler
-
-
 def _push_read(read: Callable[[SafeUnpickler], Any]) -> Callable[[SafeUnpickler, int], bool]:
     def handler(u: SafeUnpickler, pos: int) -> bool:
         u._push(read(u), pos)
@@ -441,14 +433,6 @@ def _read_string_text(u: SafeUnpickler) -> str:
     if len(line) < 2 or line[0] != line[-1] or line[:1] not in (b"'", b'"'):
         raise ValueError("badly quoted STRING")
     return str(codecs.escape_decode(line[1:-1])[0].decode("latin-1"))
-
-
-def _op_mark(u: SafeUnpickler, pos: int) -> bool:
-    u.metastack.append((u.stack, u.starts, pos))
-    u.stack, u.starts = [], []
-    if len(u.metastack) > MAX_DEPTH * 10:
-        raise ResourceLimitError("pickle nests MARKs deeper than any checkpoint")
-    return False
 
 
 def _op_pop(u: SafeUnpickler, pos: int) -> bool:
@@ -513,26 +497,6 @@ def _op_empty(factory: Callable[[], Any]) -> Callable[[SafeUnpickler, int], bool
         return False
 
     return handler
-
-
-def _op_tuple_n(n: int) -> Callable[[SafeUnpickler, int], bool]:
-    def handler(u: SafeUnpickler, pos: int) -> bool:
-        if len(u.stack) < n:
-            raise _bad(pos, "stack underflow")
-        items = tuple(u.stack[len(u.stack) - n :])
-        start = u.starts[len(u.stack) - n] if n else pos
-        del u.stack[len(u.stack) - n :]
-        del u.starts[len(u.starts) - n :]
-        u._push(items, start)
-        return False
-
-    return handler
-
-
-def _op_tuple(u: SafeUnpickler, pos: int) -> bool:
-    items, _, mark_pos = u._pop_mark()
-    u._push(tuple(items), mark_pos)
-    return False
 
 
 def _op_list(u: SafeUnpickler, pos: int) -> bool:
@@ -631,13 +595,6 @@ def _op_stack_global(u: SafeUnpickler, pos: int) -> bool:
     return False
 
 
-def _op_reduce(u: SafeUnpickler, pos: int) -> bool:
-    args, _ = u._pop()
-    func, start = u._pop()
-    u._push(u._call(func, args), start)
-    return False
-
-
 def _op_newobj(u: SafeUnpickler, pos: int) -> bool:
     args, _ = u._pop()
     cls, start = u._pop()
@@ -679,18 +636,12 @@ def _op_build(u: SafeUnpickler, pos: int) -> bool:
     return False
 
 
-def _op_persid(binary: bool) -> Callable[[SafeUnpickler, int], bool]:
-    def handler(u: SafeUnpickler, pos: int) -> bool:
-        if binary:
-            pid, start = u._pop()
-        else:
-            pid, start = u._line().decode("ascii"), pos
-        if u.persistent_load is None:
-            raise _no_persistent_load()
-        u._push(u.persistent_load(pid), start)
-        return False
-
-    return handler
+def _op_persid_text(u: SafeUnpickler, pos: int) -> bool:
+    pid = u._line().decode("ascii")
+    if u.persistent_load is None:
+        raise _no_persistent_load()
+    u._push(u.persistent_load(pid), pos)
+    return False
 
 
 def _no_persistent_load() -> CorruptCheckpointError:
@@ -732,7 +683,7 @@ def _long4(u: SafeUnpickler) -> int:
 
 
 def _n(fmt: str, size: int) -> Callable[[SafeUnpickler], int]:
-    """A reader of one fixed-size little-endian integer argument (the hot path of parsing)."""
+    """A reader of one fixed-size little-endian integer argument."""
     signed = fmt[-1].islower()
 
     def read(u: SafeUnpickler) -> int:
@@ -748,21 +699,18 @@ def _n(fmt: str, size: int) -> Callable[[SafeUnpickler], int]:
     return read
 
 
+#: Opcodes interpreted inline by ``SafeUnpickler.load`` (what ``torch.save`` writes most).
+INLINE_OPCODES = frozenset(b"rqhjK(tMJX\x8c)\x85\x86\x87\x88\x89NRQ}]")
+
+#: Every other opcode: a handler taking (unpickler, offset of the opcode), True on STOP.
 _DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
     ord("."): _op_stop,
     0x80: _op_proto,
     0x95: _op_frame,
-    ord("("): _op_mark,
     ord("0"): _op_pop,
     ord("1"): _op_pop_mark,
     ord("2"): _op_dup,
-    ord("N"): _push_const(None),
-    0x88: _push_const(True),
-    0x89: _push_const(False),
     ord("I"): _push_read(_read_int_text),
-    ord("J"): _push_read(_n("<i", 4)),
-    ord("K"): _push_read(_n("<B", 1)),
-    ord("M"): _push_read(_n("<H", 2)),
     ord("L"): _push_read(_read_long_text),
     0x8A: _push_read(lambda u: int.from_bytes(u._take(u._u("<B", 1)), "little", signed=True)),
     0x8B: _push_read(lambda u: _long4(u)),
@@ -776,19 +724,10 @@ _DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
     0x8E: _push_read(_bytes_of(_n("<Q", 8))),
     0x96: _push_read(lambda u: bytearray(u._take(u._u("<Q", 8)))),
     ord("V"): _push_read(lambda u: u._line().decode("raw-unicode-escape")),
-    0x8C: _push_read(_str_of(_n("<B", 1))),
-    ord("X"): _push_read(_str_of(_n("<I", 4))),
     0x8D: _push_read(_str_of(_n("<Q", 8))),
-    ord("]"): _op_empty(list),
     ord("a"): _op_append,
     ord("e"): _op_appends,
     ord("l"): _op_list,
-    ord(")"): _push_const(()),
-    ord("t"): _op_tuple,
-    0x85: _op_tuple_n(1),
-    0x86: _op_tuple_n(2),
-    0x87: _op_tuple_n(3),
-    ord("}"): _op_empty(dict),
     ord("d"): _op_dict,
     ord("s"): _op_setitem,
     ord("u"): _op_setitems,
@@ -796,22 +735,16 @@ _DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
     0x90: _op_additems,
     0x91: _op_frozenset,
     ord("g"): _memo_get(lambda u: int(u._line())),
-    ord("h"): _memo_get(_n("<B", 1)),
-    ord("j"): _memo_get(_n("<I", 4)),
     ord("p"): _memo_put(lambda u: int(u._line())),
-    ord("q"): _memo_put(_n("<B", 1)),
-    ord("r"): _memo_put(_n("<I", 4)),
     0x94: _op_memoize,
+    ord("P"): _op_persid_text,
     ord("c"): _op_global,
     0x93: _op_stack_global,
-    ord("R"): _op_reduce,
     ord("b"): _op_build,
     ord("i"): _op_inst,
     ord("o"): _op_obj,
     0x81: _op_newobj,
     0x92: _op_newobj_ex,
-    ord("P"): _op_persid(binary=False),
-    ord("Q"): _op_persid(binary=True),
     0x82: _op_unsupported("EXT1 (copyreg extension registry)"),
     0x83: _op_unsupported("EXT2 (copyreg extension registry)"),
     0x84: _op_unsupported("EXT4 (copyreg extension registry)"),
