@@ -34,7 +34,7 @@ from typing import Any
 
 from ckpttool.atomic import atomic_group
 from ckpttool.errors import InputError, LayoutError, OutputExistsError
-from ckpttool.formats.dcp import is_dcp_directory
+from ckpttool.formats.base import is_dcp_directory
 from ckpttool.layout import LAYOUT_TITLES, LIGHTNING, detect_layout, is_resume
 from ckpttool.reader import open_checkpoint
 from ckpttool.rewrite import FieldRewrite, verify_rewrite

@@ -134,15 +134,63 @@ def test_refusals() -> None:
         index.getinfo("archive/missing")
 
 
-def test_deflate_bomb_is_bounded() -> None:
+def test_deflate_bomb_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A member inflating past its declared size yields at most file_size + 1 bytes, then fails."""
-    payload = bytes(1 << 20)
-    data = bytearray(_zip({"archive/data.pkl": payload}, compression=zipfile.ZIP_DEFLATED))
-    index = ZipIndex(io.BytesIO(bytes(data)))
-    member = index.getinfo("archive/data.pkl")
-    lying = member._replace(file_size=100)
+    from ckpttool.formats import zip_index
+
+    produced: list[int] = []
+    real_decompressobj = zlib.decompressobj
+
+    class Recording:
+        def __init__(self, wbits: int) -> None:
+            self.inner = real_decompressobj(wbits)
+
+        def decompress(self, data: bytes, max_length: int = 0) -> bytes:
+            out = self.inner.decompress(data, max_length)
+            produced.append(len(out))
+            return out
+
+    data = _zip({"archive/data.pkl": bytes(1 << 20)}, compression=zipfile.ZIP_DEFLATED)
+    index = ZipIndex(io.BytesIO(data))
+    lying = index.getinfo("archive/data.pkl")._replace(file_size=100)  # inflates to 1 MiB
+    monkeypatch.setattr(zip_index.zlib, "decompressobj", Recording)
     with pytest.raises(BadZipError, match="different size"):
         index.read(lying)
+    assert produced and max(produced) <= 101
+
+
+def _with_zip64_extra(data: bytes) -> bytes:
+    """A one-member stored archive whose directory entry gives its sizes and offset as
+    0xFFFFFFFF and the real values in a zip64 extra field, as for members past 4 GiB."""
+    eocd = data.rindex(b"PK\x05\x06")
+    dir_size, dir_offset = struct.unpack_from("<LL", data, eocd + 12)
+    entry = bytearray(data[dir_offset : dir_offset + dir_size])
+    crc, compressed, size = struct.unpack_from("<3L", entry, 16)
+    name_len, extra_len = struct.unpack_from("<HH", entry, 28)
+    offset = struct.unpack_from("<L", entry, 42)[0]
+    assert extra_len == 0 and len(entry) == 46 + name_len
+    extra = struct.pack("<HHQQQ", 0x0001, 24, size, compressed, offset)
+    struct.pack_into("<3L", entry, 16, crc, 0xFFFFFFFF, 0xFFFFFFFF)
+    struct.pack_into("<H", entry, 30, len(extra))
+    struct.pack_into("<L", entry, 42, 0xFFFFFFFF)
+    end = bytearray(data[eocd:])
+    struct.pack_into("<L", end, 12, dir_size + len(extra))
+    return data[:dir_offset] + bytes(entry) + extra + bytes(end)
+
+
+def test_zip64_extra_field_gives_sizes_and_offset() -> None:
+    payload = bytes(range(256)) * 4
+    data = _with_zip64_extra(_zip({"archive/data/0": payload}))
+    with zipfile.ZipFile(io.BytesIO(data)) as reference:  # the crafted entry is valid zip64
+        assert reference.read("archive/data/0") == payload
+    _check_against_zipfile(data)
+    index = ZipIndex(io.BytesIO(data))
+    member = index.getinfo("archive/data/0")
+    assert (member.file_size, member.compress_size, member.header_offset) == (1024, 1024, 0)
+    assert index.read(member) == payload
+    truncated = data.replace(struct.pack("<HH", 0x0001, 24), struct.pack("<HH", 0x0001, 8), 1)
+    with pytest.raises(BadZipError):  # the field is now shorter than its record says
+        ZipIndex(io.BytesIO(truncated))
 
 
 @pytest.mark.slow

@@ -14,7 +14,13 @@ from typing import Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError, NotACheckpointError, ResourceLimitError
 from ckpttool.formats.base import Parsed
-from ckpttool.formats.zip_index import LOCAL_HEADER, ZIP_STORED, ZipIndex, ZipMember
+from ckpttool.formats.zip_index import (
+    LOCAL_HEADER,
+    ZIP_STORED,
+    ZipIndex,
+    ZipMember,
+    read_local_header,
+)  # fmt: skip
 from ckpttool.pickle_safe import _STORAGE_DTYPES, load_pickle
 from ckpttool.records import GlobalRef, StorageRecord, fits_int64
 
@@ -168,26 +174,14 @@ def member_span(handle: BinaryIO, info: ZipMember) -> tuple[int, int]:
 
     The span is checked against the file's size: a central directory may claim anything.
     """
-    if info.header_offset < 0:
-        raise CorruptCheckpointError(f"record {info.filename!r} has a negative offset")
-    handle.seek(info.header_offset)
-    header = handle.read(LOCAL_HEADER.size)
-    if len(header) != LOCAL_HEADER.size:
-        raise CorruptCheckpointError(f"record {info.filename!r} is cut off (truncated file)")
-    signature, _, _, method, _, _, _, _, _, name_len, extra_len = LOCAL_HEADER.unpack(header)
-    if signature != b"PK\x03\x04":
-        raise CorruptCheckpointError(f"record {info.filename!r} has no local header")
+    try:
+        start, method, _ = read_local_header(handle, info)
+    except ZIP_ERRORS as error:
+        raise CorruptCheckpointError(str(error)) from None
     if method != ZIP_STORED:
         raise CorruptCheckpointError(
             f"record {info.filename!r} is compressed; torch never writes that (re-zipped file?)"
         )
-    local_name = handle.read(name_len)
-    if local_name.decode("utf-8", "replace") != info.filename:
-        raise CorruptCheckpointError(
-            f"the zip's central directory says {info.filename!r} where the local header "
-            f"says {local_name!r}"
-        )
-    start = info.header_offset + LOCAL_HEADER.size + name_len + extra_len
     if start + info.file_size > os.fstat(handle.fileno()).st_size:
         raise CorruptCheckpointError(
             f"record {info.filename!r} claims {info.file_size:,} bytes, past the end of the file "

@@ -170,23 +170,13 @@ class ZipIndex:
     # -- reading a member --------------------------------------------------------------------
     def data_offset(self, member: ZipMember) -> int:
         """Where ``member``'s bytes start, from its local header (checked against the entry)."""
-        header = self._pread(member.header_offset, LOCAL_HEADER.size)
-        if member.header_offset < 0 or len(header) != LOCAL_HEADER.size:
-            raise BadZipError(f"{member.filename}: local header past the end of the file")
-        signature, _, flags, _, _, _, _, _, _, name_len, extra_len = LOCAL_HEADER.unpack(header)
-        if signature != b"PK\x03\x04":
-            raise BadZipError(f"{member.filename}: bad magic number for file header")
-        local_name = self._handle.read(name_len)
-        if _decode_name(local_name, flags) != member.filename:
-            raise BadZipError(
-                f"File name in directory {member.filename!r} and header {local_name!r} differ."
-            )
-        either = flags | member.flag_bits  # zipfile goes by the directory's; either is enough
+        header = read_local_header(self._handle, member)
+        either = header.flags | member.flag_bits  # zipfile goes by the directory's; either will do
         if either & (_ENCRYPTED | _STRONG_ENCRYPTION):
             raise BadZipError(f"{member.filename}: the member is encrypted")
         if either & _PATCHED:
             raise BadZipError(f"{member.filename}: compressed patched data is not supported")
-        return member.header_offset + LOCAL_HEADER.size + name_len + extra_len
+        return header.data_start
 
     def read(self, member: ZipMember) -> bytes:
         """A member's bytes, inflated and CRC-checked (callers bound ``file_size`` first)."""
@@ -210,6 +200,34 @@ class ZipIndex:
         if zlib.crc32(data) != member.CRC:
             raise BadZipError(f"Bad CRC-32 for file {member.filename!r}")
         return data
+
+
+class LocalHeader(NamedTuple):
+    data_start: int  # where the member's bytes start in the file
+    method: int  # compression method the local header gives
+    flags: int
+
+
+def read_local_header(handle: BinaryIO, member: ZipMember) -> LocalHeader:
+    """A member's local header, checked against its directory entry (offset, magic, name)."""
+    name = member.filename
+    if member.header_offset < 0:
+        raise BadZipError(f"record {name!r} has a negative offset")
+    handle.seek(member.header_offset)
+    header = handle.read(LOCAL_HEADER.size)
+    if len(header) != LOCAL_HEADER.size:
+        raise BadZipError(f"record {name!r} is cut off (truncated file)")
+    signature, _, flags, method, _, _, _, _, _, name_len, extra_len = LOCAL_HEADER.unpack(header)
+    if signature != b"PK\x03\x04":
+        raise BadZipError(f"record {name!r} has no local header")
+    local_name = handle.read(name_len)
+    if _decode_name(local_name, flags) != name:
+        raise BadZipError(
+            f"the zip's central directory says {name!r} where the local header says {local_name!r}"
+        )
+    return LocalHeader(
+        member.header_offset + LOCAL_HEADER.size + name_len + extra_len, method, flags
+    )
 
 
 def _check_extra(data: bytes, at: int, length: int) -> None:
@@ -245,4 +263,7 @@ def _zip64_extra(extra: bytes, size: int, compressed: int, offset: int) -> tuple
     return size, compressed, offset
 
 
-__all__ = ["LOCAL_HEADER", "ZIP_DEFLATED", "ZIP_STORED", "BadZipError", "ZipIndex", "ZipMember"]
+__all__ = [
+    "LOCAL_HEADER", "ZIP_DEFLATED", "ZIP_STORED", "BadZipError", "LocalHeader", "ZipIndex",
+    "ZipMember", "read_local_header",
+]  # fmt: skip
