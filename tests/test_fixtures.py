@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import collections
 import io
+import os
 import pickle
+import platform
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,7 @@ from tests.fixtures.generate import (
     FIXTURES_DIR,
     MICRO,
     NOT_TORCH_PICKLES,
+    ROUNDING_FIXTURES,
     TINY,
     TINY_MOE,
     WEIGHTS_ONLY_UNREADABLE,
@@ -32,6 +37,7 @@ from tests.fixtures.minimind import MiniMindForCausalLM, causal_lm_loss, minimin
 
 TORCH_PICKLES = [name for name in FIXTURE_FILES if name not in NOT_TORCH_PICKLES]
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
+REPO = FIXTURES_DIR.parents[1]
 
 
 def load(name: str, *, weights_only: bool = True) -> Any:
@@ -52,8 +58,147 @@ def expected_keys(config: Any) -> list[str]:
         return list(MiniMindForCausalLM(config).state_dict())
 
 
-def test_regenerating_gives_identical_bytes() -> None:
+def test_regenerating_gives_the_committed_fixtures() -> None:
     assert generate.check() == []
+
+
+def _regenerate(out: Path, **env: str) -> None:
+    command = [sys.executable, "-m", "tests.fixtures.generate", "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, **env}, cwd=REPO)
+
+
+def test_regenerating_with_another_vector_unit_passes_the_check(tmp_path: Path) -> None:
+    """torch's kernels without SIMD (``ATEN_CPU_CAPABILITY=default``) round AdamW differently
+    from AVX2/AVX-512: the check must accept that, and only in the trained fixtures."""
+    _regenerate(tmp_path, ATEN_CPU_CAPABILITY="default")
+    names = [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()]
+    byte_different = {
+        name
+        for name in names
+        if (FIXTURES_DIR / name).read_bytes() != (tmp_path / name).read_bytes()
+    }
+    assert byte_different <= ROUNDING_FIXTURES, byte_different - ROUNDING_FIXTURES
+    if platform.machine().lower() in ("x86_64", "amd64"):  # elsewhere "default" may be native
+        assert byte_different, "expected the non-SIMD kernels to round some value differently"
+    problems = {
+        name: generate.compare_fixture(
+            name, (FIXTURES_DIR / name).read_bytes(), (tmp_path / name).read_bytes(), FIXTURES_DIR
+        )
+        for name in byte_different
+    }
+    assert {name: p for name, p in problems.items() if p} == {}
+
+
+def _moved(data: bytes, span: tuple[int, int, str], ulps: float) -> bytes:
+    """``data`` with the largest-magnitude float of ``span`` moved by ``ulps`` of its ulp."""
+    from tests.fixtures.compare import _ulp
+
+    offset, length, dtype = span
+    values = np.frombuffer(data[offset : offset + length], dtype=dtype).copy()
+    index = int(np.abs(values.astype(np.float64)).argmax())
+    values[index] += np.array(ulps * _ulp(float(abs(values[index])), dtype), dtype=dtype)
+    return data[:offset] + values.tobytes() + data[offset + length :]
+
+
+def _resaved(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+LIGHTNING = "lightning/epoch=1-step=40.ckpt"
+
+
+def test_compare_controls_resaving_reproduces_the_bytes() -> None:
+    # The mutation tests below re-save edited objects; unedited, a re-save is byte-identical.
+    assert _resaved(load(LIGHTNING)) == (FIXTURES_DIR / LIGHTNING).read_bytes()
+
+
+@pytest.mark.parametrize("ulps", [0.5, 1, 4, 16])
+def test_compare_accepts_kernel_rounding_in_a_trained_fixture(ulps: float) -> None:
+    from tests.fixtures.compare import float_spans
+
+    committed = (FIXTURES_DIR / "safetensors/model.safetensors").read_bytes()
+    fresh = _moved(committed, float_spans(committed, "model.safetensors")[-1], ulps)
+    assert fresh != committed
+    assert (
+        generate.compare_fixture("safetensors/model.safetensors", committed, fresh, FIXTURES_DIR)
+        is None
+    )
+
+
+@pytest.mark.parametrize("ulps", [64, 10_000])
+def test_compare_refuses_more_than_kernel_rounding(ulps: float) -> None:
+    from tests.fixtures.compare import float_spans
+
+    committed = (FIXTURES_DIR / "safetensors/model.safetensors").read_bytes()
+    fresh = _moved(committed, float_spans(committed, "model.safetensors")[-1], ulps)
+    problem = generate.compare_fixture(
+        "safetensors/model.safetensors", committed, fresh, FIXTURES_DIR
+    )
+    assert problem is not None and "more than kernel rounding" in problem
+
+
+def test_compare_refuses_any_change_in_a_byte_exact_fixture() -> None:
+    from tests.fixtures.compare import float_spans
+
+    name = "legacy/state_dict.pth"
+    assert name not in ROUNDING_FIXTURES
+    committed = (FIXTURES_DIR / name).read_bytes()
+    fresh = _moved(committed, float_spans(committed, name)[0], 1)
+    assert generate.compare_fixture(name, committed, fresh, FIXTURES_DIR) is not None
+
+
+def _edit_key(ckpt: dict[str, Any]) -> None:
+    ckpt["state_dict"]["model.lm_heax.weight"] = ckpt["state_dict"].pop("model.lm_head.weight")
+
+
+def _edit_dtype(ckpt: dict[str, Any]) -> None:  # same bytes, another dtype
+    ckpt["state_dict"]["model.model.norm.weight"] = ckpt["state_dict"][
+        "model.model.norm.weight"
+    ].view(torch.int32)
+
+
+def _edit_shape(ckpt: dict[str, Any]) -> None:
+    ckpt["state_dict"]["model.lm_head.weight"] = ckpt["state_dict"]["model.lm_head.weight"].reshape(
+        -1
+    )
+
+
+def _edit_counter(ckpt: dict[str, Any]) -> None:
+    ckpt["global_step"] = 41
+
+
+@pytest.mark.parametrize("edit", [_edit_key, _edit_dtype, _edit_shape, _edit_counter])
+def test_compare_refuses_a_structural_change_in_a_trained_fixture(edit: Any) -> None:
+    assert LIGHTNING in ROUNDING_FIXTURES
+    ckpt = load(LIGHTNING)
+    edit(ckpt)
+    committed = (FIXTURES_DIR / LIGHTNING).read_bytes()
+    assert generate.compare_fixture(LIGHTNING, committed, _resaved(ckpt), FIXTURES_DIR) is not None
+
+
+def test_compare_refuses_a_changed_integer_storage_in_a_trained_fixture() -> None:
+    ckpt = load(LIGHTNING)
+    ckpt["step_tensor"] = torch.tensor([7], dtype=torch.int64)
+    before = _resaved(ckpt)
+    ckpt["step_tensor"][0] = 8  # same size, same structure: only the int64 bytes differ
+    after = _resaved(ckpt)
+    assert len(before) == len(after) and before != after
+    problem = generate.compare_fixture(LIGHTNING, before, after, FIXTURES_DIR)
+    assert problem is not None and "outside floating-point values" in problem
+
+
+def test_compare_refuses_a_torn_zip_member() -> None:
+    committed = bytearray((FIXTURES_DIR / LIGHTNING).read_bytes())
+    from tests.fixtures.compare import float_spans
+
+    offset, _, _ = float_spans(bytes(committed), LIGHTNING)[0]
+    committed[offset] ^= 0x01  # a flipped bit whose CRC-32 no longer matches
+    problem = generate.compare_fixture(
+        LIGHTNING, (FIXTURES_DIR / LIGHTNING).read_bytes(), bytes(committed), FIXTURES_DIR
+    )
+    assert problem is not None
 
 
 def test_committed_files_are_exactly_the_generated_ones() -> None:
