@@ -1,0 +1,483 @@
+"""Every ``--json`` output against its JSON Schema in docs/schemas/, and the schemas against the docs.
+
+Real outputs: the CLI run with ``CliRunner`` on the committed fixtures (and on broken copies in
+``tmp_path``), successes and the cases where a command reports a difference, a problem or a
+file it could not scan. The schemas are closed where ckpttool chooses the keys, so a field
+renamed or removed in the code, or added without the docs, fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+
+from ckpttool.cli import cli
+from tests.helpers import FIXTURES, copy_fixture
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+SCHEMAS = DOCS / "schemas"
+COMMANDS = ["show", "diff", "convert", "rescale-step", "verify", "scan"]
+PAIRS = FIXTURES / "pairs"
+DCP = FIXTURES / "dcp" / "checkpoint"
+RESUME = FIXTURES / "minimind" / "pretrain_32_resume.pth"
+
+
+@cache
+def validator(command: str) -> Draft202012Validator:
+    schema = json.loads((SCHEMAS / f"{command}.schema.json").read_text())
+    return Draft202012Validator(schema)
+
+
+def run_json(*args: Any, exit_code: int = 0) -> Any:
+    result = CliRunner().invoke(cli, [*(str(a) for a in args), "--json"])
+    assert result.exit_code == exit_code, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    return json.loads(result.stdout)  # stdout holds the JSON object and nothing else
+
+
+def assert_valid(command: str, data: Any) -> None:
+    errors = sorted(validator(command).iter_errors(data), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
+
+
+# --- the schemas themselves -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_schema_is_valid_draft_2020_12(command: str) -> None:
+    schema = json.loads((SCHEMAS / f"{command}.schema.json").read_text())
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    Draft202012Validator.check_schema(schema)
+    assert schema["additionalProperties"] is False  # the top level is closed
+
+
+def test_every_schema_file_belongs_to_a_command() -> None:
+    assert sorted(p.name for p in SCHEMAS.glob("*.json")) == sorted(
+        f"{c}.schema.json" for c in COMMANDS
+    )
+
+
+def property_names(schema: Any) -> set[str]:
+    """Every key a schema names under ``properties``, at any depth (``$defs`` included)."""
+    names: set[str] = set()
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key == "properties":
+                names.update(value)
+            names |= property_names(value)
+    elif isinstance(schema, list):
+        for item in schema:
+            names |= property_names(item)
+    return names
+
+
+def code_words(markdown: str) -> set[str]:
+    """Words that appear inside code (inline spans and fenced blocks) on a page."""
+    spans = re.findall(r"```.*?```|`(?:[^`\n]|\n(?!\n))+`", markdown, flags=re.S)
+    return {word for span in spans for word in re.findall(r"[\w-]+", span)}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_schema_field_is_documented_on_the_command_page(command: str) -> None:
+    schema = json.loads((SCHEMAS / f"{command}.schema.json").read_text())
+    page = (DOCS / f"{command}.md").read_text()
+    assert f"schemas/{command}.schema.json" in page  # the page links its schema
+    missing = property_names(schema) - code_words(page)
+    assert not missing, f"docs/{command}.md does not mention {sorted(missing)}"
+
+
+# --- show ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [RESUME],
+        [RESUME, "--section", "optimizer"],
+        [FIXTURES / "ckpttool/pretrain_32_resume.pth", "--stats"],
+        [FIXTURES / "ckpttool/pretrain_32.pth", "--filter", "*layers.0.*"],
+        [FIXTURES / "minimind/pretrain_32_moe_resume.pth"],
+        [FIXTURES / "legacy/state_dict.pth"],
+        [FIXTURES / "legacy/resume_bigkeys.pth"],
+        [FIXTURES / "safetensors/model.safetensors"],
+        [FIXTURES / "lightning/epoch=1-step=40.ckpt"],
+        [FIXTURES / "special/namespace_config.pth"],
+        [FIXTURES / "special/numpy_rng.pth"],
+        [FIXTURES / "special/cuda_storages.pth"],
+        [FIXTURES / "special/views.pth"],
+        [FIXTURES / "wrapped/ddp_compiled.pth"],
+        [PAIRS / "nan.pth", "--stats"],  # a warning for the NaN
+        [DCP, "--stats"],  # chunks and stats
+    ],
+    ids=lambda args: "-".join(str(a).rsplit("/", 1)[-1] for a in args),
+)
+def test_show_json_matches_its_schema(args: list[Any]) -> None:
+    data = run_json("show", *args)
+    assert_valid("show", data)
+    assert data["num_tensors"] == len(data["tensors"])
+
+
+def test_show_json_optional_keys_appear_when_documented(tmp_path: Path) -> None:
+    import torch
+
+    torch.save({"t": torch.full((3,), float("nan"))}, tmp_path / "nan.pth")
+    data = run_json("show", tmp_path / "nan.pth", "--stats")
+    assert_valid("show", data)
+    assert data["tensors"][0]["stats"] == {
+        "min": "nan", "max": "nan", "mean": "nan", "std": "nan", "nan": 3, "inf": 0
+    }  # fmt: skip
+    assert "stats" not in run_json("show", RESUME)["tensors"][0]
+    dcp = run_json("show", DCP)
+    assert all("chunks" in t for t in dcp["tensors"])
+    assert dcp["details"]["files"] == {"__0_0.distcp": 43905, "__1_0.distcp": 94808}
+
+
+# --- diff ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "options", "exit_code"),
+    [
+        (PAIRS / "base.pth", PAIRS / "base_legacy.pth", [], 0),
+        (PAIRS / "base.pth", PAIRS / "one_element.pth", [], 1),
+        (PAIRS / "base.pth", PAIRS / "one_element.pth", ["--quick"], 0),
+        (PAIRS / "base.pth", PAIRS / "structure.pth", ["--all"], 1),
+        (PAIRS / "base.pth", PAIRS / "base_fp16.pth", ["--rtol", "1e-3"], 0),
+        (PAIRS / "fine_fp32.pth", PAIRS / "fine_fp16.pth", [], 1),
+        (PAIRS / "base.pth", PAIRS / "nan.pth", [], 1),
+        (PAIRS / "base.pth", PAIRS / "base_nometa.safetensors", [], 0),
+        (PAIRS / "base.pth", PAIRS / "base_aliases.safetensors", [], 0),
+        (PAIRS / "ddp.pth", PAIRS / "base.pth", ["--ignore-wrappers"], 0),
+        (PAIRS / "resume_a.pth", PAIRS / "resume_b.pth", [], 1),
+        (PAIRS / "lightning_a.ckpt", PAIRS / "lightning_b.ckpt", [], 1),
+        (RESUME, FIXTURES / "safetensors/model.safetensors", [], 1),
+        (DCP, FIXTURES / "dcp/model.safetensors", [], 0),
+    ],
+    ids=lambda v: v.name if isinstance(v, Path) else str(v),
+)
+def test_diff_json_matches_its_schema(a: Path, b: Path, options: list[str], exit_code: int) -> None:
+    data = run_json("diff", a, b, *options, exit_code=exit_code)
+    assert_valid("diff", data)
+    assert data["equal"] is (exit_code == 0)
+    assert sum(data["summary"].values()) == len(data["tensors"])
+
+
+def test_diff_json_inf_values_match_the_schema(tmp_path: Path) -> None:
+    import torch
+
+    torch.save({"t": torch.tensor([1.0, float("inf")])}, tmp_path / "a.pth")
+    torch.save({"t": torch.tensor([0.0, 1.0]), "u": torch.zeros(1)}, tmp_path / "b.pth")
+    data = run_json("diff", tmp_path / "a.pth", tmp_path / "b.pth", exit_code=1)
+    assert_valid("diff", data)
+    assert data["tensors"][0]["values"]["max_abs_diff"] == "inf"
+
+
+def documented_diff_example() -> dict[str, Any]:
+    text = (DOCS / "diff.md").read_text()
+    return json.loads(text.split("```json\n", 1)[1].split("\n```", 1)[0])
+
+
+def shape_of(value: Any) -> Any:
+    """The schema of a JSON value: key names and value types, lists by their first item."""
+    if isinstance(value, dict):
+        return {k: shape_of(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape_of(value[0])] if value else []
+    if isinstance(value, bool) or value is None:
+        return type(value).__name__
+    if isinstance(value, (int, float)):
+        return "number"
+    return type(value).__name__
+
+
+def test_diff_json_is_what_docs_diff_md_documents() -> None:
+    """The excerpt in docs/diff.md is real output of the fixtures it names, and valid."""
+    result = CliRunner().invoke(cli, ["diff", str(RESUME), str(FIXTURES / "safetensors/model.safetensors"), "--json"])  # fmt: skip
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)  # stdout is JSON only; notes are on stderr
+    assert result.stderr.startswith("note: ")
+    aliased = [t for t in data["tensors"] if t["alias"]]
+    assert len(aliased) == 1
+    example = documented_diff_example()
+    assert_valid("diff", example)
+    actual = {**data, "tensors": aliased, "fields": [{"key": "step", "status": "changed", "a": 1, "b": 2}]}  # fmt: skip
+    assert shape_of(actual) == shape_of(example)
+    assert aliased[0] == example["tensors"][0] | {"values": aliased[0]["values"]}
+    assert aliased[0]["values"]["cast"] == {"a": "float16 -> float32"}
+    assert data["summary"] == {"identical": 0, "within_tolerance": 0, "differ": 21, "only_a": 0, "only_b": 0}  # fmt: skip
+    table = (DOCS / "diff.md").read_text().split("| key | meaning |", 1)[1]
+    for key in [*data, *data["a"], *data["tensors"][0], *aliased[0]["values"], *actual["fields"][0]]:  # fmt: skip
+        assert f"`{key}`" in table or f"`{key}[]`" in table, key
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+
+def flipped(tmp_path: Path) -> Path:
+    """A copy of a fixture with one byte of a tensor record changed (a CRC mismatch)."""
+    target = copy_fixture("pairs/base.pth", tmp_path)
+    data = bytearray(target.read_bytes())
+    data[data.index(b"base/data/0") + 200] ^= 0xFF
+    target.write_bytes(bytes(data))
+    return target
+
+
+def truncated(tmp_path: Path) -> Path:
+    target = tmp_path / "truncated.pth"
+    target.write_bytes((PAIRS / "base.pth").read_bytes()[:3000])
+    return target
+
+
+def with_leftover(tmp_path: Path) -> Path:
+    target = copy_fixture("pairs/base.pth", tmp_path)
+    (tmp_path / ".base.pth.abc123.ckpttool-tmp").write_bytes(b"partial")
+    return target
+
+
+VERIFY_CASES: list[tuple[str, Callable[[Path], list[Path]], int]] = [
+    (
+        "fixtures",
+        lambda _: [
+            RESUME,
+            FIXTURES / "legacy/state_dict.pth",
+            FIXTURES / "safetensors/model.safetensors",
+        ],
+        0,
+    ),
+    ("dcp", lambda _: [DCP], 0),
+    ("flipped-byte", lambda tmp: [flipped(tmp), RESUME], 1),
+    ("truncated", lambda tmp: [truncated(tmp)], 1),
+    ("leftover-temp-file", lambda tmp: [with_leftover(tmp)], 1),
+]
+
+
+@pytest.mark.parametrize(("name", "paths", "exit_code"), VERIFY_CASES, ids=[c[0] for c in VERIFY_CASES])  # fmt: skip
+def test_verify_json_matches_its_schema(
+    tmp_path: Path, name: str, paths: Callable[[Path], list[Path]], exit_code: int
+) -> None:
+    inputs = paths(tmp_path)
+    data = run_json("verify", *inputs, exit_code=exit_code)
+    assert_valid("verify", data)
+    assert data["ok"] is (exit_code == 0)
+    assert [f["path"] for f in data["files"]] == [str(p) for p in inputs]
+
+
+def test_verify_values_json_matches_its_schema() -> None:
+    data = run_json("verify", PAIRS / "nan.pth", "--values", exit_code=1)
+    assert_valid("verify", data)
+    assert data["files"][0]["problems"]
+
+
+# --- scan ------------------------------------------------------------------------------------
+
+
+def mixed_directory(tmp_path: Path) -> Path:
+    shutil.copytree(FIXTURES / "special", tmp_path / "special")
+    (tmp_path / "special" / "README.md").write_text("not a checkpoint\n")
+    return tmp_path / "special"
+
+
+SCAN_CASES: list[tuple[str, Callable[[Path], list[Any]], int]] = [
+    ("clean", lambda _: [RESUME, FIXTURES / "safetensors/model.safetensors", DCP], 0),
+    ("unknown-and-torchscript", lambda tmp: [mixed_directory(tmp)], 1),
+    (
+        "allowed",
+        lambda _: [
+            FIXTURES / "special/namespace_config.pth",
+            "--allow",
+            "argparse.Namespace",
+            "--allow",
+            "tests.fixtures.generate.TrainConfig",
+        ],
+        0,
+    ),
+    ("unreadable", lambda tmp: [truncated(tmp)], 2),
+    ("empty-directory", lambda tmp: [tmp], 0),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "exit_code"), SCAN_CASES, ids=[c[0] for c in SCAN_CASES])
+def test_scan_json_matches_its_schema(
+    tmp_path: Path, name: str, args: Callable[[Path], list[Any]], exit_code: int
+) -> None:
+    data = run_json("scan", *args(tmp_path), exit_code=exit_code)
+    assert_valid("scan", data)
+    assert data["clean"] is (exit_code == 0)
+
+
+def test_scan_json_reports_what_the_schema_documents(tmp_path: Path) -> None:
+    data = run_json("scan", mixed_directory(tmp_path), exit_code=1)
+    assert data["skipped"] == [str(tmp_path / "special" / "README.md")]
+    verdicts = {g["verdict"] for f in data["files"] for g in f["globals"]}
+    assert {"safe", "unknown"} <= verdicts
+    assert any(f["format"] == "torchscript" and f["notes"] for f in data["files"])
+    error = run_json("scan", truncated(tmp_path), exit_code=2)["files"][0]
+    assert error["format"] is None and "truncated" in error["error"]
+
+
+# --- convert ---------------------------------------------------------------------------------
+
+
+def big_and_tiny(tmp_path: Path) -> Path:
+    """Values that overflow and underflow float16."""
+    import torch
+
+    path = tmp_path / "extremes.pth"
+    torch.save({"big": torch.tensor([1e6, 1.0]), "tiny": torch.tensor([1e-10, 1.0])}, path)
+    return path
+
+
+CONVERT_CASES: list[tuple[str, Callable[[Path], list[Any]]]] = [
+    (
+        "resume-fp16",
+        lambda tmp: [
+            FIXTURES / "ckpttool/pretrain_32_resume.pth",
+            tmp / "m.safetensors",
+            "--dtype",
+            "fp16",
+        ],
+    ),
+    ("minimind-default-dst", lambda tmp: [copy_fixture("minimind/pretrain_32_resume.pth", tmp)]),
+    ("shards", lambda tmp: [PAIRS / "base.pth", tmp / "shards/", "--max-shard-size", "2KB"]),
+    ("to-pth", lambda tmp: [FIXTURES / "safetensors/model.safetensors", tmp / "model.pth"]),
+    (
+        "lightning-filter",
+        lambda tmp: [
+            FIXTURES / "lightning/epoch=1-step=40.ckpt",
+            tmp / "l.safetensors",
+            "--filter",
+            "*weight",
+        ],
+    ),
+    (
+        "wrapped-no-verify",
+        lambda tmp: [
+            FIXTURES / "wrapped/ddp.pth",
+            tmp / "w.safetensors",
+            "--ignore-wrappers",
+            "--no-verify",
+        ],
+    ),
+    (
+        "overflow-underflow",
+        lambda tmp: [
+            big_and_tiny(tmp),
+            tmp / "e.safetensors",
+            "--dtype",
+            "fp16",
+            "--allow-overflow",
+        ],
+    ),
+    ("dcp", lambda tmp: [DCP, tmp / "dcp.safetensors"]),
+]
+
+
+@pytest.mark.parametrize(("name", "args"), CONVERT_CASES, ids=[c[0] for c in CONVERT_CASES])
+def test_convert_json_matches_its_schema(
+    tmp_path: Path, name: str, args: Callable[[Path], list[Any]]
+) -> None:
+    data = run_json("convert", *args(tmp_path))
+    assert_valid("convert", data)
+    assert all(Path(p).is_file() for p in data["outputs"])
+    if name == "overflow-underflow":
+        assert data["overflow"] == {"big": 1} and data["underflow"] == {"tiny": 1}
+
+
+# --- rescale-step ----------------------------------------------------------------------------
+
+
+RESCALE_CASES: list[tuple[str, str, list[Any]]] = [
+    ("in-place-backup", "minimind/pretrain_32_resume.pth", ["--world-size", "2", "--backup"]),
+    (
+        "inexact-dry-run",
+        "minimind/pretrain_32_resume.pth",
+        ["--world-size", "7", "--batch-size", "16", "--dry-run"],
+    ),
+    ("nothing-to-do", "minimind/pretrain_32_resume.pth", ["--world-size", "8"]),
+    ("ckpttool-resume", "ckpttool/pretrain_32_resume.pth", ["--world-size", "4"]),
+    (
+        "legacy-from-world-size",
+        "legacy/resume_bigkeys.pth",
+        ["--world-size", "2", "--from-world-size", "4"],
+    ),
+    (
+        "lightning-step-key",
+        "lightning/epoch=1-step=40.ckpt",
+        ["--world-size", "2", "--from-world-size", "4", "--step-key", "global_step"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "fixture", "options"), RESCALE_CASES, ids=[c[0] for c in RESCALE_CASES])  # fmt: skip
+def test_rescale_step_json_matches_its_schema(
+    tmp_path: Path, name: str, fixture: str, options: list[Any]
+) -> None:
+    path = copy_fixture(fixture, tmp_path)
+    data = run_json("rescale-step", path, *options)
+    assert_valid("rescale-step", data)
+    assert data["written"] is (data["changed"] and not data["dry_run"])
+
+
+def test_rescale_step_json_to_another_output(tmp_path: Path) -> None:
+    source = copy_fixture("minimind/pretrain_32_resume.pth", tmp_path)
+    first = run_json("rescale-step", source, "--world-size", "4", "-o", tmp_path / "a.pth")
+    second = run_json("rescale-step", tmp_path / "a.pth", "--world-size", "2", "--output", tmp_path / "b.pth")  # fmt: skip
+    for data in (first, second):
+        assert_valid("rescale-step", data)
+    assert second["rescaled_from"] == [
+        {"step": 1200, "world_size": 8},
+        {"step": 2400, "world_size": 4},
+    ]
+
+
+# --- the schemas are strict enough to catch a renamed field -----------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: str) -> None:
+    outputs = {
+        "show": lambda: run_json("show", RESUME),
+        "diff": lambda: run_json(
+            "diff", PAIRS / "base.pth", PAIRS / "one_element.pth", exit_code=1
+        ),
+        "convert": lambda: run_json("convert", PAIRS / "base.pth", tmp_path / "o.safetensors"),
+        "rescale-step": lambda: run_json(
+            "rescale-step",
+            copy_fixture("minimind/pretrain_32_resume.pth", tmp_path),
+            "--world-size",
+            "2",
+            "--dry-run",
+        ),
+        "verify": lambda: run_json("verify", RESUME),
+        "scan": lambda: run_json("scan", RESUME),
+    }
+    data = outputs[command]()
+    assert_valid(command, data)
+    first = next(iter(data))
+    renamed = {("renamed_" + k if k == first else k): v for k, v in data.items()}
+    with pytest.raises(ValidationError):
+        validator(command).validate(renamed)
+    inner = {  # a closed object inside the output, reached from the top
+        "show": lambda d: d["tensors"][0],
+        "diff": lambda d: d["tensors"][0]["values"],
+        "convert": None,  # below its top level only maps, whose keys come from the file
+        "rescale-step": lambda d: d["from"],
+        "verify": lambda d: d["files"][0],
+        "scan": lambda d: d["files"][0]["globals"][0],
+    }[command]
+    if inner is not None:
+        nested = json.loads(json.dumps(data))
+        target = inner(nested)
+        target.pop(next(iter(target)))
+        with pytest.raises(ValidationError):
+            validator(command).validate(nested)
