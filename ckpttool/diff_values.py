@@ -15,7 +15,10 @@ What the verdicts mean (documented in README.md):
   NaN matches only a NaN in the same position (``equal_nan=True``); integer and bool tensors
   must be exactly equal (a tolerance on a step counter would hide real changes).
 
-Different dtypes are compared after casting both to the wider one (:func:`compare_dtype`).
+Different dtypes are compared after casting both to the wider one (:func:`compare_dtype`), or,
+with ``rounded``, after rounding the wider float to the narrower one (:func:`narrower_dtype`) the
+way ``tensor.to(dtype)`` does (:mod:`ckpttool.cast`): the pair is then bitwise equal exactly when
+the narrower side is the wider one saved in its dtype.
 """
 
 from __future__ import annotations
@@ -48,12 +51,15 @@ class ValueDiff:
 
     compared_as: str  # dtype both sides were cast to (their common dtype if they agree)
     numel: int
-    bitwise_equal: bool
+    bitwise_equal: bool  # same bytes, in compared_as (so never for a widening cast)
     mismatched: int  # elements outside tolerance (integers: not equal)
     max_abs_diff: float | None  # over element pairs where neither is NaN; None: not decoded
     max_rel_diff: float | None  # |a - b| / |b| over the same pairs (inf where b == 0 != a)
     nan_positions_differ: bool
     inf_positions_differ: bool
+    # rounded: every element of the wider side, rounded to compared_as, has the narrower side's
+    # bits, or both are NaN (torch's own kernels give a rounded NaN different payloads)
+    equal_after_rounding: bool = False
 
     @property
     def mismatch_fraction(self) -> float:
@@ -86,6 +92,29 @@ def compare_dtype(a: str, b: str) -> str | None:
             return "bfloat16"
         return str(np.promote_types(np.float32, np.dtype(other)))
     return str(np.promote_types(np.dtype(a), np.dtype(b)))
+
+
+# Floating dtypes by precision; a wider one rounds into a narrower one (float16 and bfloat16
+# hold different values: neither is the rounding of the other).
+_PRECISION = {"float64": 3, "float32": 2, "float16": 1, "bfloat16": 1}
+
+
+def narrower_dtype(a: str, b: str) -> str | None:
+    """The float dtype the other of ``a``, ``b`` is rounded to under ``rounded`` (None: none)."""
+    if a == b or a not in _PRECISION or b not in _PRECISION or _PRECISION[a] == _PRECISION[b]:
+        return None
+    return a if _PRECISION[a] < _PRECISION[b] else b
+
+
+def scalar_value(ckpt: Checkpoint, record: TensorRecord) -> bool | int | float | complex | None:
+    """The one element of a one-element tensor as a Python number (None: more, or undecoded)."""
+    if record.numel != 1 or not decodable(record.dtype):
+        return None
+    if record.storage is None and record.inline_data is None:
+        return None  # a meta tensor: no value to show
+    raw = read_array(ckpt, record).reshape(-1)
+    value: bool | int | float | complex = _decoded(record, raw)[0].item()
+    return value
 
 
 def raw_chunks(
@@ -191,27 +220,36 @@ def compare_values(
     *,
     rtol: float,
     atol: float,
+    rounded: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> ValueDiff | None:
     """Compare two same-shaped tensors; None when their dtypes have no common dtype.
 
     Same dtype: a chunk whose bits agree costs one comparison and no arithmetic; only chunks
-    that differ are decoded and measured.
+    that differ are decoded and measured. ``rounded``: two floats of different precision are
+    compared in the narrower dtype, the wider side rounded to it first.
     """
     import numpy as np
 
-    common = compare_dtype(record_a.dtype, record_b.dtype)
+    narrow = narrower_dtype(record_a.dtype, record_b.dtype) if rounded else None
+    common = narrow or compare_dtype(record_a.dtype, record_b.dtype)
     if common is None:
         return None
-    same_dtype = record_a.dtype == record_b.dtype
+    same_dtype = narrow is not None or record_a.dtype == record_b.dtype
     exact = common.startswith(("int", "uint", "bool"))
     tally = _Tally(rtol, atol)
     bitwise = same_dtype
+    rounds_exactly = narrow is not None
     chunks_b = raw_chunks(ckpt_b, record_b)
     for raw_a in raw_chunks(ckpt_a, record_a):
         raw_b = next(chunks_b)
         if progress is not None:
             progress(raw_a.nbytes + raw_b.nbytes)
+        if narrow is not None:
+            raw_a, raw_b = (
+                _round(record_a.dtype, raw_a, narrow),
+                _round(record_b.dtype, raw_b, narrow),
+            )
         if same_dtype:
             bits_a, bits_b = _bits(raw_a), _bits(raw_b)
             if np.array_equal(bits_a, bits_b):
@@ -220,13 +258,22 @@ def compare_values(
             if not decodable(common):
                 tally.add_bits(bits_a, bits_b)
                 continue
-        a, b = _decoded(record_a, raw_a), _decoded(record_b, raw_b)
+        if narrow is not None:
+            from ckpttool.cast import widen  # (imports NumPy: not at module import)
+
+            a, b = widen(raw_a, narrow), widen(raw_b, narrow)
+            if rounds_exactly:
+                rounds_exactly = bool(np.all((bits_a == bits_b) | (np.isnan(a) & np.isnan(b))))
+        else:
+            a, b = _decoded(record_a, raw_a), _decoded(record_b, raw_b)
         if exact:
             tally.add_exact(a.astype(common), b.astype(common))
         else:
             tally.add_float(a, b)
     if bitwise:
-        return ValueDiff(common, record_a.numel, True, 0, 0.0, 0.0, False, False)
+        return ValueDiff(
+            common, record_a.numel, True, 0, 0.0, 0.0, False, False, narrow is not None
+        )
     return ValueDiff(
         compared_as=common,
         numel=record_a.numel,
@@ -236,4 +283,15 @@ def compare_values(
         max_rel_diff=tally.max_rel,
         nan_positions_differ=tally.nan_differ,
         inf_positions_differ=tally.inf_differ,
+        equal_after_rounding=rounds_exactly,
     )
+
+
+def _round(dtype: str, raw: np.ndarray, target: str) -> np.ndarray:
+    """A chunk held as ``stored_dtype(target)``: rounded as ``tensor.to(target)`` if wider."""
+    from ckpttool.cast import cast_array
+
+    if dtype == target:
+        return raw
+    values, _ = cast_array(raw, dtype, target)
+    return values
