@@ -9,7 +9,13 @@ Split from :mod:`ckpttool.diff` because matching has rules of its own (README.md
   ``safetensors.torch.save_model``'s one ``{alias: stored}`` entry per alias; or (2) on its own
   side it is *tied* to a key both sides have (same storage, offset, shape, stride and dtype),
   as when a file dropped the tied duplicate without saying so (Hugging Face). Two separate
-  copies are not a tie: without metadata they stay "only in A".
+  copies are not a tie: without metadata they stay "only in A";
+* a key that is a scalar field on one side and a tensor on the other is one field change
+  (``type_changed``), not a field only in A and a tensor only in B (:func:`merge_type_changes`);
+* when the two sides share no key, and one side's keys under one extra leading component
+  (``model.``, ``model_state_dict.``, ``module.``) pair one to one with all of the other's,
+  that prefix is where they align (:func:`extra_prefixes`). Keys that match only in part are
+  never aligned.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from ckpttool.layout import scalar_fields
 from ckpttool.reader import Checkpoint
 from ckpttool.records import TensorRecord
 
-#: safetensors ``__metadata__`` key under which ``convert`` records dropped tied tensors.
 #: safetensors ``__metadata__`` keys where ``convert`` records provenance (not compared).
 PROVENANCE_KEYS = ("ckpttool.source", "ckpttool.version")
 
@@ -38,14 +43,20 @@ class Alias:
     rule: str  # "metadata" or "shared_storage"
 
 
+CHANGED = "changed"
+TYPE_CHANGED = "type_changed"  # a scalar on one side, a tensor on the other
+
+
 @dataclass(frozen=True)
 class FieldDiff:
     """A scalar or string field whose value differs (or that only one side has)."""
 
     key: str  # dotted path below the compared subtree ("step", "optimizer.param_groups.0.lr")
-    status: str  # "changed", "only_a" or "only_b"
-    a: Any  # None when status is "only_b"
+    status: str  # CHANGED, TYPE_CHANGED, "only_a" or "only_b"
+    a: Any  # None when status is "only_b"; a tensor side's value (one element, once read)
     b: Any  # None when status is "only_a"
+    a_tensor: TensorRecord | None = None  # TYPE_CHANGED: the side that holds a tensor
+    b_tensor: TensorRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +205,73 @@ def compare_fields(node_a: Any, node_b: Any) -> list[FieldDiff]:
         if key not in fields_b:
             out.append(FieldDiff(key, "only_a", value, None))
         elif not same_value(value, fields_b[key]):
-            out.append(FieldDiff(key, "changed", value, fields_b[key]))
+            out.append(FieldDiff(key, CHANGED, value, fields_b[key]))
     out.extend(FieldDiff(k, "only_b", None, v) for k, v in fields_b.items() if k not in fields_a)
     return out
+
+
+def merge_type_changes(
+    fields: list[FieldDiff],
+    pairs: list[TensorPair],
+    prefixes_a: Sequence[str],
+    prefixes_b: Sequence[str],
+) -> tuple[list[FieldDiff], list[TensorPair]]:
+    """Join a field one side has with the tensor the other side has under the same key
+    (``loss`` a float in A, a 0-d tensor in B) into one :data:`TYPE_CHANGED` field."""
+    lone = {
+        (pair.key, "a" if pair.b is None else "b"): pair
+        for pair in pairs
+        if (pair.a is None) != (pair.b is None) and pair.alias is None
+    }
+    merged: set[str] = set()
+    out: list[FieldDiff] = []
+    for entry in fields:
+        if entry.status == "only_a":
+            pair = lone.get((strip_prefixes(entry.key, prefixes_a), "b"))
+            if pair is not None:
+                out.append(FieldDiff(entry.key, TYPE_CHANGED, entry.a, None, b_tensor=pair.b))
+                merged.add(pair.key)
+                continue
+        elif entry.status == "only_b":
+            pair = lone.get((strip_prefixes(entry.key, prefixes_b), "a"))
+            if pair is not None:
+                out.append(FieldDiff(entry.key, TYPE_CHANGED, None, entry.b, a_tensor=pair.a))
+                merged.add(pair.key)
+                continue
+        out.append(entry)
+    kept = [pair for pair in pairs if pair.key not in merged]
+    return out, kept
+
+
+def extra_prefixes(
+    own: dict[str, TensorRecord],
+    other: dict[str, TensorRecord],
+    own_aliases: dict[str, str],
+    other_aliases: dict[str, str],
+) -> list[str]:
+    """Each prefix ``P`` (one leading key component and its dot) such that ``own``'s tensors
+    under ``P``, with ``P`` removed, pair one to one with all of ``other``'s (aliases and ties
+    resolved as :func:`match_tensors` does). Empty when the two sides share a key: the keys then
+    already align, at least in part.
+    """
+    if not own or not other or not own.keys().isdisjoint(other.keys()):
+        return []
+    groups: dict[str, dict[str, TensorRecord]] = {}
+    for key, record in own.items():
+        head, dot, rest = key.partition(".")
+        if dot and rest:
+            groups.setdefault(head + dot, {})[rest] = record
+    found = []
+    for prefix, under in groups.items():
+        # cheap necessary test first: keeps a file of many small groups linear
+        if 2 * sum(1 for key in under if key in other) < len(other):
+            continue
+        aliases = {
+            alias[len(prefix) :]: stored[len(prefix) :]
+            for alias, stored in own_aliases.items()
+            if alias.startswith(prefix) and stored.startswith(prefix)
+        }
+        paired = match_tensors(under, other, aliases, other_aliases)
+        if all(pair.a is not None and pair.b is not None for pair in paired):
+            found.append(prefix)
+    return found
