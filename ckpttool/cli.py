@@ -150,8 +150,27 @@ def show(
     help="Absolute tolerance.",
 )  # fmt: skip
 @click.option("--section", metavar="KEY", help="Compare only the subtree KEY of both files.")
+@click.option(
+    "--section-a", metavar="KEY",
+    help="Compare only the subtree KEY of A (overrides --section for A). A side that no "
+    "section option names is compared whole.",
+)  # fmt: skip
+@click.option(
+    "--section-b",
+    metavar="KEY",
+    help="Compare only the subtree KEY of B (overrides --section for B).",
+)
 @key_prefix_options
-@click.option("--all", "show_all", is_flag=True, help="List identical tensors too.")
+@click.option(
+    "--rounded", is_flag=True,
+    help="Compare floats of different precision (float32 and float16, ...) after rounding the "
+    "wider side to the narrower dtype as tensor.to(dtype) does: is B exactly A rounded to B's "
+    "dtype (or A exactly B rounded to A's)?",
+)  # fmt: skip
+@click.option(
+    "--all", "show_all", is_flag=True,
+    help="List every tensor, identical (and equal after rounding) ones too.",
+)  # fmt: skip
 @click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def diff_command(
@@ -160,8 +179,11 @@ def diff_command(
     rtol: float,
     atol: float,
     section: str | None,
+    section_a: str | None,
+    section_b: str | None,
     strip: tuple[str, ...],
     ignore_wrappers: bool,
+    rounded: bool,
     show_all: bool,
     quick: bool,
     as_json: bool,
@@ -169,15 +191,18 @@ def diff_command(
     """Compare two checkpoints: tensors, dtypes, shapes, values, and training fields.
 
     Any two inputs ckpttool reads (torch zip, legacy, safetensors, DCP directories). A resume
-    file against a plain state dict compares the resume file's model. Values are streamed one
-    tensor pair at a time.
+    file against a plain state dict compares the resume file's model. When the two sides share
+    no tensor key but one side's keys are the other's under one extra prefix (model.,
+    model_state_dict., module.), they are aligned there, with a note. Values are streamed one
+    tensor pair at a time. The table lists the tensors that differ (--all: every tensor).
     Exits 0 when equal within tolerance, 1 when they differ, 2 on error.
 
     \b
     Examples:
-      ckpttool diff out/pretrain_768.pth out/pretrain_768_resume.pth
+      ckpttool diff out/pretrain_768.pth out/pretrain_768_resume.pth --rounded
       ckpttool diff run1/ckpt.pth run2/ckpt.pth --rtol 1e-3 --all
       ckpttool diff ddp.pth model.safetensors --ignore-wrappers
+      ckpttool diff tutorial.pt model.pth --section-a model_state_dict
       ckpttool diff a_resume.pth b_resume.pth --quick --json
       ckpttool diff checkpoints/step_1200/ model.safetensors
     """
@@ -187,15 +212,17 @@ def diff_command(
 
     with open_side(path_a) as ckpt_a, open_side(path_b) as ckpt_b:
         plan = plan_diff(
-            ckpt_a, ckpt_b, section=section, strip=strip, ignore_wrappers=ignore_wrappers
-        )
+            ckpt_a, ckpt_b, section=section, section_a=section_a, section_b=section_b,
+            strip=strip, ignore_wrappers=ignore_wrappers,
+        )  # fmt: skip
+        options: dict[str, Any] = {"rtol": rtol, "atol": atol, "rounded": rounded}
         if quick:  # nothing to read, so no bar (and no import of its renderer)
-            report = run_diff(ckpt_a, ckpt_b, plan, rtol=rtol, atol=atol, quick=True)
+            report = run_diff(ckpt_a, ckpt_b, plan, quick=True, **options)
         else:
             from ckpttool.progress import Progress
 
             with Progress(plan.value_bytes, "diff") as bar:
-                report = run_diff(ckpt_a, ckpt_b, plan, rtol=rtol, atol=atol, progress=bar.advance)
+                report = run_diff(ckpt_a, ckpt_b, plan, progress=bar.advance, **options)
     if as_json:
         _echo_json(diff_json(report))
     else:

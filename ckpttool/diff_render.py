@@ -12,6 +12,7 @@ from typing import Any
 
 from ckpttool.diff import (
     DIFFER,
+    EQUAL_AFTER_ROUNDING,
     IDENTICAL,
     ONLY_A,
     ONLY_B,
@@ -21,6 +22,7 @@ from ckpttool.diff import (
     Side,
     TensorDiff,
 )
+from ckpttool.diff_match import TYPE_CHANGED
 from ckpttool.diff_values import ValueDiff
 from ckpttool.records import TensorRecord
 
@@ -32,24 +34,46 @@ STATUS_TEXT = {
     DIFFER: "differ",
     ONLY_A: "only in A",
     ONLY_B: "only in B",
+    EQUAL_AFTER_ROUNDING: "equal after rounding",
 }
+HIDDEN = (IDENTICAL, EQUAL_AFTER_ROUNDING)  # rows listed only with --all
 HEADERS = ["key", "status", "A", "B", "max abs diff", "max rel diff", "mismatched", "notes"]
 
 
 def field_line(entry: FieldDiff) -> str:
-    """``key: A -> B``; a side without the field shows ``(absent)``."""
+    """``key: A -> B``; a side without the field shows ``(absent)``; a field that is a tensor
+    on one side shows each side's type (``loss: 2.5 (float) -> 2.5 (tensor float32 [])``)."""
     from ckpttool.render import short
 
+    if entry.status == TYPE_CHANGED:
+        a = _typed(entry.a, entry.a_tensor)
+        b = _typed(entry.b, entry.b_tensor)
+        return f"{entry.key}: {a} -> {b}"
     a = "(absent)" if entry.status == ONLY_B else short(entry.a, 40)
     b = "(absent)" if entry.status == ONLY_A else short(entry.b, 40)
     return f"{entry.key}: {a} -> {b}"
+
+
+def _typed(value: object, record: TensorRecord | None) -> str:
+    from ckpttool.render import short
+
+    if record is None:
+        return f"{short(value, 40)} ({'None' if value is None else type(value).__name__})"
+    kind = f"(tensor {record.dtype} {list(record.shape)})"
+    if value is None:
+        return kind  # values not read (--quick), or more than one element
+    if isinstance(value, float) and record.dtype in ("float32", "float16"):
+        import numpy as np
+
+        value = float(str(np.dtype(record.dtype).type(value)))  # its shortest repr, 2.629
+    return f"{short(value, 40)} {kind}"
 
 
 def render_diff(report: DiffReport, *, show_all: bool = False) -> str:
     """Field changes, then a table of the tensors that differ (all with ``show_all``), then
     the one-line summary."""
     lines = [field_line(entry) for entry in report.fields]
-    rows = [_row(entry) for entry in report.tensors if show_all or entry.status != IDENTICAL]
+    rows = [_row(entry) for entry in report.tensors if show_all or entry.status not in HIDDEN]
     if rows:
         from tabulate import tabulate
 
@@ -106,15 +130,30 @@ def side_json(side: Side) -> dict[str, Any]:
         "section": side.section,
         "auto_section": side.auto_section,
         "num_tensors": side.num_tensors,
+        "prefix": side.prefix,
+    }
+
+
+def record_json(record: TensorRecord | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    return {"key": record.key, "dtype": record.dtype, "shape": list(record.shape)}
+
+
+def field_json(entry: FieldDiff) -> dict[str, Any]:
+    from ckpttool.render import plain
+
+    return {
+        "key": entry.key,
+        "status": entry.status,
+        "a": plain(entry.a),
+        "b": plain(entry.b),
+        "a_tensor": record_json(entry.a_tensor),
+        "b_tensor": record_json(entry.b_tensor),
     }
 
 
 def tensor_json(entry: TensorDiff) -> dict[str, Any]:
-    def record_json(record: TensorRecord | None) -> dict[str, Any] | None:
-        if record is None:
-            return None
-        return {"key": record.key, "dtype": record.dtype, "shape": list(record.shape)}
-
     values = None
     if entry.values is not None:
         v = entry.values
@@ -155,8 +194,6 @@ def tensor_json(entry: TensorDiff) -> dict[str, Any]:
 
 
 def diff_json(report: DiffReport) -> dict[str, Any]:
-    from ckpttool.render import plain
-
     return {
         "schema": SCHEMA_VERSION,
         "a": side_json(report.a),
@@ -164,12 +201,10 @@ def diff_json(report: DiffReport) -> dict[str, Any]:
         "rtol": report.rtol,
         "atol": report.atol,
         "quick": report.quick,
+        "rounded": report.rounded,
         "equal": report.equal,
         "summary": report.counts(),
         "notes": report.notes,
-        "fields": [
-            {"key": f.key, "status": f.status, "a": plain(f.a), "b": plain(f.b)}
-            for f in report.fields
-        ],
+        "fields": [field_json(entry) for entry in report.fields],
         "tensors": [tensor_json(entry) for entry in report.tensors],
     }

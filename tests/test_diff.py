@@ -13,6 +13,7 @@ import torch
 from ckpttool import diff_values
 from ckpttool.diff import (
     DIFFER,
+    EQUAL_AFTER_ROUNDING,
     IDENTICAL,
     ONLY_A,
     ONLY_B,
@@ -44,8 +45,13 @@ def not_identical(report: DiffReport) -> dict[str, str]:
     return {e.key: e.status for e in report.tensors if e.status != IDENTICAL}
 
 
-def counts(identical: int = 0, within: int = 0, differ: int = 0, a: int = 0, b: int = 0) -> dict:
-    return {IDENTICAL: identical, WITHIN_TOLERANCE: within, DIFFER: differ, ONLY_A: a, ONLY_B: b}
+def counts(
+    identical: int = 0, within: int = 0, differ: int = 0, a: int = 0, b: int = 0, rounded: int = 0
+) -> dict:
+    return {
+        IDENTICAL: identical, WITHIN_TOLERANCE: within, DIFFER: differ, ONLY_A: a, ONLY_B: b,
+        EQUAL_AFTER_ROUNDING: rounded,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("path", fixture_files(), ids=fixture_id)
@@ -115,7 +121,7 @@ def test_minimind_resume_model_section_equals_its_weights_file() -> None:
             f"and B ({'MiniMind-style resume checkpoint' if side == 'b' else 'plain state dict'})"
             " are different kinds: comparing "
             + ("all of A with B's 'model' section" if side == "b" else "A's 'model' section with all of B")
-            + " (use --section to choose)"
+            + " (use --section-a/--section-b to choose)"
         ]  # fmt: skip
 
 
@@ -201,8 +207,12 @@ def test_missing_extra_and_reshaped_tensors() -> None:
 
 def test_wrapper_prefixes() -> None:
     ddp = PAIRS / "ddp.pth"
-    assert diff(ddp, BASE).counts() == counts(a=NUM_BASE, b=NUM_BASE)
-    assert diff(ddp, BASE, ignore_wrappers=True).counts() == counts(identical=NUM_BASE)
+    aligned = diff(ddp, BASE)  # every key of A is B's with module.: aligned, said in a note
+    assert aligned.counts() == counts(identical=NUM_BASE) and aligned.a.prefix == "module."
+    assert aligned.notes == ["A's tensor keys are B's with the prefix 'module.': compared without it"]  # fmt: skip
+    explicit = diff(ddp, BASE, ignore_wrappers=True)
+    assert explicit.counts() == counts(identical=NUM_BASE)
+    assert explicit.notes == [] and explicit.a.prefix is None
     assert diff(BASE, ddp, strip=["module."]).equal
     report = diff(ddp, BASE, ignore_wrappers=True)
     assert by_key(report)[TIED[0]].a.key == f"module.{TIED[0]}"  # type: ignore[union-attr]
@@ -404,6 +414,112 @@ def test_mismatch_counts_agree_with_torch_isclose(tmp_path: Path, seed: int) -> 
     difference = torch.where(a[both] == b[both], 0.0, (a[both].double() - b[both].double()).abs())
     assert entry.values.max_abs_diff == difference.max().item()
     assert entry.values.nan_positions_differ == bool((a.isnan() != b.isnan()).any())
+
+
+# --- rounded: is one side exactly the other rounded to its dtype? ----------------------------
+
+#: values that take every path of a rounding: ties, subnormals, overflow, signed zeros, NaN, Inf
+TRICKY = [1.0, 1.0 + 2**-11, 1.0 + 3 * 2**-12, 3.0e-8, 6.0e-5, 7.0e4, 1.0e39, -0.0, 0.0,
+          NAN, INF, -INF, 1 / 3, -2.75e-3]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("wide", "narrow"),
+    [("float32", "float16"), ("float32", "bfloat16"), ("float64", "float32"),
+     ("float64", "float16"), ("float64", "bfloat16")],
+)  # fmt: skip
+def test_rounded_is_equal_exactly_when_torch_would_round_to_the_other(
+    tmp_path: Path, wide: str, narrow: str
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    values = torch.cat([torch.tensor(TRICKY, dtype=torch.float64), torch.randn(300, generator=generator, dtype=torch.float64)])  # fmt: skip
+    a = values.to(getattr(torch, wide))
+    b = a.to(getattr(torch, narrow))  # torch's own rounding
+    for first, second in ((a, b), (b, a)):  # either side may be the narrower one
+        entry = one(tmp_path, first, second, rounded=True)
+        assert entry.status == EQUAL_AFTER_ROUNDING, entry
+        assert entry.values is not None and entry.values.equal_after_rounding
+        assert entry.values.compared_as == narrow and entry.values.mismatched == 0
+        assert entry.changes[0].endswith(f", compared after rounding to {narrow}")
+    assert one(tmp_path, a, b).status != EQUAL_AFTER_ROUNDING  # only when asked
+
+
+def test_rounded_counts_the_elements_that_are_not_the_rounding(tmp_path: Path) -> None:
+    wide = torch.linspace(-3, 3, 100)
+    narrow = wide.half()
+    narrow[7] = torch.nextafter(narrow[7], torch.tensor(10.0, dtype=torch.float16))  # one ulp
+    entry = one(tmp_path, wide, narrow, rounded=True)
+    assert entry.status == DIFFER and entry.values is not None
+    assert (entry.values.mismatched, entry.values.compared_as) == (1, "float16")
+    expected = (narrow[7].double() - wide[7].half().double()).abs().item()
+    assert entry.values.max_abs_diff == expected  # measured in float16, after rounding
+    loose = one(tmp_path, wide, narrow, rounded=True, rtol=1e-2)
+    assert loose.status == WITHIN_TOLERANCE  # the tolerance still applies to what differs
+
+
+@pytest.mark.parametrize(
+    ("wide", "narrow", "status"),
+    [
+        ([-0.0], [0.0], WITHIN_TOLERANCE),  # equal values, but not what rounding -0.0 gives
+        ([1.0], [NAN], DIFFER),
+        ([NAN], [NAN], EQUAL_AFTER_ROUNDING),  # any NaN is the rounding of a NaN
+        ([1e5], [INF], EQUAL_AFTER_ROUNDING),  # float16 overflows to inf, as torch rounds
+        ([1e5], [65504.0], DIFFER),
+    ],
+)
+def test_rounded_edge_values(tmp_path: Path, wide: list, narrow: list, status: str) -> None:
+    narrow_bits = torch.tensor(narrow).half()
+    if narrow == [NAN]:  # a NaN payload that torch's rounding of a float32 NaN does not give
+        narrow_bits = torch.tensor([0x7E01], dtype=torch.int16).view(torch.float16)
+    assert one(tmp_path, torch.tensor(wide), narrow_bits, rounded=True).status == status
+
+
+def test_rounded_changes_nothing_for_same_dtypes_integers_and_unordered_floats(
+    tmp_path: Path,
+) -> None:
+    same = one(tmp_path, torch.ones(3), torch.ones(3), rounded=True)
+    assert same.status == IDENTICAL
+    assert one(tmp_path, torch.tensor([1]), torch.tensor([1.0]), rounded=True).status == (
+        WITHIN_TOLERANCE  # int64 with float32: compared as float64, as without rounded
+    )
+    # float16 and bfloat16 hold different values: neither is the other rounded
+    exact = torch.tensor([1.5, -0.25])
+    mixed = one(tmp_path, exact.half(), exact.bfloat16(), rounded=True)
+    assert mixed.status == WITHIN_TOLERANCE and mixed.values is not None
+    assert mixed.changes == (
+        "dtype float16 -> bfloat16, compared as float32 (neither rounds to the other)",
+    )
+
+
+def test_ckpttool_fp16_weights_are_the_fp32_resume_model_rounded() -> None:
+    """The pair MiniMind users compare most: ``save_checkpoint`` keeps the training dtype."""
+    weights = FIXTURES / "ckpttool/pretrain_32.pth"
+    resume = FIXTURES / "ckpttool/pretrain_32_resume.pth"
+    report = diff(weights, resume, rounded=True)
+    assert report.equal and report.counts() == counts(rounded=21)
+    assert report.summary() == (
+        "0 identical, 21 equal after rounding, 0 differ within tolerance, 0 differ, "
+        "0 only in A, 0 only in B"
+    )
+    assert not any("--rounded" in note for note in report.notes)
+    strict = diff(weights, resume)
+    assert not strict.equal and strict.notes[-1] == (
+        "the dtypes differ: 21 tensors are float16 in A and float32 in B, compared in the wider "
+        "dtype. To check whether one side is exactly the other rounded to its dtype, use --rounded"
+    )
+    assert "equal after rounding" not in strict.summary()  # the line keeps its form
+
+
+def test_the_dtype_note_counts_only_pairs_whose_values_were_compared(tmp_path: Path) -> None:
+    path_a, path_b = tmp_path / "a.pth", tmp_path / "b.pth"
+    torch.save({"same": torch.ones(2), "cast": torch.ones(2), "reshaped": torch.ones(4)}, path_a)
+    torch.save({"same": torch.ones(2), "cast": torch.ones(2).half(), "reshaped": torch.ones(2, 2).half()}, path_b)  # fmt: skip
+    assert diff(path_a, path_b).notes == [
+        "the dtypes differ: 1 tensor is float32 in A and float16 in B, compared in the wider "
+        "dtype. To check whether one side is exactly the other rounded to its dtype, use --rounded"
+    ]
+    assert diff(path_a, path_b, quick=True).notes[-1].startswith("--quick")
+    assert diff(path_a, path_a).notes == []
 
 
 # --- streaming -------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def test_resume_against_weights_says_which_section() -> None:
     assert SUMMARY.match(result.stdout.strip())
     assert result.stderr == (
         "note: A (MiniMind-style resume checkpoint) and B (plain state dict) are different kinds: "
-        "comparing A's 'model' section with all of B (use --section to choose)\n"
+        "comparing A's 'model' section with all of B (use --section-a/--section-b to choose)\n"
     )
 
 
@@ -108,10 +108,14 @@ def test_dtype_cast_is_reported_and_tolerance_decides() -> None:
 
 
 def test_wrappers_and_prefixes() -> None:
-    assert run(PAIRS / "ddp.pth", BASE).exit_code == 1
+    aligned = run(PAIRS / "ddp.pth", BASE)  # module. on every key: aligned automatically
+    assert aligned.exit_code == 0
+    assert aligned.stderr == "note: A's tensor keys are B's with the prefix 'module.': compared without it\n"  # fmt: skip
     assert run(PAIRS / "ddp.pth", BASE, "--ignore-wrappers").exit_code == 0
-    assert run(BASE, PAIRS / "ddp.pth", "--strip-prefix", "module.").exit_code == 0
-    assert run(BASE, PAIRS / "ddp.pth", "--strip-prefix", "other.").exit_code == 1
+    explicit = run(BASE, PAIRS / "ddp.pth", "--strip-prefix", "module.")
+    assert explicit.exit_code == 0 and explicit.stderr == ""
+    other = run(BASE, PAIRS / "ddp.pth", "--strip-prefix", "other.")
+    assert other.exit_code == 0 and "with the prefix 'module.'" in other.stderr
 
 
 def test_nan_row() -> None:
@@ -139,14 +143,25 @@ def test_quick_reads_no_bytes_through_the_cli(monkeypatch: pytest.MonkeyPatch) -
 # --- JSON -----------------------------------------------------------------------------------
 
 
+def test_json_reports_rounding_and_key_prefixes() -> None:
+    """The keys added for issue 12. The whole document is held to docs/schemas/diff.schema.json
+    and to the excerpt in docs/diff.md by tests/test_json_schemas.py."""
+    result = run(FIXTURES / "minimind/pretrain_32_resume.pth", FIXTURES / "safetensors/model.safetensors", "--json")  # fmt: skip
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert data["rounded"] is False and data["a"]["prefix"] is None and data["b"]["prefix"] is None
+    assert data["summary"] == {"identical": 0, "within_tolerance": 0, "differ": 21, "only_a": 0, "only_b": 0, "equal_after_rounding": 0}  # fmt: skip
+
+
 def test_json_fields_and_inf_values(tmp_path: Path) -> None:
     import torch
 
     data = json.loads(run(PAIRS / "lightning_a.ckpt", PAIRS / "lightning_b.ckpt", "--json").stdout)
+    no_tensor = {"a_tensor": None, "b_tensor": None}
     assert data["fields"] == [
-        {"key": "global_step", "status": "changed", "a": 40, "b": 80},
-        {"key": "hyper_parameters.optim.lr", "status": "changed", "a": 0.001, "b": 0.002},
-    ]
+        {"key": "global_step", "status": "changed", "a": 40, "b": 80, **no_tensor},
+        {"key": "hyper_parameters.optim.lr", "status": "changed", "a": 0.001, "b": 0.002, **no_tensor},
+    ]  # fmt: skip
     assert data["equal"] is False
     torch.save({"t": torch.tensor([1.0, float("inf")])}, tmp_path / "a.pth")
     torch.save({"t": torch.tensor([0.0, 1.0]), "u": torch.zeros(1)}, tmp_path / "b.pth")
@@ -194,7 +209,10 @@ def test_bad_usage_exits_2() -> None:
     assert run(BASE).exit_code == 2
     assert run(BASE, BASE, "--rtol", "-1").exit_code == 2
     missing = run(BASE, PAIRS / "resume_a.pth", "--section", "optimizer")
-    assert missing.exit_code == 2 and missing.stderr == f"Error: {BASE}: no section 'optimizer' in this checkpoint\n"  # fmt: skip
+    assert missing.exit_code == 2 and missing.stderr == (
+        f"Error: {BASE}: no section 'optimizer' in this checkpoint (--section applies to both "
+        "files; to compare B's 'optimizer' with all of A, use --section-b optimizer)\n"
+    )
 
 
 def test_diff_does_not_import_torch() -> None:
@@ -221,3 +239,122 @@ def test_progress_bar_goes_to_stderr_and_json_stays_clean(monkeypatch: pytest.Mo
     assert json.loads(result.stdout)["equal"] is True
     quick = run(BASE, PAIRS / "base_fp16.pth", "--quick")
     assert "diff [" not in quick.stderr  # nothing to read, no bar
+
+
+# --- issue 12: type changes, --rounded, hidden rows, per-side sections, alignment -------------
+
+
+def test_a_type_change_is_one_line_and_one_json_field(tmp_path: Path) -> None:
+    import torch
+
+    weights = {"w": torch.ones(2)}
+    torch.save({"model_state_dict": weights, "loss": 2.5}, tmp_path / "float.pt")
+    torch.save({"model_state_dict": weights, "loss": torch.tensor(2.5)}, tmp_path / "tensor.pt")
+    result = run(tmp_path / "float.pt", tmp_path / "tensor.pt")
+    assert result.exit_code == 1
+    assert result.stdout == (
+        "loss: 2.5 (float) -> 2.5 (tensor float32 [])\n"
+        "\n"
+        "1 identical, 0 differ within tolerance, 0 differ, 0 only in A, 0 only in B\n"
+    )
+    data = json.loads(run(tmp_path / "float.pt", tmp_path / "tensor.pt", "--json").stdout)
+    assert data["fields"] == [
+        {"key": "loss", "status": "type_changed", "a": 2.5, "b": 2.5, "a_tensor": None,
+         "b_tensor": {"key": "loss", "dtype": "float32", "shape": []}},
+    ]  # fmt: skip
+    assert [t["key"] for t in data["tensors"]] == ["model_state_dict.w"]
+    quick = run(tmp_path / "tensor.pt", tmp_path / "float.pt", "--quick")
+    assert quick.stdout.startswith("loss: (tensor float32 []) -> 2.5 (float)\n")
+
+
+CKPTTOOL_WEIGHTS = FIXTURES / "ckpttool/pretrain_32.pth"  # float16, written from the model below
+CKPTTOOL_RESUME = FIXTURES / "ckpttool/pretrain_32_resume.pth"  # its model in float32
+
+
+def test_rounded_fp16_weights_against_the_fp32_resume_file() -> None:
+    result = run(CKPTTOOL_WEIGHTS, CKPTTOOL_RESUME, "--rounded")
+    assert result.exit_code == 0
+    assert result.stdout == (
+        "0 identical, 21 equal after rounding, 0 differ within tolerance, 0 differ, "
+        "0 only in A, 0 only in B\n"
+    )
+    assert "--rounded" not in result.stderr
+    strict = run(CKPTTOOL_WEIGHTS, CKPTTOOL_RESUME)
+    assert strict.exit_code == 1 and SUMMARY.match(strict.stdout.splitlines()[-1])
+    assert strict.stderr.splitlines()[-1] == (
+        "note: the dtypes differ: 21 tensors are float16 in A and float32 in B, compared in the "
+        "wider dtype. To check whether one side is exactly the other rounded to its dtype, use "
+        "--rounded"
+    )
+    data = json.loads(run(CKPTTOOL_WEIGHTS, CKPTTOOL_RESUME, "--rounded", "--json").stdout)
+    assert data["rounded"] is True and data["equal"] is True
+    assert data["summary"]["equal_after_rounding"] == 21
+    first = data["tensors"][0]
+    assert first["status"] == "equal_after_rounding"
+    assert first["values"]["compared_as"] == "float16"
+    assert first["values"]["cast"] == {"b": "float32 -> float16"}
+    assert first["changes"] == ["dtype float16 -> float32, compared after rounding to float16"]
+
+
+def test_rows_equal_after_rounding_are_listed_only_with_all() -> None:
+    listed = run(BASE, PAIRS / "base_fp16.pth", "--rounded", "--all")
+    assert listed.exit_code == 0
+    rows = listed.stdout.splitlines()[2:-2]
+    assert len(rows) == 12
+    assert all("equal after rounding" in row and row.endswith("compared after rounding to float16") for row in rows)  # fmt: skip
+    quiet = run(BASE, PAIRS / "base_fp16.pth", "--rounded")
+    assert quiet.stdout == (
+        "0 identical, 12 equal after rounding, 0 differ within tolerance, 0 differ, "
+        "0 only in A, 0 only in B\n"
+    )
+
+
+def test_section_per_side_and_the_hint_when_section_names_one_side_only(tmp_path: Path) -> None:
+    import torch
+
+    weights = torch.load(BASE, weights_only=True)
+    general = tmp_path / "tutorial.pt"
+    torch.save({"epoch": 5, "model_state_dict": weights, "loss": 0.5}, general)
+    shared = run(general, BASE, "--section", "model_state_dict")
+    assert shared.exit_code == 2 and shared.stderr == (
+        f"Error: {BASE}: no section 'model_state_dict' in this checkpoint (--section applies to "
+        "both files; to compare A's 'model_state_dict' with all of B, use --section-a "
+        "model_state_dict)\n"
+    )
+    result = run(general, BASE, "--section-a", "model_state_dict")
+    assert result.exit_code == 0 and result.stderr == ""
+    assert result.stdout == "12 identical, 0 differ within tolerance, 0 differ, 0 only in A, 0 only in B\n"  # fmt: skip
+    assert run(BASE, general, "--section-b", "model_state_dict").exit_code == 0
+    data = json.loads(run(general, BASE, "--section-a", "model_state_dict", "--json").stdout)
+    assert (data["a"]["section"], data["a"]["auto_section"], data["b"]["section"]) == (
+        "model_state_dict", False, None
+    )  # fmt: skip
+
+
+def test_dcp_directory_aligns_with_a_plain_file_of_its_model(tmp_path: Path) -> None:
+    import torch
+
+    model = torch.load(FIXTURES / "dcp/checkpoint.pth", weights_only=True)["model"]
+    torch.save({f"module.{key}": value for key, value in model.items()}, tmp_path / "ddp.pth")
+    result = run(FIXTURES / "dcp/checkpoint", tmp_path / "ddp.pth")
+    assert result.exit_code == 0
+    assert result.stdout == "12 identical, 0 differ within tolerance, 0 differ, 0 only in A, 0 only in B\n"  # fmt: skip
+    assert result.stderr.splitlines()[-1] == (
+        "note: B's tensor keys are A's with the prefix 'module.': compared without it"
+    )
+    data = json.loads(run(FIXTURES / "dcp/checkpoint", tmp_path / "ddp.pth", "--json").stdout)
+    assert data["b"]["prefix"] == "module." and data["a"]["section"] == "model"
+    torch.save({"model": model, "step": 1200}, tmp_path / "nested.pth")
+    torch.save(model, tmp_path / "plain.pth")
+    nested = run(tmp_path / "nested.pth", tmp_path / "plain.pth")
+    assert nested.exit_code == 0 and nested.stderr == (
+        "note: B's tensor keys are A's under 'model.': comparing A's 'model' section with all of "
+        "B (use --section-a/--section-b to choose)\n"
+    )
+
+
+def test_help_documents_the_new_options() -> None:
+    text = CliRunner().invoke(cli, ["diff", "--help"]).stdout
+    for option in ("--section-a KEY", "--section-b KEY", "--rounded", "--all"):
+        assert option in text
+    assert "tensor.to(dtype)" in text and "one extra prefix" in text

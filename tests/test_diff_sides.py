@@ -1,0 +1,256 @@
+"""diff: which part of each side is compared and under which keys (per-side sections, automatic
+prefix alignment), and a key whose type changed between a field and a tensor."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpttool.diff import (
+    DIFFER,
+    IDENTICAL,
+    ONLY_A,
+    ONLY_B,
+    TYPE_CHANGED,
+    DiffReport,
+    FieldDiff,
+    diff,
+)
+from ckpttool.errors import InputError
+from tests.dcp_cases import DCP, DCP_PTH, DCP_SAFETENSORS
+
+NUM_MODEL = 12  # tensors of the DCP fixture's model (tied pair included)
+
+
+@pytest.fixture(scope="module")
+def model() -> dict[str, torch.Tensor]:
+    """The DCP fixture's model as one state dict (checkpoint.pth holds the same state)."""
+    return dict(torch.load(DCP_PTH, weights_only=True)["model"])
+
+
+def save(path: Path, obj: Any) -> Path:
+    torch.save(obj, path)
+    return path
+
+
+def statuses(report: DiffReport) -> dict[str, int]:
+    return {status: n for status, n in report.counts().items() if n}
+
+
+# --- a key whose type changed -----------------------------------------------------------------
+
+
+def tutorial(loss: Any, model: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The PyTorch tutorial's "general checkpoint"."""
+    return {"epoch": 5, "model_state_dict": model, "optimizer_state_dict": {}, "loss": loss}
+
+
+def test_a_float_that_became_a_tensor_is_one_field_change(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    as_float = save(tmp_path / "float.pt", tutorial(2.5, model))
+    as_tensor = save(tmp_path / "tensor.pt", tutorial(torch.tensor(2.5), model))
+    report = diff(as_float, as_tensor)
+    assert len(report.fields) == 1
+    change = report.fields[0]
+    assert (change.key, change.status, change.a, change.b) == ("loss", TYPE_CHANGED, 2.5, 2.5)
+    assert change.a_tensor is None and change.b_tensor is not None
+    assert (change.b_tensor.dtype, change.b_tensor.shape) == ("float32", ())
+    assert statuses(report) == {IDENTICAL: NUM_MODEL}  # no "loss only in B" row
+    assert not report.equal  # a type change is a change
+    back = diff(as_tensor, as_float).fields
+    assert back == [FieldDiff("loss", TYPE_CHANGED, 2.5, 2.5, a_tensor=change.b_tensor)]
+
+
+def test_a_type_change_reads_no_value_with_quick_or_more_than_one_element(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    as_float = save(tmp_path / "float.pt", tutorial(2.5, model))
+    as_tensor = save(tmp_path / "tensor.pt", tutorial(torch.tensor(2.5), model))
+    quick = diff(as_float, as_tensor, quick=True).fields
+    assert [(f.status, f.b, f.b_tensor is not None) for f in quick] == [(TYPE_CHANGED, None, True)]
+    as_vector = save(tmp_path / "vector.pt", tutorial(torch.ones(3), model))
+    vector = diff(as_float, as_vector).fields
+    assert [(f.status, f.a, f.b) for f in vector] == [(TYPE_CHANGED, 2.5, None)]
+
+
+def test_a_field_and_a_tensor_under_different_keys_stay_apart(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    a = save(tmp_path / "a.pt", {**tutorial(2.5, model), "loss": 2.5})
+    b = save(tmp_path / "b.pt", {**tutorial(2.5, model), "loss": None, "val_loss": torch.ones(())})
+    report = diff(a, b)
+    assert report.fields == [FieldDiff("loss", "changed", 2.5, None)]
+    assert [(t.key, t.status) for t in report.tensors if t.status != IDENTICAL] == [
+        ("val_loss", ONLY_B)
+    ]
+
+
+# --- a section per side -----------------------------------------------------------------------
+
+
+def test_a_section_per_side(tmp_path: Path, model: dict[str, torch.Tensor]) -> None:
+    general = save(tmp_path / "tutorial.pt", tutorial(2.5, model))
+    plain = save(tmp_path / "plain.pth", model)
+    report = diff(general, plain, section_a="model_state_dict")
+    assert report.equal and statuses(report) == {IDENTICAL: NUM_MODEL}
+    assert (report.a.section, report.a.auto_section, report.b.section) == (
+        "model_state_dict", False, None
+    )  # fmt: skip
+    assert report.notes == []
+    assert diff(plain, general, section_b="model_state_dict").equal
+    # --section names both sides; a per-side option overrides it for that side
+    both = diff(general, general, section="model_state_dict", section_b="optimizer_state_dict")
+    assert both.b.section == "optimizer_state_dict" and both.counts()[ONLY_A] == NUM_MODEL
+
+
+def test_a_shared_section_one_side_lacks_says_how_to_name_one_side(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    general = save(tmp_path / "tutorial.pt", tutorial(2.5, model))
+    plain = save(tmp_path / "plain.pth", model)
+    with pytest.raises(InputError) as error:
+        diff(general, plain, section="model_state_dict")
+    assert str(error.value) == (
+        f"{plain}: no section 'model_state_dict' in this checkpoint (--section applies to both "
+        "files; to compare A's 'model_state_dict' with all of B, use --section-a model_state_dict)"
+    )
+    with pytest.raises(InputError, match=r"no section 'nothing' in this checkpoint$"):
+        diff(general, plain, section="nothing")  # neither has it: no hint
+    with pytest.raises(InputError, match=r"^.*tutorial\.pt: no section 'nothing'"):
+        diff(general, plain, section_a="nothing")
+
+
+# --- automatic alignment under one extra prefix -----------------------------------------------
+
+
+def test_the_model_subtree_of_a_dict_aligns_with_a_plain_state_dict(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    nested = save(tmp_path / "nested.pth", {"model": model, "step": 7})
+    plain = save(tmp_path / "plain.pth", model)
+    report = diff(nested, plain)
+    assert report.equal and statuses(report) == {IDENTICAL: NUM_MODEL}
+    assert (report.a.section, report.a.auto_section, report.a.prefix) == ("model", True, None)
+    assert report.fields == []  # step is outside the compared part, as for a resume file
+    assert report.notes == [
+        "B's tensor keys are A's under 'model.': comparing A's 'model' section with all of B "
+        "(use --section-a/--section-b to choose)"
+    ]
+    reverse = diff(plain, nested)
+    assert (
+        reverse.equal
+        and reverse.b.section == "model"
+        and reverse.notes
+        == [
+            "A's tensor keys are B's under 'model.': comparing all of A with B's 'model' section "
+            "(use --section-a/--section-b to choose)"
+        ]
+    )
+
+
+def test_the_tutorial_checkpoint_aligns_with_its_plain_model(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    momentum = {"state": {0: {"momentum_buffer": torch.ones(3)}}, "param_groups": [{"lr": 0.1}]}
+    general = save(tmp_path / "tutorial.pt", {**tutorial(2.5, model), "optimizer_state_dict": momentum})  # fmt: skip
+    report = diff(general, save(tmp_path / "plain.pth", model))
+    assert report.equal and report.a.section == "model_state_dict" and report.a.auto_section
+    assert "under 'model_state_dict.'" in report.notes[0]
+
+
+def test_flat_module_prefixed_keys_align_by_removing_the_prefix(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    ddp = save(tmp_path / "ddp.pth", {f"module.{key}": value for key, value in model.items()})
+    report = diff(save(tmp_path / "plain.pth", model), ddp)
+    assert report.equal and statuses(report) == {IDENTICAL: NUM_MODEL}
+    assert (report.b.section, report.b.prefix, report.a.prefix) == (None, "module.", None)
+    assert report.notes == ["B's tensor keys are A's with the prefix 'module.': compared without it"]  # fmt: skip
+    first = report.tensors[0]
+    assert first.key == "model.embed_tokens.weight"
+    assert first.b is not None and first.b.key == "module.model.embed_tokens.weight"
+
+
+def test_a_two_rank_dcp_checkpoint_aligns_with_the_same_model_as_one_file(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    """The fixture's 2-rank DCP directory (a resume layout: its ``model`` is taken) against the
+    same model saved by a DDP-wrapped module, then a DCP ``{model, step}`` of the same tensors
+    against the plain file."""
+    ddp = save(tmp_path / "ddp.pth", {f"module.{key}": value for key, value in model.items()})
+    report = diff(DCP, ddp)
+    assert report.equal and statuses(report) == {IDENTICAL: NUM_MODEL}
+    assert (report.a.format, report.a.section, report.b.prefix) == ("dcp", "model", "module.")
+    assert report.notes[-1] == "B's tensor keys are A's with the prefix 'module.': compared without it"  # fmt: skip
+    import torch.distributed.checkpoint as dcp
+
+    directory = tmp_path / "model_step"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is not initialized": one process
+        dcp.save({"model": model, "step": 1200}, checkpoint_id=directory)
+    plain = save(tmp_path / "plain.pth", model)
+    report = diff(directory, plain)
+    assert report.equal and statuses(report) == {IDENTICAL: NUM_MODEL}
+    assert report.a.section == "model" and report.a.auto_section
+    assert "B's tensor keys are A's under 'model.'" in report.notes[0]
+
+
+def test_alignment_resolves_aliases_under_the_prefix(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    """save_model's file drops the tied embedding and names it in its metadata."""
+    nested = save(tmp_path / "nested.pth", {"model": model, "step": 7})
+    report = diff(nested, DCP_SAFETENSORS)
+    assert report.equal and report.a.section == "model"
+    assert any("metadata names it an alias" in note for note in report.notes)
+
+
+def test_keys_that_match_only_in_part_are_not_aligned(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    plain = save(tmp_path / "plain.pth", model)
+    partial = dict(model)
+    partial.pop("model.norm.weight")
+    partial["model.extra.weight"] = torch.zeros(2)
+    prefixed = save(tmp_path / "prefixed.pth", {f"model.{k}": v for k, v in partial.items()})
+    report = diff(prefixed, plain)
+    assert statuses(report) == {ONLY_A: NUM_MODEL, ONLY_B: NUM_MODEL}
+    assert report.notes == [] and report.a.prefix is None
+    # a side that shares some keys with the other is never re-keyed
+    mixed = {**model, "model.model.norm.weight": torch.ones(8)}
+    shared = diff(save(tmp_path / "mixed.pth", mixed), plain)
+    assert statuses(shared) == {IDENTICAL: NUM_MODEL, ONLY_A: 1} and shared.notes == []
+    # flat keys of which only some carry the prefix are not one subtree: not aligned either
+    flat = {**{f"model.{k}": v for k, v in model.items()}, "other": torch.ones(1)}
+    assert diff(save(tmp_path / "flat.pth", flat), plain).counts()[ONLY_B] == NUM_MODEL
+
+
+def test_two_candidate_prefixes_are_not_guessed(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    two = save(tmp_path / "two.pth", {"model": model, "ema": model})
+    report = diff(two, save(tmp_path / "plain.pth", model))
+    assert statuses(report) == {ONLY_A: 2 * NUM_MODEL, ONLY_B: NUM_MODEL}
+    assert report.notes == [
+        "the keys of one side are the other's under more than one prefix (A's 'model.', "
+        "A's 'ema.'): not aligned (use --section-a/--section-b to choose)"
+    ]
+    chosen = diff(two, tmp_path / "plain.pth", section_a="ema")
+    assert chosen.equal
+
+
+def test_aligned_keys_are_compared_like_any_others(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    """Aligned keys are compared like any others: a changed value still differs."""
+    changed = dict(model)
+    changed["model.norm.weight"] = changed["model.norm.weight"] + 1
+    report = diff(
+        save(tmp_path / "nested.pth", {"model": changed}), save(tmp_path / "p.pth", model)
+    )
+    assert statuses(report) == {IDENTICAL: NUM_MODEL - 1, DIFFER: 1} and not report.equal
