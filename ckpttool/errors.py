@@ -55,3 +55,15 @@ class CheckpointKeyError(CkptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+def name_file(error: CkptError, path: str) -> CkptError:
+    """``error`` with its message led by ``path`` (changed in place), unless it names it already.
+
+    The format readers and the pickle walker do not know which file they read; the reader, the
+    one place files are opened, adds it, so every message about a file says which file.
+    """
+    message = str(error)
+    if path not in message:
+        error.args = (f"{path}: {message}",)
+    return error

@@ -18,7 +18,13 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckpttool.errors import CorruptCheckpointError, InputError, NotACheckpointError
+from ckpttool.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    InputError,
+    NotACheckpointError,
+    name_file,
+)
 from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory, read_at
 from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
 from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_growing, read_torch_legacy
@@ -73,8 +79,15 @@ class Checkpoint:
     def read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
         """The bytes covering ``record``'s elements and the element offset of its first one.
 
-        Only the range from the tensor's first to its last element is read.
+        Only the range from the tensor's first to its last element is read. Errors name the
+        file.
         """
+        try:
+            return self._read_bytes(record)
+        except CkptError as error:
+            raise name_file(error, self.name) from None
+
+    def _read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
         if record.inline_data is not None:
             return record.inline_data, record.storage_offset
         if record.storage is None:
@@ -113,7 +126,8 @@ def open_checkpoint(
     refuse_dangerous: bool = True,
     track_spans: bool = False,
 ) -> Checkpoint:
-    """Open ``path`` safely and lazily. Raises a :class:`~ckpttool.errors.CkptError` subclass.
+    """Open ``path`` safely and lazily. Raises a :class:`~ckpttool.errors.CkptError` subclass
+    whose message names the file (whatever part of it the error concerns).
 
     ``strict=False`` records structural problems in ``Checkpoint.problems`` where it can go on
     (``verify`` uses this); ``refuse_dangerous=False`` records dangerous globals instead of
@@ -140,10 +154,12 @@ def open_checkpoint(
         problems = list(parsed.problems) + check_extents(parsed, records)
         if problems and strict:
             raise CorruptCheckpointError(problems[0])
-    except BaseException:
+    except BaseException as error:
         handle.close()
         if parsed is not None and parsed.close is not None:
             parsed.close()
+        if isinstance(error, CkptError):
+            name_file(error, name)
         raise
     return Checkpoint(
         name=name,

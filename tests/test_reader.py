@@ -152,6 +152,33 @@ def test_not_a_checkpoint(tmp_path: Path, content: bytes) -> None:
         open_checkpoint(path)
 
 
+@pytest.mark.parametrize(
+    "content",
+    [b"hello, this is text\n", b"PK\x03\x04" + b"\0" * 60, b"\x80\x02}q\x00(X\x01"],
+    ids=["text", "cut-zip", "cut-pickle"],
+)
+def test_errors_name_the_file(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "thing.pth"
+    path.write_bytes(content)
+    with pytest.raises((NotACheckpointError, CorruptCheckpointError)) as raised:
+        open_checkpoint(path)
+    assert str(raised.value).startswith(f"{path}: ")
+    assert str(raised.value).count(str(path)) == 1
+
+
+def test_a_file_cut_after_opening_names_the_file_when_read(tmp_path: Path) -> None:
+    path = tmp_path / "shrinking.pth"
+    path.write_bytes((FIXTURES / "minimind/pretrain_32.pth").read_bytes())
+    with open_checkpoint(path) as ckpt:
+        last = max(ckpt.tensors(), key=lambda r: ckpt.storage_span(r.storage)[0])  # type: ignore[arg-type]
+        with open(path, "r+b") as handle:  # another process truncates it meanwhile
+            handle.truncate(ckpt.storage_span(last.storage)[0] + 1)  # type: ignore[arg-type]
+        with pytest.raises(CorruptCheckpointError) as raised:
+            ckpt.read_bytes(last)
+    assert str(raised.value).startswith(f"{path}: ")
+    assert "truncated" in str(raised.value)
+
+
 def test_torchscript_is_recognised() -> None:
     with pytest.raises(NotACheckpointError, match=r"TorchScript"):
         open_checkpoint(FIXTURES / "special/torchscript.pt")

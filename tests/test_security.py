@@ -50,7 +50,7 @@ def test_payload_refused_and_not_run(tmp_path: Path, payload_name: str, containe
         open_checkpoint(path)
     result = CliRunner().invoke(cli, ["show", str(path)])
     assert result.exit_code == 2
-    assert result.stderr.startswith("Error: refusing to read: the pickle calls ")
+    assert result.stderr.startswith(f"Error: {path}: refusing to read: the pickle calls ")
     assert result.stderr.count("\n") == 1
     assert "Traceback" not in result.output + result.stderr
     assert not marker.exists()

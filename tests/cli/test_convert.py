@@ -205,7 +205,8 @@ def test_verification_failure_exits_1(tmp_path: Path, monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize(("args", "message"), [
     (["missing.pth"], "Error: missing.pth: no such file\n"),
-    ([FIXTURES / "special/torchscript.pt", "x.safetensors"], "Error: this is a TorchScript archive"),
+    ([FIXTURES / "special/torchscript.pt", "x.safetensors"],
+     f"Error: {FIXTURES / 'special/torchscript.pt'}: this is a TorchScript archive"),
     ([WEIGHTS, WEIGHTS], "would overwrite the source; name another DST\n"),
     ([WEIGHTS, "x.safetensors", "--max-shard-size", "lots"], "Error: cannot read 'lots' as a size"),
     ([WEIGHTS, "x.weights"], "cannot tell the output format from its suffix"),
