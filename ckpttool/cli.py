@@ -381,7 +381,7 @@ def convert_command(
 @click.option("--values", is_flag=True, help="Also read every floating tensor: NaN/Inf.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
-    """Check files' integrity without trusting them: exit 0 all good, 1 problems, 2 cannot check.
+    """Check files' integrity without trusting them.
 
     Zip structure (central directory vs local headers, CRC-32 of every record, duplicate
     names, truncation), every storage's size against the pickle's claims, every tensor's
@@ -389,16 +389,20 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     directory, every rank file present and of the right size and every chunk's archive; temp
     files left next to the file by an interrupted save.
 
+    Each path gets its own verdict and the run goes on: a path that cannot be checked at all
+    (missing, not a checkpoint) gets an "Error: PATH: ..." line on stderr. Exit 0 when every
+    path was checked and is clean, 1 when a problem (or a leftover temp file) was found in any
+    (this wins), 2 when some path could not be checked. --json always prints the JSON report.
+
     \b
     Examples:
       ckpttool verify checkpoints/pretrain_768_resume.pth
       ckpttool verify out/*.pth --values --json
       ckpttool verify checkpoints/step_1200/
     """
-    from ckpttool.errors import EXIT_FOUND
     from ckpttool.progress import Progress
     from ckpttool.render_checks import verify_json, verify_lines
-    from ckpttool.verify import verify
+    from ckpttool.verify import verify, verify_exit_code
 
     total = sum(_input_bytes(p) for p in paths)
     with Progress(total, "verify") as bar:
@@ -406,30 +410,35 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     if as_json:
         _echo_json(verify_json(results))
     else:
-        click.echo(verify_lines(results))
-    if not all(r.ok for r in results):
-        sys.exit(EXIT_FOUND)
+        report = verify_lines(results)
+        if report:
+            click.echo(report)
+    for result in results:
+        if result.error is not None:
+            click.echo(f"Error: {result.path}: {' '.join(result.error.split())}", err=True)
+    sys.exit(verify_exit_code(results))
 
 
 @cli.command("scan")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option(
     "--allow", multiple=True, metavar="MODULE.NAME",
-    help="Accept this global (e.g. argparse.Namespace); repeatable.",
+    help="Accept this global (e.g. a config class you trust); repeatable.",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) -> None:
     """List every global the pickles reference, classed safe / unknown / dangerous.
 
     Runs nothing: the pickle is walked by ckpttool's own reader. Directories are scanned
-    recursively (files that are not checkpoints are skipped). Exit 0 when only safe data
-    constructs are referenced, 1 when something unknown or dangerous is (this wins over 2),
-    2 when a file could not be scanned.
+    recursively (files that are not checkpoints are skipped). Each path is scanned on its own.
+    Exit 0 when only safe data constructs are referenced, 1 when something unknown or
+    dangerous is (this wins over 2), 2 when a path could not be scanned (missing, not a
+    checkpoint, unreadable) or a directory holds no checkpoint: scanning nothing is not clean.
 
     \b
     Examples:
       ckpttool scan downloaded_model.pth
-      ckpttool scan checkpoints/ --allow argparse.Namespace
+      ckpttool scan checkpoints/ --allow mypackage.TrainConfig
     """
     from ckpttool.errors import EXIT_FOUND
     from ckpttool.render_checks import scan_json, scan_lines

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool.errors import CkptError, InputError, NotACheckpointError, UnsafePickleError
+from ckpttool.errors import CkptError, NotACheckpointError, UnsafePickleError
 from ckpttool.formats.dcp import METADATA, DcpFiles, is_dcp_directory, load_metadata, present
 from ckpttool.formats.torch_zip import is_torchscript, open_zip, read_record
 from ckpttool.pickle_safe import SafeUnpickler
@@ -59,15 +59,20 @@ class FileScan:
 class ScanReport:
     files: list[FileScan]
     skipped: list[str]  # files inside scanned directories that are not checkpoints
+    # directories given that hold no checkpoint: scanning nothing is not a clean result
+    empty: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
-        return not self.found and all(f.error is None for f in self.files)
+        """Something was scanned, all of it fully, and only safe constructs were found."""
+        return bool(self.files) and not self.found and not self.failed
 
     @property
     def failed(self) -> bool:
-        """Some file could not be (fully) scanned and nothing dangerous was found to report."""
-        return any(f.error is not None for f in self.files) and not self.found
+        """Some path could not be (fully) scanned, or held no checkpoint, and nothing
+        dangerous was found to report (that wins)."""
+        unscanned = any(f.error is not None for f in self.files) or bool(self.empty)
+        return (unscanned or not self.files) and not self.found
 
     @property
     def found(self) -> bool:
@@ -173,16 +178,21 @@ def scan_file(path: Path, allow: Iterable[str] = ()) -> FileScan:
                 if ckpt.pickle is not None:
                     counts.update(ckpt.pickle.globals_seen)
     except UnsafePickleError as error:  # BUILD on a global: refused even in scan mode
-        return FileScan(str(path), None, notes=[str(error)])
+        return FileScan(str(path), None, notes=[_without_path(error, path)])
     except NotACheckpointError as error:
-        return FileScan(str(path), None, error=str(error), not_a_checkpoint=True)
+        return FileScan(str(path), None, error=_without_path(error, path), not_a_checkpoint=True)
     except CkptError as error:
-        return FileScan(str(path), None, error=str(error))
+        return FileScan(str(path), None, error=_without_path(error, path))
     uses = []
     for (module, name, verdict), count in sorted(counts.items()):
         qualname = f"{module}.{name}"
         uses.append(GlobalUse(qualname, "allowed" if qualname in allowed else verdict, count))
     return FileScan(str(path), fmt, uses, notes, error="; ".join(problems) or None)
+
+
+def _without_path(error: CkptError, path: Path) -> str:
+    """The error's message without the path the reader put first (the report names it)."""
+    return str(error).removeprefix(f"{path}: ")
 
 
 def _files_under(directory: Path) -> list[Path]:
@@ -203,21 +213,27 @@ def _files_under(directory: Path) -> list[Path]:
 
 
 def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> ScanReport:
-    """Scan files (and directories, recursively). Missing paths raise InputError."""
+    """Scan files (and directories, recursively), each path on its own: a missing one is a
+    file that could not be scanned, a directory without a checkpoint is listed in ``empty``."""
     allow = list(allow)
     files: list[FileScan] = []
     skipped: list[str] = []
+    empty: list[str] = []
     for raw in paths:
         path = Path(raw)
         if not path.exists():
-            raise InputError(f"{path}: no such file or directory")
-        if path.is_dir() and not is_dcp_directory(path):
+            files.append(FileScan(str(path), None, error="no such file or directory"))
+        elif path.is_dir() and not is_dcp_directory(path):
+            found = 0
             for child in _files_under(path):
                 result = scan_file(child, allow)
                 if result.not_a_checkpoint:
                     skipped.append(str(child))
                 else:
                     files.append(result)
+                    found += 1
+            if not found:
+                empty.append(str(path))
         else:
             files.append(scan_file(path, allow))
-    return ScanReport(files, skipped)
+    return ScanReport(files, skipped, empty)

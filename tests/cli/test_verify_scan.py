@@ -54,6 +54,82 @@ def test_verify_finds_a_flipped_byte_by_crc(tmp_path: Path) -> None:
     assert "altered or damaged" in result.stdout
 
 
+def test_verify_names_the_tensors_of_a_damaged_record(tmp_path: Path) -> None:
+    path = tmp_path / "tied.pth"
+    shutil.copy(FIXTURES / "ckpttool/pretrain_32_resume.pth", path)
+    offset = _record_data_offset(path, "/data/0")  # the tied embedding and lm_head
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    result = run("verify", path)
+    assert result.exit_code == 1
+    problem = next(line for line in result.stdout.splitlines() if "CRC-32 is" in line)
+    assert problem.startswith("  problem: archive/data/0: CRC-32 is ")
+    assert problem.endswith(
+        "(the bytes were altered or damaged); it stores model.model.embed_tokens.weight, "
+        "model.lm_head.weight"
+    )
+
+
+def _flipped_copy(path: Path) -> Path:
+    shutil.copy(RESUME, path)
+    offset = _record_data_offset(path, "/data/5")
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_verify_gives_every_path_its_own_verdict(tmp_path: Path) -> None:
+    model_dir = tmp_path / "hf_model_dir"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{\n "architectures": ["MiniMind"]\n}\n')
+    shutil.copy(FIXTURES / "safetensors/model.safetensors", model_dir / "model.safetensors")
+    flipped = _flipped_copy(model_dir / "resume.pth")
+    missing = model_dir / "missing.pth"
+    paths = [model_dir / "config.json", missing, model_dir / "model.safetensors", flipped]
+    result = run("verify", *paths)
+    assert result.exit_code == 1  # a problem found wins over a path it could not check
+    assert f"{model_dir / 'model.safetensors'}: OK (safetensors)" in result.stdout
+    assert f"{flipped}: PROBLEMS (torch-zip)" in result.stdout
+    assert result.stdout.endswith("4 paths: 1 OK, 1 with problems, 2 could not be checked\n")
+    assert result.stderr.splitlines() == [
+        f"Error: {model_dir / 'config.json'}: not a checkpoint: unrecognised format (first "
+        "bytes b'{\\n \"arch'); ckpttool reads torch.save files (zip or legacy), safetensors "
+        "and pickles",
+        f"Error: {missing}: no such file",
+    ]
+    report = json.loads(run("verify", *paths, "--json").stdout)
+    assert [(f["ok"], f["format"], f["error"] is not None) for f in report["files"]] == [
+        (False, None, True), (False, None, True), (True, "safetensors", False),
+        (False, "torch-zip", False),
+    ]  # fmt: skip
+    assert report["files"][1]["error"] == "no such file"
+    assert not report["ok"]
+
+
+@pytest.mark.parametrize(
+    ("names", "exit_code"),
+    [
+        (["good"], 0),
+        (["good", "config.json"], 2),  # could not check one: not a clean result
+        (["config.json", "missing"], 2),
+        (["config.json", "good", "flipped"], 1),  # a problem found wins
+    ],
+)
+def test_verify_exit_code_sums_up_the_paths(
+    tmp_path: Path, names: list[str], exit_code: int
+) -> None:
+    shutil.copy(RESUME, tmp_path / "good")
+    (tmp_path / "config.json").write_text("{}\n")
+    _flipped_copy(tmp_path / "flipped")
+    result = run("verify", *(tmp_path / name for name in names))
+    assert result.exit_code == exit_code
+    as_json = run("verify", *(tmp_path / name for name in names), "--json")
+    assert as_json.exit_code == exit_code
+    assert len(json.loads(as_json.stdout)["files"]) == len(names)
+
+
 def test_verify_finds_local_header_disagreeing_with_directory(tmp_path: Path) -> None:
     path = tmp_path / "renamed.pth"
     shutil.copy(RESUME, path)
@@ -202,6 +278,37 @@ def test_scan_directory_recursively_with_allow(tmp_path: Path) -> None:
     allowed = run("scan", target, "--allow", "argparse.Namespace",
                   "--allow", "tests.fixtures.generate.TrainConfig")  # fmt: skip
     assert allowed.exit_code == 0, allowed.output
+
+
+def test_scan_of_nothing_is_not_clean(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run("scan", empty)
+    assert result.exit_code == 2
+    assert "clean" not in result.stdout
+    assert result.stdout.splitlines()[2].split() == [
+        str(empty), "-", "no", "checkpoint", "found", "no", "file", "in", "it", "is", "a",
+        "checkpoint",
+    ]  # fmt: skip
+    assert json.loads(run("scan", empty, "--json").stdout)["clean"] is False
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "README.md").write_text("not a checkpoint\n")
+    report = json.loads(run("scan", docs, "--json").stdout)
+    assert report["no_checkpoint_found"] == [str(docs)]
+    assert report["skipped"] == [str(docs / "README.md")]
+    assert report["clean"] is False
+    assert run("scan", docs).exit_code == 2
+
+
+def test_scan_goes_on_after_a_missing_path(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.pth"
+    result = run("scan", missing, RESUME, "--json")
+    assert result.exit_code == 2
+    report = json.loads(result.stdout)
+    assert [(f["path"], f["error"]) for f in report["files"]] == [
+        (str(missing), "no such file or directory"), (str(RESUME), None)
+    ]  # fmt: skip
 
 
 def test_scan_torchscript_is_flagged() -> None:
