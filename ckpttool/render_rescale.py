@@ -63,8 +63,8 @@ def report_lines(report: RescaleReport) -> list[str]:
     else:
         lines.append(
             f"not exact: {plan.old_step} x {plan.from_world_size} = {plan.global_batches} "
-            f"global batches, {plan.world_size} x {plan.new_step} = "
-            f"{plan.new_step * plan.world_size} skipped: "
+            f"global batches were trained; the resumed run skips {plan.world_size} x "
+            f"{plan.new_step} = {plan.new_step * plan.world_size} of them, so "
             + describe_repeats(plan, report.batch_size)
         )
     history = ", ".join(

@@ -40,9 +40,9 @@ def test_non_divisible_rescale_reports_the_repeat(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines() == [
         "step 1200 @ world_size 8 -> step 1371 @ world_size 7",
-        "not exact: 1200 x 8 = 9600 global batches, 7 x 1371 = 9597 skipped: 3 global batches "
-        "(3/7 of a batch per rank) will be trained twice: 48 samples at batch size 16, at most "
-        "7 on any rank",
+        "not exact: 1200 x 8 = 9600 global batches were trained; the resumed run skips "
+        "7 x 1371 = 9597 of them, so 3 global batches (3/7 of a batch per rank) will be "
+        "trained twice: 48 samples at batch size 16, at most 7 on any rank",
         "rescaled_from: 1200 @ world_size 8",
         f"wrote {path} (in place)",
     ]
