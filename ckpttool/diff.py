@@ -6,15 +6,9 @@ The work is split in two so that a caller can size a progress bar before any byt
 :func:`plan_diff` matches tensors and compares fields from metadata alone, :func:`run_diff`
 compares values. :func:`diff` does both for library users.
 
-Which part of each file is compared: ``section_a``/``section_b`` for one side, ``section`` for
-both (a side named by neither is compared whole). With no section named, two files of the same
-kind are compared whole; when the kinds differ (a resume file against a plain state dict, a
-Lightning checkpoint against a resume file) each side's weights (``model``, ``state_dict``) are
-compared, and a note says so. Then, if the two sides share no tensor key but one side's keys
-under one extra prefix are exactly the other's (``{"model": ...}`` against the bare state dict,
-``module.`` keys against plain ones), they are aligned there, with a note: by taking that
-subtree as the side's section when it is one, else by removing the prefix. How keys are matched
-(prefixes, aliases, tied tensors) is :mod:`ckpttool.diff_match`'s job.
+Which part of each file is compared (named sections, the layout's weights, alignment under one
+extra key prefix) is :mod:`ckpttool.diff_sections`'s job; how keys are matched (prefixes,
+aliases, tied tensors) is :mod:`ckpttool.diff_match`'s.
 """
 
 from __future__ import annotations
@@ -24,7 +18,6 @@ import os
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Any
 
 from ckpttool.diff_match import (
     ALIASES_KEY,
@@ -35,11 +28,11 @@ from ckpttool.diff_match import (
     alias_note,
     compare_fields,
     described_metadata,
-    extra_prefixes,
     match_tensors,
     merge_type_changes,
     metadata_aliases,
 )
+from ckpttool.diff_sections import Part, choose_parts
 from ckpttool.diff_values import (
     ValueDiff,
     compare_dtype,
@@ -47,11 +40,9 @@ from ckpttool.diff_values import (
     narrower_dtype,
     scalar_value,
 )
-from ckpttool.errors import CkptError, InputError
-from ckpttool.keys import WRAPPER_PREFIXES, Selection, select
-from ckpttool.layout import LAYOUT_TITLES, detect_layout, model_section
+from ckpttool.errors import CkptError
 from ckpttool.reader import Checkpoint, open_checkpoint
-from ckpttool.records import TensorRecord, tensors
+from ckpttool.records import TensorRecord
 
 IDENTICAL = "identical"
 WITHIN_TOLERANCE = "within_tolerance"
@@ -205,37 +196,14 @@ def plan_diff(
     ignore_wrappers: bool = False,
 ) -> DiffPlan:
     """Match tensors and compare fields, from metadata alone (no tensor bytes are read)."""
-    layout_a = detect_layout(ckpt_a.root, ckpt_a.format)
-    layout_b = detect_layout(ckpt_b.root, ckpt_b.format)
     notes: list[str] = []
-    auto = False
-    named_a = section_a if section_a is not None else section
-    named_b = section_b if section_b is not None else section
-    if named_a is not None or named_b is not None:
-        _check_sections(ckpt_a, named_a, ckpt_b, named_b, shared=section)
-        section_a, section_b = named_a or None, named_b or None
-    else:
-        section_a, section_b = model_section(layout_a), model_section(layout_b)
-        if section_a == section_b:
-            section_a = section_b = None  # same kind of file: compare all of it
-        else:
-            auto = True
-            notes.append(
-                f"A ({LAYOUT_TITLES.get(layout_a, layout_a)}) and B "
-                f"({LAYOUT_TITLES.get(layout_b, layout_b)}) are different kinds: comparing "
-                f"{_part('A', section_a)} with {_part('B', section_b)} "
-                "(use --section-a/--section-b to choose)"
-            )
-    options: dict[str, Any] = {"strip": strip, "ignore_wrappers": ignore_wrappers}
-    sel_a = select(ckpt_a, section=section_a, auto_section=False, **options)
-    sel_b = select(ckpt_b, section=section_b, auto_section=False, **options)
-    prefixes = [*strip, *(WRAPPER_PREFIXES if ignore_wrappers else ())]
-    aliases_a = metadata_aliases(ckpt_a, sel_a, prefixes, "A", [])
-    aliases_b = metadata_aliases(ckpt_b, sel_b, prefixes, "B", [])
-    aligned = _align(ckpt_a, sel_a, aliases_a, ckpt_b, sel_b, aliases_b, options, notes)
-    sel_a, sel_b, prefix_a, prefix_b = aligned
-    aliases_a = metadata_aliases(ckpt_a, sel_a, [*prefixes, *prefix_a], "A", notes)
-    aliases_b = metadata_aliases(ckpt_b, sel_b, [*prefixes, *prefix_b], "B", notes)
+    part_a, part_b = choose_parts(
+        ckpt_a, ckpt_b, section=section, section_a=section_a, section_b=section_b,
+        strip=strip, ignore_wrappers=ignore_wrappers, notes=notes,
+    )  # fmt: skip
+    sel_a, sel_b = part_a.selection, part_b.selection
+    aliases_a = metadata_aliases(ckpt_a, sel_a, part_a.prefixes, "A", notes)
+    aliases_b = metadata_aliases(ckpt_b, sel_b, part_b.prefixes, "B", notes)
     pairs = match_tensors(sel_a.tensors, sel_b.tensors, aliases_a, aliases_b)
     for pair in pairs:
         if pair.alias is not None:
@@ -244,120 +212,16 @@ def plan_diff(
         ckpt_a.section(sel_a.section) if sel_a.section else ckpt_a.root,
         ckpt_b.section(sel_b.section) if sel_b.section else ckpt_b.root,
     )
-    fields, pairs = merge_type_changes(
-        fields, pairs, [*prefixes, *prefix_a], [*prefixes, *prefix_b]
-    )
+    fields, pairs = merge_type_changes(fields, pairs, part_a.prefixes, part_b.prefixes)
     if ckpt_a.format == ckpt_b.format == "safetensors":
         fields += compare_fields(described_metadata(ckpt_a), described_metadata(ckpt_b))
     return DiffPlan(
-        a=_side(ckpt_a, layout_a, auto or sel_a.auto, sel_a, prefix_a),
-        b=_side(ckpt_b, layout_b, auto or sel_b.auto, sel_b, prefix_b),
+        a=_side(ckpt_a, part_a),
+        b=_side(ckpt_b, part_b),
         pairs=pairs,
         fields=fields,
         notes=notes,
     )
-
-
-def _check_sections(
-    ckpt_a: Checkpoint,
-    section_a: str | None,
-    ckpt_b: Checkpoint,
-    section_b: str | None,
-    *,
-    shared: str | None,
-) -> None:
-    """Each named section exists; when ``--section`` named one only the other side has, say how
-    to name one side's."""
-    for ckpt, name, label in ((ckpt_a, section_a, "a"), (ckpt_b, section_b, "b")):
-        if not name:
-            continue
-        try:
-            ckpt.section(name)
-        except InputError as error:
-            other = ckpt_b if label == "a" else ckpt_a
-            if name != shared or not _has_section(other, name):
-                raise
-            having = "B" if label == "a" else "A"
-            hint = (
-                f" (--section applies to both files; to compare {having}'s {name!r} with all of "
-                f"{label.upper()}, use --section-{having.lower()} {name})"
-            )
-            raise InputError(f"{error}{hint}") from None
-
-
-def _has_section(ckpt: Checkpoint, name: str) -> bool:
-    try:
-        ckpt.section(name)
-    except InputError:
-        return False
-    return True
-
-
-def _align(
-    ckpt_a: Checkpoint,
-    sel_a: Selection,
-    aliases_a: dict[str, str],
-    ckpt_b: Checkpoint,
-    sel_b: Selection,
-    aliases_b: dict[str, str],
-    options: dict[str, Any],
-    notes: list[str],
-) -> tuple[Selection, Selection, list[str], list[str]]:
-    """Align two selections that share no key when one side's keys are the other's under one
-    extra prefix (see the module docstring). Returns both selections and each side's removed
-    prefix (an empty list, or the prefix)."""
-    found_a = extra_prefixes(sel_a.tensors, sel_b.tensors, aliases_a, aliases_b)
-    found_b = extra_prefixes(sel_b.tensors, sel_a.tensors, aliases_b, aliases_a)
-    found = [("A", prefix) for prefix in found_a] + [("B", prefix) for prefix in found_b]
-    if not found:
-        return sel_a, sel_b, [], []
-    if len(found) > 1:
-        where = ", ".join(f"{label}'s {prefix!r}" for label, prefix in found)
-        notes.append(
-            f"the keys of one side are the other's under more than one prefix ({where}): "
-            "not aligned (use --section-a/--section-b to choose)"
-        )
-        return sel_a, sel_b, [], []
-    label, prefix = found[0]
-    ckpt, own = (ckpt_a, sel_a) if label == "A" else (ckpt_b, sel_b)
-    other_label = "B" if label == "A" else "A"
-    subtree = _subtree(ckpt, own, prefix)
-    if subtree is not None:
-        chosen = select(ckpt, section=subtree, auto_section=False, **options)
-        chosen = Selection(chosen.layout, chosen.section, True, chosen.tensors)
-        sections = {"A": sel_a.section, "B": sel_b.section, label: subtree}
-        notes.append(
-            f"{other_label}'s tensor keys are {label}'s under {prefix!r}: comparing "
-            f"{_part('A', sections['A'])} with {_part('B', sections['B'])} "
-            "(use --section-a/--section-b to choose)"
-        )
-        removed: list[str] = []
-    elif all(key.startswith(prefix) for key in own.tensors):
-        rekeyed = {key[len(prefix) :]: record for key, record in own.tensors.items()}
-        chosen = Selection(own.layout, own.section, own.auto, rekeyed)
-        notes.append(
-            f"{label}'s tensor keys are {other_label}'s with the prefix {prefix!r}: "
-            "compared without it"
-        )
-        removed = [prefix]
-    else:  # the other's keys are a part of this side that is not one subtree: not aligned
-        return sel_a, sel_b, [], []
-    if label == "A":
-        return chosen, sel_b, removed, []
-    return sel_a, chosen, [], removed
-
-
-def _subtree(ckpt: Checkpoint, selection: Selection, prefix: str) -> str | None:
-    """The section path of the subtree that holds exactly ``selection``'s keys under ``prefix``
-    (None: they are not one subtree, e.g. flat keys that merely share ``module.``)."""
-    path = (f"{selection.section}." if selection.section else "") + prefix[:-1]
-    try:
-        node = ckpt.section(path)
-    except InputError:
-        return None
-    below = {record.key for record in tensors(node, path)}
-    under = {r.key for key, r in selection.tensors.items() if key.startswith(prefix)}
-    return path if below and below == under else None
 
 
 def run_diff(
@@ -485,17 +349,11 @@ def _how(a: TensorRecord, b: TensorRecord, *, quick: bool, rounded: bool) -> str
     return f", compared as {common}"
 
 
-def _part(label: str, section: str | None) -> str:
-    return f"{label}'s {section!r} section" if section else f"all of {label}"
-
-
-def _side(
-    ckpt: Checkpoint, layout: str, auto: bool, selection: Selection, prefix: list[str]
-) -> Side:
-    section = selection.section
+def _side(ckpt: Checkpoint, part: Part) -> Side:
+    section = part.selection.section
     return Side(
-        ckpt.name, ckpt.format, layout, section, auto and section is not None,
-        len(selection.tensors), prefix[0] if prefix else None,
+        ckpt.name, ckpt.format, part.layout, section, part.auto and section is not None,
+        len(part.selection.tensors), part.aligned_prefix,
     )  # fmt: skip
 
 
