@@ -248,11 +248,13 @@ def extra_prefixes(
     other: dict[str, TensorRecord],
     own_aliases: dict[str, str],
     other_aliases: dict[str, str],
+    limit: int = 2,
 ) -> list[str]:
-    """Each prefix ``P`` (one leading key component and its dot) such that ``own``'s tensors
+    """The prefixes ``P`` (one leading key component and its dot) such that ``own``'s tensors
     under ``P``, with ``P`` removed, pair one to one with all of ``other``'s (aliases and ties
-    resolved as :func:`match_tensors` does). Empty when the two sides share a key: the keys then
-    already align, at least in part.
+    resolved as :func:`match_tensors` does); at most ``limit`` of them (two already make the
+    choice ambiguous). Empty when the two sides share a key: the keys then already align, at
+    least in part.
     """
     if not own or not other or not own.keys().isdisjoint(other.keys()):
         return []
@@ -274,4 +276,6 @@ def extra_prefixes(
         paired = match_tensors(under, other, aliases, other_aliases)
         if all(pair.a is not None and pair.b is not None for pair in paired):
             found.append(prefix)
+            if len(found) == limit:
+                break
     return found

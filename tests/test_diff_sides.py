@@ -254,3 +254,32 @@ def test_aligned_keys_are_compared_like_any_others(
         save(tmp_path / "nested.pth", {"model": changed}), save(tmp_path / "p.pth", model)
     )
     assert statuses(report) == {IDENTICAL: NUM_MODEL - 1, DIFFER: 1} and not report.equal
+
+
+def test_many_candidate_prefixes_cost_linear_time_and_make_a_short_note() -> None:
+    """9,000 one-tensor groups (``g0.w``, ``g1.w``, ...) each pair with a one-tensor side: the
+    search stops at the second candidate instead of listing 9,000 in a note."""
+    from ckpttool.diff_match import extra_prefixes, match_tensors
+    from ckpttool.records import StorageRecord, TensorRecord
+
+    def record(key: str, index: int) -> TensorRecord:
+        storage = StorageRecord(str(index), "float32", 4, "cpu", f"archive/data/{index}", 16)
+        return TensorRecord(key, "float32", (4,), (1,), 0, storage)
+
+    many = {f"g{i}.w": record(f"g{i}.w", i) for i in range(9000)}
+    calls = {"n": 0}
+
+    def counting(*args: Any) -> Any:
+        calls["n"] += 1
+        return match_tensors(*args)
+
+    import ckpttool.diff_match
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ckpttool.diff_match, "match_tensors", counting)
+        found = extra_prefixes(many, {"w": record("w", -1)}, {}, {})
+    assert found == ["g0.", "g1."] and calls["n"] == 2
+    # a large group still pairs when it is the only candidate
+    big = {f"model.layer{i}": record(f"model.layer{i}", i) for i in range(9000)}
+    other = {f"layer{i}": record(f"layer{i}", -i) for i in range(9000)}
+    assert extra_prefixes({**big, "model": record("model", 0)}, other, {}, {}) == ["model."]
