@@ -73,7 +73,7 @@ def render_diff(report: DiffReport, *, show_all: bool = False) -> str:
     """Field changes, then a table of the tensors that differ (all with ``show_all``), then
     the one-line summary."""
     lines = [field_line(entry) for entry in report.fields]
-    rows = [_row(entry) for entry in report.tensors if show_all or entry.status not in HIDDEN]
+    rows = [_row(entry) for entry in report.tensors if show_all or not _hidden(entry)]
     if rows:
         from tabulate import tabulate
 
@@ -84,6 +84,21 @@ def render_diff(report: DiffReport, *, show_all: bool = False) -> str:
         lines.append("")
     lines.append(report.summary())
     return "\n".join(lines)
+
+
+def _hidden(entry: TensorDiff) -> bool:
+    """Rows listed only with --all: identical, equal after rounding, or equal in value (a
+    lossless cast: every element the same once both sides are in the wider dtype)."""
+    if entry.status in HIDDEN:
+        return True
+    values = entry.values
+    return (
+        entry.status == WITHIN_TOLERANCE
+        and values is not None
+        and values.max_abs_diff == 0
+        and not values.nan_positions_differ
+        and not values.inf_positions_differ
+    )
 
 
 def _row(entry: TensorDiff) -> list[str]:

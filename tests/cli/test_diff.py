@@ -309,6 +309,20 @@ def test_rows_equal_after_rounding_are_listed_only_with_all() -> None:
     )
 
 
+def test_a_lossless_cast_lists_no_rows_without_all() -> None:
+    # base_fp16 holds exactly base's values: compared in float32 nothing differs, so no row is
+    # listed (the summary still counts them; the note suggests --rounded); --all lists them.
+    quiet = run(BASE, PAIRS / "base_fp16.pth")
+    assert quiet.exit_code == 0
+    assert quiet.stdout == (
+        "0 identical, 12 differ within tolerance, 0 differ, 0 only in A, 0 only in B\n"
+    )
+    assert "use --rounded" in quiet.stderr
+    listed = run(BASE, PAIRS / "base_fp16.pth", "--all")
+    rows = listed.stdout.splitlines()[2:-2]
+    assert len(rows) == 12 and all("within tolerance" in row for row in rows)
+
+
 def test_section_per_side_and_the_hint_when_section_names_one_side_only(tmp_path: Path) -> None:
     import torch
 
