@@ -30,6 +30,7 @@ import math
 import pickle
 import random
 import re
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -256,7 +257,8 @@ def load_checkpoint(
     containers is refused with :class:`UnsafePickleError`, never loaded unsafely. When the saved
     ``world_size`` (1 if absent, as in old MiniMind files) differs from the current one, ``step``
     is rescaled to ``step * saved // current`` (MiniMind's rule: the same number of samples seen)
-    and ``world_size`` set to the current one; the change is logged at INFO on ``"ckpttool"``.
+    and ``world_size`` set to the current one; the change is logged at INFO on ``"ckpttool"``,
+    and when the division is not exact (some batches will be trained twice), at WARNING.
     """
     _, resume_path = checkpoint_paths(save_dir, weight, hidden_size, use_moe)
     if not resume_path.exists():
@@ -280,6 +282,17 @@ def load_checkpoint(
             saved_step,
             ckpt["step"],
         )
+        repeated = saved_step * saved_world_size - ckpt["step"] * current_world_size
+        if repeated:
+            logger.warning(
+                "step %d x world_size %d = %d global batches is not a multiple of %d: the "
+                "resumed run trains %d of the saved run's global batches a second time",
+                saved_step,
+                saved_world_size,
+                saved_step * saved_world_size,
+                current_world_size,
+                repeated,
+            )
     return ckpt
 
 
@@ -322,9 +335,13 @@ def resume_training(
 
     Restores the model (fp16 weights of MiniMind files are cast to the model's dtype by
     ``load_state_dict``, which copies), the optimizer, then the scaler and scheduler when both the
-    checkpoint and the caller have one (a mismatch is logged as a warning: MiniMind files have no
-    scheduler), then the RNG state when ``restore_rng`` and the file has one. Call it after
+    checkpoint and the caller have one, then the RNG state when ``restore_rng``. Call it after
     building model, optimizer, scaler and scheduler and after any seeding, right before the loop.
+
+    Whatever it cannot restore exactly is logged once as a WARNING on ``"ckpttool"``: model
+    tensors stored in another dtype than the model's (one line per pair of dtypes), a scaler or
+    scheduler passed without state in the file (or state in the file with none passed), an
+    empty scaler state, and no RNG state (or a part of it missing) when ``restore_rng``.
 
     Under DDP the file holds rank 0's RNG state; restoring it on every rank gives all ranks the
     same dropout stream, so pass ``restore_rng=(rank == 0)`` there if that matters.
@@ -335,13 +352,71 @@ def resume_training(
             f"not a resume checkpoint: no {', '.join(map(repr, missing))} key "
             f"(keys: {', '.join(map(str, ckpt))})"
         )
-    _unwrap(model).load_state_dict(ckpt["model"])
+    live_model = _unwrap(model)
+    _warn_about_casts(ckpt["model"], live_model.state_dict())
+    live_model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     for key, target in (("scaler", scaler), ("scheduler", scheduler)):
         _restore_optional(ckpt, key, target)
-    if restore_rng and "rng" in ckpt:
-        restore_rng_state(ckpt["rng"])
+    if restore_rng:
+        _restore_rng(ckpt.get("rng"))
     return int(ckpt["epoch"]), int(ckpt.get("step", 0))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _warn_about_casts(saved: Any, live: Mapping[str, Any]) -> None:
+    """One warning per (file dtype, model dtype) pair that ``load_state_dict`` will cast."""
+    if not isinstance(saved, Mapping):
+        return  # load_state_dict says what is wrong with it
+    casts: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
+    for key, value in saved.items():
+        target = live.get(key)
+        if (
+            isinstance(value, torch.Tensor)
+            and isinstance(target, torch.Tensor)
+            and value.dtype != target.dtype
+        ):
+            casts[value.dtype, target.dtype] += 1
+    for (stored, held), count in casts.items():
+        hint = (
+            " (MiniMind's resume files store the model in float16; "
+            "ckpttool.save_checkpoint keeps the training dtype)"
+            if stored == torch.float16
+            else ""
+        )
+        logger.warning(
+            "model tensors stored as %s are loaded into %s (%d tensor%s): load_state_dict "
+            "casts them, so the resume is exact only where the saved run's values fit both "
+            "dtypes exactly%s",
+            _dtype_name(stored),
+            _dtype_name(held),
+            count,
+            "s" if count != 1 else "",
+            hint,
+        )
+
+
+def _restore_rng(state: Any) -> None:
+    """Restore the RNG state, warning about every generator the file has no state for."""
+    if not isinstance(state, Mapping):
+        logger.warning(
+            "checkpoint has no RNG state (MiniMind's files do not save one): random draws "
+            "after the resume (dropout masks...) differ from the uninterrupted run's"
+        )
+        return
+    missing = [name for name in ("python", "numpy", "torch") if name not in state]
+    if torch.cuda.is_available() and not state.get("cuda"):
+        missing.append("cuda")
+    if missing:
+        logger.warning(
+            "checkpoint's RNG state has no %s state: those generators go on from this "
+            "process's seed, not from the saved run's state",
+            ", ".join(missing),
+        )
+    restore_rng_state(state)
 
 
 def _restore_optional(ckpt: Mapping[str, Any], key: str, target: Any | None) -> None:

@@ -472,13 +472,22 @@ def test_world_size_change_rescales_step(
         ckpt = load_checkpoint(tmp_path, "pretrain", 4)
     assert ckpt is not None
     assert (ckpt["step"], ckpt["world_size"]) == (expected_step, current)
+    repeated = step * (saved or 1) - expected_step * current
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
         (
             "ckpttool",
             logging.INFO,
             f"world_size changed {saved or 1} -> {current}: step {step} -> {expected_step}",
         )
-    ]
+    ] + [
+        (
+            "ckpttool",
+            logging.WARNING,
+            f"step {step} x world_size {saved or 1} = {step * (saved or 1)} global batches is "
+            f"not a multiple of {current}: the resumed run trains {repeated} of the saved run's "
+            "global batches a second time",
+        )
+    ] * bool(repeated)
 
 
 def test_same_world_size_loads_unchanged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -573,7 +582,69 @@ def test_resume_from_a_minimind_file(
     exp_avg = new_optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(exp_avg, optimizer.state_dict()["state"][0]["exp_avg"])
     assert new_scaler.get_scale() == 1024.0
-    assert ["no scheduler state" in r.getMessage() for r in caplog.records] == [True]
+    # MiniMind halves every tensor, buffers too: each cast back is one line, in state dict order.
+    minimind_hint = (
+        ": load_state_dict casts them, so the resume is exact only where the saved run's values "
+        "fit both dtypes exactly (MiniMind's resume files store the model in float16; "
+        "ckpttool.save_checkpoint keeps the training dtype)"
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        "model tensors stored as float16 are loaded into int64 (1 tensor)" + minimind_hint,
+        "model tensors stored as float16 are loaded into bool (1 tensor)" + minimind_hint,
+        "model tensors stored as float16 are loaded into float32 (2 tensors)" + minimind_hint,
+        "checkpoint has no scheduler state; the scheduler passed starts fresh",
+        "checkpoint has no RNG state (MiniMind's files do not save one): random draws after "
+        "the resume (dropout masks...) differ from the uninterrupted run's",
+    ]
+
+
+def test_resuming_minimind_fixture_logs_each_thing_it_cannot_restore(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tests.fixtures.minimind import MiniMindConfig, MiniMindForCausalLM
+    from tests.helpers import FIXTURES
+
+    ckpt = load_checkpoint(FIXTURES / "minimind", "pretrain", 32)  # MiniMind's own resume file
+    assert ckpt is not None
+    model = MiniMindForCausalLM(MiniMindConfig())  # the fixtures' tiny shape
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    with caplog.at_level(logging.WARNING, logger="ckpttool"):
+        assert resume_training(ckpt, model, optimizer, scaler=scaler, scheduler=scheduler) == (
+            1,
+            9600,  # step 1200 on 8 ranks, resumed on 1
+        )
+    assert [r.getMessage() for r in caplog.records] == [
+        "model tensors stored as float16 are loaded into float32 (21 tensors): load_state_dict "
+        "casts them, so the resume is exact only where the saved run's values fit both dtypes "
+        "exactly (MiniMind's resume files store the model in float16; ckpttool.save_checkpoint "
+        "keeps the training dtype)",
+        "checkpoint has no scheduler state; the scheduler passed starts fresh",
+        "checkpoint has no RNG state (MiniMind's files do not save one): random draws after "
+        "the resume (dropout masks...) differ from the uninterrupted run's",
+    ]
+    assert scaler.get_scale() == 65536.0
+
+
+def test_resume_warns_about_missing_parts_of_the_rng_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, optimizer = make_training()
+    save(model, optimizer, tmp_path)
+    ckpt = load_checkpoint(tmp_path, "pretrain", 4)
+    assert ckpt is not None
+    del ckpt["rng"]["numpy"]
+    with caplog.at_level(logging.WARNING, logger="ckpttool"):
+        resume_training(ckpt, model, optimizer)
+    assert [r.getMessage() for r in caplog.records] == [
+        "checkpoint's RNG state has no numpy state: those generators go on from this process's "
+        "seed, not from the saved run's state"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckpttool"):
+        resume_training(ckpt, model, optimizer, restore_rng=False)  # the caller's choice
+    assert caplog.records == []
 
 
 def test_disabled_scaler_state_does_not_break_an_enabled_scaler(
