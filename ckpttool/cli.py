@@ -76,7 +76,7 @@ def key_prefix_options(command: F) -> F:
     )(command)  # fmt: skip
     return click.option(
         "--strip-prefix", "strip", multiple=True, metavar="PREFIX",
-        help="Remove PREFIX from tensor names (repeatable; in diff, on either side).",
+        help="Remove PREFIX from the start of every tensor name that has it (repeatable).",
     )(command)  # fmt: skip
 
 
@@ -345,8 +345,10 @@ def convert_command(
     SRC may be a weights file, a resume checkpoint (its model), a Lightning .ckpt (its
     state_dict), a legacy torch file, a safetensors file or a torch.distributed.checkpoint
     directory (its shards assembled tensor by tensor). DST defaults to SRC with a
-    .safetensors suffix. Tied tensors are stored once, their names kept in __metadata__. The
-    output is written atomically and read back before it replaces anything.
+    .safetensors suffix (.pth with --to pth), or NAME.converted.SUFFIX when that would be SRC
+    itself (c_ddp.pth --to pth writes c_ddp.converted.pth); a directory DST gets that name in
+    it. Tied tensors are stored once, their names kept in __metadata__. The output is written
+    atomically and read back before it replaces anything.
 
     \b
     Examples:
@@ -354,6 +356,7 @@ def convert_command(
       ckpttool convert out/pretrain_768_resume.pth model.safetensors --dtype bf16
       ckpttool convert model.safetensors model.pth
       ckpttool convert ddp.pth --ignore-wrappers --filter 'model.layers.*'
+      ckpttool convert ddp.pth --strip-prefix module. --to pth   # ddp.converted.pth
       ckpttool convert big.pth shards/ --max-shard-size 2GB
       ckpttool convert checkpoints/step_1200/ model.safetensors
     """

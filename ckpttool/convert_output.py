@@ -2,7 +2,9 @@
 
 Decided before any byte is written: DST (or its default) gives the format by suffix; with
 ``--max-shard-size`` the tensors are split the way Hugging Face does and an index is added;
-existing outputs are refused without ``force``, and an output that is the source always.
+existing outputs are refused without ``force``, and an output that is the source always. The
+default name is never the source: SRC's name with the output's suffix, or with ``.converted``
+before it when that is SRC's own name (``c_ddp.pth --to pth`` writes ``c_ddp.converted.pth``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,23 @@ class OutFile:
 # --- where the output goes ------------------------------------------------------------------
 
 
+def default_output(src: Path, directory: Path, to: str | None) -> Path:
+    """``directory/NAME.safetensors`` (``.pth`` for ``to="pth"``) for SRC ``NAME.*``, or
+    ``NAME.converted.SUFFIX`` when that is the source itself (a .pth to .pth, a safetensors
+    file cast to another dtype)."""
+    suffix = ".pth" if to == "pth" else ".safetensors"
+    target = directory / (src.stem + suffix)
+    if _is_source(target, src):
+        target = directory / f"{src.stem}.converted{suffix}"
+    return target
+
+
+def _is_source(target: Path, src: Path) -> bool:
+    if target.exists() and src.exists() and os.path.samefile(target, src):
+        return True
+    return target.resolve() == src.resolve()
+
+
 def _output_format(path: Path, to: str | None) -> str:
     suffix = path.suffix.lower()
     guessed = (
@@ -83,11 +102,11 @@ def plan_outputs(
 ) -> list[OutFile]:
     """The files to write, in write order (index last), with their tensors and metadata."""
     if dst is None:
-        path = src.with_suffix(".pth" if to == "pth" else ".safetensors")
+        path = default_output(src, src.parent, to)
     else:
         path = Path(dst)
         if path.is_dir() and shard_size is None:
-            path = path / (src.stem + (".pth" if to == "pth" else ".safetensors"))
+            path = default_output(src, path, to)
     if shard_size is None:
         kind = _output_format(path, to)
         out = OutFile(path, kind, list(plan.stored), dict(plan.aliases))
@@ -154,8 +173,7 @@ def check_targets(src: Path, files: list[OutFile], force: bool) -> None:
     A shard directory that does not exist yet is created once everything else is checked.
     """
     for target in (f.target for f in files):
-        same = target.exists() and src.exists() and os.path.samefile(target, src)
-        if same or target.resolve() == src.resolve():
+        if _is_source(target, src):
             raise InputError(f"{target}: the output would overwrite the source; name another DST")
         if target.is_dir():
             raise InputError(f"{target}: is a directory")

@@ -371,8 +371,12 @@ def test_default_destination_and_format_from_suffix(tmp_path: Path) -> None:
 def test_destination_rules(tmp_path: Path) -> None:
     source = tmp_path / "weights.safetensors"
     shutil.copyfile(FIXTURES / "safetensors/model.safetensors", source)
-    with pytest.raises(InputError, match="would overwrite the source"):
-        convert(source)
+    # The default name is never the source: safetensors to safetensors (a cast, a filter)
+    # and .pth to .pth (a prefix removed) get ".converted" before the suffix.
+    assert convert(source).outputs == [tmp_path / "weights.converted.safetensors"]
+    assert convert(source, tmp_path, force=True).outputs == [
+        tmp_path / "weights.converted.safetensors"
+    ]
     with pytest.raises(InputError, match="would overwrite the source"):
         convert(source, tmp_path / "." / "weights.safetensors")
     with pytest.raises(InputError, match="cannot tell the output format"):

@@ -130,6 +130,28 @@ def test_default_dst_and_to_pth(tmp_path: Path) -> None:
     assert set(loaded) == set(torch.load(WEIGHTS, weights_only=True))
 
 
+def test_default_dst_is_never_the_source(tmp_path: Path) -> None:
+    source = tmp_path / "c_ddp.pth"
+    source.write_bytes((FIXTURES / "wrapped/ddp.pth").read_bytes())
+    before = source.read_bytes()
+    result = run("convert", source, "--strip-prefix", "module.", "--to", "pth")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"wrote {tmp_path / 'c_ddp.converted.pth'} (pth, ")
+    assert source.read_bytes() == before
+    loaded = torch.load(tmp_path / "c_ddp.converted.pth", weights_only=True)
+    assert not any(key.startswith("module.") for key in loaded)
+    assert run("convert", source, "--to", "pth").exit_code == 2  # exists: --force to replace
+
+
+def test_strip_prefix_help_describes_convert() -> None:
+    help_text = " ".join(run("convert", "--help").stdout.split())
+    assert (
+        "--strip-prefix PREFIX Remove PREFIX from the start of every tensor name that has it "
+        "(repeatable)." in help_text
+    )
+    assert "diff" not in help_text
+
+
 def test_options_reach_the_library(tmp_path: Path) -> None:
     out = tmp_path / "o.safetensors"
     ddp = FIXTURES / "wrapped/ddp_compiled.pth"
