@@ -1,8 +1,9 @@
 """What the safe unpickler allows: the data constructs it emulates and the names it refuses.
 
 The policy is an allow-list: a call is *emulated* (never performed) only for the constructs
-below — torch's tensor rebuilders, ``OrderedDict``, NumPy arrays/scalars/dtypes, a few
-builtins; anything else becomes an :class:`~ckpttool.records.OpaqueObject`. The deny-list of
+below — torch's tensor rebuilders, ``OrderedDict``, NumPy arrays/scalars/dtypes,
+``argparse.Namespace``, a few builtins; anything else becomes an
+:class:`~ckpttool.records.OpaqueObject`. The deny-list of
 dangerous names only decides whether to refuse a file outright (and how ``scan`` classes a
 global); safety never depends on it, since nothing named is ever imported or called.
 """
@@ -279,6 +280,20 @@ class _NdarrayBuilder:
         self.record: TensorRecord | OpaqueObject = OpaqueObject("numpy.ndarray")
 
 
+class AttributeDict(dict[Any, Any]):
+    """An ``argparse.Namespace`` being read: plain data (its instances only carry attributes),
+    emulated as the dict of its attributes, which ``BUILD`` fills in. The tree holds a plain
+    dict in its place. (``torch.load(weights_only=True)`` refuses the class unless it is
+    allow-listed with ``torch.serialization.add_safe_globals``; with ``weights_only=False`` it
+    only sets attributes.)"""
+
+    __slots__ = ()
+
+
+#: Classes whose instances are only a bag of attributes: read as the dict of them.
+ATTRIBUTE_CLASSES = frozenset({"argparse.Namespace"})
+
+
 class _NumpyDtype:
     __slots__ = ("byteorder", "code")
 
@@ -336,7 +351,14 @@ def _codecs_encode(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> 
 def _reconstructor(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
     # copyreg._reconstructor(cls, base, state): how protocols 0/1 build objects
     cls = args[0]
+    if isinstance(cls, GlobalRef) and cls.qualname in ATTRIBUTE_CLASSES:
+        return AttributeDict()
     return OpaqueObject(cls.qualname if isinstance(cls, GlobalRef) else "?", ())
+
+
+def _attributes(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # Namespace(**kwargs) pickles as NEWOBJ with no arguments, then BUILD with its __dict__
+    return AttributeDict()
 
 
 def _torch_size(u: SafeUnpickler, func: GlobalRef, args: tuple[Any, ...]) -> Any:
@@ -473,6 +495,7 @@ _EMULATED: dict[str, Callable[[SafeUnpickler, GlobalRef, tuple[Any, ...]], Any]]
     **{f"builtins.{name}": _plain_call for name in _SAFE_BUILTIN_NAMES - {"set", "frozenset"}},
     "_codecs.encode": _codecs_encode,
     "copyreg._reconstructor": _reconstructor,
+    **{qualname: _attributes for qualname in ATTRIBUTE_CLASSES},
     "torch.Size": _torch_size,
     "torch.device": _torch_device,
     "torch._utils._rebuild_tensor": _rebuild_tensor,

@@ -31,6 +31,7 @@ from ckpttool.pickle_policy import (
     _RENAMED_MODULES,
     _STORAGE_DTYPES,
     _TORCH_DTYPE_GLOBALS,
+    AttributeDict,
     _is_storage_class,
     _ndarray_from_state,
     _NdarrayBuilder,
@@ -206,6 +207,9 @@ class SafeUnpickler:
             )
         if isinstance(obj, OpaqueObject):
             obj.state = state
+        elif isinstance(obj, AttributeDict):
+            if isinstance(state, dict):
+                obj.update(state)
         elif isinstance(obj, _NdarrayBuilder):
             obj.record = _ndarray_from_state(obj, state, self.pos)
         elif (

@@ -4,8 +4,8 @@ A checkpoint is read into an object tree made of plain Python values (dict, list
 int, float, str, bytes, bool, None) and three record types defined here:
 
 * :class:`TensorRecord` for every tensor (and NumPy array) the file contains,
-* :class:`OpaqueObject` for any other object the pickle would have built (a config class, an
-  ``argparse.Namespace``): its class name and the plain data it carries, never imported,
+* :class:`OpaqueObject` for any other object the pickle would have built (a config class, a
+  model class): its class name and the plain data it carries, never imported,
 * :class:`GlobalRef` for a reference to a class or function that is stored as a value.
 
 Everything else (reading values, layout recognition, rendering) works on these records.
@@ -200,7 +200,7 @@ class OpaqueObject:
     __slots__ = ("args", "cls", "dictitems", "listitems", "state")
 
     def __init__(self, cls: str, args: Any = (), state: Any = None) -> None:
-        self.cls = cls  # "argparse.Namespace", "__main__.TrainConfig", ...
+        self.cls = cls  # "__main__.TrainConfig", "mymodel.Config", ...
         self.args = args  # what the pickle passed to the class (or its reconstructor)
         self.state = state  # what BUILD would have set (usually the instance __dict__)
         self.dictitems: dict[Any, Any] = {}  # items SETITEMS added (dict subclasses)

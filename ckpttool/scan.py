@@ -3,7 +3,7 @@
 Like a malware scanner for checkpoints: the pickle is walked by the same safe reader, in a
 mode that records dangerous names instead of refusing at the first one, and nothing it names
 is imported or called. "safe" are the data constructs the reader emulates (tensor rebuilders,
-``OrderedDict``, NumPy arrays...); "dangerous" are callables whose only use in a pickle is to
+``OrderedDict``, NumPy arrays, ``argparse.Namespace``...); "dangerous" are callables whose only use in a pickle is to
 run code or touch the system; everything else is "unknown" (a config class, a model class):
 harmless to ckpttool, but ``torch.load(weights_only=False)`` would import and call it.
 

@@ -112,7 +112,7 @@ def test_tree_view() -> None:
     [
         ("minimind/pretrain_32_resume.pth", "resuming from it is lossy"),
         ("wrapped/ddp.pth", "wrapper prefixes"),
-        ("special/namespace_config.pth", "argparse.Namespace"),
+        ("special/namespace_config.pth", "tests.fixtures.generate.TrainConfig"),
     ],
 )
 def test_warnings_go_to_stderr(name: str, fragment: str) -> None:

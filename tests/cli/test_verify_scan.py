@@ -271,10 +271,10 @@ def test_scan_directory_recursively_with_allow(tmp_path: Path) -> None:
     assert result.exit_code == 1
     report = json.loads(result.stdout)
     assert report["skipped"] == [str(target / "README.md")]
-    unknown = {
-        g["name"] for f in report["files"] for g in f["globals"] if g["verdict"] == "unknown"
-    }
-    assert unknown == {"argparse.Namespace", "tests.fixtures.generate.TrainConfig"}
+    verdicts = {g["name"]: g["verdict"] for f in report["files"] for g in f["globals"]}
+    unknown = {name for name, verdict in verdicts.items() if verdict == "unknown"}
+    assert unknown == {"tests.fixtures.generate.TrainConfig"}
+    assert verdicts["argparse.Namespace"] == "safe"  # plain data, read as its attributes
     allowed = run("scan", target, "--allow", "argparse.Namespace",
                   "--allow", "tests.fixtures.generate.TrainConfig")  # fmt: skip
     assert allowed.exit_code == 0, allowed.output
