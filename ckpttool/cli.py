@@ -18,10 +18,11 @@ from ckpttool.errors import EXIT_ERROR, CkptError
 
 EXIT_CODES_HELP = """\b
 Exit codes:
-  0  success (diff: no differences; verify/scan: nothing found)
-  1  diff: the checkpoints differ; verify/scan: a problem was found;
+  0  success (diff: no differences; verify/scan: every path checked, nothing found)
+  1  diff: the checkpoints differ; verify/scan: a problem was found in any path;
      convert, rescale-step: the written file failed verification (it was removed)
-  2  error: missing/unreadable/corrupt/unsafe input, bad usage"""
+  2  error: missing/unreadable/corrupt/unsafe input, bad usage; verify/scan: a path
+     could not be checked (or held no checkpoint) and nothing was found elsewhere"""
 
 
 class CkptGroup(click.Group):
