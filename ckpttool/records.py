@@ -179,6 +179,60 @@ class TensorRecord:
         return self.storage is not None and self.storage == other.storage
 
 
+def storage_region(record: TensorRecord) -> tuple[Any, ...] | None:
+    """Which stored elements a tensor views: tensors with the same region hold the same values.
+
+    Tied weights (``lm_head.weight is embed_tokens.weight``) and a transpose of the same weight
+    have one region; slices of one fused storage (q, k, v of a ``qkv`` weight) have one each.
+    The region is the storage, the first element and the (stride, size) of each dimension in
+    any order, so a permuted view of the same elements matches. None: the tensor has no shared
+    storage to be tied through (a meta tensor, bytes inlined in the pickle).
+    """
+    if record.storage is None or record.inline_data is not None:
+        return None
+    dims = sorted((stride, size) for size, stride in zip(record.shape, record.stride) if size != 1)
+    return (record.storage, record.storage_offset, tuple(dims))
+
+
+def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
+    """Elements and bytes by dtype of ``records``, each stored element counted once.
+
+    This is the one counting rule of parameters and bytes. Tensors that view the same storage
+    region (tied weights, a transpose) count once; views of one storage never count more than
+    the storage holds (overlapping slices). Tensors without a storage count as they are.
+    """
+    elements = 0
+    by_dtype: dict[str, int] = {}
+    views: dict[StorageRecord, dict[tuple[Any, ...] | None, TensorRecord]] = {}
+    for record in records:
+        region = storage_region(record)
+        if region is None:
+            elements += record.numel
+            by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.nbytes
+        else:
+            views.setdefault(region[0], {}).setdefault(region, record)
+    for storage, distinct in views.items():
+        first = next(iter(distinct.values()))
+        nbytes = sum(r.nbytes for r in distinct.values())
+        if nbytes > storage.nbytes:  # overlapping views: the storage is all there is
+            elements += storage.nbytes // first.itemsize
+            by_dtype[first.dtype] = by_dtype.get(first.dtype, 0) + storage.nbytes
+            continue
+        for record in distinct.values():
+            elements += record.numel
+            by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.nbytes
+    return elements, by_dtype
+
+
+def shared_storages(records: list[TensorRecord]) -> list[list[str]]:
+    """The keys of each storage that several of ``records`` view (tied weights), file order."""
+    keys: dict[StorageRecord, list[str]] = {}
+    for record in records:
+        if record.storage is not None and record.inline_data is None:
+            keys.setdefault(record.storage, []).append(record.key)
+    return [group for group in keys.values() if len(group) > 1]
+
+
 @dataclass(frozen=True)
 class GlobalRef:
     """A class or function named by the pickle. Never imported; only its name is kept."""
