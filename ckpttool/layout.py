@@ -31,6 +31,15 @@ LAYOUT_TITLES = {
 }
 
 RESUME_KEYS = ("model", "optimizer", "epoch", "step")
+#: Top-level keys under which training scripts keep the model's state dict in a dict of their
+#: own: ckpttool/MiniMind (``model``), the PyTorch tutorial's general checkpoint
+#: (``model_state_dict``), ``model_state``, timm and many others (``state_dict``), DeepSpeed
+#: (``module``). Used when the layout itself does not say where the model is.
+MODEL_PART_KEYS = ("model", "model_state_dict", "model_state", "state_dict", "module")
+#: The same for the optimizer's ``state_dict()`` (a dict with ``state`` and ``param_groups``).
+OPTIMIZER_PART_KEYS = ("optimizer", "optimizer_state_dict", "optimizer_state")
+#: ``model_part`` for a file that is the model's weights as a whole.
+WHOLE_FILE = ""
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 RNG_NAMES = ("python", "numpy", "torch", "cuda")
 
@@ -60,6 +69,50 @@ def model_section(layout: str) -> str | None:
     if layout == LIGHTNING:
         return "state_dict"
     return None
+
+
+def model_part(root: Any, layout: str) -> str | None:
+    """Where the model's weights are, for counting parameters: a top-level key, ``WHOLE_FILE``
+    for a file that is a state dict, or None for a file with no model part ckpttool can name
+    (a bare optimizer or RNG file, a nested dict without one of ``MODEL_PART_KEYS``, or with
+    several of them)."""
+    if layout in (STATE_DICT, SAFETENSORS):
+        return WHOLE_FILE
+    section = model_section(layout)
+    if section is not None:
+        return section
+    if layout != NESTED or not isinstance(root, dict):
+        return None
+    found = [k for k in MODEL_PART_KEYS if isinstance(root.get(k), dict) and _has_tensor(root[k])]
+    return found[0] if len(found) == 1 else None
+
+
+def optimizer_part(root: Any, layout: str) -> str | None:
+    """Where the optimizer's ``state_dict()`` is: a top-level key, ``WHOLE_FILE`` for a bare
+    optimizer file (Hugging Face Trainer's ``optimizer.pt``), or None."""
+    if not isinstance(root, dict):
+        return None
+    if _is_optimizer_state(root):
+        return WHOLE_FILE
+    if is_resume(layout) or layout == NESTED:
+        found = [k for k in OPTIMIZER_PART_KEYS if _is_optimizer_state(root.get(k))]
+        return found[0] if len(found) == 1 else None
+    return None
+
+
+def part_node(root: Any, part: str | None) -> Any:
+    """The subtree a ``model_part``/``optimizer_part`` names (None for None)."""
+    if part is None:
+        return None
+    return root if part == WHOLE_FILE else root.get(part)
+
+
+def _has_tensor(node: Any) -> bool:
+    return any(isinstance(leaf, TensorRecord) for leaf in nodes(node))
+
+
+def _is_optimizer_state(node: Any) -> bool:
+    return isinstance(node, dict) and isinstance(node.get("state"), dict) and "param_groups" in node
 
 
 def scalar_fields(root: Any, max_siblings: int = 64) -> dict[str, Any]:
@@ -249,7 +302,10 @@ __all__ = [
     "detect_layout",
     "is_resume",
     "layout_warnings",
+    "model_part",
     "model_section",
+    "optimizer_part",
+    "part_node",
     "rng_present",
     "scalar_fields",
     "summarize_optimizer",
