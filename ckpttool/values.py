@@ -7,12 +7,13 @@ bounded by the largest tensor, never by the file. NumPy does the arithmetic for 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import InputError
-from ckpttool.records import TensorRecord
+from ckpttool.records import ITEMSIZE, TensorRecord
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,15 +54,101 @@ def read_array(ckpt: Checkpoint, record: TensorRecord) -> np.ndarray:
     )
 
 
+#: Minifloat formats NumPy lacks, decoded through a table of every code:
+#: (exponent bits, mantissa bits, exponent bias, which codes are special). "fn": no infinities,
+#: all-ones exponent and mantissa is NaN; "ieee": all-ones exponent is Inf (mantissa 0) or NaN;
+#: "fnuz": no infinities, no negative zero, the negative-zero code is NaN; "e8m0": no sign, no
+#: mantissa, 0xFF is NaN.
+_MINIFLOATS: dict[str, tuple[int, int, int, str]] = {
+    "float8_e4m3fn": (4, 3, 7, "fn"),
+    "float8_e5m2": (5, 2, 15, "ieee"),
+    "float8_e4m3fnuz": (4, 3, 8, "fnuz"),
+    "float8_e5m2fnuz": (5, 2, 16, "fnuz"),
+    "float8_e8m0fnu": (8, 0, 127, "e8m0"),
+    "float4_e2m1fn_x2": (2, 1, 1, "none"),  # two 4-bit values per byte; no NaN, no Inf
+}
+_QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
+
+
+def stats_unavailable(record: TensorRecord) -> str | None:
+    """Why :func:`tensor_stats` cannot describe this tensor's values (None: it can)."""
+    if record.storage is None and record.inline_data is None:
+        return "a meta tensor stores no values"
+    if record.dtype in _QUANTIZED:
+        return f"{record.dtype} values need the scale and zero point, which ckpttool does not apply"
+    if record.dtype.startswith("bits"):
+        return f"{record.dtype} holds raw bits with no numeric meaning"
+    if record.dtype not in ITEMSIZE:
+        return f"unknown dtype {record.dtype!r}"
+    return None
+
+
+def stats_basis(record: TensorRecord) -> str | None:
+    """What the statistics of a tensor describe when it is not its values as they are."""
+    if record.dtype.startswith("complex"):
+        return "stats of |z|"
+    if record.dtype == "bool":
+        return "stats of False=0, True=1"
+    if record.dtype == "float4_e2m1fn_x2":
+        return "stats of both 4-bit values of each element"
+    return None
+
+
 def as_float(record: TensorRecord, array: np.ndarray) -> np.ndarray:
-    """Numeric view for statistics: bfloat16 widened exactly to float32; others as they are."""
+    """Numeric values for statistics: bfloat16 widened exactly to float32, float8/float4 decoded
+    exactly to float32, complex32 to complex64; NumPy's own dtypes as they are."""
     import numpy as np
 
     if record.dtype == "bfloat16":
         return (array.astype(np.uint32) << 16).view(np.float32)
-    if record.dtype.startswith(("float8", "float4", "q", "bits", "complex32")):
-        raise InputError(f"{record.key}: statistics of {record.dtype} are not supported")
+    if record.dtype in _MINIFLOATS:
+        table = _minifloat_table(record.dtype)
+        if record.dtype == "float4_e2m1fn_x2":
+            return np.concatenate([table[array & 0x0F], table[array >> 4]])
+        return table[array]
+    if record.dtype == "complex32":
+        halves = np.ascontiguousarray(array).view(array.dtype.byteorder.replace("|", "") + "f2")
+        return halves[0::2].astype(np.float32) + 1j * halves[1::2].astype(np.float32)
+    unavailable = stats_unavailable(record)
+    if unavailable is not None:
+        raise InputError(f"{record.key}: no statistics: {unavailable}")
     return array
+
+
+@functools.cache  # 256 values, asked for once per chunk
+def _minifloat_table(dtype: str) -> np.ndarray:
+    """float32 value of every code of a minifloat format (exact: each fits float32)."""
+    import numpy as np
+
+    exp_bits, man_bits, bias, special = _MINIFLOATS[dtype]
+    sign_bits = 0 if special == "e8m0" else 1
+    codes = np.arange(1 << (sign_bits + exp_bits + man_bits), dtype=np.int64)
+    exponent = (codes >> man_bits) & ((1 << exp_bits) - 1)
+    mantissa = (codes & ((1 << man_bits) - 1)).astype(np.float64) / (1 << man_bits)
+    negative = ((codes >> (exp_bits + man_bits)) & 1).astype(bool) if sign_bits else codes < 0
+    # exponent 0 is subnormal (no implicit 1) except in e8m0, where every code is 2**(e - bias)
+    subnormal = (exponent == 0) if special != "e8m0" else np.zeros_like(codes, dtype=bool)
+    magnitude = np.where(
+        subnormal,
+        mantissa * 2.0 ** (1 - bias),
+        (1.0 + mantissa) * np.exp2((exponent - bias).astype(np.float64)),
+    )
+    values = np.where(negative, -magnitude, magnitude)
+    top = (1 << exp_bits) - 1
+    if special == "fn":
+        values[(exponent == top) & (codes & ((1 << man_bits) - 1) == (1 << man_bits) - 1)] = np.nan
+    elif special == "ieee":
+        at_top = exponent == top
+        values[at_top] = np.where(
+            mantissa[at_top] == 0, np.where(negative[at_top], -np.inf, np.inf), np.nan
+        )
+    elif special == "fnuz":
+        values[1 << (exp_bits + man_bits)] = np.nan
+    elif special == "e8m0":
+        values[top] = np.nan
+    table = values.astype(np.float32)
+    table.flags.writeable = False  # shared by every caller (cached)
+    return table
 
 
 @dataclass(frozen=True)
@@ -75,16 +162,25 @@ class TensorStats:
 
 
 def tensor_stats(ckpt: Checkpoint, record: TensorRecord) -> TensorStats:
-    """min/max/mean/std over finite values, and NaN/Inf counts, in float64, chunk by chunk."""
+    """min/max/mean/std over finite values, and NaN/Inf counts, in float64, chunk by chunk.
+
+    Every dtype with numeric values is decoded (bfloat16, float8/float4, complex as |z|, bool as
+    0/1); :func:`stats_unavailable` names the ones that cannot be, for which this raises
+    :class:`InputError`.
+    """
     import numpy as np
 
-    flat = as_float(record, read_array(ckpt, record)).reshape(-1)
+    unavailable = stats_unavailable(record)
+    if unavailable is not None:
+        raise InputError(f"{record.key}: no statistics: {unavailable}")
+    flat = read_array(ckpt, record).reshape(-1)
     lo, hi, total, total_sq, count, nan, inf = math.inf, -math.inf, 0.0, 0.0, 0, 0, 0
     # A signaling NaN in the file makes the float64 cast warn "invalid value", values near
     # float64's limit make the squares overflow: both are data, counted below, not warnings.
     with np.errstate(invalid="ignore", over="ignore"):
         for start in range(0, flat.size, CHUNK):
-            chunk = flat[start : start + CHUNK]
+            # decoded one chunk at a time: a float8 tensor widens fourfold, then eightfold
+            chunk = as_float(record, flat[start : start + CHUNK])
             if np.iscomplexobj(chunk):
                 chunk = np.abs(chunk)
             chunk = chunk.astype(np.float64)
