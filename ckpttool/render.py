@@ -6,6 +6,7 @@ import json
 import math
 from typing import Any
 
+from ckpttool.layout import NESTED
 from ckpttool.records import ChunkedStorageRecord, GlobalRef, OpaqueObject, TensorRecord, children
 from ckpttool.show import ShowReport
 
@@ -76,6 +77,9 @@ def tensor_json(info: Any) -> dict[str, Any]:
         ]
     if info.stats is not None:
         out["stats"] = {k: plain(v) for k, v in vars(info.stats).items()}
+    elif info.stats_unavailable is not None:
+        out["stats"] = None
+        out["stats_unavailable"] = info.stats_unavailable
     return out
 
 
@@ -93,6 +97,14 @@ def show_json(report: ShowReport) -> dict[str, Any]:
         "num_tensors": len(report.tensors),
         "num_parameters": report.num_parameters,
         "bytes_by_dtype": report.bytes_by_dtype,
+        "num_bytes": report.num_bytes,
+        "total_tensors": report.total_tensors,
+        "selection": (
+            {"section": report.section, "filter": report.pattern} if report.is_selection else None
+        ),
+        "model_part": report.model_part,
+        "optimizer_part": report.optimizer_part,
+        "shared_storage": report.shared,
         "optimizer": optimizer,
         "rng": report.rng,
         "warnings": report.warnings,
@@ -105,10 +117,8 @@ def render_show(report: ShowReport) -> str:
         f"file:       {report.path}",
         f"format:     {report.format}  ({human_size(report.file_size)} on disk)",
         *_data_files_line(report.details),
-        f"layout:     {report.layout_title}",
-        f"tensors:    {len(report.tensors)}  ({human_count(report.num_parameters)} parameters)",
-        "bytes:      "
-        + ", ".join(f"{d} {human_size(n)}" for d, n in report.bytes_by_dtype.items()),
+        f"layout:     {report.layout_title}{_parts_note(report)}",
+        *_count_lines(report),
     ]
     top = {k: v for k, v in report.fields.items() if "." not in k}
     for key, value in top.items():
@@ -123,6 +133,8 @@ def render_show(report: ShowReport) -> str:
         lines.append("rng:        " + ", ".join(report.rng))
     if report.optimizer is not None:
         lines.extend(_optimizer_lines(report))
+    if not report.tensors:
+        return "\n".join(lines)
     lines.append("")
     rows = []
     for info in report.tensors:
@@ -132,9 +144,12 @@ def render_show(report: ShowReport) -> str:
         if info.stats is not None:
             s = info.stats
             row[5:5] = [_num(s.min), _num(s.max), _num(s.mean), _num(s.std), s.nan, s.inf]
+        elif info.stats_unavailable is not None:
+            row[5:5] = ["n/a", None, None, None, None, None]
+            row[-1] = "; ".join([*info.notes, f"no stats: {info.stats_unavailable}"])
         rows.append(row)
     headers = ["key", "dtype", "shape", "numel", "size", "notes"]
-    if any(info.stats is not None for info in report.tensors):
+    if any(info.stats is not None or info.stats_unavailable for info in report.tensors):
         headers[5:5] = ["min", "max", "mean", "std", "nan", "inf"]
     # tabulate prints None as an empty cell, and types it without trying int() and float()
     # on it as it does on "": most rows have no notes.
@@ -142,6 +157,50 @@ def render_show(report: ShowReport) -> str:
 
     lines.append(tabulate(rows, headers=headers, disable_numparse=True))
     return "\n".join(lines)
+
+
+def _parts_note(report: ShowReport) -> str:
+    """Where a nested dict keeps its model and optimizer, when found by their key names."""
+    if report.layout != NESTED:
+        return ""
+    parts = [f"{name} in {key!r}"
+             for name, key in (("model", report.model_part), ("optimizer", report.optimizer_part))
+             if key]  # fmt: skip
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _count_lines(report: ShowReport) -> list[str]:
+    """The ``tensors:``, ``bytes:`` and ``tied:`` lines: what the selected tensors hold."""
+    if report.total_tensors == 0:
+        return ["tensors:    none (this checkpoint holds no tensors)"]
+    where = ", ".join(
+        f"{name} {value!r}"
+        for name, value in (("section", report.section), ("filter", report.pattern))
+        if value
+    )
+    if not report.tensors:
+        return [f"tensors:    0 of {report.total_tensors}  ({where} matched no tensor)"]
+    count = (
+        f"{len(report.tensors)} of {report.total_tensors}" if where else str(len(report.tensors))
+    )
+    extras = [where] if where else []
+    if report.num_parameters is not None:
+        extras.append(f"{human_count(report.num_parameters)} parameters")
+    lines = [
+        f"tensors:    {count}" + (f"  ({'; '.join(extras)})" if extras else ""),
+        "bytes:      "
+        + ", ".join(f"{d} {human_size(n)}" for d, n in report.bytes_by_dtype.items()),
+    ]
+    if report.shared:
+        keys = sum(len(group) for group in report.shared)
+        first = report.shared[0]
+        example = ", ".join(first[:2]) + (f" +{len(first) - 2}" if len(first) > 2 else "")
+        more = f"; {len(report.shared) - 1} more" if len(report.shared) > 1 else ""
+        storages = f"{len(report.shared)} storage{'s' if len(report.shared) > 1 else ''}"
+        lines.append(
+            f"tied:       {storages} shared by {keys} keys, counted once ({example}{more})"
+        )
+    return lines
 
 
 def _data_files_line(details: dict[str, Any]) -> list[str]:
@@ -188,11 +247,18 @@ def _num(value: float) -> str:
 
 
 def render_tree(root: Any, depth: int | None = None) -> str:
+    """The nesting of the object tree. A flat state dict is shown as its module hierarchy
+    (from its dotted keys), identical numbered blocks once; ``depth`` limits the levels shown.
+    Only runs of more than 64 plain values (RNG states, id lists) are elided."""
+    from ckpttool.show_tree import ModuleNode, is_flat_state_dict, module_tree
+
     lines: list[str] = []
 
     def describe(node: Any) -> str:
         if isinstance(node, TensorRecord):
             return f"{node.kind} {node.dtype}{list(node.shape)}"
+        if isinstance(node, ModuleNode):
+            return _describe_module(node)
         if isinstance(node, OpaqueObject):
             return f"<{node.cls}>"
         if isinstance(node, (dict, list, tuple)):
@@ -206,10 +272,35 @@ def render_tree(root: Any, depth: int | None = None) -> str:
         lines.append("  " * level + label + describe(node))
         if depth is not None and level >= depth:
             continue
-        if isinstance(node, (dict, list, tuple, OpaqueObject)):
+        if isinstance(node, ModuleNode):
+            stack.extend((level + 1, c.name, c) for c in reversed(node.children))
+        elif is_flat_state_dict(node):
+            stack.extend((level + 1, c.name, c) for c in reversed(module_tree(node)))
+        elif isinstance(node, (dict, list, tuple, OpaqueObject)):
             items = list(children(node))
-            if len(items) > 64 and all(not isinstance(v, (dict, list)) for _, v in items):
+            if len(items) > 64 and not any(
+                isinstance(v, (dict, list, tuple, OpaqueObject, TensorRecord)) for _, v in items
+            ):
                 lines.append("  " * (level + 1) + f"... {len(items)} items")
                 continue
             stack.extend((level + 1, n, c) for n, c in reversed(items))
     return "\n".join(lines)
+
+
+def _describe_module(node: Any) -> str:
+    """``attn: 4 tensors, 256 params, 1.0 KB``; a run of identical blocks says how many."""
+    if node.tensor is not None:
+        tensor = f"{node.tensor.kind} {node.tensor.dtype}{list(node.tensor.shape)}"
+        return tensor if node.repeats == 1 else f"{node.repeats} × {tensor}"
+    plural = "s" if node.num_tensors != 1 else ""
+    one = (
+        f"{node.num_tensors} tensor{plural}, {human_count(node.parameters)} params, "
+        f"{human_size(node.nbytes)}"
+    )
+    if node.repeats == 1:
+        return one
+    return (
+        f"{node.repeats} identical blocks of {one} each "
+        f"({human_count(node.parameters * node.repeats)} params, "
+        f"{human_size(node.nbytes * node.repeats)} in all)"
+    )

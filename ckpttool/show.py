@@ -7,18 +7,21 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.errors import CkptError
 from ckpttool.layout import (
     LAYOUT_TITLES,
     OptimizerSummary,
     detect_layout,
-    is_resume,
     layout_warnings,
+    model_part,
+    optimizer_part,
+    part_node,
     rng_present,
     scalar_fields,
     summarize_optimizer,
 )
 from ckpttool.reader import Checkpoint, open_checkpoint
-from ckpttool.records import ChunkedStorageRecord, TensorRecord
+from ckpttool.records import ChunkedStorageRecord, TensorRecord, count_once, shared_storages
 
 if TYPE_CHECKING:
     from ckpttool.values import TensorStats
@@ -29,6 +32,7 @@ class TensorInfo:
     record: TensorRecord
     notes: list[str]
     stats: TensorStats | None = None
+    stats_unavailable: str | None = None  # with --stats: why this tensor has none
 
 
 @dataclass
@@ -40,9 +44,18 @@ class ShowReport:
     details: dict[str, Any]
     metadata: dict[str, str]
     fields: dict[str, Any]
-    tensors: list[TensorInfo]
-    num_parameters: int  # elements of the model's tensors, shared storage counted once
-    bytes_by_dtype: dict[str, int]
+    tensors: list[TensorInfo]  # the selected ones (all, or those --section/--filter keep)
+    # elements of the selected tensors that belong to the model, each stored element once
+    # (records.count_once); None when the file has no model part ckpttool can name, or the
+    # selection holds none of its tensors
+    num_parameters: int | None
+    bytes_by_dtype: dict[str, int]  # of the selected tensors, each stored element once
+    total_tensors: int = 0  # in the whole file
+    section: str | None = None
+    pattern: str | None = None
+    model_part: str | None = None  # top-level key of the model ("" the whole file; None unknown)
+    optimizer_part: str | None = None
+    shared: list[list[str]] = field(default_factory=list)  # selected keys, by shared storage
     optimizer: OptimizerSummary | None = None
     rng: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -50,6 +63,14 @@ class ShowReport:
     @property
     def layout_title(self) -> str:
         return LAYOUT_TITLES.get(self.layout, self.layout)
+
+    @property
+    def is_selection(self) -> bool:
+        return bool(self.section or self.pattern)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self.bytes_by_dtype.values())
 
 
 def tensor_notes(records: list[TensorRecord]) -> dict[str, list[str]]:
@@ -92,14 +113,13 @@ def chunk_note(storage: ChunkedStorageRecord, most: int = 4) -> str:
 
 
 def count_parameters(records: list[TensorRecord]) -> int:
-    seen: set[Any] = set()
-    total = 0
-    for record in records:
-        identity = (record.storage, record.storage_offset, record.shape, record.stride)
-        if record.storage is None or record.inline_data is not None or identity not in seen:
-            seen.add(identity)
-            total += record.numel
-    return total
+    """Elements of ``records``, each stored element once (tied weights once)."""
+    return count_once(records)[0]
+
+
+def bytes_by_dtype(records: list[TensorRecord]) -> dict[str, int]:
+    """Bytes of ``records`` by dtype, each stored element once, largest first."""
+    return dict(sorted(count_once(records)[1].items(), key=lambda kv: -kv[1]))
 
 
 def build_report(
@@ -115,27 +135,23 @@ def build_report(
     if pattern:
         records = [r for r in records if fnmatch.fnmatchcase(r.key, pattern)]
     notes = tensor_notes(all_records)
-    infos = [TensorInfo(r, notes.get(r.key, [])) for r in records]
+    infos = [TensorInfo(r, list(notes.get(r.key, []))) for r in records]
     warnings = layout_warnings(ckpt.root, layout, all_records) + list(ckpt.problems)
     if stats:
-        from ckpttool.values import tensor_stats  # NumPy and value reading: only for --stats
-
-        for info in infos:
-            info.stats = tensor_stats(ckpt, info.record)
-            if info.stats.nan or info.stats.inf:
-                warnings.append(
-                    f"{info.record.key}: {info.stats.nan} NaN and {info.stats.inf} Inf values"
-                )
-    model_records = all_records
+        warnings.extend(add_stats(ckpt, infos))
+    model_key = model_part(ckpt.root, layout)
+    optimizer_key = optimizer_part(ckpt.root, layout)
+    num_parameters = None
+    if model_key is not None:
+        model_keys = {r.key for r in (ckpt.tensors(model_key) if model_key else all_records)}
+        selected_model = [r for r in records if r.key in model_keys]
+        if selected_model:
+            num_parameters = count_parameters(selected_model)
     optimizer = None
-    if is_resume(layout) and isinstance(ckpt.root, dict):
-        model_records = ckpt.tensors("model")
-        optimizer = summarize_optimizer(ckpt.root.get("optimizer"), ckpt.root.get("model"))
-    elif layout == "lightning":
-        model_records = ckpt.tensors("state_dict")
-    bytes_by_dtype: dict[str, int] = {}
-    for record in records:
-        bytes_by_dtype[record.dtype] = bytes_by_dtype.get(record.dtype, 0) + record.nbytes
+    if optimizer_key is not None:
+        optimizer = summarize_optimizer(
+            part_node(ckpt.root, optimizer_key), part_node(ckpt.root, model_key)
+        )
     fields = scalar_fields(ckpt.root)
     if ckpt.metadata:
         fields.update({f"__metadata__.{k}": v for k, v in ckpt.metadata.items()})
@@ -148,12 +164,47 @@ def build_report(
         metadata=ckpt.metadata,
         fields=fields,
         tensors=infos,
-        num_parameters=count_parameters(model_records),
-        bytes_by_dtype=dict(sorted(bytes_by_dtype.items(), key=lambda kv: -kv[1])),
+        num_parameters=num_parameters,
+        bytes_by_dtype=bytes_by_dtype(records),
+        total_tensors=len(all_records),
+        section=section,
+        pattern=pattern,
+        model_part=model_key,
+        optimizer_part=optimizer_key,
+        shared=shared_storages(records),
         optimizer=optimizer,
         rng=rng_present(ckpt.root),
         warnings=warnings,
     )
+
+
+def add_stats(ckpt: Checkpoint, infos: list[TensorInfo]) -> list[str]:
+    """Read each tensor's values for its statistics; returns the warnings they raise.
+
+    A tensor whose values cannot be described (a quantized or meta tensor) or read (its bytes
+    are damaged) gets the reason instead: one tensor never stops the report.
+    """
+    from ckpttool.values import stats_basis, stats_unavailable, tensor_stats  # NumPy: --stats
+
+    warnings = []
+    for info in infos:
+        record = info.record
+        info.stats_unavailable = stats_unavailable(record)
+        if info.stats_unavailable is not None:
+            continue
+        try:
+            info.stats = tensor_stats(ckpt, record)
+        except CkptError as error:
+            reason = str(error).removeprefix(f"{ckpt.name}: ").removeprefix(f"{record.key}: ")
+            info.stats_unavailable = reason
+            warnings.append(f"{record.key}: no statistics: {info.stats_unavailable}")
+            continue
+        basis = stats_basis(record)
+        if basis is not None:
+            info.notes.append(basis)
+        if info.stats.nan or info.stats.inf:
+            warnings.append(f"{record.key}: {info.stats.nan} NaN and {info.stats.inf} Inf values")
+    return warnings
 
 
 def show(

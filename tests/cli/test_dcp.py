@@ -44,7 +44,7 @@ file:       {path}
 format:     dcp  (157.9 KB on disk)
 files:      __0_0.distcp 42.9 KB, __1_0.distcp 92.6 KB  (70 tensor chunks)
 layout:     MiniMind-style resume checkpoint
-tensors:    12  (856 parameters)
+tensors:    12 of 45  (filter 'model.*'; 856 parameters)
 bytes:      float32 3.3 KB
 epoch:      1
 step:       1200

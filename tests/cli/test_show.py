@@ -165,3 +165,331 @@ def test_every_command_has_help_with_an_example() -> None:
         assert result.exit_code == 0
         assert "Example" in (command.help or ""), name
     assert "Exit codes" in run("--help").stdout
+
+
+# Issue 12: what the header counts, the tree of a real state dict, --stats on every dtype.
+
+
+def tutorial_checkpoint(path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The PyTorch tutorial's "general checkpoint", after one AdamW step (moments exist)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 5))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 10)).sum().backward()
+    optimizer.step()
+    torch.save(
+        {
+            "epoch": 5,
+            "model_state_dict": model.state_dict(),
+            "optimizer_state_dict": optimizer.state_dict(),
+            "loss": 0.4,
+        },
+        path,
+    )
+    return model, optimizer
+
+
+def tied_state_dict(path: Path) -> None:
+    embed = torch.nn.Embedding(100, 16)
+    torch.save(
+        {"embed.weight": embed.weight, "head.weight": embed.weight, "norm": torch.ones(16)}, path
+    )
+
+
+def header(result: Result) -> dict[str, str]:
+    """The header lines of show's text output, by label."""
+    lines = result.stdout.split("\n\n")[0].splitlines()
+    return {line[:11].rstrip(": "): line[12:] for line in lines if not line.startswith(" ")}
+
+
+def test_tutorial_layout_counts_the_model_not_the_optimizer(tmp_path: Path) -> None:
+    path = tmp_path / "tutorial.pt"
+    model, _ = tutorial_checkpoint(path)
+    size = sum(p.numel() for p in model.parameters())  # 325; with the AdamW moments: 979
+    fields = header(run("show", path))
+    assert fields["layout"] == (
+        "nested dict (model in 'model_state_dict', optimizer in 'optimizer_state_dict')"
+    )
+    assert fields["tensors"] == f"16  ({size} parameters)"
+    assert fields["optimizer"].startswith("AdamW, state for 4 params")
+    data = json.loads(run("show", path, "--json").stdout)
+    assert data["num_parameters"] == size
+    assert (data["model_part"], data["optimizer_part"]) == (
+        "model_state_dict",
+        "optimizer_state_dict",
+    )
+    assert data["num_tensors"] == data["total_tensors"] == 16
+    assert data["selection"] is None
+
+
+@pytest.mark.parametrize("model_key", ["model_state", "state_dict", "model"])
+def test_model_parts_by_name(tmp_path: Path, model_key: str) -> None:
+    path = tmp_path / "ckpt.pt"
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    torch.save({model_key: model.state_dict(), "optimizer_state": optimizer.state_dict()}, path)
+    data = json.loads(run("show", path, "--json").stdout)
+    assert data["num_parameters"] == 8  # not 16: the momentum buffers are not parameters
+    assert data["model_part"] == model_key
+
+
+def test_files_without_a_model_print_no_parameter_count(tmp_path: Path) -> None:
+    import random
+
+    _, optimizer = tutorial_checkpoint(tmp_path / "tutorial.pt")
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")  # HF Trainer's optimizer.pt
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.get_rng_state(),
+    }
+    torch.save(rng, tmp_path / "rng_state.pth")
+    for name, count in (("optimizer.pt", 12), ("rng_state.pth", 2)):
+        result = run("show", tmp_path / name)
+        assert header(result)["tensors"] == str(count), name
+        assert "parameters" not in result.stdout
+        data = json.loads(run("show", tmp_path / name, "--json").stdout)
+        assert data["num_parameters"] is None and data["model_part"] is None
+    assert header(run("show", tmp_path / "optimizer.pt"))["optimizer"].startswith("AdamW")
+
+
+def test_tied_weights_count_once_in_parameters_and_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "tied.pth"
+    tied_state_dict(path)
+    fields = header(run("show", path))
+    assert fields["tensors"] == "3  (1.62K parameters)"
+    assert fields["bytes"] == "float32 6.3 KB"  # 1616 floats; 12.6 KB counted the tie twice
+    assert fields["tied"] == "1 storage shared by 2 keys, counted once (embed.weight, head.weight)"
+    data = json.loads(run("show", path, "--json").stdout)
+    assert (data["num_parameters"], data["num_bytes"]) == (1616, 1616 * 4)
+    assert data["bytes_by_dtype"] == {"float32": 1616 * 4}
+    assert data["num_bytes"] < path.stat().st_size
+    assert data["shared_storage"] == [["embed.weight", "head.weight"]]
+
+
+def test_overlapping_views_count_what_the_storage_holds() -> None:
+    # base [4, 6], its transpose, two of its rows, one column: one storage of 24 floats
+    fields = header(run("show", FIXTURES / "special/views.pth"))
+    assert fields["tensors"] == "4  (24 parameters)"
+    assert fields["bytes"] == "float32 96 B"
+
+
+def test_filter_and_section_narrow_the_header(tmp_path: Path) -> None:
+    path = tmp_path / "tied.pth"
+    tied_state_dict(path)
+    result = run("show", path, "--filter", "head*")
+    assert header(result)["tensors"] == "1 of 3  (filter 'head*'; 1.60K parameters)"
+    assert header(result)["bytes"] == "float32 6.2 KB"
+    assert "tied" not in header(result)
+    data = json.loads(run("show", path, "--filter", "head*", "--json").stdout)
+    assert (data["num_tensors"], data["total_tensors"], data["num_parameters"]) == (1, 3, 1600)
+    assert data["selection"] == {"section": None, "filter": "head*"}
+    # the optimizer of a resume file holds no parameters
+    fields = header(run("show", RESUME, "--section", "optimizer"))
+    assert fields["tensors"] == "60 of 81  (section 'optimizer')"
+    data = json.loads(run("show", RESUME, "--section", "optimizer", "--json").stdout)
+    assert data["num_parameters"] is None
+    fields = header(run("show", RESUME, "--section", "model", "--filter", "*norm*"))
+    assert fields["tensors"] == "5 of 81  (section 'model', filter '*norm*'; 160 parameters)"
+
+
+def test_json_carries_the_numbers_of_the_text_header(tmp_path: Path) -> None:
+    from ckpttool.render import human_count, human_size
+
+    tutorial_checkpoint(tmp_path / "tutorial.pt")
+    tied_state_dict(tmp_path / "tied.pth")
+    cases = [
+        (tmp_path / "tutorial.pt",),
+        (tmp_path / "tied.pth",),
+        (tmp_path / "tied.pth", "--filter", "*.weight"),
+        (RESUME,),
+        (RESUME, "--section", "model"),
+    ]
+    for args in cases:
+        fields = header(run("show", *args))
+        data = json.loads(run("show", *args, "--json").stdout)
+        count = str(data["num_tensors"])
+        if data["selection"] is not None:
+            count += f" of {data['total_tensors']}"
+        assert fields["tensors"].startswith(count + "  ("), args
+        assert fields["tensors"].endswith(f"{human_count(data['num_parameters'])} parameters)")
+        assert fields["bytes"] == ", ".join(
+            f"{dtype} {human_size(n)}" for dtype, n in data["bytes_by_dtype"].items()
+        )
+        assert sum(data["bytes_by_dtype"].values()) == data["num_bytes"]
+
+
+def test_filter_matching_nothing_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "tied.pth"
+    tied_state_dict(path)
+    result = run("show", path, "--filter", "nothing*")
+    assert result.exit_code == 0
+    assert result.stdout.splitlines()[3:] == [
+        "tensors:    0 of 3  (filter 'nothing*' matched no tensor)"
+    ]
+    data = json.loads(run("show", path, "--filter", "nothing*", "--json").stdout)
+    assert (data["num_tensors"], data["bytes_by_dtype"], data["num_parameters"]) == (0, {}, None)
+    result = run("show", RESUME, "--section", "epoch")
+    assert "tensors:    0 of 81  (section 'epoch' matched no tensor)" in result.stdout.splitlines()
+    assert "key " not in result.stdout
+
+
+def test_checkpoint_without_tensors_says_no_tensors(tmp_path: Path) -> None:
+    path = tmp_path / "scheduler.pt"
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    torch.save(torch.optim.lr_scheduler.StepLR(optimizer, 10).state_dict(), path)
+    result = run("show", path)
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert lines[3] == "tensors:    none (this checkpoint holds no tensors)"
+    assert "step_size:  10" in lines
+    assert not any(line.startswith(("bytes:", "key ")) for line in lines)
+    assert lines[-1] != ""
+    data = json.loads(run("show", path, "--json").stdout)
+    assert (data["num_tensors"], data["total_tensors"], data["tensors"]) == (0, 0, [])
+
+
+def blocks_state_dict(blocks: int, odd: int | None = None) -> dict[str, torch.Tensor]:
+    """A model-shaped flat state dict: embed, ``blocks`` identical layers, norm, tied head."""
+    state: dict[str, torch.Tensor] = {"embed.weight": torch.zeros(10, 8)}
+    for index in range(blocks):
+        for name in ("q", "k", "v", "o"):
+            state[f"layers.{index}.attn.{name}_proj.weight"] = torch.zeros(8, 8)
+        width = 16 if index == odd else 8  # one block of another shape
+        state[f"layers.{index}.norm.weight"] = torch.ones(width)
+    state["norm.weight"] = torch.ones(8)
+    state["lm_head.weight"] = state["embed.weight"]
+    return state
+
+
+def test_tree_shows_a_large_state_dict_as_modules(tmp_path: Path) -> None:
+    path = tmp_path / "model.pth"
+    torch.save(blocks_state_dict(16), path)  # 83 keys: more than the old limit of 64
+    out = run("show", path, "--tree", "--depth", "3").stdout.splitlines()
+    assert "items" not in "\n".join(out)
+    assert out == [
+        "dict[83]",
+        "  embed.weight: tensor float32[10, 8]",
+        "  layers.0..15: 16 identical blocks of 5 tensors, 264 params, 1.0 KB each "
+        "(4.22K params, 16.5 KB in all)",
+        "    attn: 4 tensors, 256 params, 1.0 KB",
+        "      q_proj.weight: tensor float32[8, 8]",
+        "      k_proj.weight: tensor float32[8, 8]",
+        "      v_proj.weight: tensor float32[8, 8]",
+        "      o_proj.weight: tensor float32[8, 8]",
+        "    norm.weight: tensor float32[8]",
+        "  norm.weight: tensor float32[8]",
+        "  lm_head.weight: tensor float32[10, 8]",
+    ]
+    shallow = run("show", path, "--tree", "--depth", "1").stdout.splitlines()
+    assert shallow[2].startswith("  layers.0..15: 16 identical blocks")
+    assert len(shallow) == 5
+
+
+def test_tree_collapses_only_identical_blocks(tmp_path: Path) -> None:
+    path = tmp_path / "model.pth"
+    torch.save({"model": blocks_state_dict(6, odd=3), "step": 7}, path)
+    out = run("show", path, "--tree", "--depth", "3").stdout.splitlines()
+    layer_lines = [line for line in out if line.startswith("      ") and line[6] != " "]
+    assert layer_lines == [
+        "      0..2: 3 identical blocks of 5 tensors, 264 params, 1.0 KB each "
+        "(792 params, 3.1 KB in all)",
+        "      3: 5 tensors, 272 params, 1.1 KB",
+        "      4..5: 2 identical blocks of 5 tensors, 264 params, 1.0 KB each "
+        "(528 params, 2.1 KB in all)",
+    ]
+    assert "  model: dict[33]" in out
+    assert "    layers: 30 tensors, 1.59K params, 6.2 KB" in out
+    assert "  step: 7" in out
+
+
+def test_tree_still_elides_long_runs_of_plain_values(tmp_path: Path) -> None:
+    import random
+
+    path = tmp_path / "rng.pth"
+    torch.save({"python": random.getstate(), "cpu": torch.get_rng_state()}, path)
+    out = run("show", path, "--tree").stdout.splitlines()
+    assert "      ... 625 items" in out
+    assert "  cpu: tensor uint8[5056]" in out
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    values = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    return {
+        "e4m3fn": values.to(torch.float8_e4m3fn),
+        "e5m2": values.to(torch.float8_e5m2),
+        "e4m3fnuz": values.to(torch.float8_e4m3fnuz),
+        "e5m2fnuz": values.to(torch.float8_e5m2fnuz),
+        "e8m0fnu": values.abs().to(torch.float8_e8m0fnu),
+        "bf16": values.to(torch.bfloat16),
+        "c64": torch.tensor([3 + 4j, 0j, -1j], dtype=torch.complex64),
+        "flags": torch.tensor([True, False, True]),
+        "u16": torch.tensor([1, 65535, 7], dtype=torch.uint16),
+        "u64": torch.tensor([2**63 + 1, 5], dtype=torch.uint64),
+        "w": torch.arange(6, dtype=torch.float32),
+    }
+
+
+def test_stats_cover_every_dtype(tmp_path: Path) -> None:
+    path = tmp_path / "dtypes.pth"
+    tensors = every_dtype()
+    torch.save(tensors, path)
+    result = run("show", path, "--stats", "--json")
+    assert result.exit_code == 0, result.output
+    stats = {t["key"]: t["stats"] for t in json.loads(result.stdout)["tensors"]}
+    for key, tensor in tensors.items():
+        if tensor.is_complex():
+            value = tensor.abs().double()
+        elif tensor.dtype == torch.uint64:  # torch cannot widen uint64; its values are known
+            value = torch.tensor([2.0**63 + 1, 5.0], dtype=torch.float64)
+        else:
+            value = tensor.double() if tensor.dtype != torch.uint16 else tensor.int().double()
+        assert stats[key]["min"] == value.min().item(), key
+        assert stats[key]["max"] == value.max().item(), key
+        assert stats[key]["mean"] == pytest.approx(value.mean().item()), key
+        assert stats[key]["std"] == pytest.approx(value.std(unbiased=False).item()), key
+    table = run("show", path, "--stats").stdout
+    assert "stats of |z|" in table and "stats of False=0, True=1" in table
+
+
+def test_stats_never_abort_the_report(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.pth"
+    torch.save(
+        {
+            "meta": torch.empty(3, device="meta"),
+            "bits": torch.zeros(2, dtype=torch.uint16).view(torch.bits16),
+            "f8": torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn),
+            "w": torch.ones(2),
+        },
+        path,
+    )
+    result = run("show", path, "--stats")
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[-4:]}
+    assert "n/a" in rows["meta"] and "no stats: a meta tensor stores no values" in rows["meta"]
+    assert "no stats: bits16 holds raw bits with no numeric meaning" in rows["bits"]
+    assert rows["f8"].split()[6:8] == ["1", "2"]  # min, max after "2 B"
+    data = json.loads(run("show", path, "--stats", "--json").stdout)
+    by_key = {t["key"]: t for t in data["tensors"]}
+    assert by_key["meta"]["stats"] is None
+    assert by_key["meta"]["stats_unavailable"] == "a meta tensor stores no values"
+    assert by_key["w"]["stats"]["mean"] == 1.0 and "stats_unavailable" not in by_key["w"]
+
+
+def test_stats_report_a_damaged_tensor_and_go_on(tmp_path: Path) -> None:
+    path = tmp_path / "damaged.pth"
+    torch.save({"a": torch.ones(4), "b": torch.full((4,), 2.0)}, path)
+    from ckpttool.reader import open_checkpoint
+    from ckpttool.show import build_report
+
+    with open_checkpoint(path) as ckpt:
+        first = ckpt.tensors()[0]
+        offset, _ = ckpt.storage_span(first.storage)  # type: ignore[arg-type]
+        with open(path, "r+b") as handle:  # the file shrinks after it was opened
+            handle.truncate(offset + 4)
+        report = build_report(ckpt, stats=True)
+    by_key = {info.record.key: info for info in report.tensors}
+    assert by_key["a"].stats is None and by_key["a"].stats_unavailable
+    assert any(w.startswith("a: no statistics: record ") for w in report.warnings)

@@ -1,0 +1,125 @@
+"""The module hierarchy of a flat state dict, read from its dotted keys, for ``show --tree``.
+
+``layers.0.self_attn.q_proj.weight`` names a tensor of module ``layers.0.self_attn.q_proj``:
+the keys of a state dict spell out the model's modules. :func:`module_tree` turns them into a
+tree of :class:`ModuleNode`, each with its tensors, parameters and bytes (a tied weight counted
+once, the same rule as ``show``'s header), and collapses runs of structurally identical
+numbered blocks (``layers.0..15``) the way model summaries print them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpttool.records import TensorRecord, count_once, with_key
+
+#: Deeper keys are not split into modules: real models nest a dozen levels, and a key with
+#: thousands of dots (a hostile file) would otherwise make thousands of one-child levels.
+MAX_MODULE_DEPTH = 32
+
+
+@dataclass
+class ModuleNode:
+    """A module (a key prefix) of a state dict, or one of its tensors."""
+
+    name: str  # relative to the parent: "self_attn", "embed_tokens.weight", "layers.0..15"
+    tensor: TensorRecord | None = None  # set for a tensor; a module has children instead
+    children: list[ModuleNode] = field(default_factory=list)
+    num_tensors: int = 0  # of one block
+    parameters: int = 0  # elements of one block, each stored element once
+    nbytes: int = 0  # of one block, each stored element once
+    repeats: int = 1  # identical consecutive numbered blocks this node stands for
+    # what makes two blocks identical: relative keys, dtypes and shapes of their tensors
+    signature: tuple[Any, ...] = field(default=(), repr=False)
+
+
+def is_flat_state_dict(node: Any) -> bool:
+    """A dict of tensors whose keys name modules (at least one dotted key)."""
+    return (
+        isinstance(node, dict)
+        and bool(node)
+        and all(isinstance(v, TensorRecord) for v in node.values())
+        and any(isinstance(k, str) and "." in k for k in node)
+        and all(isinstance(k, str) and k.count(".") < MAX_MODULE_DEPTH for k in node)
+    )
+
+
+def module_tree(state_dict: dict[str, TensorRecord]) -> list[ModuleNode]:
+    """The top-level modules and tensors of a flat state dict, in key order."""
+    records = [with_key(record, key) for key, record in state_dict.items()]
+    seen: set[Any] = set()
+    shared: set[Any] = set()  # storages several keys view: modules holding them count apart
+    for record in records:
+        if record.storage is not None:
+            (shared if record.storage in seen else seen).add(record.storage)
+    return _build(records, 0, shared)
+
+
+def _build(records: list[TensorRecord], depth: int, shared: set[Any]) -> list[ModuleNode]:
+    """Nodes for ``records``, grouped by their key part at ``depth`` (first appearance order)."""
+    members: dict[tuple[str, bool], list[TensorRecord]] = {}  # (name, is a tensor) -> records
+    for record in records:
+        parts = record.key.split(".", depth + 1)
+        members.setdefault((parts[depth], len(parts) == depth + 1), []).append(record)
+    nodes = []
+    for (name, is_tensor), group in members.items():
+        node = ModuleNode(name)
+        node.num_tensors = len(group)
+        if is_tensor:
+            node.tensor = group[0]  # keys are unique: one record
+        else:
+            node.children = _build(group, depth + 1, shared)
+        if is_tensor or any(r.storage in shared for r in group):
+            node.parameters, by_dtype = count_once(group)
+            node.nbytes = sum(by_dtype.values())
+        else:  # nothing tied below: the children's sums (linear, not quadratic in depth)
+            node.parameters = sum(c.parameters * c.repeats for c in node.children)
+            node.nbytes = sum(c.nbytes * c.repeats for c in node.children)
+        if _index(name) is not None:  # only numbered blocks are compared
+            node.signature = tuple(
+                ("" if is_tensor else r.key.split(".", depth + 1)[-1], r.dtype, r.shape)
+                for r in group
+            )
+        nodes.append(node)
+    return [_merge_chain(node) for node in _collapse_repeats(nodes)]
+
+
+def _merge_chain(node: ModuleNode) -> ModuleNode:
+    """A module with one child is shown as one line: ``embed_tokens.weight``, ``layers.0..15``."""
+    if node.tensor is None and node.repeats == 1 and len(node.children) == 1:
+        child = node.children[0]
+        child.name = f"{node.name}.{child.name}"
+        return child
+    return node
+
+
+def _collapse_repeats(nodes: list[ModuleNode]) -> list[ModuleNode]:
+    """Runs of consecutive numbered siblings (``0``, ``1``, ...) with the same signature
+    become one node standing for all of them (``0..15``, ``repeats=16``)."""
+    out: list[ModuleNode] = []
+    index = 0
+    while index < len(nodes):
+        first = nodes[index]
+        start = _index(first.name)
+        end = index + 1
+        if start is not None:
+            while (
+                end < len(nodes)
+                and _index(nodes[end].name) == start + (end - index)
+                and nodes[end].signature == first.signature
+            ):
+                end += 1
+        if end - index > 1:
+            first.name = f"{first.name}..{nodes[end - 1].name}"
+            first.repeats = end - index
+        out.append(first)
+        index = end
+    return out
+
+
+def _index(name: str) -> int | None:
+    """The number a block is named by (``layers.3`` -> 3), or None."""
+    if name.isascii() and name.isdigit() and len(name) <= 18:
+        return int(name)
+    return None

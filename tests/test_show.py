@@ -1,0 +1,171 @@
+"""The library under ``show``: the counting rule, model parts, the module tree, value decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ckpttool.layout import detect_layout, model_part, optimizer_part
+from ckpttool.records import StorageRecord, TensorRecord, count_once, shared_storages
+from ckpttool.show_tree import MAX_MODULE_DEPTH, is_flat_state_dict, module_tree
+from ckpttool.values import _minifloat_table, as_float, numpy_code, stats_unavailable
+
+
+def record(
+    key: str,
+    shape: tuple[int, ...],
+    *,
+    storage: StorageRecord | None = None,
+    offset: int = 0,
+    stride: tuple[int, ...] | None = None,
+    dtype: str = "float32",
+) -> TensorRecord:
+    if stride is None:
+        stride = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+    if storage is None:
+        storage = StorageRecord(
+            key, dtype, int(np.prod(shape)), "cpu", key, 4 * int(np.prod(shape))
+        )
+    return TensorRecord(key, dtype, shape, stride, offset, storage)
+
+
+def test_count_once_counts_each_stored_element_once() -> None:
+    base = StorageRecord("0", "float32", 24, "cpu", "data/0", 96)
+    weight = record("w", (4, 6), storage=base)
+    tied = record("head", (4, 6), storage=base)
+    transposed = record("wt", (6, 4), storage=base, stride=(1, 6))
+    top, bottom = (record(k, (2, 6), storage=base, offset=o) for k, o in (("top", 0), ("bot", 12)))
+    other = record("bias", (6,))
+    assert count_once([weight, tied, transposed, other]) == (30, {"float32": 120})
+    assert count_once([top, bottom]) == (24, {"float32": 96})  # disjoint slices: both
+    assert count_once([weight, top]) == (24, {"float32": 96})  # a slice inside: the storage
+    assert count_once([top]) == (12, {"float32": 48})  # a view alone: its own elements
+    assert shared_storages([weight, other, tied, top]) == [["w", "head", "top"]]
+
+
+def test_tensors_without_storage_count_as_they_are() -> None:
+    meta = TensorRecord("m", "float16", (3,), (1,), 0, None)
+    assert count_once([meta, meta]) == (6, {"float16": 12})
+    assert shared_storages([meta, meta]) == []
+
+
+@pytest.mark.parametrize(
+    ("root", "model", "optimizer"),
+    [
+        ({"model_state_dict": {"w": 0}, "optimizer_state_dict": {}}, None, None),  # no tensors
+        (
+            {"model_state_dict": "T", "optimizer_state_dict": "O"},
+            "model_state_dict",
+            "optimizer_state_dict",
+        ),
+        ({"model_state": "T", "optimizer_state": "O"}, "model_state", "optimizer_state"),
+        ({"state_dict": "T", "epoch": 3}, "state_dict", None),
+        ({"module": "T", "optimizer": None}, "module", None),  # DeepSpeed model states
+        ({"model": "T", "state_dict": "T"}, None, None),  # two candidates: do not guess
+        ({"state": {}, "param_groups": []}, None, ""),  # a bare optimizer file
+        ({"python": (1, 2), "cpu": "T"}, None, None),  # an RNG file
+    ],
+)
+def test_model_and_optimizer_parts(root: dict, model: str | None, optimizer: str | None) -> None:
+    weights = {"fc.weight": record("t", (2,))}
+    opt = {"state": {0: {"exp_avg": record("m", (2,))}}, "param_groups": []}
+    root = {k: weights if v == "T" else opt if v == "O" else v for k, v in root.items()}
+    layout = detect_layout(root, "torch-zip")
+    assert model_part(root, layout) == model
+    assert optimizer_part(root, layout) == optimizer
+
+
+def test_model_part_of_known_layouts() -> None:
+    weights = {"a.weight": record("a", (2,))}
+    assert model_part(weights, detect_layout(weights, "torch-zip")) == ""
+    resume = {"model": weights, "optimizer": {}, "epoch": 1, "step": 2}
+    assert model_part(resume, detect_layout(resume, "torch-zip")) == "model"
+    lightning = {"state_dict": weights, "pytorch-lightning_version": "2.0", "epoch": 1}
+    assert model_part(lightning, detect_layout(lightning, "torch-zip")) == "state_dict"
+
+
+def test_module_tree_groups_keys_and_collapses_identical_blocks() -> None:
+    state = {"embed.weight": record("e", (10, 4))}
+    for index in range(4):
+        state[f"layers.{index}.fc.weight"] = record(f"f{index}", (4, 4))
+        # block 2's bias has another dtype: not identical, so it splits the run
+        state[f"layers.{index}.fc.bias"] = record(
+            f"b{index}", (4,), dtype="float16" if index == 2 else "float32"
+        )
+    state["head.weight"] = state["embed.weight"]  # tied: counted once at the top
+    nodes = module_tree(state)
+    assert [n.name for n in nodes] == ["embed.weight", "layers", "head.weight"]
+    layers = nodes[1]
+    assert (layers.num_tensors, layers.parameters) == (8, 80)
+    assert [(n.name, n.repeats) for n in layers.children] == [
+        ("0..1", 2),
+        ("2.fc", 1),  # one child: shown on one line
+        ("3.fc", 1),
+    ]
+    block = layers.children[0]
+    assert (block.parameters, block.nbytes) == (20, 80)  # one block's
+    assert [n.name for n in block.children] == ["fc"]
+    assert [n.name for n in block.children[0].children] == ["weight", "bias"]
+
+
+def test_module_tree_counts_tied_weights_once_per_module() -> None:
+    shared = record("shared", (4, 4))
+    nodes = module_tree({"a.x": shared, "a.y": shared, "b": record("b", (2,))})
+    assert (nodes[0].name, nodes[0].num_tensors, nodes[0].parameters) == ("a", 2, 16)
+
+
+def test_flat_state_dict_needs_dotted_keys_and_a_sane_depth() -> None:
+    tensor = record("t", (1,))
+    assert is_flat_state_dict({"a.b": tensor, "c": tensor})
+    assert not is_flat_state_dict({"a": tensor, "b": tensor})  # nothing to group
+    assert not is_flat_state_dict({"a.b": tensor, "c": 3})
+    assert not is_flat_state_dict({"a" + ".a" * MAX_MODULE_DEPTH: tensor})
+
+
+FLOAT8 = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+def test_float8_decoding_equals_torch_for_every_code(dtype: str) -> None:
+    codes = torch.arange(256, dtype=torch.uint8)
+    expected = codes.view(getattr(torch, dtype)).float().numpy()
+    got = as_float(record("x", (256,), dtype=dtype), codes.numpy())
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected)  # NaN where torch has NaN, -0.0 kept
+    assert (np.signbit(got) == np.signbit(expected))[~np.isnan(expected)].all()
+
+
+def test_float4_decodes_both_values_of_each_byte() -> None:
+    table = _minifloat_table("float4_e2m1fn_x2")
+    assert table.tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    packed = np.array([0x21, 0xF7], dtype=np.uint8)  # (0.5, 1.0), (6.0, -6.0)
+    got = as_float(record("x", (2,), dtype="float4_e2m1fn_x2"), packed)
+    assert sorted(got.tolist()) == [-6.0, 0.5, 1.0, 6.0]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_complex32_decodes_to_complex64() -> None:
+    value = torch.tensor([3 + 4j, -1j], dtype=torch.complex32)
+    raw = value.view(torch.int32).numpy().view("<u4")
+    got = as_float(record("z", (2,), dtype="complex32"), raw)
+    assert got.tolist() == [3 + 4j, -1j]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "reason"),
+    [("qint8", "scale and zero point"), ("bits16", "raw bits"), ("float7", "unknown dtype")],
+)
+def test_dtypes_without_statistics_say_why(dtype: str, reason: str) -> None:
+    message = stats_unavailable(record("q", (2,), dtype=dtype))
+    assert message is not None and reason in message
+
+
+def test_every_torch_dtype_gets_statistics_or_a_reason() -> None:
+    from ckpttool.records import ITEMSIZE
+
+    for name in ITEMSIZE:
+        probe = record("x", (1,), dtype=name)
+        if stats_unavailable(probe) is None:  # then it decodes
+            zeros = np.zeros(1, dtype=numpy_code(probe))
+            assert np.asarray(as_float(probe, zeros)).size >= 1, name
