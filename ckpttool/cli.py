@@ -89,7 +89,12 @@ def _echo_json(data: object) -> None:
 
 @cli.command()
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema in README).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object (schema in docs/schemas/show.schema.json).",
+)
 @click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose key matches GLOB.")
 @click.option("--section", metavar="KEY", help="Only the subtree at KEY (e.g. model, optimizer).")
 @click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")

@@ -18,7 +18,7 @@ _SHOWN = 4  # aliases and fields listed by name before "(+N more)"
 
 
 def report_json(report: ConvertReport) -> dict[str, Any]:
-    """The ``--json`` schema of ``convert`` (documented in README.md)."""
+    """The ``--json`` output of ``convert``: docs/schemas/convert.schema.json, docs/convert.md."""
     return {
         "source": str(report.source),
         "outputs": [str(path) for path in report.outputs],

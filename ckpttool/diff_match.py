@@ -1,6 +1,6 @@
 """Which tensor of A is compared with which of B, and which fields differ (metadata only).
 
-Split from :mod:`ckpttool.diff` because matching has rules of its own (README.md):
+Split from :mod:`ckpttool.diff` because matching has rules of its own (docs/diff.md):
 
 * keys are compared relative to the chosen section, with prefixes removed;
 * a key present on one side only is matched with a tensor the other side stores under another

@@ -1,8 +1,9 @@
 """Rendering a :class:`~ckpttool.diff.DiffReport`: the human table and the JSON document.
 
-The JSON schema is a contract (README.md documents it, tests/cli/test_diff.py checks it):
-change it only by adding keys. tabulate and ckpttool.render are imported only when there is
-something to render with them: two equal files print one line, fast (``diff --quick``).
+The JSON schema is a contract (docs/schemas/diff.schema.json, explained in docs/diff.md;
+tests/test_json_schemas.py checks real output against both): change it only by adding keys.
+tabulate and ckpttool.render are imported only when there is something to render with them:
+two equal files print one line, fast (``diff --quick``).
 """
 
 from __future__ import annotations

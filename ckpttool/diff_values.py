@@ -6,7 +6,7 @@ exactly its bytes), so peak memory is a constant plus, for a non-contiguous view
 tensor. torch is never imported: NumPy works on the raw bytes (imported on first use, so that
 ``diff --quick`` does not pay for it).
 
-What the verdicts mean (documented in README.md):
+What the verdicts mean (documented in docs/diff.md):
 
 * **bitwise equal**: same dtype and the same bytes, element for element (so ``-0.0`` and ``0.0``
   differ, and so do two NaNs with different payloads);

@@ -10,7 +10,7 @@ __all__ = ["report_json", "report_lines"]
 
 
 def report_json(report: RescaleReport) -> dict[str, Any]:
-    """The ``--json`` schema of ``rescale-step`` (documented in README.md)."""
+    """The ``--json`` output of ``rescale-step``: docs/schemas/rescale-step.schema.json."""
     plan = report.plan
     batch_size = report.batch_size
     return {
