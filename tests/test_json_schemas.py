@@ -244,6 +244,12 @@ def with_leftover(tmp_path: Path) -> Path:
     return target
 
 
+def not_a_checkpoint(tmp_path: Path) -> Path:
+    target = tmp_path / "config.json"
+    target.write_text('{"architectures": ["LlamaForCausalLM"]}\n')
+    return target
+
+
 VERIFY_CASES: list[tuple[str, Callable[[Path], list[Path]], int]] = [
     (
         "fixtures",
@@ -258,6 +264,7 @@ VERIFY_CASES: list[tuple[str, Callable[[Path], list[Path]], int]] = [
     ("flipped-byte", lambda tmp: [flipped(tmp), RESUME], 1),
     ("truncated", lambda tmp: [truncated(tmp)], 1),
     ("leftover-temp-file", lambda tmp: [with_leftover(tmp)], 1),
+    ("unreadable-paths", lambda tmp: [not_a_checkpoint(tmp), tmp / "missing.pth", RESUME], 2),
 ]
 
 
@@ -270,6 +277,8 @@ def test_verify_json_matches_its_schema(
     assert_valid("verify", data)
     assert data["ok"] is (exit_code == 0)
     assert [f["path"] for f in data["files"]] == [str(p) for p in inputs]
+    unchecked = [f["path"] for f in data["files"] if f["error"] is not None]
+    assert bool(unchecked) is (exit_code == 2)  # each path its own verdict, the run goes on
 
 
 def test_verify_values_json_matches_its_schema() -> None:
@@ -302,7 +311,8 @@ SCAN_CASES: list[tuple[str, Callable[[Path], list[Any]], int]] = [
         0,
     ),
     ("unreadable", lambda tmp: [truncated(tmp)], 2),
-    ("empty-directory", lambda tmp: [tmp], 0),
+    ("empty-directory", lambda tmp: [tmp], 2),  # scanning nothing is not clean
+    ("missing-path", lambda tmp: [tmp / "missing.pth", RESUME], 2),
 ]
 
 
