@@ -123,23 +123,24 @@ def show(
       ckpttool show ckpt.pth --tree --depth 2
       ckpttool show checkpoints/step_1200/    # a DCP directory
     """
-    from ckpttool import render
     from ckpttool.reader import open_checkpoint
+    from ckpttool.render import show as show_render
+    from ckpttool.render import show_tree
     from ckpttool.show import build_report
 
     with open_checkpoint(path) as ckpt:
         if tree or depth is not None:
             root = ckpt.section(section) if section else ckpt.root
             if as_json:
-                _echo_json(render.plain(root))
+                _echo_json(show_tree.render_json(root))
             else:
-                click.echo(render.render_tree(root, depth))
+                click.echo(show_tree.render_text(root, depth))
             return
         report = build_report(ckpt, section=section, pattern=pattern, stats=stats)
     if as_json:
-        _echo_json(render.show_json(report))
+        _echo_json(show_render.render_json(report))
         return
-    click.echo(render.render_show(report))
+    click.echo(show_render.render_text(report))
     for warning in report.warnings:
         click.echo(f"warning: {warning}", err=True)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ckpttool.convert import ConvertReport
 from ckpttool.layout import LAYOUT_TITLES
-from ckpttool.render import human_size
+from ckpttool.render.text import human_size
 
 __all__ = ["report_json", "report_lines"]
 

@@ -44,7 +44,7 @@ HEADERS = ["key", "status", "A", "B", "max abs diff", "max rel diff", "mismatche
 def field_line(entry: FieldDiff) -> str:
     """``key: A -> B``; a side without the field shows ``(absent)``; a field that is a tensor
     on one side shows each side's type (``loss: 2.5 (float) -> 2.5 (tensor float32 [])``)."""
-    from ckpttool.render import short
+    from ckpttool.render.text import short
 
     if entry.status == TYPE_CHANGED:
         a = _typed(entry.a, entry.a_tensor)
@@ -56,7 +56,7 @@ def field_line(entry: FieldDiff) -> str:
 
 
 def _typed(value: object, record: TensorRecord | None) -> str:
-    from ckpttool.render import short
+    from ckpttool.render.text import short
 
     if record is None:
         return f"{short(value, 40)} ({'None' if value is None else type(value).__name__})"
@@ -157,7 +157,7 @@ def record_json(record: TensorRecord | None) -> dict[str, Any] | None:
 
 
 def field_json(entry: FieldDiff) -> dict[str, Any]:
-    from ckpttool.render import plain
+    from ckpttool.render.text import plain
 
     return {
         "key": entry.key,

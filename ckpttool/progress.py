@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TextIO
 
-from ckpttool.render import human_size
+from ckpttool.render.text import human_size
 
 
 class Progress:

@@ -58,7 +58,8 @@ def fuzz_with_atheris(argv: list[str]) -> None:
     with atheris.instrument_imports(include=["ckpttool"]):
         import ckpttool.cli  # instrument every module exercise() reaches
         import ckpttool.reader
-        import ckpttool.render
+        import ckpttool.render.show
+        import ckpttool.render.show_tree
         import ckpttool.show
         import ckpttool.verify  # noqa: F401
 

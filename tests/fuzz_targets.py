@@ -154,8 +154,9 @@ def exercise(path: Path) -> None:
 
     Raises only :class:`CkptError`; any other exception is a bug the fuzzer reports.
     """
-    from ckpttool import render
     from ckpttool.reader import open_checkpoint
+    from ckpttool.render import show as show_render
+    from ckpttool.render import show_tree
     from ckpttool.show import build_report
     from ckpttool.verify import verify_file
 
@@ -163,10 +164,10 @@ def exercise(path: Path) -> None:
         try:
             with open_checkpoint(path, strict=strict, refuse_dangerous=strict) as ckpt:
                 report = build_report(ckpt, stats=strict)
-                render.render_show(report)
-                json.dumps(render.show_json(report), allow_nan=False)  # --json stays clean JSON
-                render.render_tree(ckpt.root, 4)
-                json.dumps(render.plain(ckpt.root), allow_nan=False)
+                show_render.render_text(report)
+                json.dumps(show_render.render_json(report), allow_nan=False)  # clean --json
+                show_tree.render_text(ckpt.root, 4)
+                json.dumps(show_tree.render_json(ckpt.root), allow_nan=False)
         except CkptError:
             pass
     try:

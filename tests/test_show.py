@@ -8,7 +8,7 @@ import torch
 
 from ckpttool.layout import detect_layout, model_part, optimizer_part
 from ckpttool.records import StorageRecord, TensorRecord, count_once, shared_storages
-from ckpttool.show_tree import MAX_MODULE_DEPTH, is_flat_state_dict, module_tree
+from ckpttool.render.show_tree import MAX_MODULE_DEPTH, is_flat_state_dict, module_tree
 from ckpttool.values import _minifloat_table, as_float, numpy_code, stats_unavailable
 
 

@@ -296,7 +296,7 @@ def test_filter_and_section_narrow_the_header(tmp_path: Path) -> None:
 
 
 def test_json_carries_the_numbers_of_the_text_header(tmp_path: Path) -> None:
-    from ckpttool.render import human_count, human_size
+    from ckpttool.render.text import human_count, human_size
 
     tutorial_checkpoint(tmp_path / "tutorial.pt")
     tied_state_dict(tmp_path / "tied.pth")

@@ -1,58 +1,13 @@
-"""Rendering: human tables (tabulate), stable JSON, the tree view. No library logic here."""
+"""``show``'s report: the header lines and tensor table (tabulate), and the ``--json`` document."""
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
 
 from ckpttool.layout import NESTED
-from ckpttool.records import ChunkedStorageRecord, GlobalRef, OpaqueObject, TensorRecord, children
+from ckpttool.records import ChunkedStorageRecord, TensorRecord
+from ckpttool.render.text import human_count, human_size, plain, short
 from ckpttool.show import ShowReport
-
-_UNITS = ("B", "KB", "MB", "GB", "TB")
-
-
-def human_size(n: int | float) -> str:
-    size = float(n)
-    for unit in _UNITS:
-        if abs(size) < 1024 or unit == _UNITS[-1]:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TB"  # pragma: no cover
-
-
-def human_count(n: int) -> str:
-    for threshold, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= threshold:
-            return f"{n / threshold:.2f}{suffix}"
-    return str(n)
-
-
-def plain(value: Any) -> Any:
-    """A JSON-safe rendering of any tree value (tensors as short descriptions)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, bytes):
-        return f"<{len(value)} bytes>"
-    if isinstance(value, TensorRecord):
-        return f"<tensor {value.dtype}{list(value.shape)}>"
-    if isinstance(value, GlobalRef):
-        return str(value)
-    if isinstance(value, OpaqueObject):
-        return {"__class__": value.cls, **{k: plain(v) for k, v in value.fields().items()}}
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [plain(v) for v in value]
-    return str(value)
-
-
-def short(value: Any, width: int = 60) -> str:
-    text = json.dumps(plain(value)) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def tensor_json(info: Any) -> dict[str, Any]:
@@ -83,7 +38,8 @@ def tensor_json(info: Any) -> dict[str, Any]:
     return out
 
 
-def show_json(report: ShowReport) -> dict[str, Any]:
+def render_json(report: ShowReport) -> dict[str, Any]:
+    """``show --json``: docs/schemas/show.schema.json."""
     optimizer = None
     if report.optimizer is not None:
         optimizer = plain(vars(report.optimizer))
@@ -112,7 +68,8 @@ def show_json(report: ShowReport) -> dict[str, Any]:
     }
 
 
-def render_show(report: ShowReport) -> str:
+def render_text(report: ShowReport) -> str:
+    """The header (file, format, layout, counts, fields, optimizer), then the tensor table."""
     lines = [
         f"file:       {report.path}",
         f"format:     {report.format}  ({human_size(report.file_size)} on disk)",
@@ -244,63 +201,3 @@ def _optimizer_lines(report: ShowReport) -> list[str]:
 
 def _num(value: float) -> str:
     return f"{value:.4g}"
-
-
-def render_tree(root: Any, depth: int | None = None) -> str:
-    """The nesting of the object tree. A flat state dict is shown as its module hierarchy
-    (from its dotted keys), identical numbered blocks once; ``depth`` limits the levels shown.
-    Only runs of more than 64 plain values (RNG states, id lists) are elided."""
-    from ckpttool.show_tree import ModuleNode, is_flat_state_dict, module_tree
-
-    lines: list[str] = []
-
-    def describe(node: Any) -> str:
-        if isinstance(node, TensorRecord):
-            return f"{node.kind} {node.dtype}{list(node.shape)}"
-        if isinstance(node, ModuleNode):
-            return _describe_module(node)
-        if isinstance(node, OpaqueObject):
-            return f"<{node.cls}>"
-        if isinstance(node, (dict, list, tuple)):
-            return f"{type(node).__name__}[{len(node)}]"
-        return short(node)
-
-    stack: list[tuple[int, str, Any]] = [(0, "", root)]
-    while stack:
-        level, name, node = stack.pop()
-        label = f"{name}: " if name else ""
-        lines.append("  " * level + label + describe(node))
-        if depth is not None and level >= depth:
-            continue
-        if isinstance(node, ModuleNode):
-            stack.extend((level + 1, c.name, c) for c in reversed(node.children))
-        elif is_flat_state_dict(node):
-            stack.extend((level + 1, c.name, c) for c in reversed(module_tree(node)))
-        elif isinstance(node, (dict, list, tuple, OpaqueObject)):
-            items = list(children(node))
-            if len(items) > 64 and not any(
-                isinstance(v, (dict, list, tuple, OpaqueObject, TensorRecord)) for _, v in items
-            ):
-                lines.append("  " * (level + 1) + f"... {len(items)} items")
-                continue
-            stack.extend((level + 1, n, c) for n, c in reversed(items))
-    return "\n".join(lines)
-
-
-def _describe_module(node: Any) -> str:
-    """``attn: 4 tensors, 256 params, 1.0 KB``; a run of identical blocks says how many."""
-    if node.tensor is not None:
-        tensor = f"{node.tensor.kind} {node.tensor.dtype}{list(node.tensor.shape)}"
-        return tensor if node.repeats == 1 else f"{node.repeats} × {tensor}"
-    plural = "s" if node.num_tensors != 1 else ""
-    one = (
-        f"{node.num_tensors} tensor{plural}, {human_count(node.parameters)} params, "
-        f"{human_size(node.nbytes)}"
-    )
-    if node.repeats == 1:
-        return one
-    return (
-        f"{node.repeats} identical blocks of {one} each "
-        f"({human_count(node.parameters * node.repeats)} params, "
-        f"{human_size(node.nbytes * node.repeats)} in all)"
-    )

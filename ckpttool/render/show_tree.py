@@ -1,10 +1,11 @@
-"""The module hierarchy of a flat state dict, read from its dotted keys, for ``show --tree``.
+"""``show --tree``: the nesting of a checkpoint, a flat state dict as its module hierarchy.
 
 ``layers.0.self_attn.q_proj.weight`` names a tensor of module ``layers.0.self_attn.q_proj``:
 the keys of a state dict spell out the model's modules. :func:`module_tree` turns them into a
 tree of :class:`ModuleNode`, each with its tensors, parameters and bytes (a tied weight counted
 once, the same rule as ``show``'s header), and collapses runs of structurally identical
-numbered blocks (``layers.0..15``) the way model summaries print them.
+numbered blocks (``layers.0..15``) the way model summaries print them. :func:`render_text`
+prints any object tree that way (``show --tree``), :func:`render_json` as JSON.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.records import TensorRecord, count_once, with_key
+from ckpttool.records import OpaqueObject, TensorRecord, children, count_once, with_key
+from ckpttool.render.text import human_count, human_size, plain, short
 
 #: Deeper keys are not split into modules: real models nest a dozen levels, and a key with
 #: thousands of dots (a hostile file) would otherwise make thousands of one-child levels.
@@ -123,3 +125,66 @@ def _index(name: str) -> int | None:
     if name.isascii() and name.isdigit() and len(name) <= 18:
         return int(name)
     return None
+
+
+def render_text(root: Any, depth: int | None = None) -> str:
+    """The nesting of the object tree. A flat state dict is shown as its module hierarchy
+    (from its dotted keys), identical numbered blocks once; ``depth`` limits the levels shown.
+    Only runs of more than 64 plain values (RNG states, id lists) are elided."""
+    lines: list[str] = []
+
+    def describe(node: Any) -> str:
+        if isinstance(node, TensorRecord):
+            return f"{node.kind} {node.dtype}{list(node.shape)}"
+        if isinstance(node, ModuleNode):
+            return _describe_module(node)
+        if isinstance(node, OpaqueObject):
+            return f"<{node.cls}>"
+        if isinstance(node, (dict, list, tuple)):
+            return f"{type(node).__name__}[{len(node)}]"
+        return short(node)
+
+    stack: list[tuple[int, str, Any]] = [(0, "", root)]
+    while stack:
+        level, name, node = stack.pop()
+        label = f"{name}: " if name else ""
+        lines.append("  " * level + label + describe(node))
+        if depth is not None and level >= depth:
+            continue
+        if isinstance(node, ModuleNode):
+            stack.extend((level + 1, c.name, c) for c in reversed(node.children))
+        elif is_flat_state_dict(node):
+            stack.extend((level + 1, c.name, c) for c in reversed(module_tree(node)))
+        elif isinstance(node, (dict, list, tuple, OpaqueObject)):
+            items = list(children(node))
+            if len(items) > 64 and not any(
+                isinstance(v, (dict, list, tuple, OpaqueObject, TensorRecord)) for _, v in items
+            ):
+                lines.append("  " * (level + 1) + f"... {len(items)} items")
+                continue
+            stack.extend((level + 1, n, c) for n, c in reversed(items))
+    return "\n".join(lines)
+
+
+def _describe_module(node: Any) -> str:
+    """``attn: 4 tensors, 256 params, 1.0 KB``; a run of identical blocks says how many."""
+    if node.tensor is not None:
+        tensor = f"{node.tensor.kind} {node.tensor.dtype}{list(node.tensor.shape)}"
+        return tensor if node.repeats == 1 else f"{node.repeats} × {tensor}"
+    plural = "s" if node.num_tensors != 1 else ""
+    one = (
+        f"{node.num_tensors} tensor{plural}, {human_count(node.parameters)} params, "
+        f"{human_size(node.nbytes)}"
+    )
+    if node.repeats == 1:
+        return one
+    return (
+        f"{node.repeats} identical blocks of {one} each "
+        f"({human_count(node.parameters * node.repeats)} params, "
+        f"{human_size(node.nbytes * node.repeats)} in all)"
+    )
+
+
+def render_json(root: Any) -> Any:
+    """``show --tree --json``: the object tree as JSON (tensors as short descriptions)."""
+    return plain(root)
