@@ -214,8 +214,8 @@ def diff_command(
       ckpttool diff checkpoints/step_1200/ model.safetensors
     """
     from ckpttool.diff import open_side, plan_diff, run_diff
-    from ckpttool.diff_render import diff_json, render_diff
     from ckpttool.errors import EXIT_FOUND
+    from ckpttool.render import diff as diff_render
 
     with open_side(path_a) as ckpt_a, open_side(path_b) as ckpt_b:
         plan = plan_diff(
@@ -231,9 +231,9 @@ def diff_command(
             with Progress(plan.value_bytes, "diff") as bar:
                 report = run_diff(ckpt_a, ckpt_b, plan, progress=bar.advance, **options)
     if as_json:
-        _echo_json(diff_json(report))
+        _echo_json(diff_render.render_json(report))
     else:
-        click.echo(render_diff(report, show_all=show_all))
+        click.echo(diff_render.render_text(report, show_all=show_all))
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
     if not report.equal:
@@ -293,7 +293,7 @@ def rescale_step(
     import os
 
     from ckpttool.progress import Progress
-    from ckpttool.render_rescale import report_json, report_lines
+    from ckpttool.render import rescale as rescale_render
     from ckpttool.rescale import rescale_step as run_rescale
 
     with Progress(os.path.getsize(path) if os.path.isfile(path) else 0, "rescale") as bar:
@@ -303,9 +303,9 @@ def rescale_step(
             batch_size=batch_size, progress=bar.advance,
         )  # fmt: skip
     if as_json:
-        _echo_json(report_json(report))
+        _echo_json(rescale_render.render_json(report))
     else:
-        click.echo("\n".join(report_lines(report)))
+        click.echo(rescale_render.render_text(report))
 
 
 @cli.command("convert")
@@ -368,8 +368,8 @@ def convert_command(
       ckpttool convert checkpoints/step_1200/ model.safetensors
     """
     from ckpttool.convert import convert
-    from ckpttool.convert_render import report_json, report_lines
     from ckpttool.progress import Progress
+    from ckpttool.render import convert as convert_render
 
     with Progress(0, "convert") as bar:
         report = convert(
@@ -379,9 +379,9 @@ def convert_command(
             force=force, progress=bar.advance, on_total=lambda n: setattr(bar, "total", max(n, 1)),
         )  # fmt: skip
     if as_json:
-        _echo_json(report_json(report))
+        _echo_json(convert_render.render_json(report))
     else:
-        click.echo(report_lines(report))
+        click.echo(convert_render.render_text(report))
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
 

@@ -119,10 +119,12 @@ def preload() -> None:
     import ckpttool.cli
     import ckpttool.convert
     import ckpttool.diff
-    import ckpttool.diff_render
-    import ckpttool.render
+    import ckpttool.render.convert
+    import ckpttool.render.diff
+    import ckpttool.render.rescale
+    import ckpttool.render.show
+    import ckpttool.render.show_tree
     import ckpttool.render_checks
-    import ckpttool.render_rescale
     import ckpttool.rescale
     import ckpttool.scan
     import ckpttool.show

@@ -2,8 +2,8 @@
 
 The JSON schema is a contract (docs/schemas/diff.schema.json, explained in docs/diff.md;
 tests/test_json_schemas.py checks real output against both): change it only by adding keys.
-tabulate and ckpttool.render are imported only when there is something to render with them:
-two equal files print one line, fast (``diff --quick``).
+tabulate is imported only when there is a table to print: two equal files print one line, fast
+(``diff --quick``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ckpttool.diff import (
 from ckpttool.diff_match import TYPE_CHANGED
 from ckpttool.diff_values import ValueDiff
 from ckpttool.records import TensorRecord
+from ckpttool.render.text import plain, short
 
 SCHEMA_VERSION = 1
 
@@ -44,8 +45,6 @@ HEADERS = ["key", "status", "A", "B", "max abs diff", "max rel diff", "mismatche
 def field_line(entry: FieldDiff) -> str:
     """``key: A -> B``; a side without the field shows ``(absent)``; a field that is a tensor
     on one side shows each side's type (``loss: 2.5 (float) -> 2.5 (tensor float32 [])``)."""
-    from ckpttool.render.text import short
-
     if entry.status == TYPE_CHANGED:
         a = _typed(entry.a, entry.a_tensor)
         b = _typed(entry.b, entry.b_tensor)
@@ -56,8 +55,6 @@ def field_line(entry: FieldDiff) -> str:
 
 
 def _typed(value: object, record: TensorRecord | None) -> str:
-    from ckpttool.render.text import short
-
     if record is None:
         return f"{short(value, 40)} ({'None' if value is None else type(value).__name__})"
     kind = f"(tensor {record.dtype} {list(record.shape)})"
@@ -70,7 +67,7 @@ def _typed(value: object, record: TensorRecord | None) -> str:
     return f"{short(value, 40)} {kind}"
 
 
-def render_diff(report: DiffReport, *, show_all: bool = False) -> str:
+def render_text(report: DiffReport, *, show_all: bool = False) -> str:
     """Field changes, then a table of the tensors that differ (all with ``show_all``), then
     the one-line summary."""
     lines = [field_line(entry) for entry in report.fields]
@@ -157,8 +154,6 @@ def record_json(record: TensorRecord | None) -> dict[str, Any] | None:
 
 
 def field_json(entry: FieldDiff) -> dict[str, Any]:
-    from ckpttool.render.text import plain
-
     return {
         "key": entry.key,
         "status": entry.status,
@@ -209,7 +204,8 @@ def tensor_json(entry: TensorDiff) -> dict[str, Any]:
     }
 
 
-def diff_json(report: DiffReport) -> dict[str, Any]:
+def render_json(report: DiffReport) -> dict[str, Any]:
+    """``diff --json``: docs/schemas/diff.schema.json."""
     return {
         "schema": SCHEMA_VERSION,
         "a": side_json(report.a),

@@ -6,10 +6,10 @@ from typing import Any
 
 from ckpttool.rescale import HISTORY_KEY, WORLD_SIZE_KEY, RescaleReport, describe_repeats
 
-__all__ = ["report_json", "report_lines"]
+__all__ = ["render_json", "render_text"]
 
 
-def report_json(report: RescaleReport) -> dict[str, Any]:
+def render_json(report: RescaleReport) -> dict[str, Any]:
     """The ``--json`` output of ``rescale-step``: docs/schemas/rescale-step.schema.json."""
     plan = report.plan
     batch_size = report.batch_size
@@ -39,8 +39,12 @@ def report_json(report: RescaleReport) -> dict[str, Any]:
     }
 
 
-def report_lines(report: RescaleReport) -> list[str]:
+def render_text(report: RescaleReport) -> str:
     """The human report, one fact per line."""
+    return "\n".join(_lines(report))
+
+
+def _lines(report: RescaleReport) -> list[str]:
     plan = report.plan
     name = plan.step_key
     lines = [

@@ -12,12 +12,12 @@ from ckpttool.convert import ConvertReport
 from ckpttool.layout import LAYOUT_TITLES
 from ckpttool.render.text import human_size
 
-__all__ = ["report_json", "report_lines"]
+__all__ = ["render_json", "render_text"]
 
 _SHOWN = 4  # aliases and fields listed by name before "(+N more)"
 
 
-def report_json(report: ConvertReport) -> dict[str, Any]:
+def render_json(report: ConvertReport) -> dict[str, Any]:
     """The ``--json`` output of ``convert``: docs/schemas/convert.schema.json, docs/convert.md."""
     return {
         "source": str(report.source),
@@ -39,7 +39,7 @@ def report_json(report: ConvertReport) -> dict[str, Any]:
     }
 
 
-def report_lines(report: ConvertReport) -> str:
+def render_text(report: ConvertReport) -> str:
     """``wrote DST (...)`` and one line per fact worth knowing."""
     if len(report.outputs) > 1:
         what = f"{report.outputs[-1]} and {len(report.outputs) - 1} shards"
