@@ -1,8 +1,8 @@
 """The one door to checkpoint files: :func:`open_checkpoint`.
 
 Every command reads through here. Opening a file recognises its format, walks its pickle with
-:mod:`ckpttool.pickle_safe` (nothing in it runs), and returns a :class:`Checkpoint`: the object
-tree with tensors as :class:`~ckpttool.records.TensorRecord` s. No tensor bytes are read;
+:mod:`ckpttool.pickle.interpreter` (nothing in it runs), and returns a :class:`Checkpoint`: the
+object tree with tensors as :class:`~ckpttool.records.TensorRecord` s. No tensor bytes are read;
 :meth:`Checkpoint.read_bytes` reads exactly the bytes a value needs when a command asks, with
 ``pread`` on the open file (never the whole file). torch is not imported.
 
@@ -29,7 +29,7 @@ from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory, read_a
 from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
 from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_growing, read_torch_legacy
 from ckpttool.formats.torch_zip import read_torch_zip
-from ckpttool.pickle_safe import PickleResult, load_pickle
+from ckpttool.pickle.interpreter import PickleResult, load_pickle
 from ckpttool.records import StorageRecord, TensorRecord, get_path, tensors
 
 if TYPE_CHECKING:

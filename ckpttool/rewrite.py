@@ -1,7 +1,7 @@
 """Rewrite a checkpoint with a few top-level fields changed and every other byte copied.
 
 This is the IO half of an in-place repair such as ``rescale-step``: the object pickle is
-spliced (:mod:`ckpttool.pickle_edit`), and the rest of the file is copied from the original by
+spliced (:mod:`ckpttool.pickle.edit`), and the rest of the file is copied from the original by
 the kernel (``copy_file_range``; a bounded read/write loop where it is unavailable), so memory
 stays flat however large the file is, the bytes never pass through Python, and torch is never
 imported. torch zip files are rebuilt record by record under the same names, in the same order
@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 from ckpttool.errors import EXIT_FOUND, CkptError, CorruptCheckpointError, LayoutError
 from ckpttool.formats.torch_zip import find_data_pkl, member_span, open_zip
 from ckpttool.formats.zip_writer import TorchZipWriter, copy_range
-from ckpttool.pickle_edit import Edit, root_edits, splice
+from ckpttool.pickle.edit import Edit, root_edits, splice
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import walk
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from ckpttool.errors import CkptError, NotACheckpointError, UnsafePickleError
 from ckpttool.formats.dcp import METADATA, DcpFiles, is_dcp_directory, load_metadata, present
 from ckpttool.formats.torch_zip import is_torchscript, open_zip, read_record
-from ckpttool.pickle_safe import SafeUnpickler
+from ckpttool.pickle.interpreter import SafeUnpickler
 from ckpttool.reader import open_checkpoint
 from ckpttool.records import StorageRecord
 

@@ -237,7 +237,7 @@ def test_unlisted_callable_is_real_and_never_called(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code], input=payload, cwd=REPO, check=True)
     assert marker.exists()
     marker.unlink()
-    from ckpttool.pickle_safe import load_pickle
+    from ckpttool.pickle.interpreter import load_pickle
 
     root = load_pickle(payload).root
     assert root.cls == "tests.adversarial.touch_marker" and root.args == (str(marker),)

@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from ckpttool.cli import cli
-from ckpttool.pickle_safe import load_pickle
+from ckpttool.pickle.interpreter import load_pickle
 from ckpttool.reader import open_checkpoint
 
 ARGS = argparse.Namespace(lr=1e-3, batch_size=32, layers=[1, 2], inner=argparse.Namespace(a=1))

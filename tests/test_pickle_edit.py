@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpttool.errors import LayoutError
-from ckpttool.pickle_edit import emit, root_edits, splice
-from ckpttool.pickle_safe import load_pickle
+from ckpttool.pickle.edit import emit, root_edits, splice
+from ckpttool.pickle.interpreter import load_pickle
 
 PLAIN = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**300), 2**300) | st.text() | st.floats(

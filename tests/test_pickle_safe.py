@@ -15,7 +15,7 @@ from collections import OrderedDict
 import pytest
 
 from ckpttool.errors import CorruptCheckpointError
-from ckpttool.pickle_safe import _DISPATCH, INLINE_OPCODES, TruncatedPickleError, load_pickle
+from ckpttool.pickle.interpreter import _DISPATCH, INLINE_OPCODES, TruncatedPickleError, load_pickle
 
 PLAIN = {
     "ints": [0, 1, 255, 256, 65535, 65536, -1, -(2**31), 2**31 - 1, 2**40, -(2**70)],

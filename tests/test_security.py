@@ -19,7 +19,7 @@ from ckpttool.errors import (
     ResourceLimitError,
     UnsafePickleError,
 )
-from ckpttool.pickle_safe import load_pickle
+from ckpttool.pickle.interpreter import load_pickle
 from ckpttool.reader import open_checkpoint
 from tests import adversarial
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.pickle_safe import PickleResult
+from ckpttool.pickle.interpreter import PickleResult
 from ckpttool.records import StorageRecord
 
 #: The file a torch.distributed.checkpoint directory is recognised by (written last by DCP).

@@ -43,7 +43,7 @@ from ckpttool.formats.dcp_metadata import (
 )
 from ckpttool.formats.torch_zip import open_zip, read_torch_zip
 from ckpttool.formats.zip_index import ZipIndex
-from ckpttool.pickle_safe import PickleResult, load_pickle
+from ckpttool.pickle.interpreter import PickleResult, load_pickle
 from ckpttool.records import (
     ITEMSIZE,
     ChunkedStorageRecord,

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, TypeVar
 from ckpttool.errors import CorruptCheckpointError, NotACheckpointError
 from ckpttool.formats.base import Parsed
 from ckpttool.formats.torch_zip import storage_dtype
-from ckpttool.pickle_safe import TruncatedPickleError, load_pickle
+from ckpttool.pickle.interpreter import TruncatedPickleError, load_pickle
 from ckpttool.records import ITEMSIZE, StorageRecord, fits_int64
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C

@@ -21,7 +21,7 @@ from ckpttool.formats.zip_index import (
     ZipMember,
     read_local_header,
 )  # fmt: skip
-from ckpttool.pickle_safe import _STORAGE_DTYPES, load_pickle
+from ckpttool.pickle.interpreter import _STORAGE_DTYPES, load_pickle
 from ckpttool.records import GlobalRef, StorageRecord, fits_int64
 
 MAX_DATA_PKL = 1 << 30  # 1 GiB of pickle: far beyond any real checkpoint's object tree

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import LayoutError
-from ckpttool.pickle_safe import ItemSpan, PickleResult
+from ckpttool.pickle.interpreter import ItemSpan, PickleResult
 
 __all__ = ["Edit", "emit", "root_edits", "splice"]
 

@@ -27,7 +27,7 @@ from ckpttool.records import (
 )
 
 if TYPE_CHECKING:
-    from ckpttool.pickle_safe import SafeUnpickler
+    from ckpttool.pickle.interpreter import SafeUnpickler
 
 
 # Modules (and builtins) whose only use in a checkpoint is to run code or touch the system.

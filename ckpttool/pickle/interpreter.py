@@ -8,7 +8,7 @@ constructs (tensor rebuilders, ``OrderedDict``, NumPy arrays and scalars, ``set`
 call yields an :class:`~ckpttool.records.OpaqueObject` that records the class name and
 arguments. Names that only make sense as an attack (``os.system``, ``builtins.eval``...) are
 refused outright. ``BUILD`` is applied only to objects this reader created. What is emulated
-and what is refused lives in :mod:`ckpttool.pickle_policy`.
+and what is refused lives in :mod:`ckpttool.pickle.policy`.
 
 Resources are bounded: every length prefix is checked against the bytes that remain (a
 ``BINBYTES8`` claiming a terabyte fails at once), the memo is a dict (``LONG_BINPUT
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError
-from ckpttool.pickle_policy import (
+from ckpttool.pickle.policy import (
     _EMULATED,
     _RENAMED_MODULES,
     _STORAGE_DTYPES,
