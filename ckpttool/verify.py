@@ -1,10 +1,11 @@
 """``verify``: a full integrity check of a checkpoint file, trusting nothing in it.
 
 Opening a file through the reader already checks the pickle, every storage's size against the
-bytes present and every tensor's extent. ``verify`` adds what costs a full read: the zip's
-central directory against each local header, the CRC-32 of every record (streamed, bounded
-memory), records nothing refers to; optionally NaN/Inf in every floating tensor. It also
-reports temp files that interrupted saves left next to the file. Problems are collected, not
+bytes present and every tensor's extent. ``verify`` adds what costs a full read, per format:
+a zip's central directory against each local header, the CRC-32 of every record (streamed,
+bounded memory) and records nothing refers to (``verify_zip``), every item of a DCP directory
+(``verify_dcp``); optionally NaN/Inf in every floating tensor. It also reports temp files
+that interrupted saves left next to the file. Problems are collected, not
 raised, so one run lists all of them; with several paths, one that cannot be checked at all
 (missing, not a checkpoint) gets its own verdict and the others are still checked.
 """
@@ -12,21 +13,15 @@ raised, so one run lists all of them; with several paths, one that cannot be che
 from __future__ import annotations
 
 import os
-import struct
-import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpttool.atomic import temp_name_pattern
 from ckpttool.errors import EXIT_ERROR, EXIT_FOUND, CkptError, InputError, NotACheckpointError
-from ckpttool.formats.torch_zip import open_zip
-from ckpttool.formats.zip_index import ZipIndex, ZipMember
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.values import tensor_stats
-
-CHUNK = 8 << 20
-_LOCAL = struct.Struct("<4s5H3I2H")
+from ckpttool.verify_zip import check_zip_records, record_owners, unreferenced_records
 
 
 @dataclass
@@ -51,118 +46,6 @@ def leftover_temp_files(path: Path) -> list[str]:
     if minimind_tmp.exists():
         found.append(minimind_tmp)
     return [str(p) for p in found]
-
-
-def check_zip_records(
-    path: Path,
-    progress: Callable[[int], None] | None = None,
-    owners: Mapping[str, Sequence[str]] | None = None,
-) -> list[str]:
-    """Central directory vs local headers, and the CRC of every record, streamed.
-
-    ``owners`` maps a record's name to the tensor keys whose bytes it holds, to name them in
-    the problems found in it.
-    """
-    with open(path, "rb") as handle:
-        return check_archive(handle.fileno(), open_zip(handle), 0, progress, owners)
-
-
-def record_owners(ckpt: Checkpoint) -> dict[str, list[str]]:
-    """Zip record name -> the keys of the tensors stored in it (several when they share it)."""
-    owners: dict[str, list[str]] = {}
-    for record in ckpt.tensors():
-        if record.storage is not None:
-            owners.setdefault(record.storage.record, []).append(record.key)
-    return owners
-
-
-def _stored_in(keys: Sequence[str]) -> str:
-    """``; it stores model.fc.weight, lm_head.weight``: which tensors a damaged record holds."""
-    if not keys:
-        return ""
-    shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-    return f"; it stores {shown}"
-
-
-def check_archive(
-    fd: int,
-    archive: ZipIndex,
-    base: int,
-    progress: Callable[[int], None] | None = None,
-    owners: Mapping[str, Sequence[str]] | None = None,
-) -> list[str]:
-    """:func:`check_zip_records` for an archive that starts at byte ``base`` of ``fd``."""
-    problems = []
-    for info in archive.infolist():
-        stored_in = _stored_in((owners or {}).get(info.filename, ()))
-        problems += [p + stored_in for p in _record_problems(fd, info, base, progress)]
-    return problems
-
-
-def _record_problems(
-    fd: int, info: ZipMember, base: int, progress: Callable[[int], None] | None
-) -> list[str]:
-    """One record: its local header against the directory's entry, then its CRC-32."""
-    header = os.pread(fd, _LOCAL.size, base + info.header_offset)
-    if len(header) != _LOCAL.size or header[:4] != b"PK\x03\x04":
-        return [f"{info.filename}: no local header where the directory says"]
-    problems = []
-    fields = _LOCAL.unpack(header)
-    flags, method, crc, name_len, extra_len = fields[2], fields[3], fields[6], *fields[9:]
-    local_name = os.pread(fd, name_len, base + info.header_offset + _LOCAL.size)
-    if local_name.decode("utf-8", "replace") != info.filename:
-        problems.append(
-            f"{info.filename}: the local header names it {local_name!r} "
-            "(central directory and local headers disagree)"
-        )
-    if method != info.compress_type:
-        problems.append(f"{info.filename}: compression differs from the directory's")
-    if not flags & 0x08 and crc != info.CRC:
-        problems.append(f"{info.filename}: local header CRC differs from the directory's")
-    if info.compress_type != 0:
-        # Not inflated here (a zip bomb would cost minutes), so its CRC is not checked,
-        # and no ckpttool command can read values from it: a problem, not a pass.
-        problems.append(
-            f"{info.filename}: compressed (torch never compresses records: a re-zipped "
-            "file?); its bytes cannot be checked or read in place"
-        )
-        return problems
-    start = base + info.header_offset + _LOCAL.size + name_len + extra_len
-    actual = _crc_of(fd, start, info.file_size, progress)
-    if actual is None:
-        problems.append(f"{info.filename}: the file ends inside this record (truncated)")
-    elif actual != info.CRC:
-        problems.append(
-            f"{info.filename}: CRC-32 is {actual:08x}, the archive says {info.CRC:08x} "
-            "(the bytes were altered or damaged)"
-        )
-    return problems
-
-
-def _crc_of(fd: int, start: int, size: int, progress: Callable[[int], None] | None) -> int | None:
-    crc = 0
-    done = 0
-    while done < size:
-        chunk = os.pread(fd, min(CHUNK, size - done), start + done)
-        if not chunk:
-            return None
-        crc = zlib.crc32(chunk, crc)
-        done += len(chunk)
-        if progress is not None:
-            progress(len(chunk))
-    return crc
-
-
-def unreferenced_records(ckpt: Checkpoint) -> list[str]:
-    """Storage records in a torch zip that no tensor uses (not an error: reported as a note)."""
-    if ckpt.format != "torch-zip":
-        return []
-    prefix = ckpt.details.get("prefix", "")
-    used = {r.storage.record for r in ckpt.tensors() if r.storage is not None}
-    with open(ckpt.path, "rb") as handle:
-        names = open_zip(handle).namelist()
-    data_prefix = f"{prefix}/data/" if prefix else "data/"
-    return [n for n in names if n.startswith(data_prefix) and n not in used]
 
 
 def verify_file(

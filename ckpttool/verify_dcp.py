@@ -15,7 +15,7 @@ from ckpttool.errors import CkptError
 from ckpttool.formats.dcp import METADATA, DcpFiles, load_metadata, present, tensor_record
 from ckpttool.formats.dcp_metadata import StorageSpan, TensorEntry, span_of
 from ckpttool.reader import Checkpoint
-from ckpttool.verify import check_archive
+from ckpttool.verify_zip import check_archive
 
 
 def check_dcp(

@@ -19,6 +19,7 @@ from ckpttool.formats.zip_index import (
     ZIP_STORED,
     ZipIndex,
     ZipMember,
+    encoded_name,
     read_local_header,
 )  # fmt: skip
 from ckpttool.pickle.interpreter import _STORAGE_DTYPES, load_pickle
@@ -135,7 +136,7 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
 
 def _data_start_at_least(info: ZipMember) -> int:
     """Where a record's bytes start at the earliest (its local header, no extra field)."""
-    return info.header_offset + LOCAL_HEADER.size + len(info.filename.encode("utf-8"))
+    return info.header_offset + LOCAL_HEADER.size + len(encoded_name(info))
 
 
 def read_record(
@@ -175,10 +176,11 @@ def member_span(handle: BinaryIO, info: ZipMember) -> tuple[int, int]:
     The span is checked against the file's size: a central directory may claim anything.
     """
     try:
-        start, method, _ = read_local_header(handle, info)
+        header = read_local_header(handle, info)
     except ZIP_ERRORS as error:
         raise CorruptCheckpointError(str(error)) from None
-    if method != ZIP_STORED:
+    start = header.data_start
+    if header.method != ZIP_STORED:
         raise CorruptCheckpointError(
             f"record {info.filename!r} is compressed; torch never writes that (re-zipped file?)"
         )

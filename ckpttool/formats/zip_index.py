@@ -55,12 +55,22 @@ class ZipMember(NamedTuple):
     flag_bits: int
 
 
+def _name_encoding(flags: int) -> str:
+    """The zip spec's rule, as zipfile follows it: UTF-8 under flag bit 11, else cp437."""
+    return "utf-8" if flags & _UTF8_NAMES else "cp437"
+
+
 def _decode_name(raw: bytes, flags: int) -> str:
     if b"\x00" in raw:  # zipfile cuts the name there: two names for one record
         raise BadZipError(f"a member name holds a NUL byte ({raw[:60]!r})")
     if raw.isascii():  # what torch writes; both encodings agree on ASCII
         return raw.decode("ascii")
-    return raw.decode("utf-8" if flags & _UTF8_NAMES else "cp437")
+    return raw.decode(_name_encoding(flags))
+
+
+def encoded_name(member: ZipMember) -> bytes:
+    """``member``'s name as the archive stores it (cp437 round-trips every byte)."""
+    return member.filename.encode(_name_encoding(member.flag_bits))
 
 
 class ZipIndex:
@@ -168,6 +178,10 @@ class ZipIndex:
         return members
 
     # -- reading a member --------------------------------------------------------------------
+    def local_header(self, member: ZipMember) -> LocalHeader:
+        """``member``'s local header as it is, for a caller that compares it (``verify``)."""
+        return parse_local_header(self._handle, member)
+
     def data_offset(self, member: ZipMember) -> int:
         """Where ``member``'s bytes start, from its local header (checked against the entry)."""
         header = read_local_header(self._handle, member)
@@ -203,13 +217,24 @@ class ZipIndex:
 
 
 class LocalHeader(NamedTuple):
+    """A member's local header: where its bytes start, and what ``verify`` compares."""
+
     data_start: int  # where the member's bytes start in the file
     method: int  # compression method the local header gives
     flags: int
+    crc: int  # CRC-32 it gives (0 when flag bit 3 defers it to a data descriptor)
+    raw_name: bytes  # the name as stored, decoded by ``flags`` as the directory's names are
+
+    def names(self, member: ZipMember) -> bool:
+        """Whether this header names ``member`` as the central directory does."""
+        try:
+            return _decode_name(self.raw_name, self.flags) == member.filename
+        except ValueError:  # a NUL byte, or bytes that are not UTF-8 under the UTF-8 flag
+            return False
 
 
-def read_local_header(handle: BinaryIO, member: ZipMember) -> LocalHeader:
-    """A member's local header, checked against its directory entry (offset, magic, name)."""
+def parse_local_header(handle: BinaryIO, member: ZipMember) -> LocalHeader:
+    """``member``'s local header as the file holds it: found and whole, not yet compared."""
     name = member.filename
     if member.header_offset < 0:
         raise BadZipError(f"record {name!r} has a negative offset")
@@ -217,17 +242,24 @@ def read_local_header(handle: BinaryIO, member: ZipMember) -> LocalHeader:
     header = handle.read(LOCAL_HEADER.size)
     if len(header) != LOCAL_HEADER.size:
         raise BadZipError(f"record {name!r} is cut off (truncated file)")
-    signature, _, flags, method, _, _, _, _, _, name_len, extra_len = LOCAL_HEADER.unpack(header)
+    (signature, _, flags, method, _, _, crc, _, _, name_len,
+     extra_len) = LOCAL_HEADER.unpack(header)  # fmt: skip
     if signature != b"PK\x03\x04":
         raise BadZipError(f"record {name!r} has no local header")
-    local_name = handle.read(name_len)
-    if _decode_name(local_name, flags) != name:
+    raw_name = handle.read(name_len)
+    data_start = member.header_offset + LOCAL_HEADER.size + name_len + extra_len
+    return LocalHeader(data_start, method, flags, crc, raw_name)
+
+
+def read_local_header(handle: BinaryIO, member: ZipMember) -> LocalHeader:
+    """A member's local header, checked against its directory entry (offset, magic, name)."""
+    header = parse_local_header(handle, member)
+    if not header.names(member):
         raise BadZipError(
-            f"the zip's central directory says {name!r} where the local header says {local_name!r}"
+            f"the zip's central directory says {member.filename!r} where the local header says "
+            f"{header.raw_name!r}"
         )
-    return LocalHeader(
-        member.header_offset + LOCAL_HEADER.size + name_len + extra_len, method, flags
-    )
+    return header
 
 
 def _check_extra(data: bytes, at: int, length: int) -> None:
@@ -265,5 +297,5 @@ def _zip64_extra(extra: bytes, size: int, compressed: int, offset: int) -> tuple
 
 __all__ = [
     "LOCAL_HEADER", "ZIP_DEFLATED", "ZIP_STORED", "BadZipError", "LocalHeader", "ZipIndex",
-    "ZipMember", "read_local_header",
+    "ZipMember", "encoded_name", "parse_local_header", "read_local_header",
 ]  # fmt: skip

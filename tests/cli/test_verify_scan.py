@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import shutil
+import struct
 import zipfile
 from pathlib import Path
 
@@ -143,6 +145,36 @@ def test_verify_finds_local_header_disagreeing_with_directory(tmp_path: Path) ->
     result = run("verify", path)
     assert result.exit_code == 1
     assert "central directory and local headers disagree" in result.stdout
+
+
+def _without_utf8_flag(data: bytearray) -> bytearray:
+    """Clear flag bit 11 (names are UTF-8) in every local header and directory entry."""
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
+        infos, directory = archive.infolist(), archive.start_dir
+    for info in infos:
+        data[info.header_offset + 7] &= ~0x08  # bit 11: bit 3 of the flags' second byte
+    for _ in infos:
+        data[directory + 9] &= ~0x08
+        name_len, extra_len, comment_len = struct.unpack_from("<3H", data, directory + 28)
+        directory += 46 + name_len + extra_len + comment_len
+    return data
+
+
+def test_verify_decodes_names_without_the_utf8_flag_as_cp437(tmp_path: Path) -> None:
+    """A non-ASCII record name without flag bit 11 (the zip spec's cp437 names) reads as cp437
+    in the directory and in every local header, as zipfile reads it: no false disagreement."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(RESUME) as source, zipfile.ZipFile(buffer, "w") as renamed:
+        for info in source.infolist():
+            name = "modèle/" + info.filename.partition("/")[2]
+            renamed.writestr(name, source.read(info))
+    path = tmp_path / "modèle.pth"
+    path.write_bytes(_without_utf8_flag(bytearray(buffer.getvalue())))
+    with zipfile.ZipFile(path) as archive:
+        assert "modèle".encode().decode("cp437") + "/data.pkl" in archive.namelist()
+    result = run("verify", path)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"{path}: OK (torch-zip")
 
 
 @pytest.mark.parametrize(("build", "fragment"), adversarial.BROKEN_ARCHIVES)
