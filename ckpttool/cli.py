@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import click
 
 from ckpttool import __version__
+from ckpttool.cli_options import force_option, json_option, key_prefix_options, section_option
 from ckpttool.errors import EXIT_ERROR, CkptError
 
 EXIT_CODES_HELP = """\b
@@ -66,21 +66,6 @@ def _input_bytes(path: str) -> int:
     return os.path.getsize(path) if os.path.isfile(path) else 0
 
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def key_prefix_options(command: F) -> F:
-    """``--strip-prefix`` and ``--ignore-wrappers``, shared by the commands that match keys."""
-    command = click.option(
-        "--ignore-wrappers", is_flag=True,
-        help="Remove DDP/torch.compile prefixes (module., _orig_mod.).",
-    )(command)  # fmt: skip
-    return click.option(
-        "--strip-prefix", "strip", multiple=True, metavar="PREFIX",
-        help="Remove PREFIX from the start of every tensor name that has it (repeatable).",
-    )(command)  # fmt: skip
-
-
 def _echo_json(data: object) -> None:
     import json
 
@@ -89,14 +74,9 @@ def _echo_json(data: object) -> None:
 
 @cli.command()
 @click.argument("path", type=click.Path(path_type=str))
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print one JSON object (schema in docs/schemas/show.schema.json).",
-)
+@json_option("show")
 @click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose key matches GLOB.")
-@click.option("--section", metavar="KEY", help="Only the subtree at KEY (e.g. model, optimizer).")
+@section_option()
 @click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")
 @click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
 @click.option("--depth", type=click.IntRange(min=0), help="Limit --tree to this depth.")
@@ -156,7 +136,7 @@ def show(
     "--atol", type=click.FloatRange(min=0), default=1e-8, show_default=True,
     help="Absolute tolerance.",
 )  # fmt: skip
-@click.option("--section", metavar="KEY", help="Compare only the subtree KEY of both files.")
+@section_option()
 @click.option(
     "--section-a", metavar="KEY",
     help="Compare only the subtree KEY of A (overrides --section for A). A side that no "
@@ -179,7 +159,7 @@ def show(
     help="List every tensor, identical (and equal after rounding) ones too.",
 )  # fmt: skip
 @click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@json_option("diff")
 def diff_command(
     path_a: str,
     path_b: str,
@@ -260,10 +240,10 @@ def diff_command(
     help="Top-level field to rescale instead of 'step' (also allows non-resume layouts).",
 )  # fmt: skip
 @click.option("-o", "--output", metavar="OUT", help="Write to OUT instead of in place.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@force_option
 @click.option("--backup", is_flag=True, help="Keep the original as PATH.bak (never overwritten).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@json_option("rescale-step")
 def rescale_step(
     path: str,
     world_size: int,
@@ -320,7 +300,7 @@ def rescale_step(
     show_default=True, help="Cast floating tensors (integer tensors are never cast).",
 )  # fmt: skip
 @click.option("--allow-overflow", is_flag=True, help="Write values too large for --dtype as inf.")
-@click.option("--section", metavar="KEY", help="Convert the subtree KEY (default: the weights).")
+@section_option(default="the weights")
 @key_prefix_options
 @click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose name matches GLOB.")
 @click.option("--keep-shared", is_flag=True, help="Write tied tensors as separate copies.")
@@ -329,8 +309,8 @@ def rescale_step(
     help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
 )  # fmt: skip
 @click.option("--no-verify", is_flag=True, help="Skip reading the output back (not advised).")
-@click.option("--force", is_flag=True, help="Replace outputs that exist.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@force_option
+@json_option("convert")
 def convert_command(
     src: str,
     dst: str | None,
@@ -389,7 +369,7 @@ def convert_command(
 @cli.command("verify")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--values", is_flag=True, help="Also read every floating tensor: NaN/Inf.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option("verify")
 def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     """Check files' integrity without trusting them.
 
@@ -435,7 +415,7 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     "--allow", multiple=True, metavar="MODULE.NAME",
     help="Accept this global (e.g. a config class you trust); repeatable.",
 )  # fmt: skip
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option("scan")
 def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) -> None:
     """List every global the pickles reference, classed safe / unknown / dangerous.
 

@@ -1,0 +1,48 @@
+"""The options several commands share, declared once so that each has one wording everywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def json_option(schema: str) -> Callable[[F], F]:
+    """``--json``: print the report as one JSON object, whose schema is
+    ``docs/schemas/<schema>.schema.json``."""
+    return click.option(
+        "--json", "as_json", is_flag=True,
+        help=f"Print one JSON object (schema in docs/schemas/{schema}.schema.json).",
+    )  # fmt: skip
+
+
+def section_option(default: str | None = None) -> Callable[[F], F]:
+    """``--section KEY``: work on one subtree; ``default`` says what is used without it, where
+    that is not simply the whole file."""
+    note = f"; default: {default}" if default else ""
+    return click.option(
+        "--section", metavar="KEY",
+        help=f"Only the subtree at KEY (e.g. model, optimizer){note}.",
+    )  # fmt: skip
+
+
+def force_option(command: F) -> F:
+    """``--force``: replace outputs that exist (refused without it)."""
+    return click.option("--force", is_flag=True, help="Replace outputs that already exist.")(
+        command
+    )
+
+
+def key_prefix_options(command: F) -> F:
+    """``--strip-prefix`` and ``--ignore-wrappers``, shared by the commands that match keys."""
+    command = click.option(
+        "--ignore-wrappers", is_flag=True,
+        help="Remove DDP/torch.compile prefixes (module., _orig_mod.).",
+    )(command)  # fmt: skip
+    return click.option(
+        "--strip-prefix", "strip", multiple=True, metavar="PREFIX",
+        help="Remove PREFIX from the start of every tensor name that has it (repeatable).",
+    )(command)  # fmt: skip
