@@ -28,12 +28,12 @@ from ckpttool.cast import CastCounts, cast_array, stored_dtype
 from ckpttool.convert_output import FORMATS, OutFile, check_targets, parse_size, plan_outputs
 from ckpttool.convert_plan import FIELD_PREFIX, Plan, Planned, build_plan
 from ckpttool.errors import EXIT_FOUND, CkptError, InputError
+from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
 from ckpttool.values import read_array
 from ckpttool.writers import PickledTensor, safetensors_header, write_pth
 
-Progress = Callable[[int], None]
 Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
 
 
@@ -84,8 +84,8 @@ def convert(
     allow_overflow: bool = False,
     verify: bool = True,
     force: bool = False,
-    progress: Progress | None = None,
-    on_total: Progress | None = None,
+    progress: ProgressCallback | None = None,
+    on_total: ProgressCallback | None = None,
 ) -> ConvertReport:
     """Convert the weights in ``src`` to safetensors (or ``to="pth"``); see the module doc.
 
@@ -231,7 +231,7 @@ def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce) -
 
 
 def verify_outputs(
-    ckpt: Checkpoint, written: list[tuple[Path, OutFile]], progress: Progress
+    ckpt: Checkpoint, written: list[tuple[Path, OutFile]], progress: ProgressCallback
 ) -> None:
     """Read every written file back through the reader; raise if anything differs."""
     problems: list[str] = []
@@ -252,7 +252,9 @@ def verify_outputs(
         )
 
 
-def _verify_file(ckpt: Checkpoint, temp: Path, out: OutFile, progress: Progress) -> list[str]:
+def _verify_file(
+    ckpt: Checkpoint, temp: Path, out: OutFile, progress: ProgressCallback
+) -> list[str]:
     name = out.target.name
     try:
         written = open_checkpoint(temp)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
@@ -41,6 +41,7 @@ from ckpttool.diff_values import (
     scalar_value,
 )
 from ckpttool.errors import CkptError
+from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
 
@@ -158,7 +159,7 @@ def diff(
     atol: float = DEFAULT_ATOL,
     quick: bool = False,
     rounded: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> DiffReport:
     """Compare checkpoint ``a`` with ``b`` (paths or open checkpoints). Never prints.
 
@@ -233,7 +234,7 @@ def run_diff(
     atol: float = DEFAULT_ATOL,
     quick: bool = False,
     rounded: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> DiffReport:
     """Compare the planned pairs' values, one pair at a time (``quick``: structure only;
     ``rounded``: floats of different precision in the narrower dtype)."""
@@ -303,7 +304,7 @@ def _compare_pair(
     *,
     quick: bool,
     rounded: bool,
-    progress: Callable[[int], None] | None,
+    progress: ProgressCallback | None,
 ) -> TensorDiff:
     a, b = pair.a, pair.b
     assert a is not None and b is not None

@@ -23,10 +23,11 @@ the narrower side is the wider one saved in its dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from ckpttool.progress import ProgressCallback
 from ckpttool.records import TensorRecord
 from ckpttool.values import as_float, numpy_code, read_array
 
@@ -221,7 +222,7 @@ def compare_values(
     rtol: float,
     atol: float,
     rounded: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ValueDiff | None:
     """Compare two same-shaped tensors; None when their dtypes have no common dtype.
 

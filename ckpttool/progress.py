@@ -1,17 +1,23 @@
 """A byte-count progress bar on stderr, shown only on a terminal and only for slow work.
 
-Library functions take an optional ``progress`` callback (``Progress.advance``) so that they
-never print; the CLI creates the bar. Nothing is drawn until ``delay`` seconds have passed,
-so quick commands stay quiet, and machine output on stdout is never touched.
+Library functions take an optional ``progress`` callback (a :data:`ProgressCallback`, such as
+``Progress.advance``) so that they never print; the CLI creates the bar. Nothing is drawn
+until ``delay`` seconds have passed, so quick commands stay quiet, and machine output on stdout
+is never touched.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from collections.abc import Callable
+from typing import TextIO, TypeAlias
 
 from ckpttool.render.text import human_size
+
+#: What library functions take as ``progress``: called with the bytes each step has just read
+#: or written. ``Progress.advance`` is one; the library never draws anything itself.
+ProgressCallback: TypeAlias = Callable[[int], None]
 
 
 class Progress:

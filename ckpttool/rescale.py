@@ -26,7 +26,7 @@ import contextlib
 import math
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
@@ -36,6 +36,7 @@ from ckpttool.atomic import atomic_group
 from ckpttool.errors import InputError, LayoutError, OutputExistsError
 from ckpttool.formats.base import is_dcp_directory
 from ckpttool.layout import LAYOUT_TITLES, LIGHTNING, detect_layout, is_resume
+from ckpttool.progress import ProgressCallback
 from ckpttool.reader import open_checkpoint
 from ckpttool.rewrite import FieldRewrite, verify_rewrite
 
@@ -220,7 +221,7 @@ def rescale_step(
     backup: bool = False,
     dry_run: bool = False,
     batch_size: int | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> RescaleReport:
     """Rescale the step of the resume checkpoint at ``path`` for ``world_size`` ranks.
 
@@ -290,7 +291,7 @@ def _write(
     rewrite: FieldRewrite,
     target: Path,
     backup_path: Path | None,
-    progress: Callable[[int], None] | None,
+    progress: ProgressCallback | None,
 ) -> bool:
     """Write, read back and check, keep the backup, replace. Returns whether a backup was made.
 

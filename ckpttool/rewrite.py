@@ -23,12 +23,11 @@ from ckpttool.errors import EXIT_FOUND, CkptError, CorruptCheckpointError, Layou
 from ckpttool.formats.torch_zip import find_data_pkl, member_span, open_zip
 from ckpttool.formats.zip_writer import TorchZipWriter, copy_range
 from ckpttool.pickle.edit import Edit, root_edits, splice
+from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import walk
 
 __all__ = ["FieldRewrite", "RewriteCheckError", "verify_rewrite"]
-
-Progress = Callable[[int], None]
 
 
 class RewriteCheckError(CkptError):
@@ -84,7 +83,7 @@ class FieldRewrite:
             raise CorruptCheckpointError(f"{self.ckpt.path} ends early (truncated?)")
         return data
 
-    def write(self, out: BinaryIO, progress: Progress | None = None) -> None:
+    def write(self, out: BinaryIO, progress: ProgressCallback | None = None) -> None:
         """Write the new file to ``out`` (seekable, positioned at 0)."""
         try:
             if self.ckpt.format == "torch-zip":
@@ -102,7 +101,7 @@ class FieldRewrite:
         except EOFError:
             raise CorruptCheckpointError(f"{self.ckpt.path} ends early (truncated?)") from None
 
-    def _write_zip(self, out: BinaryIO, progress: Progress | None) -> None:
+    def _write_zip(self, out: BinaryIO, progress: ProgressCallback | None) -> None:
         new_pkl = b"".join(
             piece if isinstance(piece, bytes) else self.pkl[piece[0] : piece[1]]
             for piece in splice(len(self.pkl), self.edits)

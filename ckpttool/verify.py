@@ -13,12 +13,13 @@ raised, so one run lists all of them; with several paths, one that cannot be che
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpttool.atomic import temp_name_pattern
 from ckpttool.errors import EXIT_ERROR, EXIT_FOUND, CkptError, InputError, NotACheckpointError
+from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.values import tensor_stats
 from ckpttool.verify_zip import check_zip_records, record_owners, unreferenced_records
@@ -52,7 +53,7 @@ def verify_file(
     path: str | os.PathLike[str],
     *,
     values: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> VerifyResult:
     """Check one file. Raises InputError/NotACheckpointError only when no check can run."""
     path = Path(path)
@@ -120,7 +121,7 @@ def verify(
     paths: Iterable[str | os.PathLike[str]],
     *,
     values: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> list[VerifyResult]:
     """Check every path on its own: one that cannot be checked at all (missing, a directory,
     not a checkpoint) gets a result with ``error`` set, and the run goes on."""

@@ -9,17 +9,16 @@ runs) and dangerous globals in them reported. Data files nothing refers to are n
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ckpttool.errors import CkptError
 from ckpttool.formats.dcp import METADATA, DcpFiles, load_metadata, present, tensor_record
 from ckpttool.formats.dcp_metadata import StorageSpan, TensorEntry, span_of
+from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint
 from ckpttool.verify_zip import check_archive
 
 
 def check_dcp(
-    ckpt: Checkpoint, progress: Callable[[int], None] | None = None
+    ckpt: Checkpoint, progress: ProgressCallback | None = None
 ) -> tuple[list[str], list[str]]:
     """(problems, what was checked) for the DCP directory ``ckpt`` was opened from."""
     directory = ckpt.path
@@ -69,7 +68,7 @@ def _check_item(
     span: StorageSpan,
     where: str,
     dangerous: set[str],
-    progress: Callable[[int], None] | None,
+    progress: ProgressCallback | None,
 ) -> list[str]:
     if files.pread(span.file, span.offset, min(4, span.length)) != b"PK\x03\x04":
         return []  # a value saved as raw bytes (a BytesIO): no structure to check

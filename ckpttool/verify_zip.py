@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ckpttool.formats.torch_zip import open_zip
 from ckpttool.formats.zip_index import BadZipError, ZipIndex, ZipMember
+from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint
 
 CHUNK = 8 << 20
@@ -23,7 +24,7 @@ CHUNK = 8 << 20
 
 def check_zip_records(
     path: Path,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
     owners: Mapping[str, Sequence[str]] | None = None,
 ) -> list[str]:
     """Central directory vs local headers, and the CRC of every record, streamed.
@@ -56,7 +57,7 @@ def check_archive(
     fd: int,
     archive: ZipIndex,
     base: int,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
     owners: Mapping[str, Sequence[str]] | None = None,
 ) -> list[str]:
     """:func:`check_zip_records` for an archive that starts at byte ``base`` of ``fd``.
@@ -76,7 +77,7 @@ def _record_problems(
     archive: ZipIndex,
     info: ZipMember,
     base: int,
-    progress: Callable[[int], None] | None,
+    progress: ProgressCallback | None,
 ) -> list[str]:
     """One record: its local header against the directory's entry, then its CRC-32."""
     try:
@@ -112,7 +113,7 @@ def _record_problems(
     return problems
 
 
-def _crc_of(fd: int, start: int, size: int, progress: Callable[[int], None] | None) -> int | None:
+def _crc_of(fd: int, start: int, size: int, progress: ProgressCallback | None) -> int | None:
     crc = 0
     done = 0
     while done < size:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
+
+from ckpttool.progress import ProgressCallback
 
 ALIGNMENT = 64
 _LOCAL = struct.Struct("<4s5H3I2H")
@@ -67,7 +69,7 @@ class TorchZipWriter:
         source_offset: int,
         size: int,
         crc: int,
-        progress: Callable[[int], None] | None = None,
+        progress: ProgressCallback | None = None,
     ) -> None:
         """Write a record whose bytes are ``size`` bytes of another file, copied in the kernel.
 
@@ -145,7 +147,7 @@ def copy_range(
     dest_fd: int,
     dest_offset: int,
     size: int,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> None:
     """Copy ``size`` bytes between two files at explicit offsets, in the kernel where possible."""
     done = 0
