@@ -210,11 +210,12 @@ def test_diff_json_is_what_docs_diff_md_documents() -> None:
     assert len(aliased) == 1
     example = documented_diff_example()
     assert_valid("diff", example)
-    actual = {**data, "tensors": aliased, "fields": [{"key": "step", "status": "changed", "a": 1, "b": 2}]}  # fmt: skip
+    field = {"key": "step", "status": "changed", "a": 1, "b": 2, "a_tensor": None, "b_tensor": None}  # fmt: skip
+    actual = {**data, "tensors": aliased, "fields": [field]}
     assert shape_of(actual) == shape_of(example)
     assert aliased[0] == example["tensors"][0] | {"values": aliased[0]["values"]}
     assert aliased[0]["values"]["cast"] == {"a": "float16 -> float32"}
-    assert data["summary"] == {"identical": 0, "within_tolerance": 0, "differ": 21, "only_a": 0, "only_b": 0}  # fmt: skip
+    assert data["summary"] == {"identical": 0, "within_tolerance": 0, "differ": 21, "only_a": 0, "only_b": 0, "equal_after_rounding": 0}  # fmt: skip
     table = (DOCS / "diff.md").read_text().split("| key | meaning |", 1)[1]
     for key in [*data, *data["a"], *data["tensors"][0], *aliased[0]["values"], *actual["fields"][0]]:  # fmt: skip
         assert f"`{key}`" in table or f"`{key}[]`" in table, key
