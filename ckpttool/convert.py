@@ -105,30 +105,59 @@ def convert(
                           pattern=pattern, dtype=dtype, keep_shared=keep_shared)  # fmt: skip
         files = plan_outputs(src_path, dst, to, shard_size, plan)
         check_targets(src_path, files, force)
-        counts: dict[str, CastCounts] = {}
-        write_progress = progress or (lambda n: None)
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
+        counts = _write_outputs(ckpt, plan, files, allow_overflow=allow_overflow, verify=verify,
+                                progress=progress or (lambda n: None))  # fmt: skip
+    return _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
 
-        def produce(planned: Planned) -> bytes | bytearray | memoryview:
-            data, cast = tensor_bytes(ckpt, planned)
-            if cast is not None:
-                counts[planned.name] = cast
-                if cast.overflow and not allow_overflow:
-                    raise OverflowRefusedError(_overflow_message(planned, cast))
-            write_progress(planned.nbytes)
-            return data
 
-        def check(temps: list[Path]) -> None:
-            if verify:
-                verify_outputs(ckpt, list(zip(temps, files)), write_progress)
+def _write_outputs(
+    ckpt: Checkpoint,
+    plan: Plan,
+    files: list[OutFile],
+    *,
+    allow_overflow: bool,
+    verify: bool,
+    progress: ProgressCallback,
+) -> dict[str, CastCounts]:
+    """Write ``files`` through one atomic group, each tensor read, cast and written in turn;
+    when ``verify``, read them back before they replace anything. Returns what each cast
+    tensor lost (overflow, underflow), by name."""
+    counts: dict[str, CastCounts] = {}
 
-        try:
-            with atomic_group([f.target for f in files], check=check) as handles:
-                for handle, out_file in zip(handles, files):
-                    _write(handle, out_file, plan.names, produce)
-        except OSError as error:  # permissions, a full disk: one line, not a traceback
-            raise InputError(f"conversion failed, nothing was written: {error}") from error
+    def produce(planned: Planned) -> bytes | bytearray | memoryview:
+        data, cast = tensor_bytes(ckpt, planned)
+        if cast is not None:
+            counts[planned.name] = cast
+            if cast.overflow and not allow_overflow:
+                raise OverflowRefusedError(_overflow_message(planned, cast))
+        progress(planned.nbytes)
+        return data
+
+    def check(temps: list[Path]) -> None:
+        if verify:
+            verify_outputs(ckpt, list(zip(temps, files)), progress)
+
+    try:
+        with atomic_group([f.target for f in files], check=check) as handles:
+            for handle, out_file in zip(handles, files):
+                _write(handle, out_file, plan.names, produce)
+    except OSError as error:  # permissions, a full disk: one line, not a traceback
+        raise InputError(f"conversion failed, nothing was written: {error}") from error
+    return counts
+
+
+def _build_report(
+    src_path: Path,
+    plan: Plan,
+    files: list[OutFile],
+    counts: dict[str, CastCounts],
+    *,
+    dtype: str,
+    verified: bool,
+) -> ConvertReport:
+    """What was written, from the plan, the files as they are now and the casts' losses."""
     cast_summary: dict[str, int] = {}
     for planned in plan.stored:
         if planned.dtype != planned.record.dtype:
@@ -152,7 +181,7 @@ def convert(
         overflow={name: c.overflow for name, c in counts.items() if c.overflow},
         fields={k: v for k, v in files[0].metadata.items() if k in plan.fields},
         notes=_notes(plan, output_format, underflow),
-        verified=verify,
+        verified=verified,
     )
 
 
