@@ -234,24 +234,9 @@ def rescale_step(
     path = Path(path)
     target = Path(output) if output is not None else path
     in_place = _same_file(path, target)
-    backup_path = path.with_name(path.name + ".bak")
-    if backup and not in_place:
-        raise InputError("--backup applies to in-place rewrites; with -o the original is kept")
-    if backup and os.path.lexists(backup_path):
-        raise OutputExistsError(
-            f"{backup_path} already exists: move it away first (it is never overwritten)"
-        )
-    if not in_place and os.path.lexists(target) and not overwrite:
-        raise OutputExistsError(f"{target} already exists (pass --force to replace it)")
-    if is_dcp_directory(path):
-        raise LayoutError(
-            f"{path}: a torch.distributed.checkpoint directory; rescale-step rewrites one "
-            "checkpoint file (DCP keeps step inside one rank's data file), so it is not supported"
-        )
-    if target.is_dir():
-        raise InputError(f"{target} is a directory; -o takes the output file's path")
-    if batch_size is not None:
-        _positive(batch_size, "--batch-size")
+    backup_path = path.with_name(path.name + ".bak") if backup else None
+    _check_request(path, target, in_place=in_place, backup_path=backup_path,
+                   overwrite=overwrite, batch_size=batch_size)  # fmt: skip
     with open_checkpoint(path, track_spans=True) as ckpt:
         layout = detect_layout(ckpt.root, ckpt.format)
         _check_layout(path, ckpt.format, layout, ckpt.root, step_key)
@@ -271,20 +256,60 @@ def rescale_step(
         with FieldRewrite(ckpt, changes) as rewrite:
             if dry_run:
                 return report
-            mode = os.stat(path).st_mode & 0o7777
-            # Through a symlink, replace the file it points to, not the link.
-            write_to = Path(os.path.realpath(path)) if in_place else target
-            try:
-                made_backup = _write(rewrite, write_to, backup_path if backup else None, progress)
-            except OSError as error:
-                raise InputError(f"cannot write {target} ({error.strerror or error})") from error
+            made_backup = _rewrite_file(rewrite, path, target, in_place, backup_path, progress)
+    return replace(report, written=True, backup=made_backup)
+
+
+def _check_request(
+    path: Path,
+    target: Path,
+    *,
+    in_place: bool,
+    backup_path: Path | None,
+    overwrite: bool,
+    batch_size: int | None,
+) -> None:
+    """The refusals that need no reading of the file: the options and the paths."""
+    if backup_path is not None and not in_place:
+        raise InputError("--backup applies to in-place rewrites; with -o the original is kept")
+    if backup_path is not None and os.path.lexists(backup_path):
+        raise OutputExistsError(
+            f"{backup_path} already exists: move it away first (it is never overwritten)"
+        )
+    if not in_place and os.path.lexists(target) and not overwrite:
+        raise OutputExistsError(f"{target} already exists (pass --force to replace it)")
+    if is_dcp_directory(path):
+        raise LayoutError(
+            f"{path}: a torch.distributed.checkpoint directory; rescale-step rewrites one "
+            "checkpoint file (DCP keeps step inside one rank's data file), so it is not supported"
+        )
+    if target.is_dir():
+        raise InputError(f"{target} is a directory; -o takes the output file's path")
+    if batch_size is not None:
+        _positive(batch_size, "--batch-size")
+
+
+def _rewrite_file(
+    rewrite: FieldRewrite,
+    path: Path,
+    target: Path,
+    in_place: bool,
+    backup_path: Path | None,
+    progress: ProgressCallback | None,
+) -> Path | None:
+    """Write the rewritten file to ``target`` or, in place, over ``path`` keeping its mode.
+    Returns the backup made, if any."""
+    mode = os.stat(path).st_mode & 0o7777
+    # Through a symlink, replace the file it points to, not the link.
+    write_to = Path(os.path.realpath(path)) if in_place else target
+    try:
+        made_backup = _write(rewrite, write_to, backup_path, progress)
+    except OSError as error:
+        raise InputError(f"cannot write {target} ({error.strerror or error})") from error
     if in_place:
         with contextlib.suppress(OSError):
             os.chmod(write_to, mode)  # new files get the umask's mode; keep the original's
-    return RescaleReport(
-        path, target, report.format, layout, plan, batch_size, False, True,
-        backup_path if made_backup else None,
-    )  # fmt: skip
+    return backup_path if made_backup else None
 
 
 def _write(
