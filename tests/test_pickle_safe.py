@@ -1,7 +1,7 @@
 """The opcode interpreter: every opcode has exactly one implementation, and both paths agree.
 
 ``SafeUnpickler.load`` interprets the opcodes ``torch.save`` writes most inline and the rest
-through ``_DISPATCH``; an opcode in neither would be refused as unknown, one in both would have
+through ``DISPATCH``; an opcode in neither would be refused as unknown, one in both would have
 a second, unused implementation. Plain data pickled with every protocol must read back equal to
 what ``pickle.loads`` builds, through whichever path each opcode takes.
 """
@@ -15,7 +15,7 @@ from collections import OrderedDict
 import pytest
 
 from ckpttool.errors import CorruptCheckpointError
-from ckpttool.pickle.interpreter import _DISPATCH, INLINE_OPCODES, TruncatedPickleError, load_pickle
+from ckpttool.pickle.interpreter import DISPATCH, INLINE_OPCODES, TruncatedPickleError, load_pickle
 
 PLAIN = {
     "ints": [0, 1, 255, 256, 65535, 65536, -1, -(2**31), 2**31 - 1, 2**40, -(2**70)],
@@ -33,8 +33,8 @@ PLAIN["shared"] = [_shared, _shared]
 
 def test_every_opcode_has_exactly_one_implementation() -> None:
     codes = {op.code.encode("latin-1")[0] for op in pickletools.opcodes}
-    assert INLINE_OPCODES.isdisjoint(_DISPATCH)
-    assert codes - INLINE_OPCODES - set(_DISPATCH) == set()
+    assert INLINE_OPCODES.isdisjoint(DISPATCH)
+    assert codes - INLINE_OPCODES - set(DISPATCH) == set()
 
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))

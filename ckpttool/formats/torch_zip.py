@@ -22,7 +22,8 @@ from ckpttool.formats.zip_index import (
     encoded_name,
     read_local_header,
 )  # fmt: skip
-from ckpttool.pickle.interpreter import _STORAGE_DTYPES, load_pickle
+from ckpttool.pickle.emulation import STORAGE_DTYPES
+from ckpttool.pickle.interpreter import load_pickle
 from ckpttool.records import GlobalRef, StorageRecord, fits_int64
 
 MAX_DATA_PKL = 1 << 30  # 1 GiB of pickle: far beyond any real checkpoint's object tree
@@ -35,8 +36,8 @@ ZIP_ERRORS = (OSError, EOFError, ValueError, struct.error, OverflowError, zlib.e
 
 
 def storage_dtype(storage_type: Any) -> str:
-    if isinstance(storage_type, GlobalRef) and storage_type.name in _STORAGE_DTYPES:
-        return _STORAGE_DTYPES[storage_type.name]
+    if isinstance(storage_type, GlobalRef) and storage_type.name in STORAGE_DTYPES:
+        return STORAGE_DTYPES[storage_type.name]
     raise CorruptCheckpointError(f"unknown storage type {storage_type!s} in the pickle")
 
 

@@ -8,7 +8,7 @@ constructs (tensor rebuilders, ``OrderedDict``, NumPy arrays and scalars, ``set`
 call yields an :class:`~ckpttool.records.OpaqueObject` that records the class name and
 arguments. Names that only make sense as an attack (``os.system``, ``builtins.eval``...) are
 refused outright. ``BUILD`` is applied only to objects this reader created. What is emulated
-and what is refused lives in :mod:`ckpttool.pickle.policy`.
+lives in :mod:`ckpttool.pickle.emulation`, what is refused in :mod:`ckpttool.pickle.policy`.
 
 Resources are bounded: every length prefix is checked against the bytes that remain (a
 ``BINBYTES8`` claiming a terabyte fails at once), the memo is a dict (``LONG_BINPUT
@@ -26,20 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError
-from ckpttool.pickle.policy import (
-    _EMULATED,
-    _RENAMED_MODULES,
-    _STORAGE_DTYPES,
-    _TORCH_DTYPE_GLOBALS,
-    AttributeDict,
-    _is_storage_class,
-    _ndarray_from_state,
-    _NdarrayBuilder,
-    _NumpyDtype,
-    _opaque_call,
-    _TorchDtype,
-    classify_global,
+from ckpttool.pickle.emulation import (
+    NdarrayBuilder,
+    NumpyDtype,
+    TorchDtype,
+    emulate_call,
+    global_value,
+    set_state,
 )
+from ckpttool.pickle.policy import RENAMED_MODULES, classify_global
 from ckpttool.records import GlobalRef, OpaqueObject, TensorRecord
 
 MAX_DEPTH = 200  # nesting of containers; real checkpoints stay under 20
@@ -172,7 +167,7 @@ class SafeUnpickler:
 
     # -- globals and calls ----------------------------------------------------------------
     def _global(self, module: str, name: str) -> Any:
-        module = _RENAMED_MODULES.get(module, module)
+        module = RENAMED_MODULES.get(module, module)
         kind = classify_global(module, name)
         self.result.globals_seen.append((module, name, kind))
         if kind == "dangerous" and self.refuse_dangerous:
@@ -181,45 +176,25 @@ class SafeUnpickler:
                 "touch your system (nothing was run). Do not load this file with torch.load; "
                 "`ckpttool scan` lists everything it references"
             )
-        qualname = f"{module}.{name}"
-        if qualname in _TORCH_DTYPE_GLOBALS:
-            return _TORCH_DTYPE_GLOBALS[qualname]
-        return GlobalRef(module, name)
+        return global_value(module, name)
 
     def _call(self, func: Any, args: Any) -> Any:
         if not isinstance(func, GlobalRef):
             raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
         if not isinstance(args, tuple):
             raise _bad(self.pos, "call arguments are not a tuple")
-        handler = _EMULATED.get(func.qualname)
-        if handler is None and _is_storage_class(func.qualname):
-            handler = _opaque_call
-        result = handler(self, func, args) if handler else _opaque_call(self, func, args)
-        mutable = (dict, list, set, OpaqueObject, _NdarrayBuilder, _NumpyDtype)
+        result = emulate_call(self._call, func, args)
+        mutable = (dict, list, set, OpaqueObject, NdarrayBuilder, NumpyDtype)
         return self._new(result) if isinstance(result, mutable) else result
 
     def _build(self, obj: Any, state: Any) -> Any:
-        if isinstance(obj, (GlobalRef, _TorchDtype)) or id(obj) not in self.created:
+        if isinstance(obj, (GlobalRef, TorchDtype)) or id(obj) not in self.created:
             name = obj.qualname if isinstance(obj, GlobalRef) else type(obj).__name__
             raise UnsafePickleError(
                 f"refusing to read: the pickle uses BUILD to modify {name}, an object it did "
                 "not create (an attack on the reading process; nothing was modified)"
             )
-        if isinstance(obj, OpaqueObject):
-            obj.state = state
-        elif isinstance(obj, AttributeDict):
-            if isinstance(state, dict):
-                obj.update(state)
-        elif isinstance(obj, _NdarrayBuilder):
-            obj.record = _ndarray_from_state(obj, state, self.pos)
-        elif (
-            isinstance(obj, _NumpyDtype)
-            and isinstance(state, tuple)
-            and len(state) > 1
-            and state[1] in ("<", ">", "|", "=")
-        ):
-            obj.byteorder = ">" if state[1] == ">" else "<"
-        # dicts (OrderedDict `_metadata`), lists, tensors: the state is not part of the data.
+        set_state(obj, state, self.pos)
         return obj
 
     # -- main loop ------------------------------------------------------------------------
@@ -229,13 +204,13 @@ class SafeUnpickler:
         The opcodes ``torch.save`` emits most (protocol 2: memo PUT/GET, small ints, MARK and
         TUPLE, strings, REDUCE, BINPERSID: ``INLINE_OPCODES``) are handled inline with the
         stack in local variables: listing a checkpoint is this loop, and a function call per
-        opcode was half its cost. Every other opcode goes through ``_DISPATCH``. Both paths check lengths, the stack and the memo
+        opcode was half its cost. Every other opcode goes through ``DISPATCH``. Both paths check lengths, the stack and the memo
         the same way.
         """
         deadline = time.monotonic() + MAX_SECONDS
         data = self.data
         size = len(data)
-        dispatch = _DISPATCH
+        dispatch = DISPATCH
         memo = self.memo
         metastack = self.metastack
         created = self.created
@@ -707,7 +682,7 @@ def _n(fmt: str, size: int) -> Callable[[SafeUnpickler], int]:
 INLINE_OPCODES = frozenset(b"rqhjK(tMJX\x8c)\x85\x86\x87\x88\x89NRQ}]")
 
 #: Every other opcode: a handler taking (unpickler, offset of the opcode), True on STOP.
-_DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
+DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
     ord("."): _op_stop,
     0x80: _op_proto,
     0x95: _op_frame,
@@ -784,11 +759,11 @@ def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) 
     def visit(node: Any, depth: int) -> tuple[Any, int]:
         if depth > MAX_DEPTH:
             raise ResourceLimitError(f"the pickle nests containers more than {MAX_DEPTH} deep")
-        if isinstance(node, _NdarrayBuilder):
+        if isinstance(node, NdarrayBuilder):
             node = node.record
-        elif isinstance(node, _NumpyDtype):
+        elif isinstance(node, NumpyDtype):
             return f"numpy.dtype('{node.byteorder}{node.code}')", 1
-        elif isinstance(node, _TorchDtype):
+        elif isinstance(node, TorchDtype):
             return str(node), 1
         if not isinstance(node, (dict, list, tuple, set, frozenset, OpaqueObject)):
             weight = _weight(node)
@@ -860,11 +835,13 @@ def load_pickle(
 
 
 __all__ = [
-    "_STORAGE_DTYPES",
+    "DISPATCH",
+    "INLINE_OPCODES",
     "ItemSpan",
+    "PersistentLoad",
     "PickleResult",
     "SafeUnpickler",
     "TruncatedPickleError",
-    "classify_global",
+    "finalize",
     "load_pickle",
 ]

@@ -1,0 +1,427 @@
+"""What the known globals build, as data: the calls the safe unpickler emulates.
+
+A pickle builds objects by calling globals (``REDUCE``, ``NEWOBJ``, ``INST``, ``OBJ``) and
+setting their state (``BUILD``). For a short allow-list of data constructs (torch's tensor
+rebuilders, ``OrderedDict``, NumPy arrays/scalars/dtypes, ``argparse.Namespace``, a few
+builtins) this module says what the call would build, without performing it: a
+:class:`~ckpttool.records.TensorRecord`, a dict, a number... Any other call builds an
+:class:`~ckpttool.records.OpaqueObject` that records the class name and arguments. Nothing
+named is imported or called. Placeholders (:class:`TorchDtype`, :class:`NumpyDtype`,
+:class:`NdarrayBuilder`) stand for objects still being built; the interpreter replaces them
+when it finalizes the tree.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
+from ckpttool.records import (
+    ITEMSIZE,
+    GlobalRef,
+    OpaqueObject,
+    StorageRecord,
+    TensorRecord,
+    fits_int64,
+    numel_fits_int64,
+)
+
+__all__ = [
+    "ATTRIBUTE_CLASSES",
+    "STORAGE_DTYPES",
+    "AttributeDict",
+    "NdarrayBuilder",
+    "NestedCall",
+    "NumpyDtype",
+    "TorchDtype",
+    "emulate_call",
+    "global_value",
+    "is_emulated",
+    "set_state",
+]
+
+#: How an emulated call has the interpreter emulate a call nested in its arguments:
+#: ``call(func, args)`` (``torch._tensor._rebuild_from_type_v2`` carries its inner rebuild).
+NestedCall = Callable[[Any, Any], Any]
+
+STORAGE_DTYPES = {
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+    "QInt8Storage": "qint8",
+    "QInt32Storage": "qint32",
+    "QUInt8Storage": "quint8",
+    "QUInt4x2Storage": "quint4x2",
+    "QUInt2x4Storage": "quint2x4",
+    "UntypedStorage": "uint8",
+}
+
+# NumPy type codes (without byte order) -> torch dtype names.
+_NUMPY_DTYPES = {
+    "f8": "float64",
+    "f4": "float32",
+    "f2": "float16",
+    "i8": "int64",
+    "i4": "int32",
+    "i2": "int16",
+    "i1": "int8",
+    "u8": "uint64",
+    "u4": "uint32",
+    "u2": "uint16",
+    "u1": "uint8",
+    "b1": "bool",
+    "c16": "complex128",
+    "c8": "complex64",
+}
+_STRUCT_CODES = {
+    "f8": "d",
+    "f4": "f",
+    "f2": "e",
+    "i8": "q",
+    "i4": "i",
+    "i2": "h",
+    "i1": "b",
+    "u8": "Q",
+    "u4": "I",
+    "u2": "H",
+    "u1": "B",
+    "b1": "?",
+}
+
+
+_SAFE_BUILTIN_NAMES = frozenset(
+    {"set", "frozenset", "bytearray", "slice", "complex", "range", "bytes", "int", "float",
+     "str", "bool", "tuple", "list", "dict", "Exception", "ValueError", "KeyError"}
+)  # fmt: skip
+
+
+def _is_storage_class(qualname: str) -> bool:
+    module, _, name = qualname.rpartition(".")
+    return module in ("torch", "torch.storage", "torch.cuda") and (
+        name in STORAGE_DTYPES or name == "TypedStorage"
+    )
+
+
+@dataclass(frozen=True)
+class TorchDtype:
+    """A torch dtype a pickle names (``torch.float16``); the tree holds its string."""
+
+    name: str  # "float16"
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+_TORCH_DTYPE_GLOBALS = {
+    f"torch.{name}": TorchDtype(name)
+    for name in [
+        "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8",
+        "bits16", "bits1x8", "bits2x4", "bits4x2",
+    ]
+}  # fmt: skip
+
+
+class NdarrayBuilder:
+    """What ``numpy.core.multiarray._reconstruct`` returns until BUILD gives it its data."""
+
+    __slots__ = ("record",)
+
+    def __init__(self) -> None:
+        self.record: TensorRecord | OpaqueObject = OpaqueObject("numpy.ndarray")
+
+
+class AttributeDict(dict[Any, Any]):
+    """An ``argparse.Namespace`` being read: plain data (its instances only carry attributes),
+    emulated as the dict of its attributes, which ``BUILD`` fills in. The tree holds a plain
+    dict in its place. (``torch.load(weights_only=True)`` refuses the class unless it is
+    allow-listed with ``torch.serialization.add_safe_globals``; with ``weights_only=False`` it
+    only sets attributes.)"""
+
+    __slots__ = ()
+
+
+#: Classes whose instances are only a bag of attributes: read as the dict of them.
+ATTRIBUTE_CLASSES = frozenset({"argparse.Namespace"})
+
+
+class NumpyDtype:
+    """A NumPy dtype being read (``numpy.dtype('f4')``); the tree holds its string."""
+
+    __slots__ = ("byteorder", "code")
+
+    def __init__(self, code: str) -> None:
+        self.code = code.lstrip("<>=|")
+        self.byteorder = ">" if code.startswith(">") else "<"
+
+    def __repr__(self) -> str:
+        return f"numpy.dtype({self.byteorder}{self.code})"
+
+
+# ---------------------------------------------------------------------------------------
+# Emulated calls: the data constructs the allow-list knows. Each returns plain data.
+
+
+def _opaque_call(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    return OpaqueObject(func.qualname, args)
+
+
+def _ordered_dict(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    out: dict[Any, Any] = {}
+    if args and isinstance(args[0], (list, tuple)):
+        for pair in args[0]:
+            key, value = pair
+            out[key] = value
+    return out
+
+
+def _set_call(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    items = args[0] if args else ()
+    return set(items) if func.name == "set" else frozenset(items)
+
+
+def _plain_call(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    constructors: dict[str, Callable[..., Any]] = {
+        "bytearray": bytearray, "complex": complex, "slice": slice, "range": range,
+        "bytes": bytes, "int": int, "float": float, "str": str, "bool": bool,
+        "tuple": tuple, "list": list, "dict": dict,
+    }  # fmt: skip
+    if func.name in ("bytes", "bytearray") and args and isinstance(args[0], int):
+        raise ResourceLimitError(f"pickle asks for {func.name}({args[0]:,}) (an allocation)")
+    if all(isinstance(a, (int, float, str, bytes, bool, type(None), list, tuple)) for a in args):
+        return constructors[func.name](*args)
+    return OpaqueObject(func.qualname, args)
+
+
+def _codecs_encode(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # how protocol 2 stores bytes: _codecs.encode(latin1-decoded text, "latin1")
+    text, encoding = args
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        return OpaqueObject(func.qualname, args)
+    return text.encode("latin-1")
+
+
+def _reconstructor(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # copyreg._reconstructor(cls, base, state): how protocols 0/1 build objects
+    cls = args[0]
+    if isinstance(cls, GlobalRef) and cls.qualname in ATTRIBUTE_CLASSES:
+        return AttributeDict()
+    return OpaqueObject(cls.qualname if isinstance(cls, GlobalRef) else "?", ())
+
+
+def _attributes(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # Namespace(**kwargs) pickles as NEWOBJ with no arguments, then BUILD with its __dict__
+    return AttributeDict()
+
+
+def _torch_size(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    return tuple(args[0]) if args else ()
+
+
+def _torch_device(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    return ":".join(str(a) for a in args if a is not None)
+
+
+def _storage_dtype(storage: Any) -> str:
+    if not isinstance(storage, StorageRecord):
+        raise ValueError("tensor rebuilt from something that is not a storage")
+    return storage.dtype
+
+
+def _tensor(
+    storage: Any, offset: Any, size: Any, stride: Any, dtype: str, requires_grad: Any = False
+) -> TensorRecord:
+    if not (isinstance(offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)):
+        raise ValueError("tensor with malformed offset/size/stride")
+    if len(size) != len(stride) or not all(isinstance(v, int) and v >= 0 for v in size + stride):
+        raise ValueError(f"tensor with a malformed shape or stride ({len(size)}/{len(stride)})")
+    if offset < 0:
+        raise ValueError("tensor with a negative storage offset")
+    if not (numel_fits_int64(size) and fits_int64(*stride, offset)):
+        raise ValueError("tensor sizes beyond torch's int64 range")
+    return TensorRecord("", dtype, size, stride, offset, storage, bool(requires_grad))
+
+
+def _rebuild_tensor(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    storage, offset, size, stride = args[:4]
+    requires_grad = args[4] if len(args) > 4 and func.name != "_rebuild_tensor" else False
+    return _tensor(storage, offset, size, stride, _storage_dtype(storage), requires_grad)
+
+
+def _rebuild_tensor_v3(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    storage, offset, size, stride, requires_grad, _hooks, dtype = args[:7]
+    if not isinstance(dtype, TorchDtype):
+        raise ValueError("_rebuild_tensor_v3 without a torch dtype")
+    if isinstance(storage, StorageRecord) and storage.dtype == "uint8" and dtype.name != "uint8":
+        # v3 tensors view an untyped (byte) storage; re-express it in the tensor's dtype
+        itemsize = _itemsize(dtype.name)
+        storage = replace(storage, dtype=dtype.name, numel=storage.numel // itemsize)
+    return _tensor(storage, offset, size, stride, dtype.name, requires_grad)
+
+
+def _itemsize(dtype: str) -> int:
+    return ITEMSIZE.get(dtype, 1)
+
+
+def _rebuild_parameter(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    from dataclasses import replace
+
+    data, requires_grad = args[0], args[1] if len(args) > 1 else True
+    if not isinstance(data, TensorRecord):
+        return OpaqueObject(func.qualname, args)
+    return replace(data, kind="parameter", requires_grad=bool(requires_grad))
+
+
+def _rebuild_from_type_v2(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    inner, new_type, inner_args, _state = args
+    tensor = call(inner, inner_args)
+    if isinstance(tensor, TensorRecord) and isinstance(new_type, GlobalRef):
+        if new_type.name == "Parameter":
+            return replace(tensor, kind="parameter")
+        return tensor
+    return OpaqueObject(func.qualname, args)
+
+
+def _rebuild_meta(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    dtype, size, stride, requires_grad = args[:4]
+    name = dtype.name if isinstance(dtype, TorchDtype) else "float32"
+    return _tensor(None, 0, tuple(size), tuple(stride), name, requires_grad)
+
+
+def _np_reconstruct(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    return NdarrayBuilder()
+
+
+def _np_dtype(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    return (
+        NumpyDtype(str(args[0]))
+        if args and isinstance(args[0], str)
+        else OpaqueObject(func.qualname, args)
+    )
+
+
+def _np_scalar(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    dtype, raw = args[0], args[1] if len(args) > 1 else b""
+    if isinstance(dtype, NumpyDtype) and isinstance(raw, bytes) and dtype.code in _STRUCT_CODES:
+        order = ">" if dtype.byteorder == ">" else "<"
+        return struct.unpack(order + _STRUCT_CODES[dtype.code], raw)[0]
+    return OpaqueObject(func.qualname, args)
+
+
+def _ndarray_from_state(builder: NdarrayBuilder, state: Any, pos: int) -> Any:
+    # ndarray.__setstate__((version, shape, dtype, is_fortran, rawdata))
+    if not (isinstance(state, tuple) and len(state) == 5):
+        return OpaqueObject("numpy.ndarray", (), state)
+    _, shape, dtype, fortran, raw = state
+    if not isinstance(dtype, NumpyDtype) or dtype.code not in _NUMPY_DTYPES:
+        return OpaqueObject("numpy.ndarray", (), state)
+    if not isinstance(raw, (bytes, bytearray)) or not isinstance(shape, tuple):
+        return OpaqueObject("numpy.ndarray", (), state)  # object arrays carry a list
+    name = _NUMPY_DTYPES[dtype.code]
+    itemsize = _itemsize(name)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * itemsize != len(raw):
+        raise CorruptCheckpointError(
+            f"invalid pickle at byte {pos}: NumPy array of shape {shape} carries {len(raw)} bytes"
+        )
+    strides: list[int] = []
+    acc = 1
+    dims = list(shape) if fortran else list(reversed(shape))
+    for n in dims:
+        strides.append(acc)
+        acc *= n
+    stride = tuple(strides) if fortran else tuple(reversed(strides))
+    byteorder = "big" if dtype.byteorder == ">" else "little"
+    storage = StorageRecord("", name, numel, "cpu", "inline", len(raw), byteorder)
+    return TensorRecord(
+        "", name, tuple(shape), stride, 0, storage, kind="ndarray", inline_data=bytes(raw)
+    )
+
+
+_EMULATED: dict[str, Callable[[NestedCall, GlobalRef, tuple[Any, ...]], Any]] = {
+    "collections.OrderedDict": _ordered_dict,
+    "collections.defaultdict": lambda call, f, a: {},
+    "builtins.set": _set_call,
+    "builtins.frozenset": _set_call,
+    **{f"builtins.{name}": _plain_call for name in _SAFE_BUILTIN_NAMES - {"set", "frozenset"}},
+    "_codecs.encode": _codecs_encode,
+    "copyreg._reconstructor": _reconstructor,
+    **{qualname: _attributes for qualname in ATTRIBUTE_CLASSES},
+    "torch.Size": _torch_size,
+    "torch.device": _torch_device,
+    "torch._utils._rebuild_tensor": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch._utils._rebuild_meta_tensor_no_storage": _rebuild_meta,
+    "torch.nn.parameter.Parameter": _opaque_call,
+    "torch.Tensor": _opaque_call,
+    "numpy.core.multiarray._reconstruct": _np_reconstruct,
+    "numpy._core.multiarray._reconstruct": _np_reconstruct,
+    "numpy.ndarray": _opaque_call,
+    "numpy.dtype": _np_dtype,
+    "numpy.core.multiarray.scalar": _np_scalar,
+    "numpy._core.multiarray.scalar": _np_scalar,
+}
+
+
+def is_emulated(qualname: str) -> bool:
+    """Whether this module knows what the global builds (a torch dtype, a storage class, a call
+    in the allow-list): the data constructs ``scan`` classes as safe."""
+    return qualname in _EMULATED or qualname in _TORCH_DTYPE_GLOBALS or _is_storage_class(qualname)
+
+
+def global_value(module: str, name: str) -> Any:
+    """What a ``GLOBAL`` opcode pushes: a torch dtype's placeholder, or a
+    :class:`~ckpttool.records.GlobalRef` (a name; nothing is imported)."""
+    qualname = f"{module}.{name}"
+    if qualname in _TORCH_DTYPE_GLOBALS:
+        return _TORCH_DTYPE_GLOBALS[qualname]
+    return GlobalRef(module, name)
+
+
+def emulate_call(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    """What ``func(*args)`` builds, as data; an :class:`~ckpttool.records.OpaqueObject` for any
+    call outside the allow-list."""
+    return _EMULATED.get(func.qualname, _opaque_call)(call, func, args)
+
+
+def set_state(obj: Any, state: Any, pos: int) -> None:
+    """``BUILD`` on an object the interpreter built (``pos``: the opcode's offset, for errors).
+
+    An opaque object keeps the state as given; a namespace takes its attributes; an ndarray
+    becomes a tensor record; a NumPy dtype takes its byte order.
+    """
+    if isinstance(obj, OpaqueObject):
+        obj.state = state
+    elif isinstance(obj, AttributeDict):
+        if isinstance(state, dict):
+            obj.update(state)
+    elif isinstance(obj, NdarrayBuilder):
+        obj.record = _ndarray_from_state(obj, state, pos)
+    elif (
+        isinstance(obj, NumpyDtype)
+        and isinstance(state, tuple)
+        and len(state) > 1
+        and state[1] in ("<", ">", "|", "=")
+    ):
+        obj.byteorder = ">" if state[1] == ">" else "<"
+    # dicts (OrderedDict `_metadata`), lists, tensors: the state is not part of the data.
