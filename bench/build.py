@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tests.fixtures.minimind import MiniMindForCausalLM, minimind_config
+from tests.support.minimind import MiniMindForCausalLM, minimind_config
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data"
 CHANGED_TENSOR = "model.layers.3.mlp.up_proj.weight"

@@ -41,7 +41,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from tests.fixtures.minimind import MiniMindForCausalLM, minimind_config
+    from tests.support.minimind import MiniMindForCausalLM, minimind_config
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

@@ -3,16 +3,17 @@
     python -m fuzz.fuzz_reader -max_total_time=660 fuzz/corpus      # atheris (libFuzzer)
     python -m fuzz.fuzz_reader --loop 660                           # without atheris
 
-Each input is written to a file and given to :func:`tests.fuzz_targets.exercise`: open it
-(strict and lenient), build and render ``show``'s report with ``--stats``, its JSON and tree,
+Each input is written to a file and given to :func:`tests.support.fuzz_targets.exercise`: open
+it (strict and lenient), build and render ``show``'s report with ``--stats``, its JSON and tree,
 and ``verify --values``. Anything but a :class:`~ckpttool.errors.CkptError` escaping is a crash:
 libFuzzer saves the input under ``fuzz/artifacts/`` (the loop mode does the same) and stops.
 
 With atheris, ckpttool's modules are instrumented for coverage and a custom mutator mixes
-libFuzzer's own byte mutations with the structure-aware ones of :mod:`tests.fuzz_targets`
-(zip records swapped or duplicated, data.pkl mutated and re-zipped with a valid CRC, the
-safetensors JSON header edited with its length fixed): raw bit flips alone mostly stop at the
-zip's CRC or the header's length. Seeds are the fixtures listed in ``fuzz_targets.SEEDS``.
+libFuzzer's own byte mutations with the structure-aware ones of
+:mod:`tests.support.fuzz_targets` (zip records swapped or duplicated, data.pkl mutated and
+re-zipped with a valid CRC, the safetensors JSON header edited with its length fixed): raw bit
+flips alone mostly stop at the zip's CRC or the header's length. Seeds are the fixtures listed
+in ``fuzz_targets.SEEDS``; ``tests.support`` is the part of ``tests/`` meant for import here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from tests.fuzz_targets import MUTATIONS, SEEDS, exercise, mutate
+from tests.support.fuzz_targets import MUTATIONS, SEEDS, exercise, mutate
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 SCRATCH = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))

@@ -32,8 +32,8 @@ from ckpttool.errors import EXIT_FOUND, InputError, NotACheckpointError, OutputE
 from ckpttool.keys import select
 from ckpttool.reader import open_checkpoint
 from ckpttool.writers import _encode
-from tests.fixtures.minimind import MiniMindForCausalLM
-from tests.helpers import FIXTURES, fixture_files, fixture_id, flatten_loaded
+from tests.support.helpers import FIXTURES, fixture_files, fixture_id, flatten_loaded
+from tests.support.minimind import MiniMindForCausalLM
 
 ALIASES = "ckpttool.aliases"
 TIED = {"model.embed_tokens.weight": "lm_head.weight"}

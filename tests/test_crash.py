@@ -7,7 +7,7 @@ an interrupted write leaves at most a temp file beside it, which ``verify`` repo
 write (exception, ENOSPC) leaves the old file untouched and no temp file; and the temp file is
 fsynced before it is renamed over the target, the directory after.
 
-The kill tests run :mod:`tests.crash_worker` (one process per operation, a fork per kill).
+The kill tests run :mod:`tests.workers.crash_worker` (one process per operation, a fork per kill).
 ``CKPTTOOL_CRASH_KILLS`` sets the kills per operation (30 by default; the long run in
 README.md used 300).
 """
@@ -29,7 +29,7 @@ import pytest
 
 from ckpttool import atomic
 from ckpttool.atomic import atomic_group, atomic_write, temp_name_pattern
-from tests.helpers import FIXTURES
+from tests.support.helpers import FIXTURES
 
 REPO = Path(__file__).resolve().parent.parent
 KILLS = int(os.environ.get("CKPTTOOL_CRASH_KILLS", "30"))
@@ -47,7 +47,8 @@ def _temps(directory: Path) -> list[Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize("operation", ["save", "convert", "rescale"])
 def test_sigkill_mid_write_leaves_old_or_new_never_partial(tmp_path: Path, operation: str) -> None:
-    argv = [sys.executable, "-m", "tests.crash_worker", operation, str(KILLS), str(tmp_path)]
+    worker = "tests.workers.crash_worker"
+    argv = [sys.executable, "-m", worker, operation, str(KILLS), str(tmp_path)]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, check=False, timeout=900)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     report = json.loads(done.stdout)

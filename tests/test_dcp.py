@@ -27,7 +27,7 @@ from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import ChunkedStorageRecord, TensorRecord, get_path
 from ckpttool.scan import scan
 from ckpttool.values import read_tensor, tensor_stats
-from tests.dcp_cases import (
+from tests.support.dcp_cases import (
     DCP,
     DCP_PTH,
     SPLIT_COLUMNS,
@@ -38,7 +38,7 @@ from tests.dcp_cases import (
     rewrite_metadata,
     torch_reference,
 )
-from tests.helpers import flatten_loaded
+from tests.support.helpers import flatten_loaded
 
 
 @pytest.fixture(scope="module")

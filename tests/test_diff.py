@@ -30,7 +30,7 @@ from ckpttool.diff_values import compare_dtype
 from ckpttool.errors import InputError, NotACheckpointError
 from ckpttool.reader import Checkpoint, open_checkpoint
 from tests.fixtures.pairs import CHANGED_INDEX, CHANGED_TENSOR, NAN_TENSOR, TIED
-from tests.helpers import FIXTURES, fixture_files, fixture_id
+from tests.support.helpers import FIXTURES, fixture_files, fixture_id
 
 PAIRS = FIXTURES / "pairs"
 BASE = PAIRS / "base.pth"

@@ -21,7 +21,7 @@ from ckpttool.diff import (
     diff,
 )
 from ckpttool.errors import InputError
-from tests.dcp_cases import DCP, DCP_PTH, DCP_SAFETENSORS
+from tests.support.dcp_cases import DCP, DCP_PTH, DCP_SAFETENSORS
 
 NUM_MODEL = 12  # tensors of the DCP fixture's model (tied pair included)
 

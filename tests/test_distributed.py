@@ -1,8 +1,8 @@
 """ckpttool's training API under real torch.distributed: gloo on CPU, one process per rank.
 
-Each rank is a process of tests/dist_worker.py launched as torchrun would (RANK, WORLD_SIZE,
-MASTER_ADDR=127.0.0.1, a free MASTER_PORT), all ranks in one process group so that a "crash"
-is one SIGKILL of the whole group.
+Each rank is a process of tests/workers/dist_worker.py launched as torchrun would (RANK,
+WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), all ranks in one process group so that
+a "crash" is one SIGKILL of the whole group.
 
 Sample accounting. The dataset has N_SAMPLES = 64 samples, a multiple of BATCH_SIZE x world size
 for 1, 2 and 4 ranks, so DistributedSampler pads nothing and no batch is partial: the
@@ -52,7 +52,7 @@ from torch.utils.data import DistributedSampler
 
 from ckpttool.cli import cli
 from ckpttool.train import checkpoint_paths
-from tests.dist_worker import (
+from tests.workers.dist_worker import (
     BATCH_SIZE,
     EPOCHS,
     HIDDEN,
@@ -64,7 +64,7 @@ from tests.dist_worker import (
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "dist_worker.py"
+WORKER = ROOT / "tests" / "workers" / "dist_worker.py"
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 TIMEOUT_S = 180
 #: Every killed run stops after epoch 1's step 5; it saved at step 3 (SAVE_INTERVAL).
@@ -219,8 +219,8 @@ def sampler_batches(world_size: int, rank: int, epoch: int) -> list[list[int]]:
 def test_only_rank_zero_writes_and_no_rank_returns_before_the_files_are_complete(
     tmp_path: Path,
 ) -> None:
-    """tests/dist_worker.py probe_save: rank 0's torch.save is slowed for saves 1 and 2, the
-    other ranks' for all saves (it only matters if they write); each rank loads both files
+    """tests/workers/dist_worker.py probe_save: rank 0's torch.save is slowed for saves 1 and 2,
+    the other ranks' for all saves (it only matters if they write); each rank loads both files
     right after save_checkpoint returns."""
     world_size = 4
     outputs = run_ranks(world_size, ["probe-save", "--save-dir", str(tmp_path)])

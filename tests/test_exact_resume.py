@@ -1,9 +1,9 @@
 """Proof that save_checkpoint / load_checkpoint / resume_training / SkipBatchSampler resume exactly.
 
-tests/resume_worker.py trains a small model (dropout, fp16 autocast + GradScaler whose scale
-backs off and grows, AdamW, warmup+cosine LambdaLR, shuffled data, 3 epochs of 8 batches) once
-without interruption. Then the same run is SIGKILLed after a step that follows a save, and a new
-process resumes from the resume file. The result must equal the uninterrupted run bit for bit:
+tests/workers/resume_worker.py trains a small model (dropout, fp16 autocast + GradScaler whose
+scale backs off and grows, AdamW, warmup+cosine LambdaLR, shuffled data, 3 epochs of 8 batches)
+once without interruption. Then the same run is SIGKILLed after a step that follows a save, and
+a new process resumes from the resume file. The result must equal the uninterrupted run bit for bit:
 every model and optimizer tensor, the scaler and scheduler state, and the sequence of batches
 trained (the killed run's log up to its checkpoint, then the resumed run's log), each sample
 exactly once per epoch.
@@ -11,7 +11,6 @@ exactly once per epoch.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import os
@@ -28,15 +27,11 @@ import pytest
 import torch
 
 from ckpttool import load_checkpoint
+from tests.workers import resume_worker as worker
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).with_name("resume_worker.py")
-# The worker runs as a script; load it as a module only to share its constants.
-_spec = importlib.util.spec_from_file_location("resume_worker", WORKER)
-assert _spec is not None and _spec.loader is not None
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
+WORKER = Path(worker.__file__)  # run as a script; imported here only for its constants
 N_SAMPLES, EPOCHS, ITERS, WEIGHT, HIDDEN = (
     worker.N_SAMPLES,
     worker.EPOCHS,

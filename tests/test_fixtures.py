@@ -33,7 +33,7 @@ from tests.fixtures.generate import (
     write_legacy_checkpoint,
     write_zip_checkpoint,
 )
-from tests.fixtures.minimind import MiniMindForCausalLM, causal_lm_loss, minimind_config
+from tests.support.minimind import MiniMindForCausalLM, causal_lm_loss, minimind_config
 
 TORCH_PICKLES = [name for name in FIXTURE_FILES if name not in NOT_TORCH_PICKLES]
 TIED = ("model.embed_tokens.weight", "lm_head.weight")

@@ -2,10 +2,10 @@
 
 A bounded, reproducible run (hypothesis, derandomized) in the normal suite; ``fuzz/`` holds
 the long-running fuzzer that shares these mutations and this property
-(:mod:`tests.fuzz_targets`). Each example starts from a real fixture and applies one to four
-mutations (truncation, bit flips, inserted/deleted bytes, boundary integers over length fields,
-swapped or duplicated zip records, bytes spliced from another fixture); a SIGALRM timer fails
-any example that runs longer than ``EXAMPLE_SECONDS`` (a hang).
+(:mod:`tests.support.fuzz_targets`). Each example starts from a real fixture and applies one to
+four mutations (truncation, bit flips, inserted/deleted bytes, boundary integers over length
+fields, swapped or duplicated zip records, bytes spliced from another fixture); a SIGALRM timer
+fails any example that runs longer than ``EXAMPLE_SECONDS`` (a hang).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fuzz_targets import MUTATIONS, SEEDS, exercise, mutate
+from tests.support.fuzz_targets import MUTATIONS, SEEDS, exercise, mutate
 
 EXAMPLE_SECONDS = 10
 SEED_BYTES = [path.read_bytes() for path in SEEDS]

@@ -14,7 +14,7 @@ from ckpttool.errors import CorruptCheckpointError, InputError, NotACheckpointEr
 from ckpttool.layout import detect_layout
 from ckpttool.reader import open_checkpoint
 from ckpttool.values import read_array, read_tensor
-from tests.helpers import FIXTURES, dtype_name, fixture_files, fixture_id, flatten_loaded
+from tests.support.helpers import FIXTURES, dtype_name, fixture_files, fixture_id, flatten_loaded
 
 FILES = fixture_files()
 

@@ -25,7 +25,7 @@ from ckpttool.reader import open_checkpoint
 from ckpttool.records import walk
 from ckpttool.rescale import InexactRescaleError, rescale_fields, rescale_step
 from ckpttool.rewrite import RewriteCheckError, verify_rewrite
-from tests.helpers import FIXTURES, copy_fixture, digest
+from tests.support.helpers import FIXTURES, copy_fixture, digest
 
 # fixture -> (step, world_size in the file); the legacy one has none (rescaled --from-world-size 4)
 RESUMES = {

@@ -21,7 +21,7 @@ from ckpttool.errors import (
 )
 from ckpttool.pickle.interpreter import load_pickle
 from ckpttool.reader import open_checkpoint
-from tests import adversarial
+from tests.support import adversarial
 
 CONTAINERS = {
     "bare": lambda payload: payload,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FIXTURES
+from tests.support.helpers import FIXTURES
 
 # Runs the CLI in-process in a fresh interpreter, then reports the modules it imported (those
 # loaded at start-up, e.g. by an editable install's import hook, are not the command's doing).

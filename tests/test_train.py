@@ -601,8 +601,8 @@ def test_resume_from_a_minimind_file(
 def test_resuming_minimind_fixture_logs_each_thing_it_cannot_restore(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tests.fixtures.minimind import MiniMindConfig, MiniMindForCausalLM
-    from tests.helpers import FIXTURES
+    from tests.support.helpers import FIXTURES
+    from tests.support.minimind import MiniMindConfig, MiniMindForCausalLM
 
     ckpt = load_checkpoint(FIXTURES / "minimind", "pretrain", 32)  # MiniMind's own resume file
     assert ckpt is not None

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpttool.formats.zip_index import BadZipError, ZipIndex
-from tests.fuzz_targets import MUTATIONS, mutate
-from tests.helpers import FIXTURES, fixture_files
+from tests.support.fuzz_targets import MUTATIONS, mutate
+from tests.support.helpers import FIXTURES, fixture_files
 
 ZIP_FIXTURES = [p for p in fixture_files() if p.read_bytes()[:4] == b"PK\x03\x04"]
 STRICTER = (
@@ -220,7 +220,7 @@ def test_mutated_archives_never_more_lenient_than_zipfile(
 @pytest.mark.filterwarnings("ignore:Duplicate name")  # the corpus writes one on purpose
 def test_hostile_corpus_archives(tmp_path: Path) -> None:
     """The hardening corpus (zip bomb, size lies, duplicates, bad CRC...): as zipfile, or refused."""
-    from tests.adversarial import corpus
+    from tests.support.adversarial import corpus
 
     archives = {n: d for n, d in corpus(tmp_path / "marker").items() if d[:2] == b"PK"}
     assert len(archives) > 20

@@ -11,7 +11,7 @@ import torch
 from ckpttool.formats.torch_zip import member_span
 from ckpttool.formats.zip_writer import ALIGNMENT, TorchZipWriter
 from ckpttool.reader import open_checkpoint
-from tests.helpers import FIXTURES
+from tests.support.helpers import FIXTURES
 
 
 def _rewrite(source: Path, target: Path, chunk: int = 7) -> None:

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from ckpttool import __version__
 from ckpttool.cli import cli
 from tests.fixtures.generate import FIXTURE_FILES
-from tests.helpers import FIXTURES
+from tests.support.helpers import FIXTURES
 
 RESUME = FIXTURES / "minimind/pretrain_32_resume.pth"
 WEIGHTS = FIXTURES / "minimind/pretrain_32.pth"

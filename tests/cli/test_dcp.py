@@ -18,7 +18,7 @@ from ckpttool.formats.dcp import METADATA, DcpFiles, load_metadata
 from ckpttool.formats.dcp_metadata import BytesEntry
 from ckpttool.reader import open_checkpoint
 from ckpttool.records import ChunkedStorageRecord
-from tests.dcp_cases import (
+from tests.support.dcp_cases import (
     DCP,
     DCP_PTH,
     DCP_SAFETENSORS,
@@ -27,7 +27,7 @@ from tests.dcp_cases import (
     hostile_metadata,
     torch_reference,
 )
-from tests.helpers import flatten_loaded
+from tests.support.helpers import flatten_loaded
 
 
 def run(*args: Any) -> Any:

@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 
 from ckpttool.cli import cli
 from ckpttool.reader import Checkpoint
-from tests.helpers import FIXTURES
+from tests.support.helpers import FIXTURES
 
 PAIRS = FIXTURES / "pairs"
 BASE = PAIRS / "base.pth"

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from ckpttool.cli import cli
-from tests.helpers import FIXTURES
+from tests.support.helpers import FIXTURES
 
 GOOD = FIXTURES / "minimind/pretrain_32_resume.pth"
 

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner, Result
 
 from ckpttool.cli import cli
-from tests.helpers import copy_fixture, digest
+from tests.support.helpers import copy_fixture, digest
 
 RESUME = "minimind/pretrain_32_resume.pth"  # step 1200, world_size 8
 

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner, Result
 
 from ckpttool.cli import cli
-from tests.helpers import FIXTURES, fixture_files, fixture_id
+from tests.support.helpers import FIXTURES, fixture_files, fixture_id
 
 RESUME = FIXTURES / "minimind/pretrain_32_resume.pth"
 

@@ -15,8 +15,8 @@ from click.testing import CliRunner, Result
 
 from ckpttool.cli import cli
 from ckpttool.formats.torch_zip import member_span
-from tests import adversarial
-from tests.helpers import FIXTURES, fixture_files, fixture_id
+from tests.support import adversarial
+from tests.support.helpers import FIXTURES, fixture_files, fixture_id
 
 RESUME = FIXTURES / "minimind/pretrain_32_resume.pth"
 

@@ -1,6 +1,6 @@
 """SIGKILL a real write over an existing checkpoint, over and over, and report what is left.
 
-``python -m tests.crash_worker OPERATION KILLS WORK_DIR [SEED]`` prints one JSON object:
+``python -m tests.workers.crash_worker OPERATION KILLS WORK_DIR [SEED]`` prints one JSON object:
 ``{"operation", "seconds_uninterrupted", "trials": [...]}``. OPERATION is ``save``
 (``save_checkpoint``: a weights file and a resume file), ``convert`` (``ckpttool convert SRC
 TARGET --force``) or ``rescale`` (``ckpttool rescale-step TARGET --world-size 2``, in place).

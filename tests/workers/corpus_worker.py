@@ -1,8 +1,8 @@
 """Run one ckpttool command over every file of the adversarial corpus, one fork per file.
 
-``python -m tests.corpus_worker COMMAND CORPUS_DIR WORK_DIR GOOD_FILE`` prints one JSON object:
-``{"baseline_mb": ..., "results": [{"file", "args", "exit_code", "signal", "stdout", "stderr",
-"seconds", "peak_rss_mb"}, ...]}``.
+``python -m tests.workers.corpus_worker COMMAND CORPUS_DIR WORK_DIR GOOD_FILE`` prints one JSON
+object: ``{"baseline_mb": ..., "results": [{"file", "args", "exit_code", "signal", "stdout",
+"stderr", "seconds", "peak_rss_mb"}, ...]}``.
 
 Why a fork per file: each child starts from this process (ckpttool, click, NumPy and tabulate
 already imported, so it measures the command's work and not imports) and its peak resident

@@ -3,9 +3,9 @@ tests/test_distributed.py as one process per rank, with the environment torchrun
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Without ``WORLD_SIZE`` (or with 1)
 it runs alone, without a process group, as ``python train.py`` would.
 
-    python tests/dist_worker.py train --save-dir DIR --log-dir DIR --name NAME
+    python tests/workers/dist_worker.py train --save-dir DIR --log-dir DIR --name NAME
         [--resume] [--compile] [--pause-after EPOCH:STEP]
-    python tests/dist_worker.py probe-save --save-dir DIR
+    python tests/workers/dist_worker.py probe-save --save-dir DIR
 
 ``train``: a MiniMind-shaped loop (DistributedSampler + SkipBatchSampler with ``set_epoch``,
 DDP, AdamW, ``save_checkpoint`` every ``SAVE_INTERVAL`` steps and at each epoch's end,

@@ -1,7 +1,7 @@
 """A tiny MiniMind-style training run that can be killed and resumed; run as a subprocess by
 tests/test_exact_resume.py:
 
-    python tests/resume_worker.py --save-dir DIR --log LOG --final FINAL \
+    python tests/workers/resume_worker.py --save-dir DIR --log LOG --final FINAL \
         [--resume] [--pause-after EPOCH:STEP]
 
 It trains a small LM with dropout under fp16 autocast with a GradScaler (whose scale overflows,

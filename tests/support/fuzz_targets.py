@@ -9,6 +9,9 @@ the wrong bytes) and splice in bytes of another fixture.
 :func:`exercise` is the property: whatever the bytes, opening the file, building and rendering
 ``show``'s report (with ``--stats``, which reads every tensor), and ``verify`` raise nothing but
 :class:`~ckpttool.errors.CkptError`.
+
+``SEEDS``, ``MUTATIONS``, :func:`mutate` and :func:`exercise` are the API ``fuzz/`` imports:
+change them with ``fuzz/fuzz_reader.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import zipfile
 from pathlib import Path
 
 from ckpttool.errors import CkptError
-from tests.helpers import FIXTURES
+from tests.support.helpers import FIXTURES
 
 #: Seeds: one of each format and layout the reader knows (kept small: every example reads one).
 SEEDS = [

@@ -1,16 +1,16 @@
 """Every command against the whole adversarial corpus: documented exit code, one-line error or a
 report, no traceback, no payload run, under 200 MB and a few seconds per file.
 
-The corpus is written by :func:`tests.adversarial.write_corpus` (``python -m tests.adversarial
-DIR`` writes the same files). Each command runs over all of it in one fresh worker process
-(:mod:`tests.corpus_worker`) that forks once per file, so each file's peak memory is measured
-exactly (``os.wait4``) and a hang or crash is contained. Expected outcomes are stated per entry
-below, from the documented rules (README, ``--help``): ``show``/``diff``/``convert``/
-``rescale-step`` exit 2 on input they cannot use; ``diff`` exits 1 when a readable file differs
-from the good one; ``verify`` exits 1 when it finds a problem and 2 only when the file is not
-recognisable as a checkpoint at all; ``scan`` exits 1 for dangerous or unknown globals (or a
-TorchScript archive), 2 when a pickle cannot be walked, and 0 when every global is a safe data
-construct (zip damage is ``verify``'s business, not ``scan``'s).
+The corpus is written by :func:`tests.support.adversarial.write_corpus` (``python -m
+tests.support.adversarial DIR`` writes the same files). Each command runs over all of it in one
+fresh worker process (:mod:`tests.workers.corpus_worker`) that forks once per file, so each
+file's peak memory is measured exactly (``os.wait4``) and a hang or crash is contained. Expected
+outcomes are stated per entry below, from the documented rules (README, ``--help``):
+``show``/``diff``/``convert``/``rescale-step`` exit 2 on input they cannot use; ``diff`` exits 1
+when a readable file differs from the good one; ``verify`` exits 1 when it finds a problem and 2
+only when the file is not recognisable as a checkpoint at all; ``scan`` exits 1 for dangerous or
+unknown globals (or a TorchScript archive), 2 when a pickle cannot be walked, and 0 when every
+global is a safe data construct (zip damage is ``verify``'s business, not ``scan``'s).
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from typing import Any
 
 import pytest
 
-from tests import adversarial
-from tests.corpus_worker import COMMANDS
-from tests.helpers import FIXTURES
+from tests.support import adversarial
+from tests.support.helpers import FIXTURES
+from tests.workers.corpus_worker import COMMANDS
 
 GOOD = FIXTURES / "minimind/pretrain_32_resume.pth"
 MEMORY_LIMIT_MB = 200
 #: "Within a few seconds": every file takes well under one second here; before the fixes in
 #: the reader, bombs took 60 s (the walker's time limit) or hung. Generous for slow CI.
 SECONDS_LIMIT = 10
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Exit codes in COMMANDS order: show, diff A=file, diff B=file, convert, rescale-step, verify, scan
 REFUSED = (2, 2, 2, 2, 2, 1, 1)  # dangerous pickle: refused; verify reports it; scan flags it
@@ -142,7 +142,7 @@ def runs(corpus: tuple[Path, Path]) -> dict[str, dict[str, dict[str, Any]]]:
     while pending or running:
         while pending and len(running) < 2:
             command = pending.pop(0)
-            argv = [sys.executable, "-m", "tests.corpus_worker", command,
+            argv = [sys.executable, "-m", "tests.workers.corpus_worker", command,
                     str(root / "corpus"), str(root / f"work-{command}"), str(GOOD)]  # fmt: skip
             running.append((command, subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE)))
         command, process = running.pop(0)
@@ -240,7 +240,7 @@ def test_unlisted_callable_is_real_and_never_called(tmp_path: Path) -> None:
     from ckpttool.pickle.interpreter import load_pickle
 
     root = load_pickle(payload).root
-    assert root.cls == "tests.adversarial.touch_marker" and root.args == (str(marker),)
+    assert root.cls == "tests.support.adversarial.touch_marker" and root.args == (str(marker),)
     assert not marker.exists()
 
 

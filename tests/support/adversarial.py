@@ -1,11 +1,11 @@
 """Hostile inputs, built byte by byte: code-execution payloads, resource bombs, broken archives.
 
-Used by the security tests and by ``tests/test_adversarial_cli.py`` (every command on every
-file); ``python -m tests.adversarial OUT_DIR`` writes the whole corpus (:func:`corpus`) to a
-folder so any tool can be tried on it. Besides files built from scratch it holds damaged copies
-of real fixtures (a flipped byte, a renamed local header, 20 truncations each of a zip, a legacy
-and a safetensors file). Every code-execution payload, if it ran, would create the file named
-by ``marker`` — tests assert that file never appears.
+Used by the security tests and by ``tests/cli/test_adversarial_cli.py`` (every command on every
+file); ``python -m tests.support.adversarial OUT_DIR`` writes the whole corpus (:func:`corpus`)
+to a folder so any tool can be tried on it. Besides files built from scratch it holds damaged
+copies of real fixtures (a flipped byte, a renamed local header, 20 truncations each of a zip, a
+legacy and a safetensors file). Every code-execution payload, if it ran, would create the file
+named by ``marker`` — tests assert that file never appears.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpttool.formats.torch_legacy import MAGIC_NUMBER, PROTOCOL_VERSION
-from tests.helpers import FIXTURES
+from tests.support.helpers import FIXTURES
 
 
 def _text(s: str) -> bytes:
@@ -122,9 +122,11 @@ def touch_marker(path: str) -> None:
 
 
 def unlisted_callable_p2(marker: Path) -> bytes:
-    """Calls tests.adversarial.touch_marker: not on any deny-list, so the reader does not refuse
-    the file; it must record the call as an opaque object and still never make it."""
-    return b"\x80\x02ctests.adversarial\ntouch_marker\n" + _binunicode(str(marker)) + b"\x85R."
+    """Calls tests.support.adversarial.touch_marker: not on any deny-list, so the reader does
+    not refuse the file; it must record the call as an opaque object and still never make it."""
+    return (
+        b"\x80\x02ctests.support.adversarial\ntouch_marker\n" + _binunicode(str(marker)) + b"\x85R."
+    )
 
 
 def build_on_allowed_global() -> bytes:
@@ -414,7 +416,7 @@ def corpus(marker: Path) -> dict[str, bytes]:
 
 
 def write_corpus(out: Path, marker: Path) -> list[Path]:
-    """Write every hostile input under ``out`` (used by ``python -m tests.adversarial``)."""
+    """Write every hostile input under ``out`` (used by ``python -m tests.support.adversarial``)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, data in corpus(marker).items():

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import FIXTURES
+from tests.support.helpers import FIXTURES
 
 DCP = FIXTURES / "dcp" / "checkpoint"
 DCP_PTH = FIXTURES / "dcp" / "checkpoint.pth"
