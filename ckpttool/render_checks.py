@@ -6,6 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from ckpttool.pickle.policy import Verdict
 from ckpttool.scan import ScanReport
 from ckpttool.verify import VerifyResult
 
@@ -58,9 +59,9 @@ def scan_lines(report: ScanReport) -> str:
         if scanned.error is not None:
             rows.append([scanned.path, "-", "could not scan", scanned.error])
         for use in scanned.globals:
-            if use.verdict != "safe":
+            if use.verdict is not Verdict.SAFE:
                 rows.append([scanned.path, use.qualname, use.verdict, use.count])
-        rows.extend([scanned.path, "-", "dangerous", note] for note in scanned.notes)
+        rows.extend([scanned.path, "-", Verdict.DANGEROUS, note] for note in scanned.notes)
     rows.extend(
         [directory, "-", "no checkpoint found", "no file in it is a checkpoint"]
         for directory in report.empty

@@ -24,16 +24,15 @@ from ckpttool.errors import CkptError, NotACheckpointError, UnsafePickleError
 from ckpttool.formats.dcp import METADATA, DcpFiles, is_dcp_directory, load_metadata, present
 from ckpttool.formats.torch_zip import is_torchscript, open_zip, read_record
 from ckpttool.pickle.interpreter import SafeUnpickler
+from ckpttool.pickle.policy import Verdict
 from ckpttool.reader import open_checkpoint
 from ckpttool.records import StorageRecord
-
-SAFE, UNKNOWN, DANGEROUS = "safe", "unknown", "dangerous"
 
 
 @dataclass(frozen=True)
 class GlobalUse:
     qualname: str  # "torch._utils._rebuild_tensor_v2"
-    verdict: str  # safe / unknown / dangerous / allowed
+    verdict: Verdict  # safe / unknown / dangerous / allowed
     count: int
 
 
@@ -48,11 +47,11 @@ class FileScan:
 
     @property
     def flagged(self) -> list[GlobalUse]:
-        return [g for g in self.globals if g.verdict in (UNKNOWN, DANGEROUS)]
+        return [g for g in self.globals if g.verdict in (Verdict.UNKNOWN, Verdict.DANGEROUS)]
 
     @property
     def dangerous(self) -> bool:
-        return any(g.verdict == DANGEROUS for g in self.globals) or bool(self.notes)
+        return any(g.verdict is Verdict.DANGEROUS for g in self.globals) or bool(self.notes)
 
 
 @dataclass
@@ -101,7 +100,7 @@ def _pickles_of_zip(path: Path) -> tuple[str, list[tuple[str, bytes]], list[str]
         return fmt, pickles, notes, unreadable
 
 
-def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, str]], str | None, str | None]:
+def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, Verdict]], str | None, str | None]:
     """Globals named by one pickle; an attack found in it; why it stopped early."""
     placeholder = StorageRecord("?", "uint8", 0, "cpu", "", 0)  # storages are not read here
     unpickler = SafeUnpickler(data, persistent_load=lambda pid: placeholder, refuse_dangerous=False)
@@ -120,7 +119,7 @@ def _is_zip(path: Path) -> bool:
         return handle.read(4) == b"PK\x03\x04"
 
 
-def _scan_dcp(path: Path) -> tuple[Counter[tuple[str, str, str]], list[str], list[str]]:
+def _scan_dcp(path: Path) -> tuple[Counter[tuple[str, str, Verdict]], list[str], list[str]]:
     """Globals of a DCP directory's every pickle: ``.metadata``, then each stored item's."""
     counts, attack, problem = _walk_globals((path / METADATA).read_bytes())
     if attack or problem:  # the metadata cannot be trusted to say where the items are
@@ -156,7 +155,7 @@ def _scan_dcp(path: Path) -> tuple[Counter[tuple[str, str, str]], list[str], lis
 
 def scan_file(path: Path, allow: Iterable[str] = ()) -> FileScan:
     allowed = set(allow)
-    counts: Counter[tuple[str, str, str]] = Counter()
+    counts: Counter[tuple[str, str, Verdict]] = Counter()
     notes: list[str] = []
     problems: list[str] = []
     try:
@@ -186,7 +185,7 @@ def scan_file(path: Path, allow: Iterable[str] = ()) -> FileScan:
     uses = []
     for (module, name, verdict), count in sorted(counts.items()):
         qualname = f"{module}.{name}"
-        uses.append(GlobalUse(qualname, "allowed" if qualname in allowed else verdict, count))
+        uses.append(GlobalUse(qualname, Verdict.ALLOWED if qualname in allowed else verdict, count))
     return FileScan(str(path), fmt, uses, notes, error="; ".join(problems) or None)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ckpttool.atomic import temp_name_pattern
 from ckpttool.errors import EXIT_ERROR, EXIT_FOUND, CkptError, InputError, NotACheckpointError
+from ckpttool.pickle.policy import Verdict
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.values import tensor_stats
@@ -69,7 +70,7 @@ def verify_file(
         result.format = ckpt.format
         result.checked.append(f"structure ({ckpt.format}), {len(ckpt.tensors())} tensor extents")
         result.problems.extend(ckpt.problems)
-        dangerous = sorted({f"{m}.{n}" for m, n, v in _globals(ckpt) if v == "dangerous"})
+        dangerous = sorted({f"{m}.{n}" for m, n, v in _globals(ckpt) if v is Verdict.DANGEROUS})
         if dangerous:
             result.problems.append(
                 f"the pickle calls {', '.join(dangerous)}: never load it with torch.load "
@@ -97,7 +98,7 @@ def verify_file(
     return result
 
 
-def _globals(ckpt: Checkpoint) -> list[tuple[str, str, str]]:
+def _globals(ckpt: Checkpoint) -> list[tuple[str, str, Verdict]]:
     return list(ckpt.pickle.globals_seen) if ckpt.pickle is not None else []
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from ckpttool.errors import CkptError
 from ckpttool.formats.dcp import METADATA, DcpFiles, load_metadata, present, tensor_record
 from ckpttool.formats.dcp_metadata import StorageSpan, TensorEntry, span_of
+from ckpttool.pickle.policy import Verdict
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint
 from ckpttool.verify_zip import check_archive
@@ -79,5 +80,7 @@ def _check_item(
     except CkptError as error:
         return [f"{where}: {error}"]
     if parsed.pickle is not None:
-        dangerous.update(f"{m}.{n}" for m, n, v in parsed.pickle.globals_seen if v == "dangerous")
+        dangerous.update(
+            f"{m}.{n}" for m, n, v in parsed.pickle.globals_seen if v is Verdict.DANGEROUS
+        )
     return [f"{where}: {problem}" for problem in problems]

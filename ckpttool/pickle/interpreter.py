@@ -34,7 +34,7 @@ from ckpttool.pickle.emulation import (
     global_value,
     set_state,
 )
-from ckpttool.pickle.policy import RENAMED_MODULES, classify_global
+from ckpttool.pickle.policy import RENAMED_MODULES, Verdict, classify_global
 from ckpttool.records import GlobalRef, OpaqueObject, TensorRecord
 
 MAX_DEPTH = 200  # nesting of containers; real checkpoints stay under 20
@@ -65,7 +65,8 @@ class ItemSpan:
 class PickleResult:
     root: Any
     end: int  # offset just past STOP
-    globals_seen: list[tuple[str, str, str]] = field(default_factory=list)  # module, name, class
+    # (module, name, verdict) of each global the pickle names, in order
+    globals_seen: list[tuple[str, str, Verdict]] = field(default_factory=list)
     root_items: list[ItemSpan] = field(default_factory=list)
     stop_at: int = -1  # offset of the STOP opcode
     frames: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) of FRAME ops
@@ -168,9 +169,9 @@ class SafeUnpickler:
     # -- globals and calls ----------------------------------------------------------------
     def _global(self, module: str, name: str) -> Any:
         module = RENAMED_MODULES.get(module, module)
-        kind = classify_global(module, name)
-        self.result.globals_seen.append((module, name, kind))
-        if kind == "dangerous" and self.refuse_dangerous:
+        verdict = classify_global(module, name)
+        self.result.globals_seen.append((module, name, verdict))
+        if verdict is Verdict.DANGEROUS and self.refuse_dangerous:
             raise UnsafePickleError(
                 f"refusing to read: the pickle calls {module}.{name}, which can run code or "
                 "touch your system (nothing was run). Do not load this file with torch.load; "

@@ -10,9 +10,26 @@ global); safety never depends on it, since nothing named is ever imported or cal
 
 from __future__ import annotations
 
+from enum import Enum
+
 from ckpttool.pickle.emulation import is_emulated
 
-__all__ = ["RENAMED_MODULES", "classify_global"]
+__all__ = ["RENAMED_MODULES", "Verdict", "classify_global"]
+
+
+class Verdict(str, Enum):
+    """How a global a pickle names is classed (by :func:`classify_global`, shown by ``scan``).
+
+    A ``str``: JSON output, tables and comparisons with ``"safe"`` see the value.
+    """
+
+    SAFE = "safe"  # a data construct the reader emulates, or a known data record
+    UNKNOWN = "unknown"  # a config or model class: torch.load would import and call it
+    DANGEROUS = "dangerous"  # its only use in a pickle is to run code or touch the system
+    ALLOWED = "allowed"  # not a class: a name the user allowed (``scan --allow``)
+
+    def __str__(self) -> str:  # "safe", not "Verdict.SAFE", wherever it is printed
+        return self.value
 
 
 # Modules (and builtins) whose only use in a checkpoint is to run code or touch the system.
@@ -136,14 +153,14 @@ _DANGEROUS_NAMES = frozenset(
 RENAMED_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg", "_compat_pickle": "pickle"}
 
 
-def classify_global(module: str, name: str) -> str:
-    """'safe' (emulated data construct), 'dangerous' (code execution) or 'unknown'."""
+def classify_global(module: str, name: str) -> Verdict:
+    """SAFE (emulated data construct), DANGEROUS (code execution) or UNKNOWN."""
     module = RENAMED_MODULES.get(module, module)
     qualname = f"{module}.{name}"
     if is_emulated(qualname):
-        return "safe"
+        return Verdict.SAFE
     if qualname in _DATA_RECORDS:
-        return "safe"
+        return Verdict.SAFE
     root = module.split(".")[0]
     if (
         qualname in _DANGEROUS_NAMES
@@ -151,8 +168,8 @@ def classify_global(module: str, name: str) -> str:
         or module.startswith(_DANGEROUS_PREFIXES)
         or module == "builtins"  # every builtin the emulation does not know (eval, getattr...)
     ):
-        return "dangerous"
-    return "unknown"
+        return Verdict.DANGEROUS
+    return Verdict.UNKNOWN
 
 
 # What a torch.distributed.checkpoint ``.metadata`` pickle names: dataclasses of plain fields,
