@@ -199,7 +199,8 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
 
     This is the one counting rule of parameters and bytes. Tensors that view the same storage
     region (tied weights, a transpose) count once; views of one storage never count more than
-    the storage holds (overlapping slices). Tensors without a storage count as they are.
+    the storage holds (overlapping slices). Tensors without a storage count as they are,
+    except that a meta tensor (no storage, no inline bytes) has elements but stores no bytes.
     """
     elements = 0
     by_dtype: dict[str, int] = {}
@@ -208,7 +209,8 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
         region = storage_region(record)
         if region is None:
             elements += record.numel
-            by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.nbytes
+            if record.storage is not None or record.inline_data is not None:
+                by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.nbytes
         else:
             views.setdefault(region[0], {}).setdefault(region, record)
     for storage, distinct in views.items():

@@ -44,9 +44,11 @@ def test_count_once_counts_each_stored_element_once() -> None:
     assert shared_storages([weight, other, tied, top]) == [["w", "head", "top"]]
 
 
-def test_tensors_without_storage_count_as_they_are() -> None:
+def test_tensors_without_storage_count_their_elements_but_only_inline_bytes() -> None:
     meta = TensorRecord("m", "float16", (3,), (1,), 0, None)
-    assert count_once([meta, meta]) == (6, {"float16": 12})
+    assert count_once([meta, meta]) == (6, {})  # a meta tensor stores no bytes
+    inline = TensorRecord("n", "float16", (3,), (1,), 0, None, inline_data=bytes(6))
+    assert count_once([inline]) == (3, {"float16": 6})
     assert shared_storages([meta, meta]) == []
 
 
