@@ -25,6 +25,8 @@ and training goes on with the next one, with no special case in the loop.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import logging
 import math
 import pickle
@@ -297,8 +299,12 @@ def load_checkpoint(
 
 
 def _load_weights_only(path: Path, map_location: str | torch.device) -> Any:
+    # argparse.Namespace only sets attributes: plain data, as ckpttool's reader and `scan` treat
+    # it. Training scripts save their args in the resume file (MiniMind's trainers do).
+    allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with allow([argparse.Namespace]) if allow is not None else contextlib.nullcontext():
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         message = str(error)
         # torch >= 2.4 says "GLOBAL mod.Name was not an allowed global", older "Unsupported class".
@@ -306,8 +312,9 @@ def _load_weights_only(path: Path, map_location: str | torch.device) -> Any:
         if unsupported:
             raise UnsafePickleError(
                 f"{path} names {unsupported.group(1)}, which a weights-only load refuses; "
-                f"it was not loaded. Inspect it with `ckpttool scan {path}`, and if you trust "
-                f"it, re-save it with only tensors and plain containers"
+                f"it was not loaded. Inspect it with `ckpttool scan {path}`; if you trust it, "
+                f"allow the class with torch.serialization.add_safe_globals, or re-save the "
+                f"file with only tensors and plain containers"
             ) from None
         reason = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", message, re.DOTALL)
         raise CorruptCheckpointError(

@@ -8,10 +8,12 @@ import io
 import logging
 import math
 import os
+import pickle
 import random
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -497,10 +499,17 @@ def test_same_world_size_loads_unchanged(tmp_path: Path, caplog: pytest.LogCaptu
     assert caplog.records == []
 
 
+@dataclass
+class UserConfig:
+    """A training script's own config class: a weights-only load must refuse it."""
+
+    lr: float = 1e-3
+
+
 def test_unsafe_file_is_refused_never_loaded_unsafely(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    resume_path = write_resume(tmp_path, {"epoch": 0, "args": argparse.Namespace(lr=1e-3)})
+    resume_path = write_resume(tmp_path, {"epoch": 0, "args": UserConfig()})
     real_load = torch.load
     calls: list[Any] = []
 
@@ -511,9 +520,20 @@ def test_unsafe_file_is_refused_never_loaded_unsafely(
     monkeypatch.setattr(torch, "load", recording_load)
     with pytest.raises(UnsafePickleError) as raised:
         load_checkpoint(tmp_path, "pretrain", 4)
-    assert "argparse.Namespace" in str(raised.value)
+    assert "tests.test_train.UserConfig" in str(raised.value)
     assert f"ckpttool scan {resume_path}" in str(raised.value)
     assert calls == [True]
+
+
+def test_argparse_namespace_args_load_as_plain_data(tmp_path: Path) -> None:
+    # MiniMind-style scripts save their args; ckpttool's reader and scan call Namespace plain
+    # data, and load_checkpoint agrees (torch's weights-only load alone would refuse it).
+    write_resume(tmp_path, {"epoch": 0, "args": argparse.Namespace(lr=1e-3, batch_size=32)})
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(checkpoint_paths(tmp_path, "pretrain", 4)[1], weights_only=True)
+    assert load_checkpoint(tmp_path, "pretrain", 4)["args"] == argparse.Namespace(
+        lr=1e-3, batch_size=32
+    )
 
 
 @pytest.mark.parametrize(
