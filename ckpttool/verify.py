@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ckpttool.atomic import temp_name_pattern
 from ckpttool.errors import EXIT_ERROR, EXIT_FOUND, CkptError, InputError, NotACheckpointError
-from ckpttool.pickle.policy import Verdict
+from ckpttool.pickle.policy import Verdict, never_load_problem
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.values import tensor_stats
@@ -70,12 +70,9 @@ def verify_file(
         result.format = ckpt.format
         result.checked.append(f"structure ({ckpt.format}), {len(ckpt.tensors())} tensor extents")
         result.problems.extend(ckpt.problems)
-        dangerous = sorted({f"{m}.{n}" for m, n, v in _globals(ckpt) if v is Verdict.DANGEROUS})
+        dangerous = {f"{m}.{n}" for m, n, v in _globals(ckpt) if v is Verdict.DANGEROUS}
         if dangerous:
-            result.problems.append(
-                f"the pickle calls {', '.join(dangerous)}: never load it with torch.load "
-                "(see `ckpttool scan`)"
-            )
+            result.problems.append(never_load_problem("the pickle calls", dangerous))
         if ckpt.format == "torch-zip":
             result.problems.extend(check_zip_records(path, progress, record_owners(ckpt)))
             result.checked.append("zip directory vs local headers, CRC-32 of every record")

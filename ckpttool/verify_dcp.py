@@ -12,7 +12,7 @@ from __future__ import annotations
 from ckpttool.errors import CkptError
 from ckpttool.formats.dcp import METADATA, DcpFiles, load_metadata, present, tensor_record
 from ckpttool.formats.dcp_metadata import StorageSpan, TensorEntry, span_of
-from ckpttool.pickle.policy import Verdict
+from ckpttool.pickle.policy import Verdict, never_load_problem
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint
 from ckpttool.verify_zip import check_archive
@@ -50,10 +50,7 @@ def check_dcp(
     finally:
         files.close()
     if dangerous:
-        problems.append(
-            f"the data files' pickles call {', '.join(sorted(dangerous))}: never load this "
-            "checkpoint with torch (see `ckpttool scan`)"
-        )
+        problems.append(never_load_problem("the data files' pickles call", dangerous))
     checked = [
         f"data files: each present and as long as its items ({len(meta.files)} files)",
         f"{len(items)} items: zip directory, CRC-32 of every record, chunk dtype/shape/extent",

@@ -10,11 +10,12 @@ global); safety never depends on it, since nothing named is ever imported or cal
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum
 
 from ckpttool.pickle.emulation import is_emulated
 
-__all__ = ["RENAMED_MODULES", "Verdict", "classify_global"]
+__all__ = ["RENAMED_MODULES", "Verdict", "classify_global", "never_load_problem"]
 
 
 class Verdict(str, Enum):
@@ -170,6 +171,13 @@ def classify_global(module: str, name: str) -> Verdict:
     ):
         return Verdict.DANGEROUS
     return Verdict.UNKNOWN
+
+
+def never_load_problem(calls: str, names: Iterable[str]) -> str:
+    """What ``verify`` reports when pickles call dangerous globals, the same advice for every
+    format; ``calls`` begins the sentence ("the pickle calls", "the data files' pickles call")."""
+    listed = ", ".join(sorted(names))
+    return f"{calls} {listed}: never load it with torch.load (see `ckpttool scan`)"
 
 
 # What a torch.distributed.checkpoint ``.metadata`` pickle names: dataclasses of plain fields,
