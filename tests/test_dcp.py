@@ -27,6 +27,7 @@ from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import ChunkedStorageRecord, TensorRecord, get_path
 from ckpttool.scan import scan
 from ckpttool.values import read_tensor, tensor_stats
+from ckpttool.verify import verify_file
 from tests.support.dcp_cases import (
     DCP,
     DCP_PTH,
@@ -314,6 +315,11 @@ def test_hostile_value_in_a_data_file_is_refused_without_running(tmp_path: Path)
         open_checkpoint(directory)
     [found] = scan([directory]).files
     assert ("posix.system", "dangerous") in {(g.qualname, g.verdict) for g in found.globals}
+    problems = verify_file(directory).problems
+    assert (
+        "the data files' pickles call posix.system: never load it with torch.load "
+        "(see `ckpttool scan`)"
+    ) in problems
     assert not marker.exists()
 
 
