@@ -391,16 +391,16 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
       ckpttool verify checkpoints/step_1200/
     """
     from ckpttool.progress import Progress
-    from ckpttool.render_checks import verify_json, verify_lines
+    from ckpttool.render import verify as verify_render
     from ckpttool.verify import verify, verify_exit_code
 
     total = sum(_input_bytes(p) for p in paths)
     with Progress(total, "verify") as bar:
         results = verify(paths, values=values, progress=bar.advance)
     if as_json:
-        _echo_json(verify_json(results))
+        _echo_json(verify_render.render_json(results))
     else:
-        report = verify_lines(results)
+        report = verify_render.render_text(results)
         if report:
             click.echo(report)
     for result in results:
@@ -431,14 +431,14 @@ def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) 
       ckpttool scan checkpoints/ --allow mypackage.TrainConfig
     """
     from ckpttool.errors import EXIT_FOUND
-    from ckpttool.render_checks import scan_json, scan_lines
+    from ckpttool.render import scan as scan_render
     from ckpttool.scan import scan
 
     report = scan(paths, allow)
     if as_json:
-        _echo_json(scan_json(report))
+        _echo_json(scan_render.render_json(report))
     else:
-        click.echo(scan_lines(report))
+        click.echo(scan_render.render_text(report))
     if report.found:
         sys.exit(EXIT_FOUND)
     if report.failed:

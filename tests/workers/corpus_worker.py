@@ -122,9 +122,10 @@ def preload() -> None:
     import ckpttool.render.convert
     import ckpttool.render.diff
     import ckpttool.render.rescale
+    import ckpttool.render.scan
     import ckpttool.render.show
     import ckpttool.render.show_tree
-    import ckpttool.render_checks
+    import ckpttool.render.verify
     import ckpttool.rescale
     import ckpttool.scan
     import ckpttool.show

@@ -1,0 +1,54 @@
+"""``scan``'s report: a table of what is not safe for people (tabulate); JSON for scripts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+from ckpttool.pickle.policy import Verdict
+from ckpttool.scan import ScanReport
+
+
+def render_text(report: ScanReport) -> str:
+    """A row per finding (globals not safe, notes, unscannable paths, empty directories), then a
+    count; a path with no finding is not listed."""
+    rows: list[list[object]] = []
+    for scanned in report.files:
+        if scanned.error is not None:
+            rows.append([scanned.path, "-", "could not scan", scanned.error])
+        for use in scanned.globals:
+            if use.verdict is not Verdict.SAFE:
+                rows.append([scanned.path, use.qualname, use.verdict, use.count])
+        rows.extend([scanned.path, "-", Verdict.DANGEROUS, note] for note in scanned.notes)
+    rows.extend(
+        [directory, "-", "no checkpoint found", "no file in it is a checkpoint"]
+        for directory in report.empty
+    )
+    flagged = sum(len(f.flagged) + len(f.notes) for f in report.files)
+    summary = f"{len(report.files)} files scanned, {flagged} findings" + (
+        f", {len(report.skipped)} non-checkpoint files skipped" if report.skipped else ""
+    )
+    if not rows:
+        verdict = "clean: only safe data constructs referenced" if report.files else (
+            "no checkpoint found: nothing was scanned"
+        )  # fmt: skip
+        return f"{verdict}\n{summary}"
+    table = tabulate(rows, headers=["file", "global", "verdict", "count / detail"],
+                     disable_numparse=True)  # fmt: skip
+    return f"{table}\n{summary}"
+
+
+def render_json(report: ScanReport) -> dict[str, Any]:
+    """``scan --json``: docs/schemas/scan.schema.json."""
+    return {
+        "clean": report.clean,
+        "skipped": report.skipped,
+        "no_checkpoint_found": report.empty,
+        "files": [
+            {"path": f.path, "format": f.format, "error": f.error, "notes": f.notes,
+             "globals": [{"name": g.qualname, "verdict": g.verdict, "count": g.count}
+                         for g in f.globals]}
+            for f in report.files
+        ],
+    }  # fmt: skip
