@@ -24,7 +24,7 @@ from typing import Any
 from ckpttool.diff_match import extra_prefixes, metadata_aliases
 from ckpttool.errors import InputError
 from ckpttool.keys import WRAPPER_PREFIXES, Selection, select
-from ckpttool.layout import LAYOUT_TITLES, detect_layout, model_section
+from ckpttool.layout import LAYOUT_TITLES, layout_of, model_section
 from ckpttool.reader import Checkpoint
 from ckpttool.records import tensors
 
@@ -52,8 +52,8 @@ def choose_parts(
     notes: list[str],
 ) -> tuple[Part, Part]:
     """Apply the rules of the module docstring; notes say what was chosen and why."""
-    layout_a = detect_layout(ckpt_a.root, ckpt_a.format)
-    layout_b = detect_layout(ckpt_b.root, ckpt_b.format)
+    layout_a = layout_of(ckpt_a)
+    layout_b = layout_of(ckpt_b)
     auto = False
     named_a = section_a if section_a is not None else section
     named_b = section_b if section_b is not None else section
@@ -61,7 +61,8 @@ def choose_parts(
         _check_sections(ckpt_a, named_a, ckpt_b, named_b, shared=section)
         section_a, section_b = named_a or None, named_b or None
     else:
-        section_a, section_b = model_section(layout_a), model_section(layout_b)
+        section_a = model_section(layout_a, ckpt_a.root)
+        section_b = model_section(layout_b, ckpt_b.root)
         if section_a == section_b:
             section_a = section_b = None  # same kind of file: compare all of it
         else:

@@ -50,6 +50,19 @@ class OutputExistsError(CkptError):
     """The output path exists and the operation was not told to overwrite it."""
 
 
+class CheckpointCollectionError(InputError):
+    """The path holds several checkpoints (a Trainer ``output_dir``): name one of them.
+
+    ``layout`` (a :class:`ckpttool.frameworks.DirectoryLayout`) lists them, for ``show``.
+    """
+
+    def __init__(self, layout: object) -> None:
+        from ckpttool.frameworks import describe_collection
+
+        super().__init__(describe_collection(layout))
+        self.layout = layout
+
+
 class CheckpointKeyError(CkptError, KeyError):
     """A caller asked for a reserved or missing key (e.g. ``extra_state`` colliding with ``step``)."""
 

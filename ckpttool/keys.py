@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ckpttool.errors import InputError
-from ckpttool.layout import detect_layout, model_section
+from ckpttool.layout import layout_of, model_section
 from ckpttool.reader import Checkpoint
 from ckpttool.records import TensorRecord, tensors
 
@@ -78,10 +78,10 @@ def select(
     auto_section: bool = True,
 ) -> Selection:
     """The weights of ``ckpt``: ``section`` if given, else the layout's model section."""
-    layout = detect_layout(ckpt.root, ckpt.format)
+    layout = layout_of(ckpt)
     auto = False
     if section is None and auto_section:
-        section = model_section(layout)
+        section = model_section(layout, ckpt.root)
         auto = section is not None
     records = tensors(ckpt.section(section), section) if section else ckpt.tensors()
     keyed = normalise(records, section=section, strip=strip, ignore_wrappers=ignore_wrappers)

@@ -19,6 +19,17 @@ LIGHTNING = "lightning"
 SAFETENSORS = "safetensors"
 NESTED = "nested_dict"
 OTHER = "other"
+# Recognised by the roles of their parts, whatever the script called them:
+TRAINING = "training_checkpoint"  # a dict with one model part (+ optimizer, counters...)
+OPTIMIZER_STATE = "optimizer_state"  # a bare optimizer.state_dict() (Trainer's optimizer.pt)
+SCHEDULER_STATE = "scheduler_state"  # a bare LR scheduler state_dict() (scheduler.pt)
+SCALER_STATE = "scaler_state"  # a bare GradScaler state_dict() (scaler.pt)
+PICKLED_MODULE = "pickled_module"  # torch.save(model): the reader gives its state-dict names
+# Directories of several files, named by ckpttool.frameworks:
+HF_MODEL = "hf_model"
+HF_TRAINER = "hf_trainer"
+ACCELERATE = "accelerate"
+DECLARED_LAYOUTS = (HF_MODEL, HF_TRAINER, ACCELERATE, PICKLED_MODULE)
 
 LAYOUT_TITLES = {
     STATE_DICT: "plain state dict",
@@ -28,6 +39,14 @@ LAYOUT_TITLES = {
     SAFETENSORS: "safetensors weights",
     NESTED: "nested dict",
     OTHER: "other object",
+    TRAINING: "training checkpoint",
+    OPTIMIZER_STATE: "optimizer state dict",
+    SCHEDULER_STATE: "LR scheduler state dict",
+    SCALER_STATE: "GradScaler state dict",
+    PICKLED_MODULE: "pickled nn.Module (torch.save(model)), read as its state dict",
+    HF_MODEL: "Hugging Face model directory",
+    HF_TRAINER: "Hugging Face Trainer checkpoint",
+    ACCELERATE: "accelerate save_state folder",
 }
 
 RESUME_KEYS = ("model", "optimizer", "epoch", "step")
@@ -35,7 +54,17 @@ RESUME_KEYS = ("model", "optimizer", "epoch", "step")
 #: own: ckpttool/MiniMind (``model``), the PyTorch tutorial's general checkpoint
 #: (``model_state_dict``), ``model_state``, timm and many others (``state_dict``), DeepSpeed
 #: (``module``). Used when the layout itself does not say where the model is.
-MODEL_PART_KEYS = ("model", "model_state_dict", "model_state", "state_dict", "module")
+MODEL_PART_KEYS = (
+    "model", "model_state_dict", "model_state", "state_dict", "module", "net", "network",
+)  # fmt: skip
+#: Where a script keeps an exponential moving average of the weights: the model part only when
+#: no key above names one (a file with both has its EMA shown as one more tensor group).
+EMA_PART_KEYS = ("ema", "model_ema", "ema_state_dict", "ema_model")
+#: Counters a training script stores beside its state dicts.
+COUNTER_KEYS = (
+    "epoch", "step", "global_step", "global_steps", "iteration", "iter", "num_updates",
+    "consumed_samples", "samples_seen", "global_samples",
+)  # fmt: skip
 #: The same for the optimizer's ``state_dict()`` (a dict with ``state`` and ``param_groups``).
 OPTIMIZER_PART_KEYS = ("optimizer", "optimizer_state_dict", "optimizer_state")
 #: ``model_part`` for a file that is the model's weights as a whole.
@@ -44,7 +73,15 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 RNG_NAMES = ("python", "numpy", "torch", "cuda")
 
 
-def detect_layout(root: Any, file_format: str) -> str:
+def layout_of(ckpt: Any) -> str:
+    """The layout of an opened :class:`~ckpttool.reader.Checkpoint` (a directory or a pickled
+    module says its own; a single file's tree is recognised by :func:`detect_layout`)."""
+    return detect_layout(ckpt.root, ckpt.format, ckpt.details.get("layout"))
+
+
+def detect_layout(root: Any, file_format: str, declared: Any = None) -> str:
+    if declared in DECLARED_LAYOUTS:
+        return str(declared)
     if file_format == "safetensors":
         return SAFETENSORS
     if not isinstance(root, dict):
@@ -55,6 +92,14 @@ def detect_layout(root: Any, file_format: str) -> str:
         return CKPTTOOL_RESUME if "rng" in root or "scheduler" in root else MINIMIND_RESUME
     if "state_dict" in root and ("pytorch-lightning_version" in root or "optimizer_states" in root):
         return LIGHTNING
+    if _is_optimizer_state(root):
+        return OPTIMIZER_STATE
+    if "last_epoch" in root and ("base_lrs" in root or "_step_count" in root):
+        return SCHEDULER_STATE
+    if {"scale", "growth_factor", "backoff_factor"} <= set(root):
+        return SCALER_STATE
+    if _find_model_key(root) is not None:
+        return TRAINING
     return NESTED
 
 
@@ -62,12 +107,15 @@ def is_resume(layout: str) -> bool:
     return layout in (MINIMIND_RESUME, CKPTTOOL_RESUME)
 
 
-def model_section(layout: str) -> str | None:
-    """The key of the model weights inside a layout (None: the whole file is the weights)."""
-    if is_resume(layout):
+def model_section(layout: str, root: Any = None) -> str | None:
+    """The key of the model weights inside a layout (None: the whole file is the weights, or
+    no part of it is; :func:`model_part` tells those apart)."""
+    if is_resume(layout) or layout in (HF_MODEL, HF_TRAINER, ACCELERATE):
         return "model"
     if layout == LIGHTNING:
         return "state_dict"
+    if layout == TRAINING:
+        return _find_model_key(root)
     return None
 
 
@@ -76,15 +124,61 @@ def model_part(root: Any, layout: str) -> str | None:
     for a file that is a state dict, or None for a file with no model part ckpttool can name
     (a bare optimizer or RNG file, a nested dict without one of ``MODEL_PART_KEYS``, or with
     several of them)."""
-    if layout in (STATE_DICT, SAFETENSORS):
+    if layout in (STATE_DICT, SAFETENSORS, PICKLED_MODULE):
         return WHOLE_FILE
-    section = model_section(layout)
-    if section is not None:
+    section = model_section(layout, root)
+    if section is not None and isinstance(root, dict) and section in root:
         return section
-    if layout != NESTED or not isinstance(root, dict):
+    return None
+
+
+def module_state_dict(root: Any) -> dict[str, TensorRecord] | None:
+    """The state dict of a pickled ``nn.Module`` (``torch.save(model)``), as
+    ``model.state_dict()`` names it: parameters, then persistent buffers, of each module in
+    ``_modules`` order. None when ``root`` is not such a module."""
+    if not _looks_like_module(root):
         return None
-    found = [k for k in MODEL_PART_KEYS if isinstance(root.get(k), dict) and _has_tensor(root[k])]
-    return found[0] if len(found) == 1 else None
+    out: dict[str, TensorRecord] = {}
+    stack: list[tuple[str, OpaqueObject]] = [("", root)]
+    while stack:
+        prefix, module = stack.pop()
+        state = module.state
+        skipped = state.get("_non_persistent_buffers_set")
+        non_persistent = skipped if isinstance(skipped, (set, frozenset, list, tuple)) else ()
+        for group in ("_parameters", "_buffers"):
+            tensors_in = state.get(group)
+            for name, value in tensors_in.items() if isinstance(tensors_in, dict) else ():
+                if isinstance(value, TensorRecord) and not (
+                    group == "_buffers" and name in non_persistent
+                ):
+                    out[prefix + str(name)] = value
+        children_in = state.get("_modules")
+        submodules = children_in.items() if isinstance(children_in, dict) else ()
+        stack.extend(reversed([
+            (f"{prefix}{name}.", child) for name, child in submodules if _looks_like_module(child)
+        ]))  # fmt: skip
+    return out
+
+
+def _looks_like_module(node: Any) -> bool:
+    return (
+        isinstance(node, OpaqueObject)
+        and isinstance(node.state, dict)
+        and isinstance(node.state.get("_parameters"), dict)
+        and isinstance(node.state.get("_modules"), dict)
+    )
+
+
+def _find_model_key(root: Any) -> str | None:
+    """The one top-level key of ``MODEL_PART_KEYS`` (else of ``EMA_PART_KEYS``) holding a dict
+    of tensors; None when there is none, or more than one to choose from."""
+    if not isinstance(root, dict):
+        return None
+    for names in (MODEL_PART_KEYS, EMA_PART_KEYS):
+        found = [k for k in names if isinstance(root.get(k), dict) and _has_tensor(root[k])]
+        if found:
+            return found[0] if len(found) == 1 else None
+    return None
 
 
 def optimizer_part(root: Any, layout: str) -> str | None:
@@ -94,7 +188,7 @@ def optimizer_part(root: Any, layout: str) -> str | None:
         return None
     if _is_optimizer_state(root):
         return WHOLE_FILE
-    if is_resume(layout) or layout == NESTED:
+    if is_resume(layout) or layout in (NESTED, TRAINING, HF_TRAINER, ACCELERATE):
         found = [k for k in OPTIMIZER_PART_KEYS if _is_optimizer_state(root.get(k))]
         return found[0] if len(found) == 1 else None
     return None
@@ -301,9 +395,11 @@ __all__ = [
     "OptimizerSummary",
     "detect_layout",
     "is_resume",
+    "layout_of",
     "layout_warnings",
     "model_part",
     "model_section",
+    "module_state_dict",
     "optimizer_part",
     "part_node",
     "rng_present",

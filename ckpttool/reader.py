@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.errors import (
+    CheckpointCollectionError,
     CkptError,
     CorruptCheckpointError,
     InputError,
@@ -49,7 +50,7 @@ class Checkpoint:
     problems: list[str]
     pickle: PickleResult | None
     _parsed: Parsed = field(repr=False)
-    _handle: BinaryIO = field(repr=False)
+    _handle: BinaryIO | None = field(repr=False)  # None for a directory of several files
     _all_tensors: list[TensorRecord] | None = field(default=None, repr=False)
 
     @property
@@ -102,13 +103,15 @@ class Checkpoint:
         offset, length = self.storage_span(record.storage)
         if stop > length:
             raise CorruptCheckpointError(f"{record.key}: extends past its storage's bytes")
+        assert self._handle is not None  # a directory's storages are read through _parsed.read
         data = read_at(self._handle.fileno(), stop - first, offset + first)
         if len(data) != stop - first:
             raise CorruptCheckpointError(f"{record.key}: file ends inside its data (truncated)")
         return data, 0
 
     def close(self) -> None:
-        self._handle.close()
+        if self._handle is not None:
+            self._handle.close()
         if self._parsed.close is not None:
             self._parsed.close()
 
@@ -134,6 +137,8 @@ def open_checkpoint(
     refusing the file (``scan``).
     """
     name = os.fspath(path)
+    if not is_dcp_directory(name) and is_framework_path(name):
+        return _open_directory(name, strict, refuse_dangerous)
     directory = is_dcp_directory(name)
     handle = _open_input(os.path.join(name, DCP_METADATA) if directory else name)
     parsed: Parsed | None = None
@@ -150,6 +155,7 @@ def open_checkpoint(
         else:
             file_size = os.fstat(handle.fileno()).st_size
             parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
+            _read_pickled_module(parsed)
         records = tensors(parsed.root)
         problems = list(parsed.problems) + check_extents(parsed, records)
         if problems and strict:
@@ -173,6 +179,55 @@ def open_checkpoint(
         _parsed=parsed,
         _handle=handle,
         _all_tensors=records,
+    )
+
+
+def _read_pickled_module(parsed: Parsed) -> None:
+    """``torch.save(model)`` pickles the module object; every command wants what
+    ``model.state_dict()`` would give, under its names: make that the tree."""
+    from ckpttool.layout import PICKLED_MODULE, module_state_dict
+
+    state_dict = module_state_dict(parsed.root)
+    if state_dict is not None:
+        parsed.details["layout"] = PICKLED_MODULE
+        parsed.details["module_class"] = parsed.root.cls
+        parsed.root = state_dict
+
+
+def is_framework_path(path: str) -> bool:
+    """A directory (not DCP) or an ``*.index.json`` file: a framework's several-file layout."""
+    return os.path.isdir(path) or (path.endswith(".index.json") and os.path.isfile(path))
+
+
+def _open_directory(name: str, strict: bool, refuse_dangerous: bool) -> Checkpoint:
+    """A framework's directory (Hugging Face, Trainer, accelerate) as one checkpoint."""
+    from ckpttool.formats.multifile import directory_size, read_directory
+    from ckpttool.frameworks import COLLECTION, detect_directory
+
+    layout = detect_directory(name)
+    if layout is None:
+        if os.path.isdir(name) and _has_dcp_shards(name):
+            _open_input(name)  # raises the DCP-specific message
+        raise InputError(
+            f"{name}: is a directory, but not a checkpoint layout ckpttool knows (a Hugging Face "
+            "model or Trainer checkpoint, an accelerate save_state folder, a DCP directory); "
+            "name a checkpoint file in it"
+        )
+    if layout.layout == COLLECTION:
+        raise CheckpointCollectionError(layout)
+    parsed = read_directory(layout, strict=strict, refuse_dangerous=refuse_dangerous)
+    return Checkpoint(
+        name=name,
+        format=parsed.format,
+        root=parsed.root,
+        file_size=directory_size(layout),
+        details=parsed.details,
+        metadata=parsed.metadata,
+        problems=list(parsed.problems),
+        pickle=None,
+        _parsed=parsed,
+        _handle=None,
+        _all_tensors=tensors(parsed.root),
     )
 
 

@@ -35,7 +35,7 @@ from typing import Any
 from ckpttool.atomic import atomic_group
 from ckpttool.errors import InputError, LayoutError, OutputExistsError
 from ckpttool.formats.base import is_dcp_directory
-from ckpttool.layout import LAYOUT_TITLES, LIGHTNING, detect_layout, is_resume
+from ckpttool.layout import LAYOUT_TITLES, LIGHTNING, is_resume, layout_of
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import open_checkpoint
 from ckpttool.rewrite import FieldRewrite, verify_rewrite
@@ -238,7 +238,7 @@ def rescale_step(
     _check_request(path, target, in_place=in_place, backup_path=backup_path,
                    overwrite=overwrite, batch_size=batch_size)  # fmt: skip
     with open_checkpoint(path, track_spans=True) as ckpt:
-        layout = detect_layout(ckpt.root, ckpt.format)
+        layout = layout_of(ckpt)
         _check_layout(path, ckpt.format, layout, ckpt.root, step_key)
         new_fields, plan = rescale_fields(
             ckpt.root,

@@ -11,7 +11,7 @@ from ckpttool.errors import CkptError
 from ckpttool.layout import (
     LAYOUT_TITLES,
     OptimizerSummary,
-    detect_layout,
+    layout_of,
     layout_warnings,
     model_part,
     optimizer_part,
@@ -129,7 +129,7 @@ def build_report(
     pattern: str | None = None,
     stats: bool = False,
 ) -> ShowReport:
-    layout = detect_layout(ckpt.root, ckpt.format)
+    layout = layout_of(ckpt)
     all_records = ckpt.tensors()
     records = ckpt.tensors(section) if section else all_records
     if pattern:

@@ -131,26 +131,40 @@ def test_a_shared_section_one_side_lacks_says_how_to_name_one_side(
 def test_the_model_subtree_of_a_dict_aligns_with_a_plain_state_dict(
     tmp_path: Path, model: dict[str, torch.Tensor]
 ) -> None:
-    nested = save(tmp_path / "nested.pth", {"model": model, "step": 7})
+    # "weights" is no model-part name ckpttool knows: the keys themselves align it
+    nested = save(tmp_path / "nested.pth", {"weights": model, "step": 7})
     plain = save(tmp_path / "plain.pth", model)
     report = diff(nested, plain)
     assert report.equal and statuses(report) == {IDENTICAL: NUM_MODEL}
-    assert (report.a.section, report.a.auto_section, report.a.prefix) == ("model", True, None)
+    assert (report.a.section, report.a.auto_section, report.a.prefix) == ("weights", True, None)
     assert report.fields == []  # step is outside the compared part, as for a resume file
     assert report.notes == [
-        "B's tensor keys are A's under 'model.': comparing A's 'model' section with all of B "
+        "B's tensor keys are A's under 'weights.': comparing A's 'weights' section with all of B "
         "(use --section-a/--section-b to choose)"
     ]
     reverse = diff(plain, nested)
     assert (
         reverse.equal
-        and reverse.b.section == "model"
+        and reverse.b.section == "weights"
         and reverse.notes
         == [
-            "A's tensor keys are B's under 'model.': comparing all of A with B's 'model' section "
-            "(use --section-a/--section-b to choose)"
+            "A's tensor keys are B's under 'weights.': comparing all of A with B's 'weights' "
+            "section (use --section-a/--section-b to choose)"
         ]
     )
+
+
+def test_a_dict_whose_model_part_is_named_by_its_role_compares_that_part(
+    tmp_path: Path, model: dict[str, torch.Tensor]
+) -> None:
+    nested = save(tmp_path / "nested.pth", {"model": model, "step": 7})
+    report = diff(nested, save(tmp_path / "plain.pth", model))
+    assert report.equal and statuses(report) == {IDENTICAL: NUM_MODEL}
+    assert (report.a.section, report.a.auto_section) == ("model", True)
+    assert report.notes == [
+        "A (training checkpoint) and B (plain state dict) are different kinds: comparing A's "
+        "'model' section with all of B (use --section-a/--section-b to choose)"
+    ]
 
 
 def test_the_tutorial_checkpoint_aligns_with_its_plain_model(
@@ -160,7 +174,7 @@ def test_the_tutorial_checkpoint_aligns_with_its_plain_model(
     general = save(tmp_path / "tutorial.pt", {**tutorial(2.5, model), "optimizer_state_dict": momentum})  # fmt: skip
     report = diff(general, save(tmp_path / "plain.pth", model))
     assert report.equal and report.a.section == "model_state_dict" and report.a.auto_section
-    assert "under 'model_state_dict.'" in report.notes[0]
+    assert "are different kinds: comparing A's 'model_state_dict' section" in report.notes[0]
 
 
 def test_flat_module_prefixed_keys_align_by_removing_the_prefix(
@@ -197,7 +211,7 @@ def test_a_two_rank_dcp_checkpoint_aligns_with_the_same_model_as_one_file(
     report = diff(directory, plain)
     assert report.equal and statuses(report) == {IDENTICAL: NUM_MODEL}
     assert report.a.section == "model" and report.a.auto_section
-    assert "B's tensor keys are A's under 'model.'" in report.notes[0]
+    assert "are different kinds: comparing A's 'model' section" in report.notes[0]
 
 
 def test_alignment_resolves_aliases_under_the_prefix(
@@ -233,15 +247,18 @@ def test_keys_that_match_only_in_part_are_not_aligned(
 def test_two_candidate_prefixes_are_not_guessed(
     tmp_path: Path, model: dict[str, torch.Tensor]
 ) -> None:
-    two = save(tmp_path / "two.pth", {"model": model, "ema": model})
+    two = save(tmp_path / "two.pth", {"model": model, "net": model})  # two model-part names
     report = diff(two, save(tmp_path / "plain.pth", model))
     assert statuses(report) == {ONLY_A: 2 * NUM_MODEL, ONLY_B: NUM_MODEL}
     assert report.notes == [
         "the keys of one side are the other's under more than one prefix (A's 'model.', "
-        "A's 'ema.'): not aligned (use --section-a/--section-b to choose)"
+        "A's 'net.'): not aligned (use --section-a/--section-b to choose)"
     ]
-    chosen = diff(two, tmp_path / "plain.pth", section_a="ema")
+    chosen = diff(two, tmp_path / "plain.pth", section_a="net")
     assert chosen.equal
+    # a model and its EMA: the model is the model part, as an ML engineer reads the file
+    with_ema = save(tmp_path / "ema.pth", {"model": model, "ema": model})
+    assert diff(with_ema, tmp_path / "plain.pth").a.section == "model"
 
 
 def test_aligned_keys_are_compared_like_any_others(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.layout import NESTED
+from ckpttool.layout import NESTED, TRAINING
 from ckpttool.records import ChunkedStorageRecord, TensorRecord
 from ckpttool.render.text import human_count, human_size, plain, short
 from ckpttool.show import ShowReport
@@ -118,7 +118,7 @@ def render_text(report: ShowReport) -> str:
 
 def _parts_note(report: ShowReport) -> str:
     """Where a nested dict keeps its model and optimizer, when found by their key names."""
-    if report.layout != NESTED:
+    if report.layout not in (NESTED, TRAINING):
         return ""
     parts = [f"{name} in {key!r}"
              for name, key in (("model", report.model_part), ("optimizer", report.optimizer_part))

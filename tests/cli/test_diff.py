@@ -362,8 +362,8 @@ def test_dcp_directory_aligns_with_a_plain_file_of_its_model(tmp_path: Path) -> 
     torch.save(model, tmp_path / "plain.pth")
     nested = run(tmp_path / "nested.pth", tmp_path / "plain.pth")
     assert nested.exit_code == 0 and nested.stderr == (
-        "note: B's tensor keys are A's under 'model.': comparing A's 'model' section with all of "
-        "B (use --section-a/--section-b to choose)\n"
+        "note: A (training checkpoint) and B (plain state dict) are different kinds: comparing "
+        "A's 'model' section with all of B (use --section-a/--section-b to choose)\n"
     )
 
 

@@ -208,7 +208,7 @@ def test_tutorial_layout_counts_the_model_not_the_optimizer(tmp_path: Path) -> N
     size = sum(p.numel() for p in model.parameters())  # 325; with the AdamW moments: 979
     fields = header(run("show", path))
     assert fields["layout"] == (
-        "nested dict (model in 'model_state_dict', optimizer in 'optimizer_state_dict')"
+        "training checkpoint (model in 'model_state_dict', optimizer in 'optimizer_state_dict')"
     )
     assert fields["tensors"] == f"16  ({size} parameters)"
     assert fields["optimizer"].startswith("AdamW, state for 4 params")

@@ -1,0 +1,257 @@
+"""Hugging Face transformers: ``save_pretrained`` model directories and ``Trainer`` checkpoints.
+
+File names are transformers' own (``modeling_utils``/``trainer.py`` constants; 4.x also wrote
+``pytorch_model.bin`` and its shards, which 5.x still loads). What ``Trainer._save_checkpoint``
+writes into ``checkpoint-N/``, in order: the weights (``save_model``), ``optimizer.pt`` and
+``scheduler.pt``, ``scaler.pt`` (mixed precision only), ``rng_state.pth`` (one process) or
+``rng_state_{rank}.pth`` (each of several), ``training_args.bin``, and ``trainer_state.json``
+last. Auto-resume (``get_last_checkpoint``) takes the highest ``checkpoint-N`` whatever it
+holds, so a save that died part-way makes the resume crash: a folder without
+``trainer_state.json``, weights, optimizer or scheduler is reported incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from ckpttool.errors import CorruptCheckpointError, InputError
+from ckpttool.frameworks import (
+    COLLECTION,
+    CONFIG,
+    INDEX,
+    MAX_JSON_BYTES,
+    OPTIMIZER,
+    OTHER,
+    RNG,
+    SCALER,
+    SCHEDULER,
+    TRAINER_STATE,
+    TRAINING_ARGS,
+    WEIGHTS,
+    DirectoryLayout,
+    Member,
+    inside,
+    list_files,
+)
+
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = "pytorch_model.bin"
+WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+SAFE_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+BIN_SHARD = re.compile(r"^pytorch_model-\d{5}-of-\d{5}\.bin$")
+
+TRAINER_STATE_NAME = "trainer_state.json"
+TRAINING_ARGS_NAME = "training_args.bin"
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+SCALER_NAME = "scaler.pt"
+RNG_STATE_NAME = "rng_state.pth"
+RNG_STATE_RANK = re.compile(r"^rng_state_(\d+)\.pth$")
+CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR
+
+TRAINER_FILES = (TRAINER_STATE_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME)
+
+HF_MODEL = "hf_model"
+HF_TRAINER = "hf_trainer"
+HF_TRAINER_OUTPUT = COLLECTION
+
+
+def read_json(path: str) -> object:
+    """A small JSON file, bounded in size; a broken one is a corrupt checkpoint."""
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_JSON_BYTES:
+            raise CorruptCheckpointError(f"{path}: {size} bytes of JSON, more than any index needs")
+        with open(path, "rb") as handle:
+            return json.loads(handle.read())
+    except OSError as error:
+        raise InputError(f"{path}: cannot read ({error.strerror})") from None
+    except (ValueError, RecursionError) as error:
+        raise CorruptCheckpointError(f"{path}: not valid JSON ({error})") from None
+
+
+def weight_map(index: object, path: str) -> dict[str, str]:
+    """The ``weight_map`` of an index file: tensor name -> shard file name."""
+    mapping = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(mapping, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
+    ):
+        raise CorruptCheckpointError(f"{path}: no 'weight_map' of tensor names to file names")
+    return mapping
+
+
+def detect(path: str) -> DirectoryLayout | None:
+    """A model directory or a Trainer ``checkpoint-N/`` (or an index file inside one)."""
+    index_path = path if path.endswith(".index.json") and os.path.isfile(path) else None
+    directory = (os.path.dirname(path) or ".") if index_path else path
+    if not os.path.isdir(directory):
+        return None
+    files = list_files(directory)
+    trainer = any(name in files for name in TRAINER_FILES) or any(
+        RNG_STATE_RANK.match(name) or name == RNG_STATE_NAME for name in files
+    )
+    members, weights_problems, index_name = _weights(directory, files, index_path)
+    if not members and not trainer:
+        return None
+    layout = HF_TRAINER if trainer else HF_MODEL
+    members += _trainer_members(files) if trainer else []
+    for name, section in ((CONFIG_NAME, "config"), (GENERATION_CONFIG_NAME, "generation_config")):
+        if name in files:
+            members.append(Member(name, CONFIG, section, files[name], json=True))
+    known = {member.name for member in members}
+    members += [
+        Member(name, OTHER, None, size) for name, size in files.items() if name not in known
+    ]
+    result = DirectoryLayout(
+        layout=layout,
+        title="Hugging Face Trainer checkpoint" if trainer else "Hugging Face model directory",
+        directory=directory,
+        members=members,
+        problems=weights_problems,
+        index=index_name,
+    )
+    if trainer:
+        _check_trainer(result, files)
+    return result
+
+
+def _weights(
+    directory: str, files: dict[str, int], index_path: str | None
+) -> tuple[list[Member], list[str], str | None]:
+    """The weights members (safetensors preferred, as transformers loads them) and problems."""
+    for index_name, single, shard in (
+        (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAFE_SHARD),
+        (WEIGHTS_INDEX_NAME, WEIGHTS_NAME, BIN_SHARD),
+    ):
+        chosen_index = os.path.basename(index_path) if index_path else None
+        if chosen_index is not None and chosen_index != index_name:
+            continue
+        if index_name in files:
+            return _sharded(directory, files, index_name, shard)
+        if single in files:
+            return [Member(single, WEIGHTS, "model", files[single])], [], None
+        orphans = [name for name in files if shard.match(name)]
+        if orphans:
+            problem = f"{len(orphans)} weight shards but no {index_name} to say what each holds"
+            return (
+                [Member(n, WEIGHTS, "model", files[n], shard=True) for n in orphans],
+                [problem],
+                None,
+            )
+    if index_path is not None:  # an index file of another name: read it as given
+        return _sharded(directory, files, os.path.basename(index_path), None)
+    return [], [], None
+
+
+def _sharded(
+    directory: str, files: dict[str, int], index_name: str, pattern: re.Pattern[str] | None
+) -> tuple[list[Member], list[str], str | None]:
+    index_path = os.path.join(directory, index_name)
+    mapping = weight_map(read_json(index_path), index_path)
+    shards = sorted(set(mapping.values()))  # file order is save order: -00001-of-, -00002-of-...
+    problems = []
+    members = [Member(index_name, INDEX, None, files[index_name], json=True)]
+    for name in shards:
+        inside(directory, name)
+        if name not in files:
+            problems.append(f"{name}: listed in {index_name} but missing")
+            continue
+        members.append(Member(name, WEIGHTS, "model", files[name], shard=True))
+    if pattern is not None:
+        listed = set(shards)
+        problems += [
+            f"{name}: a weight shard that {index_name} does not list"
+            for name in files
+            if pattern.match(name) and name not in listed
+        ]
+    return members, problems, index_name
+
+
+def _trainer_members(files: dict[str, int]) -> list[Member]:
+    members = []
+    for name, role, section, is_json in (
+        (TRAINER_STATE_NAME, TRAINER_STATE, "trainer_state", True),
+        (OPTIMIZER_NAME, OPTIMIZER, "optimizer", False),
+        (SCHEDULER_NAME, SCHEDULER, "scheduler", False),
+        (SCALER_NAME, SCALER, "scaler", False),
+        (RNG_STATE_NAME, RNG, "rng", False),
+        (TRAINING_ARGS_NAME, TRAINING_ARGS, "training_args", False),
+    ):
+        if name in files:
+            members.append(Member(name, role, section, files[name], json=is_json))
+    for name, size in files.items():
+        match = RNG_STATE_RANK.match(name)
+        if match:
+            rank = int(match.group(1))
+            members.append(Member(name, RNG, f"rng.rank{rank}", size, rank=rank))
+    return members
+
+
+def _check_trainer(layout: DirectoryLayout, files: dict[str, int]) -> None:
+    """What a resumable Trainer checkpoint must hold, and the counters it records."""
+    if not any(m.role == WEIGHTS for m in layout.members):
+        layout.missing.append("the model weights (model.safetensors or pytorch_model.bin)")
+    for name in (OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME):
+        if name not in files:
+            layout.missing.append(name)
+    ranks = sorted(m.rank for m in layout.members if m.role == RNG and m.rank is not None)
+    if ranks:
+        layout.details["ranks"] = ranks[-1] + 1
+        layout.missing += [f"rng_state_{r}.pth" for r in range(ranks[-1] + 1) if r not in ranks]
+    elif RNG_STATE_NAME not in files:
+        layout.missing.append(f"{RNG_STATE_NAME} (or rng_state_<rank>.pth)")
+    if TRAINER_STATE_NAME in files:
+        state = read_json(os.path.join(layout.directory, TRAINER_STATE_NAME))
+        if isinstance(state, dict):
+            for key in (
+                "global_step",
+                "epoch",
+                "max_steps",
+                "train_batch_size",
+                "num_train_epochs",
+            ):
+                if key in state:
+                    layout.details[key] = state[key]
+    match = CHECKPOINT_DIR.match(os.path.basename(os.path.normpath(layout.directory)))
+    if match:
+        layout.details["checkpoint_step"] = int(match.group(1))
+    layout.complete = not layout.missing and not layout.problems
+
+
+def detect_output_dir(path: str) -> DirectoryLayout | None:
+    """A Trainer ``output_dir`` holding ``checkpoint-N/`` folders: each listed with its step and
+    whether it is complete. Not one checkpoint: commands other than ``show`` ask for one."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return None
+    checkpoints = []
+    for name in names:
+        match = CHECKPOINT_DIR.match(name)
+        if match and os.path.isdir(os.path.join(path, name)):
+            layout = detect(os.path.join(path, name))
+            complete = layout is not None and layout.complete
+            missing = layout.missing if layout is not None else ["every file"]
+            checkpoints.append((int(match.group(1)), name, complete, missing))
+    if not checkpoints:
+        return None
+    checkpoints.sort()
+    result = DirectoryLayout(
+        layout=HF_TRAINER_OUTPUT,
+        title="Hugging Face Trainer output directory",
+        directory=path,
+        members=[],
+        complete=False,
+    )
+    result.details["checkpoints"] = [
+        {"name": name, "step": step, "complete": complete, "missing": missing}
+        for step, name, complete, missing in checkpoints
+    ]
+    return result
