@@ -103,12 +103,22 @@ def show(
       ckpttool show ckpt.pth --tree --depth 2
       ckpttool show checkpoints/step_1200/    # a DCP directory
     """
+    from ckpttool.errors import CheckpointCollectionError
     from ckpttool.reader import open_checkpoint
     from ckpttool.render import show as show_render
     from ckpttool.render import show_tree
     from ckpttool.show import build_report
 
-    with open_checkpoint(path) as ckpt:
+    try:
+        ckpt = open_checkpoint(path)
+    except CheckpointCollectionError as collection:  # a Trainer output_dir: list what it holds
+        listing = show_render.collection_json(collection.layout)
+        if as_json:
+            _echo_json(listing)
+        else:
+            click.echo(show_render.collection_text(listing))
+        return
+    with ckpt:
         if tree or depth is not None:
             root = ckpt.section(section) if section else ckpt.root
             if as_json:

@@ -85,6 +85,12 @@ def verify_file(
             dcp_problems, dcp_checked = check_dcp(ckpt, progress)
             result.problems.extend(dcp_problems)
             result.checked.extend(dcp_checked)
+        if ckpt.format == "directory":
+            from ckpttool.verify_directory import check_directory
+
+            member_problems, member_checked = check_directory(ckpt, progress)
+            result.problems.extend(member_problems)
+            result.checked.extend(member_checked)
         if ckpt.format == "torch-legacy" and ckpt.details.get("trailing_bytes"):
             result.problems.append(
                 f"{ckpt.details['trailing_bytes']:,} bytes after the last storage"

@@ -75,6 +75,7 @@ def render_text(report: ShowReport) -> str:
         f"format:     {report.format}  ({human_size(report.file_size)} on disk)",
         *_data_files_line(report.details),
         f"layout:     {report.layout_title}{_parts_note(report)}",
+        *_member_lines(report.details),
         *_count_lines(report),
     ]
     top = {k: v for k, v in report.fields.items() if "." not in k}
@@ -171,6 +172,38 @@ def _data_files_line(details: dict[str, Any]) -> list[str]:
     return [f"files:      {', '.join(sizes)}" + (f"  ({chunks} tensor chunks)" if chunks else "")]
 
 
+#: Counters a framework's directory records (trainer_state.json, the rank files), shown first.
+_DIRECTORY_COUNTERS = ("global_step", "epoch", "max_steps", "num_train_epochs",
+                       "train_batch_size", "checkpoint_step", "ranks")  # fmt: skip
+
+
+def _member_lines(details: dict[str, Any]) -> list[str]:
+    """A framework directory's counters, its files with roles and sizes, and what is missing."""
+    files = details.get("files")
+    if not isinstance(files, list):
+        return []
+    lines = [
+        f"{key + ':':<11} {short(details[key])}" for key in _DIRECTORY_COUNTERS if key in details
+    ]
+    if "module_class" in details:
+        lines.append(f"class:      {details['module_class']}")
+    width = max((len(str(f.get("name", ""))) for f in files), default=0)
+    lines.append(f"files:      {len(files)}")
+    for member in files:
+        role = str(member.get("role"))
+        where = f" -> {member['section']}" if member.get("section") else ""
+        lines.append(
+            f"  {member.get('name')!s:<{width}}  {human_size(int(member.get('size') or 0)):>9}"
+            f"  {role}{where}"
+        )
+    missing = details.get("missing") or []
+    if missing:
+        lines.append(f"missing:    {', '.join(str(m) for m in missing)}")
+    if details.get("complete") is False:
+        lines.append("complete:   no (the framework's resume would fail or be inexact)")
+    return lines
+
+
 def _rescale_history(fields: dict[str, Any]) -> str:
     """``rescale-step``'s history (``rescaled_from.N.<key>`` fields) as one line, oldest first."""
     entries: dict[str, dict[str, Any]] = {}
@@ -201,3 +234,32 @@ def _optimizer_lines(report: ShowReport) -> list[str]:
 
 def _num(value: float) -> str:
     return f"{value:.4g}"
+
+
+def collection_json(layout: Any) -> dict[str, Any]:
+    """``show`` of a directory holding several checkpoints (a Trainer ``output_dir``)."""
+    return {
+        "file": layout.directory,
+        "format": "directory",
+        "layout": layout.layout,
+        "layout_title": layout.title,
+        "checkpoints": plain(layout.details.get("checkpoints", [])),
+    }
+
+
+def collection_text(listing: dict[str, Any]) -> str:
+    rows = [
+        [c["name"], c["step"], "yes" if c["complete"] else "no", ", ".join(c["missing"]) or None]
+        for c in listing["checkpoints"]
+    ]
+    from tabulate import tabulate
+
+    header = [
+        f"file:       {listing['file']}",
+        f"layout:     {listing['layout_title']} ({len(rows)} checkpoints; show one for its contents)",
+        "",
+    ]
+    table = tabulate(
+        rows, headers=["checkpoint", "step", "complete", "missing"], disable_numparse=True
+    )
+    return "\n".join(header) + table
