@@ -20,6 +20,7 @@ def fixture_files() -> list[Path]:
         if p.is_file() and p.suffix not in (".py", ".pyc", ".md") and p.name not in NOT_CHECKPOINTS
         and "__pycache__" not in p.parts
         and p.relative_to(FIXTURES).parts[0] != "pairs"  # diff's inputs (one holds a NaN)
+        and p.relative_to(FIXTURES).parts[0] != "frameworks"  # tests/test_framework_fixtures.py
         and not (p.parent / ".metadata").is_file()  # a DCP directory's parts (tests/test_dcp.py)
     )  # fmt: skip
 
