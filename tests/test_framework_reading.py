@@ -1,0 +1,326 @@
+"""ckpttool reads what the frameworks wrote as the frameworks' own loaders see it.
+
+tests/fixtures/frameworks/manifest.json froze, per file, what torch/safetensors read (keys,
+dtypes, shapes, value digests, globals) and, per case, what the framework's loader builds
+(``from_pretrained``'s state dict, ``load_state``'s model...). Here ckpttool's safe reader must
+give the same: file by file, and each directory opened as one checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ckpttool.cli import cli
+from ckpttool.errors import CheckpointCollectionError, CorruptCheckpointError, InputError
+from ckpttool.reader import open_checkpoint
+from ckpttool.records import get_path
+from ckpttool.values import read_array
+
+FRAMEWORKS = Path(__file__).resolve().parent / "fixtures" / "frameworks"
+MANIFEST: dict[str, Any] = json.loads((FRAMEWORKS / "manifest.json").read_text())
+FILES = {
+    name: entry
+    for case in MANIFEST["cases"].values()
+    for name, entry in case["files"].items()
+    if "tensors" in entry
+}
+
+
+def digest(ckpt: Any, record: Any) -> str:
+    array = read_array(ckpt, record)
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def described(ckpt: Any, records: list[Any]) -> dict[str, dict[str, Any]]:
+    return {
+        r.key: {"dtype": r.dtype, "shape": list(r.shape), "sha256": digest(ckpt, r)}
+        for r in records
+    }
+
+
+def _value(root: Any, key: str) -> Any:
+    """The value at a dotted key; keys that hold dots themselves (Lightning's
+    ``epoch_loop.state_dict``) are found among the flattened leaves."""
+    from ckpttool.records import walk
+
+    try:
+        return get_path(root, key)
+    except KeyError:
+        return dict(walk(root))[key]
+
+
+def as_json(value: Any) -> Any:
+    """A value as the manifest (JSON) holds it: tuples are lists."""
+    if isinstance(value, (list, tuple)):
+        return [as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: as_json(v) for k, v in value.items()}
+    return value
+
+
+def without_values(tensors: dict[str, Any]) -> dict[str, Any]:
+    return {k: {f: v[f] for f in ("dtype", "shape", "sha256")} for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_every_file_reads_as_torch_reads_it(name: str) -> None:
+    expected = FILES[name]
+    with open_checkpoint(FRAMEWORKS / name) as ckpt:
+        assert described(ckpt, ckpt.tensors()) == without_values(expected["tensors"])
+        for key, value in expected.get("values", {}).items():
+            if isinstance(value, dict) and set(value) == {"length", "sha256"}:
+                continue  # a long list (Python's RNG state): digested, not stored
+            assert as_json(_value(ckpt.root, key)) == value, key
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n, e in FILES.items() if e.get("globals") is not None)
+)
+def test_scan_names_the_globals_torch_would_import(name: str) -> None:
+    from ckpttool.scan import scan
+
+    expected = set(FILES[name]["globals"])
+    (result,) = scan([FRAMEWORKS / name]).files
+    assert {u.qualname for u in result.globals} == expected
+
+
+def _framework_model(case: str, checkpoint: str | None = None) -> dict[str, Any]:
+    framework = MANIFEST["cases"][case]["framework"]
+    if checkpoint is not None:
+        framework = framework["output"]["checkpoints"][checkpoint]
+    return framework.get("model", framework)  # a model directory's case is the model
+
+
+DIRECTORY_CASES = [
+    ("hf_model", "hf_model", None),
+    ("hf_sharded", "hf_sharded", None),
+    ("hf_bin_sharded", "hf_bin_sharded", None),
+    ("trainer_1proc", "trainer_1proc/output/checkpoint-4", "trainer_1proc/output/checkpoint-4"),
+    ("trainer_2proc", "trainer_2proc/output/checkpoint-8", "trainer_2proc/output/checkpoint-8"),
+    ("accelerate_1proc", "accelerate_1proc/state", None),
+    ("accelerate_2proc", "accelerate_2proc/state", None),
+]
+
+
+@pytest.mark.parametrize(("case", "path", "checkpoint"), DIRECTORY_CASES)
+def test_a_directory_opens_as_the_model_its_framework_loads(
+    case: str, path: str, checkpoint: str | None
+) -> None:
+    """The merged ``model`` equals the loader's state dict, except the tied keys the files do
+    not store (transformers re-ties ``lm_head.weight`` from config.json)."""
+    model = _framework_model(case, checkpoint)
+    with open_checkpoint(FRAMEWORKS / path) as ckpt:
+        ours = described(ckpt, ckpt.tensors("model"))
+    ours = {key.removeprefix("model."): value for key, value in ours.items()}
+    theirs = without_values(model["tensors"])
+    assert {k: theirs[k] for k in ours} == ours
+    untied = set(theirs) - set(ours)
+    assert untied <= {"lm_head.weight"}, untied  # tied to the embedding: transformers re-ties it
+    assert all(theirs[k]["sha256"] == theirs["model.embed_tokens.weight"]["sha256"] for k in untied)
+
+
+def test_the_bin_shards_keep_the_tie_as_one_storage() -> None:
+    with open_checkpoint(FRAMEWORKS / "hf_bin_sharded") as ckpt:
+        head, embed = (
+            r
+            for r in ckpt.tensors("model")
+            if r.key.endswith(("lm_head.weight", "embed_tokens.weight"))
+        )
+        assert head.storage == embed.storage  # same shard file, one storage
+        other = [r.storage for r in ckpt.tensors("model") if r.storage is not None]
+        members = {s.member for s in other}  # type: ignore[union-attr]
+        assert len(members) == 3  # three .bin files, each numbering its storages from "0"
+        assert len(set(other)) == len({(s.member, s.key) for s in other})  # type: ignore[union-attr]
+
+
+def test_an_index_file_opens_its_directory() -> None:
+    with open_checkpoint(FRAMEWORKS / "hf_sharded/model.safetensors.index.json") as by_index:
+        with open_checkpoint(FRAMEWORKS / "hf_sharded") as by_directory:
+            assert [r.key for r in by_index.tensors()] == [r.key for r in by_directory.tensors()]
+
+
+def test_trainer_output_directory_is_a_collection() -> None:
+    with pytest.raises(CheckpointCollectionError) as raised:
+        open_checkpoint(FRAMEWORKS / "trainer_1proc/output")
+    assert "checkpoint-4 complete; checkpoint-8 complete" in str(raised.value)
+    assert "checkpoint-8 (the latest complete)" in str(raised.value)
+    half = CliRunner().invoke(cli, ["show", str(FRAMEWORKS / "trainer_1proc/half_written")])
+    assert half.exit_code == 0
+    assert "checkpoint-8  8       no          trainer_state.json" in half.stdout
+    listing = CliRunner().invoke(
+        cli, ["show", "--json", str(FRAMEWORKS / "trainer_1proc/half_written")]
+    )
+    checkpoints = json.loads(listing.stdout)["checkpoints"]
+    assert [(c["name"], c["complete"]) for c in checkpoints] == [
+        ("checkpoint-4", True), ("checkpoint-8", False),
+    ]  # fmt: skip
+    diffed = CliRunner().invoke(
+        cli, ["diff", str(FRAMEWORKS / "trainer_1proc/output"), str(FRAMEWORKS / "hf_model")]
+    )
+    assert diffed.exit_code == 2 and "name one of them" in diffed.stderr
+
+
+def test_show_describes_a_trainer_checkpoint() -> None:
+    result = CliRunner().invoke(
+        cli, ["show", str(FRAMEWORKS / "trainer_2proc/output/checkpoint-8")]
+    )
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert "layout:     Hugging Face Trainer checkpoint" in lines
+    assert "global_step: 8" in lines and "ranks:      2" in lines
+    assert any(line.split()[:3] == ["rng_state_1.pth", "14.0", "KB"] for line in lines)
+    assert "rng:        rank0, rank1" in lines
+    assert any(line.startswith("optimizer:  AdamW, state for 20 params") for line in lines)
+    assert "missing:" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("path", "exit_code", "problem"),
+    [
+        ("trainer_1proc/output/checkpoint-8", 0, None),
+        ("trainer_2proc/output/checkpoint-4", 0, None),
+        ("accelerate_2proc/state", 0, None),
+        ("hf_sharded", 0, None),
+        ("trainer_1proc/half_written/checkpoint-8", 1, "incomplete: trainer_state.json is missing"),
+    ],
+)
+def test_verify_knows_each_layouts_completeness(
+    path: str, exit_code: int, problem: str | None
+) -> None:
+    result = CliRunner().invoke(cli, ["verify", str(FRAMEWORKS / path)])
+    assert result.exit_code == exit_code, result.output
+    if problem:
+        assert problem in result.stdout
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(FRAMEWORKS / name, tmp_path / Path(name).name))
+
+
+def _verify(path: Path) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["verify", str(path)])
+    return result.exit_code, result.stdout
+
+
+def test_verify_a_trainer_rank_without_its_rng_file(tmp_path: Path) -> None:
+    checkpoint = _copy("trainer_2proc/output/checkpoint-8", tmp_path)
+    (checkpoint / "rng_state_0.pth").unlink()
+    code, out = _verify(checkpoint)
+    assert code == 1 and "incomplete: rng_state_0.pth is missing" in out
+
+
+def test_verify_an_accelerate_rank_without_its_random_states(tmp_path: Path) -> None:
+    state = _copy("accelerate_2proc/state", tmp_path)
+    (state / "random_states_0.pkl").unlink()
+    code, out = _verify(state)
+    assert code == 1 and "incomplete: random_states_0.pkl is missing" in out
+
+
+def test_verify_a_shard_the_index_names_but_is_gone(tmp_path: Path) -> None:
+    model = _copy("hf_sharded", tmp_path)
+    (model / "model-00002-of-00003.safetensors").unlink()
+    code, out = _verify(model)
+    assert (
+        code == 1
+        and "model-00002-of-00003.safetensors: listed in model.safetensors.index.json but missing"
+        in out
+    )
+    with pytest.raises(CorruptCheckpointError, match="listed in model.safetensors.index.json"):
+        open_checkpoint(model)
+
+
+def test_verify_an_orphan_shard_and_a_wrong_index(tmp_path: Path) -> None:
+    model = _copy("hf_sharded", tmp_path)
+    shutil.copy(
+        model / "model-00003-of-00003.safetensors", model / "model-00004-of-00004.safetensors"
+    )
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    key = next(k for k, v in index["weight_map"].items() if v == "model-00001-of-00003.safetensors")
+    index["weight_map"][key] = "model-00002-of-00003.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, out = _verify(model)
+    assert code == 1
+    assert (
+        "model-00004-of-00004.safetensors: a weight shard that model.safetensors.index.json does not list"
+        in out
+    )
+    assert (
+        f"{key}: model.safetensors.index.json says model-00002-of-00003.safetensors, but it is stored in model-00001-of-00003.safetensors"
+        in out
+    )
+
+
+def test_a_tensor_in_two_shards_is_a_problem(tmp_path: Path) -> None:
+    model = _copy("hf_sharded", tmp_path)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    shutil.copy(model / "model-00003-of-00003.safetensors", model / "model-00003-of-00003.copy")
+    # a fourth shard holding the third's tensors again, listed by the index
+    (model / "model-00003-of-00003.copy").rename(model / "model-00004-of-00004.safetensors")
+    index["weight_map"]["extra"] = "model-00004-of-00004.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, out = _verify(model)
+    assert (
+        code == 1
+        and "stored in two shards (model-00003-of-00003.safetensors and model-00004-of-00004.safetensors)"
+        in out
+    )
+
+
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    model = _copy("hf_sharded", tmp_path)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "../../etc/passwd"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(InputError, match="outside the checkpoint"):
+        open_checkpoint(model)
+    result = CliRunner().invoke(cli, ["show", str(model)])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+
+
+def test_a_broken_index_is_a_one_line_error(tmp_path: Path) -> None:
+    model = _copy("hf_sharded", tmp_path)
+    (model / "model.safetensors.index.json").write_text("{not json")
+    result = CliRunner().invoke(cli, ["show", str(model)])
+    assert (
+        result.exit_code == 2
+        and "not valid JSON" in result.stderr
+        and result.stderr.count("\n") == 1
+    )
+
+
+def test_the_tutorial_layouts_are_read_by_role() -> None:
+    framework = MANIFEST["cases"]["tutorial"]["framework"]
+    for name, part in (
+        ("general_checkpoint.pt", "model_state_dict"),
+        ("step_checkpoint.pth", "model_state"),
+    ):
+        with open_checkpoint(FRAMEWORKS / "tutorial" / name) as ckpt:
+            ours = described(ckpt, ckpt.tensors(part))
+        theirs = without_values(framework[name]["model"]["tensors"])
+        assert {k.removeprefix(part + "."): v for k, v in ours.items()} == theirs
+    with open_checkpoint(FRAMEWORKS / "tutorial/whole_model.pt") as whole:
+        assert described(whole, whole.tensors()) == without_values(
+            framework["whole_model.pt"]["model"]["tensors"]
+        )
+
+
+def test_convert_takes_a_tutorial_checkpoints_model_and_says_so(tmp_path: Path) -> None:
+    out = tmp_path / "weights.safetensors"
+    result = CliRunner().invoke(
+        cli, ["convert", str(FRAMEWORKS / "tutorial/general_checkpoint.pt"), str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "(training checkpoint, section 'model_state_dict')" in result.stdout
+    assert "not converted (not weights): optimizer_state_dict" in result.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(out), "np") as handle:
+        assert not any(k.startswith(("state.", "optimizer")) for k in handle.keys())  # noqa: SIM118
