@@ -142,9 +142,9 @@ def test_the_bin_shards_keep_the_tie_as_one_storage() -> None:
 
 
 def test_an_index_file_opens_its_directory() -> None:
-    with open_checkpoint(FRAMEWORKS / "hf_sharded/model.safetensors.index.json") as by_index:
-        with open_checkpoint(FRAMEWORKS / "hf_sharded") as by_directory:
-            assert [r.key for r in by_index.tensors()] == [r.key for r in by_directory.tensors()]
+    index = FRAMEWORKS / "hf_sharded/model.safetensors.index.json"
+    with open_checkpoint(index) as by_index, open_checkpoint(index.parent) as by_directory:
+        assert [r.key for r in by_index.tensors()] == [r.key for r in by_directory.tensors()]
 
 
 def test_trainer_output_directory_is_a_collection() -> None:
@@ -233,7 +233,7 @@ def test_verify_a_shard_the_index_names_but_is_gone(tmp_path: Path) -> None:
         and "model-00002-of-00003.safetensors: listed in model.safetensors.index.json but missing"
         in out
     )
-    with pytest.raises(CorruptCheckpointError, match="listed in model.safetensors.index.json"):
+    with pytest.raises(CorruptCheckpointError, match=r"listed in model\.safetensors\.index\.json"):
         open_checkpoint(model)
 
 
