@@ -35,7 +35,7 @@ from typing import Any
 from ckpttool.atomic import atomic_group
 from ckpttool.errors import InputError, LayoutError, OutputExistsError
 from ckpttool.formats.base import is_dcp_directory
-from ckpttool.layout import LAYOUT_TITLES, LIGHTNING, is_resume, layout_of
+from ckpttool.layout import LAYOUT_TITLES, LIGHTNING, TRAINING, is_resume, layout_of
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import open_checkpoint
 from ckpttool.rewrite import FieldRewrite, verify_rewrite
@@ -239,6 +239,8 @@ def rescale_step(
                    overwrite=overwrite, batch_size=batch_size)  # fmt: skip
     with open_checkpoint(path, track_spans=True) as ckpt:
         layout = layout_of(ckpt)
+        if step_key is None and layout == TRAINING and isinstance(ckpt.root, dict):
+            step_key = training_counter(ckpt.root)
         _check_layout(path, ckpt.format, layout, ckpt.root, step_key)
         new_fields, plan = rescale_fields(
             ckpt.root,
@@ -376,6 +378,22 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.resolve() == b.resolve()
 
 
+#: The counters of a role-recognised training checkpoint (the tutorial's dict and its kin) that
+#: count batches or optimizer steps per rank, in the order one is chosen. ``epoch`` stays (it
+#: counts passes over the data, whatever the number of ranks), and sample counts
+#: (``consumed_samples``...) are the same on any number of ranks.
+TRAINING_STEP_KEYS = ("step", "global_step", "global_steps", "iteration", "iter", "num_updates")
+
+
+def training_counter(root: Mapping[str, Any]) -> str | None:
+    """The per-rank step counter of a training checkpoint's top level, or None."""
+    for key in TRAINING_STEP_KEYS:
+        value = root.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return key
+    return None
+
+
 def _check_layout(
     path: Path, file_format: str, layout: str, root: Any, step_key: str | None
 ) -> None:
@@ -394,6 +412,12 @@ def _check_layout(
             f"{path}: a Lightning checkpoint; its global_step counts optimizer steps, not "
             "dataloader batches per rank, so rescaling it is not the right repair by default. "
             "If you know it should scale with the number of GPUs, name it: --step-key global_step"
+        )
+    if layout == TRAINING:
+        raise LayoutError(
+            f"{path}: a training checkpoint with no step counter ({', '.join(TRAINING_STEP_KEYS)}"
+            "); epoch counts passes over the data and stays. To rescale another top-level field "
+            "that counts batches per rank, name it with --step-key KEY"
         )
     raise LayoutError(
         f"{path}: a {LAYOUT_TITLES.get(layout, layout)}, not a resume checkpoint (those have "
