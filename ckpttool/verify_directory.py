@@ -32,7 +32,7 @@ def check_directory(
     details = ckpt.details
     directory = str(details.get("directory", ckpt.name))
     problems: list[str] = []
-    members = [m for m in details.get("files", []) if m.get("role") not in NOT_CHECKPOINTS]
+    members = [m for m in details.get("members", []) if m.get("role") not in NOT_CHECKPOINTS]
     for member in members:
         try:
             result = verify_file(os.path.join(directory, member["name"]), progress=progress)

@@ -107,7 +107,7 @@ def layout_details(layout: DirectoryLayout) -> dict[str, Any]:
         "layout": layout.layout,
         "layout_title": layout.title,
         "directory": layout.directory,
-        "files": [
+        "members": [
             {"name": m.name, "role": m.role, "size": m.size, "section": m.section, "rank": m.rank}
             for m in layout.members
         ],

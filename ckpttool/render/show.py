@@ -179,7 +179,7 @@ _DIRECTORY_COUNTERS = ("global_step", "epoch", "max_steps", "num_train_epochs",
 
 def _member_lines(details: dict[str, Any]) -> list[str]:
     """A framework directory's counters, its files with roles and sizes, and what is missing."""
-    files = details.get("files")
+    files = details.get("members")
     if not isinstance(files, list):
         return []
     lines = [
