@@ -14,7 +14,7 @@ import click
 
 from ckpttool import __version__
 from ckpttool.cli_options import force_option, json_option, key_prefix_options, section_option
-from ckpttool.errors import EXIT_ERROR, CkptError
+from ckpttool.errors import EXIT_ERROR, CkptError, InputError
 
 EXIT_CODES_HELP = """\b
 Exit codes:
@@ -252,6 +252,10 @@ def diff_command(
 @click.option("-o", "--output", metavar="OUT", help="Write to OUT instead of in place.")
 @force_option
 @click.option("--backup", is_flag=True, help="Keep the original as PATH.bak (never overwritten).")
+@click.option(
+    "--in-place", is_flag=True,
+    help="For a directory: replace it (default: write PATH.wsN, or -o OUT).",
+)  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
 @json_option("rescale-step")
 def rescale_step(
@@ -264,6 +268,7 @@ def rescale_step(
     output: str | None,
     force: bool,
     backup: bool,
+    in_place: bool,
     dry_run: bool,
     as_json: bool,
 ) -> None:
@@ -273,12 +278,17 @@ def rescale_step(
     becomes N. The file is rewritten atomically, tensors copied byte for byte (never loaded),
     and the change is recorded in its 'rescaled_from' list.
 
+    A Trainer checkpoint-N/ or an accelerate save_state folder is rewritten as a whole to a new
+    directory (PATH.wsN, or -o OUT; --in-place to replace it): global_step / accelerate's step,
+    the scheduler's counters and the per-rank RNG files (docs/rescale-step.md).
+
     \b
     Examples:
       ckpttool rescale-step out/pretrain_768_resume.pth --world-size 2 --dry-run
       ckpttool rescale-step out/pretrain_768_resume.pth --world-size 2 --backup
       ckpttool rescale-step old_resume.pth --world-size 4 --from-world-size 8 -o new_resume.pth
       ckpttool rescale-step last.ckpt --world-size 2 --from-world-size 4 --step-key global_step
+      ckpttool rescale-step output/checkpoint-500 --world-size 4 -o output/checkpoint-500-ws4
     """
     import os
 
@@ -286,6 +296,24 @@ def rescale_step(
     from ckpttool.render import rescale as rescale_render
     from ckpttool.rescale import rescale_step as run_rescale
 
+    if os.path.isdir(path):
+        from ckpttool.rescale_directory import rescale_directory
+
+        if backup or step_key:
+            raise InputError("--backup and --step-key apply to one checkpoint file")
+        directory_report = rescale_directory(
+            path, world_size, from_world_size=from_world_size, strict=strict, output=output,
+            in_place=in_place, overwrite=force, dry_run=dry_run, batch_size=batch_size,
+        )  # fmt: skip
+        if as_json:
+            _echo_json(rescale_render.render_json(directory_report))
+        else:
+            click.echo(rescale_render.render_text(directory_report))
+        return
+    if in_place:
+        raise InputError(
+            "--in-place applies to a directory; a file is rewritten in place by default"
+        )
     with Progress(os.path.getsize(path) if os.path.isfile(path) else 0, "rescale") as bar:
         report = run_rescale(
             path, world_size, from_world_size=from_world_size, step_key=step_key,

@@ -48,8 +48,8 @@ from typing import Any
 from ckpttool.atomic import TMP_SUFFIX, fsync_dir
 from ckpttool.errors import InputError, LayoutError, OutputExistsError
 from ckpttool.frameworks import accelerate, huggingface, list_files
-from ckpttool.rescale import InexactRescaleError, RescalePlan, describe_repeats
 from ckpttool.reader import open_checkpoint
+from ckpttool.rescale import InexactRescaleError, RescalePlan, describe_repeats
 from ckpttool.rewrite import FieldRewrite, verify_rewrite
 
 __all__ = [

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckpttool.render.rescale_directory import directory_json, directory_text
 from ckpttool.rescale import HISTORY_KEY, WORLD_SIZE_KEY, RescaleReport, describe_repeats
+from ckpttool.rescale_directory import DirectoryRescaleReport
 
 __all__ = ["render_json", "render_text"]
 
 
-def render_json(report: RescaleReport) -> dict[str, Any]:
+def render_json(report: RescaleReport | DirectoryRescaleReport) -> dict[str, Any]:
     """The ``--json`` output of ``rescale-step``: docs/schemas/rescale-step.schema.json."""
+    if isinstance(report, DirectoryRescaleReport):
+        return directory_json(report)
     plan = report.plan
     batch_size = report.batch_size
     return {
@@ -39,8 +43,10 @@ def render_json(report: RescaleReport) -> dict[str, Any]:
     }
 
 
-def render_text(report: RescaleReport) -> str:
+def render_text(report: RescaleReport | DirectoryRescaleReport) -> str:
     """The human report, one fact per line."""
+    if isinstance(report, DirectoryRescaleReport):
+        return directory_text(report)
     return "\n".join(_lines(report))
 
 
