@@ -51,7 +51,7 @@ def directory_json(report: DirectoryRescaleReport) -> dict[str, Any]:
                 "why": action.why or None,
             }
             for action in report.files
-        ],  # fmt: skip
+        ],
         "notes": list(report.notes),
     }
 

@@ -1,0 +1,227 @@
+"""rescale-step on framework directories (Trainer checkpoint-N/, accelerate save_state) and on
+role-recognised single files, on the framework-written fixtures; with the frameworks installed,
+the proof that they resume from the rescaled output at the right step and learning rate."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckpttool.cli import cli
+from ckpttool.errors import OutputExistsError
+from ckpttool.reader import open_checkpoint
+from ckpttool.rescale import rescale_step
+from ckpttool.rescale_directory import rescale_directory
+
+FIXTURES = Path(__file__).parent / "fixtures" / "frameworks"
+TRAINER_2 = FIXTURES / "trainer_2proc" / "output" / "checkpoint-4"
+TRAINER_1 = FIXTURES / "trainer_1proc" / "output" / "checkpoint-4"
+ACCELERATE_2 = FIXTURES / "accelerate_2proc" / "state"
+ACCELERATE_1 = FIXTURES / "accelerate_1proc" / "state"
+
+
+def _copy(source: Path, tmp_path: Path, name: str = "ckpt") -> Path:
+    target = tmp_path / name
+    shutil.copytree(source, target)
+    return target
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def _root(path: Path) -> dict:
+    with open_checkpoint(path) as ckpt:
+        return dict(ckpt.root)
+
+
+def test_trainer_two_processes_to_one(tmp_path: Path) -> None:
+    source = _copy(TRAINER_2, tmp_path)
+    before = _snapshot(source)
+    report = rescale_directory(source, 1)
+    output = tmp_path / "ckpt.ws1"
+    assert report.written and report.output == output
+    assert _snapshot(source) == before  # the source is untouched
+    changes = {(c.file, c.key): (c.old, c.new) for c in report.changes}
+    assert changes == {
+        ("trainer_state.json", "global_step"): (4, 8),
+        ("scheduler.pt", "last_epoch"): (4, 8),
+        ("scheduler.pt", "_step_count"): (5, 9),
+    }
+    state = json.loads((output / "trainer_state.json").read_text())
+    assert state["global_step"] == 8 and state["epoch"] == pytest.approx(4 / 3)
+    assert state["log_history"] == json.loads(before["trainer_state.json"])["log_history"]
+    scheduler = _root(output / "scheduler.pt")
+    assert (scheduler["last_epoch"], scheduler["_step_count"]) == (8, 9)
+    # rank 0's RNG file becomes the one-process name; rank 1's is dropped
+    names = sorted(p.name for p in output.iterdir())
+    assert "rng_state.pth" in names and not any(n.startswith("rng_state_") for n in names)
+    assert (output / "rng_state.pth").read_bytes() == before["rng_state_0.pth"]
+    for name in ("model.safetensors", "optimizer.pt", "training_args.bin", "config.json"):
+        assert (output / name).read_bytes() == before[name]
+
+
+def test_trainer_one_process_to_two_inexact(tmp_path: Path) -> None:
+    source = _copy(TRAINER_1, tmp_path)
+    report = rescale_directory(source, 3, output=tmp_path / "out")
+    assert (report.plan.old_step, report.plan.new_step, report.plan.repeated_batches) == (4, 1, 1)
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    assert state["global_step"] == 1
+    assert state["epoch"] == pytest.approx(state["epoch"])  # scaled with the floor
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert "rng_state_0.pth" in names and "rng_state.pth" not in names
+    assert "rng_state_1.pth" not in names  # new ranks get none: Trainer keeps its seeded state
+
+
+def test_accelerate_two_processes_to_one(tmp_path: Path) -> None:
+    source = _copy(ACCELERATE_2, tmp_path)
+    before = _snapshot(source)
+    report = rescale_directory(source, 1)
+    output = report.output
+    assert [(c.file, c.key, c.old, c.new) for c in report.changes] == [
+        ("random_states_0.pkl", "step", 2, 4)
+    ]
+    assert _root(output / "random_states_0.pkl")["step"] == 4
+    assert not (output / "random_states_1.pkl").exists()
+    # AcceleratedScheduler: 2 optimizer steps x 2 processes = 4 x 1 process: unchanged
+    assert (output / "scheduler.bin").read_bytes() == before["scheduler.bin"]
+    assert _snapshot(source) == before
+
+
+def test_accelerate_one_process_to_two_duplicates_rank_zero(tmp_path: Path) -> None:
+    report = rescale_directory(_copy(ACCELERATE_1, tmp_path), 2)
+    for rank in (0, 1):
+        assert _root(report.output / f"random_states_{rank}.pkl")["step"] == 2
+    assert _root(report.output / "scheduler.bin")["last_epoch"] == 4
+
+
+def test_dry_run_writes_nothing_and_existing_output_refused(tmp_path: Path) -> None:
+    source = _copy(TRAINER_2, tmp_path)
+    report = rescale_directory(source, 1, dry_run=True)
+    assert not report.written and sorted(os.listdir(tmp_path)) == ["ckpt"]
+    (tmp_path / "ckpt.ws1").mkdir()
+    with pytest.raises(OutputExistsError):
+        rescale_directory(source, 1)
+    rescale_directory(source, 1, overwrite=True)
+    assert (
+        json.loads((tmp_path / "ckpt.ws1" / "trainer_state.json").read_text())["global_step"] == 8
+    )
+
+
+def test_in_place(tmp_path: Path) -> None:
+    source = _copy(ACCELERATE_2, tmp_path)
+    rescale_directory(source, 1, in_place=True)
+    assert _root(source / "random_states_0.pkl")["step"] == 4
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_crash_leaves_old_checkpoint_and_no_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool
+) -> None:
+    source = _copy(TRAINER_2, tmp_path)
+    before = _snapshot(source)
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(os, "rename", crash)
+    monkeypatch.setattr("ckpttool.rescale_directory._exchange", lambda a, b: False)
+    with pytest.raises(OSError, match="simulated"):
+        rescale_directory(source, 1, in_place=in_place)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no output, no temp dir left
+    assert _snapshot(source) == before
+
+
+def test_cli_json_and_text(tmp_path: Path) -> None:
+    source = _copy(TRAINER_2, tmp_path)
+    result = CliRunner().invoke(
+        cli, ["rescale-step", str(source), "--world-size", "1", "--dry-run", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["layout"] == "hf_trainer" and data["to"] == {"step": 8, "world_size": 1}
+    assert {"file": "scheduler.pt", "key": "last_epoch", "old": 4, "new": 8} in data["changes"]
+    result = CliRunner().invoke(cli, ["rescale-step", str(source), "--world-size", "1"])
+    assert result.exit_code == 0, result.output
+    assert "trainer_state.json: global_step 4 -> 8" in result.output
+    assert "drop rng_state_1.pth" in result.output
+
+
+def test_tutorial_step_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "step_checkpoint.pth"
+    shutil.copy(FIXTURES / "tutorial" / "step_checkpoint.pth", path)
+    report = rescale_step(path, 2, from_world_size=1)
+    assert (report.plan.step_key, report.plan.old_step, report.plan.new_step) == ("step", 3, 1)
+    assert _root(path)["step"] == 1
+
+
+# -- the proof, with the frameworks themselves ------------------------------------------------
+
+
+def test_accelerate_load_state_reads_rescaled_folder(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    import torch
+    from accelerate import Accelerator
+
+    from tests.fixtures.frameworks.models import TokenDataset, llama_model
+    from tests.fixtures.frameworks.write_other import Progress, warmup_then_linear
+
+    report = rescale_directory(_copy(ACCELERATE_2, tmp_path), 1)
+    accelerator = Accelerator(cpu=True)
+    model = llama_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_linear)
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=2, shuffle=True)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    accelerator.register_for_checkpointing(Progress())
+    accelerator.load_state(str(report.output))
+    assert accelerator.step == 4  # 2 batches on each of 2 processes = 4 on one
+    assert scheduler.scheduler.last_epoch == 4
+
+
+def _resume_trainer(checkpoint: Path, output_dir: Path, max_steps: int) -> list[dict]:
+    from transformers import Trainer, default_data_collator
+
+    from tests.fixtures.frameworks.models import TokenDataset, llama_model
+    from tests.fixtures.frameworks.write_hf import training_arguments
+
+    args = training_arguments(str(output_dir))
+    args.max_steps = max_steps
+    args.save_strategy = "no"
+    trainer = Trainer(
+        model=llama_model().train(), args=args, train_dataset=TokenDataset(),
+        data_collator=default_data_collator,
+    )  # fmt: skip
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_resumes_rescaled_checkpoint(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    report = rescale_directory(_copy(TRAINER_2, tmp_path), 1)
+    # 8 steps x 2 processes of the saved run = 16 steps on one process
+    logs = _resume_trainer(report.output, tmp_path / "run", max_steps=16)
+    new_logs = [entry for entry in logs if entry["step"] > 4]
+    assert new_logs[0]["step"] == 9  # 4 steps x 2 processes = 8 one-process steps were done
+    assert new_logs[-1]["step"] == 16
+    # linear schedule (2 warmup steps, 16 in all): from the second resumed step on, the rate is
+    # the one of the rescaled step; the first runs at the saved one (optimizer.pt's lr)
+    by_step = {entry["step"]: entry["learning_rate"] for entry in new_logs}
+    assert by_step[10] == pytest.approx(1e-3 * (16 - 9) / 14)
+
+
+def test_trainer_without_rescale_repeats_data(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    source = _copy(TRAINER_2, tmp_path)
+    logs = _resume_trainer(source, tmp_path / "run", max_steps=16)
+    new_logs = [entry for entry in logs if entry["step"] > 4]
+    assert new_logs[0]["step"] == 5  # resumes 4 one-process steps (8 samples) too early
