@@ -247,6 +247,9 @@ class OptimizerSummary:
     state_dtypes: dict[str, int]  # dtype -> bytes
     state_bytes: int
     param_names: dict[int, str] = field(default_factory=dict)  # state index -> model key
+    # how param_names was found: "order" (model.parameters() order, as a hand-written loop or
+    # accelerate builds it), or "decay groups" (the Hugging Face Trainer's weight-decay split)
+    mapping_rule: str = ""
 
 
 _STATE_SIGNATURES = [
@@ -297,24 +300,34 @@ def summarize_optimizer(optimizer: Any, model: Any) -> OptimizerSummary | None:
     summary = OptimizerSummary(
         type_guess, groups, len(state), dtypes, sum(dtypes.values()),
     )  # fmt: skip
-    summary.param_names = map_param_names(optimizer, model)
+    summary.param_names, summary.mapping_rule = map_param_names(optimizer, model)
     return summary
 
 
-def map_param_names(optimizer: Mapping[str, Any], model: Any) -> dict[int, str]:
-    """Optimizer state index -> model parameter name, when order and shapes agree.
+#: Substrings of parameter names the Hugging Face Trainer puts in its no-weight-decay group
+#: (``get_decay_parameter_names``: biases and the weights of normalisation layers).
+NO_DECAY_NAMES = ("bias", "norm")
 
-    ``optimizer.state_dict()`` numbers parameters in ``param_groups`` order, which is
-    ``model.parameters()`` order: the state dict's floating tensors with tied ones once. Buffers
-    in the state dict or a different parameter order make the mapping impossible; then this
-    returns {} rather than guess.
+
+def map_param_names(optimizer: Mapping[str, Any], model: Any) -> tuple[dict[int, str], str]:
+    """Optimizer state index -> model parameter name, when order and shapes agree, and the rule
+    that gave it.
+
+    ``optimizer.state_dict()`` numbers parameters in ``param_groups`` order. A hand-written loop
+    (and accelerate) puts them in ``model.parameters()`` order: the state dict's floating
+    tensors with tied ones once ("order"). The Hugging Face Trainer makes two groups, the
+    parameters with weight decay then those without (biases, norm weights), each in model order
+    ("decay groups"). Every state entry's shapes must match its parameter's; buffers in the
+    state dict or another order make the mapping impossible, and then this returns {} rather
+    than guess.
     """
     if not isinstance(model, dict):
-        return {}
-    indices: list[int] = []
+        return {}, ""
+    groups: list[list[int]] = []
     for group in optimizer.get("param_groups") or []:
         if isinstance(group, dict) and isinstance(group.get("params"), list):
-            indices.extend(i for i in group["params"] if isinstance(i, int))
+            groups.append([i for i in group["params"] if isinstance(i, int)])
+    indices = [i for group_indices in groups for i in group_indices]
     candidates = [r for r in tensors(model) if r.is_floating]
     unique: list[TensorRecord] = []
     seen: set[tuple[Any, tuple[int, ...]]] = set()  # a set, not a scan: 100,000 tensors happen
@@ -323,19 +336,25 @@ def map_param_names(optimizer: Mapping[str, Any], model: Any) -> dict[int, str]:
         if record.storage is None or identity not in seen:
             seen.add(identity)
             unique.append(record)
-    attempts = [unique]
+    attempts = [("order", unique)]
     tied_heads = [r for r in unique if r.key.endswith("lm_head.weight")]
     if tied_heads:  # MiniMind halves tied weights separately: the head shows up twice
-        attempts.append([r for r in unique if r not in tied_heads])
+        attempts.append(("order", [r for r in unique if r not in tied_heads]))
+    if len(groups) == 2:
+        for _, names in list(attempts):
+            no_decay = [r for r in names if any(n in r.key.lower() for n in NO_DECAY_NAMES)]
+            decay = [r for r in names if r not in no_decay]
+            if len(decay) == len(groups[0]):
+                attempts.append(("decay groups", decay + no_decay))
     state = optimizer.get("state") or {}
-    for names in attempts:
+    for rule, names in attempts:
         if len(names) != len(indices):
             continue
         mapping = dict(zip(indices, (r.key for r in names)))
         shapes = {r.key: r.shape for r in names}
         if all(_state_matches(state.get(i), shapes[mapping[i]]) for i in indices):
-            return mapping
-    return {}
+            return mapping, rule
+    return {}, ""
 
 
 def _state_matches(entry: Any, shape: tuple[int, ...]) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -171,3 +173,36 @@ def test_every_torch_dtype_gets_statistics_or_a_reason() -> None:
         if stats_unavailable(probe) is None:  # then it decodes
             zeros = np.zeros(1, dtype=numpy_code(probe))
             assert np.asarray(as_float(probe, zeros)).size >= 1, name
+
+
+def test_optimizer_state_maps_to_names_through_the_trainers_decay_groups(tmp_path: Path) -> None:
+    """The Hugging Face Trainer numbers its state decay-params first, then biases and norms;
+    with a model stored in its own order (a .bin file, a resume dict) the names follow."""
+    import torch
+
+    from ckpttool.layout import map_param_names
+    from ckpttool.reader import open_checkpoint
+
+    model = torch.nn.Sequential()
+    model.add_module("fc1", torch.nn.Linear(4, 3))
+    model.add_module("norm", torch.nn.LayerNorm(3))
+    model.add_module("fc2", torch.nn.Linear(3, 2))
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias") and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "norm" in n]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "t.pt"
+    )
+    with open_checkpoint(tmp_path / "t.pt") as ckpt:
+        names, rule = map_param_names(ckpt.root["optimizer"], ckpt.root["model"])
+    assert rule == "decay groups"
+    assert [names[i] for i in sorted(names)] == [
+        "fc1.weight", "fc2.weight", "fc1.bias", "norm.weight", "norm.bias", "fc2.bias",
+    ]  # fmt: skip
+    one_group = torch.optim.AdamW(model.parameters())
+    one_group.step()
+    with open_checkpoint(tmp_path / "t.pt") as ckpt:
+        _, rule = map_param_names(one_group.state_dict(), ckpt.root["model"])  # type: ignore[arg-type]
+    assert rule == "order"  # one group in model order (no state yet: nothing contradicts it)

@@ -227,7 +227,12 @@ def _optimizer_lines(report: ShowReport) -> list[str]:
     for index, group in enumerate(opt.param_groups):
         hyper = ", ".join(f"{k}={short(v, 24)}" for k, v in group.items() if v is not None)
         lines.append(f"  group {index}: {hyper}")
-    if opt.param_names:
+    if opt.param_names and opt.mapping_rule == "decay groups":
+        lines.append(
+            f"  state entries map to model parameters by the Trainer's weight-decay groups "
+            f"({len(opt.param_names)}; a guess from names and order, checked against shapes)"
+        )
+    elif opt.param_names:
         lines.append(f"  state entries map to model parameters by order ({len(opt.param_names)})")
     return lines
 
