@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.render.rescale_directory import directory_json, directory_text
+from ckpttool.render.rescale_directory import render_json as directory_json
+from ckpttool.render.rescale_directory import render_text as directory_text
 from ckpttool.rescale import HISTORY_KEY, WORLD_SIZE_KEY, RescaleReport, describe_repeats
 from ckpttool.rescale_directory import DirectoryRescaleReport
 

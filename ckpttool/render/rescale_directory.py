@@ -8,10 +8,10 @@ from typing import Any
 from ckpttool.rescale import describe_repeats
 from ckpttool.rescale_directory import DROP, DirectoryRescaleReport
 
-__all__ = ["directory_json", "directory_text"]
+__all__ = ["render_json", "render_text"]
 
 
-def directory_json(report: DirectoryRescaleReport) -> dict[str, Any]:
+def render_json(report: DirectoryRescaleReport) -> dict[str, Any]:
     plan = report.plan
     batch_size = report.batch_size
     return {
@@ -56,7 +56,7 @@ def directory_json(report: DirectoryRescaleReport) -> dict[str, Any]:
     }
 
 
-def directory_text(report: DirectoryRescaleReport) -> str:
+def render_text(report: DirectoryRescaleReport) -> str:
     plan = report.plan
     name = plan.step_key
     lines = [
