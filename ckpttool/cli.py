@@ -369,7 +369,11 @@ def convert_command(
 
     SRC may be a weights file, a resume checkpoint (its model), a Lightning .ckpt (its
     state_dict), a legacy torch file, a safetensors file or a torch.distributed.checkpoint
-    directory (its shards assembled tensor by tensor). DST defaults to SRC with a
+    directory (its shards assembled tensor by tensor), or a Hugging Face model directory or
+    Trainer checkpoint-N/ (its model); for these, a DST that is a directory (existing, ending
+    in /, or without a suffix) gets a model directory from_pretrained loads: model.safetensors
+    (or shards and model.safetensors.index.json), config.json and generation_config.json
+    copied byte for byte, written all or nothing. DST defaults to SRC with a
     .safetensors suffix (.pth with --to pth), or NAME.converted.SUFFIX when that would be SRC
     itself (c_ddp.pth --to pth writes c_ddp.converted.pth); a directory DST gets that name in
     it. Tied tensors are stored once, their names kept in __metadata__. The output is written
@@ -384,6 +388,7 @@ def convert_command(
       ckpttool convert ddp.pth --strip-prefix module. --to pth   # ddp.converted.pth
       ckpttool convert big.pth shards/ --max-shard-size 2GB
       ckpttool convert checkpoints/step_1200/ model.safetensors
+      ckpttool convert output/checkpoint-500/ llama-500/   # a from_pretrained directory
     """
     from ckpttool.convert import convert
     from ckpttool.progress import Progress

@@ -23,11 +23,13 @@ from typing import BinaryIO
 
 import numpy as np
 
+from ckpttool import convert_model_dir as model_dir
 from ckpttool.atomic import atomic_group
 from ckpttool.cast import CastCounts, cast_array, stored_dtype
 from ckpttool.convert_output import FORMATS, OutFile, check_targets, parse_size, plan_outputs
 from ckpttool.convert_plan import FIELD_PREFIX, Plan, Planned, build_plan
 from ckpttool.errors import EXIT_FOUND, CkptError, InputError
+from ckpttool.frameworks.huggingface import SAFE_WEIGHTS_NAME
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
@@ -67,6 +69,8 @@ class ConvertReport:
     fields: dict[str, str]  # __metadata__ entries kept from non-tensor entries
     notes: list[str] = field(default_factory=list)
     verified: bool = False
+    directory: Path | None = None  # the model directory written, for a Hugging Face source
+    copied: list[str] = field(default_factory=list)  # its files copied byte for byte
 
 
 def convert(
@@ -103,12 +107,38 @@ def convert(
     with open_checkpoint(src_path) as ckpt:
         plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
                           pattern=pattern, dtype=dtype, keep_shared=keep_shared)  # fmt: skip
-        files = plan_outputs(src_path, dst, to, shard_size, plan)
-        check_targets(src_path, files, force)
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
-        counts = _write_outputs(ckpt, plan, files, allow_overflow=allow_overflow, verify=verify,
-                                progress=progress or (lambda n: None))  # fmt: skip
+
+        def write(plan: Plan, files: list[OutFile]) -> dict[str, CastCounts]:
+            return _write_outputs(ckpt, plan, files, allow_overflow=allow_overflow,
+                                  verify=verify, progress=progress or (lambda n: None))  # fmt: skip
+
+        if model_dir.wants_model_dir(ckpt, dst):
+            assert dst is not None
+            if to == "pth":
+                raise InputError(
+                    "a model directory is written as safetensors, as from_pretrained loads it; "
+                    "drop --to pth or name a .pth DST"
+                )
+            plan = model_dir.for_transformers(plan)
+            target = Path(dst)
+            source_dir = model_dir.source_directory(ckpt)
+            assert source_dir is not None
+            model_dir.check_target(source_dir, target, force)
+            with model_dir.staged_directory(target) as staging:
+                weights = staging / SAFE_WEIGHTS_NAME if shard_size is None else staging
+                files = plan_outputs(src_path, weights, None, shard_size, plan)
+                counts = write(plan, files)
+                copied = model_dir.copy_files(source_dir, staging)
+            files = model_dir.moved(files, target)
+            report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
+            report.directory = target
+            report.copied = copied
+            return report
+        files = plan_outputs(src_path, dst, to, shard_size, plan)
+        check_targets(src_path, files, force)
+        counts = write(plan, files)
     return _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
 
 

@@ -146,7 +146,11 @@ def plan_outputs(
         out.metadata = _metadata(src, plan, aliases)
         files.append(out)
     index = {
-        "metadata": {"total_size": plan.tensor_bytes},
+        # as transformers' save_pretrained writes it (num_parameters() counts tied ones once)
+        "metadata": {
+            "total_parameters": sum(p.record.numel for p in plan.stored),
+            "total_size": plan.tensor_bytes,
+        },
         "weight_map": {p.name: f.target.name for f in files for p in f.tensors},
     }
     content = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")

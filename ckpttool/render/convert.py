@@ -36,12 +36,16 @@ def render_json(report: ConvertReport) -> dict[str, Any]:
         "fields": report.fields,
         "notes": report.notes,
         "verified": report.verified,
+        "directory": None if report.directory is None else str(report.directory),
+        "copied": report.copied,
     }
 
 
 def render_text(report: ConvertReport) -> str:
     """``wrote DST (...)`` and one line per fact worth knowing."""
-    if len(report.outputs) > 1:
+    if report.directory is not None:
+        what = f"model directory {report.directory}"
+    elif len(report.outputs) > 1:
         what = f"{report.outputs[-1]} and {len(report.outputs) - 1} shards"
     else:
         what = str(report.outputs[0])
@@ -50,6 +54,10 @@ def render_text(report: ConvertReport) -> str:
     section = f", section {report.section!r}" if report.section else ""
     layout = LAYOUT_TITLES.get(report.layout, report.layout)
     lines.append(f"  from      {report.source} ({layout}{section})")
+    if report.directory is not None:
+        written = [path.name for path in report.outputs]
+        copied = f"; copied byte for byte: {', '.join(report.copied)}" if report.copied else ""
+        lines.append(f"  files     {_some(written)}{copied}")
     if report.cast:
         casts = ", ".join(f"{kind.replace('->', ' -> ')} ({n})" for kind, n in report.cast.items())
         lines.append(f"  cast      {casts}")
