@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from click.testing import CliRunner
 
@@ -24,6 +25,7 @@ FRAMEWORKS = Path(__file__).resolve().parent / "fixtures" / "frameworks"
 TRAINER_CHECKPOINT = "trainer_1proc/output/checkpoint-8"
 SOURCES = ["hf_bin_sharded", "hf_sharded", "hf_model", TRAINER_CHECKPOINT]
 SHARDS = [None, "10000"]  # one model.safetensors; 3 shards + index (20.8 kB of weights)
+SCHEMA = "docs/schemas/convert.schema.json"
 SHARD_NAME = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 
 
@@ -107,9 +109,32 @@ def test_directory_rule_for_a_framework_source(tmp_path: Path, dst: str) -> None
     result = _cli("convert", FRAMEWORKS / "hf_model", f"{tmp_path}/{dst}", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
+    schema = json.loads((Path(__file__).resolve().parents[1] / SCHEMA).read_text())
+    jsonschema.validate(report, schema)
     assert report["directory"] == str(tmp_path / "out")
     assert report["copied"] == ["config.json", "generation_config.json"]
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_text_output_names_the_directory_and_the_copied_files(tmp_path: Path) -> None:
+    source = FRAMEWORKS / "hf_bin_sharded" / "pytorch_model.bin.index.json"  # the index as SRC
+    result = _cli("convert", source, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        f"wrote model directory {tmp_path / 'out'} (safetensors, 20 tensors, 22.4 KB)",
+        f"  from      {source} (Hugging Face model directory, section 'model')",
+        "  files     model.safetensors; copied byte for byte: config.json, generation_config.json",
+        "  aliases   lm_head.weight -> model.embed_tokens.weight; stored once",
+        "  verified  every tensor read back bit for bit, sizes as expected",
+    ]
+
+
+def test_a_trainer_checkpoint_says_what_a_model_directory_leaves_out(tmp_path: Path) -> None:
+    result = _cli("convert", FRAMEWORKS / TRAINER_CHECKPOINT, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "not written: scheduler, trainer_state" in result.stderr
+    assert "optimizer (60 tensors" in result.stderr
+    assert not (tmp_path / "out" / "optimizer.pt").exists()
 
 
 def test_a_file_dst_still_gets_a_file(tmp_path: Path) -> None:
