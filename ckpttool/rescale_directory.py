@@ -47,6 +47,7 @@ from typing import Any
 
 from ckpttool.atomic import TMP_SUFFIX, fsync_dir
 from ckpttool.errors import InputError, LayoutError, OutputExistsError
+from ckpttool.formats.base import is_dcp_directory
 from ckpttool.frameworks import accelerate, huggingface, list_files
 from ckpttool.reader import open_checkpoint
 from ckpttool.rescale import InexactRescaleError, RescalePlan, describe_repeats
@@ -170,6 +171,12 @@ def plan_directory(
     strict: bool = False,
 ) -> tuple[str, RescalePlan, list[FileAction], list[ValueChange], list[str]]:
     """What the rescale of the directory ``path`` does, without writing anything."""
+    if is_dcp_directory(path):
+        raise LayoutError(
+            f"{path}: a torch.distributed.checkpoint directory; rescale-step rewrites one "
+            "checkpoint file or a Trainer/accelerate folder (DCP keeps step inside one rank's "
+            "data file), so it is not supported"
+        )
     files = list_files(str(path))
     if accelerate.detect(str(path)) is not None:
         return _plan_accelerate(path, files, world_size, from_world_size, strict)

@@ -113,6 +113,8 @@ def test_json_is_clean_and_notes_go_to_stderr(tmp_path: Path) -> None:
         "fields": data["fields"],
         "notes": ["not converted (not weights): optimizer (60 tensors, 32 other values)"],
         "verified": True,
+        "directory": None,  # a file, not a Hugging Face model directory
+        "copied": [],
     }
     assert data["tensor_bytes"] == sum(t.numel() * t.element_size() for t in st.load_file(out).values())  # fmt: skip
     assert json.loads(data["fields"]["ckpttool.field.step"]) == 1200
