@@ -97,7 +97,8 @@ def build_plan(
         named = {k: r for k, r in named.items() if fnmatch.fnmatchcase(k, pattern)}
         if not named:
             raise InputError(f"--filter {pattern!r} matches no tensor")
-    meta = [k for k, r in named.items() if r.storage is None and r.inline_data is None]
+    _refuse_unwritable(named)
+    meta = [k for k, r in named.items() if r.is_meta]
     if meta:
         notes.append(f"left out {len(meta)} meta tensor(s) without values: {_some(meta)}")
         named = {k: r for k, r in named.items() if k not in meta}
@@ -124,6 +125,24 @@ def build_plan(
         carried = {k: v for k, v in ckpt.metadata.items() if k not in skip}
     return Plan(selection.layout, selection.section, list(named), stored, aliases, fields,
                 carried, left_out, notes)  # fmt: skip
+
+
+def _refuse_unwritable(named: dict[str, TensorRecord]) -> None:
+    """Sparse, nested and quantized tensors: safetensors has no such layouts or schemes, and
+    convert's .pth writer stores plain tensors only; never write their parts as anonymous
+    tensors."""
+    for name, record in named.items():
+        if record.parts or record.quant is not None:
+            what = (
+                f"a {record.layout} tensor" if record.parts
+                else f"a quantized {record.dtype} tensor ({record.quant.describe()})"  # type: ignore[union-attr]
+            )  # fmt: skip
+            meaning = "densified" if record.parts else "dequantized"
+            raise InputError(
+                f"{name}: {what}; convert cannot write it: safetensors has no such tensors and "
+                f"convert does not write them {meaning} yet. Leave it out with --filter, "
+                "or save its dense values with torch (to_dense() / dequantize()) first"
+            )
 
 
 def find_aliases(named: dict[str, TensorRecord]) -> dict[str, str]:

@@ -44,6 +44,7 @@ from ckpttool.errors import CkptError
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
+from ckpttool.values import dense_record
 
 IDENTICAL = "identical"
 WITHIN_TOLERANCE = "within_tolerance"
@@ -313,12 +314,23 @@ def _compare_pair(
         changes.append(f"shape {list(a.shape)} -> {list(b.shape)}")
     if a.dtype != b.dtype:
         changes.append(f"dtype {a.dtype} -> {b.dtype}" + _how(a, b, quick=quick, rounded=rounded))
+    if a.layout != b.layout:
+        changes.append(f"layout {a.layout} -> {b.layout} (values compared dense)")
+    quant_a, quant_b = (r.quant.describe() if r.quant else "none" for r in (a, b))
+    if quant_a != quant_b:
+        changes.append(f"quantization {quant_a} -> {quant_b} (values compared dequantized)")
     if quick or a.shape != b.shape:
         status = IDENTICAL if not changes else DIFFER
         return TensorDiff(pair.key, status, a, b, pair.alias, tuple(changes))
+    # sparse and quantized tensors compare by their dense meaning, as torch.equal on to_dense()
+    dense_a, dense_b = dense_record(ckpt_a, a), dense_record(ckpt_b, b)
+    if dense_a.shape != dense_b.shape:  # nested tensors: buffers of different sizes
+        changes.append(f"values {list(dense_a.shape)} -> {list(dense_b.shape)}")
+        return TensorDiff(pair.key, DIFFER, a, b, pair.alias, tuple(changes))
     values = compare_values(
-        ckpt_a, a, ckpt_b, b, rtol=rtol, atol=atol, rounded=rounded, progress=progress
-    )
+        ckpt_a, dense_a, ckpt_b, dense_b,
+        rtol=rtol, atol=atol, rounded=rounded, progress=progress,
+    )  # fmt: skip
     if values is None:
         changes.append(f"values not compared: {a.dtype} and {b.dtype} have no common dtype")
         return TensorDiff(pair.key, DIFFER, a, b, pair.alias, tuple(changes))

@@ -31,7 +31,14 @@ from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safet
 from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_growing, read_torch_legacy
 from ckpttool.formats.torch_zip import read_torch_zip
 from ckpttool.pickle.interpreter import PickleResult, load_pickle
-from ckpttool.records import StorageRecord, TensorRecord, get_path, tensors
+from ckpttool.records import (
+    ELEMENTS_PER_BYTE,
+    StorageRecord,
+    TensorRecord,
+    get_path,
+    stored_records,
+    tensors,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -94,8 +101,8 @@ class Checkpoint:
         if record.storage is None:
             raise InputError(f"{record.key}: a meta tensor has no values")
         itemsize = record.itemsize
-        first = record.storage_offset * itemsize
-        stop = record.extent * itemsize
+        first = record.storage_offset * itemsize // ELEMENTS_PER_BYTE.get(record.dtype, 1)
+        stop = record.stored_extent_bytes
         if self._parsed.read is not None:  # not one span of one file: DCP's chunks
             if stop > record.storage.nbytes:
                 raise CorruptCheckpointError(f"{record.key}: extends past its storage's bytes")
@@ -307,10 +314,10 @@ def check_extents(parsed: Parsed, records: list[TensorRecord]) -> list[str]:
                 f"storage {storage.key!r} claims {storage.nbytes:,} bytes but the file holds "
                 f"{storage.data_size:,} for it (truncated or tampered file)"
             )
-    for record in records:
+    for record in stored_records(records):
         if record.storage is None or record.inline_data is not None:
             continue
-        needed = record.extent * record.itemsize
+        needed = record.stored_extent_bytes
         if needed > record.storage.nbytes:
             problems.append(
                 f"tensor {record.key!r} ({record.dtype}{list(record.shape)}) reaches byte "

@@ -52,7 +52,13 @@ ITEMSIZE: dict[str, int] = {
     "bits1x8": 1,
     "bits2x4": 1,
     "bits4x2": 1,
+    # sub-byte integers: torch stores each element in one byte (no packing)
+    **{f"{sign}int{bits}": 1 for sign in ("", "u") for bits in range(1, 8)},
 }
+
+#: Packed dtypes: elements per stored byte (a quint4x2 storage holds ceil(numel / 2) bytes).
+ELEMENTS_PER_BYTE: dict[str, int] = {"quint4x2": 2, "quint2x4": 4}
+
 
 #: torch counts elements, sizes, strides and offsets in int64; a file claiming more is broken
 #: (and a number with thousands of digits could not even be printed).
@@ -126,6 +132,39 @@ class ChunkedStorageRecord(StorageRecord):
 
 
 @dataclass(frozen=True)
+class QuantInfo:
+    """How a quantized tensor's stored integers map to real values: (q - zero_point) * scale."""
+
+    qscheme: str  # "per_tensor_affine", "per_channel_affine", "per_channel_affine_float_qparams"
+    # one number, or one per channel (per_channel_*: a tensor, or a list in old files)
+    scale: float | tuple[float, ...] | TensorRecord
+    zero_point: float | tuple[float, ...] | TensorRecord
+    axis: int | None = None  # the channel dimension of per_channel_* schemes
+
+    @property
+    def per_channel(self) -> bool:
+        return self.axis is not None
+
+    def describe(self) -> str:
+        """For notes: "per_tensor_affine scale 0.1 zero_point 2", "per_channel_affine axis 0"."""
+        if self.axis is not None or not isinstance(self.scale, (int, float)):
+            return f"{self.qscheme} axis {self.axis}"
+        assert isinstance(self.zero_point, (int, float))
+        return f"{self.qscheme} scale {self.scale:g} zero_point {self.zero_point:g}"
+
+
+#: Names of a sparse or nested tensor's parts, by layout (torch's own accessor names).
+PART_NAMES: dict[str, tuple[str, ...]] = {
+    "sparse_coo": ("indices", "values"),
+    "sparse_csr": ("crow_indices", "col_indices", "values"),
+    "sparse_csc": ("ccol_indices", "row_indices", "values"),
+    "sparse_bsr": ("crow_indices", "col_indices", "values"),
+    "sparse_bsc": ("ccol_indices", "row_indices", "values"),
+    "nested": ("buffer", "nested_sizes", "nested_strides", "storage_offsets"),
+}
+
+
+@dataclass(frozen=True)
 class TensorRecord:
     """A tensor (or NumPy array) as described by the file: everything but its values."""
 
@@ -138,6 +177,26 @@ class TensorRecord:
     requires_grad: bool = False
     kind: str = "tensor"  # "tensor", "parameter" or "ndarray"
     inline_data: bytes | None = field(default=None, repr=False, compare=False)
+    # torch's layout without "torch.": "strided", or "sparse_coo", "sparse_csr", "sparse_csc",
+    # "sparse_bsr", "sparse_bsc", "nested". A sparse or nested tensor has no storage of its
+    # own (storage None, stride ()): its bytes are its ``parts`` (named by PART_NAMES[layout]),
+    # each an ordinary strided record.
+    layout: str = "strided"
+    parts: tuple[TensorRecord, ...] = ()
+    quant: QuantInfo | None = None  # a quantized tensor's scheme (its dtype is qint8, ...)
+    is_coalesced: bool | None = None  # sparse COO: as torch.save recorded it
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.layout.startswith("sparse_")
+
+    @property
+    def nnz(self) -> int:
+        """Specified elements of a sparse tensor (blocks count their elements)."""
+        if not self.is_sparse or not self.parts:
+            return self.numel
+        values = self.parts[-1]
+        return values.shape[0] if values.shape else 0
 
     @property
     def numel(self) -> int:
@@ -152,11 +211,25 @@ class TensorRecord:
         return self.numel * self.itemsize
 
     @property
+    def stored_nbytes(self) -> int:
+        """Bytes the file holds for it: a sparse or nested tensor's parts, a packed dtype's
+        shared bytes (``nbytes`` is the dense size)."""
+        if self.parts:
+            return sum(part.stored_nbytes for part in self.parts)
+        return -(-self.numel // ELEMENTS_PER_BYTE.get(self.dtype, 1)) * self.itemsize
+
+    @property
     def extent(self) -> int:
         """Number of storage elements from the storage's start to one past the last element."""
         if self.numel == 0:
             return self.storage_offset
         return self.storage_offset + 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+
+    @property
+    def stored_extent_bytes(self) -> int:
+        """Bytes of storage from its start to past the last element (packed dtypes share)."""
+        per_byte = ELEMENTS_PER_BYTE.get(self.dtype, 1)
+        return -(-self.extent // per_byte) * self.itemsize
 
     @property
     def is_contiguous(self) -> bool:
@@ -173,7 +246,14 @@ class TensorRecord:
 
     @property
     def location(self) -> str:
+        if self.storage is None and self.parts:
+            return self.parts[-1].location
         return self.storage.location if self.storage is not None else "meta"
+
+    @property
+    def is_meta(self) -> bool:
+        """No values in the file: a meta tensor (or a subclass saved without its data)."""
+        return self.storage is None and self.inline_data is None and not self.parts
 
     def same_storage(self, other: TensorRecord) -> bool:
         return self.storage is not None and self.storage == other.storage
@@ -194,6 +274,26 @@ def storage_region(record: TensorRecord) -> tuple[Any, ...] | None:
     return (record.storage, record.storage_offset, tuple(dims))
 
 
+def stored_records(records: list[TensorRecord]) -> list[TensorRecord]:
+    """The records whose bytes are in the file: each tensor, a sparse/nested one by its parts
+    (named ``<key>.<part>``), a quantized one's per-channel scales and zero points added."""
+    out: list[TensorRecord] = []
+    for record in records:
+        if record.parts:
+            names = PART_NAMES[record.layout]
+            out.extend(
+                with_key(part, f"{record.key}.{name}") for name, part in zip(names, record.parts)
+            )
+        else:
+            out.append(record)
+        if record.quant is not None:
+            for name in ("scale", "zero_point"):
+                value = getattr(record.quant, name)
+                if isinstance(value, TensorRecord):
+                    out.append(with_key(value, f"{record.key}.q_{name}s"))
+    return out
+
+
 def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
     """Elements and bytes by dtype of ``records``, each stored element counted once.
 
@@ -201,7 +301,17 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
     region (tied weights, a transpose) count once; views of one storage never count more than
     the storage holds (overlapping slices). Tensors without a storage count as they are,
     except that a meta tensor (no storage, no inline bytes) has elements but stores no bytes.
+    A sparse or nested tensor counts its elements as torch's ``numel()`` does and the bytes of
+    its stored parts (indices and values).
     """
+    sparse = [r for r in records if r.parts]
+    if sparse:
+        elements, by_dtype = count_once([r for r in records if not r.parts])
+        _, part_bytes = count_once(stored_records(sparse))
+        for dtype, nbytes in part_bytes.items():
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+        numel = sum(r.parts[0].numel if r.layout == "nested" else r.numel for r in sparse)
+        return elements + numel, by_dtype
     elements = 0
     by_dtype: dict[str, int] = {}
     views: dict[StorageRecord, dict[tuple[Any, ...] | None, TensorRecord]] = {}
@@ -210,19 +320,19 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
         if region is None:
             elements += record.numel
             if record.storage is not None or record.inline_data is not None:
-                by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.nbytes
+                by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.stored_nbytes
         else:
             views.setdefault(region[0], {}).setdefault(region, record)
     for storage, distinct in views.items():
         first = next(iter(distinct.values()))
-        nbytes = sum(r.nbytes for r in distinct.values())
+        nbytes = sum(r.stored_nbytes for r in distinct.values())
         if nbytes > storage.nbytes:  # overlapping views: the storage is all there is
             elements += storage.nbytes // first.itemsize
             by_dtype[first.dtype] = by_dtype.get(first.dtype, 0) + storage.nbytes
             continue
         for record in distinct.values():
             elements += record.numel
-            by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.nbytes
+            by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.stored_nbytes
     return elements, by_dtype
 
 

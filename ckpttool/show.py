@@ -98,9 +98,21 @@ def tensor_notes(records: list[TensorRecord]) -> dict[str, list[str]]:
             notes[record.key].append(f"saved on {record.location}")
         if record.kind == "ndarray":
             notes[record.key].append("numpy")
+        if record.parts:
+            notes[record.key].append(layout_note(record))
+        if record.quant is not None:
+            notes[record.key].append(f"quantized {record.quant.describe()}")
         if isinstance(record.storage, ChunkedStorageRecord):
             notes[record.key].append(chunk_note(record.storage))
     return notes
+
+
+def layout_note(record: TensorRecord) -> str:
+    """A sparse or nested tensor's layout and parts: "sparse_csr, nnz 3, indices int64"."""
+    if record.layout == "nested":
+        return f"nested, {record.shape[0]} components, buffer {record.parts[0].numel} elements"
+    index_dtypes = sorted({part.dtype for part in record.parts[:-1]})
+    return f"{record.layout}, nnz {record.nnz}, indices {'/'.join(index_dtypes)}"
 
 
 def chunk_note(storage: ChunkedStorageRecord, most: int = 4) -> str:

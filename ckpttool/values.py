@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import InputError
-from ckpttool.records import ITEMSIZE, TensorRecord
+from ckpttool.records import ITEMSIZE, StorageRecord, TensorRecord, with_key
 
 if TYPE_CHECKING:
     import numpy as np
@@ -72,6 +72,10 @@ _QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
 
 def stats_unavailable(record: TensorRecord) -> str | None:
     """Why :func:`tensor_stats` cannot describe this tensor's values (None: it can)."""
+    if record.layout == "nested":
+        return "a nested tensor's values are ragged; ckpttool does not pad them"
+    if record.parts or record.quant is not None:
+        return None  # densified / dequantized on request (dense_record)
     if record.storage is None and record.inline_data is None:
         return "a meta tensor stores no values"
     if record.dtype in _QUANTIZED:
@@ -85,6 +89,10 @@ def stats_unavailable(record: TensorRecord) -> str | None:
 
 def stats_basis(record: TensorRecord) -> str | None:
     """What the statistics of a tensor describe when it is not its values as they are."""
+    if record.quant is not None:
+        return "stats of the dequantized values"
+    if record.is_sparse:
+        return "stats of the dense tensor (zeros included)"
     if record.dtype.startswith("complex"):
         return "stats of |z|"
     if record.dtype == "bool":
@@ -173,6 +181,7 @@ def tensor_stats(ckpt: Checkpoint, record: TensorRecord) -> TensorStats:
     unavailable = stats_unavailable(record)
     if unavailable is not None:
         raise InputError(f"{record.key}: no statistics: {unavailable}")
+    record = dense_record(ckpt, record)
     flat = read_array(ckpt, record).reshape(-1)
     lo, hi, total, total_sq, count, nan, inf = math.inf, -math.inf, 0.0, 0.0, 0, 0, 0
     # A signaling NaN in the file makes the float64 cast warn "invalid value", values near
@@ -209,10 +218,27 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+#: The integer type a quantized dtype stores (its int_repr).
+_QUANTIZED_STORED = {"qint8": "int8", "quint8": "uint8", "qint32": "int32"}
+
+
 def read_tensor(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
-    """The tensor as a contiguous CPU torch tensor that owns its memory (views are copied)."""
+    """The tensor as a contiguous CPU torch tensor that owns its memory (views are copied).
+
+    A sparse tensor comes back sparse (of its layout), a quantized one quantized, built from
+    their parts as torch would: what ``torch.load`` gives, on the CPU.
+    """
     import numpy as np
     import torch
+
+    if record.is_sparse:
+        return _read_sparse(ckpt, record)
+    if record.layout == "nested":
+        flat, sizes, strides, offsets = (read_tensor(ckpt, p) for p in record.parts)
+        _check_nested(record, flat, sizes, strides, offsets)
+        return torch._nested_view_from_buffer(flat, sizes, strides, offsets).clone()
+    if record.quant is not None:
+        return _read_quantized(ckpt, record)
 
     dtype = torch_dtype(record.dtype)
     if record.numel == 0:
@@ -227,3 +253,121 @@ def read_tensor(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
     if first == 0 and tensor.is_contiguous() and flat.numel() == record.numel:
         return tensor
     return tensor.contiguous()
+
+
+def _check_nested(
+    record: TensorRecord,
+    flat: torch.Tensor,
+    sizes: torch.Tensor,
+    strides: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:
+    """Every component inside the buffer (torch does not check: a hostile file would make it
+    read past the buffer's memory)."""
+    rows = sizes.shape[0]
+    if strides.shape != sizes.shape or tuple(offsets.shape) != (rows,):
+        raise InputError(f"{record.key}: nested tensor with mismatched sizes/strides/offsets")
+    if rows and (int(sizes.min()) < 0 or int(strides.min()) < 0 or int(offsets.min()) < 0):
+        raise InputError(f"{record.key}: nested tensor with a negative size, stride or offset")
+    for row in range(rows):
+        dims = [(int(n), int(s)) for n, s in zip(sizes[row].tolist(), strides[row].tolist())]
+        if any(n == 0 for n, _ in dims):
+            continue
+        last = int(offsets[row]) + sum((n - 1) * s for n, s in dims)
+        if last >= flat.numel():
+            raise InputError(f"{record.key}: nested component {row} reaches past its buffer")
+
+
+#: Densifying a sparse tensor allocates its dense size: a few bytes of indices can claim a
+#: [2**31, 2**31] shape. Past this, --stats and diff refuse rather than exhaust memory.
+MAX_DENSE_BYTES = 16 << 30
+
+
+def _read_sparse(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
+    import torch
+
+    parts = [read_tensor(ckpt, part) for part in record.parts]
+    # the parts come from the file: torch checks them (indices in range, sorted compressed
+    # indices...) before anything densifies them, as torch.load does
+    try:
+        if record.layout == "sparse_coo":
+            indices, values = parts
+            return torch.sparse_coo_tensor(
+                indices, values, record.shape, is_coalesced=record.is_coalesced,
+                check_invariants=True,
+            )  # fmt: skip
+        compressed, plain, values = parts
+        return torch.sparse_compressed_tensor(
+            compressed, plain, values, record.shape, layout=getattr(torch, record.layout),
+            check_invariants=True,
+        )  # fmt: skip
+    except (RuntimeError, ValueError) as error:
+        raise InputError(f"{record.key}: invalid {record.layout} tensor: {error}") from None
+
+
+def _read_quantized(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
+    """Rebuilt as ``torch._utils._rebuild_qtensor`` does: an empty quantized tensor of the
+    scheme, set to the stored bytes."""
+    import torch
+
+    quant = record.quant
+    assert quant is not None
+    dtype = torch_dtype(record.dtype)
+    if quant.axis is None:
+        assert isinstance(quant.scale, float) and isinstance(quant.zero_point, (int, float))
+        tensor = torch._empty_affine_quantized(
+            record.shape, scale=quant.scale, zero_point=int(quant.zero_point), dtype=dtype
+        )
+    else:
+        float_params = quant.qscheme == "per_channel_affine_float_qparams"
+        scales, zero_points = (
+            read_tensor(ckpt, value)
+            if isinstance(value, TensorRecord)
+            else torch.tensor(value, dtype=kind)
+            for value, kind in (
+                (quant.scale, torch.float if float_params else torch.double),
+                (quant.zero_point, torch.float if float_params else torch.long),
+            )
+        )
+        tensor = torch._empty_per_channel_affine_quantized(
+            record.shape, scales=scales, zero_points=zero_points, axis=quant.axis, dtype=dtype
+        )
+    if record.numel == 0:
+        return tensor
+    data, first = ckpt.read_bytes(record)
+    untyped = torch.UntypedStorage.from_buffer(bytes(data), dtype=torch.uint8)
+    typed = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+    tensor.set_(typed, first, record.shape, record.stride)
+    return tensor.contiguous()
+
+
+def dense_record(ckpt: Checkpoint, record: TensorRecord) -> TensorRecord:
+    """What ``--stats``, diff and ``convert --densify/--dequantize`` read of a sparse or
+    quantized tensor: its dense (dequantized) values as an ordinary record holding them inline.
+    A nested tensor gives its flat buffer. Any other record is returned as it is. Memory: the
+    dense tensor, as torch's ``to_dense``."""
+    if not record.parts and record.quant is None:
+        return record  # (before importing torch: diff of plain tensors never imports it)
+    if record.layout == "nested":  # ragged: its values are its flat buffer
+        return with_key(record.parts[0], record.key)
+    if record.nbytes > MAX_DENSE_BYTES:
+        raise InputError(
+            f"{record.key}: its dense values would take {record.nbytes:,} bytes (over "
+            f"{MAX_DENSE_BYTES:,}); not densified"
+        )
+    import torch
+
+    tensor = read_tensor(ckpt, record)
+    if tensor.is_quantized:
+        tensor = tensor.dequantize()
+    elif tensor.layout != torch.strided:
+        tensor = tensor.to_dense()
+    tensor = tensor.contiguous()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    stride = tuple(tensor.stride())
+    storage = StorageRecord(record.key, dtype, tensor.numel(), record.location, "inline", len(raw))
+    return TensorRecord(
+        record.key, dtype, record.shape, stride, 0, storage, record.requires_grad, record.kind,
+        inline_data=raw,
+    )  # fmt: skip

@@ -18,6 +18,7 @@ from ckpttool.formats.torch_zip import open_zip
 from ckpttool.formats.zip_index import BadZipError, ZipIndex, ZipMember
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint
+from ckpttool.records import stored_records
 
 CHUNK = 8 << 20
 
@@ -132,7 +133,7 @@ def unreferenced_records(ckpt: Checkpoint) -> list[str]:
     if ckpt.format != "torch-zip":
         return []
     prefix = ckpt.details.get("prefix", "")
-    used = {r.storage.record for r in ckpt.tensors() if r.storage is not None}
+    used = {r.storage.record for r in stored_records(ckpt.tensors()) if r.storage is not None}
     with open(ckpt.path, "rb") as handle:
         names = open_zip(handle).namelist()
     data_prefix = f"{prefix}/data/" if prefix else "data/"

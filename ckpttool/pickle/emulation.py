@@ -4,7 +4,8 @@ A pickle builds objects by calling globals (``REDUCE``, ``NEWOBJ``, ``INST``, ``
 setting their state (``BUILD``). For a short allow-list of data constructs (torch's tensor
 rebuilders, ``OrderedDict``, NumPy arrays/scalars/dtypes, ``argparse.Namespace``, a few
 builtins) this module says what the call would build, without performing it: a
-:class:`~ckpttool.records.TensorRecord`, a dict, a number... Any other call builds an
+:class:`~ckpttool.records.TensorRecord` (sparse, nested and quantized tensors too: one record
+each, with their layout, parts and quantization), a dict, a number... Any other call builds an
 :class:`~ckpttool.records.OpaqueObject` that records the class name and arguments. Nothing
 named is imported or called. Placeholders (:class:`TorchDtype`, :class:`NumpyDtype`,
 :class:`NdarrayBuilder`) stand for objects still being built; the interpreter replaces them
@@ -21,8 +22,10 @@ from typing import Any
 from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
 from ckpttool.records import (
     ITEMSIZE,
+    PART_NAMES,
     GlobalRef,
     OpaqueObject,
+    QuantInfo,
     StorageRecord,
     TensorRecord,
     fits_int64,
@@ -31,12 +34,14 @@ from ckpttool.records import (
 
 __all__ = [
     "ATTRIBUTE_CLASSES",
+    "QSCHEMES",
     "STORAGE_DTYPES",
     "AttributeDict",
     "NdarrayBuilder",
     "NestedCall",
     "NumpyDtype",
     "TorchDtype",
+    "TorchLayout",
     "emulate_call",
     "global_value",
     "is_emulated",
@@ -132,8 +137,34 @@ _TORCH_DTYPE_GLOBALS = {
         "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
         "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8",
         "bits16", "bits1x8", "bits2x4", "bits4x2",
+        *(f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8)),
     ]
 }  # fmt: skip
+
+#: Quantization schemes a pickle names as values (``torch.per_tensor_affine``).
+QSCHEMES = frozenset(
+    {"per_tensor_affine", "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric",
+     "per_channel_affine_float_qparams"}
+)  # fmt: skip
+
+#: Classes that only appear as values (the legacy typed-tensor classes: ``torch.FloatTensor``,
+#: ``torch.sparse.FloatTensor``, ``torch.cuda.HalfTensor``...). Kept as their names.
+_LEGACY_TENSOR_TYPES = frozenset(
+    f"{module}.{kind}Tensor"
+    for module in ("torch", "torch.cuda", "torch.sparse", "torch.cuda.sparse")
+    for kind in ("BFloat16", "Bool", "Byte", "Char", "Double", "Float", "Half", "Int", "Long",
+                 "Short")
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TorchLayout:
+    """A torch layout a pickle names (``_get_layout("torch.sparse_csr")``)."""
+
+    name: str  # "sparse_csr"
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
 
 
 class NdarrayBuilder:
@@ -302,6 +333,135 @@ def _rebuild_meta(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> A
     return _tensor(None, 0, tuple(size), tuple(stride), name, requires_grad)
 
 
+def _get_layout(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # torch.serialization._get_layout("torch.sparse_coo"): a layout named by a string
+    name = args[0] if len(args) == 1 and isinstance(args[0], str) else None
+    if name is not None and name.removeprefix("torch.") in (*PART_NAMES, "strided"):
+        return TorchLayout(name.removeprefix("torch."))
+    return OpaqueObject(func.qualname, args)
+
+
+def _shape(size: Any) -> tuple[int, ...]:
+    if not isinstance(size, (tuple, list)) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in size
+    ):
+        raise ValueError("tensor with a malformed size")
+    if not numel_fits_int64(list(size)):
+        raise ValueError("tensor sizes beyond torch's int64 range")
+    return tuple(size)
+
+
+def _rebuild_sparse(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # _rebuild_sparse_tensor(layout, data): COO data is (indices, values, size[, coalesced]),
+    # compressed layouts (compressed indices, plain indices, values, size)
+    layout, data = args if len(args) == 2 else (None, None)
+    if (
+        not isinstance(layout, TorchLayout)
+        or layout.name not in PART_NAMES
+        or not isinstance(data, tuple)
+    ):
+        return OpaqueObject(func.qualname, args)
+    coalesced = None
+    if layout.name == "sparse_coo":
+        if len(data) == 3:
+            *parts, size = data
+        elif len(data) == 4:
+            *parts, size, coalesced = data
+        else:
+            raise ValueError("sparse COO tensor with malformed data")
+    elif len(data) == 4:
+        *parts, size = data
+    else:
+        raise ValueError(f"{layout.name} tensor with malformed data")
+    if not all(isinstance(p, TensorRecord) and p.layout == "strided" for p in parts):
+        raise ValueError(f"{layout.name} tensor whose parts are not tensors")
+    values = parts[-1]
+    return TensorRecord(
+        "", values.dtype, _shape(size), (), 0, None, values.requires_grad,
+        layout=layout.name, parts=tuple(parts),
+        is_coalesced=coalesced if isinstance(coalesced, bool) else None,
+    )  # fmt: skip
+
+
+def _rebuild_qtensor(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # _rebuild_qtensor(storage, offset, size, stride, quantizer_params, requires_grad, hooks)
+    storage, offset, size, stride, params = args[:5]
+    requires_grad = args[5] if len(args) > 5 else False
+    scheme = params[0] if isinstance(params, tuple) and params else None
+    if not isinstance(scheme, GlobalRef) or scheme.name not in QSCHEMES:
+        return OpaqueObject(func.qualname, args)
+    tensor = _tensor(storage, offset, size, stride, _storage_dtype(storage), requires_grad)
+    if scheme.name == "per_tensor_affine" and len(params) == 3:
+        scale, zero_point = params[1:]
+        if isinstance(scale, (int, float)) and isinstance(zero_point, (int, float)):
+            return replace(tensor, quant=QuantInfo(scheme.name, float(scale), zero_point))
+    elif scheme.name.startswith("per_channel_affine") and len(params) == 4:
+        scales, zero_points, axis = params[1:]
+        if not (isinstance(axis, int) and 0 <= axis < len(tensor.shape)):
+            raise ValueError(f"quantized tensor with per-channel axis {axis!r} out of range")
+        channels = tensor.shape[axis]
+        for given in (scales, zero_points):
+            count = given.numel if isinstance(given, TensorRecord) else len(given)
+            if count != channels:
+                raise ValueError("quantized tensor with a scale or zero point per channel "
+                                 f"for {count} channels, not {channels}")  # fmt: skip
+        scale = scales if isinstance(scales, TensorRecord) else tuple(scales)
+        zero = zero_points if isinstance(zero_points, TensorRecord) else tuple(zero_points)
+        return replace(tensor, quant=QuantInfo(scheme.name, scale, zero, axis))
+    # torch saves symmetric schemes as affine and refuses to rebuild any other
+    return OpaqueObject(func.qualname, args)
+
+
+def _rebuild_wrapper_subclass(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # (cls, dtype, size, stride, storage_offset, layout, device, requires_grad): a tensor
+    # subclass that wraps others; torch rebuilds it without data, as do we (like a meta tensor)
+    _cls, dtype, size, stride, offset = args[:5]
+    requires_grad = args[7] if len(args) > 7 else False
+    if not isinstance(dtype, TorchDtype):
+        return OpaqueObject(func.qualname, args)
+    return _tensor(None, offset, _shape(size), tuple(stride), dtype.name, requires_grad)
+
+
+def _rebuild_device_tensor(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # (data, dtype, device, requires_grad): a tensor of a device without storage access (XLA,
+    # MPS...) saved through a CPU copy (a tensor) or a NumPy array
+    data, dtype, device, requires_grad = args[:4] if len(args) >= 4 else (None,) * 4
+    if isinstance(data, NdarrayBuilder):
+        data = data.record
+    if not isinstance(data, TensorRecord) or not isinstance(dtype, TorchDtype):
+        return OpaqueObject(func.qualname, args)
+    if data.dtype != dtype.name:  # a conversion: torch would cast; we do not
+        return OpaqueObject(func.qualname, args)
+    storage = data.storage
+    if storage is not None and isinstance(device, str) and device:
+        storage = replace(storage, location=device)
+    return replace(data, storage=storage, kind="tensor", requires_grad=bool(requires_grad))
+
+
+def _rebuild_nested(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # (buffer, sizes, strides, storage_offsets): the shape of each component is a row of the
+    # sizes tensor, in the file's data; the record says how many components there are
+    if len(args) != 4 or not all(isinstance(a, TensorRecord) for a in args):
+        return OpaqueObject(func.qualname, args)
+    buffer, sizes = args[0], args[1]
+    if len(sizes.shape) != 2:
+        raise ValueError("nested tensor whose sizes are not a matrix")
+    shape = (sizes.shape[0],)
+    return TensorRecord(
+        "", buffer.dtype, shape, (), 0, None, buffer.requires_grad, layout="nested",
+        parts=tuple(args),
+    )  # fmt: skip
+
+
+def _counter(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # collections.Counter({item: count}): read as the dict of counts
+    if not args:
+        return {}
+    if isinstance(args[0], dict):
+        return dict(args[0])
+    return OpaqueObject(func.qualname, args)
+
+
 def _np_reconstruct(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
     return NdarrayBuilder()
 
@@ -372,6 +532,14 @@ _EMULATED: dict[str, Callable[[NestedCall, GlobalRef, tuple[Any, ...]], Any]] = 
     "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     "torch._utils._rebuild_meta_tensor_no_storage": _rebuild_meta,
+    "torch.serialization._get_layout": _get_layout,
+    "torch._utils._rebuild_sparse_tensor": _rebuild_sparse,
+    "torch._utils._rebuild_qtensor": _rebuild_qtensor,
+    "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+    "torch._utils._rebuild_device_tensor_from_cpu_tensor": _rebuild_device_tensor,
+    "torch._utils._rebuild_device_tensor_from_numpy": _rebuild_device_tensor,
+    "torch._utils._rebuild_nested_tensor": _rebuild_nested,
+    "collections.Counter": _counter,
     "torch.nn.parameter.Parameter": _opaque_call,
     "torch.Tensor": _opaque_call,
     "numpy.core.multiarray._reconstruct": _np_reconstruct,
@@ -386,7 +554,13 @@ _EMULATED: dict[str, Callable[[NestedCall, GlobalRef, tuple[Any, ...]], Any]] = 
 def is_emulated(qualname: str) -> bool:
     """Whether this module knows what the global builds (a torch dtype, a storage class, a call
     in the allow-list): the data constructs ``scan`` classes as safe."""
-    return qualname in _EMULATED or qualname in _TORCH_DTYPE_GLOBALS or _is_storage_class(qualname)
+    return (
+        qualname in _EMULATED
+        or qualname in _TORCH_DTYPE_GLOBALS
+        or qualname in _LEGACY_TENSOR_TYPES
+        or qualname.removeprefix("torch.") in QSCHEMES
+        or _is_storage_class(qualname)
+    )
 
 
 def global_value(module: str, name: str) -> Any:

@@ -30,6 +30,7 @@ from ckpttool.pickle.emulation import (
     NdarrayBuilder,
     NumpyDtype,
     TorchDtype,
+    TorchLayout,
     emulate_call,
     global_value,
     set_state,
@@ -189,7 +190,7 @@ class SafeUnpickler:
         return self._new(result) if isinstance(result, mutable) else result
 
     def _build(self, obj: Any, state: Any) -> Any:
-        if isinstance(obj, (GlobalRef, TorchDtype)) or id(obj) not in self.created:
+        if isinstance(obj, (GlobalRef, TorchDtype, TorchLayout)) or id(obj) not in self.created:
             name = obj.qualname if isinstance(obj, GlobalRef) else type(obj).__name__
             raise UnsafePickleError(
                 f"refusing to read: the pickle uses BUILD to modify {name}, an object it did "
@@ -764,7 +765,7 @@ def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) 
             node = node.record
         elif isinstance(node, NumpyDtype):
             return f"numpy.dtype('{node.byteorder}{node.code}')", 1
-        elif isinstance(node, TorchDtype):
+        elif isinstance(node, (TorchDtype, TorchLayout)):
             return str(node), 1
         if not isinstance(node, (dict, list, tuple, set, frozenset, OpaqueObject)):
             weight = _weight(node)

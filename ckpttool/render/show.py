@@ -17,12 +17,13 @@ def tensor_json(info: Any) -> dict[str, Any]:
         "dtype": record.dtype,
         "shape": list(record.shape),
         "numel": record.numel,
-        "nbytes": record.nbytes,
+        "nbytes": record.stored_nbytes,
         "stride": list(record.stride),
         "storage_offset": record.storage_offset,
         "storage": record.storage.key if record.storage else None,
         "location": record.location,
         "kind": record.kind,
+        "layout": record.layout,
         "notes": info.notes,
     }
     if isinstance(record.storage, ChunkedStorageRecord):  # DCP: where each piece is stored
@@ -98,7 +99,7 @@ def render_text(report: ShowReport) -> str:
     for info in report.tensors:
         record = info.record
         row = [record.key, record.dtype, list(record.shape), record.numel,
-               human_size(record.nbytes), "; ".join(info.notes) or None]  # fmt: skip
+               human_size(record.stored_nbytes), "; ".join(info.notes) or None]  # fmt: skip
         if info.stats is not None:
             s = info.stats
             row[5:5] = [_num(s.min), _num(s.max), _num(s.mean), _num(s.std), s.nan, s.inf]

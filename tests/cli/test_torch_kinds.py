@@ -1,0 +1,126 @@
+"""show, --stats, diff and convert on sparse, quantized and nested tensors, zip and legacy."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from ckpttool.cli import cli
+
+torch = pytest.importorskip("torch")
+
+FORMATS = pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+
+
+def _sparse() -> Any:
+    indices = torch.tensor([[0, 1, 3], [1, 2, 0]])
+    return torch.sparse_coo_tensor(indices, torch.tensor([1.5, -2.0, 3.0]), (4, 3))
+
+
+def _quantized() -> Any:
+    return torch.quantize_per_tensor(torch.tensor([-0.2, 0.0, 0.7]), 0.1, 2, torch.quint8)
+
+
+def _save(obj: Any, path: Path, legacy: bool) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.save(obj, path, _use_new_zipfile_serialization=not legacy)
+    return path
+
+
+def _run(*args: str) -> Any:
+    result = CliRunner().invoke(cli, [*args, "--json"] if args[0] != "convert" else list(args))
+    return result
+
+
+@FORMATS
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "sparse_csc"])
+def test_show_lists_a_sparse_tensor_as_one(tmp_path: Path, legacy: bool, layout: str) -> None:
+    tensor = _sparse() if layout == "sparse_coo" else getattr(_sparse(), f"to_{layout}")()
+    path = _save({"s": tensor, "w": torch.ones(2)}, tmp_path / "s.pt", legacy)
+    result = _run("show", str(path), "--stats")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    by_key = {t["key"]: t for t in report["tensors"]}
+    assert sorted(by_key) == ["s", "w"]  # no anonymous parts
+    sparse = by_key["s"]
+    assert (sparse["dtype"], sparse["shape"]) == ("float32", [4, 3])
+    assert f"{layout}, nnz 3, indices int64" in sparse["notes"]
+    dense = tensor.to_dense()
+    assert sparse["stats"]["min"] == pytest.approx(float(dense.min()))
+    assert sparse["stats"]["max"] == pytest.approx(float(dense.max()))
+    assert sparse["stats"]["mean"] == pytest.approx(float(dense.mean()))
+
+
+@FORMATS
+def test_show_lists_a_quantized_tensor(tmp_path: Path, legacy: bool) -> None:
+    path = _save({"q": _quantized()}, tmp_path / "q.pt", legacy)
+    result = _run("show", str(path), "--stats")
+    assert result.exit_code == 0, result.output
+    (entry,) = json.loads(result.output)["tensors"]
+    assert (entry["key"], entry["dtype"], entry["shape"]) == ("q", "quint8", [3])
+    assert "quantized per_tensor_affine scale 0.1 zero_point 2" in entry["notes"]
+    assert entry["stats"]["min"] == pytest.approx(-0.2)
+    assert entry["stats"]["max"] == pytest.approx(0.7)
+
+
+@FORMATS
+def test_diff_compares_sparse_with_its_dense_twin(tmp_path: Path, legacy: bool) -> None:
+    sparse = _save({"s": _sparse()}, tmp_path / "a.pt", legacy)
+    dense = _save({"s": _sparse().to_dense()}, tmp_path / "b.pt", legacy)
+    changed = _save({"s": _sparse().to_dense() * 2}, tmp_path / "c.pt", legacy)
+    report = json.loads(_run("diff", str(sparse), str(dense)).output)
+    (entry,) = report["tensors"]
+    assert entry["status"] == "identical"
+    assert entry["changes"] == ["layout sparse_coo -> strided (values compared dense)"]
+    report = json.loads(_run("diff", str(sparse), str(changed)).output)
+    assert report["tensors"][0]["status"] == "differ"
+    assert report["tensors"][0]["values"]["mismatched"] == 3
+
+
+@FORMATS
+def test_diff_dequantizes(tmp_path: Path, legacy: bool) -> None:
+    a = _save({"q": _quantized()}, tmp_path / "a.pt", legacy)
+    b = _save({"q": _quantized().dequantize()}, tmp_path / "b.pt", legacy)
+    result = _run("diff", str(a), str(b))
+    (entry,) = json.loads(result.output)["tensors"]
+    assert entry["status"] == "identical", entry
+
+
+@FORMATS
+@pytest.mark.parametrize("kind", ["sparse", "quantized"])
+def test_convert_refuses_in_one_line(tmp_path: Path, legacy: bool, kind: str) -> None:
+    tensor = _sparse() if kind == "sparse" else _quantized()
+    path = _save({"t": tensor, "w": torch.ones(2)}, tmp_path / "in.pt", legacy)
+    for target in ("safetensors", "pth"):
+        out = tmp_path / f"out.{target}"
+        result = CliRunner().invoke(cli, ["convert", str(path), str(out), "--to", target])
+        assert result.exit_code == 2, result.output
+        line = result.output.strip()
+        assert "\n" not in line
+        assert line.startswith("Error: t: a ")
+        assert "--filter" in line
+        assert not out.exists()
+    out = tmp_path / "w.safetensors"
+    result = CliRunner().invoke(cli, ["convert", str(path), str(out), "--filter", "w"])
+    assert result.exit_code == 0, result.output
+
+
+@FORMATS
+def test_hostile_sparse_tensors_are_refused_not_densified(tmp_path: Path, legacy: bool) -> None:
+    out_of_range = torch.sparse_coo_tensor(
+        torch.tensor([[0, 9], [0, 0]]), torch.tensor([1.0, 2.0]), (2, 2), check_invariants=False
+    )
+    huge = torch.sparse_coo_tensor(torch.zeros(2, 1, dtype=torch.long), [1.0], (2**31, 2**31))
+    path = _save({"bad": out_of_range, "huge": huge}, tmp_path / "h.pt", legacy)
+    result = _run("show", str(path), "--stats")
+    assert result.exit_code == 0, result.output
+    entries = {t["key"]: t for t in json.loads(result.output)["tensors"]}
+    assert "invalid sparse_coo tensor" in entries["bad"]["stats_unavailable"]
+    assert "not densified" in entries["huge"]["stats_unavailable"]
+    assert entries["huge"]["shape"] == [2**31, 2**31]
