@@ -342,6 +342,8 @@ def rescale_step(
 @key_prefix_options
 @click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose name matches GLOB.")
 @click.option("--keep-shared", is_flag=True, help="Write tied tensors as separate copies.")
+@click.option("--densify", is_flag=True, help="Store sparse tensors as their dense values.")
+@click.option("--dequantize", is_flag=True, help="Store quantized tensors as their float32 values.")
 @click.option(
     "--max-shard-size", metavar="SIZE",
     help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
@@ -360,6 +362,8 @@ def convert_command(
     ignore_wrappers: bool,
     pattern: str | None,
     keep_shared: bool,
+    densify: bool,
+    dequantize: bool,
     max_shard_size: str | None,
     no_verify: bool,
     force: bool,
@@ -398,8 +402,8 @@ def convert_command(
         report = convert(
             src, dst, to=to, dtype=dtype, section=section, strip=strip,
             ignore_wrappers=ignore_wrappers, pattern=pattern, keep_shared=keep_shared,
-            max_shard_size=max_shard_size, allow_overflow=allow_overflow, verify=not no_verify,
-            force=force, progress=bar.advance, on_total=lambda n: setattr(bar, "total", max(n, 1)),
+            max_shard_size=max_shard_size, allow_overflow=allow_overflow, densify=densify,
+            dequantize=dequantize, verify=not no_verify, force=force, progress=bar.advance, on_total=lambda n: setattr(bar, "total", max(n, 1)),
         )  # fmt: skip
     if as_json:
         _echo_json(convert_render.render_json(report))

@@ -33,7 +33,7 @@ from ckpttool.frameworks.huggingface import SAFE_WEIGHTS_NAME
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
-from ckpttool.values import read_array
+from ckpttool.values import dense_record, read_array
 from ckpttool.writers import PickledTensor, safetensors_header, write_pth
 
 Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
@@ -86,6 +86,8 @@ def convert(
     keep_shared: bool = False,
     max_shard_size: str | int | None = None,
     allow_overflow: bool = False,
+    densify: bool = False,
+    dequantize: bool = False,
     verify: bool = True,
     force: bool = False,
     progress: ProgressCallback | None = None,
@@ -106,7 +108,8 @@ def convert(
     src_path = Path(src)
     with open_checkpoint(src_path) as ckpt:
         plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
-                          pattern=pattern, dtype=dtype, keep_shared=keep_shared)  # fmt: skip
+                          pattern=pattern, dtype=dtype, keep_shared=keep_shared,
+                          densify=densify, dequantize=dequantize)  # fmt: skip
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
 
@@ -242,8 +245,9 @@ def _notes(plan: Plan, output_format: str, underflow: dict[str, int]) -> list[st
 def tensor_bytes(
     ckpt: Checkpoint, planned: Planned
 ) -> tuple[bytes | bytearray | memoryview, CastCounts | None]:
-    """The contiguous little-endian bytes ``planned`` is stored as, and what a cast lost."""
-    record = planned.record
+    """The contiguous little-endian bytes ``planned`` is stored as, and what a cast lost.
+    A sparse tensor is stored dense, a quantized one dequantized (``dense_record``)."""
+    record = dense_record(ckpt, planned.record)
     plain = (
         planned.dtype == record.dtype
         and record.inline_data is None

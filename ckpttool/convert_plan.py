@@ -81,8 +81,13 @@ def build_plan(
     pattern: str | None = None,
     dtype: str = "keep",
     keep_shared: bool = False,
+    densify: bool = False,
+    dequantize: bool = False,
 ) -> Plan:
-    """Decide names, dtypes, aliases and metadata fields for converting ``ckpt``."""
+    """Decide names, dtypes, aliases and metadata fields for converting ``ckpt``.
+
+    Sparse and nested tensors are refused unless ``densify`` (then stored dense), quantized
+    ones unless ``dequantize`` (then stored as float32 values, or cast to ``dtype``)."""
     if dtype != "keep" and dtype not in TARGETS:
         raise InputError(f"--dtype must be one of keep, {', '.join(TARGETS)}; got {dtype!r}")
     selection = select(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
@@ -97,7 +102,13 @@ def build_plan(
         named = {k: r for k, r in named.items() if fnmatch.fnmatchcase(k, pattern)}
         if not named:
             raise InputError(f"--filter {pattern!r} matches no tensor")
-    _refuse_unwritable(named)
+    _refuse_unwritable(named, densify=densify, dequantize=dequantize)
+    for what, keys in (
+        ("densified", [k for k, r in named.items() if r.parts]),
+        ("dequantized", [k for k, r in named.items() if r.quant is not None]),
+    ):
+        if keys:
+            notes.append(f"{what} {len(keys)} tensor(s): {_some(keys)}")
     meta = [k for k, r in named.items() if r.is_meta]
     if meta:
         notes.append(f"left out {len(meta)} meta tensor(s) without values: {_some(meta)}")
@@ -113,7 +124,7 @@ def build_plan(
         notes.append(f"{', '.join(uncastable)} tensors are kept as they are (not cast)")
     aliases = {} if keep_shared else find_aliases(named)
     stored = [
-        Planned(name, record, target if target and record.dtype in CASTABLE else record.dtype)
+        Planned(name, record, _output_dtype(record, target))
         for name, record in named.items()
         if name not in aliases
     ]
@@ -127,21 +138,35 @@ def build_plan(
                 carried, left_out, notes)  # fmt: skip
 
 
-def _refuse_unwritable(named: dict[str, TensorRecord]) -> None:
+def _output_dtype(record: TensorRecord, target: str | None) -> str:
+    """What a tensor is stored as: cast to ``target`` if floating, a quantized one as its
+    dequantized float32 values (or ``target``)."""
+    if record.quant is not None:
+        return target or "float32"
+    return target if target and record.dtype in CASTABLE else record.dtype
+
+
+def _refuse_unwritable(named: dict[str, TensorRecord], *, densify: bool, dequantize: bool) -> None:
     """Sparse, nested and quantized tensors: safetensors has no such layouts or schemes, and
-    convert's .pth writer stores plain tensors only; never write their parts as anonymous
-    tensors."""
+    convert's .pth writer stores plain tensors only; they are written dense (--densify) or
+    dequantized (--dequantize) when asked, never as anonymous parts."""
     for name, record in named.items():
-        if record.parts or record.quant is not None:
-            what = (
-                f"a {record.layout} tensor" if record.parts
-                else f"a quantized {record.dtype} tensor ({record.quant.describe()})"  # type: ignore[union-attr]
-            )  # fmt: skip
-            meaning = "densified" if record.parts else "dequantized"
+        if record.layout == "nested":
             raise InputError(
-                f"{name}: {what}; convert cannot write it: safetensors has no such tensors and "
-                f"convert does not write them {meaning} yet. Leave it out with --filter, "
-                "or save its dense values with torch (to_dense() / dequantize()) first"
+                f"{name}: a nested tensor; convert cannot write its ragged values. Leave it out "
+                "with --filter"
+            )
+        if record.parts and not densify:
+            raise InputError(
+                f"{name}: a {record.layout} tensor; safetensors and convert's .pth writer "
+                "store dense tensors only: add --densify to store its dense values, or leave it "
+                "out with --filter"
+            )
+        if record.quant is not None and not dequantize:
+            raise InputError(
+                f"{name}: a quantized {record.dtype} tensor ({record.quant.describe()}); "
+                "safetensors and convert's .pth writer store no quantization: add --dequantize "
+                "to store its float values, or leave it out with --filter"
             )
 
 

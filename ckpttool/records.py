@@ -175,7 +175,7 @@ class TensorRecord:
     storage_offset: int  # in elements of ``dtype``
     storage: StorageRecord | None  # None for meta tensors (no data)
     requires_grad: bool = False
-    kind: str = "tensor"  # "tensor", "parameter" or "ndarray"
+    kind: str = "tensor"  # "tensor", "parameter", "ndarray" or "storage" (saved on its own)
     inline_data: bytes | None = field(default=None, repr=False, compare=False)
     # torch's layout without "torch.": "strided", or "sparse_coo", "sparse_csr", "sparse_csc",
     # "sparse_bsr", "sparse_bsc", "nested". A sparse or nested tensor has no storage of its
@@ -306,12 +306,12 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
     """
     sparse = [r for r in records if r.parts]
     if sparse:
-        elements, by_dtype = count_once([r for r in records if not r.parts])
+        dense_elements, dense_bytes = count_once([r for r in records if not r.parts])
         _, part_bytes = count_once(stored_records(sparse))
         for dtype, nbytes in part_bytes.items():
-            by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+            dense_bytes[dtype] = dense_bytes.get(dtype, 0) + nbytes
         numel = sum(r.parts[0].numel if r.layout == "nested" else r.numel for r in sparse)
-        return elements + numel, by_dtype
+        return dense_elements + numel, dense_bytes
     elements = 0
     by_dtype: dict[str, int] = {}
     views: dict[StorageRecord, dict[tuple[Any, ...] | None, TensorRecord]] = {}

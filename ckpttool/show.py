@@ -98,6 +98,8 @@ def tensor_notes(records: list[TensorRecord]) -> dict[str, list[str]]:
             notes[record.key].append(f"saved on {record.location}")
         if record.kind == "ndarray":
             notes[record.key].append("numpy")
+        elif record.kind == "storage":
+            notes[record.key].append("a storage saved on its own")
         if record.parts:
             notes[record.key].append(layout_note(record))
         if record.quant is not None:

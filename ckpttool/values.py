@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -231,14 +232,18 @@ def read_tensor(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
     import numpy as np
     import torch
 
-    if record.is_sparse:
-        return _read_sparse(ckpt, record)
+    if record.is_sparse or record.quant is not None:
+        # torch warns that sparse support is beta and quantized tensors deprecated: not news
+        # to the user reading their file
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            if record.quant is not None:
+                return _read_quantized(ckpt, record)
+            return _read_sparse(ckpt, record)
     if record.layout == "nested":
         flat, sizes, strides, offsets = (read_tensor(ckpt, p) for p in record.parts)
         _check_nested(record, flat, sizes, strides, offsets)
         return torch._nested_view_from_buffer(flat, sizes, strides, offsets).clone()
-    if record.quant is not None:
-        return _read_quantized(ckpt, record)
 
     dtype = torch_dtype(record.dtype)
     if record.numel == 0:

@@ -31,16 +31,17 @@ _DTYPE_NAMES = [name for name in dir(torch) if isinstance(getattr(torch, name), 
 #: them differs from (or cannot be checked against) torch's.
 NOT_EXERCISED: dict[str, str] = {
     "torch._utils._rebuild_tensor": (
-        "written only by torch < 1.4 (storage views); emulated as v2 without requires_grad, "
-        "tested on crafted pickles in tests/test_pickle_safe.py"
+        "not written by this torch; emulated as v2 without requires_grad (crafted pickle in "
+        "test_rebuilders_torch_no_longer_writes)"
     ),
     "torch._utils._rebuild_wrapper_subclass": (
         "names its subclass, which torch's safe loader refuses unless allow-listed; read as a "
-        "tensor of that dtype and shape without values, like a meta tensor"
+        "tensor of that dtype and shape without values, like a meta tensor (crafted pickle)"
     ),
     "torch._utils._rebuild_device_tensor_from_cpu_tensor": (
         "written for devices without storage access (XLA, MPS); read as the CPU tensor it "
-        "carries, located on that device; a dtype conversion stays an opaque object"
+        "carries, located on that device; a dtype conversion stays an opaque object (crafted "
+        "pickle)"
     ),
     "torch._utils._rebuild_device_tensor_from_numpy": (
         "like _from_cpu_tensor, with a NumPy array (which torch's safe loader refuses unless "
@@ -60,8 +61,8 @@ NOT_EXERCISED: dict[str, str] = {
         "torch's safe loader refuses unless the subclass is allow-listed); read as a parameter"
     ),
     "torch.storage.TypedStorage": (
-        "written by torch for storages of dtypes without a legacy class; read as a storage of "
-        "the dtype it names (tests/test_pickle_safe.py)"
+        "not in the pickles this torch writes (a storage is named by its legacy class or "
+        "UntypedStorage); in a persistent id ckpttool refuses it as an unknown storage type"
     ),
     **{
         f"{module}.{kind}{what}": (
@@ -170,6 +171,7 @@ FIXTURES: dict[str, Callable[[], Any]] = {
         "empty": torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.long), [], (3, 3)),
     },
     "quantized": _quantized,
+    "storages": lambda: {"f": torch.FloatStorage([1, 2]), "u": torch.UntypedStorage(3)},
     "nested": lambda: {"n": torch.nested.nested_tensor([torch.ones(2, 3), torch.zeros(4, 3)])},
 }
 
@@ -236,7 +238,13 @@ def _check_reads_as_torch(path: Path) -> set[str] | None:
         for key, value in expected.items():
             torch_leaves[key] = value
         for key, value in torch_leaves.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.storage.TypedStorage):
+                record = records[key]
+                assert (record.kind, record.dtype) == ("storage", str(value.dtype)[6:]), key
+                assert record.shape == (value.size(),), key
+                expected_values = torch.tensor([], dtype=value.dtype).set_(value)
+                assert torch.equal(read_tensor(ckpt, record), expected_values), key
+            elif isinstance(value, torch.Tensor):
                 record = records[key]
                 assert isinstance(record, TensorRecord)
                 assert record.dtype == str(value.dtype).removeprefix("torch."), key
@@ -284,3 +292,63 @@ def test_every_allowed_global_is_covered(tmp_path: Path) -> None:
                 seen |= _check_reads_as_torch(path) or set()
     uncovered = sorted(allowed - seen - set(NOT_EXERCISED))
     assert not uncovered, f"torch allows globals ckpttool is not tested on: {uncovered}"
+
+
+def _op_global(qualname: str) -> bytes:
+    module, _, name = qualname.rpartition(".")
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _op_tuple(*items: bytes) -> bytes:
+    return b"(" + b"".join(items) + b"t"
+
+
+def _op_int(value: int) -> bytes:
+    return b"K" + bytes([value])
+
+
+def _op_str(text: str) -> bytes:
+    return b"X" + len(text).to_bytes(4, "little") + text.encode()
+
+
+def _op_call(qualname: str, *args: bytes) -> bytes:
+    return _op_global(qualname) + _op_tuple(*args) + b"R"
+
+
+_STORAGE = _op_tuple(
+    _op_str("storage"), _op_global("torch.FloatStorage"), _op_str("0"), _op_str("cpu"),
+    _op_int(6),
+) + b"Q"  # fmt: skip
+_SIZE, _STRIDE = _op_tuple(_op_int(2), _op_int(3)), _op_tuple(_op_int(3), _op_int(1))
+_HOOKS = _op_call("collections.OrderedDict")
+_V2 = _op_call(
+    "torch._utils._rebuild_tensor_v2", _STORAGE, _op_int(0), _SIZE, _STRIDE, b"\x88", _HOOKS
+)
+
+
+@pytest.mark.parametrize(
+    ("pickled", "expected"),
+    [
+        (_op_call("torch._utils._rebuild_tensor", _STORAGE, _op_int(0), _SIZE, _STRIDE),
+         ("float32", (2, 3), False, "cpu")),
+        (_op_call("torch._utils._rebuild_wrapper_subclass", _op_global("my.Subclass"),
+                  _op_global("torch.float16"), _SIZE, _STRIDE, _op_int(0),
+                  _op_global("torch.strided"), _op_str("cpu"), b"\x89"),
+         ("float16", (2, 3), False, "meta")),
+        (_op_call("torch._utils._rebuild_device_tensor_from_cpu_tensor", _V2,
+                  _op_global("torch.float32"), _op_str("xla:0"), b"\x89"),
+         ("float32", (2, 3), False, "xla:0")),
+    ],
+    ids=["rebuild_tensor_v1", "wrapper_subclass", "device_from_cpu"],
+)  # fmt: skip
+def test_rebuilders_torch_no_longer_writes(pickled: bytes, expected: tuple[Any, ...]) -> None:
+    from ckpttool.pickle.interpreter import finalize, load_pickle
+    from ckpttool.records import StorageRecord
+
+    def storage(pid: Any) -> StorageRecord:
+        return StorageRecord(pid[2], "float32", pid[4], pid[3], "data/0", 24)
+
+    data = b"\x80\x02" + pickled + b"."
+    record = finalize(load_pickle(data, persistent_load=storage).root)
+    assert isinstance(record, TensorRecord)
+    assert (record.dtype, record.shape, record.requires_grad, record.location) == expected

@@ -36,7 +36,7 @@ from ckpttool.pickle.emulation import (
     set_state,
 )
 from ckpttool.pickle.policy import RENAMED_MODULES, Verdict, classify_global
-from ckpttool.records import GlobalRef, OpaqueObject, TensorRecord
+from ckpttool.records import GlobalRef, OpaqueObject, StorageRecord, TensorRecord
 
 MAX_DEPTH = 200  # nesting of containers; real checkpoints stay under 20
 MAX_NODES = 20_000_000  # nodes of the fully expanded tree (shared references counted each time)
@@ -767,6 +767,8 @@ def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) 
             return f"numpy.dtype('{node.byteorder}{node.code}')", 1
         elif isinstance(node, (TorchDtype, TorchLayout)):
             return str(node), 1
+        elif isinstance(node, StorageRecord):  # a storage saved on its own (torch.FloatStorage)
+            node = TensorRecord("", node.dtype, (node.numel,), (1,), 0, node, kind="storage")
         if not isinstance(node, (dict, list, tuple, set, frozenset, OpaqueObject)):
             weight = _weight(node)
             if weight > 1 or isinstance(node, TensorRecord):

@@ -104,7 +104,7 @@ def test_convert_refuses_in_one_line(tmp_path: Path, legacy: bool, kind: str) ->
         line = result.output.strip()
         assert "\n" not in line
         assert line.startswith("Error: t: a ")
-        assert "--filter" in line
+        assert ("--densify" if kind == "sparse" else "--dequantize") in line
         assert not out.exists()
     out = tmp_path / "w.safetensors"
     result = CliRunner().invoke(cli, ["convert", str(path), str(out), "--filter", "w"])
@@ -124,3 +124,36 @@ def test_hostile_sparse_tensors_are_refused_not_densified(tmp_path: Path, legacy
     assert "invalid sparse_coo tensor" in entries["bad"]["stats_unavailable"]
     assert "not densified" in entries["huge"]["stats_unavailable"]
     assert entries["huge"]["shape"] == [2**31, 2**31]
+
+
+@FORMATS
+@pytest.mark.parametrize("target", ["safetensors", "pth"])
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "sparse_bsc", "quantized"])
+def test_convert_densifies_and_dequantizes(
+    tmp_path: Path, legacy: bool, target: str, layout: str
+) -> None:
+    if layout == "quantized":
+        tensor, flag, dense = _quantized(), "--dequantize", _quantized().dequantize()
+    else:
+        tensor = _sparse() if layout == "sparse_coo" else _sparse().to_dense()
+        if layout == "sparse_csr":
+            tensor = tensor.to_sparse_csr()
+        elif layout == "sparse_bsc":
+            tensor = tensor.to_sparse_bsc((2, 1))
+        flag, dense = "--densify", _sparse().to_dense()
+    path = _save({"t": tensor, "w": torch.ones(2)}, tmp_path / "in.pt", legacy)
+    out = tmp_path / f"out.{target}"
+    result = CliRunner().invoke(cli, ["convert", str(path), str(out), "--to", target, flag])
+    assert result.exit_code == 0, result.output
+    assert ("densified" if flag == "--densify" else "dequantized") + " 1 tensor(s): t" in (
+        result.output
+    )
+    if target == "safetensors":
+        from safetensors.torch import load_file
+
+        written = load_file(out)
+    else:
+        written = torch.load(out, weights_only=True)
+    assert sorted(written) == ["t", "w"]
+    assert written["t"].layout == torch.strided
+    assert torch.equal(written["t"], dense)
