@@ -102,10 +102,15 @@ def _quantized() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _dtypes() -> dict[str, Any]:
+def _dtypes(legacy_classes: bool) -> dict[str, Any]:
+    """A tensor of every dtype torch can save: those with a legacy storage class (which the
+    legacy format can hold), or the others."""
     out: dict[str, Any] = {}
+    with_class = set(torch.storage._dtype_to_storage_type_map())
     for name in _DTYPE_NAMES:
         dtype = getattr(torch, name)
+        if (dtype in with_class) != legacy_classes:
+            continue
         if (
             dtype.is_complex
             or dtype.is_floating_point
@@ -147,7 +152,8 @@ FIXTURES: dict[str, Callable[[], Any]] = {
         channels_last=torch.randn(1, 2, 3, 3).to(memory_format=torch.channels_last),
         empty=torch.zeros(0, 5),
     ),
-    "dtypes": _dtypes,
+    "dtypes": lambda: _dtypes(legacy_classes=True),
+    "dtypes_without_storage_class": lambda: _dtypes(legacy_classes=False),
     "dtype_values": lambda: {name: getattr(torch, name) for name in _DTYPE_NAMES},
     "values": lambda: {
         "size": torch.Size([2, 3]),
