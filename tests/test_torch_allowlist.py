@@ -278,14 +278,25 @@ def _check_reads_as_torch(path: Path) -> set[str] | None:
         return {f"{module}.{name}" for module, name, _ in ckpt.pickle.globals_seen}
 
 
+#: Fixtures torch 2.13 cannot round-trip in the legacy format itself (it writes them but its own
+#: weights-only load refuses them): legacy dtypes without a storage class (uint16...), nested
+#: tensors, bare storages. The test holds torch to that, so a torch that can makes it fail, and
+#: the case is then checked like every other one.
+TORCH_CANNOT_READ_BACK = frozenset(
+    {("dtypes_without_storage_class", True), ("nested", True), ("storages", True)}
+)
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_reads_as_torch(tmp_path: Path, name: str, legacy: bool) -> None:
     path = tmp_path / f"{name}.pt"
-    if not _save(FIXTURES[name](), path, legacy):
-        pytest.skip(f"torch cannot save {name} in the {'legacy' if legacy else 'zip'} format")
-    if _check_reads_as_torch(path) is None:
-        pytest.skip(f"torch cannot read back its own {name} file")
+    assert _save(FIXTURES[name](), path, legacy), f"torch could not save {name}"
+    read = _check_reads_as_torch(path)
+    if (name, legacy) in TORCH_CANNOT_READ_BACK:
+        assert read is None, f"torch now reads back its own legacy {name} file: check it"
+    else:
+        assert read is not None, f"torch cannot read back its own {name} file"
 
 
 def test_every_allowed_global_is_covered(tmp_path: Path) -> None:
