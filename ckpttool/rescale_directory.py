@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.atomic import TMP_SUFFIX, fsync_dir
-from ckpttool.errors import InputError, LayoutError, OutputExistsError
+from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError
 from ckpttool.formats.base import is_dcp_directory
 from ckpttool.frameworks import accelerate, huggingface, list_files
 from ckpttool.reader import open_checkpoint
@@ -228,11 +228,7 @@ def _plan_trainer(
         )  # fmt: skip
         changes += found
         if found:
-            notes.append(
-                "scheduler.pt _last_lr and optimizer.pt's param_groups lr keep the values of the "
-                "saved step: the first resumed optimizer step runs at that rate, the scheduler "
-                "computes every later one from the rescaled last_epoch"
-            )
+            notes.append(_schedule_note(path, files, saved, world_size))
     rng_names = set(rng_ranks.values())
     for name in files:
         if name in rng_names:
@@ -261,6 +257,39 @@ def _plan_trainer(
         "saved run under its own step numbers and folder names"
     )
     return huggingface.HF_TRAINER, plan, actions, changes, notes
+
+
+def _schedule_note(path: Path, files: dict[str, int], saved: int, world_size: int) -> str:
+    """What the resumed run must pass for the learning rate to continue the saved schedule.
+
+    Trainer's schedules are functions of ``step / max_steps`` and ``step / warmup_steps``: with
+    the step counters multiplied by saved/new, the same schedule needs ``max_steps`` and
+    ``warmup_steps`` multiplied by the same factor (``warmup_ratio`` needs nothing). Then the
+    rate ``scheduler.pt`` and ``optimizer.pt`` keep from the saved step is exactly the rescaled
+    step's, and the first resumed optimizer step runs at the right rate too.
+    """
+    scaled = []
+    if huggingface.TRAINING_ARGS_NAME in files:
+        with (
+            contextlib.suppress(CkptError),
+            open_checkpoint(path / huggingface.TRAINING_ARGS_NAME) as ckpt,
+        ):
+            root = ckpt.root
+            args = root.fields() if hasattr(root, "fields") else root
+            for key in ("max_steps", "warmup_steps"):
+                value = args.get(key) if isinstance(args, dict) else None
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    scaled.append(f"{key}={value * saved // world_size} (saved {value})")
+    advice = (
+        f"resume with {' and '.join(scaled)}" if scaled else
+        "resume with max_steps and warmup_steps (if the run sets them) multiplied by "
+        f"{saved}/{world_size}"
+    )  # fmt: skip
+    return (
+        "learning rate: scheduler.pt and optimizer.pt keep the saved step's rate, which is the "
+        f"rescaled step's rate on the same schedule: {advice}, so that the schedule (a function "
+        "of step / max_steps and step / warmup_steps) continues where it stopped"
+    )
 
 
 def _plan_accelerate(

@@ -186,7 +186,9 @@ def test_accelerate_load_state_reads_rescaled_folder(tmp_path: Path) -> None:
     assert scheduler.scheduler.last_epoch == 4
 
 
-def _resume_trainer(checkpoint: Path, output_dir: Path, max_steps: int) -> list[dict]:
+def _resume_trainer(
+    checkpoint: Path, output_dir: Path, max_steps: int, warmup_steps: int = 2
+) -> list[dict]:
     from transformers import Trainer, default_data_collator
 
     from tests.fixtures.frameworks.models import TokenDataset, llama_model
@@ -194,6 +196,7 @@ def _resume_trainer(checkpoint: Path, output_dir: Path, max_steps: int) -> list[
 
     args = training_arguments(str(output_dir))
     args.max_steps = max_steps
+    args.warmup_steps = warmup_steps
     args.save_strategy = "no"
     trainer = Trainer(
         model=llama_model().train(), args=args, train_dataset=TokenDataset(),
@@ -208,14 +211,19 @@ def test_trainer_resumes_rescaled_checkpoint(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     report = rescale_directory(_copy(TRAINER_2, tmp_path), 1)
     # 8 steps x 2 processes of the saved run = 16 steps on one process
-    logs = _resume_trainer(report.output, tmp_path / "run", max_steps=16)
+    # the saved run: 8 steps on 2 processes, 2 of them warm-up; the same schedule on one process
+    # is 16 steps, 4 of warm-up, as the report says
+    assert "resume with max_steps=16 (saved 8) and warmup_steps=4 (saved 2)" in " ".join(
+        report.notes
+    )
+    logs = _resume_trainer(report.output, tmp_path / "run", max_steps=16, warmup_steps=4)
     new_logs = [entry for entry in logs if entry["step"] > 4]
     assert new_logs[0]["step"] == 9  # 4 steps x 2 processes = 8 one-process steps were done
     assert new_logs[-1]["step"] == 16
-    # linear schedule (2 warmup steps, 16 in all): from the second resumed step on, the rate is
-    # the one of the rescaled step; the first runs at the saved one (optimizer.pt's lr)
+    # every resumed step, the first included, runs at the rate of the rescaled schedule: Trainer
+    # logs at step k the rate it used for it, lambda(k - 1) of "linear" with warm-up 4, total 16
     by_step = {entry["step"]: entry["learning_rate"] for entry in new_logs}
-    assert by_step[10] == pytest.approx(1e-3 * (16 - 9) / 14)
+    assert by_step == {k: pytest.approx(1e-3 * (16 - (k - 1)) / 12) for k in range(9, 17)}
 
 
 def test_trainer_without_rescale_repeats_data(tmp_path: Path) -> None:
