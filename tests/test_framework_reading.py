@@ -168,6 +168,14 @@ def test_trainer_output_directory_is_a_collection() -> None:
     assert diffed.exit_code == 2 and "name one of them" in diffed.stderr
 
 
+def test_show_gives_an_accelerate_folders_counters() -> None:
+    result = CliRunner().invoke(cli, ["show", str(FRAMEWORKS / "accelerate_2proc/state")])
+    lines = result.stdout.splitlines()
+    framework = MANIFEST["cases"]["accelerate_2proc"]["framework"]
+    assert f"step:       {framework['step']}" in lines  # accelerator.step as load_state sets it
+    assert "scheduler_last_epoch: 4" in lines and "ranks:      2" in lines
+
+
 def test_show_describes_a_trainer_checkpoint() -> None:
     result = CliRunner().invoke(
         cli, ["show", str(FRAMEWORKS / "trainer_2proc/output/checkpoint-8")]

@@ -226,6 +226,16 @@ def test_trainer_resumes_rescaled_checkpoint(tmp_path: Path) -> None:
     assert by_step == {k: pytest.approx(1e-3 * (16 - (k - 1)) / 12) for k in range(9, 17)}
 
 
+def test_trainer_resumes_an_unchanged_checkpoint_on_its_own_process_count(tmp_path: Path) -> None:
+    """The baseline: the 1-process checkpoint-4 resumed on 1 process goes on at step 5 with the
+    saved run's schedule (linear, warm-up 2, 8 steps)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    logs = _resume_trainer(_copy(TRAINER_1, tmp_path), tmp_path / "run", max_steps=8)
+    by_step = {entry["step"]: entry["learning_rate"] for entry in logs if entry["step"] > 4}
+    assert by_step == {k: pytest.approx(1e-3 * (8 - (k - 1)) / 6) for k in range(5, 9)}
+
+
 def test_trainer_without_rescale_repeats_data(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")

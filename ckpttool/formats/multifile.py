@@ -90,11 +90,13 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
         for ckpt in opened:
             ckpt.close()
 
+    details = layout_details(layout)
+    details.update(_recorded_counters(root))
     return Parsed(
         format=DIRECTORY,
         root=root,
         span=no_span,
-        details=layout_details(layout),
+        details=details,
         problems=problems,
         read=read,
         close=close,
@@ -116,6 +118,20 @@ def layout_details(layout: DirectoryLayout) -> dict[str, Any]:
         **({"index": layout.index} if layout.index else {}),
         **layout.details,
     }
+
+
+def _recorded_counters(root: dict[str, Any]) -> dict[str, Any]:
+    """Counters kept inside the members, for the header: accelerate's ``step`` (in each
+    ``random_states_{rank}.pkl``) and the scheduler's ``last_epoch``."""
+    counters: dict[str, Any] = {}
+    rng = root.get("rng")
+    first_rank = rng.get("rank0") if isinstance(rng, dict) else None
+    if isinstance(first_rank, dict) and isinstance(first_rank.get("step"), int):
+        counters["step"] = first_rank["step"]
+    scheduler = root.get("scheduler")
+    if isinstance(scheduler, dict) and isinstance(scheduler.get("last_epoch"), int):
+        counters["scheduler_last_epoch"] = scheduler["last_epoch"]
+    return counters
 
 
 def directory_size(layout: DirectoryLayout) -> int:

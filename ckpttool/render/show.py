@@ -174,8 +174,9 @@ def _data_files_line(details: dict[str, Any]) -> list[str]:
 
 
 #: Counters a framework's directory records (trainer_state.json, the rank files), shown first.
-_DIRECTORY_COUNTERS = ("global_step", "epoch", "max_steps", "num_train_epochs",
-                       "train_batch_size", "checkpoint_step", "ranks")  # fmt: skip
+_DIRECTORY_COUNTERS = ("global_step", "step", "epoch", "max_steps", "num_train_epochs",
+                       "train_batch_size", "checkpoint_step", "scheduler_last_epoch",
+                       "ranks")  # fmt: skip
 
 
 def _member_lines(details: dict[str, Any]) -> list[str]:
