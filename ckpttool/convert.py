@@ -4,7 +4,8 @@ The conversion streams: the output's layout is decided from the reader's records
 (:mod:`ckpttool.convert_plan`), its header is written first, then each tensor is read
 (``pread`` of just its bytes), cast if asked, written and freed. Peak memory is a few times the
 largest tensor, never the file. torch is not imported: NumPy casts (:mod:`ckpttool.cast`) and
-the ``.pth`` pickle is generated (:mod:`ckpttool.writers`).
+the ``.pth`` pickle is generated (:mod:`ckpttool.writers`). The exception: a ``.pth`` that keeps
+sparse, quantized or nested tensors is built and saved by torch (:mod:`ckpttool.torch_kinds`).
 
 Every output is written to temp files next to its target (:func:`ckpttool.atomic.atomic_group`);
 before they replace anything, each is opened again through the reader and every tensor is
@@ -19,14 +20,22 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from ckpttool import convert_model_dir as model_dir
+from ckpttool import torch_kinds
 from ckpttool.atomic import atomic_group
 from ckpttool.cast import CastCounts, cast_array, stored_dtype
-from ckpttool.convert_output import FORMATS, OutFile, check_targets, parse_size, plan_outputs
+from ckpttool.convert_output import (
+    FORMATS,
+    OutFile,
+    check_targets,
+    parse_size,
+    plan_outputs,
+    writes_pth,
+)
 from ckpttool.convert_plan import FIELD_PREFIX, Plan, Planned, build_plan
 from ckpttool.errors import EXIT_FOUND, CkptError, InputError
 from ckpttool.frameworks.huggingface import SAFE_WEIGHTS_NAME
@@ -37,6 +46,7 @@ from ckpttool.values import dense_record, read_array
 from ckpttool.writers import PickledTensor, safetensors_header, write_pth
 
 Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
+Keep = Callable[["Planned"], Any]  # a kept (sparse, nested, quantized) tensor, as torch's
 
 
 class OverflowRefusedError(CkptError):
@@ -109,7 +119,8 @@ def convert(
     with open_checkpoint(src_path) as ckpt:
         plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
                           pattern=pattern, dtype=dtype, keep_shared=keep_shared,
-                          densify=densify, dequantize=dequantize)  # fmt: skip
+                          densify=densify, dequantize=dequantize,
+                          keep_kinds=writes_pth(dst, to))  # fmt: skip
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
 
@@ -168,6 +179,11 @@ def _write_outputs(
         progress(planned.nbytes)
         return data
 
+    def keep(planned: Planned) -> Any:
+        tensor = torch_kinds.rebuild(ckpt, planned.record)
+        progress(planned.nbytes)
+        return tensor
+
     def check(temps: list[Path]) -> None:
         if verify:
             verify_outputs(ckpt, list(zip(temps, files)), progress)
@@ -175,7 +191,7 @@ def _write_outputs(
     try:
         with atomic_group([f.target for f in files], check=check) as handles:
             for handle, out_file in zip(handles, files):
-                _write(handle, out_file, plan.names, produce)
+                _write(handle, out_file, plan.names, produce, keep)
     except OSError as error:  # permissions, a full disk: one line, not a traceback
         raise InputError(f"conversion failed, nothing was written: {error}") from error
     return counts
@@ -272,7 +288,7 @@ def tensor_bytes(
 # --- writing and reading back ---------------------------------------------------------------
 
 
-def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce) -> None:
+def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce, keep: Keep) -> None:
     if out.kind == "index":
         handle.write(out.content)
         out.expected_size = len(out.content)
@@ -282,6 +298,8 @@ def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce) -
         for planned in out.tensors:
             handle.write(produce(planned))
         out.expected_size = len(header) + sum(p.nbytes for p in out.tensors)
+    elif any(p.kept for p in out.tensors):
+        _write_with_torch(handle, out, names, produce, keep)
     else:
         keys = {p.name: str(i) for i, p in enumerate(out.tensors)}
         by_name = {p.name: p for p in out.tensors}
@@ -291,6 +309,20 @@ def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce) -
             entries.append(PickledTensor(name, keys[stored.name], replace(stored.out, name=name)))
         write_pth(handle, entries, ((keys[p.name], produce(p)) for p in out.tensors))
         out.expected_size = handle.tell()
+
+
+def _write_with_torch(
+    handle: BinaryIO, out: OutFile, names: list[str], produce: Produce, keep: Keep
+) -> None:
+    """A .pth holding sparse, nested or quantized tensors: built by torch and written by
+    ``torch.save`` (:mod:`ckpttool.torch_kinds`); plain tensors go in as their (cast) bytes."""
+    tensors = {
+        p.name: keep(p) if p.kept else torch_kinds.plain_tensor(produce(p), p.dtype, p.record.shape)
+        for p in out.tensors
+    }
+    state = {name: tensors[out.aliases.get(name, name)] for name in names}
+    torch_kinds.save(handle, state)
+    out.expected_size = handle.tell()
 
 
 def verify_outputs(
@@ -337,6 +369,12 @@ def _verify_file(
             record = found[planned.name]
             if (record.dtype, record.shape) != (planned.dtype, planned.record.shape):
                 problems.append(f"{planned.name} reads back as {record.dtype}{list(record.shape)}")
+                continue
+            if planned.kept or torch_kinds.is_kept_kind(record):
+                want_tensor = torch_kinds.rebuild(ckpt, planned.record)
+                if not torch_kinds.same_tensor(want_tensor, torch_kinds.rebuild(written, record)):
+                    problems.append(f"{planned.name} does not read back as the same tensor")
+                progress(planned.nbytes)
                 continue
             want, _ = tensor_bytes(ckpt, planned)
             got = _stored_bytes(written, record)

@@ -93,6 +93,13 @@ def _output_format(path: Path, to: str | None) -> str:
     return guessed
 
 
+def writes_pth(dst: str | os.PathLike[str] | None, to: str | None) -> bool:
+    """Whether the output is a .pth (known before planning: it decides what can be kept)."""
+    if to is not None:
+        return to == "pth"
+    return dst is not None and Path(dst).suffix.lower() in PTH_SUFFIXES
+
+
 def plan_outputs(
     src: Path,
     dst: str | os.PathLike[str] | None,

@@ -45,6 +45,7 @@ class Planned:
     name: str
     record: TensorRecord
     dtype: str
+    kept: bool = False  # a sparse, nested or quantized tensor a .pth keeps as it is
 
     @property
     def out(self) -> OutTensor:
@@ -83,11 +84,13 @@ def build_plan(
     keep_shared: bool = False,
     densify: bool = False,
     dequantize: bool = False,
+    keep_kinds: bool = False,
 ) -> Plan:
     """Decide names, dtypes, aliases and metadata fields for converting ``ckpt``.
 
     Sparse and nested tensors are refused unless ``densify`` (then stored dense), quantized
-    ones unless ``dequantize`` (then stored as float32 values, or cast to ``dtype``)."""
+    ones unless ``dequantize`` (then stored as float32 values, or cast to ``dtype``); with
+    ``keep_kinds`` (a .pth output) those not densified or dequantized are kept as they are."""
     if dtype != "keep" and dtype not in TARGETS:
         raise InputError(f"--dtype must be one of keep, {', '.join(TARGETS)}; got {dtype!r}")
     selection = select(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
@@ -102,10 +105,14 @@ def build_plan(
         named = {k: r for k, r in named.items() if fnmatch.fnmatchcase(k, pattern)}
         if not named:
             raise InputError(f"--filter {pattern!r} matches no tensor")
-    _refuse_unwritable(named, densify=densify, dequantize=dequantize)
+    kept = {k for k, r in named.items() if keep_kinds and _keeps(r, densify, dequantize)}
+    _refuse_unwritable(
+        {k: r for k, r in named.items() if k not in kept}, densify=densify, dequantize=dequantize
+    )
     for what, keys in (
-        ("densified", [k for k, r in named.items() if r.parts]),
-        ("dequantized", [k for k, r in named.items() if r.quant is not None]),
+        ("densified", [k for k, r in named.items() if r.parts and k not in kept]),
+        ("dequantized", [k for k, r in named.items() if r.quant is not None and k not in kept]),
+        (KEPT_NOTE, [k for k in named if k in kept]),
     ):
         if keys:
             notes.append(f"{what} {len(keys)} tensor(s): {_some(keys)}")
@@ -118,13 +125,21 @@ def build_plan(
         raise InputError(f"{ckpt.path}: no tensors to convert{where}")
     target = TARGETS.get(dtype)
     uncastable = sorted(
-        {r.dtype for r in named.values() if target and r.is_floating and r.dtype not in CASTABLE}
+        {
+            r.dtype
+            for k, r in named.items()
+            if target and r.is_floating and r.dtype not in CASTABLE and k not in kept
+        }
     )
     if uncastable:
         notes.append(f"{', '.join(uncastable)} tensors are kept as they are (not cast)")
+    if target and kept:
+        notes.append(f"sparse, nested and quantized tensors are not cast: {_some(sorted(kept))}")
     aliases = {} if keep_shared else find_aliases(named)
     stored = [
-        Planned(name, record, _output_dtype(record, target))
+        Planned(name, record, record.dtype, kept=True)
+        if name in kept
+        else Planned(name, record, _output_dtype(record, target))
         for name, record in named.items()
         if name not in aliases
     ]
@@ -146,27 +161,40 @@ def _output_dtype(record: TensorRecord, target: str | None) -> str:
     return target if target and record.dtype in CASTABLE else record.dtype
 
 
+KEPT_NOTE = "kept (sparse, nested or quantized, in torch's own form)"
+
+
+def _keeps(record: TensorRecord, densify: bool, dequantize: bool) -> bool:
+    """Whether a .pth output keeps ``record`` as it is: a nested tensor always (it has no
+    dense form), a sparse one unless ``densify``, a quantized one unless ``dequantize``."""
+    if record.layout == "nested":
+        return True
+    if record.parts:
+        return not densify
+    return record.quant is not None and not dequantize
+
+
 def _refuse_unwritable(named: dict[str, TensorRecord], *, densify: bool, dequantize: bool) -> None:
-    """Sparse, nested and quantized tensors: safetensors has no such layouts or schemes, and
-    convert's .pth writer stores plain tensors only; they are written dense (--densify) or
-    dequantized (--dequantize) when asked, never as anonymous parts."""
+    """Sparse, nested and quantized tensors in a safetensors output: it has no such layouts
+    or schemes; they are written dense (--densify) or dequantized (--dequantize) when asked,
+    never as anonymous parts. (A .pth output keeps them: ``_keeps``.)"""
     for name, record in named.items():
         if record.layout == "nested":
             raise InputError(
-                f"{name}: a nested tensor; convert cannot write its ragged values. Leave it out "
-                "with --filter"
+                f"{name}: a nested tensor; safetensors cannot hold its ragged values. Write a "
+                ".pth (--to pth keeps it), or leave it out with --filter"
             )
         if record.parts and not densify:
             raise InputError(
-                f"{name}: a {record.layout} tensor; safetensors and convert's .pth writer "
-                "store dense tensors only: add --densify to store its dense values, or leave it "
+                f"{name}: a {record.layout} tensor; safetensors stores dense tensors only: add "
+                "--densify to store its dense values, --to pth to keep it as it is, or leave it "
                 "out with --filter"
             )
         if record.quant is not None and not dequantize:
             raise InputError(
                 f"{name}: a quantized {record.dtype} tensor ({record.quant.describe()}); "
-                "safetensors and convert's .pth writer store no quantization: add --dequantize "
-                "to store its float values, or leave it out with --filter"
+                "safetensors stores no quantization: add --dequantize to store its float values, "
+                "--to pth to keep it as it is, or leave it out with --filter"
             )
 
 

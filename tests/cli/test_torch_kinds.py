@@ -94,10 +94,12 @@ def test_diff_dequantizes(tmp_path: Path, legacy: bool) -> None:
 
 @FORMATS
 @pytest.mark.parametrize("kind", ["sparse", "quantized"])
-def test_convert_refuses_in_one_line(tmp_path: Path, legacy: bool, kind: str) -> None:
+def test_convert_to_safetensors_refuses_in_one_line(
+    tmp_path: Path, legacy: bool, kind: str
+) -> None:
     tensor = _sparse() if kind == "sparse" else _quantized()
     path = _save({"t": tensor, "w": torch.ones(2)}, tmp_path / "in.pt", legacy)
-    for target in ("safetensors", "pth"):
+    for target in ("safetensors",):
         out = tmp_path / f"out.{target}"
         result = CliRunner().invoke(cli, ["convert", str(path), str(out), "--to", target])
         assert result.exit_code == 2, result.output
@@ -157,3 +159,134 @@ def test_convert_densifies_and_dequantizes(
     assert sorted(written) == ["t", "w"]
     assert written["t"].layout == torch.strided
     assert torch.equal(written["t"], dense)
+
+
+def _kept_kinds() -> dict[str, Any]:
+    """One tensor of every kind ``convert --to pth`` keeps as it is."""
+    dense = _sparse().to_dense()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {
+            "coo": _sparse(),
+            "coo_coalesced": _sparse().coalesce(),
+            "csr": dense.to_sparse_csr(),
+            "csc": dense.to_sparse_csc(),
+            "bsr": dense.to_sparse_bsr((2, 1)),
+            "bsc": dense.to_sparse_bsc((2, 1)),
+            "per_tensor": _quantized(),
+            "per_channel": torch.quantize_per_channel(
+                torch.tensor([[-1.0, 0.5], [0.25, 2.0], [3.0, -0.75]]),
+                torch.tensor([0.1, 0.05, 0.25], dtype=torch.float64),
+                torch.tensor([0, 3, -1]),
+                0,
+                torch.qint8,
+            ),
+            "quint4x2": torch.quantize_per_tensor(
+                torch.tensor([[0.0, 0.3, 1.2, 0.7]]), 0.1, 1, torch.quint4x2
+            ),
+            "nested": torch.nested.nested_tensor([torch.ones(2, 3), torch.arange(3.0)[None]]),
+        }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a.is_nested:
+        return b.is_nested and all(torch.equal(x, y) for x, y in zip(a.unbind(), b.unbind()))
+    if (a.layout, a.dtype, a.shape, a.is_quantized) != (b.layout, b.dtype, b.shape, b.is_quantized):
+        return False
+    if a.is_quantized:
+        if a.qscheme() != b.qscheme() or not torch.equal(a.int_repr(), b.int_repr()):
+            return False
+        if a.qscheme() == torch.per_tensor_affine:
+            return (a.q_scale(), a.q_zero_point()) == (b.q_scale(), b.q_zero_point())
+        return (
+            a.q_per_channel_axis() == b.q_per_channel_axis()
+            and torch.equal(a.q_per_channel_scales(), b.q_per_channel_scales())
+            and torch.equal(a.q_per_channel_zero_points(), b.q_per_channel_zero_points())
+        )
+    if a.layout == torch.sparse_coo:
+        return (
+            a.is_coalesced() == b.is_coalesced()
+            and torch.equal(a._indices(), b._indices())
+            and torch.equal(a._values(), b._values())
+        )
+    if a.layout != torch.strided:
+        return torch.equal(a.to_dense(), b.to_dense()) and torch.equal(a.values(), b.values())
+    return torch.equal(a, b)
+
+
+def _load(path: Path) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, weights_only=True)
+
+
+@FORMATS
+@pytest.mark.parametrize("kind", list(_kept_kinds()))
+def test_convert_to_pth_keeps_the_kind(tmp_path: Path, legacy: bool, kind: str) -> None:
+    tensor = _kept_kinds()[kind]
+    path = _save({"t": tensor, "w": torch.arange(4.0)}, tmp_path / "in.pt", legacy)
+    out = tmp_path / "out.pth"
+    result = CliRunner().invoke(cli, ["convert", str(path), str(out), "--to", "pth"])
+    assert result.exit_code == 0, result.output
+    assert "kept (sparse, nested or quantized, in torch's own form) 1 tensor(s): t" in (
+        result.output
+    )
+    # (compared with the tensor saved: torch cannot read back its own legacy nested file)
+    written = _load(out)
+    assert sorted(written) == ["t", "w"]
+    assert _same(tensor, written["t"]), written["t"]
+    assert torch.equal(written["w"], torch.arange(4.0))
+    report = json.loads(_run("diff", str(path), str(out)).output)
+    assert {e["key"]: e["status"] for e in report["tensors"]} == {
+        "t": "identical",
+        "w": "identical",
+    }
+
+
+def test_convert_to_pth_keeps_every_kind_in_one_file(tmp_path: Path) -> None:
+    kinds = _kept_kinds()
+    path = _save({**kinds, "w": torch.ones(3)}, tmp_path / "in.pt", False)
+    out = tmp_path / "out.pth"
+    result = CliRunner().invoke(cli, ["convert", str(path), str(out), "--dtype", "fp16"])
+    assert result.exit_code == 0, result.output
+    written = _load(out)
+    assert all(_same(kinds[k], written[k]) for k in kinds)
+    assert written["w"].dtype == torch.float16  # plain tensors are still cast
+    assert "sparse, nested and quantized tensors are not cast" in result.output
+
+
+def test_convert_to_pth_densify_still_densifies(tmp_path: Path) -> None:
+    path = _save({"s": _sparse(), "q": _quantized()}, tmp_path / "in.pt", False)
+    out = tmp_path / "out.pth"
+    result = CliRunner().invoke(cli, ["convert", str(path), str(out), "--densify"])
+    assert result.exit_code == 0, result.output
+    written = _load(out)
+    assert torch.equal(written["s"], _sparse().to_dense())
+    assert _same(written["q"], _quantized())  # not dequantized: only --dequantize does that
+
+
+def test_nested_tensor_is_refused_by_safetensors(tmp_path: Path) -> None:
+    path = _save({"n": _kept_kinds()["nested"]}, tmp_path / "in.pt", False)
+    result = CliRunner().invoke(cli, ["convert", str(path), str(tmp_path / "o.safetensors")])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("Error: n: a nested tensor")
+
+
+def test_verification_catches_a_changed_kept_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpttool import torch_kinds
+
+    path = _save({"q": _quantized()}, tmp_path / "in.pt", False)
+    out = tmp_path / "out.pth"
+    original = torch_kinds.save
+
+    def tampered(handle: Any, state: dict[str, Any]) -> None:
+        state["q"] = torch.quantize_per_tensor(torch.tensor([-0.2, 0.0, 0.7]), 0.1, 3, torch.quint8)
+        original(handle, state)
+
+    monkeypatch.setattr(torch_kinds, "save", tampered)
+    result = CliRunner().invoke(cli, ["convert", str(path), str(out)])
+    assert result.exit_code == 1, result.output
+    assert "q does not read back as the same tensor" in result.output
+    assert not out.exists()
