@@ -282,9 +282,10 @@ def _check_reads_as_torch(path: Path) -> set[str] | None:
 #: weights-only load refuses them): legacy dtypes without a storage class (uint16...), nested
 #: tensors, bare storages. The test holds torch to that, so a torch that can makes it fail, and
 #: the case is then checked like every other one.
-TORCH_CANNOT_READ_BACK = frozenset(
-    {("dtypes_without_storage_class", True), ("nested", True), ("storages", True)}
-)
+TORCH_CANNOT_READ_BACK = frozenset({("dtypes_without_storage_class", True), ("storages", True)})
+#: torch reads a legacy nested tensor's strides from uninitialised memory: its own load of that
+#: file fails or succeeds by chance. When it succeeds, ckpttool's reading is checked against it.
+TORCH_READS_BACK_BY_CHANCE = frozenset({("nested", True)})
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
@@ -295,7 +296,7 @@ def test_reads_as_torch(tmp_path: Path, name: str, legacy: bool) -> None:
     read = _check_reads_as_torch(path)
     if (name, legacy) in TORCH_CANNOT_READ_BACK:
         assert read is None, f"torch now reads back its own legacy {name} file: check it"
-    else:
+    elif (name, legacy) not in TORCH_READS_BACK_BY_CHANCE:
         assert read is not None, f"torch cannot read back its own {name} file"
 
 
