@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckpttool.render.rescale_directory import plan_json
 from ckpttool.render.rescale_directory import render_json as directory_json
 from ckpttool.render.rescale_directory import render_text as directory_text
 from ckpttool.rescale import HISTORY_KEY, WORLD_SIZE_KEY, RescaleReport, describe_repeats
@@ -23,20 +24,7 @@ def render_json(report: RescaleReport | DirectoryRescaleReport) -> dict[str, Any
         "output": str(report.output),
         "format": report.format,
         "layout": report.layout,
-        "step_key": plan.step_key,
-        "from": {"step": plan.old_step, "world_size": plan.from_world_size},
-        "to": {"step": plan.new_step, "world_size": plan.world_size},
-        "file_world_size": plan.file_world_size,
-        "changed": plan.changed,
-        "exact": plan.exact,
-        "global_batches": plan.global_batches,
-        "repeated_batches": plan.repeated_batches,
-        "repeated_batches_per_rank": str(plan.repeated_per_rank),
-        "batch_size": batch_size,
-        "repeated_samples": plan.repeated_samples(batch_size) if batch_size else None,
-        "max_repeated_samples_per_rank": (
-            plan.max_repeated_samples_per_rank(batch_size) if batch_size else None
-        ),
+        **plan_json(plan, batch_size, file_world_size=plan.file_world_size, changed=plan.changed),
         HISTORY_KEY: list(plan.history),
         "dry_run": report.dry_run,
         "written": report.written,

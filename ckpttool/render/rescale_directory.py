@@ -5,10 +5,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.rescale import describe_repeats
+from ckpttool.rescale import RescalePlan, describe_repeats
 from ckpttool.rescale_directory import DROP, DirectoryRescaleReport
 
 __all__ = ["render_json", "render_text"]
+
+
+def plan_json(
+    plan: RescalePlan, batch_size: int | None, *, file_world_size: int | None, changed: bool
+) -> dict[str, Any]:
+    """The fields of a rescale plan that a file's and a directory's ``--json`` share."""
+    return {
+        "step_key": plan.step_key,
+        "from": {"step": plan.old_step, "world_size": plan.from_world_size},
+        "to": {"step": plan.new_step, "world_size": plan.world_size},
+        "file_world_size": file_world_size,
+        "changed": changed,
+        "exact": plan.exact,
+        "global_batches": plan.global_batches,
+        "repeated_batches": plan.repeated_batches,
+        "repeated_batches_per_rank": str(plan.repeated_per_rank),
+        "batch_size": batch_size,
+        "repeated_samples": plan.repeated_samples(batch_size) if batch_size else None,
+        "max_repeated_samples_per_rank": (
+            plan.max_repeated_samples_per_rank(batch_size) if batch_size else None
+        ),
+    }
 
 
 def render_json(report: DirectoryRescaleReport) -> dict[str, Any]:
@@ -19,20 +41,12 @@ def render_json(report: DirectoryRescaleReport) -> dict[str, Any]:
         "output": str(report.output),
         "format": "directory",
         "layout": report.layout,
-        "step_key": plan.step_key,
-        "from": {"step": plan.old_step, "world_size": plan.from_world_size},
-        "to": {"step": plan.new_step, "world_size": plan.world_size},
-        "file_world_size": None,
-        "changed": bool(report.changes)
-        or any(action.action != "copy" or action.name != action.source for action in report.files),
-        "exact": plan.exact,
-        "global_batches": plan.global_batches,
-        "repeated_batches": plan.repeated_batches,
-        "repeated_batches_per_rank": str(plan.repeated_per_rank),
-        "batch_size": batch_size,
-        "repeated_samples": plan.repeated_samples(batch_size) if batch_size else None,
-        "max_repeated_samples_per_rank": (
-            plan.max_repeated_samples_per_rank(batch_size) if batch_size else None
+        **plan_json(
+            plan,
+            batch_size,
+            file_world_size=None,
+            changed=bool(report.changes)
+            or any(a.action != "copy" or a.name != a.source for a in report.files),
         ),
         "rescaled_from": [],
         "dry_run": report.dry_run,
