@@ -167,20 +167,14 @@ def test_tutorial_step_checkpoint(tmp_path: Path) -> None:
 def test_accelerate_load_state_reads_rescaled_folder(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
-    import torch
     from accelerate import Accelerator
 
-    from tests.fixtures.frameworks.models import TokenDataset, llama_model
-    from tests.fixtures.frameworks.write_other import Progress, warmup_then_linear
+    from tests.fixtures.frameworks.models import llama_model, prepare_accelerate_run
 
     report = rescale_directory(_copy(ACCELERATE_2, tmp_path), 1)
     accelerator = Accelerator(cpu=True)
     model = llama_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_linear)
-    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=2, shuffle=True)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    accelerator.register_for_checkpointing(Progress())
+    _, _, _, scheduler, _ = prepare_accelerate_run(accelerator, model)
     accelerator.load_state(str(report.output))
     assert accelerator.step == 4  # 2 batches on each of 2 processes = 4 on one
     assert scheduler.scheduler.last_epoch == 4
