@@ -103,18 +103,27 @@ class Checkpoint:
         itemsize = record.itemsize
         first = record.storage_offset * itemsize // ELEMENTS_PER_BYTE.get(record.dtype, 1)
         stop = record.stored_extent_bytes
-        if self._parsed.read is not None:  # not one span of one file: DCP's chunks
-            if stop > record.storage.nbytes:
-                raise CorruptCheckpointError(f"{record.key}: extends past its storage's bytes")
-            return self._parsed.read(record.storage, first, stop), 0
-        offset, length = self.storage_span(record.storage)
+        return self.read_storage(record.storage, first, stop, record.key), 0
+
+    def read_storage(
+        self, storage: StorageRecord, start: int, stop: int, key: str = ""
+    ) -> bytearray:
+        """Bytes ``[start, stop)`` of one of this checkpoint's storages (``key`` names what they
+        are for in errors). The one place storage bytes are read: from one span of the file, or
+        assembled by the format (DCP's chunks, a directory's member files)."""
+        what = key or repr(storage.key)
+        if self._parsed.read is not None:  # not one span of one file
+            if stop > storage.nbytes:
+                raise CorruptCheckpointError(f"{what}: extends past its storage's bytes")
+            return self._parsed.read(storage, start, stop)
+        offset, length = self.storage_span(storage)
         if stop > length:
-            raise CorruptCheckpointError(f"{record.key}: extends past its storage's bytes")
+            raise CorruptCheckpointError(f"{what}: extends past its storage's bytes")
         assert self._handle is not None  # a directory's storages are read through _parsed.read
-        data = read_at(self._handle.fileno(), stop - first, offset + first)
-        if len(data) != stop - first:
-            raise CorruptCheckpointError(f"{record.key}: file ends inside its data (truncated)")
-        return data, 0
+        data = read_at(self._handle.fileno(), stop - start, offset + start)
+        if len(data) != stop - start:
+            raise CorruptCheckpointError(f"{what}: file ends inside its data (truncated)")
+        return data
 
     def close(self) -> None:
         if self._handle is not None:

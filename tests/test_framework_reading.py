@@ -332,3 +332,18 @@ def test_convert_takes_a_tutorial_checkpoints_model_and_says_so(tmp_path: Path) 
 
     with safe_open(str(out), "np") as handle:
         assert not any(k.startswith(("state.", "optimizer")) for k in handle.keys())  # noqa: SIM118
+
+
+def test_a_member_cut_after_opening_is_an_error_naming_that_member(tmp_path: Path) -> None:
+    """Reading a directory's tensor goes to its member file, through the reader's one storage
+    read: a member cut short after the open is a one-line error that names it."""
+    model = _copy("hf_sharded", tmp_path)
+    shard = model / "model-00001-of-00003.safetensors"
+    with open_checkpoint(model) as ckpt:
+        in_shard = [r for r in ckpt.tensors() if getattr(r.storage, "member", None) == shard.name]
+        assert in_shard and all(read_array(ckpt, r).nbytes == r.nbytes for r in in_shard)
+        with open(shard, "r+b") as handle:
+            handle.truncate(shard.stat().st_size // 2)
+        with pytest.raises(CorruptCheckpointError, match=f"{shard}: .*truncated"):
+            for record in in_shard:
+                read_array(ckpt, record)

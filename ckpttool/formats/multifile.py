@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import CkptError, CorruptCheckpointError, name_file
-from ckpttool.formats.base import Parsed, no_span, read_at
+from ckpttool.formats.base import Parsed, no_span
 from ckpttool.frameworks import DirectoryLayout, Member, inside
 from ckpttool.records import OpaqueObject, StorageRecord, TensorRecord
 
@@ -75,16 +75,10 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
 
     def read(storage: StorageRecord, start: int, stop: int) -> bytearray:
         ckpt, original = owners[storage]  # type: ignore[index]
-        if ckpt._parsed.read is not None:
-            return ckpt._parsed.read(original, start, stop)
-        offset, length = ckpt.storage_span(original)
-        assert ckpt._handle is not None  # members are single files
-        data = read_at(ckpt._handle.fileno(), min(stop, length) - start, offset + start)
-        if len(data) != stop - start:
-            raise CorruptCheckpointError(
-                f"{original.key}: {ckpt.name} ends inside its data (truncated)"
-            )
-        return data
+        try:
+            return ckpt.read_storage(original, start, stop)
+        except CkptError as error:
+            raise name_file(error, ckpt.name) from None
 
     def close() -> None:
         for ckpt in opened:
