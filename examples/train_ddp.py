@@ -182,6 +182,9 @@ def main() -> None:
     else:
         say(f"done: epoch {args.epochs - 1} finished, {trained} steps in this run")
     if world_size > 1:
+        # every rank done with gloo before any tears it down: a rank that exits while a peer's
+        # gloo thread still talks to it can abort ("terminate called without an active exception")
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -213,6 +213,7 @@ def main() -> None:
     else:
         probe_save(args.save_dir, rank, world_size)
     if dist.is_initialized():
+        dist.barrier()  # all ranks done with gloo before teardown (as examples/train_ddp.py)
         dist.destroy_process_group()
 
 
