@@ -380,6 +380,7 @@ if rank == 0:
 paths = save_checkpoint(model, optimizer, save_dir=out, weight="w", hidden_size=2, epoch=0, step=rank)
 ckpt = load_checkpoint(out, "w", 2)
 print(all(path.exists() for path in paths), ckpt["world_size"], ckpt["step"])
+dist.barrier()  # both ranks done with gloo before teardown
 dist.destroy_process_group()
 """
 
