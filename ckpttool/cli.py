@@ -67,9 +67,9 @@ def _input_bytes(path: str) -> int:
 
 
 def _echo_json(data: object) -> None:
-    import json
+    from ckpttool.render.json_text import dumps
 
-    click.echo(json.dumps(data, indent=2))
+    click.echo(dumps(data))
 
 
 @cli.command()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import pkgutil
+
+import pytest
 
 import ckpttool.render
 
-HELPERS = {"text"}  # shared text helpers, not a command's renderer
+HELPERS = {"text", "json_text"}  # shared text helpers, not a command's renderer
 
 
 def test_every_renderer_has_render_text_and_render_json() -> None:
@@ -24,3 +27,37 @@ def test_every_renderer_has_render_text_and_render_json() -> None:
         text_params = list(inspect.signature(module.render_text).parameters.values())
         assert all(p.default is not p.empty for p in text_params[1:]), name
         assert len(inspect.signature(module.render_json).parameters) == 1, name
+
+
+JSON_VALUES = [
+    {"a": [1, {"b": [1, 2]}], True: None, 1.5: "x", None: [], "e": {}, 7: "seven"},
+    {"tensors": [{"key": 'é\n"', "shape": [4, 4], "nan": float("nan")}], "n": 2**70},
+    [],
+    {},
+    3,
+    "text",
+    [[[1]], (2, 3)],
+]
+
+
+@pytest.mark.parametrize("value", JSON_VALUES)
+def test_json_text_parses_to_what_json_dumps_gives(value: object) -> None:
+    from ckpttool.render.json_text import dumps
+
+    text = dumps(value)
+    if "NaN" not in text:  # NaN != NaN: the second check covers it
+        assert json.loads(text) == json.loads(json.dumps(value))
+    assert dumps(value).replace(" ", "").replace("\n", "") == json.dumps(
+        value, separators=(",", ":")
+    )
+
+
+def test_json_text_writes_each_record_of_a_list_on_one_line() -> None:
+    from ckpttool.render.json_text import dumps
+
+    report = {"file": "x.pth", "tensors": [{"key": f"w{i}", "shape": [2, 3]} for i in range(3)]}
+    lines = dumps(report).splitlines()
+    assert lines[1] == '  "file": "x.pth",'
+    assert lines[3:6] == [
+        f'    {{"key": "w{i}", "shape": [2, 3]}}' + ("," if i < 2 else "") for i in range(3)
+    ]

@@ -7,7 +7,8 @@ One module per command (``show``, ``show_tree`` for ``show --tree``, ``diff``, `
 - ``render_json(report) -> dict``: what ``--json`` prints (``show --tree --json``: the tree's
   JSON value), with the schema in ``docs/schemas/``.
 
-General text helpers (sizes, counts, short values) are in :mod:`ckpttool.render.text`. Nothing
+General text helpers (sizes, counts, short values) are in :mod:`ckpttool.render.text`; the
+text of ``--json`` output is written by :mod:`ckpttool.render.json_text`. Nothing
 is imported here, so a command loads only its own renderer; tabulate is imported only where a
 table is printed.
 """
