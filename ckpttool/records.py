@@ -314,26 +314,37 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
         return dense_elements + numel, dense_bytes
     elements = 0
     by_dtype: dict[str, int] = {}
-    views: dict[StorageRecord, dict[tuple[Any, ...] | None, TensorRecord]] = {}
+    by_storage: dict[StorageRecord, list[TensorRecord]] = {}
     for record in records:
-        region = storage_region(record)
-        if region is None:
+        storage = record.storage
+        if storage is None or record.inline_data is not None:
             elements += record.numel
-            if record.storage is not None or record.inline_data is not None:
+            if storage is not None or record.inline_data is not None:
                 by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.stored_nbytes
+        elif storage in by_storage:
+            by_storage[storage].append(record)
         else:
-            views.setdefault(region[0], {}).setdefault(region, record)
-    for storage, distinct in views.items():
-        first = next(iter(distinct.values()))
-        nbytes = sum(r.stored_nbytes for r in distinct.values())
+            by_storage[storage] = [record]
+    for storage, viewing in by_storage.items():
+        distinct = viewing if len(viewing) == 1 else _distinct_regions(viewing)
+        nbytes = sum(r.stored_nbytes for r in distinct)
         if nbytes > storage.nbytes:  # overlapping views: the storage is all there is
+            first = distinct[0]
             elements += storage.nbytes // first.itemsize
             by_dtype[first.dtype] = by_dtype.get(first.dtype, 0) + storage.nbytes
             continue
-        for record in distinct.values():
+        for record in distinct:
             elements += record.numel
             by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.stored_nbytes
     return elements, by_dtype
+
+
+def _distinct_regions(viewing: list[TensorRecord]) -> list[TensorRecord]:
+    """The first of ``viewing`` (views of one storage) for each region they view."""
+    regions: dict[tuple[Any, ...] | None, TensorRecord] = {}
+    for record in viewing:
+        regions.setdefault(storage_region(record), record)
+    return list(regions.values())
 
 
 def shared_storages(records: list[TensorRecord]) -> list[list[str]]:

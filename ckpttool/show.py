@@ -131,9 +131,9 @@ def count_parameters(records: list[TensorRecord]) -> int:
     return count_once(records)[0]
 
 
-def bytes_by_dtype(records: list[TensorRecord]) -> dict[str, int]:
-    """Bytes of ``records`` by dtype, each stored element once, largest first."""
-    return dict(sorted(count_once(records)[1].items(), key=lambda kv: -kv[1]))
+def largest_first(by_dtype: dict[str, int]) -> dict[str, int]:
+    """Bytes by dtype (from :func:`~ckpttool.records.count_once`), largest first."""
+    return dict(sorted(by_dtype.items(), key=lambda kv: -kv[1]))
 
 
 def build_report(
@@ -155,11 +155,14 @@ def build_report(
         warnings.extend(add_stats(ckpt, infos))
     model_key = model_part(ckpt.root, layout)
     optimizer_key = optimizer_part(ckpt.root, layout)
+    selected_elements, selected_bytes = count_once(records)
     num_parameters = None
     if model_key is not None:
         model_keys = {r.key for r in (ckpt.tensors(model_key) if model_key else all_records)}
         selected_model = [r for r in records if r.key in model_keys]
-        if selected_model:
+        if len(selected_model) == len(records):  # the whole selection: one count serves both
+            num_parameters = selected_elements if records else None
+        elif selected_model:
             num_parameters = count_parameters(selected_model)
     optimizer = None
     if optimizer_key is not None:
@@ -179,7 +182,7 @@ def build_report(
         fields=fields,
         tensors=infos,
         num_parameters=num_parameters,
-        bytes_by_dtype=bytes_by_dtype(records),
+        bytes_by_dtype=largest_first(selected_bytes),
         total_tensors=len(all_records),
         section=section,
         pattern=pattern,
