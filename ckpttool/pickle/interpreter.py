@@ -738,6 +738,13 @@ DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
 # Finalisation: replace internal placeholders, refuse cycles, bound depth and expanded size.
 
 
+#: Leaves that finalize returns as they are, weighing one node each.
+_SCALARS = frozenset({int, float, bool, complex, type(None)})
+#: Tuples of scalars up to this length are returned as they are (their weight still counts in
+#: the expanded size, so the limits hold; only the reuse tally skips them, as it skips scalars).
+_SMALL = 16
+
+
 def _weight(leaf: Any) -> int:
     return 1 + len(leaf) // 64 if isinstance(leaf, (str, bytes, bytearray)) else 1
 
@@ -759,8 +766,13 @@ def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) 
             )
 
     def visit(node: Any, depth: int) -> tuple[Any, int]:
+        cls = type(node)
         if depth > MAX_DEPTH:
             raise ResourceLimitError(f"the pickle nests containers more than {MAX_DEPTH} deep")
+        if cls in _SCALARS or (cls is str and len(node) < 64):  # most nodes: nothing to do
+            return node, 1
+        if cls is tuple and len(node) <= _SMALL and all(type(v) in _SCALARS for v in node):
+            return node, len(node) + 1  # a shape, an offset: immutable, nothing to replace
         if isinstance(node, NdarrayBuilder):
             node = node.record
         elif isinstance(node, NumpyDtype):
@@ -787,17 +799,31 @@ def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) 
         on_path.add(key)
         total = 1
         out: Any
+        inner = depth + 1
+        shallow = inner <= MAX_DEPTH  # a leaf one level down needs no visit (no depth error)
         if isinstance(node, dict):
             out = {}
             for k, v in node.items():
-                fk, ks = visit(k, depth + 1)
-                fv, vs = visit(v, depth + 1)
+                if shallow and type(k) is str and len(k) < 64:
+                    fk, ks = k, 1
+                else:
+                    fk, ks = visit(k, inner)
+                if shallow and type(v) in _SCALARS:
+                    fv, vs = v, 1
+                else:
+                    fv, vs = visit(v, inner)
                 out[fk] = fv
                 total += ks + vs
         elif isinstance(node, (list, tuple, set, frozenset)):
-            parts = [visit(v, depth + 1) for v in node]
-            total += sum(s for _, s in parts)
-            values = [v for v, _ in parts]
+            values = []
+            for v in node:
+                if shallow and type(v) in _SCALARS:
+                    values.append(v)
+                    total += 1
+                else:
+                    fv, vs = visit(v, inner)
+                    values.append(fv)
+                    total += vs
             out = values if isinstance(node, list) else type(node)(values)
         else:
             out = OpaqueObject(node.cls)
