@@ -67,13 +67,19 @@ INT64_MAX = 2**63 - 1
 
 def fits_int64(*values: int) -> bool:
     """Whether each of these non-negative ints fits torch's int64."""
-    return all(v <= INT64_MAX for v in values)
+    return not values or max(values) <= INT64_MAX
 
 
 def numel_fits_int64(shape: tuple[int, ...] | list[int]) -> bool:
     """Whether a shape's dimensions and its element count fit int64 (stops early on huge ones)."""
-    if not fits_int64(*shape) or 0 in shape:
-        return fits_int64(*shape)
+    if not shape:
+        return True
+    if max(shape) > INT64_MAX:
+        return False
+    if 0 in shape:
+        return True
+    if len(shape) <= 4:  # a product of at most 4 int64s is a small int
+        return math.prod(shape) <= INT64_MAX
     product = 1
     for size in shape:
         product *= size

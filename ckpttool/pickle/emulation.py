@@ -17,6 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from itertools import repeat
 from typing import Any
 
 from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
@@ -278,7 +279,12 @@ def _tensor(
 ) -> TensorRecord:
     if not (isinstance(offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)):
         raise ValueError("tensor with malformed offset/size/stride")
-    if len(size) != len(stride) or not all(isinstance(v, int) and v >= 0 for v in size + stride):
+    dims = size + stride
+    if (
+        len(size) != len(stride)
+        or not all(map(isinstance, dims, repeat(int)))
+        or min(dims, default=0) < 0
+    ):
         raise ValueError(f"tensor with a malformed shape or stride ({len(size)}/{len(stride)})")
     if offset < 0:
         raise ValueError("tensor with a negative storage offset")
