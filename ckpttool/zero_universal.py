@@ -116,16 +116,20 @@ def rescale_zero(
         old_steps = model.get("global_steps")
         if not isinstance(old_steps, int):
             raise LayoutError(f"{source}: the model states hold no integer global_steps")
-        target_world = saved if keep_global_batch else world_size
-        plan = _plan("global_steps", old_steps, saved, target_world, strict)
-        plan = RescalePlan("global_steps", plan.old_step, plan.new_step, saved, saved,
+        # With the global batch kept, a saved step is one of the new run's steps: count it as
+        # taken on world_size ranks (the plan's file_world_size keeps the saved dp size).
+        counted_on = world_size if keep_global_batch else saved
+        plan = _plan("global_steps", old_steps, counted_on, world_size, strict)
+        plan = RescalePlan("global_steps", plan.old_step, plan.new_step, counted_on, saved,
                            world_size, ())  # fmt: skip
         changes, model_changes = _counter_changes(model, plan.new_step - plan.old_step)
         tag = f"{weights.tag.directory.name}_universal"
-        files = plan_files(weights, _producer(ckpt))
+        lr = _resumed_lr(model, model_changes)
+        files = plan_files(weights, _producer(ckpt), lr=lr)
         action = REWRITE if model_changes else COPY
+        what = ", ".join(model_changes) + " rescaled" if model_changes else "copied byte for byte"
         actions = [
-            FileAction(f"{tag}/{f.name}", f.name, action, dict(model_changes))
+            FileAction(f"{tag}/{f.name}", f.name, action, dict(model_changes), why=what)
             for f in weights.tag.model_files
         ]
         why = (
@@ -134,6 +138,15 @@ def rescale_zero(
         )
         actions.append(FileAction(f"{tag}/zero/", "*_optim_states.pt", REWRITE, why=why))
         notes = _notes(weights, keep_global_batch, world_size)
+        if lr is not None:
+            changes.append(ValueChange("zero/optimizer_state.pt", "param_groups[*].lr",
+                                       _saved_lr(weights), lr))  # fmt: skip
+        elif model_changes:
+            notes.append(
+                "the scheduler is not DeepSpeed's WarmupLR/WarmupDecayLR: the first resumed "
+                "step uses the learning rate saved with the optimizer, the schedule's rate at "
+                "the rescaled step from the second on"
+            )
         report = DirectoryRescaleReport(
             source, target, ZERO_LAYOUT, plan,
             tuple(ValueChange(a.name, c.key, c.old, c.new) for a in actions[:1] for c in changes),
@@ -178,6 +191,26 @@ def _counter_changes(model: dict[str, Any], delta: int) -> tuple[list[ValueChang
     return changes, new
 
 
+def _resumed_lr(model: dict[str, Any], model_changes: dict[str, Any]) -> float | None:
+    """The rate the first resumed step must use when the scheduler moved (None: keep it)."""
+    from ckpttool.zero_schedule import scheduled_lr
+
+    scheduler = model_changes.get("lr_scheduler")
+    if not isinstance(scheduler, dict) or "last_batch_iteration" not in scheduler:
+        return None
+    return scheduled_lr(model.get("ds_config"), scheduler["last_batch_iteration"])
+
+
+def _saved_lr(weights: ZeroWeights) -> Any:
+    groups = _param_groups(weights.optimizer_states[0], weights.stage)
+    return groups[0].get("lr") if groups and isinstance(groups[0], dict) else None
+
+
+def _param_groups(state: dict[str, Any], stage: int) -> Any:
+    inner = state.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
+    return inner.get("param_groups") if isinstance(inner, dict) else None
+
+
 def _notes(weights: ZeroWeights, keep_global_batch: bool, world_size: int) -> list[str]:
     notes = [
         f"DeepSpeed ZeRO-{weights.stage}, {weights.dp_world_size} data-parallel rank(s) -> a "
@@ -185,7 +218,11 @@ def _notes(weights: ZeroWeights, keep_global_batch: bool, world_size: int) -> li
         '"checkpoint": {"load_universal": true} and load_checkpoint(OUT)'
     ]
     if keep_global_batch:
-        notes.append("--keep-global-batch: global_steps and the scheduler are kept as saved")
+        notes.append(
+            f"--keep-global-batch: the {world_size} new ranks train the saved run's global "
+            "batch (more accumulation or a larger per-GPU batch), so global_steps and the "
+            "scheduler are kept as saved"
+        )
     else:
         notes.append(
             "global_samples is kept (samples seen do not depend on the number of GPUs); the "
@@ -194,9 +231,12 @@ def _notes(weights: ZeroWeights, keep_global_batch: bool, world_size: int) -> li
     return notes
 
 
-def plan_files(weights: ZeroWeights, produce: Callable[[TensorRecord], Produce]) -> list[OutFile]:
-    """The files of ``zero/``: optimizer_state.pt, then each parameter's state files."""
-    files = [OutFile("zero/optimizer_state.pt", *_optimizer_state(weights, produce))]
+def plan_files(
+    weights: ZeroWeights, produce: Callable[[TensorRecord], Produce], *, lr: float | None = None
+) -> list[OutFile]:
+    """The files of ``zero/``: optimizer_state.pt (its groups' rate set to ``lr`` if given),
+    then each parameter's state files."""
+    files = [OutFile("zero/optimizer_state.pt", *_optimizer_state(weights, produce, lr))]
     flat = weights.stage == 3
     for name, spans in weights.spans.items():
         _check_name(name)
@@ -267,13 +307,19 @@ def _value(value: Any, produce: Callable[[TensorRecord], Produce]) -> tuple[Any,
 
 
 def _optimizer_state(
-    weights: ZeroWeights, produce: Callable[[TensorRecord], Produce]
+    weights: ZeroWeights, produce: Callable[[TensorRecord], Produce], lr: float | None
 ) -> tuple[Any, list[Any]]:
     first = weights.optimizer_states[0]
+    groups = _plain(_param_groups(first, weights.stage), "param_groups")
+    if not isinstance(groups, list):
+        raise LayoutError(f"{weights.tag.optim_files[0]}: the optimizer state has no param_groups")
+    if lr is not None:
+        groups = [{**group, "lr": lr} if isinstance(group, dict) else group for group in groups]
     if weights.stage <= 2:
         value = {k: v for k, v in first.items() if k not in SHARDED}
-        value["param_groups"] = first["base_optimizer_state"]["param_groups"]
-        return _plain(value, "optimizer_state.pt"), []
+        value = _plain(value, "optimizer_state.pt")
+        value["param_groups"] = groups
+        return value, []
     inner = first["optimizer_state_dict"]
     storages: list[Any] = []
     steps: dict[Any, Any] = {}
@@ -288,9 +334,8 @@ def _optimizer_state(
         k: v for k, v in first.items() if k not in ("optimizer_state_dict", "fp32_flat_groups")
     }
     value = _plain(value, "optimizer_state.pt")
-    value["optimizer_state_dict"] = {"state": steps,
-                                     "param_groups": _plain(inner["param_groups"], "param_groups")}  # fmt: skip
-    value["param_groups"] = value["optimizer_state_dict"]["param_groups"]
+    value["optimizer_state_dict"] = {"state": steps, "param_groups": groups}
+    value["param_groups"] = groups
     return value, storages
 
 
