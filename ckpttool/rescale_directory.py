@@ -385,9 +385,9 @@ def rescale_directory(
     path = Path(path)
     if in_place and output is not None:
         raise InputError("--in-place and -o/--output exclude each other")
-    from ckpttool.zero_consolidate import is_zero_checkpoint
+    from ckpttool.zero_consolidate import is_deepspeed_directory
 
-    if is_zero_checkpoint(path):
+    if is_deepspeed_directory(path):
         from ckpttool.zero_universal import rescale_zero
 
         if in_place:

@@ -46,6 +46,15 @@ _ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\
 MODEL_FILE = "mp_rank_00_model_states.pt"
 
 
+class NotZeroError(InputError):
+    """The directory holds no partitioned ZeRO optimizer state (``deepspeed``: it is a
+    DeepSpeed tag all the same, of ZeRO stage 0)."""
+
+    def __init__(self, message: str, *, deepspeed: bool = False) -> None:
+        super().__init__(message)
+        self.deepspeed = deepspeed
+
+
 @dataclass(frozen=True)
 class ZeroTag:
     """The files of one DeepSpeed tag directory (``global_stepN/``) that consolidation reads."""
@@ -64,11 +73,22 @@ def is_zero_checkpoint(path: str | os.PathLike[str]) -> bool:
     return True
 
 
+def is_deepspeed_directory(path: str | os.PathLike[str]) -> bool:
+    """A DeepSpeed save or tag directory of any ZeRO stage (0 included), complete or not."""
+    try:
+        find_tag(path)
+    except NotZeroError as error:
+        return error.deepspeed
+    except InputError:
+        return True  # a save directory whose 'latest' is missing or names a missing tag
+    return True
+
+
 def tag_directory(path: str | os.PathLike[str]) -> Path:
     """The tag directory ``path`` names: itself, or the one its ``latest`` file names."""
     root = Path(path)
     if not root.is_dir():
-        raise InputError(f"{root}: not a directory")
+        raise NotZeroError(f"{root}: not a directory")
     latest = root / LATEST
     if latest.is_file() and not _has_optim_files(root):
         tag = latest.read_text(encoding="utf-8", errors="replace").strip()
@@ -85,6 +105,15 @@ def _has_optim_files(directory: Path) -> bool:
     return any(_OPTIM_FILE.match(name) for name in os.listdir(directory))
 
 
+def _tags_inside(directory: Path) -> list[str]:
+    """Subdirectories holding ZeRO optimizer states (the tags of a save directory)."""
+    found = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if entry.is_dir(follow_symlinks=False) and _has_optim_files(Path(entry.path)):
+            found.append(entry.name)
+    return found
+
+
 def find_tag(path: str | os.PathLike[str]) -> ZeroTag:
     """The optimizer-state and model-state files of the tag ``path`` names (see ZeroTag)."""
     directory = tag_directory(path)
@@ -95,8 +124,21 @@ def find_tag(path: str | os.PathLike[str]) -> ZeroTag:
             optim[int(match.group(1))] = directory / name
         elif (match := _ZERO3_MODEL_FILE.match(name)) and match.group(2) == "00":
             zero3_models[int(match.group(1))] = directory / name
-    if not optim:
+    if not optim and (directory / MODEL_FILE).is_file():
+        raise NotZeroError(
+            f"{directory}: DeepSpeed model states without *_optim_states.pt files: ZeRO stage 0 "
+            "(the whole optimizer is in the model-states file, nothing is partitioned), or a "
+            "tag whose optimizer files are missing",
+            deepspeed=True,
+        )
+    tags = [] if optim else _tags_inside(directory)
+    if tags:
         raise InputError(
+            f"{directory}: a DeepSpeed save directory without a 'latest' file (an interrupted "
+            f"save?); name one of its tags: {', '.join(tags)}"
+        )
+    if not optim:
+        raise NotZeroError(
             f"{directory}: no *_optim_states.pt files; not a DeepSpeed ZeRO tag directory "
             "(name the save directory with 'latest', or a global_stepN/ directory)"
         )
@@ -163,7 +205,11 @@ def open_source(path: str | os.PathLike[str]) -> Any:
     anything else through the reader (:func:`ckpttool.reader.open_checkpoint`)."""
     from ckpttool.reader import open_checkpoint
 
-    if os.path.isdir(path) and is_zero_checkpoint(path):
+    if os.path.isdir(path):
+        try:
+            find_tag(path)
+        except NotZeroError:  # not DeepSpeed, or ZeRO-0: the reader's view
+            return open_checkpoint(path)
         return open_zero_weights(path)
     return open_checkpoint(path)
 
