@@ -318,6 +318,9 @@ def _optimizer_state(
     if weights.stage <= 2:
         value = {k: v for k, v in first.items() if k not in SHARDED}
         value = _plain(value, "optimizer_state.pt")
+        if isinstance(value.get("group_paddings"), list):
+            # ds_to_universal strips the paddings off the partitions and zeroes their record
+            value["group_paddings"] = [0] * len(value["group_paddings"])
         value["param_groups"] = groups
         return value, []
     inner = first["optimizer_state_dict"]
