@@ -64,6 +64,8 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
                 _place(root, member.section, value)
         if layout.index is not None:
             problems += _check_index(layout, root.get("model", {}), shard_of)
+        details = layout_details(layout)
+        problems += _framework_details(layout, root, details)
         if problems and strict:
             raise CorruptCheckpointError(problems[0])
     except BaseException as error:
@@ -84,7 +86,6 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
         for ckpt in opened:
             ckpt.close()
 
-    details = layout_details(layout)
     details.update(_recorded_counters(root))
     return Parsed(
         format=DIRECTORY,
@@ -112,6 +113,21 @@ def layout_details(layout: DirectoryLayout) -> dict[str, Any]:
         **({"index": layout.index} if layout.index else {}),
         **layout.details,
     }
+
+
+def _framework_details(
+    layout: DirectoryLayout, root: dict[str, Any], details: dict[str, Any]
+) -> list[str]:
+    """What a framework reads out of the merged tree for ``show`` (DeepSpeed: stage, ranks,
+    counters, real parameter shapes), and the problems between its files."""
+    from ckpttool.frameworks.deepspeed import DEEPSPEED
+    from ckpttool.frameworks.deepspeed_checks import summarize
+
+    if layout.layout != DEEPSPEED:
+        return []
+    summary, problems = summarize(root, details)
+    details[DEEPSPEED] = summary
+    return problems
 
 
 def _recorded_counters(root: dict[str, Any]) -> dict[str, Any]:
