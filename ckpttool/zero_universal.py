@@ -138,8 +138,11 @@ def rescale_zero(
         )
         actions.append(FileAction(f"{tag}/zero/", "*_optim_states.pt", REWRITE, why=why))
         notes = _notes(weights, keep_global_batch, world_size)
+        changes = [  # every model-states file carries the counters
+            ValueChange(a.name, c.key, c.old, c.new) for a in actions[:-1] for c in changes
+        ]
         if lr is not None:
-            changes.append(ValueChange("zero/optimizer_state.pt", "param_groups[*].lr",
+            changes.append(ValueChange(f"{tag}/zero/optimizer_state.pt", "param_groups[*].lr",
                                        _saved_lr(weights), lr))  # fmt: skip
         elif model_changes:
             notes.append(
@@ -148,9 +151,7 @@ def rescale_zero(
                 "the rescaled step from the second on"
             )
         report = DirectoryRescaleReport(
-            source, target, ZERO_LAYOUT, plan,
-            tuple(ValueChange(a.name, c.key, c.old, c.new) for a in actions[:1] for c in changes),
-            tuple(actions), tuple(notes), batch_size, dry_run, False, False,
+            source, target, ZERO_LAYOUT, plan, tuple(changes), tuple(actions), tuple(notes), batch_size, dry_run, False, False,
         )  # fmt: skip
         if dry_run:
             return report
