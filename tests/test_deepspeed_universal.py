@@ -25,6 +25,7 @@ from ckpttool.cli import cli
 from ckpttool.errors import OutputExistsError
 from ckpttool.rescale_directory import rescale_directory
 from ckpttool.zero_schedule import scheduled_lr
+from tests.test_json_schemas import assert_valid
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
@@ -168,6 +169,7 @@ def test_cli_json_reports_the_changes(tmp_path: Path) -> None:
                                       "--json"])  # fmt: skip
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
+    assert_valid("rescale-step", data)
     assert data["layout"] == "deepspeed_zero" and data["written"]
     assert (data["from"], data["to"]) == (
         {"step": 4, "world_size": 2},
