@@ -8,7 +8,7 @@ import pkgutil
 
 import ckpttool.render
 
-HELPERS = {"text"}  # shared text helpers, not a command's renderer
+HELPERS = {"text", "show_deepspeed"}  # helpers (shared text; show's DeepSpeed lines), not renderers
 
 
 def test_every_renderer_has_render_text_and_render_json() -> None:
