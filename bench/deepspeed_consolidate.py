@@ -10,16 +10,20 @@ process (:mod:`bench.harness`: median wall time and peak RSS), every row writing
 safetensors file of the consolidated fp32 weights:
 
 * ``zero_to_fp32 (convert_zero_checkpoint_to_fp32_state_dict)``: what the ``zero_to_fp32.py``
-  script DeepSpeed saves next to the checkpoint runs (``--safe_serialization``): its lazy
-  reconstruction, materialised shard by shard (one 5 GB shard here), ``save_file``;
+  script DeepSpeed saves next to the checkpoint runs: its lazy reconstruction, materialised
+  shard by shard (one 5 GB shard here), ``torch.save`` to ``pytorch_model.bin`` (its
+  ``--safe_serialization`` fails on MiniMind's tied ``lm_head``: safetensors refuses shared
+  tensors, and the script does not drop them);
 * ``zero_to_fp32 default (get_fp32_state_dict_from_zero_checkpoint)``: the documented API,
-  every tensor materialised, then ``save_file`` (the tied ``lm_head`` dropped first, as
-  safetensors' own ``convert.py`` does);
+  every tensor materialised, then ``save_file`` (the tied ``lm_head`` dropped first, and each
+  ZeRO-1/2 parameter, a view of its group's flat fp32 vector, copied out: safetensors refuses
+  tensors that share memory);
 * ``zero_to_fp32 lazy (lazy_mode=True + to_torch_tensor)``: the lazy state dict, converted
   with ``to_torch_tensor``, then ``save_file``;
 * ``ckpttool convert`` (verifies the output by reading it back) and ``--no-verify``.
 
-The table is printed as markdown; bench/README.md keeps the last run.
+The ckpttool and the last two DeepSpeed rows write safetensors; the first DeepSpeed row a
+``.bin``. The table is printed as markdown; bench/README.md keeps the last run.
 """
 
 from __future__ import annotations
@@ -62,23 +66,28 @@ WRITER = textwrap.dedent(
 DEEPSPEED_SCRIPT = """
 import sys
 from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
-convert_zero_checkpoint_to_fp32_state_dict(sys.argv[1], sys.argv[2], safe_serialization=True)
+convert_zero_checkpoint_to_fp32_state_dict(sys.argv[1], sys.argv[2])
 """
 
 DEEPSPEED_API = """
 import sys
-from safetensors.torch import _remove_duplicate_names, save_file
+from safetensors.torch import save_file
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, to_torch_tensor
 source, target, mode = sys.argv[1:4]
 state_dict = get_fp32_state_dict_from_zero_checkpoint(source, lazy_mode=mode == "lazy")
 if mode == "lazy":
     state_dict = to_torch_tensor(state_dict)
-metadata = {"format": "pt"}
-for kept, removed in _remove_duplicate_names(state_dict).items():
-    for name in removed:
-        metadata[name] = kept
-        del state_dict[name]
-save_file({k: v.contiguous() for k, v in state_dict.items()}, target, metadata=metadata)
+# safetensors refuses tensors that share memory: keep one name of a tied pair, and copy the
+# ZeRO-1/2 parameters out of the flat group they are views of (what save_file needs)
+seen, metadata, tensors = {}, {"format": "pt"}, {}
+for name, tensor in state_dict.items():
+    if tensor.data_ptr() in seen:
+        metadata[name] = seen[tensor.data_ptr()]
+        continue
+    seen[tensor.data_ptr()] = name
+    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    tensors[name] = tensor if whole else tensor.clone()
+save_file(tensors, target, metadata=metadata)
 """
 
 

@@ -120,9 +120,15 @@ def find_tag(path: str | os.PathLike[str]) -> ZeroTag:
     optim: dict[int, Path] = {}
     zero3_models: dict[int, Path] = {}
     for name in sorted(os.listdir(directory)):
-        if (match := _OPTIM_FILE.match(name)) and match.group(2) == "00":
+        match = _OPTIM_FILE.match(name) or _ZERO3_MODEL_FILE.match(name)
+        if match and match.group(2) != "00":
+            raise InputError(
+                f"{directory / name}: model-parallel rank {int(match.group(2))}; ckpttool "
+                "consolidates data-parallel ZeRO checkpoints (model-parallel rank 00 only)"
+            )
+        if _OPTIM_FILE.match(name) and match:
             optim[int(match.group(1))] = directory / name
-        elif (match := _ZERO3_MODEL_FILE.match(name)) and match.group(2) == "00":
+        elif match:
             zero3_models[int(match.group(1))] = directory / name
     if not optim and (directory / MODEL_FILE).is_file():
         raise NotZeroError(
@@ -305,13 +311,20 @@ def read_pieces(
     return out
 
 
+#: NumPy's name of each dtype ``Tensor.float()`` widens here (bfloat16 is done by hand).
+_NUMPY = {"float16": "<f2", "float64": "<f8", "int8": "i1", "int16": "<i2", "int32": "<i4",
+          "int64": "<i8", "uint8": "u1", "bool": "?"}  # fmt: skip
+
+
 def _cast(data: bytearray, source: str, target: str) -> bytes:
-    """Exact widening of a buffer's values to float32 (what ``Tensor.float()`` gives)."""
-    assert target == "float32", target
+    """``Tensor.float()`` of stored values: bfloat16 exactly (its bits are float32's top
+    half), the others by NumPy's conversion (round to nearest, as torch's)."""
+    if target != "float32":
+        raise CorruptCheckpointError(f"cannot convert {source} to {target}")
     if source == "bfloat16":
         return (np.frombuffer(data, "<u2").astype("<u4") << 16).tobytes()
-    if source in ("float16", "float64"):
-        return np.frombuffer(data, "<f2" if source == "float16" else "<f8").astype("<f4").tobytes()
+    if source in _NUMPY:
+        return np.frombuffer(data, _NUMPY[source]).astype("<f4").tobytes()
     raise CorruptCheckpointError(f"cannot widen {source} to float32")
 
 

@@ -7,7 +7,7 @@ the universal checkpoint ``UNIVERSAL`` (``load_universal``), train until ``STEPS
 ``final`` into ``OUT``. Every run reads the same global batches: micro-batch ``j`` of optimizer
 step ``s`` is drawn from seed ``1000 s + j``, and rank ``r`` with ``ACCUM`` micro-batches per
 step takes ``j = r * ACCUM + i``, so a run on 2 ranks x 1 and one on 1 rank x 2 see the same
-samples per step. The last line printed is JSON: the engine's counters after the run.
+samples per step. An optional last argument ``bf16`` trains in bf16. The last line printed is JSON: the engine's counters after the run.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def tiny() -> Tiny:
     return model
 
 
-def config(stage: int, accum: int, world: int, universal: bool) -> dict[str, object]:
+def config(stage: int, accum: int, world: int, universal: bool, dtype: str) -> dict[str, object]:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": accum,
@@ -78,6 +78,7 @@ def config(stage: int, accum: int, world: int, universal: bool) -> dict[str, obj
         "zero_optimization": {"stage": stage},
         "gradient_clipping": 0.0,
         "checkpoint": {"load_universal": universal},
+        "bf16": {"enabled": dtype == "bf16"},
     }
 
 
@@ -86,7 +87,7 @@ def micro_batch(step: int, index: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator)
 
 
-def main(mode: str, out: str, stage: int, accum: int, arg: str, steps: int) -> None:
+def main(mode: str, out: str, stage: int, accum: int, arg: str, steps: int, dtype: str) -> None:
     import deepspeed
 
     torch.set_num_threads(1)
@@ -95,7 +96,9 @@ def main(mode: str, out: str, stage: int, accum: int, arg: str, steps: int) -> N
     model = tiny()
     trained = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=trained, config=config(stage, accum, world, mode == "resume")
+        model=model,
+        model_parameters=trained,
+        config=config(stage, accum, world, mode == "resume", dtype),
     )
     save_at = int(arg) if mode == "train" else -1
     if mode == "resume":
@@ -127,6 +130,6 @@ def main(mode: str, out: str, stage: int, accum: int, arg: str, steps: int) -> N
 
 if __name__ == "__main__":
     mode, out, stage, accum, arg, steps = sys.argv[1:7]
-    main(mode, out, int(stage), int(accum), arg, int(steps))
+    main(mode, out, int(stage), int(accum), arg, int(steps), (sys.argv[7:] or ["fp32"])[0])
     sys.stdout.flush()
     os._exit(0)
