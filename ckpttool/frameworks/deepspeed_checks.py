@@ -130,18 +130,16 @@ def summarize(root: dict[str, Any], details: dict[str, Any]) -> tuple[dict[str, 
         if stage == 3:
             want = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
             missing += [prefix + want.format(r) for r in range(dp_world) if r not in model_names]
-    if not model_names:
-        pass  # already missing by name (detect)
+    elif stage in (1, 2, 3) and not optim_names and first_model:  # no world size recorded
+        missing.append(
+            prefix + _optim_prefix(members) + "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        )
     for rank, tree in per_rank_model.items():
         if isinstance(tree, dict) and tree.get("dp_world_size") != dp_world:
             problems.append(
                 f"{model_names.get(rank, rank)}: dp_world_size {tree.get('dp_world_size')}, "
                 f"rank 0's {dp_world}"
             )
-    if stage in (1, 2, 3) and not optim_names and first_model:
-        missing.append(
-            prefix + _optim_prefix(members) + "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-        )
     sizes, size_problems = _partition_sizes(stage, optim, params, optim_names, dp_world)
     summary["partitions"] = sizes
     problems += size_problems
@@ -210,13 +208,13 @@ def _parameters(
             if shape is None:
                 problems.append(f"{where}: param_shapes[{group_index}][{name!r}] is not a shape")
                 continue
-            params.append(_param(name, shape, "trained", group_index, module, stage))
+            params.append(_param(name, shape, "trained", group_index, module))
             total += _numel(shape)
     frozen = model.get("frozen_param_shapes")
     for name, value in frozen.items() if isinstance(frozen, dict) else ():
         shape = _shape(value)
         if shape is not None:
-            params.append(_param(name, shape, "frozen", None, module, stage))
+            params.append(_param(name, shape, "frozen", None, module))
             total += _numel(shape)
     known = {p["name"] for p in params}
     shared = model.get("shared_params")
@@ -241,7 +239,7 @@ def _parameters(
                 shared = {**(shared or {}), name: owners.get(first, first)}
             elif name not in known:
                 kind = "parameter" if stage == 0 else "frozen"
-                params.append(_param(str(name), record.shape, kind, None, module, stage))
+                params.append(_param(str(name), record.shape, kind, None, module))
                 known.add(str(name))
                 total += record.numel
     for alias, owner in shared.items() if isinstance(shared, dict) else ():
@@ -265,12 +263,7 @@ def _parameters(
 
 
 def _param(
-    name: str,
-    shape: tuple[int, ...],
-    kind: str,
-    group: int | None,
-    module: dict[str, Any],
-    stage: Any,
+    name: str, shape: tuple[int, ...], kind: str, group: int | None, module: dict[str, Any]
 ) -> dict[str, Any]:
     return {"name": str(name), "shape": list(shape), "numel": _numel(shape), "kind": kind,
             "owner": None, "group": group, "stored": _stored(module.get(name))}  # fmt: skip
