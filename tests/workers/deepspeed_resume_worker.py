@@ -36,7 +36,8 @@ class Tiny(nn.Module):
         self.register_buffer("offset", torch.arange(SEQ, dtype=torch.float32) / 8)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(ids) + self.offset[: ids.shape[1], None] + self.frozen.sum()
+        dtype = self.embed.weight.dtype  # bf16 runs: DeepSpeed casts the parameters only
+        hidden = self.embed(ids) + self.offset[: ids.shape[1], None].to(dtype) + self.frozen.sum()
         hidden = hidden + self.back(torch.relu(self.fc(hidden)))
         return self.head(hidden)
 
