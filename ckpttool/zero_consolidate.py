@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +39,6 @@ from ckpttool.records import ITEMSIZE, OpaqueObject, StorageRecord, TensorRecord
 
 #: ``show`` / ``convert`` layout name of the consolidated view.
 ZERO_FP32 = "deepspeed_zero_fp32"
-LATEST = "latest"
-_OPTIM_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-MODEL_FILE = "mp_rank_00_model_states.pt"
 
 
 class NotZeroError(InputError):
@@ -75,91 +70,44 @@ def is_zero_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 def is_deepspeed_directory(path: str | os.PathLike[str]) -> bool:
     """A DeepSpeed save or tag directory of any ZeRO stage (0 included), complete or not."""
-    try:
-        find_tag(path)
-    except NotZeroError as error:
-        return error.deepspeed
-    except InputError:
-        return True  # a save directory whose 'latest' is missing or names a missing tag
-    return True
+    from ckpttool.frameworks.deepspeed import detect
 
-
-def tag_directory(path: str | os.PathLike[str]) -> Path:
-    """The tag directory ``path`` names: itself, or the one its ``latest`` file names."""
-    root = Path(path)
-    if not root.is_dir():
-        raise NotZeroError(f"{root}: not a directory")
-    latest = root / LATEST
-    if latest.is_file() and not _has_optim_files(root):
-        tag = latest.read_text(encoding="utf-8", errors="replace").strip()
-        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
-            raise InputError(f"{latest}: names {tag!r}, not a tag directory inside {root}")
-        target = root / tag
-        if not target.is_dir():
-            raise InputError(f"{latest}: names tag {tag!r}, but {target} does not exist")
-        return target
-    return root
-
-
-def _has_optim_files(directory: Path) -> bool:
-    return any(_OPTIM_FILE.match(name) for name in os.listdir(directory))
-
-
-def _tags_inside(directory: Path) -> list[str]:
-    """Subdirectories holding ZeRO optimizer states (the tags of a save directory)."""
-    found = []
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        if entry.is_dir(follow_symlinks=False) and _has_optim_files(Path(entry.path)):
-            found.append(entry.name)
-    return found
+    return os.path.isdir(path) and detect(os.fspath(path)) is not None
 
 
 def find_tag(path: str | os.PathLike[str]) -> ZeroTag:
-    """The optimizer-state and model-state files of the tag ``path`` names (see ZeroTag)."""
-    directory = tag_directory(path)
-    optim: dict[int, Path] = {}
-    zero3_models: dict[int, Path] = {}
-    for name in sorted(os.listdir(directory)):
-        match = _OPTIM_FILE.match(name) or _ZERO3_MODEL_FILE.match(name)
-        if match and match.group(2) != "00":
-            raise InputError(
-                f"{directory / name}: model-parallel rank {int(match.group(2))}; ckpttool "
-                "consolidates data-parallel ZeRO checkpoints (model-parallel rank 00 only)"
-            )
-        if _OPTIM_FILE.match(name) and match:
-            optim[int(match.group(1))] = directory / name
-        elif match:
-            zero3_models[int(match.group(1))] = directory / name
-    if not optim and (directory / MODEL_FILE).is_file():
+    """The optimizer-state and model-state files of the tag ``path`` names (a save directory's
+    ``latest``, or a tag directory), found by :func:`ckpttool.frameworks.deepspeed.zero_files`.
+    Raises :class:`NotZeroError` when ``path`` is not DeepSpeed's or holds no ZeRO partitions,
+    :class:`~ckpttool.errors.InputError` when the tag is incomplete (naming what is missing)."""
+    from ckpttool.frameworks.deepspeed import zero_files
+
+    if not is_deepspeed_directory(path):
+        raise NotZeroError(f"{path}: not a DeepSpeed checkpoint directory")
+    files = zero_files(path)
+    directory = Path(files.tag_dir)
+    other_mp = sorted({mp for mp, _ in [*files.optim_states, *files.model_states]} - {0})
+    if other_mp:
+        raise InputError(
+            f"{directory}: model-parallel rank(s) {other_mp}; ckpttool consolidates "
+            "data-parallel ZeRO checkpoints (model-parallel rank 00 only)"
+        )
+    if not files.optim_states:
         raise NotZeroError(
             f"{directory}: DeepSpeed model states without *_optim_states.pt files: ZeRO stage 0 "
             "(the whole optimizer is in the model-states file, nothing is partitioned), or a "
             "tag whose optimizer files are missing",
             deepspeed=True,
         )
-    tags = [] if optim else _tags_inside(directory)
-    if tags:
-        raise InputError(
-            f"{directory}: a DeepSpeed save directory without a 'latest' file (an interrupted "
-            f"save?); name one of its tags: {', '.join(tags)}"
-        )
-    if not optim:
-        raise NotZeroError(
-            f"{directory}: no *_optim_states.pt files; not a DeepSpeed ZeRO tag directory "
-            "(name the save directory with 'latest', or a global_stepN/ directory)"
-        )
+    optim = {dp: Path(file) for (_, dp), file in files.optim_states.items()}
     missing = [rank for rank in range(max(optim) + 1) if rank not in optim]
     if missing:
         raise InputError(
             f"{directory}: no optimizer states of data-parallel rank(s) {missing} "
             f"(zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt); the tag is incomplete"
         )
-    model_files = [directory / MODEL_FILE] if (directory / MODEL_FILE).is_file() else []
-    if zero3_models:
-        model_files = [zero3_models[rank] for rank in sorted(zero3_models)]
-    if not model_files:
-        raise InputError(f"{directory}: no *_model_states.pt file; the tag is incomplete")
-    return ZeroTag(directory, [optim[rank] for rank in sorted(optim)], model_files)
+    model = {dp: Path(file) for (_, dp), file in files.model_states.items()}
+    return ZeroTag(directory, [optim[r] for r in sorted(optim)], [model[r] for r in sorted(model)])
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ def test_consolidation_reads_only_fp32_partitions_one_tensor_at_a_time(
         ("model_states_missing_z3", "global_step4: ZeRO-3 writes one model-states file per rank"),
         ("model_states_empty_z3", "zero_pp_rank_1_mp_rank_00_model_states.pt: the file is empty"),
         ("latest_dangling", "latest: names tag 'global_step9'"),
-        ("latest_missing", "without a 'latest' file (an interrupted save?); name one of its tags"),
+        ("latest_missing", "no 'latest' file (DeepSpeed writes it last"),
     ],
 )
 def test_damaged_checkpoint_is_one_line_error_and_nothing_written(
