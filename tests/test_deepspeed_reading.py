@@ -223,6 +223,23 @@ def test_verify_reports_each_damage_naming_the_file(name: str) -> None:
     assert any(DAMAGE_PROBLEMS[name] in problem for problem in problems), problems
 
 
+def test_verify_goes_on_past_an_unreadable_rank_file(tmp_path: Path) -> None:
+    """Rank 1's optimizer file truncated and rank 0's missing, in one tag: both reported."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(damaged("optim_truncated"), copy)
+    (copy / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    result = run("verify", "--json", str(copy))
+    assert result.exit_code == 1, result.output
+    problems = json.loads(result.output)["files"][0]["problems"]
+    assert problems == [
+        "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt: corrupt or truncated zip archive "
+        "(File is not a zip file (no end of central directory record)); an interrupted torch.save "
+        "leaves files like this: use the previous checkpoint",
+        "incomplete: global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing (written "
+        "by the framework; its resume needs it)",
+    ]
+
+
 def test_deepspeed_itself_fails_on_every_damaged_copy_verify_reports() -> None:
     """The manifest: DeepSpeed's own consolidation of the latest tag fails on each damaged copy
     (or, for latest_missing, finds no tag to read) where verify reports a problem."""

@@ -18,7 +18,13 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import CkptError, CorruptCheckpointError, name_file
+from ckpttool.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    InputError,
+    NotACheckpointError,
+    name_file,
+)
 from ckpttool.formats.base import Parsed, no_span
 from ckpttool.frameworks import DirectoryLayout, Member, inside
 from ckpttool.records import OpaqueObject, StorageRecord, TensorRecord
@@ -54,7 +60,15 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
             if member.json:
                 value = read_json(path)
             else:
-                ckpt = open_checkpoint(path, strict=strict, refuse_dangerous=refuse_dangerous)
+                try:
+                    ckpt = open_checkpoint(path, strict=strict, refuse_dangerous=refuse_dangerous)
+                except (CorruptCheckpointError, InputError, NotACheckpointError) as error:
+                    if strict:
+                        raise
+                    # verify: a member that cannot be read is one problem; the others are
+                    # still read and the layout's rules still checked
+                    problems.append(f"{member.name}: {str(error).removeprefix(f'{path}: ')}")
+                    continue
                 opened.append(ckpt)
                 problems += [f"{member.name}: {problem}" for problem in ckpt.problems]
                 value = _relabel(ckpt.root, member.name, ckpt, owners)
