@@ -256,6 +256,10 @@ def diff_command(
     "--in-place", is_flag=True,
     help="For a directory: replace it (default: write PATH.wsN, or -o OUT).",
 )  # fmt: skip
+@click.option(
+    "--keep-global-batch", is_flag=True,
+    help="DeepSpeed: the new run keeps the global batch (more accumulation); keep the counters.",
+)  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
 @json_option("rescale-step")
 def rescale_step(
@@ -269,6 +273,7 @@ def rescale_step(
     force: bool,
     backup: bool,
     in_place: bool,
+    keep_global_batch: bool,
     dry_run: bool,
     as_json: bool,
 ) -> None:
@@ -282,6 +287,10 @@ def rescale_step(
     directory (PATH.wsN, or -o OUT; --in-place to replace it): global_step / accelerate's step,
     the scheduler's counters and the per-rank RNG files (docs/rescale-step.md).
 
+    A DeepSpeed ZeRO-1/2/3 save or tag directory is written, without DeepSpeed, as the
+    universal checkpoint DeepSpeed resumes from on N ranks ("load_universal": true):
+    global_steps and the scheduler rescaled like step (--keep-global-batch: kept).
+
     \b
     Examples:
       ckpttool rescale-step out/pretrain_768_resume.pth --world-size 2 --dry-run
@@ -289,6 +298,7 @@ def rescale_step(
       ckpttool rescale-step old_resume.pth --world-size 4 --from-world-size 8 -o new_resume.pth
       ckpttool rescale-step last.ckpt --world-size 2 --from-world-size 4 --step-key global_step
       ckpttool rescale-step output/checkpoint-500 --world-size 4 -o output/checkpoint-500-ws4
+      ckpttool rescale-step ds_checkpoints/ --world-size 4 -o ds_universal/
     """
     import os
 
@@ -304,6 +314,7 @@ def rescale_step(
         directory_report = rescale_directory(
             path, world_size, from_world_size=from_world_size, strict=strict, output=output,
             in_place=in_place, overwrite=force, dry_run=dry_run, batch_size=batch_size,
+            keep_global_batch=keep_global_batch,
         )  # fmt: skip
         if as_json:
             _echo_json(rescale_render.render_json(directory_report))

@@ -44,6 +44,7 @@ from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
 from ckpttool.values import dense_record, read_array
 from ckpttool.writers import PickledTensor, safetensors_header, write_pth
+from ckpttool.zero_consolidate import open_source, zero_note
 
 Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
 Keep = Callable[["Planned"], Any]  # a kept (sparse, nested, quantized) tensor, as torch's
@@ -116,11 +117,12 @@ def convert(
         raise InputError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     src_path = Path(src)
-    with open_checkpoint(src_path) as ckpt:
+    with open_source(src_path) as ckpt:
         plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
                           pattern=pattern, dtype=dtype, keep_shared=keep_shared,
                           densify=densify, dequantize=dequantize,
                           keep_kinds=writes_pth(dst, to))  # fmt: skip
+        plan.notes[:0] = zero_note(ckpt)
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
 

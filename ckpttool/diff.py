@@ -42,9 +42,10 @@ from ckpttool.diff_values import (
 )
 from ckpttool.errors import CkptError
 from ckpttool.progress import ProgressCallback
-from ckpttool.reader import Checkpoint, open_checkpoint
+from ckpttool.reader import Checkpoint
 from ckpttool.records import TensorRecord
 from ckpttool.values import dense_record
+from ckpttool.zero_consolidate import counters, open_source
 
 IDENTICAL = "identical"
 WITHIN_TOLERANCE = "within_tolerance"
@@ -140,7 +141,7 @@ class DiffReport:
 def open_side(path: str | os.PathLike[str]) -> Checkpoint:
     """Open one input; errors name the file, since a diff has two."""
     try:
-        return open_checkpoint(path)
+        return open_source(path)  # a DeepSpeed ZeRO directory: its consolidated fp32 weights
     except CkptError as error:
         if str(path) in str(error):
             raise
@@ -217,6 +218,9 @@ def plan_diff(
     fields, pairs = merge_type_changes(fields, pairs, part_a.prefixes, part_b.prefixes)
     if ckpt_a.format == ckpt_b.format == "safetensors":
         fields += compare_fields(described_metadata(ckpt_a), described_metadata(ckpt_b))
+    counters_a, counters_b = counters(ckpt_a), counters(ckpt_b)
+    if counters_a is not None and counters_b is not None:  # two DeepSpeed tags
+        fields += compare_fields(counters_a, counters_b)
     return DiffPlan(
         a=_side(ckpt_a, part_a),
         b=_side(ckpt_b, part_b),

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpttool.pickle.policy import is_data_record
 from ckpttool.records import OpaqueObject, TensorRecord, children, join_key, nodes, tensors, walk
 
 STATE_DICT = "state_dict"
@@ -29,7 +30,8 @@ PICKLED_MODULE = "pickled_module"  # torch.save(model): the reader gives its sta
 HF_MODEL = "hf_model"
 HF_TRAINER = "hf_trainer"
 ACCELERATE = "accelerate"
-DECLARED_LAYOUTS = (HF_MODEL, HF_TRAINER, ACCELERATE, PICKLED_MODULE)
+DEEPSPEED = "deepspeed"  # a ZeRO save dir or tag dir: ckpttool.frameworks.deepspeed
+DECLARED_LAYOUTS = (HF_MODEL, HF_TRAINER, ACCELERATE, DEEPSPEED, PICKLED_MODULE)
 
 LAYOUT_TITLES = {
     STATE_DICT: "plain state dict",
@@ -47,6 +49,7 @@ LAYOUT_TITLES = {
     HF_MODEL: "Hugging Face model directory",
     HF_TRAINER: "Hugging Face Trainer checkpoint",
     ACCELERATE: "accelerate save_state folder",
+    DEEPSPEED: "DeepSpeed checkpoint",
 }
 
 RESUME_KEYS = ("model", "optimizer", "epoch", "step")
@@ -390,13 +393,19 @@ def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list
                 "float32: resuming from it is lossy (MiniMind writes it this way); "
                 "ckpttool.save_checkpoint keeps the training dtype"
             )
-    wrapped = [r.key for r in records if any(p in r.key for p in WRAPPER_PREFIXES)]
+    # DeepSpeed's model-states files keep the weights under the key "module" itself
+    wrapped = [] if layout == DEEPSPEED else [
+        r.key for r in records if any(p in r.key for p in WRAPPER_PREFIXES)
+    ]  # fmt: skip
     if wrapped:
         warnings.append(
             f"{len(wrapped)} keys carry DDP/torch.compile wrapper prefixes (module., _orig_mod.), "
             f"e.g. {wrapped[0]!r}: use --ignore-wrappers in diff/convert"
         )
-    opaque = sorted({node.cls for node in nodes(root) if isinstance(node, OpaqueObject)})
+    opaque = sorted({
+        node.cls for node in nodes(root)
+        if isinstance(node, OpaqueObject) and not is_data_record(node.cls)
+    })  # fmt: skip
     if opaque:
         warnings.append(
             "the pickle builds objects of classes ckpttool does not reconstruct (shown as "

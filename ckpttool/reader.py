@@ -226,7 +226,8 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool) -> Checkpoi
             _open_input(name)  # raises the DCP-specific message
         raise InputError(
             f"{name}: is a directory, but not a checkpoint layout ckpttool knows (a Hugging Face "
-            "model or Trainer checkpoint, an accelerate save_state folder, a DCP directory); "
+            "model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed save or tag "
+            "directory, a DCP directory); "
             "name a checkpoint file in it"
         )
     if layout.layout == COLLECTION:

@@ -370,8 +370,12 @@ def rescale_directory(
     overwrite: bool = False,
     dry_run: bool = False,
     batch_size: int | None = None,
+    keep_global_batch: bool = False,
 ) -> DirectoryRescaleReport:
     """Rescale the framework checkpoint directory ``path`` for ``world_size`` processes.
+
+    A DeepSpeed ZeRO save or tag directory is written as DeepSpeed's universal checkpoint
+    (:func:`ckpttool.zero_universal.rescale_zero`; ``keep_global_batch`` keeps its counters).
 
     Writes a new directory, ``output`` or ``PATH.ws<N>`` (refused if it exists, unless
     ``overwrite``), or with ``in_place`` replaces ``path``; either way the result is built as a
@@ -381,6 +385,23 @@ def rescale_directory(
     path = Path(path)
     if in_place and output is not None:
         raise InputError("--in-place and -o/--output exclude each other")
+    from ckpttool.zero_consolidate import is_deepspeed_directory
+
+    if is_deepspeed_directory(path):
+        from ckpttool.zero_universal import rescale_zero
+
+        if in_place:
+            raise InputError(
+                f"{path}: a DeepSpeed checkpoint is written as a new universal checkpoint "
+                "directory (-o OUT, default PATH.wsN); --in-place does not apply"
+            )
+        return rescale_zero(
+            path, world_size, from_world_size=from_world_size, strict=strict, output=output,
+            overwrite=overwrite, dry_run=dry_run, batch_size=batch_size,
+            keep_global_batch=keep_global_batch,
+        )  # fmt: skip
+    if keep_global_batch:
+        raise InputError("--keep-global-batch applies to a DeepSpeed ZeRO checkpoint")
     target = path if in_place else Path(output or f"{path}.ws{world_size}")
     if not in_place:
         if target.resolve() == path.resolve():

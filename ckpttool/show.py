@@ -164,6 +164,10 @@ def build_report(
             num_parameters = selected_elements if records else None
         elif selected_model:
             num_parameters = count_parameters(selected_model)
+    deepspeed = ckpt.details.get("deepspeed")
+    if isinstance(deepspeed, dict) and not (section or pattern):
+        # the real parameters (param_shapes): ZeRO-3 files hold placeholders and flat partitions
+        num_parameters = deepspeed.get("num_parameters")
     optimizer = None
     if optimizer_key is not None:
         optimizer = summarize_optimizer(

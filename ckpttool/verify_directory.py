@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ckpttool.reader import Checkpoint
 
 #: Member roles that are not checkpoint files of their own (read as JSON, or not read).
-NOT_CHECKPOINTS = ("index", "trainer_state", "config", "other")
+NOT_CHECKPOINTS = ("index", "trainer_state", "config", "other", "latest", "script")
 
 
 def check_directory(
@@ -32,7 +32,13 @@ def check_directory(
     details = ckpt.details
     directory = str(details.get("directory", ckpt.name))
     problems: list[str] = []
-    members = [m for m in details.get("members", []) if m.get("role") not in NOT_CHECKPOINTS]
+    # a member the layout already reported (an empty rank file) is not verified again
+    named = {problem.split(": ", 1)[0] for problem in ckpt.problems}
+    members = [
+        m
+        for m in details.get("members", [])
+        if m.get("role") not in NOT_CHECKPOINTS and m.get("name") not in named
+    ]
     for member in members:
         try:
             result = verify_file(os.path.join(directory, member["name"]), progress=progress)
@@ -47,4 +53,9 @@ def check_directory(
     ]
     title = details.get("layout_title", "directory")
     checked = [f"{len(members)} member files verified one by one", f"{title}: completeness rules"]
+    if "deepspeed" in details:
+        checked.append(
+            "DeepSpeed: latest names a tag; rank files against dp_world_size, partition_count "
+            "and zero_stage; partition sizes against param_shapes; module shapes"
+        )
     return problems, checked

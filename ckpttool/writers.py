@@ -217,3 +217,98 @@ def write_pth(
         for key, data in storages:
             writer.write(f"{name}data/{key}", data)
         writer.write(name + "version", b"3\n")
+
+
+# --- any object tree (DeepSpeed's universal checkpoint files) --------------------------------
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor inside an object written by :func:`write_torch_object`: the whole of storage
+    ``storage_key``, contiguous."""
+
+    storage_key: str
+    tensor: OutTensor
+
+
+def object_pickle(value: Any) -> bytes:
+    """``data.pkl`` of ``torch.save(value)`` for a tree of plain values (None, bool, int,
+    float, str, tuple, list, dict), :class:`StoredTensor` s and objects read as
+    :class:`~ckpttool.records.OpaqueObject` (rebuilt by class name: ``cls(*args)``, or
+    ``cls.__new__(cls, *args)`` then its state). The class is named, never imported here."""
+    out = bytearray(b"\x80\x02")
+    _encode_object(value, out, 0)
+    return bytes(out + b".")
+
+
+def _encode_object(value: Any, out: bytearray, depth: int) -> None:
+    from ckpttool.records import OpaqueObject
+
+    if depth > 64:
+        raise InputError("the object nests too deeply to write")
+    if value is None:
+        out += b"N"
+    elif isinstance(value, float):
+        out += b"G" + struct.pack(">d", value)  # BINFLOAT
+    elif isinstance(value, (bool, int, str)):
+        _encode(value, out)
+    elif isinstance(value, tuple):
+        out += b"("
+        for item in value:
+            _encode_object(item, out, depth + 1)
+        out += b"t"  # TUPLE
+    elif isinstance(value, list):
+        out += b"]("
+        for item in value:
+            _encode_object(item, out, depth + 1)
+        out += b"e"  # APPENDS
+    elif isinstance(value, dict):
+        out += b"}("
+        for key, item in value.items():
+            _encode_object(key, out, depth + 1)
+            _encode_object(item, out, depth + 1)
+        out += b"u"  # SETITEMS
+    elif isinstance(value, StoredTensor):
+        _encode(_rebuild_call(PickledTensor("", value.storage_key, value.tensor)), out)
+    elif isinstance(value, OpaqueObject):
+        module, _, name = value.cls.rpartition(".")
+        if not module or "\n" in value.cls:
+            raise InputError(f"cannot write an object of class {value.cls!r}")
+        _encode(_Global(module, name), out)
+        _encode_object(tuple(value.args or ()), out, depth + 1)
+        if value.state is None and not value.dictitems and not value.listitems:
+            out += b"R"  # REDUCE: cls(*args), as an Enum member is pickled
+            return
+        out += b"\x81"  # NEWOBJ: cls.__new__(cls, *args)
+        if value.listitems:
+            out += b"("
+            for item in value.listitems:
+                _encode_object(item, out, depth + 1)
+            out += b"e"
+        if value.dictitems:
+            out += b"("
+            for key, item in value.dictitems.items():
+                _encode_object(key, out, depth + 1)
+                _encode_object(item, out, depth + 1)
+            out += b"u"
+        if value.state is not None:
+            _encode_object(value.state, out, depth + 1)
+            out += b"b"  # BUILD
+    else:
+        raise InputError(f"cannot write a {type(value).__name__} into a torch.save file")
+
+
+def write_torch_object(
+    handle: BinaryIO, value: Any, storages: Iterable[tuple[str, bytes | bytearray | memoryview]]
+) -> None:
+    """Write a torch.save zip of ``value`` (see :func:`object_pickle`); its storages' bytes
+    arrive one at a time from ``storages``."""
+    name = f"{PTH_PREFIX}/"
+    with TorchZipWriter(handle) as writer:
+        writer.write(name + "data.pkl", object_pickle(value))
+        writer.write(name + ".format_version", b"1")
+        writer.write(name + ".storage_alignment", b"64")
+        writer.write(name + "byteorder", b"little")
+        for key, data in storages:
+            writer.write(f"{name}data/{key}", data)
+        writer.write(name + "version", b"3\n")

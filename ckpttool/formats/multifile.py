@@ -18,7 +18,13 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import CkptError, CorruptCheckpointError, name_file
+from ckpttool.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    InputError,
+    NotACheckpointError,
+    name_file,
+)
 from ckpttool.formats.base import Parsed, no_span
 from ckpttool.frameworks import DirectoryLayout, Member, inside
 from ckpttool.records import OpaqueObject, StorageRecord, TensorRecord
@@ -54,7 +60,15 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
             if member.json:
                 value = read_json(path)
             else:
-                ckpt = open_checkpoint(path, strict=strict, refuse_dangerous=refuse_dangerous)
+                try:
+                    ckpt = open_checkpoint(path, strict=strict, refuse_dangerous=refuse_dangerous)
+                except (CorruptCheckpointError, InputError, NotACheckpointError) as error:
+                    if strict:
+                        raise
+                    # verify: a member that cannot be read is one problem; the others are
+                    # still read and the layout's rules still checked
+                    problems.append(f"{member.name}: {str(error).removeprefix(f'{path}: ')}")
+                    continue
                 opened.append(ckpt)
                 problems += [f"{member.name}: {problem}" for problem in ckpt.problems]
                 value = _relabel(ckpt.root, member.name, ckpt, owners)
@@ -64,6 +78,8 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
                 _place(root, member.section, value)
         if layout.index is not None:
             problems += _check_index(layout, root.get("model", {}), shard_of)
+        details = layout_details(layout)
+        problems += _framework_details(layout, root, details)
         if problems and strict:
             raise CorruptCheckpointError(problems[0])
     except BaseException as error:
@@ -84,7 +100,6 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
         for ckpt in opened:
             ckpt.close()
 
-    details = layout_details(layout)
     details.update(_recorded_counters(root))
     return Parsed(
         format=DIRECTORY,
@@ -112,6 +127,21 @@ def layout_details(layout: DirectoryLayout) -> dict[str, Any]:
         **({"index": layout.index} if layout.index else {}),
         **layout.details,
     }
+
+
+def _framework_details(
+    layout: DirectoryLayout, root: dict[str, Any], details: dict[str, Any]
+) -> list[str]:
+    """What a framework reads out of the merged tree for ``show`` (DeepSpeed: stage, ranks,
+    counters, real parameter shapes), and the problems between its files."""
+    from ckpttool.frameworks.deepspeed import DEEPSPEED
+    from ckpttool.frameworks.deepspeed_checks import summarize
+
+    if layout.layout != DEEPSPEED:
+        return []
+    summary, problems = summarize(root, details)
+    details[DEEPSPEED] = summary
+    return problems
 
 
 def _recorded_counters(root: dict[str, Any]) -> dict[str, Any]:

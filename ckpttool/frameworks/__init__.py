@@ -2,7 +2,7 @@
 
 One module per framework keeps that framework's file names, keys and completeness rules
 (``huggingface``: ``save_pretrained`` model directories and ``Trainer`` ``checkpoint-N/``
-folders; ``accelerate``: ``save_state`` folders). :func:`detect_directory` lists a directory,
+folders; ``accelerate``: ``save_state`` folders; ``deepspeed``: ZeRO save and tag directories). :func:`detect_directory` lists a directory,
 asks each framework whether it knows the layout, and returns a :class:`DirectoryLayout`:
 the member files with their roles and where their content goes in the merged tree, the files
 the framework would have written that are not there, and what the directory is called.
@@ -86,10 +86,13 @@ def list_files(directory: str) -> dict[str, int]:
 
 def detect_directory(path: str) -> DirectoryLayout | None:
     """The framework layout of ``path`` (a directory, or an ``*.index.json`` file), or None."""
-    from ckpttool.frameworks import accelerate, huggingface
+    from ckpttool.frameworks import accelerate, deepspeed, huggingface
 
-    # accelerate first: its folders hold a model.safetensors like a model directory does
-    for detect in (accelerate.detect, huggingface.detect, huggingface.detect_output_dir):
+    # accelerate first: its folders hold a model.safetensors like a model directory does;
+    # DeepSpeed last: a Trainer checkpoint-N/ of a DeepSpeed run holds a global_stepN/ too
+    detectors = (accelerate.detect, huggingface.detect, huggingface.detect_output_dir,
+                 deepspeed.detect)  # fmt: skip
+    for detect in detectors:
         layout = detect(path)
         if layout is not None:
             return layout

@@ -15,7 +15,7 @@ from enum import Enum
 
 from ckpttool.pickle.emulation import is_emulated
 
-__all__ = ["RENAMED_MODULES", "Verdict", "classify_global", "never_load_problem"]
+__all__ = ["RENAMED_MODULES", "Verdict", "classify_global", "is_data_record", "never_load_problem"]
 
 
 class Verdict(str, Enum):
@@ -193,4 +193,16 @@ _DATA_RECORDS = frozenset(
     )}
     | {f"{_DCP}.filesystem._StorageInfo", "torch.serialization._get_layout"}
     | {"pathlib.PosixPath", "pathlib.WindowsPath", "_io.BytesIO", "io.BytesIO"}
+    # DeepSpeed's data records in ZeRO checkpoints (ckpttool.frameworks.deepspeed reads them):
+    # a loss scaler's numbers, the ZeRO stage (an int enum), a (numel, start) pair
+    | {"deepspeed.runtime.fp16.loss_scaler.LossScaler",
+       "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+       "deepspeed.runtime.zero.config.ZeroStageEnum",
+       "deepspeed.utils.tensor_fragment.fragment_address"}
 )  # fmt: skip
+
+
+def is_data_record(qualname: str) -> bool:
+    """A class a pickle names that is a known data record (DCP metadata, DeepSpeed's loss
+    scaler...): kept as a named record, never imported, not worth a warning."""
+    return qualname in _DATA_RECORDS

@@ -6,6 +6,7 @@ from typing import Any
 
 from ckpttool.layout import NESTED, TRAINING
 from ckpttool.records import ChunkedStorageRecord, TensorRecord
+from ckpttool.render.show_deepspeed import deepspeed_lines, parameter_table
 from ckpttool.render.text import human_count, human_size, plain, short
 from ckpttool.show import ShowReport
 
@@ -77,6 +78,7 @@ def render_text(report: ShowReport) -> str:
         *_data_files_line(report.details),
         f"layout:     {report.layout_title}{_parts_note(report)}",
         *_member_lines(report.details),
+        *deepspeed_lines(report.details),
         *_count_lines(report),
     ]
     top = {k: v for k, v in report.fields.items() if "." not in k}
@@ -92,6 +94,13 @@ def render_text(report: ShowReport) -> str:
         lines.append("rng:        " + ", ".join(report.rng))
     if report.optimizer is not None:
         lines.extend(_optimizer_lines(report))
+    from tabulate import tabulate  # here: --json and --tree print no table
+
+    parameters = parameter_table(report.details)
+    if parameters:
+        lines.append("")
+        headers = ["parameter", "shape", "numel", "kind"]
+        lines.append(tabulate(parameters, headers=headers, disable_numparse=True))
     if not report.tensors:
         return "\n".join(lines)
     lines.append("")
@@ -112,8 +121,6 @@ def render_text(report: ShowReport) -> str:
         headers[5:5] = ["min", "max", "mean", "std", "nan", "inf"]
     # tabulate prints None as an empty cell, and types it without trying int() and float()
     # on it as it does on "": most rows have no notes.
-    from tabulate import tabulate  # here: --json and --tree print no table
-
     lines.append(tabulate(rows, headers=headers, disable_numparse=True))
     return "\n".join(lines)
 

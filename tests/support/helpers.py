@@ -21,6 +21,10 @@ def fixture_files() -> list[Path]:
         and "__pycache__" not in p.parts
         and p.relative_to(FIXTURES).parts[0] != "pairs"  # diff's inputs (one holds a NaN)
         and p.relative_to(FIXTURES).parts[0] != "frameworks"  # tests/test_framework_fixtures.py
+        # DeepSpeed's rank files are torch.save files like any other; its `latest`, JSON and
+        # damaged copies are tests/test_deepspeed_*.py's
+        and not (p.relative_to(FIXTURES).parts[0] == "deepspeed"
+                 and (p.suffix != ".pt" or "damaged" in p.parts))
         and not (p.parent / ".metadata").is_file()  # a DCP directory's parts (tests/test_dcp.py)
     )  # fmt: skip
 
