@@ -11,7 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.pickle.policy import is_data_record
-from ckpttool.records import OpaqueObject, TensorRecord, children, join_key, nodes, tensors, walk
+from ckpttool.records import (
+    OpaqueObject,
+    TensorRecord,
+    children,
+    get_path,
+    join_key,
+    nodes,
+    tensors,
+    walk,
+)
 
 STATE_DICT = "state_dict"
 MINIMIND_RESUME = "minimind_resume"
@@ -117,6 +126,8 @@ def model_section(layout: str, root: Any = None) -> str | None:
         return "model"
     if layout == LIGHTNING:
         return "state_dict"
+    if layout == DEEPSPEED:  # the module's weights (ZeRO-0 holds them all; convert of ZeRO-1..3
+        return "model_states.module"  # consolidates the fp32 master weights instead)
     if layout == TRAINING:
         return _find_model_key(root)
     return None
@@ -130,7 +141,11 @@ def model_part(root: Any, layout: str) -> str | None:
     if layout in (STATE_DICT, SAFETENSORS, PICKLED_MODULE):
         return WHOLE_FILE
     section = model_section(layout, root)
-    if section is not None and isinstance(root, dict) and section in root:
+    if section is not None and isinstance(root, dict):
+        try:
+            get_path(root, section)
+        except KeyError:
+            return None
         return section
     return None
 

@@ -204,3 +204,19 @@ def test_stage0_is_not_consolidated(tmp_path: Path) -> None:
     assert "error" in MANIFEST["cases"]["stage0_fp32_2proc"]["deepspeed"]["fp32_latest"]
     with pytest.raises(CkptError):
         open_zero_weights(save_dir("stage0_fp32_2proc"))
+
+
+@pytest.mark.parametrize("case", ["stage0_fp32_2proc", "stage0_bf16_1proc"])
+def test_stage0_converts_the_modules_weights(tmp_path: Path, case: str) -> None:
+    """ZeRO-0 has no partitions: convert takes the module's state dict from the model-states
+    file (what ``engine.module.state_dict()`` saved), under the module's own names."""
+    tag = save_dir(case) / (save_dir(case) / "latest").read_text().strip()
+    module = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    out = tmp_path / "model.safetensors"
+    convert(save_dir(case), out)
+    got = load_file(out)
+    # the tied head is stored once: its values are the embedding's
+    assert set(got) == set(module) - {"head.weight"}
+    for name, tensor in got.items():
+        assert tensor.dtype == module[name].dtype
+        assert as_bytes(tensor) == as_bytes(module[name]), name
