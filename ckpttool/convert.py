@@ -42,6 +42,7 @@ from ckpttool.frameworks.huggingface import SAFE_WEIGHTS_NAME
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
+from ckpttool.source import is_url, local_path
 from ckpttool.values import dense_record, read_array
 from ckpttool.writers import PickledTensor, safetensors_header, write_pth
 
@@ -63,7 +64,7 @@ class VerificationError(CkptError):
 class ConvertReport:
     """What a conversion wrote (``outputs``: shards first, index last)."""
 
-    source: Path
+    source: Path | str | os.PathLike[str]  # a local path, or the URL read
     outputs: list[Path]
     format: str  # "safetensors" or "pth"
     layout: str
@@ -115,8 +116,8 @@ def convert(
     if to is not None and to not in FORMATS:
         raise InputError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
-    src_path = Path(src)
-    with open_checkpoint(src_path) as ckpt:
+    src_path = _local_name(src, dst)
+    with open_checkpoint(src) as ckpt:
         plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
                           pattern=pattern, dtype=dtype, keep_shared=keep_shared,
                           densify=densify, dequantize=dequantize,
@@ -147,13 +148,35 @@ def convert(
                 copied = model_dir.copy_files(source_dir, staging)
             files = model_dir.moved(files, target)
             report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
+            report.source = src if is_url(src) else src_path
             report.directory = target
             report.copied = copied
             return report
         files = plan_outputs(src_path, dst, to, shard_size, plan)
         check_targets(src_path, files, force)
         counts = write(plan, files)
-    return _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
+    report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
+    report.source = src if is_url(src) else src_path  # a URL as given, not a mangled path
+    return report
+
+
+def _local_name(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None) -> Path:
+    """``src`` as a path, for naming outputs: a URL's file name, in the current directory (as
+    a download would be). A URL destination is refused: the output is verified before it
+    replaces anything, which only a local rename guarantees."""
+    if dst is not None and is_url(dst):
+        raise InputError(
+            f"{dst}: convert writes to local paths only (an object store cannot take a file "
+            "atomically after it was verified); convert to a local file, then upload it"
+        )
+    if not is_url(src):
+        return Path(local_path(os.fspath(src)))
+    from urllib.parse import urlsplit
+
+    name = urlsplit(os.fspath(src)).path.rstrip("/").rsplit("/", 1)[-1]
+    if not name:
+        raise InputError(f"{src}: the URL names no file")
+    return Path(name)
 
 
 def _write_outputs(
@@ -187,6 +210,7 @@ def _write_outputs(
     def check(temps: list[Path]) -> None:
         if verify:
             verify_outputs(ckpt, list(zip(temps, files)), progress)
+        ckpt.check_unchanged()  # a remote source replaced mid-read must not be committed
 
     try:
         with atomic_group([f.target for f in files], check=check) as handles:

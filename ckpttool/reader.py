@@ -26,7 +26,7 @@ from ckpttool.errors import (
     NotACheckpointError,
     name_file,
 )
-from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory, read_at
+from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory
 from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
 from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_growing, read_torch_legacy
 from ckpttool.formats.torch_zip import read_torch_zip
@@ -39,6 +39,7 @@ from ckpttool.records import (
     stored_records,
     tensors,
 )
+from ckpttool.source import is_url, local_path, read_range, source_of, source_size
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -93,7 +94,7 @@ class Checkpoint:
         try:
             return self._read_bytes(record)
         except CkptError as error:
-            raise name_file(error, self.name) from None
+            raise name_file(error, _shown(self.name)) from None
 
     def _read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
         if record.inline_data is not None:
@@ -120,10 +121,20 @@ class Checkpoint:
         if stop > length:
             raise CorruptCheckpointError(f"{what}: extends past its storage's bytes")
         assert self._handle is not None  # a directory's storages are read through _parsed.read
-        data = read_at(self._handle.fileno(), stop - start, offset + start)
+        data = read_range(source_of(self._handle), stop - start, offset + start)
         if len(data) != stop - start:
             raise CorruptCheckpointError(f"{what}: file ends inside its data (truncated)")
         return data
+
+    def check_unchanged(self) -> None:
+        """Raise if a remote source is no longer the object that was opened (a store whose
+        ranged reads cannot carry that check on each request is asked once more here)."""
+        check = getattr(self._handle, "check_unchanged", None)
+        if check is not None:
+            try:
+                check()
+            except CkptError as error:
+                raise name_file(error, _shown(self.name)) from None
 
     def close(self) -> None:
         if self._handle is not None:
@@ -153,35 +164,30 @@ def open_checkpoint(
     refusing the file (``scan``).
     """
     name = os.fspath(path)
+    if is_url(name):
+        return _open_file(name, open_source(name), strict, refuse_dangerous, track_spans)
+    name = local_path(name)
     if not is_dcp_directory(name) and is_framework_path(name):
         return _open_directory(name, strict, refuse_dangerous)
-    directory = is_dcp_directory(name)
-    handle = _open_input(os.path.join(name, DCP_METADATA) if directory else name)
+    if not is_dcp_directory(name):
+        return _open_file(name, _open_input(name), strict, refuse_dangerous, track_spans)
+    handle = _open_input(os.path.join(name, DCP_METADATA))
     parsed: Parsed | None = None
     try:
-        if directory:
-            # imported here: listing a single file should not pay for the DCP reader
-            from pathlib import Path
+        # imported here: listing a single file should not pay for the DCP reader
+        from pathlib import Path
 
-            from ckpttool.formats.dcp import data_size as dcp_size
-            from ckpttool.formats.dcp import read_dcp
+        from ckpttool.formats.dcp import data_size as dcp_size
+        from ckpttool.formats.dcp import read_dcp
 
-            parsed = read_dcp(Path(name), handle, strict=strict, refuse_dangerous=refuse_dangerous)
-            file_size = dcp_size(Path(name), parsed)
-        else:
-            file_size = os.fstat(handle.fileno()).st_size
-            parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
-            _read_pickled_module(parsed)
+        parsed = read_dcp(Path(name), handle, strict=strict, refuse_dangerous=refuse_dangerous)
+        file_size = dcp_size(Path(name), parsed)
         records = tensors(parsed.root)
         problems = list(parsed.problems) + check_extents(parsed, records)
         if problems and strict:
             raise CorruptCheckpointError(problems[0])
     except BaseException as error:
-        handle.close()
-        if parsed is not None and parsed.close is not None:
-            parsed.close()
-        if isinstance(error, CkptError):
-            name_file(error, name)
+        _close_on_error(error, name, handle, parsed)
         raise
     return Checkpoint(
         name=name,
@@ -196,6 +202,67 @@ def open_checkpoint(
         _handle=handle,
         _all_tensors=records,
     )
+
+
+def _open_file(
+    name: str, handle: Any, strict: bool, refuse_dangerous: bool, track_spans: bool
+) -> Checkpoint:
+    """One checkpoint file, local or remote, opened as ``handle``."""
+    parsed: Parsed | None = None
+    try:
+        file_size = source_size(handle)
+        parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
+        _read_pickled_module(parsed)
+        records = tensors(parsed.root)
+        problems = list(parsed.problems) + check_extents(parsed, records)
+        if problems and strict:
+            raise CorruptCheckpointError(problems[0])
+    except BaseException as error:
+        _close_on_error(error, name, handle, parsed)
+        raise
+    return Checkpoint(
+        name=name,
+        format=parsed.format,
+        root=parsed.root,
+        file_size=file_size,
+        details=parsed.details,
+        metadata=parsed.metadata,
+        problems=problems,
+        pickle=parsed.pickle,
+        _parsed=parsed,
+        _handle=handle,
+        _all_tensors=records,
+    )
+
+
+def _close_on_error(error: BaseException, name: str, handle: Any, parsed: Parsed | None) -> None:
+    handle.close()
+    if parsed is not None and parsed.close is not None:
+        parsed.close()
+    if isinstance(error, CkptError):
+        name_file(error, _shown(name))
+
+
+def _shown(name: str) -> str:
+    """How errors name ``name``: a URL without credentials or a presigned query."""
+    if is_url(name):
+        from ckpttool.remote import display_url
+
+        return display_url(name)
+    return name
+
+
+def open_source(name: str) -> Any:
+    """``name`` opened for reading: a local file, or a remote one read by ranges (a URL)."""
+    if is_url(name):
+        from ckpttool.remote import open_remote  # fsspec and friends only for URLs
+
+        handle = open_remote(name)
+        if handle.size == 0:
+            handle.close()
+            raise InputError(f"{_shown(name)}: the file is empty (an interrupted save?)")
+        return handle
+    return _open_input(local_path(name))
 
 
 def _read_pickled_module(parsed: Parsed) -> None:

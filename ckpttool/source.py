@@ -1,0 +1,79 @@
+"""Where checkpoint bytes come from: a local file (``pread``) or a URL (ranged reads).
+
+The reader and the format modules read through two calls, :func:`read_range` and
+:func:`source_size`, on either an open local file or a remote file (:mod:`ckpttool.remote`,
+imported only when a URL is opened). Which names are URLs is decided here, in one place
+(:func:`is_url`); plain local use imports nothing more than this module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Protocol, runtime_checkable
+
+# scheme://... (s3, gs, az, abfs, hf, http, https, and any other fsspec protocol). A Windows
+# drive ("C:\\x") has no "//" after the colon; "file://" is a URL to fsspec but read locally.
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(name: str | os.PathLike[str]) -> str | None:
+    """The protocol of ``name`` if it is a URL (``"s3"``, ``"https"``...), else None."""
+    match = _URL.match(os.fspath(name)) if isinstance(name, str) else None
+    return match.group(1).lower() if match else None
+
+
+def is_url(name: str | os.PathLike[str]) -> bool:
+    """Whether ``name`` is read over the network (a ``file://`` URL is a local path)."""
+    scheme = url_scheme(name)
+    return scheme is not None and scheme != "file"
+
+
+def local_path(name: str) -> str:
+    """``file:///x`` -> ``/x``; any other name unchanged."""
+    return name[len("file://") :] if url_scheme(name) == "file" else name
+
+
+@runtime_checkable
+class RangeReader(Protocol):
+    """A file read by byte ranges (a remote object): what replaces ``pread`` on a descriptor."""
+
+    size: int
+
+    def read_range(self, offset: int, length: int) -> bytearray:
+        """``length`` bytes at ``offset``, fewer only at the end of the file."""
+        ...
+
+
+@dataclass
+class RemoteSettings:
+    """What the CLI's remote options set for the library calls of one command."""
+
+    full_download: bool = False  # a server that ignores Range: download the file into memory
+    verbose: bool = False
+
+
+#: The settings :mod:`ckpttool.remote` reads when it opens a URL (the CLI sets them).
+SETTINGS = RemoteSettings()
+
+
+def source_of(handle: Any) -> int | RangeReader:
+    """What :func:`read_range` reads ``handle`` through: its descriptor, or itself if remote."""
+    return handle if isinstance(handle, RangeReader) else handle.fileno()
+
+
+def source_size(handle: BinaryIO | RangeReader) -> int:
+    """The size of an open local file or remote object."""
+    if isinstance(handle, RangeReader):
+        return handle.size
+    return os.fstat(handle.fileno()).st_size
+
+
+def read_range(source: int | RangeReader, length: int, offset: int) -> bytearray:
+    """``length`` bytes at ``offset`` of a descriptor or remote object, fewer only at its end."""
+    if isinstance(source, int):
+        from ckpttool.formats.base import read_at
+
+        return read_at(source, length, offset)
+    return source.read_range(offset, length)
