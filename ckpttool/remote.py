@@ -212,6 +212,13 @@ class HttpBackend:
         return total, self.etag, None
 
     def fetch(self, start: int, stop: int) -> bytes:
+        buffer = bytearray(stop - start)
+        self.fetch_into(start, stop, memoryview(buffer))
+        return bytes(buffer)
+
+    def fetch_into(self, start: int, stop: int, target: memoryview) -> None:
+        """Bytes [start, stop) into ``target`` (no intermediate copy: values go straight into
+        the buffer the reader returns)."""
         headers = {"Range": f"bytes={start}-{stop - 1}"}
         if self.etag and not self.etag.startswith("W/"):
             headers["If-Match"] = self.etag  # a changed file answers 412, not other bytes
@@ -236,16 +243,20 @@ class HttpBackend:
         if (first, last) != (start, stop - 1):
             self._discard(response)
             raise TransientError(f"asked for bytes {start}-{stop - 1}, got {first}-{last}")
+        got = 0
         try:
-            body = response.read(stop - start)
+            while got < stop - start:
+                count = response.readinto(target[got:])
+                if not count:
+                    break
+                got += count
             extra = response.read(1)  # an honest server has nothing more
         except (OSError, http.client.HTTPException) as error:
             self._drop_connection()
             raise TransientError(f"{type(error).__name__}: {error}") from None
-        if len(body) != stop - start or extra:
+        if got != stop - start or extra:
             self._drop_connection()
-            raise TransientError(f"short body ({len(body):,} of {stop - start:,} bytes)")
-        return body
+            raise TransientError(f"short body ({got:,} of {stop - start:,} bytes)")
 
     def close(self) -> None:
         with self._lock:
@@ -471,7 +482,13 @@ class RemoteFile(io.RawIOBase):
 
         def fill(part: tuple[int, int]) -> None:
             start, end = part
-            view[start - offset : end - offset] = self._fetch(start, end)
+            target = view[start - offset : end - offset]
+            fetch_into = getattr(self._backend, "fetch_into", None)
+            if fetch_into is None:
+                target[:] = self._fetch(start, end)
+                return
+            self._retry(lambda: fetch_into(start, end, target))
+            self._count(1, end - start)
 
         if len(parts) == 1:
             fill(parts[0])

@@ -383,3 +383,33 @@ def test_s3_missing_object_and_replaced_object(bucket: str, tmp_path: Path) -> N
     with pytest.raises(InputError, match="changed while it was being read"):
         convert(f"{bucket}/{RESUME.name}", tmp_path / "out.safetensors", progress=replace_once)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_from_a_url_verifies_against_what_it_read(
+    server: RangeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The remote source is not fetched twice: the output is read back against the SHA-256 of
+    the bytes written, which still catches an output that differs."""
+    import ckpttool.convert as convert_module
+
+    monkeypatch.setattr(remote, "BLOCK", 256)  # the cache holds 16 KiB: no second pass from it
+    url = server.add(RESUME.name, RESUME.read_bytes())
+    assert run("show", url).exit_code == 0
+    metadata_bytes, server.bytes_sent = server.bytes_sent, 0
+    out = tmp_path / "out.safetensors"
+    converted = run("convert", url, out, "--json")
+    assert converted.exit_code == 0, converted.output
+    tensor_bytes = json.loads(converted.stdout)["tensor_bytes"]
+    # the model's tensors once (and the metadata again), not twice
+    assert server.bytes_sent < metadata_bytes + 1.5 * tensor_bytes
+    stored = convert_module._stored_bytes
+
+    def damaged(written: Any, record: Any) -> Any:
+        got = stored(written, record)
+        return None if got is None else memoryview(bytes(got)[:-1] + bytes([got[-1] ^ 1]))
+
+    monkeypatch.setattr(convert_module, "_stored_bytes", damaged)
+    result = run("convert", url, tmp_path / "again.safetensors")
+    assert result.exit_code == 1, result.output
+    assert "does not read back bit-for-bit equal" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors"]
