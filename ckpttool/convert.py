@@ -194,12 +194,12 @@ def _write_outputs(
     counts: dict[str, CastCounts] = {}
     # A remote source is not fetched a second time to verify: each tensor's bytes are hashed
     # as they are written and the output is read back against that (SHA-256, 256 bits).
-    digests: dict[str, bytes] | None = {} if is_url(ckpt.name) else None
+    hashing = _Hashing() if verify and is_url(ckpt.name) else None
 
     def produce(planned: Planned) -> bytes | bytearray | memoryview:
         data, cast = tensor_bytes(ckpt, planned)
-        if digests is not None:
-            digests[planned.name] = _digest(data)
+        if hashing is not None:
+            hashing.add(planned.name, data)
         if cast is not None:
             counts[planned.name] = cast
             if cast.overflow and not allow_overflow:
@@ -214,6 +214,7 @@ def _write_outputs(
 
     def check(temps: list[Path]) -> None:
         if verify:
+            digests = hashing.digests() if hashing is not None else None
             verify_outputs(ckpt, list(zip(temps, files)), progress, digests)
         ckpt.check_unchanged()  # a remote source replaced mid-read must not be committed
 
@@ -223,7 +224,38 @@ def _write_outputs(
                 _write(handle, out_file, plan.names, produce, keep)
     except OSError as error:  # permissions, a full disk: one line, not a traceback
         raise InputError(f"conversion failed, nothing was written: {error}") from error
+    finally:
+        if hashing is not None:
+            hashing.close()
     return counts
+
+
+class _Hashing:
+    """SHA-256 of each tensor written, computed on a thread of its own (hashlib releases the
+    GIL) while the next tensor is fetched and this one written; at most two tensors wait, so
+    memory stays bounded by what the conversion holds anyway."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-sha256")
+        self._pending: list[tuple[str, Future[bytes]]] = []
+        self._done: dict[str, bytes] = {}
+
+    def add(self, name: str, data: bytes | bytearray | memoryview) -> None:
+        while len(self._pending) >= 2:
+            first, future = self._pending.pop(0)
+            self._done[first] = future.result()
+        self._pending.append((name, self._pool.submit(_digest, data)))
+
+    def digests(self) -> dict[str, bytes]:
+        for name, future in self._pending:
+            self._done[name] = future.result()
+        self._pending.clear()
+        return self._done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def _build_report(

@@ -39,7 +39,7 @@ from ckpttool.records import (
     stored_records,
     tensors,
 )
-from ckpttool.source import is_url, local_path, read_range, source_of, source_size
+from ckpttool.source import is_url, join, local_path, read_range, source_of, source_size
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -165,23 +165,48 @@ def open_checkpoint(
     """
     name = os.fspath(path)
     if is_url(name):
+        from ckpttool.remote import is_directory
+
+        if is_directory(name):
+            return _open_dcp(name, _open_remote_metadata(name), strict, refuse_dangerous)
         return _open_file(name, open_source(name), strict, refuse_dangerous, track_spans)
     name = local_path(name)
     if not is_dcp_directory(name) and is_framework_path(name):
         return _open_directory(name, strict, refuse_dangerous)
     if not is_dcp_directory(name):
         return _open_file(name, _open_input(name), strict, refuse_dangerous, track_spans)
-    handle = _open_input(os.path.join(name, DCP_METADATA))
+    return _open_dcp(name, _open_input(os.path.join(name, DCP_METADATA)), strict, refuse_dangerous)
+
+
+def _open_remote_metadata(url: str) -> Any:
+    """A remote directory's ``.metadata``: the one remote directory layout read (DCP)."""
+    try:
+        return open_source(join(url, DCP_METADATA))
+    except InputError as error:
+        if "no such file" not in str(error):
+            raise
+        raise InputError(
+            f"{_shown(url)}: a directory without a {DCP_METADATA} file; of directory "
+            "checkpoints, only torch.distributed.checkpoint ones are read from URLs (name a "
+            "checkpoint file in it)"
+        ) from None
+
+
+def _open_dcp(name: str, handle: Any, strict: bool, refuse_dangerous: bool) -> Checkpoint:
+    """A torch.distributed.checkpoint directory (local, or a URL) whose ``.metadata`` is open."""
     parsed: Parsed | None = None
     try:
         # imported here: listing a single file should not pay for the DCP reader
-        from pathlib import Path
-
-        from ckpttool.formats.dcp import data_size as dcp_size
         from ckpttool.formats.dcp import read_dcp
 
-        parsed = read_dcp(Path(name), handle, strict=strict, refuse_dangerous=refuse_dangerous)
-        file_size = dcp_size(Path(name), parsed)
+        directory: Any = name
+        if not is_url(name):
+            from pathlib import Path
+
+            directory = Path(name)
+        parsed = read_dcp(directory, handle, strict=strict, refuse_dangerous=refuse_dangerous)
+        files = parsed.details.get("files", {})
+        file_size = source_size(handle) + sum(size for size in files.values() if size)
         records = tensors(parsed.root)
         problems = list(parsed.problems) + check_extents(parsed, records)
         if problems and strict:

@@ -610,3 +610,57 @@ def totals_line() -> str:
         f"remote: {TOTALS.requests:,} requests, {TOTALS.bytes_fetched:,} bytes fetched of "
         f"{TOTALS.bytes_total:,} ({share:.3f} %)"
     )
+
+
+# -- directories (DCP) ------------------------------------------------------------------------
+
+
+def is_directory(url: str) -> bool:
+    """Whether ``url`` names a directory: one ending in ``/`` (HTTP cannot say otherwise), or
+    one the store lists as a directory (prefix)."""
+    if url.endswith("/"):
+        return True
+    if url_scheme(url) in ("http", "https", "hf"):
+        return False
+    backend = FsspecBackend(url)
+    try:
+        return bool(backend._call(lambda: backend.fs.isdir(backend.path)))
+    except TransientError as error:
+        raise InputError(f"{display_url(url)}: network error ({error})") from None
+
+
+def member_sizes(directory: str, names: list[str]) -> dict[str, int]:
+    """Sizes of the members of a remote directory that exist: one listing where the store can
+    list, else one ranged request per file."""
+    if url_scheme(directory) not in ("http", "https", "hf"):
+        listed = _listing(directory)
+        return {name: listed[name] for name in names if name in listed}
+    sizes = {}
+    for name in names:
+        try:
+            with open_remote(directory.rstrip("/") + "/" + name) as member:
+                sizes[name] = member.size
+        except InputError as error:
+            if "no such file" not in str(error):
+                raise
+    return sizes
+
+
+def list_names(directory: str) -> list[str]:
+    """The files directly in a remote directory ([] over HTTP, which cannot list)."""
+    if url_scheme(directory) in ("http", "https", "hf"):
+        return []
+    return sorted(_listing(directory))
+
+
+def _listing(directory: str) -> dict[str, int]:
+    backend = FsspecBackend(directory.rstrip("/"))
+    try:
+        entries = backend._call(lambda: backend.fs.ls(backend.path, detail=True))
+    except TransientError as error:
+        raise InputError(f"{display_url(directory)}: network error ({error})") from None
+    return {
+        str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]: int(entry.get("size") or 0)
+        for entry in entries
+        if entry.get("type") == "file"
+    }

@@ -45,6 +45,8 @@ class RangeReader(Protocol):
         """``length`` bytes at ``offset``, fewer only at the end of the file."""
         ...
 
+    def close(self) -> None: ...
+
 
 @dataclass
 class RemoteSettings:
@@ -67,6 +69,9 @@ def source_size(handle: BinaryIO | RangeReader) -> int:
     """The size of an open local file or remote object."""
     if isinstance(handle, RangeReader):
         return handle.size
+    raw = getattr(handle, "raw", None)  # a buffered reader over a remote file or window
+    if raw is not None and isinstance(raw, RangeReader):
+        return raw.size
     return os.fstat(handle.fileno()).st_size
 
 
@@ -77,3 +82,53 @@ def read_range(source: int | RangeReader, length: int, offset: int) -> bytearray
 
         return read_at(source, length, offset)
     return source.read_range(offset, length)
+
+
+# -- directories: a DCP checkpoint's members, local or under a URL ----------------------------
+
+
+def join(directory: str, name: str) -> str:
+    """``directory/name`` for a local directory or a URL."""
+    if is_url(directory):
+        return directory.rstrip("/") + "/" + name
+    return os.path.join(directory, name)
+
+
+def member_sizes(directory: str, names: list[str]) -> dict[str, int]:
+    """Sizes of the regular files among ``names`` in ``directory`` (absent ones left out)."""
+    if is_url(directory):
+        from ckpttool.remote import member_sizes as remote_sizes
+
+        return remote_sizes(directory, names)
+    sizes = {}
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            sizes[name] = os.stat(path).st_size
+    return sizes
+
+
+def list_names(directory: str) -> list[str]:
+    """Names of the files directly in ``directory`` (a URL's, where its protocol can list)."""
+    if is_url(directory):
+        from ckpttool.remote import list_names as remote_names
+
+        return remote_names(directory)
+    return sorted(entry.name for entry in os.scandir(directory) if entry.is_file())
+
+
+def open_member(directory: str, name: str) -> int | RangeReader:
+    """A member file of ``directory`` opened for :func:`read_range`: a descriptor, or a remote
+    file. Raises OSError for a local file that cannot be opened."""
+    if is_url(directory):
+        from ckpttool.remote import open_remote
+
+        return open_remote(join(directory, name))
+    return os.open(os.path.join(directory, name), os.O_RDONLY)
+
+
+def close_member(source: int | RangeReader) -> None:
+    if isinstance(source, int):
+        os.close(source)
+    else:
+        source.close()

@@ -413,3 +413,60 @@ def test_convert_from_a_url_verifies_against_what_it_read(
     assert result.exit_code == 1, result.output
     assert "does not read back bit-for-bit equal" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors"]
+
+
+# -- torch.distributed.checkpoint directories ---------------------------------------------------
+
+DCP = FIXTURES / "dcp/checkpoint"
+
+
+def _serve_directory(server: RangeServer, directory: Path, prefix: str) -> str:
+    for member in directory.iterdir():
+        server.add(f"{prefix}/{member.name}", member.read_bytes())
+    return server.url(prefix) + "/"
+
+
+def test_a_dcp_directory_over_http(server: RangeServer, tmp_path: Path) -> None:
+    url = _serve_directory(server, DCP, DCP.name)  # the output's metadata names the source
+    assert show_json(url, "--stats") == show_json(DCP, "--stats")
+    verified = run("verify", url, "--json")
+    assert verified.exit_code == 0, verified.output
+    local = json.loads(run("verify", DCP, "--json").stdout)["files"][0]
+    found = json.loads(verified.stdout)["files"][0]
+    assert found["checked"] == local["checked"] and found["problems"] == []
+    out, expected = tmp_path / "url.safetensors", tmp_path / "local.safetensors"
+    assert run("convert", url, out).exit_code == 0
+    assert run("convert", DCP, expected).exit_code == 0
+    assert out.read_bytes() == expected.read_bytes()
+
+
+def test_a_dcp_directory_with_a_missing_rank_file_over_http(server: RangeServer) -> None:
+    url = _serve_directory(server, DCP, "step_1200")
+    del server.files["/step_1200/__1_0.distcp"]
+    result = run("show", url)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: {url}") and "__1_0.distcp" in result.stderr
+
+
+def test_a_remote_directory_without_metadata_is_refused(server: RangeServer) -> None:
+    url = server.url("nothing") + "/"
+    result = run("show", url)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: {url.rstrip('/')}")
+    assert "only torch.distributed.checkpoint ones are read from URLs" in result.stderr
+
+
+def test_a_dcp_directory_in_s3(bucket: str, tmp_path: Path) -> None:
+    import boto3
+
+    client = boto3.client("s3")
+    for member in DCP.iterdir():
+        client.put_object(Bucket="ckpts", Key=f"run1/dcp/{member.name}", Body=member.read_bytes())
+    client.put_object(Bucket="ckpts", Key="run1/dcp/__7_0.distcp", Body=b"stray")
+    url = f"{bucket}/dcp"  # a prefix the store lists: no trailing slash needed
+    assert show_json(url, "--stats") == show_json(DCP, "--stats")
+    verified = run("verify", url, "--json")
+    assert verified.exit_code == 0, verified.output
+    checked = json.loads(verified.stdout)["files"][0]["checked"]
+    assert "note: data files the metadata does not refer to: __7_0.distcp" in checked
+    assert run("diff", url, DCP).exit_code == 0
