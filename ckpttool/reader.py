@@ -60,6 +60,7 @@ class Checkpoint:
     _parsed: Parsed = field(repr=False)
     _handle: BinaryIO | None = field(repr=False)  # None for a directory of several files
     _all_tensors: list[TensorRecord] | None = field(default=None, repr=False)
+    _spans: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     @property
     def path(self) -> Path:
@@ -83,7 +84,28 @@ class Checkpoint:
 
     def storage_span(self, storage: StorageRecord) -> tuple[int, int]:
         """(absolute file offset, byte length) of a storage's bytes."""
+        known = self._spans.get(storage.key)
+        if known is not None:
+            return known
         return self._parsed.span(storage)
+
+    def resolve_spans(self, storages: list[StorageRecord]) -> None:
+        """A hint: these storages will be read. A remote file locates them all at once (each
+        needs its zip local header: small reads, made concurrently); a local file ignores it."""
+        spread = getattr(self._handle, "map_concurrently", None)
+        if spread is None or self._parsed.read is not None or self.format != "torch-zip":
+            return
+        wanted = list({s.key: s for s in storages if s.key not in self._spans}.values())
+
+        def locate(storage: StorageRecord) -> tuple[int, int] | None:
+            try:
+                return self._parsed.span(storage)
+            except CkptError:
+                return None  # reported when the tensor is read
+
+        for storage, span in zip(wanted, spread(locate, wanted)):
+            if span is not None:
+                self._spans[storage.key] = span
 
     def read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
         """The bytes covering ``record``'s elements and the element offset of its first one.
@@ -105,6 +127,23 @@ class Checkpoint:
         first = record.storage_offset * itemsize // ELEMENTS_PER_BYTE.get(record.dtype, 1)
         stop = record.stored_extent_bytes
         return self.read_storage(record.storage, first, stop, record.key), 0
+
+    def prefetch(self, record: TensorRecord) -> None:
+        """A hint: ``record``'s bytes will be read next. A remote file starts fetching them
+        (convert writes one tensor while the next arrives); a local file ignores it."""
+        ahead = getattr(self._handle, "prefetch", None)
+        if ahead is None or record.storage is None or record.inline_data is not None:
+            return
+        if self._parsed.read is not None:
+            return
+        try:
+            offset, length = self.storage_span(record.storage)
+        except CkptError:
+            return  # reported when the tensor is read
+        first = record.storage_offset * record.itemsize // ELEMENTS_PER_BYTE.get(record.dtype, 1)
+        stop = record.stored_extent_bytes
+        if stop <= length:
+            ahead(offset + first, stop - first)
 
     def read_storage(
         self, storage: StorageRecord, start: int, stop: int, key: str = ""

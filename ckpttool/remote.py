@@ -29,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -37,11 +37,14 @@ from urllib.parse import urljoin, urlsplit
 from ckpttool.errors import CkptError, InputError
 from ckpttool.source import SETTINGS, url_scheme
 
-BLOCK = 64 << 10  # cache granularity: a zip directory or a pickle is read in a few blocks
-CACHE_BLOCKS = 64  # 4 MiB of cache: the metadata of the largest files, never their values
+BLOCK = 16 << 10  # cache granularity: a zip directory or a pickle is read in a few blocks
+CACHE_BLOCKS = 128  # 2 MiB of cache: the metadata of the largest files, never their values
 SMALL_READ = 256 << 10  # reads up to this go through the cache; larger ones are fetched whole
 PART = 2 << 20  # a large read is split into parts of this size, fetched concurrently
 MAX_IN_FLIGHT = 4  # requests in flight at once for one file
+# A caller that knows what it reads next (convert) may have one range fetched ahead, while it
+# writes the current one: up to this size, so the extra memory stays a few MiB.
+MAX_PREFETCH = 4 << 20
 MAX_TRIES = 4  # attempts per request before a network fault is reported
 BACKOFF = 0.25  # seconds before the second attempt, doubled before each further one
 TIMEOUT = 30.0  # seconds a request may wait for the server before it counts as a fault
@@ -395,10 +398,12 @@ class RemoteFile(io.RawIOBase):
             self._backend = MemoryBackend(whole)
             backend.close()
         self.size = size
-        self._pos = 0
+        self._position = threading.local()  # seek/read per thread: headers read concurrently
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._ahead: tuple[int, int, Future[bytearray]] | None = None
         with _TOTALS_LOCK:
             TOTALS.files += 1
             TOTALS.bytes_total += size
@@ -411,6 +416,14 @@ class RemoteFile(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
+    @property
+    def _pos(self) -> int:
+        return getattr(self._position, "value", 0)
+
+    @_pos.setter
+    def _pos(self, value: int) -> None:
+        self._position.value = value
+
     def tell(self) -> int:
         return self._pos
 
@@ -420,21 +433,33 @@ class RemoteFile(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
-        data = self.read_range(self._pos, len(buffer))
+        position = self._pos
+        data = self.read_range(position, len(buffer))
         buffer[: len(data)] = data
-        self._pos += len(data)
+        self._pos = position + len(data)
         return len(data)
 
     def readall(self) -> bytes:
-        data = self.read_range(self._pos, max(0, self.size - self._pos))
-        self._pos += len(data)
+        position = self._pos
+        data = self.read_range(position, max(0, self.size - position))
+        self._pos = position + len(data)
         return bytes(data)
+
+    def map_concurrently(self, function: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        """``function`` over ``items`` on this file's request threads (``seek``/``read`` keep a
+        position per thread): many small reads, e.g. every storage's local header, in
+        ``MAX_IN_FLIGHT`` streams instead of one."""
+        with ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="ckpttool-map") as pool:
+            return list(pool.map(function, items))
 
     def fileno(self) -> int:
         raise io.UnsupportedOperation(f"{display_url(self.name)} is remote: it has no descriptor")
 
     def close(self) -> None:
         if not self.closed:
+            if self._ahead_pool is not None:
+                self._ahead_pool.shutdown(wait=True)
+            self._ahead = None
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self._backend.close()
@@ -447,6 +472,9 @@ class RemoteFile(io.RawIOBase):
         stop = min(self.size, offset + max(length, 0))
         if stop <= offset:
             return bytearray()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[:2] == (offset, stop):
+            return ahead[2].result()
         if stop - offset <= SMALL_READ:
             return self._cached(offset, stop)
         return self._parallel(offset, stop)
@@ -474,6 +502,16 @@ class RemoteFile(io.RawIOBase):
                 self._cache.popitem(last=False)
         joined = b"".join(blocks[i] for i in range(first, last + 1))
         return bytearray(joined[offset - first * BLOCK : stop - first * BLOCK])
+
+    def prefetch(self, offset: int, length: int) -> None:
+        """Start fetching ``[offset, offset + length)``, which the next :meth:`read_range` will
+        ask for (one range at a time; a larger one or a cached one is left alone)."""
+        stop = min(self.size, offset + length)
+        if not SMALL_READ < stop - offset <= MAX_PREFETCH:
+            return
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-ahead")
+        self._ahead = (offset, stop, self._ahead_pool.submit(self._parallel, offset, stop))
 
     def _parallel(self, offset: int, stop: int) -> bytearray:
         out = bytearray(stop - offset)

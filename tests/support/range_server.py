@@ -77,6 +77,9 @@ class RangeServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # headers and body go out in two writes: without this, Nagle's algorithm holds
+            # the body of a small response until the client's delayed ACK (40 ms)
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: object) -> None:
                 pass
