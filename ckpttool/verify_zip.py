@@ -24,7 +24,7 @@ CHUNK = 8 << 20
 
 
 def check_zip_records(
-    path: Path,
+    path: str | Path,
     progress: ProgressCallback | None = None,
     owners: Mapping[str, Sequence[str]] | None = None,
 ) -> list[str]:
@@ -114,7 +114,9 @@ def _record_problems(
     return problems
 
 
-def _crc_of(fd: int | RangeReader, start: int, size: int, progress: ProgressCallback | None) -> int | None:
+def _crc_of(
+    fd: int | RangeReader, start: int, size: int, progress: ProgressCallback | None
+) -> int | None:
     crc = 0
     done = 0
     while done < size:

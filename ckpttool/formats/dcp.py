@@ -131,8 +131,10 @@ class _RemoteWindow(_Window):
 
 
 def _window(source: int | RangeReader, base: int, length: int) -> _Window:
-    return _Window(source, base, length) if isinstance(source, int) else _RemoteWindow(
-        source, base, length
+    return (
+        _Window(source, base, length)
+        if isinstance(source, int)
+        else _RemoteWindow(source, base, length)
     )
 
 

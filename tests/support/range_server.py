@@ -92,10 +92,10 @@ class RangeServer:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                if server.require_token is not None:
-                    if self.headers.get("Authorization") != f"Bearer {server.require_token}":
-                        self._empty(401)
-                        return
+                token = server.require_token
+                if token is not None and self.headers.get("Authorization") != f"Bearer {token}":
+                    self._empty(401)
+                    return
                 served = server.files.get(self.path.split("?", 1)[0])
                 if served is None:
                     self._empty(404)
