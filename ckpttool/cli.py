@@ -473,6 +473,7 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     help="Accept this global (e.g. a config class you trust); repeatable.",
 )  # fmt: skip
 @json_option("scan")
+@remote_options
 def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) -> None:
     """List every global the pickles reference, classed safe / unknown / dangerous.
 

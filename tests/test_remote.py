@@ -509,3 +509,27 @@ def test_convert_fetches_the_next_tensor_while_writing_and_uses_it(
     assert len(prefetched) > 10
     tensor_bytes = json.loads(converted.stdout)["tensor_bytes"]
     assert server.bytes_sent < metadata_bytes + 1.5 * tensor_bytes
+
+
+def test_scan_a_url_as_a_local_file(server: RangeServer) -> None:
+    for target, local in [
+        (server.add(RESUME.name, RESUME.read_bytes()), RESUME),
+        (_serve_directory(server, DCP, DCP.name), DCP),
+    ]:
+        scanned, expected = run("scan", target, "--json"), run("scan", local, "--json")
+        assert scanned.exit_code == expected.exit_code == 0, scanned.output
+        files = [json.loads(r.stdout)["files"][0] for r in (scanned, expected)]
+        for found in files:
+            found.pop("path")
+        assert files[0] == files[1]
+
+
+def test_rescale_step_refuses_a_url(server: RangeServer) -> None:
+    url = server.add("resume.pth", RESUME.read_bytes())
+    result = run("rescale-step", url, "--world-size", "4", "--from-world-size", "8")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"Error: {url}: rescale-step rewrites a local file (atomically, with a rename); "
+        "download the checkpoint first\n"
+    )
+    assert server.requests == []
