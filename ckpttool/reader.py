@@ -206,8 +206,10 @@ def open_checkpoint(
     if is_url(name):
         from ckpttool.remote import is_directory
 
+        if name.endswith(".index.json"):
+            return _open_directory(name, strict, refuse_dangerous)
         if is_directory(name):
-            return _open_dcp(name, _open_remote_metadata(name), strict, refuse_dangerous)
+            return _open_remote_directory(name, strict, refuse_dangerous)
         return _open_file(name, open_source(name), strict, refuse_dangerous, track_spans)
     name = local_path(name)
     if not is_dcp_directory(name) and is_framework_path(name):
@@ -217,18 +219,25 @@ def open_checkpoint(
     return _open_dcp(name, _open_input(os.path.join(name, DCP_METADATA)), strict, refuse_dangerous)
 
 
-def _open_remote_metadata(url: str) -> Any:
-    """A remote directory's ``.metadata``: the one remote directory layout read (DCP)."""
+def _open_remote_directory(url: str, strict: bool, refuse_dangerous: bool) -> Checkpoint:
+    """A directory under a URL: DCP when it has a ``.metadata``, else a framework's layout
+    (which needs a store that lists: HTTP cannot)."""
+    from ckpttool.remote import display_url, url_scheme
+
     try:
-        return open_source(join(url, DCP_METADATA))
+        metadata = open_source(join(url, DCP_METADATA))
     except InputError as error:
         if "no such file" not in str(error):
             raise
+    else:
+        return _open_dcp(url, metadata, strict, refuse_dangerous)
+    if url_scheme(url) in ("http", "https", "hf"):
         raise InputError(
-            f"{_shown(url)}: a directory without a {DCP_METADATA} file; of directory "
-            "checkpoints, only torch.distributed.checkpoint ones are read from URLs (name a "
-            "checkpoint file in it)"
-        ) from None
+            f"{display_url(url)}: a directory without a {DCP_METADATA} file; HTTP cannot list a "
+            "directory, so of directory checkpoints only torch.distributed.checkpoint ones are "
+            "read from http(s):// and hf:// URLs (name a checkpoint file in it)"
+        )
+    return _open_directory(url, strict, refuse_dangerous)
 
 
 def _open_dcp(name: str, handle: Any, strict: bool, refuse_dangerous: bool) -> Checkpoint:

@@ -702,3 +702,10 @@ def _listing(directory: str) -> dict[str, int]:
         for entry in entries
         if entry.get("type") == "file"
     }
+
+
+def member_listing(directory: str) -> dict[str, int]:
+    """The files directly in a remote directory, by name, with sizes ({} over HTTP)."""
+    if url_scheme(directory) in ("http", "https", "hf"):
+        return {}
+    return dict(sorted(_listing(directory).items()))

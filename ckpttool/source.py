@@ -132,3 +132,40 @@ def close_member(source: int | RangeReader) -> None:
         os.close(source)
     else:
         source.close()
+
+
+# -- framework directories (Hugging Face, Trainer, accelerate): listing and small files ------
+
+
+def is_dir(path: str) -> bool:
+    """``os.path.isdir`` for a local path; for a URL, whether its store lists it as a directory."""
+    if is_url(path):
+        from ckpttool.remote import is_directory
+
+        return is_directory(path)
+    return os.path.isdir(path)
+
+
+def is_file(path: str) -> bool:
+    """``os.path.isfile`` for a local path; for a URL, whether it is not a directory (a missing
+    one is reported when it is read)."""
+    if is_url(path):
+        return not is_dir(path)
+    return os.path.isfile(path)
+
+
+def read_small(path: str, limit: int) -> bytes:
+    """A small file's bytes (an index, a JSON state); ``ValueError`` if over ``limit``, OSError
+    (local) or :class:`~ckpttool.errors.CkptError` (URL) if unreadable."""
+    if is_url(path):
+        from ckpttool.reader import open_source
+
+        with open_source(path) as handle:
+            if handle.size > limit:
+                raise ValueError(f"{handle.size} bytes of JSON, more than any index needs")
+            return bytes(handle.read())
+    size = os.path.getsize(path)
+    if size > limit:
+        raise ValueError(f"{size} bytes of JSON, more than any index needs")
+    with open(path, "rb") as handle:
+        return handle.read()
