@@ -600,3 +600,39 @@ def test_a_model_directory_from_s3(bucket: str, tmp_path: Path) -> None:
     assert "config.json" in names and sorted(p.name for p in from_url.iterdir()) == names
     for name in names:
         assert (from_url / name).read_bytes() == (from_file / name).read_bytes(), name
+
+
+# -- any fsspec protocol ------------------------------------------------------------------------
+
+
+def test_any_fsspec_protocol_reads_like_a_file() -> None:
+    """fsspec's in-memory filesystem stands for the protocols not started here (gs, az...):
+    the same code path, through fsspec's own registry."""
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/ckpts/resume.pth", RESUME.read_bytes())
+    try:
+        assert show_json("memory://ckpts/resume.pth", "--stats") == show_json(RESUME, "--stats")
+        assert run("verify", "memory://ckpts/resume.pth").exit_code == 0
+    finally:
+        memory.rm("/ckpts", recursive=True)
+
+
+def test_a_permission_failure_is_one_line_naming_the_url() -> None:
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Denied(MemoryFileSystem):
+        protocol = "denied"
+
+        def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+            raise PermissionError("AccessDenied: secret-key-id=AKIA... is not allowed")
+
+    fsspec.register_implementation("denied", Denied, clobber=True)
+    result = run("show", "denied://bucket/run1/model.pth")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "Error: denied://bucket/run1/model.pth: access denied; check this protocol's credentials "
+        "(environment, profile files)\n"
+    )
