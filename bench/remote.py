@@ -7,7 +7,8 @@ server (``tests/support/range_server.py``, in this process, on 127.0.0.1) and pr
 1. ``show`` of the resume file (~1.25 GB), local and by URL, with the requests and bytes the
    URL's show fetched (``--verbose``), and the target: 2x the local show plus its round trips;
 2. ``convert`` of the fp16 weights file (~218 MB) to safetensors: local, by URL, and a plain
-   streaming download (``urllib``, 1 MiB reads) followed by a local convert, with peak memory.
+   streaming download (``urllib``, 1 MiB reads) followed by a local convert, with peak memory;
+3. ``verify`` of the same file, local and by URL, with the bytes the URL's verify fetched.
 
 The server shares the machine's cores with the measured command: on a 2-core VM the URL rows
 pay for the server too.
@@ -50,10 +51,10 @@ def _round_trip_s(url: str, samples: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _fetched(url: str) -> tuple[int, int, int]:
-    """(requests, bytes fetched, file size) that ``ckpttool show URL --verbose`` reports."""
+def _fetched(url: str, command: str = "show") -> tuple[int, int, int]:
+    """(requests, bytes fetched, file size) that ``ckpttool COMMAND URL --verbose`` reports."""
     result = subprocess.run(
-        _ckpttool("show", url, "--verbose"), capture_output=True, text=True, check=True
+        _ckpttool(command, url, "--verbose"), capture_output=True, text=True, check=True
     )
     line = result.stderr.strip().splitlines()[-1]
     match = re.match(r"remote: ([\d,]+) requests, ([\d,]+) bytes fetched of ([\d,]+)", line)
@@ -110,6 +111,15 @@ def main(argv: list[str] | None = None) -> int:
                       runs=args.runs, warmup=args.warmup))  # fmt: skip
         same = url_out.read_bytes() == local_out.read_bytes()
         print(f"\nURL output identical to the local output: {same}")
+
+        requests, fetched, size = _fetched(weights_url, "verify")
+        print(f"\n### verify {weights.name}\n")
+        print(f"URL verify: {requests} requests, {fetched:,} bytes fetched of {size:,}\n")
+        rows = {
+            "ckpttool verify FILE": _ckpttool("verify", str(weights)),
+            "ckpttool verify URL": _ckpttool("verify", weights_url),
+        }
+        print(compare(rows, "ckpttool verify FILE", runs=args.runs, warmup=args.warmup))
     finally:
         server.stop()
     return 0
