@@ -61,7 +61,7 @@ def remote_options(command: F) -> F:
 
         SETTINGS.full_download, SETTINGS.verbose = full_download, verbose
         if "ckpttool.remote" in sys.modules:  # counts are per command (one process may run many)
-            sys.modules["ckpttool.remote"].TOTALS.__init__()
+            sys.modules["ckpttool.remote"].reset_totals()
         try:
             return command(*args, **kwargs)
         finally:

@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -38,7 +38,7 @@ from ckpttool.errors import CkptError, InputError
 from ckpttool.source import SETTINGS, url_scheme
 
 BLOCK = 16 << 10  # cache granularity: a zip directory or a pickle is read in a few blocks
-CACHE_BLOCKS = 128  # 2 MiB of cache: the metadata of the largest files, never their values
+CACHE_BLOCKS = 64  # 1 MiB of cache: the metadata of the largest files, never their values
 SMALL_READ = 256 << 10  # reads up to this go through the cache; larger ones are fetched whole
 PART = 2 << 20  # a large read is split into parts of this size, fetched concurrently
 MAX_IN_FLIGHT = 4  # requests in flight at once for one file
@@ -71,14 +71,28 @@ class ChangedError(InputError):
 class Totals:
     """Requests made and bytes fetched, over every remote file opened (``--verbose``)."""
 
-    files: int = 0
     requests: int = 0
     bytes_fetched: int = 0
-    bytes_total: int = 0  # the sizes of the files opened
+    sizes: dict[str, int] = field(default_factory=dict)  # each file opened (once, if reopened)
+
+    @property
+    def files(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self.sizes.values())
 
 
 TOTALS = Totals()
 _TOTALS_LOCK = threading.Lock()
+
+
+def reset_totals() -> None:
+    """Start counting afresh (one process may run several commands: the tests do)."""
+    with _TOTALS_LOCK:
+        TOTALS.requests = TOTALS.bytes_fetched = 0
+        TOTALS.sizes.clear()
 
 
 def display_url(url: str) -> str:
@@ -405,8 +419,7 @@ class RemoteFile(io.RawIOBase):
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._ahead: tuple[int, int, Future[bytearray]] | None = None
         with _TOTALS_LOCK:
-            TOTALS.files += 1
-            TOTALS.bytes_total += size
+            TOTALS.sizes[url] = size
         self._count(1, 1 if whole is None else size)
 
     # -- io.RawIOBase ------------------------------------------------------------------------

@@ -127,9 +127,13 @@ def test_diff_url_against_local(server: RangeServer) -> None:
 def test_verify_over_http_reads_every_byte_once(server: RangeServer) -> None:
     data = RESUME.read_bytes()
     url = server.add("resume.pth", data)
-    result = run("verify", url)
+    result = run("verify", url, "--verbose")
     assert result.exit_code == 0, result.output
     assert "OK (torch-zip)" in result.stdout
+    # verify opens the URL more than once: its size is counted once
+    assert result.stderr.splitlines()[-1].endswith(
+        f"bytes fetched of {len(data):,} (" + (f"{100 * server.bytes_sent / len(data):.3f} %)")
+    )
     # every byte once, plus the few blocks the directory and local headers are read through
     assert len(data) <= server.bytes_sent <= len(data) + 12 * remote.BLOCK
 
