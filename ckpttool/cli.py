@@ -13,7 +13,13 @@ from typing import Any, NoReturn
 import click
 
 from ckpttool import __version__
-from ckpttool.cli_options import force_option, json_option, key_prefix_options, section_option
+from ckpttool.cli_options import (
+    force_option,
+    json_option,
+    key_prefix_options,
+    remote_options,
+    section_option,
+)
 from ckpttool.errors import EXIT_ERROR, CkptError, InputError
 
 EXIT_CODES_HELP = """\b
@@ -80,6 +86,7 @@ def _echo_json(data: object) -> None:
 @click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")
 @click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
 @click.option("--depth", type=click.IntRange(min=0), help="Limit --tree to this depth.")
+@remote_options
 def show(
     path: str,
     as_json: bool,
@@ -170,6 +177,7 @@ def show(
 )  # fmt: skip
 @click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
 @json_option("diff")
+@remote_options
 def diff_command(
     path_a: str,
     path_b: str,
@@ -362,6 +370,7 @@ def rescale_step(
 @click.option("--no-verify", is_flag=True, help="Skip reading the output back (not advised).")
 @force_option
 @json_option("convert")
+@remote_options
 def convert_command(
     src: str,
     dst: str | None,
@@ -428,6 +437,7 @@ def convert_command(
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--values", is_flag=True, help="Also read every floating tensor: NaN/Inf.")
 @json_option("verify")
+@remote_options
 def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     """Check files' integrity without trusting them.
 
@@ -474,6 +484,7 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     help="Accept this global (e.g. a config class you trust); repeatable.",
 )  # fmt: skip
 @json_option("scan")
+@remote_options
 def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) -> None:
     """List every global the pickles reference, classed safe / unknown / dangerous.
 

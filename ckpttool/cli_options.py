@@ -46,3 +46,36 @@ def key_prefix_options(command: F) -> F:
         "--strip-prefix", "strip", multiple=True, metavar="PREFIX",
         help="Remove PREFIX from the start of every tensor name that has it (repeatable).",
     )(command)  # fmt: skip
+
+
+def remote_options(command: F) -> F:
+    """``--full-download`` and ``--verbose``, for the commands that read checkpoints (URLs
+    included): they set :data:`ckpttool.source.SETTINGS` for the library calls the command makes."""
+    import functools
+
+    @functools.wraps(command)
+    def run(*args: Any, full_download: bool, verbose: bool, **kwargs: Any) -> Any:
+        import sys
+
+        from ckpttool.source import SETTINGS
+
+        SETTINGS.full_download, SETTINGS.verbose = full_download, verbose
+        if "ckpttool.remote" in sys.modules:  # counts are per command (one process may run many)
+            sys.modules["ckpttool.remote"].reset_totals()
+        try:
+            return command(*args, **kwargs)
+        finally:
+            remote = sys.modules.get("ckpttool.remote")  # loaded only if a URL was opened
+            if verbose and remote is not None and remote.TOTALS.files:
+                click.echo(remote.totals_line(), err=True)
+
+    run = click.option(
+        "--verbose", "-v", is_flag=True,
+        help="For URLs: print the requests made and the bytes fetched (on stderr).",
+    )(run)  # fmt: skip
+    run = click.option(
+        "--full-download", is_flag=True,
+        help="For a URL whose server ignores Range requests: download the whole file into "
+        "memory instead of refusing it.",
+    )(run)  # fmt: skip
+    return run  # type: ignore[return-value]

@@ -42,6 +42,7 @@ from ckpttool.frameworks.huggingface import SAFE_WEIGHTS_NAME
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
+from ckpttool.source import is_url, local_path
 from ckpttool.values import dense_record, read_array
 from ckpttool.writers import PickledTensor, safetensors_header, write_pth
 from ckpttool.zero_consolidate import open_source, zero_note
@@ -64,7 +65,7 @@ class VerificationError(CkptError):
 class ConvertReport:
     """What a conversion wrote (``outputs``: shards first, index last)."""
 
-    source: Path
+    source: Path | str | os.PathLike[str]  # a local path, or the URL read
     outputs: list[Path]
     format: str  # "safetensors" or "pth"
     layout: str
@@ -116,8 +117,8 @@ def convert(
     if to is not None and to not in FORMATS:
         raise InputError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
-    src_path = Path(src)
-    with open_source(src_path) as ckpt:
+    src_path = _local_name(src, dst)
+    with open_source(src) as ckpt:
         plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
                           pattern=pattern, dtype=dtype, keep_shared=keep_shared,
                           densify=densify, dequantize=dequantize,
@@ -149,13 +150,46 @@ def convert(
                 copied = model_dir.copy_files(source_dir, staging)
             files = model_dir.moved(files, target)
             report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
+            _name_remote_source(report, src, verify)
             report.directory = target
             report.copied = copied
             return report
         files = plan_outputs(src_path, dst, to, shard_size, plan)
         check_targets(src_path, files, force)
         counts = write(plan, files)
-    return _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
+    report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
+    _name_remote_source(report, src, verify)
+    return report
+
+
+def _name_remote_source(report: ConvertReport, src: str | os.PathLike[str], verify: bool) -> None:
+    """A URL source is reported as given (not as a mangled path), with how it was verified."""
+    if not is_url(src):
+        return
+    report.source = src
+    if verify:
+        report.notes.append(
+            "verified against the CRC-32 of each tensor as fetched (the URL is not fetched twice)"
+        )
+
+
+def _local_name(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None) -> Path:
+    """``src`` as a path, for naming outputs: a URL's file name, in the current directory (as
+    a download would be). A URL destination is refused: the output is verified before it
+    replaces anything, which only a local rename guarantees."""
+    if dst is not None and is_url(dst):
+        raise InputError(
+            f"{dst}: convert writes to local paths only (an object store cannot take a file "
+            "atomically after it was verified); convert to a local file, then upload it"
+        )
+    if not is_url(src):
+        return Path(local_path(os.fspath(src)))
+    from urllib.parse import urlsplit
+
+    name = urlsplit(os.fspath(src)).path.rstrip("/").rsplit("/", 1)[-1]
+    if not name:
+        raise InputError(f"{src}: the URL names no file")
+    return Path(name)
 
 
 def _write_outputs(
@@ -171,9 +205,25 @@ def _write_outputs(
     when ``verify``, read them back before they replace anything. Returns what each cast
     tensor lost (overflow, underflow), by name."""
     counts: dict[str, CastCounts] = {}
+    # A remote source is not fetched a second time to verify: the CRC-32 of each tensor's bytes
+    # is taken as they are written, and the output is read back against it. (SHA-256 was
+    # measured: on two cores it made a URL's convert slower than a download and a local one.)
+    remote_source = is_url(ckpt.name)
+    hashing = _Hashing() if verify and remote_source else None
+    # the order produce is called in (each file's tensors, files in turn): the next one is
+    # fetched while this one is written, when the source is remote
+    sequence = [p for f in files if f.kind != "index" for p in f.tensors if not p.kept]
+    following = dict(zip((p.name for p in sequence), sequence[1:]))
+    if remote_source:
+        ckpt.resolve_spans([p.record.storage for p in sequence if p.record.storage is not None])
 
     def produce(planned: Planned) -> bytes | bytearray | memoryview:
         data, cast = tensor_bytes(ckpt, planned)
+        upcoming = following.get(planned.name) if remote_source else None
+        if upcoming is not None:
+            ckpt.prefetch(upcoming.record)
+        if hashing is not None:
+            hashing.add(planned.name, data)
         if cast is not None:
             counts[planned.name] = cast
             if cast.overflow and not allow_overflow:
@@ -188,7 +238,9 @@ def _write_outputs(
 
     def check(temps: list[Path]) -> None:
         if verify:
-            verify_outputs(ckpt, list(zip(temps, files)), progress)
+            digests = hashing.digests() if hashing is not None else None
+            verify_outputs(ckpt, list(zip(temps, files)), progress, digests)
+        ckpt.check_unchanged()  # a remote source replaced mid-read must not be committed
 
     try:
         with atomic_group([f.target for f in files], check=check) as handles:
@@ -196,7 +248,38 @@ def _write_outputs(
                 _write(handle, out_file, plan.names, produce, keep)
     except OSError as error:  # permissions, a full disk: one line, not a traceback
         raise InputError(f"conversion failed, nothing was written: {error}") from error
+    finally:
+        if hashing is not None:
+            hashing.close()
     return counts
+
+
+class _Hashing:
+    """The CRC-32 of each tensor written, computed on a thread of its own (zlib releases the
+    GIL) while the next tensor is fetched and this one written; at most two tensors wait, so
+    memory stays bounded by what the conversion holds anyway."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-crc32")
+        self._pending: list[tuple[str, Future[bytes]]] = []
+        self._done: dict[str, bytes] = {}
+
+    def add(self, name: str, data: bytes | bytearray | memoryview) -> None:
+        while len(self._pending) >= 2:
+            first, future = self._pending.pop(0)
+            self._done[first] = future.result()
+        self._pending.append((name, self._pool.submit(_digest, data)))
+
+    def digests(self) -> dict[str, bytes]:
+        for name, future in self._pending:
+            self._done[name] = future.result()
+        self._pending.clear()
+        return self._done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def _build_report(
@@ -327,10 +410,21 @@ def _write_with_torch(
     out.expected_size = handle.tell()
 
 
+def _digest(data: bytes | bytearray | memoryview) -> bytes:
+    import zlib
+
+    return zlib.crc32(data).to_bytes(4, "little")
+
+
 def verify_outputs(
-    ckpt: Checkpoint, written: list[tuple[Path, OutFile]], progress: ProgressCallback
+    ckpt: Checkpoint,
+    written: list[tuple[Path, OutFile]],
+    progress: ProgressCallback,
+    digests: dict[str, bytes] | None = None,
 ) -> None:
-    """Read every written file back through the reader; raise if anything differs."""
+    """Read every written file back through the reader; raise if anything differs. With
+    ``digests`` (tensor name -> CRC-32 of the bytes written), plain tensors are compared with
+    them instead of being read from the source again."""
     problems: list[str] = []
     for temp, out in written:
         size = temp.stat().st_size
@@ -340,7 +434,7 @@ def verify_outputs(
             if temp.read_bytes() != out.content:
                 problems.append(f"{out.target.name} does not hold the index written")
         else:
-            problems += _verify_file(ckpt, temp, out, progress)
+            problems += _verify_file(ckpt, temp, out, progress, digests)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         raise VerificationError(
@@ -350,7 +444,11 @@ def verify_outputs(
 
 
 def _verify_file(
-    ckpt: Checkpoint, temp: Path, out: OutFile, progress: ProgressCallback
+    ckpt: Checkpoint,
+    temp: Path,
+    out: OutFile,
+    progress: ProgressCallback,
+    digests: dict[str, bytes] | None = None,
 ) -> list[str]:
     name = out.target.name
     try:
@@ -366,7 +464,22 @@ def _verify_file(
             return [f"{name} holds tensors {_diff_names(found, expected)}"]
         if out.kind == "safetensors" and written.metadata != out.metadata:
             return [f"{name}'s __metadata__ differs from what was written"]
-        problems = []
+        return _compare_file(ckpt, written, out, found, progress, digests)
+
+
+def _compare_file(
+    ckpt: Checkpoint,
+    written: Checkpoint,
+    out: OutFile,
+    found: dict[str, TensorRecord],
+    progress: ProgressCallback,
+    digests: dict[str, bytes] | None,
+) -> list[str]:
+    """Each tensor of ``out`` as ``written`` holds it, against the source (or ``digests``: the
+    bytes read back are hashed on a thread of its own while the next tensor is read)."""
+    problems: list[str] = []
+    read_back = _Hashing() if digests is not None else None
+    try:
         for planned in out.tensors:
             record = found[planned.name]
             if (record.dtype, record.shape) != (planned.dtype, planned.record.shape):
@@ -378,15 +491,25 @@ def _verify_file(
                     problems.append(f"{planned.name} does not read back as the same tensor")
                 progress(planned.nbytes)
                 continue
-            want, _ = tensor_bytes(ckpt, planned)
             got = _stored_bytes(written, record)
-            if got is None or not _same_bytes(want, got):
+            if got is not None and read_back is not None and digests and planned.name in digests:
+                read_back.add(planned.name, got)  # compared below
+            elif got is None or not _same_bytes(tensor_bytes(ckpt, planned)[0], got):
                 problems.append(f"{planned.name} does not read back bit-for-bit equal")
             progress(planned.nbytes)
-        for alias, stored in out.aliases.items():
-            if out.kind == "pth" and not _same_view(found[alias], found[stored]):
-                problems.append(f"{alias} does not share {stored}'s storage")
-        return [f"{name}: {problem}" for problem in problems]
+        if read_back is not None and digests is not None:
+            problems += [
+                f"{tensor} does not read back bit-for-bit equal"
+                for tensor, digest in read_back.digests().items()
+                if digest != digests[tensor]
+            ]
+    finally:
+        if read_back is not None:
+            read_back.close()
+    for alias, stored in out.aliases.items():
+        if out.kind == "pth" and not _same_view(found[alias], found[stored]):
+            problems.append(f"{alias} does not share {stored}'s storage")
+    return [f"{out.target.name}: {problem}" for problem in problems]
 
 
 def _stored_bytes(written: Checkpoint, record: TensorRecord) -> memoryview | None:

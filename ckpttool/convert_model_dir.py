@@ -32,6 +32,7 @@ from ckpttool.atomic import TMP_SUFFIX, fsync_dir
 from ckpttool.convert_output import INDEX_SUFFIX, OutFile
 from ckpttool.convert_plan import FIELD_PREFIX, Plan
 from ckpttool.errors import InputError, OutputExistsError
+from ckpttool.frameworks import MAX_JSON_BYTES, list_files
 from ckpttool.frameworks.huggingface import (
     BIN_SHARD,
     CONFIG_NAME,
@@ -45,6 +46,7 @@ from ckpttool.frameworks.huggingface import (
     WEIGHTS_NAME,
 )
 from ckpttool.reader import Checkpoint
+from ckpttool.source import is_url, join, read_small
 
 #: The layouts whose model a model directory is written from.
 SOURCE_LAYOUTS = (HF_MODEL, HF_TRAINER)
@@ -61,11 +63,13 @@ MODEL_DIR_FILES = frozenset(
 CONFIG_ENTRIES = ("config", "generation_config")
 
 
-def source_directory(ckpt: Checkpoint) -> Path | None:
-    """The Hugging Face directory ``ckpt`` was read from, or None for any other source."""
+def source_directory(ckpt: Checkpoint) -> Path | str | None:
+    """The Hugging Face directory ``ckpt`` was read from (a URL as a str), or None for any
+    other source."""
     if ckpt.format != "directory" or ckpt.details.get("layout") not in SOURCE_LAYOUTS:
         return None
-    return Path(ckpt.details["directory"])
+    directory = str(ckpt.details["directory"])
+    return directory if is_url(directory) else Path(directory)
 
 
 def wants_model_dir(ckpt: Checkpoint, dst: str | os.PathLike[str] | None) -> bool:
@@ -105,10 +109,15 @@ def _entry(field_key: str) -> str:
     return field_key.removeprefix(FIELD_PREFIX).split(".")[0]
 
 
-def check_target(src_dir: Path, target: Path, force: bool) -> None:
+def check_target(src_dir: Path | str, target: Path, force: bool) -> None:
     """Refuse the source itself, a file, and an existing directory without ``force`` or with
     files a model directory does not hold (``force`` must never remove a user's other files)."""
-    if target.exists() and src_dir.exists() and os.path.samefile(target, src_dir):
+    if (
+        isinstance(src_dir, Path)
+        and target.exists()
+        and src_dir.exists()
+        and os.path.samefile(target, src_dir)
+    ):
         raise InputError(f"{target}: the output would overwrite the source; name another DST")
     if target.exists() and not target.is_dir():
         raise InputError(f"{target}: exists and is not a directory")
@@ -173,15 +182,22 @@ def _replace_directory(staging: Path, target: Path, parent: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def copy_files(src_dir: Path, staging: Path) -> list[str]:
+def copy_files(src_dir: Path | str, staging: Path) -> list[str]:
     """Copy ``config.json`` and ``generation_config.json`` byte for byte, fsynced; return the
-    names copied."""
+    names copied (from a URL's directory: those its listing holds)."""
     copied = []
+    listed = list_files(src_dir) if isinstance(src_dir, str) else None
     for name in COPIED_FILES:
-        source = src_dir / name
-        if not source.is_file():
-            continue
-        data = source.read_bytes()
+        if listed is not None:
+            if name not in listed:
+                continue
+            data = read_small(join(str(src_dir), name), MAX_JSON_BYTES)
+        else:
+            assert isinstance(src_dir, Path)
+            source = src_dir / name
+            if not source.is_file():
+                continue
+            data = source.read_bytes()
         with open(staging / name, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -26,7 +26,7 @@ from ckpttool.errors import (
     NotACheckpointError,
     name_file,
 )
-from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory, read_at
+from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory
 from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
 from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_growing, read_torch_legacy
 from ckpttool.formats.torch_zip import read_torch_zip
@@ -39,6 +39,7 @@ from ckpttool.records import (
     stored_records,
     tensors,
 )
+from ckpttool.source import is_url, join, local_path, read_range, source_of, source_size
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -59,6 +60,7 @@ class Checkpoint:
     _parsed: Parsed = field(repr=False)
     _handle: BinaryIO | None = field(repr=False)  # None for a directory of several files
     _all_tensors: list[TensorRecord] | None = field(default=None, repr=False)
+    _spans: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     @property
     def path(self) -> Path:
@@ -82,7 +84,28 @@ class Checkpoint:
 
     def storage_span(self, storage: StorageRecord) -> tuple[int, int]:
         """(absolute file offset, byte length) of a storage's bytes."""
+        known = self._spans.get(storage.key)
+        if known is not None:
+            return known
         return self._parsed.span(storage)
+
+    def resolve_spans(self, storages: list[StorageRecord]) -> None:
+        """A hint: these storages will be read. A remote file locates them all at once (each
+        needs its zip local header: small reads, made concurrently); a local file ignores it."""
+        spread = getattr(self._handle, "map_concurrently", None)
+        if spread is None or self._parsed.read is not None or self.format != "torch-zip":
+            return
+        wanted = list({s.key: s for s in storages if s.key not in self._spans}.values())
+
+        def locate(storage: StorageRecord) -> tuple[int, int] | None:
+            try:
+                return self._parsed.span(storage)
+            except CkptError:
+                return None  # reported when the tensor is read
+
+        for storage, span in zip(wanted, spread(locate, wanted)):
+            if span is not None:
+                self._spans[storage.key] = span
 
     def read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
         """The bytes covering ``record``'s elements and the element offset of its first one.
@@ -93,7 +116,7 @@ class Checkpoint:
         try:
             return self._read_bytes(record)
         except CkptError as error:
-            raise name_file(error, self.name) from None
+            raise name_file(error, _shown(self.name)) from None
 
     def _read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
         if record.inline_data is not None:
@@ -104,6 +127,23 @@ class Checkpoint:
         first = record.storage_offset * itemsize // ELEMENTS_PER_BYTE.get(record.dtype, 1)
         stop = record.stored_extent_bytes
         return self.read_storage(record.storage, first, stop, record.key), 0
+
+    def prefetch(self, record: TensorRecord) -> None:
+        """A hint: ``record``'s bytes will be read next. A remote file starts fetching them
+        (convert writes one tensor while the next arrives); a local file ignores it."""
+        ahead = getattr(self._handle, "prefetch", None)
+        if ahead is None or record.storage is None or record.inline_data is not None:
+            return
+        if self._parsed.read is not None:
+            return
+        try:
+            offset, length = self.storage_span(record.storage)
+        except CkptError:
+            return  # reported when the tensor is read
+        first = record.storage_offset * record.itemsize // ELEMENTS_PER_BYTE.get(record.dtype, 1)
+        stop = record.stored_extent_bytes
+        if stop <= length:
+            ahead(offset + first, stop - first)
 
     def read_storage(
         self, storage: StorageRecord, start: int, stop: int, key: str = ""
@@ -120,10 +160,20 @@ class Checkpoint:
         if stop > length:
             raise CorruptCheckpointError(f"{what}: extends past its storage's bytes")
         assert self._handle is not None  # a directory's storages are read through _parsed.read
-        data = read_at(self._handle.fileno(), stop - start, offset + start)
+        data = read_range(source_of(self._handle), stop - start, offset + start)
         if len(data) != stop - start:
             raise CorruptCheckpointError(f"{what}: file ends inside its data (truncated)")
         return data
+
+    def check_unchanged(self) -> None:
+        """Raise if a remote source is no longer the object that was opened (a store whose
+        ranged reads cannot carry that check on each request is asked once more here)."""
+        check = getattr(self._handle, "check_unchanged", None)
+        if check is not None:
+            try:
+                check()
+            except CkptError as error:
+                raise name_file(error, _shown(self.name)) from None
 
     def close(self) -> None:
         if self._handle is not None:
@@ -153,35 +203,64 @@ def open_checkpoint(
     refusing the file (``scan``).
     """
     name = os.fspath(path)
+    if is_url(name):
+        from ckpttool.remote import is_directory
+
+        if name.endswith(".index.json"):
+            return _open_directory(name, strict, refuse_dangerous)
+        if is_directory(name):
+            return _open_remote_directory(name, strict, refuse_dangerous)
+        return _open_file(name, open_source(name), strict, refuse_dangerous, track_spans)
+    name = local_path(name)
     if not is_dcp_directory(name) and is_framework_path(name):
         return _open_directory(name, strict, refuse_dangerous)
-    directory = is_dcp_directory(name)
-    handle = _open_input(os.path.join(name, DCP_METADATA) if directory else name)
+    if not is_dcp_directory(name):
+        return _open_file(name, _open_input(name), strict, refuse_dangerous, track_spans)
+    return _open_dcp(name, _open_input(os.path.join(name, DCP_METADATA)), strict, refuse_dangerous)
+
+
+def _open_remote_directory(url: str, strict: bool, refuse_dangerous: bool) -> Checkpoint:
+    """A directory under a URL: DCP when it has a ``.metadata``, else a framework's layout
+    (which needs a store that lists: HTTP cannot)."""
+    from ckpttool.remote import display_url, url_scheme
+
+    try:
+        metadata = open_source(join(url, DCP_METADATA))
+    except InputError as error:
+        if "no such file" not in str(error):
+            raise
+    else:
+        return _open_dcp(url, metadata, strict, refuse_dangerous)
+    if url_scheme(url) in ("http", "https", "hf"):
+        raise InputError(
+            f"{display_url(url)}: a directory without a {DCP_METADATA} file; HTTP cannot list a "
+            "directory, so of directory checkpoints only torch.distributed.checkpoint ones are "
+            "read from http(s):// and hf:// URLs (name a checkpoint file in it)"
+        )
+    return _open_directory(url, strict, refuse_dangerous)
+
+
+def _open_dcp(name: str, handle: Any, strict: bool, refuse_dangerous: bool) -> Checkpoint:
+    """A torch.distributed.checkpoint directory (local, or a URL) whose ``.metadata`` is open."""
     parsed: Parsed | None = None
     try:
-        if directory:
-            # imported here: listing a single file should not pay for the DCP reader
+        # imported here: listing a single file should not pay for the DCP reader
+        from ckpttool.formats.dcp import read_dcp
+
+        directory: Any = name
+        if not is_url(name):
             from pathlib import Path
 
-            from ckpttool.formats.dcp import data_size as dcp_size
-            from ckpttool.formats.dcp import read_dcp
-
-            parsed = read_dcp(Path(name), handle, strict=strict, refuse_dangerous=refuse_dangerous)
-            file_size = dcp_size(Path(name), parsed)
-        else:
-            file_size = os.fstat(handle.fileno()).st_size
-            parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
-            _read_pickled_module(parsed)
+            directory = Path(name)
+        parsed = read_dcp(directory, handle, strict=strict, refuse_dangerous=refuse_dangerous)
+        files = parsed.details.get("files", {})
+        file_size = source_size(handle) + sum(size for size in files.values() if size)
         records = tensors(parsed.root)
         problems = list(parsed.problems) + check_extents(parsed, records)
         if problems and strict:
             raise CorruptCheckpointError(problems[0])
     except BaseException as error:
-        handle.close()
-        if parsed is not None and parsed.close is not None:
-            parsed.close()
-        if isinstance(error, CkptError):
-            name_file(error, name)
+        _close_on_error(error, name, handle, parsed)
         raise
     return Checkpoint(
         name=name,
@@ -196,6 +275,67 @@ def open_checkpoint(
         _handle=handle,
         _all_tensors=records,
     )
+
+
+def _open_file(
+    name: str, handle: Any, strict: bool, refuse_dangerous: bool, track_spans: bool
+) -> Checkpoint:
+    """One checkpoint file, local or remote, opened as ``handle``."""
+    parsed: Parsed | None = None
+    try:
+        file_size = source_size(handle)
+        parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
+        _read_pickled_module(parsed)
+        records = tensors(parsed.root)
+        problems = list(parsed.problems) + check_extents(parsed, records)
+        if problems and strict:
+            raise CorruptCheckpointError(problems[0])
+    except BaseException as error:
+        _close_on_error(error, name, handle, parsed)
+        raise
+    return Checkpoint(
+        name=name,
+        format=parsed.format,
+        root=parsed.root,
+        file_size=file_size,
+        details=parsed.details,
+        metadata=parsed.metadata,
+        problems=problems,
+        pickle=parsed.pickle,
+        _parsed=parsed,
+        _handle=handle,
+        _all_tensors=records,
+    )
+
+
+def _close_on_error(error: BaseException, name: str, handle: Any, parsed: Parsed | None) -> None:
+    handle.close()
+    if parsed is not None and parsed.close is not None:
+        parsed.close()
+    if isinstance(error, CkptError):
+        name_file(error, _shown(name))
+
+
+def _shown(name: str) -> str:
+    """How errors name ``name``: a URL without credentials or a presigned query."""
+    if is_url(name):
+        from ckpttool.remote import display_url
+
+        return display_url(name)
+    return name
+
+
+def open_source(name: str) -> Any:
+    """``name`` opened for reading: a local file, or a remote one read by ranges (a URL)."""
+    if is_url(name):
+        from ckpttool.remote import open_remote  # fsspec and friends only for URLs
+
+        handle = open_remote(name)
+        if handle.size == 0:
+            handle.close()
+            raise InputError(f"{_shown(name)}: the file is empty (an interrupted save?)")
+        return handle
+    return _open_input(local_path(name))
 
 
 def _read_pickled_module(parsed: Parsed) -> None:

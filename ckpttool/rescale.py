@@ -231,6 +231,13 @@ def rescale_step(
     nothing. ``step_key`` names the field to rescale; when not given, the file must be a
     resume checkpoint and ``step`` is used. Raises a :class:`~ckpttool.errors.CkptError`.
     """
+    from ckpttool.source import is_url
+
+    if is_url(path) or (output is not None and is_url(output)):
+        raise InputError(
+            f"{output if output is not None and is_url(output) else path}: rescale-step "
+            "rewrites a local file (atomically, with a rename); download the checkpoint first"
+        )
     path = Path(path)
     target = Path(output) if output is not None else path
     in_place = _same_file(path, target)

@@ -19,14 +19,16 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckpttool.errors import CkptError, NotACheckpointError, UnsafePickleError
 from ckpttool.formats.dcp import METADATA, DcpFiles, is_dcp_directory, load_metadata, present
 from ckpttool.formats.torch_zip import is_torchscript, open_zip, read_record
 from ckpttool.pickle.interpreter import SafeUnpickler
 from ckpttool.pickle.policy import Verdict
-from ckpttool.reader import open_checkpoint
+from ckpttool.reader import open_checkpoint, open_source
 from ckpttool.records import StorageRecord
+from ckpttool.source import is_url, join, member_sizes, source_size
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,14 @@ class ScanReport:
         return any(f.flagged or f.notes for f in self.files)
 
 
-def _pickles_of_zip(path: Path) -> tuple[str, list[tuple[str, bytes]], list[str], list[str]]:
+def _open(path: Path | str) -> Any:
+    """A local file, or a URL's remote file (read by ranges)."""
+    return open_source(path) if isinstance(path, str) and is_url(path) else open(path, "rb")
+
+
+def _pickles_of_zip(path: Path | str) -> tuple[str, list[tuple[str, bytes]], list[str], list[str]]:
     """(format, [(record name, pickle bytes)], notes, unreadable) for a zip's .pkl records."""
-    with open(path, "rb") as handle:
+    with _open(path) as handle:
         archive = open_zip(handle)
         names = archive.namelist()
         notes = []
@@ -90,7 +97,7 @@ def _pickles_of_zip(path: Path) -> tuple[str, list[tuple[str, bytes]], list[str]
             notes.append("a TorchScript archive: it carries code that torch.jit.load would run")
         pickles = []
         unreadable = []  # not scanned: the file could not be (fully) checked
-        file_size = os.fstat(handle.fileno()).st_size
+        file_size = source_size(handle)
         for info in archive.infolist():
             if info.filename.endswith(".pkl"):
                 try:  # bounded: a deflated record could inflate to gigabytes
@@ -114,22 +121,24 @@ def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, Verdict]], str |
     return Counter(unpickler.result.globals_seen), attack, problem
 
 
-def _is_zip(path: Path) -> bool:
-    with open(path, "rb") as handle:
+def _is_zip(path: Path | str) -> bool:
+    with _open(path) as handle:
         return handle.read(4) == b"PK\x03\x04"
 
 
-def _scan_dcp(path: Path) -> tuple[Counter[tuple[str, str, Verdict]], list[str], list[str]]:
+def _scan_dcp(path: Path | str) -> tuple[Counter[tuple[str, str, Verdict]], list[str], list[str]]:
     """Globals of a DCP directory's every pickle: ``.metadata``, then each stored item's."""
-    counts, attack, problem = _walk_globals((path / METADATA).read_bytes())
+    metadata = join(str(path), METADATA)
+    with _open(metadata) as handle:
+        counts, attack, problem = _walk_globals(handle.read())
     if attack or problem:  # the metadata cannot be trusted to say where the items are
         return counts, [f"{METADATA}: {attack}"] if attack else [], [f"{METADATA}: {problem}"]
     try:
-        with open(path / METADATA, "rb") as handle:
+        with _open(metadata) as handle:
             _, meta = load_metadata(handle, refuse_dangerous=False)
     except CkptError as error:  # not DCP metadata (an attack's pickle?): report its globals
         return counts, [], [f"{METADATA}: {error}"]
-    sizes = {name: (path / name).stat().st_size for name in meta.files if (path / name).is_file()}
+    sizes = member_sizes(str(path), list(meta.files))
     files = DcpFiles(path, sizes)
     notes: list[str] = []
     problems: list[str] = []
@@ -153,13 +162,13 @@ def _scan_dcp(path: Path) -> tuple[Counter[tuple[str, str, Verdict]], list[str],
     return counts, notes, problems
 
 
-def scan_file(path: Path, allow: Iterable[str] = ()) -> FileScan:
+def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
     allowed = set(allow)
     counts: Counter[tuple[str, str, Verdict]] = Counter()
     notes: list[str] = []
     problems: list[str] = []
     try:
-        if is_dcp_directory(path):
+        if _is_dcp(path):
             fmt = "dcp"
             counts, notes, problems = _scan_dcp(path)
         elif _is_zip(path):
@@ -189,7 +198,15 @@ def scan_file(path: Path, allow: Iterable[str] = ()) -> FileScan:
     return FileScan(str(path), fmt, uses, notes, error="; ".join(problems) or None)
 
 
-def _without_path(error: CkptError, path: Path) -> str:
+def _is_dcp(path: Path | str) -> bool:
+    if isinstance(path, str) and is_url(path):
+        from ckpttool.remote import is_directory
+
+        return is_directory(path)
+    return is_dcp_directory(path)
+
+
+def _without_path(error: CkptError, path: Path | str) -> str:
     """The error's message without the path the reader put first (the report names it)."""
     return str(error).removeprefix(f"{path}: ")
 
@@ -219,6 +236,9 @@ def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> 
     skipped: list[str] = []
     empty: list[str] = []
     for raw in paths:
+        if is_url(raw):  # a file or a DCP directory read by ranges
+            files.append(scan_file(os.fspath(raw), allow))
+            continue
         path = Path(raw)
         if not path.exists():
             files.append(FileScan(str(path), None, error="no such file or directory"))

@@ -22,6 +22,7 @@ from ckpttool.errors import EXIT_ERROR, EXIT_FOUND, CkptError, InputError, NotAC
 from ckpttool.pickle.policy import Verdict, never_load_problem
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
+from ckpttool.source import is_url
 from ckpttool.values import tensor_stats
 from ckpttool.verify_zip import check_zip_records, record_owners, unreferenced_records
 
@@ -57,8 +58,8 @@ def verify_file(
     progress: ProgressCallback | None = None,
 ) -> VerifyResult:
     """Check one file. Raises InputError/NotACheckpointError only when no check can run."""
-    path = Path(path)
-    result = VerifyResult(str(path), None, leftovers=leftover_temp_files(path))
+    path = os.fspath(path) if is_url(path) else Path(path)
+    result = VerifyResult(str(path), None, leftovers=_leftovers(path))
     try:
         ckpt = open_checkpoint(path, strict=False, refuse_dangerous=False)
     except (InputError, NotACheckpointError):
@@ -98,7 +99,13 @@ def verify_file(
         if values and not result.problems:
             result.problems.extend(_non_finite(ckpt))
             result.checked.append("values: NaN/Inf in floating tensors")
+        ckpt.check_unchanged()  # a remote file replaced while it was checked: no verdict
     return result
+
+
+def _leftovers(path: str | Path) -> list[str]:
+    """Temp files beside a local file (a URL's neighbours are not listed)."""
+    return [] if isinstance(path, str) else leftover_temp_files(path)
 
 
 def _globals(ckpt: Checkpoint) -> list[tuple[str, str, Verdict]]:
@@ -116,7 +123,7 @@ def _non_finite(ckpt: Checkpoint) -> list[str]:
     return problems
 
 
-def _without_path(error: CkptError, path: Path) -> str:
+def _without_path(error: CkptError, path: str | Path) -> str:
     """The error's message without the path the reader put first (the report names it)."""
     return str(error).removeprefix(f"{path}: ")
 
@@ -134,9 +141,9 @@ def verify(
         try:
             results.append(verify_file(raw, values=values, progress=progress))
         except (InputError, NotACheckpointError) as error:
-            path = Path(raw)
+            path = os.fspath(raw) if is_url(raw) else Path(raw)
             results.append(
-                VerifyResult(str(path), None, leftovers=leftover_temp_files(path),
+                VerifyResult(str(path), None, leftovers=_leftovers(path),
                              error=_without_path(error, path))
             )  # fmt: skip
     return results

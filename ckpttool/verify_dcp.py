@@ -14,7 +14,8 @@ from ckpttool.formats.dcp import METADATA, DcpFiles, load_metadata, present, ten
 from ckpttool.formats.dcp_metadata import StorageSpan, TensorEntry, span_of
 from ckpttool.pickle.policy import Verdict, never_load_problem
 from ckpttool.progress import ProgressCallback
-from ckpttool.reader import Checkpoint
+from ckpttool.reader import Checkpoint, open_source
+from ckpttool.source import join, list_names
 from ckpttool.verify_zip import check_archive
 
 
@@ -22,8 +23,8 @@ def check_dcp(
     ckpt: Checkpoint, progress: ProgressCallback | None = None
 ) -> tuple[list[str], list[str]]:
     """(problems, what was checked) for the DCP directory ``ckpt`` was opened from."""
-    directory = ckpt.path
-    with open(directory / METADATA, "rb") as handle:
+    directory = ckpt.name  # a local directory or a URL
+    with open_source(join(directory, METADATA)) as handle:
         _, meta = load_metadata(handle, refuse_dangerous=False)
     sizes = {name: size for name, size in ckpt.details["files"].items() if size is not None}
     files = DcpFiles(directory, sizes)
@@ -55,7 +56,7 @@ def check_dcp(
         f"data files: each present and as long as its items ({len(meta.files)} files)",
         f"{len(items)} items: zip directory, CRC-32 of every record, chunk dtype/shape/extent",
     ]
-    spare = sorted(p.name for p in directory.glob("*.distcp") if p.name not in meta.files)
+    spare = [n for n in list_names(directory) if n.endswith(".distcp") and n not in meta.files]
     if spare:
         checked.append(f"note: data files the metadata does not refer to: {', '.join(spare)}")
     return problems, checked

@@ -10,11 +10,11 @@ because the framework's own resume would fail on it or resume inexactly.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from ckpttool.errors import CkptError
 from ckpttool.progress import ProgressCallback
+from ckpttool.source import join
 
 if TYPE_CHECKING:
     from ckpttool.reader import Checkpoint
@@ -41,7 +41,7 @@ def check_directory(
     ]
     for member in members:
         try:
-            result = verify_file(os.path.join(directory, member["name"]), progress=progress)
+            result = verify_file(join(directory, member["name"]), progress=progress)
         except CkptError as error:
             problems.append(f"{member['name']}: {error}")
             continue

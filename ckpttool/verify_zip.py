@@ -9,7 +9,6 @@ zip file and for each archive inside a DCP data file (``verify_dcp``).
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,14 +16,15 @@ from pathlib import Path
 from ckpttool.formats.torch_zip import open_zip
 from ckpttool.formats.zip_index import BadZipError, ZipIndex, ZipMember
 from ckpttool.progress import ProgressCallback
-from ckpttool.reader import Checkpoint
+from ckpttool.reader import Checkpoint, open_source
 from ckpttool.records import stored_records
+from ckpttool.source import RangeReader, read_range, source_of
 
 CHUNK = 8 << 20
 
 
 def check_zip_records(
-    path: Path,
+    path: str | Path,
     progress: ProgressCallback | None = None,
     owners: Mapping[str, Sequence[str]] | None = None,
 ) -> list[str]:
@@ -33,8 +33,8 @@ def check_zip_records(
     ``owners`` maps a record's name to the tensor keys whose bytes it holds, to name them in
     the problems found in it.
     """
-    with open(path, "rb") as handle:
-        return check_archive(handle.fileno(), open_zip(handle), 0, progress, owners)
+    with open_source(str(path)) as handle:
+        return check_archive(source_of(handle), open_zip(handle), 0, progress, owners)
 
 
 def record_owners(ckpt: Checkpoint) -> dict[str, list[str]]:
@@ -55,7 +55,7 @@ def _stored_in(keys: Sequence[str]) -> str:
 
 
 def check_archive(
-    fd: int,
+    fd: int | RangeReader,
     archive: ZipIndex,
     base: int,
     progress: ProgressCallback | None = None,
@@ -74,7 +74,7 @@ def check_archive(
 
 
 def _record_problems(
-    fd: int,
+    fd: int | RangeReader,
     archive: ZipIndex,
     info: ZipMember,
     base: int,
@@ -114,11 +114,13 @@ def _record_problems(
     return problems
 
 
-def _crc_of(fd: int, start: int, size: int, progress: ProgressCallback | None) -> int | None:
+def _crc_of(
+    fd: int | RangeReader, start: int, size: int, progress: ProgressCallback | None
+) -> int | None:
     crc = 0
     done = 0
     while done < size:
-        chunk = os.pread(fd, min(CHUNK, size - done), start + done)
+        chunk = read_range(fd, min(CHUNK, size - done), start + done)
         if not chunk:
             return None
         crc = zlib.crc32(chunk, crc)
@@ -134,7 +136,7 @@ def unreferenced_records(ckpt: Checkpoint) -> list[str]:
         return []
     prefix = ckpt.details.get("prefix", "")
     used = {r.storage.record for r in stored_records(ckpt.tensors()) if r.storage is not None}
-    with open(ckpt.path, "rb") as handle:
+    with open_source(ckpt.name) as handle:
         names = open_zip(handle).namelist()
     data_prefix = f"{prefix}/data/" if prefix else "data/"
     return [n for n in names if n.startswith(data_prefix) and n not in used]

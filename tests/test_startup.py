@@ -50,6 +50,11 @@ NOT_FOR_LISTING = [
     "ckpttool.convert",
     "ckpttool.rescale",
     "ckpttool.train",
+    "ckpttool.remote",  # URLs only (issue 17): the HTTP client, threads, fsspec
+    "http.client",
+    "fsspec",
+    "aiohttp",
+    "botocore",
 ]
 
 
@@ -94,3 +99,18 @@ def test_probe_sees_what_stats_and_dcp_do_import(tmp_path: Path) -> None:
     dcp_dirs = sorted(p.parent for p in FIXTURES.glob("dcp/*/.metadata"))
     assert dcp_dirs, "no DCP fixture"
     assert "ckpttool.formats.dcp" in _modules_after("show", str(dcp_dirs[0]))
+
+
+def test_probe_sees_what_a_url_imports() -> None:
+    """Positive control for the remote modules: an http URL loads the HTTP client, and still
+    not fsspec (http(s) and hf:// are read with the standard library)."""
+    from tests.support.range_server import RangeServer
+
+    server = RangeServer().start()
+    try:
+        url = server.add("pretrain_32.pth", (FIXTURES / "minimind/pretrain_32.pth").read_bytes())
+        modules = _modules_after("show", url)
+    finally:
+        server.stop()
+    assert {"ckpttool.remote", "http.client"} <= modules
+    assert "fsspec" not in modules and "torch" not in modules

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +30,7 @@ from ckpttool.errors import (
     NotACheckpointError,
     ResourceLimitError,
 )
-from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory, read_at
+from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory
 from ckpttool.formats.dcp_metadata import (
     BytesEntry,
     DcpMetadata,
@@ -51,6 +50,15 @@ from ckpttool.records import (
     OpaqueObject,
     StorageRecord,
     TensorRecord,
+)
+from ckpttool.source import (
+    RangeReader,
+    close_member,
+    join,
+    member_sizes,
+    open_member,
+    read_range,
+    source_size,
 )
 
 METADATA = DCP_METADATA
@@ -75,7 +83,7 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 class _Window(io.RawIOBase):
     """Bytes [base, base + length) of an open file as a file of their own: one item's archive."""
 
-    def __init__(self, fd: int, base: int, length: int) -> None:
+    def __init__(self, fd: int | RangeReader, base: int, length: int) -> None:
         super().__init__()
         self._fd, self._base, self._length, self._pos = fd, base, length, 0
 
@@ -83,6 +91,8 @@ class _Window(io.RawIOBase):
         # The whole data file's descriptor (torch_zip sizes a handle with fstat): a bound
         # looser than the window's that never rejects a valid archive. Offsets in the window
         # are relative to its start: read through read()/seek(), not os.pread on this fd.
+        if not isinstance(self._fd, int):
+            raise io.UnsupportedOperation("a window of a remote file has no descriptor")
         return self._fd
 
     def readable(self) -> bool:
@@ -103,51 +113,71 @@ class _Window(io.RawIOBase):
         count = min(len(buffer), self._length - self._pos)
         if count <= 0:
             return 0
-        data = os.pread(self._fd, count, self._base + self._pos)
+        data = read_range(self._fd, count, self._base + self._pos)
         buffer[: len(data)] = data
         self._pos += len(data)
         return len(data)
 
 
+class _RemoteWindow(_Window):
+    """A window of a remote data file: sized by the window itself (it has no descriptor)."""
+
+    @property
+    def size(self) -> int:
+        return self._length
+
+    def read_range(self, offset: int, length: int) -> bytearray:
+        return read_range(self._fd, min(length, self._length - offset), self._base + offset)
+
+
+def _window(source: int | RangeReader, base: int, length: int) -> _Window:
+    return (
+        _Window(source, base, length)
+        if isinstance(source, int)
+        else _RemoteWindow(source, base, length)
+    )
+
+
 class DcpFiles:
     """The data files of one DCP directory: opened on demand, parsed item by item, closed."""
 
-    def __init__(self, directory: Path, sizes: dict[str, int]) -> None:
-        self.directory = directory
+    def __init__(self, directory: Path | str, sizes: dict[str, int]) -> None:
+        self.directory = directory  # a local directory, or a URL (str)
         self.sizes = sizes  # data file -> size, for the files that exist
-        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._fds: OrderedDict[str, int | RangeReader] = OrderedDict()
         self._chunks: dict[tuple[ChunkRecord, str], tuple[TensorRecord, int]] = {}
 
-    def fd(self, name: str) -> int:
+    def fd(self, name: str) -> int | RangeReader:
         if name in self._fds:
             self._fds.move_to_end(name)
             return self._fds[name]
         if name not in self.sizes:
             raise CorruptCheckpointError(f"{self.directory}: data file {name} is missing")
         try:
-            fd = os.open(self.directory / name, os.O_RDONLY)
+            fd = open_member(str(self.directory), name)
         except OSError as error:
-            raise InputError(f"{self.directory / name}: cannot open ({error.strerror})") from None
+            where = join(str(self.directory), name)
+            raise InputError(f"{where}: cannot open ({error.strerror})") from None
         self._fds[name] = fd
         if len(self._fds) > MAX_OPEN_FILES:
-            os.close(self._fds.popitem(last=False)[1])
+            close_member(self._fds.popitem(last=False)[1])
         return fd
 
     def pread(self, name: str, offset: int, length: int) -> bytearray:
-        data = read_at(self.fd(name), length, offset)
+        data = read_range(self.fd(name), length, offset)
         if len(data) != length:
             raise CorruptCheckpointError(f"{name} ends inside an item's bytes (truncated)")
         return data
 
     def zip_directory(self, span: StorageSpan) -> ZipIndex:
         """The zip directory of the archive at ``span`` (offsets relative to its start)."""
-        return open_zip(io.BufferedReader(_Window(self.fd(span.file), span.offset, span.length)))
+        return open_zip(io.BufferedReader(_window(self.fd(span.file), span.offset, span.length)))
 
     def archive(self, span: StorageSpan, *, refuse_dangerous: bool = True) -> Parsed:
         """The torch.save archive stored at ``span``, parsed (spans relative to its start)."""
         if span.offset + span.length > self.sizes.get(span.file, -1):
             raise CorruptCheckpointError(f"{span}: past the end of {span.file} (truncated)")
-        window = _Window(self.fd(span.file), span.offset, span.length)
+        window = _window(self.fd(span.file), span.offset, span.length)
         try:
             return read_torch_zip(
                 io.BufferedReader(window), refuse_dangerous=refuse_dangerous, track_spans=False
@@ -247,12 +277,12 @@ class DcpFiles:
 
     def close(self) -> None:
         while self._fds:
-            os.close(self._fds.popitem()[1])
+            close_member(self._fds.popitem()[1])
 
 
 def load_metadata(handle: BinaryIO, *, refuse_dangerous: bool) -> tuple[PickleResult, DcpMetadata]:
     """Walk ``.metadata`` with the safe unpickler (runs nothing) and interpret it."""
-    size = os.fstat(handle.fileno()).st_size
+    size = source_size(handle)
     if size > MAX_METADATA:
         raise ResourceLimitError(f".metadata has {size:,} bytes")
     result = load_pickle(handle.read(), refuse_dangerous=refuse_dangerous)
@@ -333,14 +363,13 @@ def tensor_record(entry: TensorEntry) -> TensorRecord:
     return TensorRecord("", entry.dtype, entry.shape, stride, 0, storage, entry.requires_grad)
 
 
-def read_dcp(directory: Path, handle: BinaryIO, *, strict: bool, refuse_dangerous: bool) -> Parsed:
-    """Parse a DCP directory whose open ``.metadata`` is ``handle``. See the module doc."""
+def read_dcp(
+    directory: Path | str, handle: BinaryIO, *, strict: bool, refuse_dangerous: bool
+) -> Parsed:
+    """Parse a DCP directory (local, or a URL) whose open ``.metadata`` is ``handle``. See the
+    module doc."""
     result, meta = load_metadata(handle, refuse_dangerous=refuse_dangerous)
-    sizes = {
-        name: (directory / name).stat().st_size
-        for name in meta.files
-        if (directory / name).is_file()
-    }
+    sizes = member_sizes(str(directory), list(meta.files))
     problems = meta.problems + _file_problems(meta, sizes)
     if problems and strict:
         raise CorruptCheckpointError(f"{directory}: {problems[0]}")

@@ -14,7 +14,6 @@ Nothing is read but what a single-file open reads: the members' headers and pick
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +27,7 @@ from ckpttool.errors import (
 from ckpttool.formats.base import Parsed, no_span
 from ckpttool.frameworks import DirectoryLayout, Member, inside
 from ckpttool.records import OpaqueObject, StorageRecord, TensorRecord
+from ckpttool.source import join
 
 if TYPE_CHECKING:
     from ckpttool.reader import Checkpoint
@@ -184,7 +184,7 @@ def _check_index(layout: DirectoryLayout, weights: Any, shard_of: dict[str, str]
     from ckpttool.frameworks.huggingface import read_json, weight_map
 
     assert layout.index is not None
-    path = os.path.join(layout.directory, layout.index)
+    path = join(layout.directory, layout.index)
     mapping = weight_map(read_json(path), path)
     present = {member.name for member in layout.members}
     problems = []

@@ -7,7 +7,6 @@ raw bytes. Storage offsets are found by hopping over those counts, never reading
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
@@ -17,6 +16,7 @@ from ckpttool.formats.base import Parsed
 from ckpttool.formats.torch_zip import storage_dtype
 from ckpttool.pickle.interpreter import TruncatedPickleError, load_pickle
 from ckpttool.records import ITEMSIZE, StorageRecord, fits_int64
+from ckpttool.source import read_range, source_of
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -91,7 +91,7 @@ def _read_legacy(
     for key in keys:
         if key not in claimed:
             raise CorruptCheckpointError(f"legacy storage {key!r} is not used by the object")
-        count_bytes = os.pread(handle.fileno(), 8, offset)
+        count_bytes = read_range(source_of(handle), 8, offset)
         if len(count_bytes) != 8:
             raise CorruptCheckpointError(f"file truncated before storage {key!r}")
         (count,) = struct.unpack("<q", count_bytes)

@@ -7,7 +7,6 @@ storage's bytes can be read in place once its local header has been located.
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 from typing import Any, BinaryIO
@@ -25,6 +24,7 @@ from ckpttool.formats.zip_index import (
 from ckpttool.pickle.emulation import STORAGE_DTYPES
 from ckpttool.pickle.interpreter import load_pickle
 from ckpttool.records import GlobalRef, StorageRecord, fits_int64
+from ckpttool.source import source_size
 
 MAX_DATA_PKL = 1 << 30  # 1 GiB of pickle: far beyond any real checkpoint's object tree
 # torch stores records uncompressed; a compressed one (a re-zipped file) is inflated in memory,
@@ -78,7 +78,7 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
         raise CorruptCheckpointError(f"the zip archive has two records named {duplicate!r}")
     pkl_name = find_data_pkl(names)
     prefix = pkl_name[: -len("data.pkl")]
-    file_size = os.fstat(handle.fileno()).st_size
+    file_size = source_size(handle)
     pickle_bytes = read_record(handle, archive.getinfo(pkl_name), archive, file_size)
     byteorder = "little"
     if prefix + "byteorder" in archive.NameToInfo:
@@ -185,7 +185,7 @@ def member_span(handle: BinaryIO, info: ZipMember) -> tuple[int, int]:
         raise CorruptCheckpointError(
             f"record {info.filename!r} is compressed; torch never writes that (re-zipped file?)"
         )
-    if start + info.file_size > os.fstat(handle.fileno()).st_size:
+    if start + info.file_size > source_size(handle):
         raise CorruptCheckpointError(
             f"record {info.filename!r} claims {info.file_size:,} bytes, past the end of the file "
             "(truncated or tampered file)"

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 from ckpttool.errors import InputError
+from ckpttool.source import is_url, join
 
 # Roles a member file can have.
 WEIGHTS = "weights"  # a whole weights file, or one shard of them
@@ -68,7 +69,12 @@ class DirectoryLayout:
 
 
 def list_files(directory: str) -> dict[str, int]:
-    """Regular files directly in ``directory`` (no symlink that leaves it), by name, with sizes."""
+    """Regular files directly in ``directory`` (no symlink that leaves it), by name, with sizes.
+    A URL's are what its store lists (none over HTTP, which cannot list)."""
+    if is_url(directory):
+        from ckpttool.remote import member_listing
+
+        return member_listing(directory)
     try:
         entries = list(os.scandir(directory))
     except OSError as error:
@@ -103,7 +109,7 @@ def inside(directory: str, name: str) -> str:
     """``directory/name``, refusing a name that would leave the directory."""
     if not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
         raise InputError(f"{directory}: the index names a file outside the checkpoint: {name!r}")
-    return os.path.join(directory, name)
+    return join(directory, name)
 
 
 def describe_collection(layout: object) -> str:

@@ -30,6 +30,7 @@ from ckpttool.frameworks import (
     Member,
     list_files,
 )
+from ckpttool.source import is_dir
 
 ACCELERATE = "accelerate"
 
@@ -50,9 +51,7 @@ MARKERS = (RANDOM_STATES, NUMBERED[2][0], NUMBERED[3][0], NUMBERED[4][0])
 
 
 def detect(path: str) -> DirectoryLayout | None:
-    import os
-
-    if not os.path.isdir(path):
+    if not is_dir(path):
         return None
     files = list_files(path)
     if not any(pattern.match(name) for name in files for pattern in MARKERS):

@@ -35,6 +35,7 @@ from ckpttool.frameworks import (
     inside,
     list_files,
 )
+from ckpttool.source import is_dir, is_file, is_url, join, read_small
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -64,13 +65,13 @@ HF_TRAINER_OUTPUT = COLLECTION
 def read_json(path: str) -> object:
     """A small JSON file, bounded in size; a broken one is a corrupt checkpoint."""
     try:
-        size = os.path.getsize(path)
-        if size > MAX_JSON_BYTES:
-            raise CorruptCheckpointError(f"{path}: {size} bytes of JSON, more than any index needs")
-        with open(path, "rb") as handle:
-            return json.loads(handle.read())
+        data = read_small(path, MAX_JSON_BYTES)
+    except ValueError as error:  # over the limit
+        raise CorruptCheckpointError(f"{path}: {error}") from None
     except OSError as error:
         raise InputError(f"{path}: cannot read ({error.strerror})") from None
+    try:
+        return json.loads(data)
     except (ValueError, RecursionError) as error:
         raise CorruptCheckpointError(f"{path}: not valid JSON ({error})") from None
 
@@ -87,9 +88,9 @@ def weight_map(index: object, path: str) -> dict[str, str]:
 
 def detect(path: str) -> DirectoryLayout | None:
     """A model directory or a Trainer ``checkpoint-N/`` (or an index file inside one)."""
-    index_path = path if path.endswith(".index.json") and os.path.isfile(path) else None
+    index_path = path if path.endswith(".index.json") and is_file(path) else None
     directory = (os.path.dirname(path) or ".") if index_path else path
-    if not os.path.isdir(directory):
+    if not is_dir(directory):
         return None
     files = list_files(directory)
     trainer = any(name in files for name in TRAINER_FILES) or any(
@@ -151,7 +152,7 @@ def _weights(
 def _sharded(
     directory: str, files: dict[str, int], index_name: str, pattern: re.Pattern[str] | None
 ) -> tuple[list[Member], list[str], str | None]:
-    index_path = os.path.join(directory, index_name)
+    index_path = join(directory, index_name)
     mapping = weight_map(read_json(index_path), index_path)
     shards = sorted(set(mapping.values()))  # file order is save order: -00001-of-, -00002-of-...
     problems = []
@@ -206,7 +207,7 @@ def _check_trainer(layout: DirectoryLayout, files: dict[str, int]) -> None:
     elif RNG_STATE_NAME not in files:
         layout.missing.append(f"{RNG_STATE_NAME} (or rng_state_<rank>.pth)")
     if TRAINER_STATE_NAME in files:
-        state = read_json(os.path.join(layout.directory, TRAINER_STATE_NAME))
+        state = read_json(join(layout.directory, TRAINER_STATE_NAME))
         if isinstance(state, dict):
             for key in (
                 "global_step",
@@ -225,8 +226,9 @@ def _check_trainer(layout: DirectoryLayout, files: dict[str, int]) -> None:
 
 def detect_output_dir(path: str) -> DirectoryLayout | None:
     """A Trainer ``output_dir`` holding ``checkpoint-N/`` folders: each listed with its step and
-    whether it is complete. Not one checkpoint: commands other than ``show`` ask for one."""
-    if not os.path.isdir(path):
+    whether it is complete. Not one checkpoint: commands other than ``show`` ask for one.
+    Local only (a URL names one checkpoint)."""
+    if is_url(path) or not os.path.isdir(path):
         return None
     try:
         names = sorted(os.listdir(path))
