@@ -255,13 +255,21 @@ def _open_dcp(name: str, handle: Any, strict: bool, refuse_dangerous: bool) -> C
         parsed = read_dcp(directory, handle, strict=strict, refuse_dangerous=refuse_dangerous)
         files = parsed.details.get("files", {})
         file_size = source_size(handle) + sum(size for size in files.values() if size)
-        records = tensors(parsed.root)
-        problems = list(parsed.problems) + check_extents(parsed, records)
-        if problems and strict:
-            raise CorruptCheckpointError(problems[0])
+        records, problems = _checked(parsed, strict)
     except BaseException as error:
         _close_on_error(error, name, handle, parsed)
         raise
+    return _checkpoint(name, parsed, handle, file_size, records, problems)
+
+
+def _checkpoint(
+    name: str,
+    parsed: Parsed,
+    handle: Any,
+    file_size: int,
+    records: list[TensorRecord],
+    problems: list[str],
+) -> Checkpoint:
     return Checkpoint(
         name=name,
         format=parsed.format,
@@ -275,6 +283,15 @@ def _open_dcp(name: str, handle: Any, strict: bool, refuse_dangerous: bool) -> C
         _handle=handle,
         _all_tensors=records,
     )
+
+
+def _checked(parsed: Parsed, strict: bool) -> tuple[list[TensorRecord], list[str]]:
+    """The tensors of a parsed file and its problems (the first one raised when ``strict``)."""
+    records = tensors(parsed.root)
+    problems = list(parsed.problems) + check_extents(parsed, records)
+    if problems and strict:
+        raise CorruptCheckpointError(problems[0])
+    return records, problems
 
 
 def _open_file(
@@ -286,26 +303,11 @@ def _open_file(
         file_size = source_size(handle)
         parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
         _read_pickled_module(parsed)
-        records = tensors(parsed.root)
-        problems = list(parsed.problems) + check_extents(parsed, records)
-        if problems and strict:
-            raise CorruptCheckpointError(problems[0])
+        records, problems = _checked(parsed, strict)
     except BaseException as error:
         _close_on_error(error, name, handle, parsed)
         raise
-    return Checkpoint(
-        name=name,
-        format=parsed.format,
-        root=parsed.root,
-        file_size=file_size,
-        details=parsed.details,
-        metadata=parsed.metadata,
-        problems=problems,
-        pickle=parsed.pickle,
-        _parsed=parsed,
-        _handle=handle,
-        _all_tensors=records,
-    )
+    return _checkpoint(name, parsed, handle, file_size, records, problems)
 
 
 def _close_on_error(error: BaseException, name: str, handle: Any, parsed: Parsed | None) -> None:

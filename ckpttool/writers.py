@@ -208,15 +208,7 @@ def write_pth(
     ``storages`` yields ``(key, bytes)`` one at a time (a generator), in the order the file
     should hold them; only one is alive at once.
     """
-    name = f"{PTH_PREFIX}/"
-    with TorchZipWriter(handle) as writer:
-        writer.write(name + "data.pkl", state_dict_pickle(entries))
-        writer.write(name + ".format_version", b"1")
-        writer.write(name + ".storage_alignment", b"64")
-        writer.write(name + "byteorder", b"little")
-        for key, data in storages:
-            writer.write(f"{name}data/{key}", data)
-        writer.write(name + "version", b"3\n")
+    _write_archive(handle, state_dict_pickle(entries), storages)
 
 
 # --- any object tree (DeepSpeed's universal checkpoint files) --------------------------------
@@ -303,9 +295,18 @@ def write_torch_object(
 ) -> None:
     """Write a torch.save zip of ``value`` (see :func:`object_pickle`); its storages' bytes
     arrive one at a time from ``storages``."""
+    _write_archive(handle, object_pickle(value), storages)
+
+
+def _write_archive(
+    handle: BinaryIO,
+    data_pkl: bytes,
+    storages: Iterable[tuple[str, bytes | bytearray | memoryview]],
+) -> None:
+    """The records of a torch.save zip, in torch's order, around ``data.pkl``."""
     name = f"{PTH_PREFIX}/"
     with TorchZipWriter(handle) as writer:
-        writer.write(name + "data.pkl", object_pickle(value))
+        writer.write(name + "data.pkl", data_pkl)
         writer.write(name + ".format_version", b"1")
         writer.write(name + ".storage_alignment", b"64")
         writer.write(name + "byteorder", b"little")
