@@ -15,6 +15,7 @@ import pytest
 
 from ckpttool import remote
 from ckpttool.convert import convert
+from ckpttool.errors import InputError
 from ckpttool.reader import open_checkpoint
 from ckpttool.records import TensorRecord, walk
 from tests import test_remote as shared
@@ -151,6 +152,28 @@ def _partition_spans(path: Path, key: str) -> list[tuple[int, int]]:
                 spans.append((offset, offset + length))
     assert spans
     return spans
+
+
+def test_a_rank_file_replaced_during_convert_writes_nothing(bucket: str, tmp_path: Path) -> None:
+    """Each rank file's size and ETag are asked again before the output is committed."""
+    import boto3
+
+    local = _checkpoints(CASES[0])
+    url = _upload_tree(local, "replaced")
+    name = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    replaced: list[int] = []
+
+    def replace_once(nbytes: int) -> None:
+        if not replaced:
+            replaced.append(nbytes)
+            older = (local / "global_step2" / name).read_bytes()  # same size, other bytes
+            boto3.client("s3").put_object(
+                Bucket="ckpts", Key=f"replaced/global_step4/{name}", Body=older
+            )
+
+    with pytest.raises(InputError, match=f"{name}: the file changed while it was being read"):
+        convert(url, tmp_path / "model.safetensors", progress=replace_once)
+    assert replaced and list(tmp_path.iterdir()) == []
 
 
 def test_a_damaged_tag_in_s3_is_reported_as_locally(bucket: str, tmp_path: Path) -> None:
