@@ -168,6 +168,8 @@ class Checkpoint:
     def check_unchanged(self) -> None:
         """Raise if a remote source is no longer the object that was opened (a store whose
         ranged reads cannot carry that check on each request is asked once more here)."""
+        if self._parsed.unchanged is not None:  # its member files check themselves
+            self._parsed.unchanged()
         check = getattr(self._handle, "check_unchanged", None)
         if check is not None:
             try:

@@ -375,17 +375,31 @@ def list_names(directory: str) -> list[str]:
     return sorted(_listing(directory))
 
 
-def _listing(directory: str) -> dict[str, int]:
+def list_directories(directory: str) -> list[str]:
+    """The subdirectories (prefixes) directly in a remote directory ([] over HTTP)."""
+    if url_scheme(directory) in ("http", "https", "hf"):
+        return []
+    return sorted(
+        str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
+        for entry in _entries(directory)
+        if entry.get("type") == "directory"
+    )
+
+
+def _entries(directory: str) -> list[dict[str, Any]]:
     from ckpttool.remote_backends import FsspecBackend
 
     backend = FsspecBackend(directory.rstrip("/"))
     try:
-        entries = backend._call(lambda: backend.fs.ls(backend.path, detail=True))
+        return list(backend._call(lambda: backend.fs.ls(backend.path, detail=True)))
     except TransientError as error:
         raise InputError(f"{display_url(directory)}: network error ({error})") from None
+
+
+def _listing(directory: str) -> dict[str, int]:
     return {
         str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]: int(entry.get("size") or 0)
-        for entry in entries
+        for entry in _entries(directory)
         if entry.get("type") == "file"
     }
 

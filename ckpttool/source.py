@@ -111,6 +111,12 @@ def member_sizes(directory: str, names: list[str]) -> dict[str, int]:
     return sizes
 
 
+def can_list(directory: str) -> bool:
+    """Whether ``directory``'s files can be listed: a local one, or a URL of an object store
+    (not ``http(s)://`` or ``hf://``: HTTP has no listing)."""
+    return url_scheme(directory) not in ("http", "https", "hf")
+
+
 def list_names(directory: str) -> list[str]:
     """Names of the files directly in ``directory`` (a URL's, where its protocol can list)."""
     if is_url(directory):
@@ -118,6 +124,17 @@ def list_names(directory: str) -> list[str]:
 
         return remote_names(directory)
     return sorted(entry.name for entry in os.scandir(directory) if entry.is_file())
+
+
+def list_dirs(directory: str) -> list[str]:
+    """Names of the subdirectories directly in ``directory`` (local: not symlinks; a URL's: the
+    prefixes its store lists, none over HTTP). OSError (local) or
+    :class:`~ckpttool.errors.CkptError` (URL) if it cannot be listed."""
+    if is_url(directory):
+        from ckpttool.remote import list_directories
+
+        return list_directories(directory)
+    return sorted(e.name for e in os.scandir(directory) if e.is_dir(follow_symlinks=False))
 
 
 def open_member(directory: str, name: str) -> int | RangeReader:
@@ -172,3 +189,15 @@ def read_small(path: str, limit: int) -> bytes:
         raise ValueError(f"{size} bytes of JSON, more than any index needs")
     with open(path, "rb") as handle:
         return handle.read()
+
+
+def read_head(path: str, limit: int) -> bytes:
+    """The first ``limit`` bytes of a file (a marker file such as DeepSpeed's ``latest``);
+    OSError (local) or :class:`~ckpttool.errors.CkptError` naming the URL if unreadable."""
+    if is_url(path):
+        from ckpttool.remote import open_remote
+
+        with open_remote(path) as handle:
+            return bytes(handle.read_range(0, limit))
+    with open(path, "rb") as handle:
+        return handle.read(limit)

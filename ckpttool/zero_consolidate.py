@@ -28,7 +28,6 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,9 +53,14 @@ class NotZeroError(InputError):
 class ZeroTag:
     """The files of one DeepSpeed tag directory (``global_stepN/``) that consolidation reads."""
 
-    directory: Path
-    optim_files: list[Path]  # by data-parallel rank
-    model_files: list[Path]  # mp_rank_00_model_states.pt; ZeRO-3: one per data-parallel rank
+    directory: str  # a local path or a URL (the rank files are read by ranges)
+    optim_files: list[str]  # by data-parallel rank
+    model_files: list[str]  # mp_rank_00_model_states.pt; ZeRO-3: one per data-parallel rank
+
+    @property
+    def name(self) -> str:
+        """The tag's name (``global_step4``)."""
+        return self.directory.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
 
 
 def is_zero_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -71,8 +75,9 @@ def is_zero_checkpoint(path: str | os.PathLike[str]) -> bool:
 def is_deepspeed_directory(path: str | os.PathLike[str]) -> bool:
     """A DeepSpeed save or tag directory of any ZeRO stage (0 included), complete or not."""
     from ckpttool.frameworks.deepspeed import detect
+    from ckpttool.source import is_dir
 
-    return os.path.isdir(path) and detect(os.fspath(path)) is not None
+    return is_dir(os.fspath(path)) and detect(os.fspath(path)) is not None
 
 
 def find_tag(path: str | os.PathLike[str]) -> ZeroTag:
@@ -85,7 +90,7 @@ def find_tag(path: str | os.PathLike[str]) -> ZeroTag:
     if not is_deepspeed_directory(path):
         raise NotZeroError(f"{path}: not a DeepSpeed checkpoint directory")
     files = zero_files(path)
-    directory = Path(files.tag_dir)
+    directory = files.tag_dir
     other_mp = sorted({mp for mp, _ in [*files.optim_states, *files.model_states]} - {0})
     if other_mp:
         raise InputError(
@@ -99,14 +104,14 @@ def find_tag(path: str | os.PathLike[str]) -> ZeroTag:
             "tag whose optimizer files are missing",
             deepspeed=True,
         )
-    optim = {dp: Path(file) for (_, dp), file in files.optim_states.items()}
+    optim = {dp: file for (_, dp), file in files.optim_states.items()}
     missing = [rank for rank in range(max(optim) + 1) if rank not in optim]
     if missing:
         raise InputError(
             f"{directory}: no optimizer states of data-parallel rank(s) {missing} "
             f"(zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt); the tag is incomplete"
         )
-    model = {dp: Path(file) for (_, dp), file in files.model_states.items()}
+    model = {dp: file for (_, dp), file in files.model_states.items()}
     return ZeroTag(directory, [optim[r] for r in sorted(optim)], [model[r] for r in sorted(model)])
 
 
@@ -158,13 +163,14 @@ def open_source(path: str | os.PathLike[str]) -> Any:
     """What convert and diff read: a DeepSpeed ZeRO directory as its consolidated fp32 weights,
     anything else through the reader (:func:`ckpttool.reader.open_checkpoint`)."""
     from ckpttool.reader import open_checkpoint
+    from ckpttool.source import is_dir
 
-    if os.path.isdir(path):
+    if is_dir(os.fspath(path)):
         try:
-            find_tag(path)
+            tag = find_tag(path)
         except NotZeroError:  # not DeepSpeed, or ZeRO-0: the reader's view
             return open_checkpoint(path)
-        return open_zero_weights(path)
+        return open_zero_weights(path, tag)
     return open_checkpoint(path)
 
 
@@ -192,18 +198,20 @@ def zero_note(ckpt: Any) -> list[str]:
     if weights.buffers:
         parts.append(f"{len(weights.buffers)} buffers")
     return [
-        f"DeepSpeed ZeRO-{weights.stage} tag {weights.tag.directory.name}, {ranks} data-parallel "
+        f"DeepSpeed ZeRO-{weights.stage} tag {weights.tag.name}, {ranks} data-parallel "
         f"rank{'s' if ranks != 1 else ''}: consolidated {', '.join(parts)}"
     ]
 
 
-def open_zero_weights(path: str | os.PathLike[str]) -> Any:
-    """The consolidated fp32 state dict of the ZeRO checkpoint at ``path``, as a Checkpoint.
+def open_zero_weights(path: str | os.PathLike[str], tag: ZeroTag | None = None) -> Any:
+    """The consolidated fp32 state dict of the ZeRO checkpoint at ``path`` (whose files
+    :func:`find_tag` found, when ``tag`` is given), as a Checkpoint.
 
     ``details["zero"]`` holds the :class:`ZeroWeights`. Errors name the file concerned."""
     from ckpttool.reader import Checkpoint, open_checkpoint
 
-    tag = find_tag(path)
+    if tag is None:
+        tag = find_tag(path)
     opened: list[Any] = []
     try:
         for file in [*tag.optim_files, *tag.model_files]:
@@ -212,8 +220,8 @@ def open_zero_weights(path: str | os.PathLike[str]) -> Any:
     except BaseException as error:
         for ckpt in opened:
             ckpt.close()
-        if isinstance(error, CkptError) and str(tag.directory) not in str(error):
-            name_file(error, str(tag.directory))
+        if isinstance(error, CkptError) and tag.directory not in str(error):
+            name_file(error, tag.directory)
         raise
 
     def read(storage: StorageRecord, start: int, stop: int) -> bytearray:
@@ -224,10 +232,14 @@ def open_zero_weights(path: str | os.PathLike[str]) -> Any:
         for ckpt in opened:
             ckpt.close()
 
+    def unchanged() -> None:  # rank files in an object store: asked again before a commit
+        for ckpt in opened:
+            ckpt.check_unchanged()
+
     parsed = Parsed(format="deepspeed-zero", root=dict(weights.tensors), span=no_span,
-                    read=read, close=close)  # fmt: skip
+                    read=read, close=close, unchanged=unchanged)  # fmt: skip
     parsed.details.update({"layout": ZERO_FP32, "zero": weights})
-    size = sum(f.stat().st_size for f in [*tag.optim_files, *tag.model_files])
+    size = sum(ckpt.file_size for ckpt in opened)
     return Checkpoint(
         name=os.fspath(path), format=parsed.format, root=parsed.root, file_size=size,
         details=parsed.details, metadata={}, problems=[], pickle=None, _parsed=parsed,

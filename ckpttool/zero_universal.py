@@ -123,14 +123,14 @@ def rescale_zero(
         plan = RescalePlan("global_steps", plan.old_step, plan.new_step, counted_on, saved,
                            world_size, ())  # fmt: skip
         changes, model_changes = _counter_changes(model, plan.new_step - plan.old_step)
-        tag = f"{weights.tag.directory.name}_universal"
+        tag = f"{weights.tag.name}_universal"
         lr = _resumed_lr(model, model_changes)
         files = plan_files(weights, _producer(ckpt), lr=lr)
         action = REWRITE if model_changes else COPY
         what = ", ".join(model_changes) + " rescaled" if model_changes else "copied byte for byte"
         actions = [
             FileAction(f"{tag}/{f.name}", f.name, action, dict(model_changes), why=what)
-            for f in weights.tag.model_files
+            for f in map(Path, weights.tag.model_files)
         ]
         why = (
             f"{len(files) - 1} files: every parameter's fp32 weights and Adam moments, whole "
@@ -377,7 +377,7 @@ def _write(
     try:
         tag_dir = temp / tag
         tag_dir.mkdir()
-        for source in weights.tag.model_files:
+        for source in map(Path, weights.tag.model_files):
             destination = tag_dir / source.name
             with open(destination, "xb") as out:
                 if model_changes:

@@ -33,6 +33,8 @@ class Parsed:
     # [start, stop) of the storage, assembled; and what to close with the checkpoint.
     read: Callable[[StorageRecord, int, int], bytearray] | None = None
     close: Callable[[], None] | None = None
+    # For a checkpoint assembled from several remote files: raise if one of them changed.
+    unchanged: Callable[[], None] | None = None
 
 
 def no_span(storage: StorageRecord) -> tuple[int, int]:

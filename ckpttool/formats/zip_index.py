@@ -105,8 +105,14 @@ class ZipIndex:
         """(offset, byte length, entry count) of the central directory."""
         if self.size < _EOCD.size:
             raise BadZipError("File is not a zip file (too short)")
-        tail_start = max(0, self.size - _EOCD.size - _MAX_COMMENT)
-        tail = self._pread(tail_start, self.size - tail_start)
+        # No archive comment (torch.save writes none): the record is the last 22 bytes, as
+        # zipfile tries first. Only otherwise search the comment's 64 KiB, which over a URL
+        # would fetch the last tensors' bytes of a small file (a ZeRO rank's Adam moments).
+        tail_start = self.size - _EOCD.size
+        tail = self._pread(tail_start, _EOCD.size)
+        if tail[:4] != b"PK\x05\x06" or tail[-2:] != b"\x00\x00":
+            tail_start = max(0, self.size - _EOCD.size - _MAX_COMMENT)
+            tail = self._pread(tail_start, self.size - tail_start)
         at = tail.rfind(b"PK\x05\x06")  # the last one, as zipfile takes it
         if at < 0 or at + _EOCD.size > len(tail):
             raise BadZipError("File is not a zip file (no end of central directory record)")

@@ -23,7 +23,7 @@ Then rank 0 writes ``dir/latest`` (the tag's name), after every rank saved, and 
 records and never imports DeepSpeed (:func:`record_value` reads them as plain values).
 
 :func:`zero_files` finds the files of one tag; :func:`detect` gives the directory layout every
-command reads; :mod:`ckpttool.frameworks.deepspeed_checks` turns the merged tree into what
+command reads (local, or a URL of a store that lists: names come from :mod:`ckpttool.source`); :mod:`ckpttool.frameworks.deepspeed_checks` turns the merged tree into what
 ``show`` prints and the consistency problems ``verify`` reports.
 """
 
@@ -34,9 +34,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.errors import InputError
+from ckpttool.errors import CkptError, InputError
 from ckpttool.frameworks import OTHER, DirectoryLayout, Member, list_files
 from ckpttool.records import OpaqueObject
+from ckpttool.source import (
+    can_list,
+    is_dir,
+    is_url,
+    join,
+    list_dirs,
+    list_names,
+    member_sizes,
+    read_head,
+)
 
 DEEPSPEED = "deepspeed"
 TITLE = "DeepSpeed checkpoint"
@@ -91,9 +101,13 @@ class ZeroFiles:
 
 def _is_tag_dir(path: str) -> bool:
     try:
-        names = os.listdir(path)
+        names = list_names(path) if is_url(path) else os.listdir(path)
     except OSError:
         return False
+    except CkptError as error:  # a URL: a missing prefix is no tag; a network fault is reported
+        if "no such file" in str(error):
+            return False
+        raise
     return any(MODEL_STATES_FILE.match(n) or OPTIM_STATES_FILE.match(n) for n in names)
 
 
@@ -105,19 +119,38 @@ def _step_order(tag: str) -> tuple[int, int, str]:
 def _tags(save_dir: str) -> list[str]:
     """The tag directories of a save directory, oldest first (by the step in their names)."""
     try:
-        entries = list(os.scandir(save_dir))
+        names = list_dirs(save_dir)
     except OSError as error:
         raise InputError(f"{save_dir}: cannot list ({error.strerror})") from None
-    found = [e.name for e in entries if e.is_dir(follow_symlinks=False) and _is_tag_dir(e.path)]
+    found = [name for name in names if _is_tag_dir(join(save_dir, name))]
     return sorted(found, key=_step_order)
+
+
+def _has_file(directory: str, name: str) -> bool:
+    """Whether ``directory/name`` is a file (a URL's: whether its store lists it)."""
+    return bool(member_sizes(directory, [name]))
+
+
+def _split(path: str) -> tuple[str, str]:
+    """``(parent, name)`` of a directory, local (made absolute) or a URL (a final ``/`` dropped)."""
+    if is_url(path):
+        parent, _, name = path.rstrip("/").rpartition("/")
+        return parent, name
+    absolute = os.path.abspath(path)
+    return os.path.dirname(absolute), os.path.basename(absolute)
+
+
+def _same_dir(a: str, b: str) -> bool:
+    if is_url(a):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def read_latest(save_dir: str) -> str:
     """The tag ``save_dir/latest`` names, checked to be one directory name inside it."""
-    path = os.path.join(save_dir, LATEST)
+    path = join(save_dir, LATEST)
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_LATEST_BYTES + 1)
+        data = read_head(path, MAX_LATEST_BYTES + 1)
     except OSError as error:
         raise InputError(f"{path}: cannot read ({error.strerror})") from None
     if len(data) > MAX_LATEST_BYTES:
@@ -138,14 +171,16 @@ class _Scan:
 
 
 def _scan(path: str) -> _Scan | None:
-    """None when ``path`` is no DeepSpeed directory; else its files and its problems."""
-    if not os.path.isdir(path):
+    """None when ``path`` is no DeepSpeed directory; else its files and its problems. A URL's
+    store must list (the tags and the ranks' files are found in its listing): over HTTP,
+    None, and the reader says why."""
+    if not can_list(path) or not is_dir(path):
         return None
     if _is_tag_dir(path):
-        parent = os.path.dirname(os.path.abspath(path))
-        save_dir = parent if os.path.isfile(os.path.join(parent, LATEST)) else None
-        return _Scan(_tag_files(path, os.path.basename(os.path.abspath(path)), save_dir), [], [])
-    has_latest = os.path.isfile(os.path.join(path, LATEST))
+        parent, tag = _split(path)
+        save_dir = parent if _has_file(parent, LATEST) else None
+        return _Scan(_tag_files(path, tag, save_dir), [], [])
+    has_latest = _has_file(path, LATEST)
     tags = _tags(path)
     if not has_latest and not tags:
         return None
@@ -158,8 +193,8 @@ def _scan(path: str) -> _Scan | None:
         if latest in tags:
             chosen = latest
         else:
-            where = os.path.join(path, latest)
-            what = "is not a tag directory" if os.path.isdir(where) else "does not exist"
+            where = join(path, latest)
+            what = "is not a tag directory" if is_dir(where) else "does not exist"
             problems.append(
                 f"{LATEST}: names tag {latest!r}, which {what} "
                 f"(tags here: {', '.join(tags) or 'none'})"
@@ -170,7 +205,7 @@ def _scan(path: str) -> _Scan | None:
         chosen = tags[-1]  # the newest by step: what a user most likely means
     if chosen is None:
         return _Scan(None, problems, missing)
-    files = _tag_files(os.path.join(path, chosen), chosen, path, latest=latest, tags=tuple(tags))
+    files = _tag_files(join(path, chosen), chosen, path, latest=latest, tags=tuple(tags))
     return _Scan(files, problems, missing)
 
 
@@ -189,7 +224,7 @@ def _tag_files(
     other: list[str] = []
     files = list_files(tag_dir)
     for name in files:
-        path = os.path.join(tag_dir, name)
+        path = join(tag_dir, name)
         if match := MODEL_STATES_FILE.match(name):
             dp = int(match.group(1)) if match.group(1) is not None else 0
             partitioned = partitioned or match.group(1) is not None
@@ -199,7 +234,7 @@ def _tag_files(
             optim[(int(match.group(3)), int(match.group(2)))] = path
         else:
             other.append(name)
-    if save_dir is not None and latest is None and os.path.isfile(os.path.join(save_dir, LATEST)):
+    if save_dir is not None and latest is None and _has_file(save_dir, LATEST):
         try:
             latest = read_latest(save_dir)
         except InputError:
@@ -214,7 +249,7 @@ def _tag_files(
         tags=tags,
         partitioned_model_states=partitioned,
         optim_prefix=sorted(prefixes)[0] if len(prefixes) == 1 else "",
-        sizes={os.path.join(tag_dir, name): size for name, size in files.items()},
+        sizes={join(tag_dir, name): size for name, size in files.items()},
         other=tuple(other),
     )
 
@@ -239,7 +274,7 @@ def zero_files(path: str | os.PathLike[str]) -> ZeroFiles:
         raise InputError(
             f"{path}: no 'latest' file (DeepSpeed writes it last, after every rank saved: the "
             f"save may not have finished); name a tag directory, e.g. "
-            f"{os.path.join(path, tags[-1]) if tags else '<save_dir>/global_stepN'}"
+            f"{join(path, tags[-1]) if tags else '<save_dir>/global_stepN'}"
         )
     if not files.model_states:
         raise InputError(
@@ -261,7 +296,7 @@ def detect(path: str) -> DirectoryLayout | None:
     layout.problems += scan.problems
     layout.missing += scan.missing
     files = scan.files
-    in_save_dir = files is not None and os.path.abspath(path) != os.path.abspath(files.tag_dir)
+    in_save_dir = files is not None and not _same_dir(path, files.tag_dir)
     if in_save_dir:  # ``latest`` and DeepSpeed's scripts, beside the tags
         for name, size in list_files(path).items():
             role = LATEST_ROLE if name == LATEST else SCRIPT if name in SCRIPTS else OTHER
@@ -280,7 +315,7 @@ def detect(path: str) -> DirectoryLayout | None:
         part = f"{OPTIM_STATES}_mp{mp:02d}" if many_mp and mp else OPTIM_STATES
         layout.members.append(_member(file, prefix, OPTIM_STATES, f"{part}.rank{dp}", files, dp))
     layout.members += [
-        Member(prefix + name, OTHER, None, files.sizes[os.path.join(files.tag_dir, name)])
+        Member(prefix + name, OTHER, None, files.sizes[join(files.tag_dir, name)])
         for name in files.other
     ]
     if not files.model_states:
