@@ -578,6 +578,33 @@ def test_framework_directories_in_s3(bucket: str, tmp_path: Path, relative: str)
     assert out.read_bytes() == expected.read_bytes()
 
 
+def test_a_shard_replaced_during_convert_writes_nothing(bucket: str, tmp_path: Path) -> None:
+    """A directory's member files are asked again for their size and ETag before convert
+    commits its output, like a single file's."""
+    import boto3
+
+    from ckpttool.convert import convert
+    from ckpttool.errors import InputError
+
+    local = FRAMEWORKS / "hf_sharded"
+    url = _upload_tree(local, "dirs/replaced")
+    name = "model-00002-of-00003.safetensors"
+    replaced: list[int] = []
+
+    def replace_once(nbytes: int) -> None:
+        if not replaced:
+            replaced.append(nbytes)
+            data = bytearray((local / name).read_bytes())
+            data[-1] ^= 1  # same size, another last byte
+            boto3.client("s3").put_object(
+                Bucket="ckpts", Key=f"dirs/replaced/{name}", Body=bytes(data)
+            )
+
+    with pytest.raises(InputError, match=f"{name}: the file changed while it was being read"):
+        convert(url, tmp_path / "model.safetensors", progress=replace_once)
+    assert replaced and list(tmp_path.iterdir()) == []
+
+
 def test_an_index_file_in_s3(bucket: str) -> None:
     local = FRAMEWORKS / "hf_sharded"
     url = _upload_tree(local, "dirs/index_only")

@@ -100,6 +100,10 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
         for ckpt in opened:
             ckpt.close()
 
+    def unchanged() -> None:  # members in an object store: asked again before a commit
+        for ckpt in opened:
+            ckpt.check_unchanged()
+
     details.update(_recorded_counters(root))
     return Parsed(
         format=DIRECTORY,
@@ -109,6 +113,7 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
         problems=problems,
         read=read,
         close=close,
+        unchanged=unchanged,
     )
 
 
