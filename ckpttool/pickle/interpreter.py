@@ -275,6 +275,15 @@ class SafeUnpickler:
                     starts.append(op_pos)
                     if track:
                         self.result.memo_gets.append((index, op_pos))
+                elif code == 0x94:  # MEMOIZE (protocol 4: DCP's .metadata, 27 per entry)
+                    if not stack:
+                        raise _bad(op_pos, "MEMOIZE on an empty stack")
+                    if memo:  # sparse indices were PUT: count them (``_op_memoize``)
+                        _op_memoize(self, op_pos)
+                    else:
+                        if track:
+                            self.result.memo_puts[len(memo_list)] = op_pos
+                        memo_list.append(stack[-1])
                 elif code == 0x4B:  # BININT1
                     if pos >= size:
                         raise TruncatedPickleError(f"pickle truncated at byte {pos}")
@@ -718,7 +727,7 @@ def _n(fmt: str, size: int) -> Callable[[SafeUnpickler], int]:
 
 
 #: Opcodes interpreted inline by ``SafeUnpickler.load`` (what ``torch.save`` writes most).
-INLINE_OPCODES = frozenset(b"rqhjK(tMJX\x8c)\x85\x86\x87\x88\x89NRQ}]")
+INLINE_OPCODES = frozenset(b"rqhj\x94K(tMJX\x8c)\x85\x86\x87\x88\x89NRQ}]")
 
 #: Every other opcode: a handler taking (unpickler, offset of the opcode), True on STOP.
 DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
@@ -754,7 +763,6 @@ DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
     0x91: _op_frozenset,
     ord("g"): _memo_get(lambda u: int(u._line())),
     ord("p"): _memo_put(lambda u: int(u._line())),
-    0x94: _op_memoize,
     ord("P"): _op_persid_text,
     ord("c"): _op_global,
     0x93: _op_stack_global,
@@ -864,11 +872,26 @@ def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) 
             out = values if isinstance(node, list) else type(node)(values)
         else:
             out = OpaqueObject(node.cls)
-            out.args, s1 = visit(node.args, depth + 1)
-            out.state, s2 = visit(node.state, depth + 1)
-            items, s3 = visit(node.dictitems, depth + 1)
-            out.dictitems = items
-            out.listitems, s4 = visit(node.listitems, depth + 1)
+            # what most objects leave empty (no arguments, state or items) needs no visit: an
+            # object's own dictitems and listitems are nobody else's, so fresh empty ones (as
+            # OpaqueObject starts with) are what a visit would make, at the same weight
+            args, state = node.args, node.state
+            if shallow and type(args) is tuple and not args:
+                out.args, s1 = args, 1
+            else:
+                out.args, s1 = visit(args, inner)
+            if shallow and state is None:
+                s2 = 1
+            else:
+                out.state, s2 = visit(state, inner)
+            if shallow and not node.dictitems:
+                s3 = 1
+            else:
+                out.dictitems, s3 = visit(node.dictitems, inner)
+            if shallow and not node.listitems:
+                s4 = 1
+            else:
+                out.listitems, s4 = visit(node.listitems, inner)
             total += s1 + s2 + s3 + s4
         if total > max_nodes:
             raise ResourceLimitError(
