@@ -6,6 +6,7 @@ Each command parses its options, calls one library function, renders the result,
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from typing import Any, NoReturn
@@ -61,7 +62,15 @@ def cli() -> None:
     pass
 
 
+#: The collector's generation-0 threshold for a CLI run (Python's default is 700). A command
+#: reads a checkpoint into one tree that lives until it exits, so each collection traverses
+#: objects that cannot be garbage: at 100,000 tensors the default thresholds cost a quarter of
+#: `show --json`'s CPU time. Collections still run, so cycles are still freed.
+GC_THRESHOLD = (100_000, 50, 100)
+
+
 def main() -> None:
+    gc.set_threshold(*GC_THRESHOLD)
     cli(prog_name="ckpttool")
 
 
@@ -73,9 +82,11 @@ def _input_bytes(path: str) -> int:
 
 
 def _echo_json(data: object) -> None:
-    from ckpttool.render.json_text import dumps
+    from ckpttool.render.json_text import chunks
 
-    click.echo(dumps(data))
+    for chunk in chunks(data):  # written as made: the whole text is never held at once
+        click.echo(chunk, nl=False)
+    click.echo()
 
 
 @cli.command()

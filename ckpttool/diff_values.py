@@ -24,11 +24,11 @@ the narrower side is the wider one saved in its dtype.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpttool.progress import ProgressCallback
-from ckpttool.records import TensorRecord
+from ckpttool.records import TensorRecord, with_fields
 from ckpttool.values import as_float, numpy_code, read_array
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def raw_chunks(
         code = numpy_code(record)
         for start in range(0, record.numel, step):
             count = min(step, record.numel - start)
-            run = replace(
+            run = with_fields(
                 record, shape=(count,), stride=(1,), storage_offset=record.storage_offset + start
             )
             data, first = ckpt.read_bytes(run)

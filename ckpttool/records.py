@@ -475,6 +475,20 @@ def with_key(record: TensorRecord, key: str) -> TensorRecord:
     return copy
 
 
+def with_fields(record: TensorRecord, **changes: Any) -> TensorRecord:
+    """``dataclasses.replace(record, **changes)`` without its slow path (it re-runs
+    ``__init__`` through keyword arguments): reading a tensor narrows its record once per
+    chunk, once per tensor at least. ``changes`` must name fields of a record."""
+    copy = object.__new__(TensorRecord)
+    state = copy.__dict__
+    state.update(record.__dict__)
+    for name in changes:
+        if name not in state:
+            raise TypeError(f"TensorRecord has no field {name!r}")
+    state.update(changes)
+    return copy
+
+
 def get_path(node: Any, dotted: str) -> Any:
     """The node at a dotted path (``optimizer.state``), or KeyError."""
     current = node

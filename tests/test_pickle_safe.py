@@ -56,3 +56,48 @@ def test_every_truncation_is_a_corrupt_checkpoint_error(protocol: int) -> None:
     if protocol < 4:  # no FRAME, whose length would be the first thing found short
         with pytest.raises(TruncatedPickleError):
             load_pickle(data[:-1])  # STOP missing
+
+
+def _put(index: int) -> bytes:
+    return b"r" + index.to_bytes(4, "little")  # LONG_BINPUT
+
+
+def _get(index: int) -> bytes:
+    return b"j" + index.to_bytes(4, "little")  # LONG_BINGET
+
+
+# Memo entries out of order, overwritten, past the dense part, read back by every kind of GET;
+# each is a list of what the reader must return, the same as pickle.loads on the same bytes.
+MEMO_PICKLES = {
+    # PUT 2 before 0 and 1 (sparse), then 0, 1 and 2 again: the dense part grows onto 2 and
+    # the later value wins
+    "sparse-then-dense": b"\x80\x02(K\x0a" + _put(2) + b"0K\x00" + _put(0) + b"0K\x01" + _put(1)
+    + b"0K\x0c" + _put(2) + b"0" + _get(0) + _get(1) + _get(2) + b"l.",
+    # overwriting a dense entry, and a huge index next to it
+    "overwrite-and-huge": b"\x80\x02(K\x01" + _put(0) + b"0K\x02" + _put(0) + b"0K\x03"
+    + _put(0x7FFFFFFF) + b"0" + _get(0) + _get(0x7FFFFFFF) + b"h\x00l.",
+    # MEMOIZE numbers its entry by the count of distinct indices so far (sparse ones included)
+    "memoize-counts-sparse": b"\x80\x04(K\x07" + _put(5) + b"0K\x08\x94K\x09\x94" + _get(1)
+    + _get(2) + _get(5) + b"l.",
+    # the dense part grows over a sparse entry (1), then MEMOIZE: 2 distinct indices, so it is 2
+    "grown-over-then-memoize": b"\x80\x04(K\x01" + _put(1) + b"0K\x00" + _put(0) + b"0K\x0b"
+    + _put(1) + b"0K\x02\x94" + _get(2) + _get(1) + b"l.",
+    # the same through the text PUT and GET, which are not inlined
+    "grown-over-then-memoize-text": b"(I1\np1\n0I0\np0\n0I11\np1\n0I2\n\x94g2\ng1\nl.",
+    # text PUT/GET (protocol 0), the sparse index first
+    "text-sparse-first": b"(I7\np3\n0I8\np0\n0I9\np1\n0g3\ng0\ng1\nl.",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(MEMO_PICKLES))
+def test_memo_reads_back_as_pickle_does(name: str) -> None:
+    data = MEMO_PICKLES[name]
+    # the pure-Python unpickler: its memo is a dict, like ours (the C one allocates an array
+    # as long as the largest index: LONG_BINPUT 0x7fffffff is a MemoryError there)
+    assert load_pickle(data).root == pickle._loads(data)  # type: ignore[attr-defined]
+
+
+def test_memo_get_of_an_index_never_put_is_refused() -> None:
+    for data in (b"\x80\x02K\x01" + _put(3) + b"0" + _get(0) + b".", b"\x80\x02h\x00."):
+        with pytest.raises(CorruptCheckpointError, match="never PUT"):
+            load_pickle(data)

@@ -61,3 +61,14 @@ def test_json_text_writes_each_record_of_a_list_on_one_line() -> None:
     assert lines[3:6] == [
         f'    {{"key": "w{i}", "shape": [2, 3]}}' + ("," if i < 2 else "") for i in range(3)
     ]
+
+
+@pytest.mark.parametrize("size", [1, 7, 1 << 16])
+@pytest.mark.parametrize("value", JSON_VALUES)
+def test_json_text_in_chunks_is_the_same_text(value: object, size: int) -> None:
+    from ckpttool.render.json_text import chunks, dumps
+
+    pieces = list(chunks(value, size=size))
+    assert "".join(pieces) == dumps(value)
+    assert all(pieces)
+    assert all(len(piece) >= size for piece in pieces[:-1])  # batched, not one per item
