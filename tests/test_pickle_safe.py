@@ -92,8 +92,8 @@ MEMO_PICKLES = {
 @pytest.mark.parametrize("name", sorted(MEMO_PICKLES))
 def test_memo_reads_back_as_pickle_does(name: str) -> None:
     data = MEMO_PICKLES[name]
-    # the pure-Python unpickler: its memo is a dict, like ours (the C one allocates an array
-    # as long as the largest index: LONG_BINPUT 0x7fffffff is a MemoryError there)
+    # the pure-Python unpickler: its memo is a dict, as ours is past its list (the C one
+    # allocates an array as long as the largest index: LONG_BINPUT 0x7fffffff is a MemoryError)
     assert load_pickle(data).root == pickle._loads(data)  # type: ignore[attr-defined]
 
 

@@ -126,7 +126,7 @@ def test_corpus_script_writes_files_every_one_refused(tmp_path: Path) -> None:
         "bad_crc.pth",  # damage inside a record: verify's CRC check finds it
         "deflated_storage.pth",  # values unreadable in place: verify and convert say so
         "local_header_mismatch.pth",  # found when a record is read, and by verify
-        "memo_bomb.pth",  # harmless once the memo is a dict
+        "memo_bomb.pth",  # harmless: an index past the memo list is one dict entry
         "text_line_flood.pkl",  # a long but valid protocol-0 pickle
         "unlisted_callable_p2.legacy.pth",  # unknown callables become opaque records
         "unlisted_callable_p2.pkl",

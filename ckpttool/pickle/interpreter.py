@@ -11,8 +11,9 @@ refused outright. ``BUILD`` is applied only to objects this reader created. What
 lives in :mod:`ckpttool.pickle.emulation`, what is refused in :mod:`ckpttool.pickle.policy`.
 
 Resources are bounded: every length prefix is checked against the bytes that remain (a
-``BINBYTES8`` claiming a terabyte fails at once), the memo is a dict (``LONG_BINPUT
-0x7fffffff`` costs one entry), nesting depth and the size of the expanded tree are capped, and
+``BINBYTES8`` claiming a terabyte fails at once), the memo is a list for the
+indices torch.save uses (0, 1, 2...) and a dict past its end (``LONG_BINPUT 0x7fffffff`` costs
+one entry), nesting depth and the size of the expanded tree are capped, and
 cycles are refused.
 """
 
@@ -213,8 +214,8 @@ class SafeUnpickler:
         The opcodes ``torch.save`` emits most (protocol 2: memo PUT/GET, small ints, MARK and
         TUPLE, strings, REDUCE, BINPERSID: ``INLINE_OPCODES``) are handled inline with the
         stack in local variables: listing a checkpoint is this loop, and a function call per
-        opcode was half its cost. Every other opcode goes through ``DISPATCH``. Both paths check lengths, the stack and the memo
-        the same way.
+        opcode was half its cost. Every other opcode goes through ``DISPATCH``. Both paths check
+        lengths, the stack and the memo the same way.
         """
         deadline = time.monotonic() + MAX_SECONDS
         data = self.data
