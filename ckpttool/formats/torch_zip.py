@@ -122,8 +122,13 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
         track_spans=track_spans,
     )
 
+    spans: dict[str, tuple[int, int]] = {}  # each record's local header is read once
+
     def span(storage: StorageRecord) -> tuple[int, int]:
-        return member_span(handle, archive.NameToInfo[storage.record])
+        found = spans.get(storage.record)
+        if found is None:
+            found = spans[storage.record] = member_span(handle, archive.NameToInfo[storage.record])
+        return found
 
     return Parsed(
         format="torch-zip",
