@@ -101,7 +101,7 @@ class DirectoryRescaleReport:
     in_place: bool
 
 
-def _plan(key: str, old: int, saved: int, new_world: int, strict: bool) -> RescalePlan:
+def counter_plan(key: str, old: int, saved: int, new_world: int, strict: bool) -> RescalePlan:
     if isinstance(old, bool) or not isinstance(old, int) or old < 0:
         raise LayoutError(f"{key!r} holds {old!r}, not a count of steps; nothing was changed")
     plan = RescalePlan(key, old, old * saved // new_world, saved, None, new_world, ())
@@ -202,7 +202,7 @@ def _plan_trainer(
     if huggingface.RNG_STATE_NAME in files:
         rng_ranks = {0: huggingface.RNG_STATE_NAME, **rng_ranks}
     saved = _saved_world_size(rng_ranks, from_world_size, "RNG files")
-    plan = _plan("global_step", state["global_step"], saved, world_size, strict)
+    plan = counter_plan("global_step", state["global_step"], saved, world_size, strict)
     changes: list[ValueChange] = []
     actions: list[FileAction] = []
     notes: list[str] = []
@@ -300,7 +300,7 @@ def _plan_accelerate(
     if 0 not in rng_ranks:
         raise LayoutError(f"{path}: no random_states_0.pkl; accelerate's step is not known")
     step = _top_level(path / rng_ranks[0]).get("step")
-    plan = _plan("step", step if step is not None else -1, saved, world_size, strict)
+    plan = counter_plan("step", step if step is not None else -1, saved, world_size, strict)
     changes: list[ValueChange] = []
     actions: list[FileAction] = []
     notes: list[str] = []
@@ -441,7 +441,7 @@ def _write_directory(
             if action.action != DROP:
                 _write_member(path / action.source, temp / action.name, action)
         fsync_dir(temp)
-        _move_into_place(temp, target, replace_existing)
+        move_into_place(temp, target, replace_existing)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
@@ -467,7 +467,7 @@ def _write_member(source: Path, destination: Path, action: FileAction) -> None:
             verify_rewrite(ckpt, destination, action.changes)
 
 
-def _move_into_place(temp: Path, target: Path, replace_existing: bool) -> None:
+def move_into_place(temp: Path, target: Path, replace_existing: bool) -> None:
     """Rename the finished ``temp`` to ``target``; an existing ``target`` is swapped out
     atomically where the kernel can (``renameat2(RENAME_EXCHANGE)``), else moved aside first."""
     parent = temp.parent

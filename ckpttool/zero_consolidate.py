@@ -329,7 +329,7 @@ def _consolidate(tag: ZeroTag, opened: list[Any]) -> ZeroWeights:
                           model, optim_states)  # fmt: skip
     for group_shapes in shapes:
         for name, shape in group_shapes.items():
-            tensors[name] = _record(
+            tensors[name] = pieced_record(
                 name, "float32", shape, span_pieces(weights, spans[name], "fp32")
             )
     for alias, owner in (model.get("shared_params") or {}).items():
@@ -360,7 +360,9 @@ def _with_key(record: TensorRecord, key: str) -> TensorRecord:
     return replace(record, key=key)
 
 
-def _record(name: str, dtype: str, shape: tuple[int, ...], pieces: list[Piece]) -> TensorRecord:
+def pieced_record(
+    name: str, dtype: str, shape: tuple[int, ...], pieces: list[Piece]
+) -> TensorRecord:
     numel = math.prod(shape)
     storage = ZeroStorageRecord(key=name, dtype=dtype, numel=numel, location="cpu",
                                 record="zero:" + name, data_size=numel * ITEMSIZE[dtype],
@@ -376,7 +378,7 @@ def _flat(record: Any, where: str) -> TensorRecord:
     return record
 
 
-def _slice_pieces(member: int, record: TensorRecord, first: int, count: int) -> Piece:
+def slice_piece(member: int, record: TensorRecord, first: int, count: int) -> Piece:
     """Elements ``[first, first + count)`` of a flat tensor record, as a piece."""
     assert record.storage is not None
     start = (record.storage_offset + first) * record.itemsize
@@ -392,8 +394,8 @@ def _buffers(model: dict[str, Any], member: int, tensors: dict[str, TensorRecord
             continue
         record = _flat(value, f"buffer {name}")
         dtype = "float32" if record.is_floating else record.dtype
-        pieces = [_slice_pieces(member, record, 0, record.numel)] if record.numel else []
-        tensors[name] = _record(name, dtype, record.shape, pieces)
+        pieces = [slice_piece(member, record, 0, record.numel)] if record.numel else []
+        tensors[name] = pieced_record(name, dtype, record.shape, pieces)
         out.append(name)
     return out
 
@@ -415,11 +417,11 @@ def _frozen(
             dtype = fragment.dtype
             take = min(remaining, fragment.numel)
             if take:
-                pieces.append(_slice_pieces(member + rank, fragment, 0, take))
+                pieces.append(slice_piece(member + rank, fragment, 0, take))
             remaining -= take
         if remaining:
             raise CorruptCheckpointError(f"frozen parameter {name}: its fragments are too short")
-        tensors[name] = _record(name, dtype, shape, pieces)
+        tensors[name] = pieced_record(name, dtype, shape, pieces)
         out.append(name)
     return out
 
@@ -453,7 +455,7 @@ def span_pieces(weights: ZeroWeights, spans: Sequence[Span], key: str) -> list[P
     pieces = []
     for span in spans:
         record = state_record(weights, span.rank, span.group, key)
-        pieces.append(_slice_pieces(span.rank, record, span.first, span.count))
+        pieces.append(slice_piece(span.rank, record, span.first, span.count))
     return pieces
 
 

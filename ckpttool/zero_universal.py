@@ -53,15 +53,15 @@ from ckpttool.rescale_directory import (
     DirectoryRescaleReport,
     FileAction,
     ValueChange,
-    _move_into_place,
-    _plan,
+    counter_plan,
+    move_into_place,
 )
 from ckpttool.writers import OutTensor, StoredTensor, write_torch_object
 from ckpttool.zero_consolidate import (
     ZeroWeights,
-    _record,
-    _slice_pieces,
     open_zero_weights,
+    pieced_record,
+    slice_piece,
     span_pieces,
 )
 
@@ -119,7 +119,7 @@ def rescale_zero(
         # With the global batch kept, a saved step is one of the new run's steps: count it as
         # taken on world_size ranks (the plan's file_world_size keeps the saved dp size).
         counted_on = world_size if keep_global_batch else saved
-        plan = _plan("global_steps", old_steps, counted_on, world_size, strict)
+        plan = counter_plan("global_steps", old_steps, counted_on, world_size, strict)
         plan = RescalePlan("global_steps", plan.old_step, plan.new_step, counted_on, saved,
                            world_size, ())  # fmt: skip
         changes, model_changes = _counter_changes(model, plan.new_step - plan.old_step)
@@ -243,7 +243,7 @@ def plan_files(
         _check_name(name)
         shape = weights.tensors[name].shape
         for key in ("fp32", *MOMENTS):
-            record = _record(name, "float32", shape, span_pieces(weights, spans, key))
+            record = pieced_record(name, "float32", shape, span_pieces(weights, spans, key))
             files.append(_tensor_file(f"zero/{name}/{key}.pt", record, produce, flat=flat))
         if not flat:
             step = _group_state(weights, 0, spans[0].group).get("step")
@@ -255,8 +255,8 @@ def plan_files(
             if name in weights.spans or not isinstance(value, TensorRecord):
                 continue
             _check_name(name)
-            pieces = [_slice_pieces(member, value, 0, value.numel)] if value.numel else []
-            record = _record(name, "float32", value.shape, pieces)
+            pieces = [slice_piece(member, value, 0, value.numel)] if value.numel else []
+            record = pieced_record(name, "float32", value.shape, pieces)
             files.append(_tensor_file(f"zero/{name}/fp32.pt", record, produce, flat=False,
                                       cat_dim=False))  # fmt: skip
     return files
@@ -302,7 +302,7 @@ def _value(value: Any, produce: Callable[[TensorRecord], Produce]) -> tuple[Any,
     if isinstance(value, TensorRecord):
         if value.numel != 1 or value.storage is None:
             raise LayoutError("an Adam step is not a one-element tensor")
-        record = _record("step", value.dtype, value.shape, [_slice_pieces(0, value, 0, 1)])
+        record = pieced_record("step", value.dtype, value.shape, [slice_piece(0, value, 0, 1)])
         return StoredTensor("0", OutTensor("", value.dtype, value.shape)), [("0", produce(record))]
     return value, []
 
@@ -404,7 +404,7 @@ def _write(
         (temp / LATEST_UNIVERSAL).write_text(tag)
         fsync_dir(tag_dir)
         fsync_dir(temp)
-        _move_into_place(temp, target, overwrite)
+        move_into_place(temp, target, overwrite)
     except BaseException as error:
         shutil.rmtree(temp, ignore_errors=True)
         if isinstance(error, OSError) and not isinstance(error, CkptError):
