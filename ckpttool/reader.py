@@ -165,6 +165,12 @@ class Checkpoint:
             raise CorruptCheckpointError(f"{what}: file ends inside its data (truncated)")
         return data
 
+    @property
+    def index(self) -> Any:
+        """The format's own index of the checkpoint, as parsed on open (DCP: its
+        :class:`~ckpttool.formats.dcp_metadata.DcpMetadata`); None for other formats."""
+        return self._parsed.index
+
     def check_unchanged(self) -> None:
         """Raise if a remote source is no longer the object that was opened (a store whose
         ranged reads cannot carry that check on each request is asked once more here)."""

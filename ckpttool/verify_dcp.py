@@ -15,6 +15,7 @@ from ckpttool.formats.dcp_metadata import StorageSpan, TensorEntry, span_of
 from ckpttool.pickle.policy import Verdict, never_load_problem
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_source
+from ckpttool.records import ChunkRecord, StorageRecord
 from ckpttool.source import join, list_names
 from ckpttool.verify_zip import check_archive
 
@@ -24,30 +25,27 @@ def check_dcp(
 ) -> tuple[list[str], list[str]]:
     """(problems, what was checked) for the DCP directory ``ckpt`` was opened from."""
     directory = ckpt.name  # a local directory or a URL
-    with open_source(join(directory, METADATA)) as handle:
-        _, meta = load_metadata(handle, refuse_dangerous=False)
+    meta = ckpt.index
+    if meta is None:  # not opened by the DCP reader: parse its .metadata here
+        with open_source(join(directory, METADATA)) as handle:
+            _, meta = load_metadata(handle, refuse_dangerous=False)
     sizes = {name: size for name, size in ckpt.details["files"].items() if size is not None}
     files = DcpFiles(directory, sizes)
     problems: list[str] = []
     dangerous: set[str] = set()
+    # each tensor chunk's archive is checked against the metadata when its item is read
+    chunks: dict[StorageSpan, tuple[ChunkRecord, StorageRecord]] = {}
+    for entry in meta.entries:
+        if isinstance(entry, TensorEntry):
+            storage = tensor_record(entry).storage
+            assert storage is not None
+            chunks.update((span_of(chunk), (chunk, storage)) for chunk in entry.chunks)
     try:
         items = [(what, span) for what, span in meta.items() if present(span, sizes)]
-        broken = set()
         for what, span in items:
-            found = _check_item(files, span, f"{what} in {span}", dangerous, progress)
-            if found:
-                problems += found
-                broken.add(span)
-        for entry in meta.entries:  # each chunk's tensor against the metadata
-            if isinstance(entry, TensorEntry):
-                storage = tensor_record(entry).storage
-                assert storage is not None
-                for chunk in entry.chunks:
-                    if present(span_of(chunk), sizes) and span_of(chunk) not in broken:
-                        try:
-                            files.chunk_tensor(chunk, storage)
-                        except CkptError as error:
-                            problems.append(str(error))
+            problems += _check_item(
+                files, span, f"{what} in {span}", dangerous, progress, chunks.get(span)
+            )
     finally:
         files.close()
     if dangerous:
@@ -68,7 +66,10 @@ def _check_item(
     where: str,
     dangerous: set[str],
     progress: ProgressCallback | None,
+    chunk: tuple[ChunkRecord, StorageRecord] | None,
 ) -> list[str]:
+    """One item: its archive's records and CRCs, its pickle walked once (dangerous globals
+    collected), and, for a tensor chunk, its tensor against the metadata."""
     if files.pread(span.file, span.offset, min(4, span.length)) != b"PK\x03\x04":
         return []  # a value saved as raw bytes (a BytesIO): no structure to check
     try:
@@ -81,4 +82,10 @@ def _check_item(
         dangerous.update(
             f"{m}.{n}" for m, n, v in parsed.pickle.globals_seen if v is Verdict.DANGEROUS
         )
-    return [f"{where}: {problem}" for problem in problems]
+    found = [f"{where}: {problem}" for problem in problems]
+    if chunk is not None and not found:
+        try:
+            files.chunk_tensor(*chunk, parsed=parsed)
+        except CkptError as error:
+            found.append(str(error))
+    return found

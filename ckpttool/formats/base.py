@@ -35,6 +35,8 @@ class Parsed:
     close: Callable[[], None] | None = None
     # For a checkpoint assembled from several remote files: raise if one of them changed.
     unchanged: Callable[[], None] | None = None
+    # The format's own index, parsed (DCP: its DcpMetadata), for verify not to parse it again.
+    index: Any = None
 
 
 def no_span(storage: StorageRecord) -> tuple[int, int]:

@@ -186,12 +186,16 @@ class DcpFiles:
             kind = CorruptCheckpointError if isinstance(error, NotACheckpointError) else type(error)
             raise kind(f"{span}: {error}") from None
 
-    def chunk_tensor(self, chunk: ChunkRecord, storage: StorageRecord) -> tuple[TensorRecord, int]:
-        """The chunk's tensor as its archive describes it, and where its storage's bytes start."""
+    def chunk_tensor(
+        self, chunk: ChunkRecord, storage: StorageRecord, parsed: Parsed | None = None
+    ) -> tuple[TensorRecord, int]:
+        """The chunk's tensor as its archive describes it, and where its storage's bytes start
+        (``parsed``: the chunk's archive, if the caller has already parsed it)."""
         cached = self._chunks.get((chunk, storage.dtype))
         if cached is None:
             span = span_of(chunk)
-            parsed = self.archive(span)
+            if parsed is None:
+                parsed = self.archive(span)
             record = parsed.root
             if not isinstance(record, TensorRecord) or record.storage is None:
                 raise CorruptCheckpointError(f"{span}: holds no tensor chunk")
@@ -407,7 +411,7 @@ def read_dcp(
 
     return Parsed(
         format="dcp", root=root, span=no_span, pickle=result, details=details,
-        problems=problems, read=files.read, close=files.close,
+        problems=problems, read=files.read, close=files.close, index=meta,
     )  # fmt: skip
 
 
