@@ -347,3 +347,26 @@ def test_a_member_cut_after_opening_is_an_error_naming_that_member(tmp_path: Pat
         with pytest.raises(CorruptCheckpointError, match=f"{shard}: .*truncated"):
             for record in in_shard:
                 read_array(ckpt, record)
+
+
+@pytest.mark.parametrize(
+    "relative", ["hf_sharded", "trainer_1proc/output/checkpoint-8", "hf_model"]
+)
+def test_opening_a_directory_reads_each_json_file_once(
+    relative: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Detection reads the index and trainer_state.json; reading the directory uses what it
+    parsed instead of reading them again."""
+    from ckpttool.frameworks import huggingface
+
+    reads: list[str] = []
+    original = huggingface.read_small
+
+    def counted(path: str, limit: int) -> bytes:
+        reads.append(Path(path).name)
+        return original(path, limit)
+
+    monkeypatch.setattr(huggingface, "read_small", counted)
+    with open_checkpoint(str(FRAMEWORKS / relative)) as ckpt:
+        assert ckpt.tensors()
+    assert reads and sorted(reads) == sorted(set(reads)), reads

@@ -44,7 +44,6 @@ class MemberStorageRecord(StorageRecord):
 
 def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: bool) -> Parsed:
     """Open every member of ``layout`` and merge their trees (see the module docstring)."""
-    from ckpttool.frameworks.huggingface import read_json
     from ckpttool.reader import open_checkpoint
 
     opened: list[Checkpoint] = []
@@ -58,7 +57,7 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
                 continue
             path = inside(layout.directory, member.name)
             if member.json:
-                value = read_json(path)
+                value = layout.read_json(member.name)
             else:
                 try:
                     ckpt = open_checkpoint(path, strict=strict, refuse_dangerous=refuse_dangerous)
@@ -186,11 +185,11 @@ def _merge_shard(
 
 def _check_index(layout: DirectoryLayout, weights: Any, shard_of: dict[str, str]) -> list[str]:
     """Every tensor the index lists is in the shard it names, and every stored one is listed."""
-    from ckpttool.frameworks.huggingface import read_json, weight_map
+    from ckpttool.frameworks.huggingface import weight_map
 
     assert layout.index is not None
     path = join(layout.directory, layout.index)
-    mapping = weight_map(read_json(path), path)
+    mapping = weight_map(layout.read_json(layout.index), path)
     present = {member.name for member in layout.members}
     problems = []
     for key, shard in mapping.items():

@@ -66,6 +66,17 @@ class DirectoryLayout:
     details: dict[str, object] = field(default_factory=dict)  # shown by `show` (step, ranks...)
     index: str | None = None  # the index file, when the weights are sharded
     complete: bool = True  # everything the framework writes for a resumable checkpoint is there
+    # JSON members already parsed (by name): detection reads an index or trainer_state.json,
+    # and reading the directory uses what it found rather than reading the file again
+    parsed_json: dict[str, object] = field(default_factory=dict, repr=False)
+
+    def read_json(self, name: str) -> object:
+        """The JSON member ``name``, parsed once."""
+        if name not in self.parsed_json:
+            from ckpttool.frameworks.huggingface import read_json
+
+            self.parsed_json[name] = read_json(inside(self.directory, name))
+        return self.parsed_json[name]
 
 
 def list_files(directory: str) -> dict[str, int]:

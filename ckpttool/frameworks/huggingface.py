@@ -96,7 +96,8 @@ def detect(path: str) -> DirectoryLayout | None:
     trainer = any(name in files for name in TRAINER_FILES) or any(
         RNG_STATE_RANK.match(name) or name == RNG_STATE_NAME for name in files
     )
-    members, weights_problems, index_name = _weights(directory, files, index_path)
+    parsed_json: dict[str, object] = {}
+    members, weights_problems, index_name = _weights(directory, files, index_path, parsed_json)
     if not members and not trainer:
         return None
     layout = HF_TRAINER if trainer else HF_MODEL
@@ -115,6 +116,7 @@ def detect(path: str) -> DirectoryLayout | None:
         members=members,
         problems=weights_problems,
         index=index_name,
+        parsed_json=parsed_json,
     )
     if trainer:
         _check_trainer(result, files)
@@ -122,7 +124,7 @@ def detect(path: str) -> DirectoryLayout | None:
 
 
 def _weights(
-    directory: str, files: dict[str, int], index_path: str | None
+    directory: str, files: dict[str, int], index_path: str | None, parsed: dict[str, object]
 ) -> tuple[list[Member], list[str], str | None]:
     """The weights members (safetensors preferred, as transformers loads them) and problems."""
     for index_name, single, shard in (
@@ -133,7 +135,7 @@ def _weights(
         if chosen_index is not None and chosen_index != index_name:
             continue
         if index_name in files:
-            return _sharded(directory, files, index_name, shard)
+            return _sharded(directory, files, index_name, shard, parsed)
         if single in files:
             return [Member(single, WEIGHTS, "model", files[single])], [], None
         orphans = [name for name in files if shard.match(name)]
@@ -145,15 +147,20 @@ def _weights(
                 None,
             )
     if index_path is not None:  # an index file of another name: read it as given
-        return _sharded(directory, files, os.path.basename(index_path), None)
+        return _sharded(directory, files, os.path.basename(index_path), None, parsed)
     return [], [], None
 
 
 def _sharded(
-    directory: str, files: dict[str, int], index_name: str, pattern: re.Pattern[str] | None
+    directory: str,
+    files: dict[str, int],
+    index_name: str,
+    pattern: re.Pattern[str] | None,
+    parsed: dict[str, object],
 ) -> tuple[list[Member], list[str], str | None]:
     index_path = join(directory, index_name)
-    mapping = weight_map(read_json(index_path), index_path)
+    parsed[index_name] = read_json(index_path)
+    mapping = weight_map(parsed[index_name], index_path)
     shards = sorted(set(mapping.values()))  # file order is save order: -00001-of-, -00002-of-...
     problems = []
     members = [Member(index_name, INDEX, None, files[index_name], json=True)]
@@ -207,7 +214,7 @@ def _check_trainer(layout: DirectoryLayout, files: dict[str, int]) -> None:
     elif RNG_STATE_NAME not in files:
         layout.missing.append(f"{RNG_STATE_NAME} (or rng_state_<rank>.pth)")
     if TRAINER_STATE_NAME in files:
-        state = read_json(join(layout.directory, TRAINER_STATE_NAME))
+        state = layout.read_json(TRAINER_STATE_NAME)
         if isinstance(state, dict):
             for key in (
                 "global_step",
