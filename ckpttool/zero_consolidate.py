@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ckpttool.cast import stored_dtype, widen
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
 from ckpttool.formats.base import Parsed, no_span
 from ckpttool.records import ITEMSIZE, OpaqueObject, StorageRecord, TensorRecord
@@ -271,7 +272,7 @@ def read_pieces(
     return out
 
 
-#: NumPy's name of each dtype ``Tensor.float()`` widens here (bfloat16 is done by hand).
+#: NumPy's name of each dtype ``Tensor.float()`` widens here (bfloat16: ``cast.widen``).
 _NUMPY = {"float16": "<f2", "float64": "<f8", "int8": "i1", "int16": "<i2", "int32": "<i4",
           "int64": "<i8", "uint8": "u1", "bool": "?"}  # fmt: skip
 
@@ -282,7 +283,7 @@ def _cast(data: bytearray, source: str, target: str) -> bytes:
     if target != "float32":
         raise CorruptCheckpointError(f"cannot convert {source} to {target}")
     if source == "bfloat16":
-        return (np.frombuffer(data, "<u2").astype("<u4") << 16).tobytes()
+        return widen(np.frombuffer(data, stored_dtype(source)), source).tobytes()
     if source in _NUMPY:
         return np.frombuffer(data, _NUMPY[source]).astype("<f4").tobytes()
     raise CorruptCheckpointError(f"cannot widen {source} to float32")
