@@ -274,6 +274,9 @@ def _storage_dtype(storage: Any) -> str:
     return storage.dtype
 
 
+_SMALL_DIM = 2**31
+
+
 def _tensor(
     storage: Any, offset: Any, size: Any, stride: Any, dtype: str, requires_grad: Any = False
 ) -> TensorRecord:
@@ -288,7 +291,10 @@ def _tensor(
         raise ValueError(f"tensor with a malformed shape or stride ({len(size)}/{len(stride)})")
     if offset < 0:
         raise ValueError("tensor with a negative storage offset")
-    if not (numel_fits_int64(size) and fits_int64(*stride, offset)):
+    # most tensors: at most two dimensions under 2**31 (their product fits int64), a small offset
+    if not (len(size) <= 2 and max(dims, default=0) < _SMALL_DIM and offset < _SMALL_DIM) and not (
+        numel_fits_int64(size) and fits_int64(*stride, offset)
+    ):
         raise ValueError("tensor sizes beyond torch's int64 range")
     return TensorRecord("", dtype, size, stride, offset, storage, bool(requires_grad))
 
@@ -576,6 +582,12 @@ def global_value(module: str, name: str) -> Any:
     if qualname in _TORCH_DTYPE_GLOBALS:
         return _TORCH_DTYPE_GLOBALS[qualname]
     return GlobalRef(module, name)
+
+
+def emulation(qualname: str) -> Callable[[NestedCall, GlobalRef, tuple[Any, ...]], Any]:
+    """What ``emulate_call`` runs for a call of ``qualname`` (the walker's fast path calls the
+    tensor rebuild directly)."""
+    return _EMULATED.get(qualname, _opaque_call)
 
 
 def emulate_call(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:

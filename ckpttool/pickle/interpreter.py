@@ -38,6 +38,8 @@ from ckpttool.pickle.emulation import (
     set_state,
 )
 from ckpttool.pickle.policy import RENAMED_MODULES, Verdict, classify_global
+from ckpttool.pickle.tensor_call import OPCODES as TENSOR_CALL_OPCODES
+from ckpttool.pickle.tensor_call import tensor_call
 from ckpttool.records import GlobalRef, OpaqueObject, StorageRecord, TensorRecord
 
 MAX_DEPTH = 200  # nesting of containers; real checkpoints stay under 20
@@ -51,7 +53,12 @@ MAX_NODES = 20_000_000  # nodes of the fully expanded tree (shared references co
 REUSE_BASE = 10_000
 REUSE_BYTES = 16
 MAX_SECONDS = 60.0  # wall-clock budget for one pickle
-MAX_STACK = 1_000_000  # items on the stack (checked every 16,384 opcodes)
+MAX_STACK = 1_000_000  # items on the stack (checked every CHECK_EVERY opcodes)
+MAX_MARKS = MAX_DEPTH * 10  # MARKs open at once
+CHECK_EVERY = 16_384  # opcodes between checks of the clock and the stack's size
+#: Whether walkers read tensor calls with ``tensor_call`` unless told (the differential tests
+#: turn it off to compare every reader's output with and without it).
+FAST_PATH = True
 
 
 @dataclass
@@ -106,6 +113,7 @@ class SafeUnpickler:
         persistent_load: PersistentLoad | None = None,
         refuse_dangerous: bool = True,
         track_spans: bool = False,
+        fast_path: bool | None = None,
     ) -> None:
         self.data = memoryview(data)
         # text opcodes search for their newline in the bytes themselves (memoryview has no
@@ -116,6 +124,10 @@ class SafeUnpickler:
         self.persistent_load = persistent_load
         self.refuse_dangerous = refuse_dangerous
         self.track_spans = track_spans
+        # tensors read by ``tensor_call`` (off: every opcode through the general loop; the
+        # differential tests compare both; span tracking needs the general loop)
+        self.fast_path = FAST_PATH if fast_path is None else fast_path
+        self.layouts: list[Any] = []  # ``tensor_call``'s layouts for this pickle
         self.stack: list[Any] = []
         self.starts: list[int] = []  # byte offset where each stack item began
         self.metastack: list[tuple[list[Any], list[int], int]] = []
@@ -188,12 +200,12 @@ class SafeUnpickler:
             )
         return global_value(module, name)
 
-    def _call(self, func: Any, args: Any) -> Any:
+    def call(self, func: Any, args: Any) -> Any:
         if not isinstance(func, GlobalRef):
             raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
         if not isinstance(args, tuple):
             raise _bad(self.pos, "call arguments are not a tuple")
-        result = emulate_call(self._call, func, args)
+        result = emulate_call(self.call, func, args)
         mutable = (dict, list, set, OpaqueObject, NdarrayBuilder, NumpyDtype)
         return self._new(result) if isinstance(result, mutable) else result
 
@@ -230,6 +242,9 @@ class SafeUnpickler:
         pos = self.pos
         op_pos = pos
         ops = 0
+        next_check = CHECK_EVERY
+        raw = self.raw
+        fast = self.fast_path and not track
         try:
             while True:
                 if pos >= size:
@@ -238,7 +253,8 @@ class SafeUnpickler:
                 code = data[pos]
                 pos += 1
                 ops += 1
-                if not ops & 0x3FFF:
+                if ops >= next_check:
+                    next_check = ops + CHECK_EVERY
                     if time.monotonic() > deadline:
                         raise ResourceLimitError(f"pickle takes over {MAX_SECONDS:.0f} s to walk")
                     if len(stack) > MAX_STACK:
@@ -268,11 +284,23 @@ class SafeUnpickler:
                     index = data[pos] if width == 1 else _U32(data, pos)[0]
                     pos += width
                     if index < len(memo_list):
-                        stack.append(memo_list[index])
+                        value = memo_list[index]
                     elif index in memo:
-                        stack.append(memo[index])
+                        value = memo[index]
                     else:
                         raise _bad(op_pos, f"memo GET of index {index} that was never PUT")
+                    if (
+                        value.__class__ is GlobalRef
+                        and value.name == "_rebuild_tensor_v2"
+                        and fast
+                        and value.module == "torch._utils"
+                        and len(metastack) + 3 <= MAX_MARKS
+                    ):  # a tensor: its whole call in one step (``tensor_call``)
+                        made = tensor_call(self, raw, pos, value)
+                        if made is not None:
+                            pos, value = made
+                            ops += TENSOR_CALL_OPCODES
+                    stack.append(value)
                     starts.append(op_pos)
                     if track:
                         self.result.memo_gets.append((index, op_pos))
@@ -295,7 +323,7 @@ class SafeUnpickler:
                     metastack.append((stack, starts, op_pos))
                     stack, starts = [], []
                     self.stack, self.starts = stack, starts
-                    if len(metastack) > MAX_DEPTH * 10:
+                    if len(metastack) > MAX_MARKS:
                         raise ResourceLimitError("pickle nests MARKs deeper than any checkpoint")
                 elif code == 0x74:  # TUPLE
                     if not metastack:
@@ -353,7 +381,7 @@ class SafeUnpickler:
                     args = stack.pop()
                     starts.pop()
                     self.pos = pos
-                    stack[-1] = self._call(stack[-1], args)
+                    stack[-1] = self.call(stack[-1], args)
                 elif code == 0x51:  # BINPERSID
                     if not stack:
                         raise _bad(op_pos, "stack underflow")
@@ -626,7 +654,7 @@ def _op_stack_global(u: SafeUnpickler, pos: int) -> bool:
 def _op_newobj(u: SafeUnpickler, pos: int) -> bool:
     args, _ = u._pop()
     cls, start = u._pop()
-    u._push(u._call(cls, args), start)
+    u._push(u.call(cls, args), start)
     return False
 
 
@@ -634,7 +662,7 @@ def _op_newobj_ex(u: SafeUnpickler, pos: int) -> bool:
     kwargs, _ = u._pop()
     args, _ = u._pop()
     cls, start = u._pop()
-    result = u._call(cls, args)
+    result = u.call(cls, args)
     if isinstance(result, OpaqueObject) and kwargs:
         result.state = {"__kwargs__": kwargs}
     u._push(result, start)
@@ -646,7 +674,7 @@ def _op_inst(u: SafeUnpickler, pos: int) -> bool:
     name = u._line().decode("utf-8")
     cls = u._global(module, name)
     items, _, mark_pos = u._pop_mark()
-    u._push(u._call(cls, tuple(items)), mark_pos)
+    u._push(u.call(cls, tuple(items)), mark_pos)
     return False
 
 
@@ -654,7 +682,7 @@ def _op_obj(u: SafeUnpickler, pos: int) -> bool:
     items, _, mark_pos = u._pop_mark()
     if not items:
         raise _bad(pos, "OBJ without a class")
-    u._push(u._call(items[0], tuple(items[1:])), mark_pos)
+    u._push(u.call(items[0], tuple(items[1:])), mark_pos)
     return False
 
 
@@ -819,6 +847,11 @@ def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) 
             return node, 1
         if cls is tuple and len(node) <= _SMALL and all(type(v) in _SCALARS for v in node):
             return node, len(node) + 1  # a shape, an offset: immutable, nothing to replace
+        if cls is TensorRecord:  # the other most common node: a leaf, counted when met again
+            if id(node) in leaves_seen:
+                reuse(1)
+            leaves_seen.add(id(node))
+            return node, 1
         if isinstance(node, NdarrayBuilder):
             node = node.record
         elif isinstance(node, NumpyDtype):
@@ -913,6 +946,7 @@ def load_pickle(
     persistent_load: PersistentLoad | None = None,
     refuse_dangerous: bool = True,
     track_spans: bool = False,
+    fast_path: bool | None = None,
 ) -> PickleResult:
     """Read one pickle safely; see :class:`SafeUnpickler`.
 
@@ -929,6 +963,7 @@ def load_pickle(
         persistent_load=persistent_load,
         refuse_dangerous=refuse_dangerous,
         track_spans=track_spans,
+        fast_path=fast_path,
     )
     paused = gc.isenabled()
     if paused:
