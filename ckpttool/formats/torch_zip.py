@@ -89,16 +89,20 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
         raise CorruptCheckpointError(f"byteorder record says {byteorder!r:.40}")
 
     storages: dict[str, StorageRecord] = {}
+    members = archive.NameToInfo
+    data_prefix = f"{prefix}data/"
 
     def persistent_load(pid: Any) -> StorageRecord:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CorruptCheckpointError(f"unexpected persistent id {pid!r:.80}")
         _, storage_type, key, location, numel = pid
-        key = str(key)
-        if key in storages:
-            return storages[key]
-        record = f"{prefix}data/{key}"
-        member = archive.NameToInfo.get(record)
+        if key.__class__ is not str:
+            key = str(key)
+        found = storages.get(key)
+        if found is not None:
+            return found
+        record = data_prefix + key
+        member = members.get(record)
         if member is None:
             raise CorruptCheckpointError(f"storage {key!r} is missing from the archive")
         if not isinstance(numel, int) or numel < 0 or not fits_int64(numel):

@@ -302,7 +302,8 @@ def _tensor(
 def _rebuild_tensor(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
     storage, offset, size, stride = args[:4]
     requires_grad = args[4] if len(args) > 4 and func.name != "_rebuild_tensor" else False
-    return _tensor(storage, offset, size, stride, _storage_dtype(storage), requires_grad)
+    dtype = storage.dtype if storage.__class__ is StorageRecord else _storage_dtype(storage)
+    return _tensor(storage, offset, size, stride, dtype, requires_grad)
 
 
 def _rebuild_tensor_v3(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
