@@ -170,9 +170,14 @@ PART_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(eq=True)
 class TensorRecord:
-    """A tensor (or NumPy array) as described by the file: everything but its values."""
+    """A tensor (or NumPy array) as described by the file: everything but its values.
+
+    Treated as immutable (copies are made with ``with_key``/``with_fields``), but not a frozen
+    dataclass: a frozen one sets each of its 13 fields through ``object.__setattr__``, which was
+    a tenth of the time of reading a tensor call. Records are not hashable; group by storage.
+    """
 
     key: str  # dotted path from the top of the object tree ("" until the tree is flattened)
     dtype: str  # torch dtype name without "torch." ("float16"); NumPy arrays use the same names
