@@ -268,7 +268,8 @@ def _torch_device(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> A
     return ":".join(str(a) for a in args if a is not None)
 
 
-def _storage_dtype(storage: Any) -> str:
+def storage_dtype(storage: Any) -> str:
+    """The dtype of the storage a tensor is rebuilt from (anything else is an error)."""
     if not isinstance(storage, StorageRecord):
         raise ValueError("tensor rebuilt from something that is not a storage")
     return storage.dtype
@@ -277,7 +278,7 @@ def _storage_dtype(storage: Any) -> str:
 _SMALL_DIM = 2**31
 
 
-def _tensor(
+def tensor_record(
     storage: Any, offset: Any, size: Any, stride: Any, dtype: str, requires_grad: Any = False
 ) -> TensorRecord:
     if not (isinstance(offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)):
@@ -302,8 +303,8 @@ def _tensor(
 def _rebuild_tensor(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
     storage, offset, size, stride = args[:4]
     requires_grad = args[4] if len(args) > 4 and func.name != "_rebuild_tensor" else False
-    dtype = storage.dtype if storage.__class__ is StorageRecord else _storage_dtype(storage)
-    return _tensor(storage, offset, size, stride, dtype, requires_grad)
+    dtype = storage.dtype if storage.__class__ is StorageRecord else storage_dtype(storage)
+    return tensor_record(storage, offset, size, stride, dtype, requires_grad)
 
 
 def _rebuild_tensor_v3(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
@@ -314,7 +315,7 @@ def _rebuild_tensor_v3(call: NestedCall, func: GlobalRef, args: tuple[Any, ...])
         # v3 tensors view an untyped (byte) storage; re-express it in the tensor's dtype
         itemsize = _itemsize(dtype.name)
         storage = replace(storage, dtype=dtype.name, numel=storage.numel // itemsize)
-    return _tensor(storage, offset, size, stride, dtype.name, requires_grad)
+    return tensor_record(storage, offset, size, stride, dtype.name, requires_grad)
 
 
 def _itemsize(dtype: str) -> int:
@@ -343,7 +344,7 @@ def _rebuild_from_type_v2(call: NestedCall, func: GlobalRef, args: tuple[Any, ..
 def _rebuild_meta(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
     dtype, size, stride, requires_grad = args[:4]
     name = dtype.name if isinstance(dtype, TorchDtype) else "float32"
-    return _tensor(None, 0, tuple(size), tuple(stride), name, requires_grad)
+    return tensor_record(None, 0, tuple(size), tuple(stride), name, requires_grad)
 
 
 def _get_layout(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
@@ -403,7 +404,7 @@ def _rebuild_qtensor(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -
     scheme = params[0] if isinstance(params, tuple) and params else None
     if not isinstance(scheme, GlobalRef) or scheme.name not in QSCHEMES:
         return OpaqueObject(func.qualname, args)
-    tensor = _tensor(storage, offset, size, stride, _storage_dtype(storage), requires_grad)
+    tensor = tensor_record(storage, offset, size, stride, storage_dtype(storage), requires_grad)
     if scheme.name == "per_tensor_affine" and len(params) == 3:
         scale, zero_point = params[1:]
         if isinstance(scale, (int, float)) and isinstance(zero_point, (int, float)):
@@ -432,7 +433,7 @@ def _rebuild_wrapper_subclass(call: NestedCall, func: GlobalRef, args: tuple[Any
     requires_grad = args[7] if len(args) > 7 else False
     if not isinstance(dtype, TorchDtype):
         return OpaqueObject(func.qualname, args)
-    return _tensor(None, offset, _shape(size), tuple(stride), dtype.name, requires_grad)
+    return tensor_record(None, offset, _shape(size), tuple(stride), dtype.name, requires_grad)
 
 
 def _rebuild_device_tensor(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
@@ -583,12 +584,6 @@ def global_value(module: str, name: str) -> Any:
     if qualname in _TORCH_DTYPE_GLOBALS:
         return _TORCH_DTYPE_GLOBALS[qualname]
     return GlobalRef(module, name)
-
-
-def emulation(qualname: str) -> Callable[[NestedCall, GlobalRef, tuple[Any, ...]], Any]:
-    """What ``emulate_call`` runs for a call of ``qualname`` (the walker's fast path calls the
-    tensor rebuild directly)."""
-    return _EMULATED.get(qualname, _opaque_call)
 
 
 def emulate_call(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:

@@ -34,14 +34,13 @@ import struct
 from operator import itemgetter
 from typing import Any
 
-from ckpttool.pickle.emulation import emulation
-from ckpttool.records import GlobalRef
+from ckpttool.pickle.emulation import storage_dtype, tensor_record
+from ckpttool.records import GlobalRef, StorageRecord
 
 OPCODES = 26  # what one call counts towards the walker's periodic checks
 MAX_LAYOUTS = 16  # layouts kept per pickle (most recently used first)
 MAX_KEY = 64  # bytes of a storage key a layout holds (torch's are decimal numbers)
 
-_REBUILD = emulation("torch._utils._rebuild_tensor_v2")
 _GET = {0x68: "B", 0x6A: "I"}  # BINGET, LONG_BINGET: the memo index
 _PUT = {0x71: "B", 0x72: "I"}  # BINPUT, LONG_BINPUT
 _INT = {0x4B: "B", 0x4D: "H", 0x4A: "i"}  # BININT1, BININT2, BININT
@@ -229,10 +228,19 @@ def tensor_call(u: Any, raw: bytes, pos: int, func: Any) -> tuple[int, Any] | No
     ``pos`` is the offset just past that ``BINGET``. Returns (offset past the sequence, the
     tensor), with the memo updated as the opcodes would have; or ``None`` with nothing changed.
     """
-    found = _find_layout(u.layouts, raw, pos)
-    if found is None:
-        return None
-    layout, values = found
+    layouts: list[Layout] = u.layouts
+    values: tuple[Any, ...] = ()
+    if layouts:  # the last layout that fit: in a run of tensors alike, it does
+        layout = layouts[0]
+        try:
+            values = layout.read(raw, pos)
+        except struct.error:  # the bytes end first
+            pass
+    if not values or layout.opcodes(values) != layout.expected:
+        found = _find_layout(layouts, raw, pos)
+        if found is None:
+            return None
+        layout, values = found
     memo_list, memo = u.memo_list, u.memo
     put_indices = layout.puts(values)
     tag_at, type_at, location_at, hooks_at = layout.gets(values)
@@ -265,9 +273,11 @@ def tensor_call(u: Any, raw: bytes, pos: int, func: Any) -> tuple[int, Any] | No
             u.created.add(id(hooks))
         else:
             made = hooks = u.call(hooks_func, ())
-        args = (storage, values[layout.offset_at], size, stride, layout.flag, hooks)
-        # what ``call`` runs for the rebuild (the walker checked that ``func`` is it)
-        tensor = _REBUILD(u.call, func, args)
+        offset = values[layout.offset_at]
+        args = (storage, offset, size, stride, layout.flag, hooks)
+        # what ``call`` runs for _rebuild_tensor_v2 (the walker checked that ``func`` is it)
+        dtype = storage.dtype if storage.__class__ is StorageRecord else storage_dtype(storage)
+        tensor = tensor_record(storage, offset, size, stride, dtype, layout.flag)
     except Exception:  # any error: the general loop reads the bytes and decides
         if made is not None:
             u.created.discard(id(made))
