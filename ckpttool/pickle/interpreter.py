@@ -128,6 +128,7 @@ class SafeUnpickler:
         # differential tests compare both; span tracking needs the general loop)
         self.fast_path = FAST_PATH if fast_path is None else fast_path
         self.layouts: list[Any] = []  # ``tensor_call``'s layouts for this pickle
+        self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # and its shared shapes
         self.stack: list[Any] = []
         self.starts: list[int] = []  # byte offset where each stack item began
         self.metastack: list[tuple[list[Any], list[int], int]] = []
