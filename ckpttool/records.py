@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any
 
 #: Bytes per element, by torch dtype name (without ``torch.``).
@@ -93,7 +94,7 @@ FLOATING_DTYPES = frozenset(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageRecord:
     """One block of tensor bytes in the file; several tensors may view the same storage."""
 
@@ -104,6 +105,11 @@ class StorageRecord:
     record: str  # where its bytes live: zip member name, "legacy:<key>", "inline", ...
     data_size: int  # bytes actually present in the file for it (checked against numel)
     byteorder: str = "little"
+
+    def __hash__(self) -> int:
+        # Equal storages have equal keys. Hashing every field (the generated hash) was a tenth
+        # of listing 100,000 tensors: records are grouped by storage several times.
+        return hash(self.key)
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +131,7 @@ class ChunkRecord:
         return math.prod(self.sizes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkedStorageRecord(StorageRecord):
     """The storage of a tensor stored as chunks in several files (torch.distributed.checkpoint).
 
@@ -170,7 +176,7 @@ PART_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRecord:
     """A tensor (or NumPy array) as described by the file: everything but its values."""
 
@@ -320,19 +326,40 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
         return dense_elements + numel, dense_bytes
     elements = 0
     by_dtype: dict[str, int] = {}
-    by_storage: dict[StorageRecord, list[TensorRecord]] = {}
+    # each storage's first viewer; the storages several records view, with all of them
+    first_viewer: dict[StorageRecord, TensorRecord] = {}
+    viewers: dict[StorageRecord, list[TensorRecord]] = {}
+    prod = math.prod
     for record in records:
         storage = record.storage
         if storage is None or record.inline_data is not None:
-            elements += record.numel
+            elements += prod(record.shape)
             if storage is not None or record.inline_data is not None:
                 by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.stored_nbytes
-        elif storage in by_storage:
-            by_storage[storage].append(record)
+            continue
+        first = first_viewer.get(storage)
+        if first is None:
+            first_viewer[storage] = record
+        elif storage in viewers:
+            viewers[storage].append(record)
         else:
-            by_storage[storage] = [record]
-    for storage, viewing in by_storage.items():
-        distinct = viewing if len(viewing) == 1 else _distinct_regions(viewing)
+            viewers[storage] = [first, record]
+    for storage, first in first_viewer.items():
+        group = viewers.get(storage)
+        if group is None:  # one record views this storage (almost every storage)
+            dtype = first.dtype
+            per_byte, itemsize = _packing(dtype)
+            numel = prod(first.shape)
+            nbytes = -(-numel // per_byte) * itemsize
+            storage_nbytes = storage.nbytes
+            if nbytes > storage_nbytes:  # it claims more than the storage holds
+                elements += storage_nbytes // itemsize
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + storage_nbytes
+            else:
+                elements += numel
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+            continue
+        distinct = _distinct_regions(group)
         nbytes = sum(r.stored_nbytes for r in distinct)
         if nbytes > storage.nbytes:  # overlapping views: the storage is all there is
             first = distinct[0]
@@ -345,6 +372,11 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
     return elements, by_dtype
 
 
+def _packing(dtype: str) -> tuple[int, int]:
+    """(elements per stored byte, bytes per element) of a dtype, as ``stored_nbytes`` uses them."""
+    return ELEMENTS_PER_BYTE.get(dtype, 1), ITEMSIZE.get(dtype, 1)
+
+
 def _distinct_regions(viewing: list[TensorRecord]) -> list[TensorRecord]:
     """The first of ``viewing`` (views of one storage) for each region they view."""
     regions: dict[tuple[Any, ...] | None, TensorRecord] = {}
@@ -355,11 +387,22 @@ def _distinct_regions(viewing: list[TensorRecord]) -> list[TensorRecord]:
 
 def shared_storages(records: list[TensorRecord]) -> list[list[str]]:
     """The keys of each storage that several of ``records`` view (tied weights), file order."""
-    keys: dict[StorageRecord, list[str]] = {}
+    first_viewer: dict[StorageRecord, TensorRecord] = {}
+    shared: dict[StorageRecord, list[str]] = {}
     for record in records:
-        if record.storage is not None and record.inline_data is None:
-            keys.setdefault(record.storage, []).append(record.key)
-    return [group for group in keys.values() if len(group) > 1]
+        storage = record.storage
+        if storage is None or record.inline_data is not None:
+            continue
+        first = first_viewer.get(storage)
+        if first is None:
+            first_viewer[storage] = record
+        elif storage in shared:
+            shared[storage].append(record.key)
+        else:
+            shared[storage] = [first.key, record.key]
+    if not shared:
+        return []
+    return [shared[storage] for storage in first_viewer if storage in shared]
 
 
 @dataclass(frozen=True)
@@ -460,18 +503,84 @@ def nodes(node: Any) -> Iterator[Any]:
 
 
 def tensors(node: Any, prefix: str = "") -> list[TensorRecord]:
-    """All tensor records under ``node`` with their ``key`` set to their dotted path."""
-    return [
-        with_key(leaf, key) for key, leaf in walk(node, prefix) if isinstance(leaf, TensorRecord)
-    ]
+    """All tensor records under ``node`` with their ``key`` set to their dotted path.
+
+    :func:`walk` with its leaves filtered, in one loop: listing a checkpoint calls this once per
+    tensor, so no generator or key is made for what is not a tensor's.
+    """
+    out: list[TensorRecord] = []
+    if isinstance(node, TensorRecord):
+        return [with_key(node, prefix)]
+    if not is_container(node):
+        return out
+    append = out.append
+    # (the container's key, an iterator over its (name, child) pairs); depth-first, file order
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [(prefix, _named_children(node))]
+    while stack:
+        key, items = stack[-1]
+        for name, child in items:
+            if isinstance(child, TensorRecord):
+                name = name if type(name) is str else str(name)
+                append(with_key(child, f"{key}.{name}" if key else name))
+            elif isinstance(child, (dict, list, tuple, OpaqueObject)):
+                name = name if type(name) is str else str(name)
+                stack.append((f"{key}.{name}" if key else name, _named_children(child)))
+                break
+        else:
+            stack.pop()
+    return out
+
+
+def tensor_keys(node: Any, prefix: str = "") -> list[str]:
+    """The keys :func:`tensors` gives the records under ``node``, without copying a record."""
+    if isinstance(node, TensorRecord):
+        return [prefix]
+    out: list[str] = []
+    if not is_container(node):
+        return out
+    append = out.append
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [(prefix, _named_children(node))]
+    while stack:
+        key, items = stack[-1]
+        for name, child in items:
+            if isinstance(child, TensorRecord):
+                name = name if type(name) is str else str(name)
+                append(f"{key}.{name}" if key else name)
+            elif isinstance(child, (dict, list, tuple, OpaqueObject)):
+                name = name if type(name) is str else str(name)
+                stack.append((f"{key}.{name}" if key else name, _named_children(child)))
+                break
+        else:
+            stack.pop()
+    return out
+
+
+def _named_children(node: Any) -> Iterator[tuple[Any, Any]]:
+    """:func:`children` of a container with names not yet made text (``str`` of an index is
+    made only for what is kept)."""
+    if isinstance(node, dict):
+        return iter(node.items())
+    if isinstance(node, (list, tuple)):
+        return enumerate(node)
+    return iter(node.fields().items())
+
+
+_new = object.__new__
+_FIELD_NAMES = tuple(f.name for f in fields(TensorRecord))
+#: Each field's setter (slots: the member descriptors); the key's first, then the others in
+#: the order ``_GET_OTHERS`` reads them.
+_SETTERS = tuple(getattr(TensorRecord, name).__set__ for name in _FIELD_NAMES)
+_SET_KEY, _SET_OTHERS = _SETTERS[0], _SETTERS[1:]
+_GET_OTHERS = attrgetter(*_FIELD_NAMES[1:])
 
 
 def with_key(record: TensorRecord, key: str) -> TensorRecord:
     """A copy of ``record`` with another key (``dataclasses.replace`` without its slow path:
     listing a large checkpoint re-keys every record several times)."""
-    copy = object.__new__(TensorRecord)
-    copy.__dict__.update(record.__dict__)
-    copy.__dict__["key"] = key
+    copy = _new(TensorRecord)
+    _SET_KEY(copy, key)
+    for setter, value in zip(_SET_OTHERS, _GET_OTHERS(record)):
+        setter(copy, value)
     return copy
 
 
@@ -479,13 +588,13 @@ def with_fields(record: TensorRecord, **changes: Any) -> TensorRecord:
     """``dataclasses.replace(record, **changes)`` without its slow path (it re-runs
     ``__init__`` through keyword arguments): reading a tensor narrows its record once per
     chunk, once per tensor at least. ``changes`` must name fields of a record."""
-    copy = object.__new__(TensorRecord)
-    state = copy.__dict__
-    state.update(record.__dict__)
     for name in changes:
-        if name not in state:
+        if name not in _FIELD_NAMES:
             raise TypeError(f"TensorRecord has no field {name!r}")
-    state.update(changes)
+    copy = _new(TensorRecord)
+    for name in _FIELD_NAMES:
+        value = changes[name] if name in changes else getattr(record, name)
+        object.__setattr__(copy, name, value)
     return copy
 
 

@@ -21,13 +21,19 @@ from ckpttool.layout import (
     summarize_optimizer,
 )
 from ckpttool.reader import Checkpoint, open_checkpoint
-from ckpttool.records import ChunkedStorageRecord, TensorRecord, count_once, shared_storages
+from ckpttool.records import (
+    ChunkedStorageRecord,
+    TensorRecord,
+    count_once,
+    shared_storages,
+    tensor_keys,
+)
 
 if TYPE_CHECKING:
     from ckpttool.values import TensorStats
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorInfo:
     record: TensorRecord
     notes: list[str]
@@ -74,39 +80,84 @@ class ShowReport:
 
 
 def tensor_notes(records: list[TensorRecord]) -> dict[str, list[str]]:
-    """Per key: shared storage (tied weights), views, non-contiguous, saved on an accelerator."""
-    by_storage: dict[Any, list[TensorRecord]] = {}
+    """Per key: shared storage (tied weights), views, non-contiguous, saved on an accelerator.
+
+    Keys without a note are left out (most keys: a checkpoint of 100,000 tensors would hold as
+    many empty lists).
+    """
+    first_viewer: dict[Any, TensorRecord] = {}
+    groups: dict[Any, list[TensorRecord]] = {}
     for record in records:
-        if record.storage is not None and record.inline_data is None:
-            by_storage.setdefault(record.storage, []).append(record)
-    notes: dict[str, list[str]] = {r.key: [] for r in records}
-    for group in by_storage.values():
-        if len(group) > 1:
-            # linear in the group: a hostile file can hang 100,000 views on one storage
-            same = len({(o.shape, o.storage_offset, o.stride) for o in group}) == 1
-            label = "tied with" if same else "shares storage with"
-            more = f" (+{len(group) - 2})" if len(group) > 2 else ""
-            for index, record in enumerate(group):
-                first_other = group[1] if index == 0 else group[0]
-                notes[record.key].append(f"{label} {first_other.key}{more}")
+        storage = record.storage
+        if storage is None or record.inline_data is not None:
+            continue
+        first = first_viewer.get(storage)
+        if first is None:
+            first_viewer[storage] = record
+        elif storage in groups:
+            groups[storage].append(record)
+        else:
+            groups[storage] = [first, record]
+    notes: dict[str, list[str]] = {}
+    for storage in first_viewer if groups else ():
+        group = groups.get(storage)
+        if group is None:
+            continue
+        # linear in the group: a hostile file can hang 100,000 views on one storage
+        same = len({(o.shape, o.storage_offset, o.stride) for o in group}) == 1
+        label = "tied with" if same else "shares storage with"
+        more = f" (+{len(group) - 2})" if len(group) > 2 else ""
+        for index, record in enumerate(group):
+            first_other = group[1] if index == 0 else group[0]
+            notes.setdefault(record.key, []).append(f"{label} {first_other.key}{more}")
+    contiguous: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape: its contiguous strides
     for record in records:
+        shape = record.shape
+        strides = contiguous.get(shape)
+        if strides is None:
+            strides = contiguous[shape] = contiguous_strides(shape)
+        storage = record.storage
+        location = storage.location if storage is not None else record.location
+        if (
+            record.stride == strides
+            and not record.storage_offset
+            and (location == "cpu" or location == "")
+            and record.kind == "tensor"
+            and not record.parts
+            and record.quant is None
+            and not isinstance(storage, ChunkedStorageRecord)
+        ):
+            continue  # nothing to say (almost every tensor)
+        found = []
         if not record.is_contiguous:
-            notes[record.key].append("non-contiguous")
+            found.append("non-contiguous")
         if record.storage_offset:
-            notes[record.key].append(f"offset {record.storage_offset}")
-        if record.location not in ("cpu", ""):
-            notes[record.key].append(f"saved on {record.location}")
+            found.append(f"offset {record.storage_offset}")
+        if location not in ("cpu", ""):
+            found.append(f"saved on {location}")
         if record.kind == "ndarray":
-            notes[record.key].append("numpy")
+            found.append("numpy")
         elif record.kind == "storage":
-            notes[record.key].append("a storage saved on its own")
+            found.append("a storage saved on its own")
         if record.parts:
-            notes[record.key].append(layout_note(record))
+            found.append(layout_note(record))
         if record.quant is not None:
-            notes[record.key].append(f"quantized {record.quant.describe()}")
-        if isinstance(record.storage, ChunkedStorageRecord):
-            notes[record.key].append(chunk_note(record.storage))
+            found.append(f"quantized {record.quant.describe()}")
+        if isinstance(storage, ChunkedStorageRecord):
+            found.append(chunk_note(storage))
+        if found:
+            notes.setdefault(record.key, []).extend(found)
     return notes
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``."""
+    strides = []
+    expected = 1
+    for size in reversed(shape):
+        strides.append(expected)
+        expected *= size
+    return tuple(reversed(strides))
 
 
 def layout_note(record: TensorRecord) -> str:
@@ -149,7 +200,10 @@ def build_report(
     if pattern:
         records = [r for r in records if fnmatch.fnmatchcase(r.key, pattern)]
     notes = tensor_notes(all_records)
-    infos = [TensorInfo(r, list(notes.get(r.key, []))) for r in records]
+    if notes:
+        infos = [TensorInfo(r, list(notes.get(r.key, ()))) for r in records]
+    else:
+        infos = [TensorInfo(r, []) for r in records]
     warnings = layout_warnings(ckpt.root, layout, all_records) + list(ckpt.problems)
     if stats:
         warnings.extend(add_stats(ckpt, infos))
@@ -158,8 +212,11 @@ def build_report(
     selected_elements, selected_bytes = count_once(records)
     num_parameters = None
     if model_key is not None:
-        model_keys = {r.key for r in (ckpt.tensors(model_key) if model_key else all_records)}
-        selected_model = [r for r in records if r.key in model_keys]
+        if model_key:
+            model_keys = set(tensor_keys(ckpt.section(model_key), model_key))
+            selected_model = [r for r in records if r.key in model_keys]
+        else:  # the whole file
+            selected_model = records
         if len(selected_model) == len(records):  # the whole selection: one count serves both
             num_parameters = selected_elements if records else None
         elif selected_model:

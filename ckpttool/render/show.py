@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from math import prod
 from typing import Any
 
 from ckpttool.layout import NESTED, TRAINING
-from ckpttool.records import ChunkedStorageRecord, TensorRecord
+from ckpttool.records import ELEMENTS_PER_BYTE, ITEMSIZE, ChunkedStorageRecord, TensorRecord
 from ckpttool.render.show_deepspeed import deepspeed_lines, parameter_table
 from ckpttool.render.text import human_count, human_size, plain, short
 from ckpttool.show import ShowReport
@@ -13,24 +15,31 @@ from ckpttool.show import ShowReport
 
 def tensor_json(info: Any) -> dict[str, Any]:
     record: TensorRecord = info.record
+    storage = record.storage
+    numel = prod(record.shape)
+    if record.parts:
+        nbytes = record.stored_nbytes
+    else:  # record.stored_nbytes without its property calls (this runs once per tensor)
+        dtype = record.dtype
+        nbytes = -(-numel // ELEMENTS_PER_BYTE.get(dtype, 1)) * ITEMSIZE.get(dtype, 1)
     out: dict[str, Any] = {
         "key": record.key,
         "dtype": record.dtype,
         "shape": list(record.shape),
-        "numel": record.numel,
-        "nbytes": record.stored_nbytes,
+        "numel": numel,
+        "nbytes": nbytes,
         "stride": list(record.stride),
         "storage_offset": record.storage_offset,
-        "storage": record.storage.key if record.storage else None,
-        "location": record.location,
+        "storage": storage.key if storage is not None else None,
+        "location": storage.location if storage is not None else record.location,
         "kind": record.kind,
         "layout": record.layout,
         "notes": info.notes,
     }
-    if isinstance(record.storage, ChunkedStorageRecord):  # DCP: where each piece is stored
+    if isinstance(storage, ChunkedStorageRecord):  # DCP: where each piece is stored
         out["chunks"] = [
             {"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
-            for c in record.storage.chunks
+            for c in storage.chunks
         ]
     if info.stats is not None:
         out["stats"] = {k: plain(v) for k, v in vars(info.stats).items()}
@@ -42,6 +51,23 @@ def tensor_json(info: Any) -> dict[str, Any]:
 
 def render_json(report: ShowReport) -> dict[str, Any]:
     """``show --json``: docs/schemas/show.schema.json."""
+    document = _document(report)
+    document["tensors"] = document["tensors"].values()
+    return document
+
+
+def json_chunks(report: ShowReport) -> Iterator[str]:
+    """The text of ``render_json(report)`` as :func:`~ckpttool.render.json_text.chunks` writes
+    it, each tensor's record made as it is written (not all of them first)."""
+    from ckpttool.render.json_text import chunks
+
+    return chunks(_document(report))
+
+
+def _document(report: ShowReport) -> dict[str, Any]:
+    """``render_json``'s value with its tensors as a :class:`~ckpttool.render.json_text.Rows`."""
+    from ckpttool.render.json_text import Rows
+
     optimizer = None
     if report.optimizer is not None:
         optimizer = plain(vars(report.optimizer))
@@ -66,7 +92,7 @@ def render_json(report: ShowReport) -> dict[str, Any]:
         "optimizer": optimizer,
         "rng": report.rng,
         "warnings": report.warnings,
-        "tensors": [tensor_json(info) for info in report.tensors],
+        "tensors": Rows(report.tensors, tensor_json),
     }
 
 
