@@ -9,7 +9,7 @@ from typing import Any
 from ckpttool.layout import NESTED, TRAINING
 from ckpttool.records import ELEMENTS_PER_BYTE, ITEMSIZE, ChunkedStorageRecord, TensorRecord
 from ckpttool.render.show_deepspeed import deepspeed_lines, parameter_table
-from ckpttool.render.text import human_count, human_size, plain, short
+from ckpttool.render.text import human_count, human_size, plain, short, table
 from ckpttool.show import ShowReport
 
 
@@ -120,21 +120,24 @@ def render_text(report: ShowReport) -> str:
         lines.append("rng:        " + ", ".join(report.rng))
     if report.optimizer is not None:
         lines.extend(_optimizer_lines(report))
-    from tabulate import tabulate  # here: --json and --tree print no table
-
     parameters = parameter_table(report.details)
     if parameters:
         lines.append("")
         headers = ["parameter", "shape", "numel", "kind"]
-        lines.append(tabulate(parameters, headers=headers, disable_numparse=True))
+        lines.append(table(parameters, headers))
     if not report.tensors:
         return "\n".join(lines)
     lines.append("")
     rows = []
+    sizes: dict[int, str] = {}  # human_size by bytes: most tensors share a few sizes
     for info in report.tensors:
         record = info.record
-        row = [record.key, record.dtype, list(record.shape), record.numel,
-               human_size(record.stored_nbytes), "; ".join(info.notes) or None]  # fmt: skip
+        nbytes = record.stored_nbytes
+        size = sizes.get(nbytes)
+        if size is None:
+            size = sizes[nbytes] = human_size(nbytes)
+        row = [record.key, record.dtype, list(record.shape), record.numel, size,
+               "; ".join(info.notes) or None]  # fmt: skip
         if info.stats is not None:
             s = info.stats
             row[5:5] = [_num(s.min), _num(s.max), _num(s.mean), _num(s.std), s.nan, s.inf]
@@ -145,9 +148,8 @@ def render_text(report: ShowReport) -> str:
     headers = ["key", "dtype", "shape", "numel", "size", "notes"]
     if any(info.stats is not None or info.stats_unavailable for info in report.tensors):
         headers[5:5] = ["min", "max", "mean", "std", "nan", "inf"]
-    # tabulate prints None as an empty cell, and types it without trying int() and float()
-    # on it as it does on "": most rows have no notes.
-    lines.append(tabulate(rows, headers=headers, disable_numparse=True))
+    # tabulate's text (text.table): None is an empty cell
+    lines.append(table(rows, headers))
     return "\n".join(lines)
 
 
@@ -292,14 +294,9 @@ def collection_text(listing: dict[str, Any]) -> str:
         [c["name"], c["step"], "yes" if c["complete"] else "no", ", ".join(c["missing"]) or None]
         for c in listing["checkpoints"]
     ]
-    from tabulate import tabulate
-
     header = [
         f"file:       {listing['file']}",
         f"layout:     {listing['layout_title']} ({len(rows)} checkpoints; show one for its contents)",
         "",
     ]
-    table = tabulate(
-        rows, headers=["checkpoint", "step", "complete", "missing"], disable_numparse=True
-    )
-    return "\n".join(header) + table
+    return "\n".join(header) + table(rows, ["checkpoint", "step", "complete", "missing"])
