@@ -14,7 +14,16 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-_INLINE = json.JSONEncoder(separators=(", ", ": "))
+
+def _rows_as_list(value: Any) -> Any:
+    """The encoder's hook for what it cannot write: a :class:`Rows` below the indented levels
+    is written as its list; anything else is refused, as json refuses it."""
+    if isinstance(value, Rows):
+        return value.values()
+    raise TypeError(f"Object of type {value.__class__.__name__} is not JSON serializable")
+
+
+_INLINE = json.JSONEncoder(separators=(", ", ": "), default=_rows_as_list)
 
 
 def _item_encoder() -> Callable[[Any], str]:
