@@ -337,13 +337,14 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
             if storage is not None or record.inline_data is not None:
                 by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.stored_nbytes
             continue
-        first = first_viewer.get(storage)
-        if first is None:
-            first_viewer[storage] = record
-        elif storage in viewers:
-            viewers[storage].append(record)
-        else:
-            viewers[storage] = [first, record]
+        known = len(first_viewer)
+        first = first_viewer.setdefault(storage, record)  # one hash: StorageRecord's is Python's
+        if len(first_viewer) == known:  # a storage seen before
+            group = viewers.get(storage)
+            if group is None:
+                viewers[storage] = [first, record]
+            else:
+                group.append(record)
     for storage, first in first_viewer.items():
         group = viewers.get(storage)
         if group is None:  # one record views this storage (almost every storage)
@@ -393,13 +394,14 @@ def shared_storages(records: list[TensorRecord]) -> list[list[str]]:
         storage = record.storage
         if storage is None or record.inline_data is not None:
             continue
-        first = first_viewer.get(storage)
-        if first is None:
-            first_viewer[storage] = record
-        elif storage in shared:
-            shared[storage].append(record.key)
-        else:
-            shared[storage] = [first.key, record.key]
+        known = len(first_viewer)
+        first = first_viewer.setdefault(storage, record)
+        if len(first_viewer) == known:  # a storage seen before
+            keys = shared.get(storage)
+            if keys is None:
+                shared[storage] = [first.key, record.key]
+            else:
+                keys.append(record.key)
     if not shared:
         return []
     return [shared[storage] for storage in first_viewer if storage in shared]
@@ -489,17 +491,31 @@ def walk(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 def nodes(node: Any) -> Iterator[Any]:
     """Every node under ``node``, containers included, without building keys (for questions
-    like "which classes" or "which dtypes", where names are not needed). Iterative."""
-    stack: list[Any] = [node]
+    like "which classes" or "which dtypes", where names are not needed). Iterative, depth
+    first, each container before what it holds."""
+    yield node
+    if not isinstance(node, (dict, list, tuple, OpaqueObject)):
+        return
+    stack: list[Iterator[Any]] = [_child_values(node)]
     while stack:
-        current = stack.pop()
-        yield current
-        if isinstance(current, dict):
-            stack.extend(reversed(current.values()))
-        elif isinstance(current, (list, tuple)):
-            stack.extend(reversed(current))
-        elif isinstance(current, OpaqueObject):
-            stack.extend(reversed(current.fields().values()))
+        for child in stack[-1]:
+            yield child
+            if isinstance(child, TensorRecord):  # most nodes of a checkpoint
+                continue
+            if isinstance(child, (dict, list, tuple, OpaqueObject)):
+                stack.append(_child_values(child))
+                break
+        else:
+            stack.pop()
+
+
+def _child_values(node: Any) -> Iterator[Any]:
+    """What a container holds, in file order (an object's fields as ``fields()`` gives them)."""
+    if isinstance(node, dict):
+        return iter(node.values())
+    if isinstance(node, (list, tuple)):
+        return iter(node)
+    return iter(node.fields().values())
 
 
 def tensors(node: Any, prefix: str = "") -> list[TensorRecord]:

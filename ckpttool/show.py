@@ -91,13 +91,14 @@ def tensor_notes(records: list[TensorRecord]) -> dict[str, list[str]]:
         storage = record.storage
         if storage is None or record.inline_data is not None:
             continue
-        first = first_viewer.get(storage)
-        if first is None:
-            first_viewer[storage] = record
-        elif storage in groups:
-            groups[storage].append(record)
-        else:
-            groups[storage] = [first, record]
+        known = len(first_viewer)
+        first = first_viewer.setdefault(storage, record)  # one hash: StorageRecord's is Python's
+        if len(first_viewer) == known:  # a storage seen before
+            group = groups.get(storage)
+            if group is None:
+                groups[storage] = [first, record]
+            else:
+                group.append(record)
     notes: dict[str, list[str]] = {}
     for storage in first_viewer if groups else ():
         group = groups.get(storage)

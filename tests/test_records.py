@@ -130,3 +130,25 @@ def test_tensors_and_tensor_keys_are_what_walk_gives_on_every_fixture() -> None:
                 dataclasses.astuple(r) for r in expected
             ]
             assert tensor_keys(tree, prefix) == [r.key for r in expected]
+
+
+def test_nodes_is_a_depth_first_walk_with_containers_first() -> None:
+    from ckpttool.records import OpaqueObject, nodes
+
+    def reference(node: object) -> list[object]:  # the stack walk nodes() replaced
+        out, stack = [], [node]
+        while stack:
+            current = stack.pop()
+            out.append(current)
+            if isinstance(current, dict):
+                stack.extend(reversed(current.values()))
+            elif isinstance(current, (list, tuple)):
+                stack.extend(reversed(current))
+            elif isinstance(current, OpaqueObject):
+                stack.extend(reversed(current.fields().values()))
+        return out
+
+    opaque = OpaqueObject("m.C", (1,), {"w": RECORD, 3: [RECORD, {"x": 2.5}]})
+    tree = {"a": [RECORD, (RECORD, "s")], 7: {True: RECORD, "e": {}}, "o": opaque, "n": None}
+    for node in (tree, [tree, [[]], ()], RECORD, 5, opaque):
+        assert [id(n) for n in nodes(node)] == [id(n) for n in reference(node)]

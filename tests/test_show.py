@@ -285,3 +285,44 @@ def test_tensor_notes_say_what_each_tensor_is() -> None:
     # two records under one key (a hostile file can repeat a key) share its notes
     twice = [records[4], records[4]]
     assert tensor_notes(twice) == {"g": ["tied with g", "tied with g"] + ["saved on cuda:0"] * 2}
+
+
+def test_tensor_lines_are_what_json_writes_for_tensor_json() -> None:
+    """The --json line of a tensor made without its dict is the encoder's text of the dict,
+    whatever odd values a hostile file puts in a record (bools, str subclasses, non-ASCII)."""
+    import dataclasses
+    import enum
+    import json
+
+    from ckpttool.records import ChunkedStorageRecord, ChunkRecord
+    from ckpttool.render.show import TensorLines, tensor_json
+    from ckpttool.show import TensorInfo
+
+    class Name(str):
+        pass
+
+    class Size(enum.IntEnum):
+        FOUR = 4
+
+    storage = StorageRecord("0", "float32", 64, "cpu", "archive/data/0", 256)
+    chunked = ChunkedStorageRecord("c", "float32", 4, "cpu", "dcp", 16,
+                                   chunks=(ChunkRecord("f", 0, 9, (0,), (4,)),))  # fmt: skip
+    records = [
+        TensorRecord("w", "float32", (4, 4), (4, 1), 0, storage),
+        TensorRecord("w", "float32", (1, 4), (4, 1), 0, storage),  # [1, 4] then...
+        TensorRecord("b", "float32", (True, 4), (4, True), 0, storage),  # ...[true, 4]
+        TensorRecord("b", "float32", (4,), (1,), True, storage),  # a bool offset
+        TensorRecord(Name("sub"), Name("float32"), (Size.FOUR,), (1,), 0, storage),
+        TensorRecord("é\n\"ü", "bfloat16", (), (), 3, None, kind="parameter"),
+        TensorRecord("q", "quint4x2", (5,), (1,), 0, dataclasses.replace(storage, key=7)),
+        TensorRecord("s", "float32", (4,), (1,), 0, chunked),
+        TensorRecord("g", "float32", (2,), (1,), 0, StorageRecord("1", "float32", 2, "cuda:1", "r", 8)),
+    ]  # fmt: skip
+    lines = TensorLines()
+    encoder = json.JSONEncoder(separators=(", ", ": "))
+    for notes in ([], ["tied with x", "offset 3"]):
+        for record in records + records:  # the second time from the caches
+            info = TensorInfo(record, list(notes))
+            assert lines(info) == encoder.encode(tensor_json(info))
+    stats = TensorInfo(records[0], [], stats_unavailable="quantized")
+    assert lines(stats) == encoder.encode(tensor_json(stats))

@@ -26,7 +26,7 @@ def _rows_as_list(value: Any) -> Any:
 _INLINE = json.JSONEncoder(separators=(", ", ": "), default=_rows_as_list)
 
 
-def _item_encoder() -> Callable[[Any], str]:
+def item_encoder() -> Callable[[Any], str]:
     """``_INLINE.encode`` for many values: its C encoder made once, not once per value (a
     tenth of ``show --json``'s rendering at 100,000 tensors). The same text."""
     make = getattr(json.encoder, "c_make_encoder", None)
@@ -58,11 +58,18 @@ class Rows:
     100,000 tensors would otherwise hold 100,000 dicts, one per tensor, while it is written.
     """
 
-    __slots__ = ("items", "make")
+    __slots__ = ("items", "make", "text")
 
-    def __init__(self, items: Sequence[Any], make: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        items: Sequence[Any],
+        make: Callable[[Any], Any],
+        text: Callable[[Any], str] | None = None,
+    ) -> None:
         self.items = items
         self.make = make
+        # an item's JSON text written directly (as the inline encoder writes ``make(item)``)
+        self.text = text
 
     def __len__(self) -> int:
         return len(self.items)
@@ -128,13 +135,19 @@ def _pieces(value: Any, level: int, depth: int, indent: int) -> Iterator[str]:
 
 def _rows(rows: Rows, inner: str, level: int, indent: int, batch: int = 256) -> Iterator[str]:
     """A :class:`Rows` list, items one per line, its lines joined ``batch`` at a time."""
-    encode = _item_encoder()
-    make = rows.make
     items = rows.items
+    text = rows.text
+    if text is None:
+        encode = item_encoder()
+        make = rows.make
+
+        def text(item: Any) -> str:
+            return encode(make(item))
+
     separator = "," + inner
     yield "["
     for start in range(0, len(items), batch):
-        lines = [encode(make(item)) for item in items[start : start + batch]]
+        lines = [text(item) for item in items[start : start + batch]]
         yield (separator if start else inner) + separator.join(lines)
     yield "\n" + " " * (indent * level) + "]"
 
