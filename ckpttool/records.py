@@ -345,11 +345,15 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
                 viewers[storage] = [first, record]
             else:
                 group.append(record)
+    packing: dict[str, tuple[int, int]] = {}  # dtype: (elements per byte, bytes per element)
     for storage, first in first_viewer.items():
         group = viewers.get(storage)
         if group is None:  # one record views this storage (almost every storage)
             dtype = first.dtype
-            per_byte, itemsize = _packing(dtype)
+            per_byte_itemsize = packing.get(dtype)
+            if per_byte_itemsize is None:
+                per_byte_itemsize = packing[dtype] = _packing(dtype)
+            per_byte, itemsize = per_byte_itemsize
             numel = prod(first.shape)
             nbytes = -(-numel // per_byte) * itemsize
             storage_nbytes = storage.nbytes
@@ -388,20 +392,26 @@ def _distinct_regions(viewing: list[TensorRecord]) -> list[TensorRecord]:
 
 def shared_storages(records: list[TensorRecord]) -> list[list[str]]:
     """The keys of each storage that several of ``records`` view (tied weights), file order."""
+    return [[record.key for record in group] for group in storage_groups(records)]
+
+
+def storage_groups(records: list[TensorRecord]) -> list[list[TensorRecord]]:
+    """The records that view each storage several of ``records`` view, in file order (of
+    each storage's first viewer, then of the records). Inline bytes view no shared storage."""
     first_viewer: dict[StorageRecord, TensorRecord] = {}
-    shared: dict[StorageRecord, list[str]] = {}
+    shared: dict[StorageRecord, list[TensorRecord]] = {}
     for record in records:
         storage = record.storage
         if storage is None or record.inline_data is not None:
             continue
         known = len(first_viewer)
-        first = first_viewer.setdefault(storage, record)
+        first = first_viewer.setdefault(storage, record)  # one hash: StorageRecord's is Python's
         if len(first_viewer) == known:  # a storage seen before
-            keys = shared.get(storage)
-            if keys is None:
-                shared[storage] = [first.key, record.key]
+            group = shared.get(storage)
+            if group is None:
+                shared[storage] = [first, record]
             else:
-                keys.append(record.key)
+                group.append(record)
     if not shared:
         return []
     return [shared[storage] for storage in first_viewer if storage in shared]
@@ -459,15 +469,17 @@ class OpaqueObject:
 
 
 def children(node: Any) -> Iterator[tuple[str, Any]]:
-    """The (name, child) pairs under a container node, in file order."""
+    """The (name, child) pairs under a container node, in file order (nothing under a leaf).
+
+    Made by ``zip``/``map`` over the container, not a generator: layout questions list the
+    children of dicts of 100,000 tensors."""
     if isinstance(node, dict):
-        for key, value in node.items():
-            yield str(key), value
-    elif isinstance(node, (list, tuple)):
-        for index, value in enumerate(node):
-            yield str(index), value
-    elif isinstance(node, OpaqueObject):
-        yield from node.fields().items()
+        return zip(map(str, node), node.values())
+    if isinstance(node, (list, tuple)):
+        return zip(map(str, range(len(node))), node)
+    if isinstance(node, OpaqueObject):
+        return iter(node.fields().items())
+    return iter(())
 
 
 def is_container(node: Any) -> bool:

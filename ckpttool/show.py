@@ -26,6 +26,7 @@ from ckpttool.records import (
     TensorRecord,
     count_once,
     shared_storages,
+    storage_groups,
     tensor_keys,
 )
 
@@ -79,31 +80,16 @@ class ShowReport:
         return sum(self.bytes_by_dtype.values())
 
 
-def tensor_notes(records: list[TensorRecord]) -> dict[str, list[str]]:
+def tensor_notes(
+    records: list[TensorRecord], groups: list[list[TensorRecord]] | None = None
+) -> dict[str, list[str]]:
     """Per key: shared storage (tied weights), views, non-contiguous, saved on an accelerator.
 
-    Keys without a note are left out (most keys: a checkpoint of 100,000 tensors would hold as
-    many empty lists).
+    ``groups``: ``storage_groups(records)`` when the caller has it. Keys without a note are
+    left out (most keys: a checkpoint of 100,000 tensors would hold as many empty lists).
     """
-    first_viewer: dict[Any, TensorRecord] = {}
-    groups: dict[Any, list[TensorRecord]] = {}
-    for record in records:
-        storage = record.storage
-        if storage is None or record.inline_data is not None:
-            continue
-        known = len(first_viewer)
-        first = first_viewer.setdefault(storage, record)  # one hash: StorageRecord's is Python's
-        if len(first_viewer) == known:  # a storage seen before
-            group = groups.get(storage)
-            if group is None:
-                groups[storage] = [first, record]
-            else:
-                group.append(record)
     notes: dict[str, list[str]] = {}
-    for storage in first_viewer if groups else ():
-        group = groups.get(storage)
-        if group is None:
-            continue
+    for group in storage_groups(records) if groups is None else groups:
         # linear in the group: a hostile file can hang 100,000 views on one storage
         same = len({(o.shape, o.storage_offset, o.stride) for o in group}) == 1
         label = "tied with" if same else "shares storage with"
@@ -200,7 +186,8 @@ def build_report(
     records = ckpt.tensors(section) if section else all_records
     if pattern:
         records = [r for r in records if fnmatch.fnmatchcase(r.key, pattern)]
-    notes = tensor_notes(all_records)
+    groups = storage_groups(all_records)
+    notes = tensor_notes(all_records, groups)
     if notes:
         infos = [TensorInfo(r, list(notes.get(r.key, ()))) for r in records]
     else:
@@ -250,7 +237,11 @@ def build_report(
         pattern=pattern,
         model_part=model_key,
         optimizer_part=optimizer_key,
-        shared=shared_storages(records),
+        shared=(
+            shared_storages(records)
+            if records is not all_records
+            else [[record.key for record in group] for group in groups]
+        ),
         optimizer=optimizer,
         rng=rng_present(ckpt.root),
         warnings=warnings,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from json.encoder import encode_basestring_ascii
 from math import prod
 from typing import Any
@@ -70,20 +70,8 @@ class TensorLines:
         from ckpttool.render.json_text import item_encoder
 
         self.encode = item_encoder()
-        self.lists: dict[tuple[int, ...], str] = {}  # shapes and strides, by value (no bool)
-        self.words: dict[str, str] = {}  # dtypes, locations, kinds, layouts (exact str)
-
-    def _list(self, values: tuple[int, ...]) -> str:
-        text = self.lists.get(values)
-        if text is None:
-            text = self.lists[values] = self.encode(list(values))
-        return text
-
-    def _word(self, value: str) -> str:
-        text = self.words.get(value)
-        if text is None:
-            text = self.words[value] = encode_basestring_ascii(value)
-        return text
+        self.lists = _Texts(lambda values: self.encode(list(values)))  # shapes, strides (no bool)
+        self.words = _Texts(encode_basestring_ascii)  # dtypes, locations, kinds (exact str)
 
     def __call__(self, info: Any) -> str:
         record: TensorRecord = info.record
@@ -117,15 +105,28 @@ class TensorLines:
             storage_text = encode_basestring_ascii(storage.key)
         else:
             return self.encode(tensor_json(info))
-        word = self._word
+        words = self.words
+        lists = self.lists
         notes = info.notes
         return (
             f'{{"key": {encode_basestring_ascii(key) if isinstance(key, str) else self.encode(key)}'
-            f', "dtype": {word(dtype)}, "shape": {self._list(shape)}, "numel": {numel}'
-            f', "nbytes": {nbytes}, "stride": {self._list(stride)}, "storage_offset": {offset}'
-            f', "storage": {storage_text}, "location": {word(location)}, "kind": {word(kind)}'
-            f', "layout": {word(layout)}, "notes": {self.encode(notes) if notes else "[]"}}}'
+            f', "dtype": {words[dtype]}, "shape": {lists[shape]}, "numel": {numel}'
+            f', "nbytes": {nbytes}, "stride": {lists[stride]}, "storage_offset": {offset}'
+            f', "storage": {storage_text}, "location": {words[location]}, "kind": {words[kind]}'
+            f', "layout": {words[layout]}, "notes": {self.encode(notes) if notes else "[]"}}}'
         )
+
+
+class _Texts(dict[Any, str]):
+    """JSON texts of values, each made once (by ``make``) when first asked for."""
+
+    def __init__(self, make: Callable[[Any], str]) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, value: Any) -> str:
+        text = self[value] = self.make(value)
+        return text
 
 
 def render_json(report: ShowReport) -> dict[str, Any]:
