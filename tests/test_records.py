@@ -152,3 +152,18 @@ def test_nodes_is_a_depth_first_walk_with_containers_first() -> None:
     tree = {"a": [RECORD, (RECORD, "s")], 7: {True: RECORD, "e": {}}, "o": opaque, "n": None}
     for node in (tree, [tree, [[]], ()], RECORD, 5, opaque):
         assert [id(n) for n in nodes(node)] == [id(n) for n in reference(node)]
+
+
+def test_with_key_sets_every_field_of_a_record() -> None:
+    """with_key names each field's setter: a field added to TensorRecord must be added there."""
+    from ckpttool import records
+
+    assert records._FIELD_NAMES == (
+        "key", "dtype", "shape", "stride", "storage_offset", "storage", "requires_grad", "kind",
+        "inline_data", "layout", "parts", "quant", "is_coalesced",
+    )  # fmt: skip
+    values = {f.name: object() for f in dataclasses.fields(TensorRecord)}
+    record = TensorRecord(**values)  # type: ignore[arg-type]
+    copy = with_key(record, "k")
+    assert all(getattr(copy, name) is value for name, value in values.items() if name != "key")
+    assert copy.key == "k"
