@@ -212,11 +212,16 @@ def render_text(report: ShowReport) -> str:
     sizes: dict[int, str] = {}  # human_size by bytes: most tensors share a few sizes
     for info in report.tensors:
         record = info.record
-        nbytes = record.stored_nbytes
+        numel = prod(record.shape)
+        if record.parts:
+            nbytes = record.stored_nbytes
+        else:  # record.stored_nbytes without its property calls
+            dtype = record.dtype
+            nbytes = -(-numel // ELEMENTS_PER_BYTE.get(dtype, 1)) * ITEMSIZE.get(dtype, 1)
         size = sizes.get(nbytes)
         if size is None:
             size = sizes[nbytes] = human_size(nbytes)
-        row = [record.key, record.dtype, list(record.shape), record.numel, size,
+        row = [record.key, record.dtype, list(record.shape), numel, size,
                "; ".join(info.notes) or None]  # fmt: skip
         if info.stats is not None:
             s = info.stats

@@ -65,7 +65,7 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
         return _tabulate(rows, headers)
     columns = []
     for header, column in zip(headers, zip(*rows)):
-        if any(isinstance(value, bytes) for value in column):  # tabulate decodes these
+        if any(issubclass(kind, bytes) for kind in set(map(type, column))):  # it decodes them
             return _tabulate(rows, headers)
         texts = ["" if value is None else f"{value}" for value in column]
         joined = "".join(texts) + header
