@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Bytes per element, by torch dtype name (without ``torch.``).
 ITEMSIZE: dict[str, int] = {
@@ -305,7 +305,39 @@ def stored_records(records: list[TensorRecord]) -> list[TensorRecord]:
     return out
 
 
-def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
+class StorageViews(NamedTuple):
+    """Which of some records view which storage (:func:`storage_views`)."""
+
+    first: dict[StorageRecord, TensorRecord]  # each storage's first viewer, in file order
+    shared: dict[StorageRecord, list[TensorRecord]]  # storages viewed more than once: by all
+    loose: list[TensorRecord]  # records with no storage to share (meta, bytes in the pickle)
+
+
+def storage_views(records: list[TensorRecord]) -> StorageViews:
+    """``records`` grouped by the storage they view: once for :func:`count_once` and
+    :func:`storage_groups` (a listing asks both of 100,000 records)."""
+    first_viewer: dict[StorageRecord, TensorRecord] = {}
+    shared: dict[StorageRecord, list[TensorRecord]] = {}
+    loose: list[TensorRecord] = []
+    for record in records:
+        storage = record.storage
+        if storage is None or record.inline_data is not None:
+            loose.append(record)
+            continue
+        known = len(first_viewer)
+        first = first_viewer.setdefault(storage, record)  # one hash: StorageRecord's is Python's
+        if len(first_viewer) == known:  # a storage seen before
+            group = shared.get(storage)
+            if group is None:
+                shared[storage] = [first, record]
+            else:
+                group.append(record)
+    return StorageViews(first_viewer, shared, loose)
+
+
+def count_once(
+    records: list[TensorRecord], views: StorageViews | None = None
+) -> tuple[int, dict[str, int]]:
     """Elements and bytes by dtype of ``records``, each stored element counted once.
 
     This is the one counting rule of parameters and bytes. Tensors that view the same storage
@@ -313,7 +345,7 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
     the storage holds (overlapping slices). Tensors without a storage count as they are,
     except that a meta tensor (no storage, no inline bytes) has elements but stores no bytes.
     A sparse or nested tensor counts its elements as torch's ``numel()`` does and the bytes of
-    its stored parts (indices and values).
+    its stored parts (indices and values). ``views``: ``storage_views(records)``, if known.
     """
     sparse = [r for r in records if r.parts]
     if sparse:
@@ -323,29 +355,18 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
             dense_bytes[dtype] = dense_bytes.get(dtype, 0) + nbytes
         numel = sum(r.parts[0].numel if r.layout == "nested" else r.numel for r in sparse)
         return dense_elements + numel, dense_bytes
+    if views is None:
+        views = storage_views(records)
     elements = 0
     by_dtype: dict[str, int] = {}
-    # each storage's first viewer; the storages several records view, with all of them
-    first_viewer: dict[StorageRecord, TensorRecord] = {}
-    viewers: dict[StorageRecord, list[TensorRecord]] = {}
     prod = math.prod
-    for record in records:
-        storage = record.storage
-        if storage is None or record.inline_data is not None:
-            elements += prod(record.shape)
-            if storage is not None or record.inline_data is not None:
-                by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.stored_nbytes
-            continue
-        known = len(first_viewer)
-        first = first_viewer.setdefault(storage, record)  # one hash: StorageRecord's is Python's
-        if len(first_viewer) == known:  # a storage seen before
-            group = viewers.get(storage)
-            if group is None:
-                viewers[storage] = [first, record]
-            else:
-                group.append(record)
+    for record in views.loose:
+        elements += prod(record.shape)
+        if record.storage is not None or record.inline_data is not None:
+            by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.stored_nbytes
+    viewers = views.shared
     packing: dict[str, tuple[int, int]] = {}  # dtype: (elements per byte, bytes per element)
-    for storage, first in first_viewer.items():
+    for storage, first in views.first.items():
         group = viewers.get(storage)
         if group is None:  # one record views this storage (almost every storage)
             dtype = first.dtype
@@ -394,26 +415,18 @@ def shared_storages(records: list[TensorRecord]) -> list[list[str]]:
     return [[record.key for record in group] for group in storage_groups(records)]
 
 
-def storage_groups(records: list[TensorRecord]) -> list[list[TensorRecord]]:
+def storage_groups(
+    records: list[TensorRecord], views: StorageViews | None = None
+) -> list[list[TensorRecord]]:
     """The records that view each storage several of ``records`` view, in file order (of
-    each storage's first viewer, then of the records). Inline bytes view no shared storage."""
-    first_viewer: dict[StorageRecord, TensorRecord] = {}
-    shared: dict[StorageRecord, list[TensorRecord]] = {}
-    for record in records:
-        storage = record.storage
-        if storage is None or record.inline_data is not None:
-            continue
-        known = len(first_viewer)
-        first = first_viewer.setdefault(storage, record)  # one hash: StorageRecord's is Python's
-        if len(first_viewer) == known:  # a storage seen before
-            group = shared.get(storage)
-            if group is None:
-                shared[storage] = [first, record]
-            else:
-                group.append(record)
+    each storage's first viewer, then of the records). Inline bytes view no shared storage.
+    ``views``: ``storage_views(records)``, if known."""
+    if views is None:
+        views = storage_views(records)
+    shared = views.shared
     if not shared:
         return []
-    return [shared[storage] for storage in first_viewer if storage in shared]
+    return [shared[storage] for storage in views.first if storage in shared]
 
 
 @dataclass(frozen=True)

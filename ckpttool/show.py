@@ -27,6 +27,7 @@ from ckpttool.records import (
     count_once,
     shared_storages,
     storage_groups,
+    storage_views,
     tensor_keys,
 )
 
@@ -186,7 +187,8 @@ def build_report(
     records = ckpt.tensors(section) if section else all_records
     if pattern:
         records = [r for r in records if fnmatch.fnmatchcase(r.key, pattern)]
-    groups = storage_groups(all_records)
+    views = storage_views(all_records)
+    groups = storage_groups(all_records, views)
     notes = tensor_notes(all_records, groups)
     if notes:
         infos = [TensorInfo(r, list(notes.get(r.key, ()))) for r in records]
@@ -197,7 +199,9 @@ def build_report(
         warnings.extend(add_stats(ckpt, infos))
     model_key = model_part(ckpt.root, layout)
     optimizer_key = optimizer_part(ckpt.root, layout)
-    selected_elements, selected_bytes = count_once(records)
+    selected_elements, selected_bytes = count_once(
+        records, views if records is all_records else None
+    )
     num_parameters = None
     if model_key is not None:
         if model_key:

@@ -73,7 +73,10 @@ def _decode_name(raw: bytes, flags: int) -> str:
 
 def encoded_name(member: ZipMember) -> bytes:
     """``member``'s name as the archive stores it (cp437 round-trips every byte)."""
-    return member.filename.encode(_name_encoding(member.flag_bits))
+    name = member.filename
+    if name.isascii():  # what torch writes (once per tensor); both encodings agree on ASCII
+        return name.encode("ascii")
+    return name.encode(_name_encoding(member.flag_bits))
 
 
 class ZipIndex:
