@@ -317,6 +317,8 @@ def test_tensor_lines_are_what_json_writes_for_tensor_json() -> None:
         TensorRecord("q", "quint4x2", (5,), (1,), 0, dataclasses.replace(storage, key=7)),
         TensorRecord("s", "float32", (4,), (1,), 0, chunked),
         TensorRecord("g", "float32", (2,), (1,), 0, StorageRecord("1", "float32", 2, "cuda:1", "r", 8)),
+        TensorRecord("l", "float32", (2,), (1,), 0, StorageRecord("2", "float32", 2, 3, "r", 8)),  # type: ignore[arg-type]
+        TensorRecord("d", 4, (2,), (1,), 0, storage),  # type: ignore[arg-type]
     ]  # fmt: skip
     lines = TensorLines()
     encoder = json.JSONEncoder(separators=(", ", ": "))

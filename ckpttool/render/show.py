@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from json.encoder import encode_basestring_ascii
 from math import prod
 from typing import Any
@@ -70,8 +70,10 @@ class TensorLines:
         from ckpttool.render.json_text import item_encoder
 
         self.encode = item_encoder()
-        self.lists = _Texts(lambda values: self.encode(list(values)))  # shapes, strides (no bool)
-        self.words = _Texts(encode_basestring_ascii)  # dtypes, locations, kinds (exact str)
+        # by (dtype, shape, stride): the text from "dtype" to "stride" (numel, nbytes between)
+        self.sizes: dict[tuple[Any, ...], str] = {}
+        # by (location, kind, layout): the text from "location" to the "notes" key
+        self.places: dict[tuple[Any, ...], str] = {}
 
     def __call__(self, info: Any) -> str:
         record: TensorRecord = info.record
@@ -79,54 +81,55 @@ class TensorLines:
         shape = record.shape
         stride = record.stride
         offset = record.storage_offset
-        dtype = record.dtype
-        kind = record.kind
-        layout = record.layout
-        location = storage.location if storage is not None else record.location
         if (
             info.stats is not None
             or info.stats_unavailable is not None
             or record.parts
-            or (storage is not None and type(storage) is not StorageRecord)
-            or type(offset) is not int
             or type(shape) is not tuple
             or type(stride) is not tuple
-            or bool in map(type, shape)  # True == 1: a cached "[1]" would not say "[true]"
+            or type(offset) is not int
+            # True == 1: a text made for (1, 4) would not say [true, 4]
+            or bool in map(type, shape)
             or bool in map(type, stride)
-            or not (type(dtype) is type(location) is type(kind) is type(layout) is str)
         ):
             return self.encode(tensor_json(info))
-        key = record.key
-        numel = prod(shape)
-        nbytes = -(-numel // ELEMENTS_PER_BYTE.get(dtype, 1)) * ITEMSIZE.get(dtype, 1)
         if storage is None:
             storage_text = "null"
-        elif type(storage.key) is str:
+            location = record.location
+        elif type(storage) is StorageRecord and type(storage.key) is str:
             storage_text = encode_basestring_ascii(storage.key)
-        else:
+            location = storage.location
+        else:  # chunks, or a key json would write otherwise
             return self.encode(tensor_json(info))
-        words = self.words
-        lists = self.lists
+        dtype = record.dtype
+        sizes = self.sizes.get((dtype, shape, stride))
+        if sizes is None:
+            if type(dtype) is not str:
+                return self.encode(tensor_json(info))
+            numel = prod(shape)
+            nbytes = -(-numel // ELEMENTS_PER_BYTE.get(dtype, 1)) * ITEMSIZE.get(dtype, 1)
+            sizes = self.sizes[dtype, shape, stride] = (
+                f', "dtype": {encode_basestring_ascii(dtype)}, "shape": {self.encode(list(shape))}'
+                f', "numel": {numel}, "nbytes": {nbytes}, "stride": {self.encode(list(stride))}'
+            )
+        place = (location, record.kind, record.layout)
+        places = self.places.get(place)
+        if places is None:
+            if not all(type(word) is str for word in place):
+                return self.encode(tensor_json(info))
+            location_text, kind_text, layout_text = map(encode_basestring_ascii, place)
+            places = self.places[place] = (
+                f', "location": {location_text}, "kind": {kind_text}, "layout": {layout_text}'
+                ', "notes": '
+            )
+        key = record.key
+        key_text = encode_basestring_ascii(key) if isinstance(key, str) else self.encode(key)
         notes = info.notes
+        notes_text = self.encode(notes) if notes else "[]"
         return (
-            f'{{"key": {encode_basestring_ascii(key) if isinstance(key, str) else self.encode(key)}'
-            f', "dtype": {words[dtype]}, "shape": {lists[shape]}, "numel": {numel}'
-            f', "nbytes": {nbytes}, "stride": {lists[stride]}, "storage_offset": {offset}'
-            f', "storage": {storage_text}, "location": {words[location]}, "kind": {words[kind]}'
-            f', "layout": {words[layout]}, "notes": {self.encode(notes) if notes else "[]"}}}'
+            f'{{"key": {key_text}{sizes}, "storage_offset": {offset}, "storage": {storage_text}'
+            f"{places}{notes_text}}}"
         )
-
-
-class _Texts(dict[Any, str]):
-    """JSON texts of values, each made once (by ``make``) when first asked for."""
-
-    def __init__(self, make: Callable[[Any], str]) -> None:
-        super().__init__()
-        self.make = make
-
-    def __missing__(self, value: Any) -> str:
-        text = self[value] = self.make(value)
-        return text
 
 
 def render_json(report: ShowReport) -> dict[str, Any]:
