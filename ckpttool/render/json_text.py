@@ -5,7 +5,8 @@
 tensors, and puts every field of every tensor on a line of its own. :func:`dumps` indents the
 first ``depth`` levels (the report's fields, its lists) and writes each value below them, a
 tensor's record for one, on one line with the C encoder. The text parses to the same value as
-``json.dumps``'s.
+``json.dumps``'s. A :class:`Rows` stands for a list whose items are made as they are written
+(``show --json``'s tensors), so that the text of 100,000 of them is never held at once.
 """
 
 from __future__ import annotations

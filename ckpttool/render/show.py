@@ -1,4 +1,5 @@
-"""``show``'s report: the header lines and tensor table (tabulate), and the ``--json`` document."""
+"""``show``'s report: the header lines and tensor table (tabulate's format, ``text.table``), and
+the ``--json`` document (written as made: :func:`json_chunks`)."""
 
 from __future__ import annotations
 

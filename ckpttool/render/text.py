@@ -58,7 +58,7 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
     checkpoint's keys) needs one width per column and one format per row, which gives the same
     text. Anything else (no rows, rows of another length than ``headers``, a cell with a line
     break, a tab, an escape code or a non-ASCII character, whose width tabulate measures its
-    own way) goes to tabulate.
+    own way, or a bytes value, which it decodes) goes to tabulate.
     """
     width = len(headers)
     if not rows or any(len(row) != width for row in rows):
