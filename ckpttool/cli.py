@@ -146,7 +146,9 @@ def show(
             return
         report = build_report(ckpt, section=section, pattern=pattern, stats=stats)
     if as_json:
-        _echo_json(show_render.render_json(report))
+        for chunk in show_render.json_chunks(report):  # each tensor's line made as written
+            click.echo(chunk, nl=False)
+        click.echo()
         return
     click.echo(show_render.render_text(report))
     for warning in report.warnings:

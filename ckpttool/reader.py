@@ -33,6 +33,7 @@ from ckpttool.formats.torch_zip import read_torch_zip
 from ckpttool.pickle.interpreter import PickleResult, load_pickle
 from ckpttool.records import (
     ELEMENTS_PER_BYTE,
+    ITEMSIZE,
     StorageRecord,
     TensorRecord,
     get_path,
@@ -474,14 +475,32 @@ def check_extents(parsed: Parsed, records: list[TensorRecord]) -> list[str]:
                 f"storage {storage.key!r} claims {storage.nbytes:,} bytes but the file holds "
                 f"{storage.data_size:,} for it (truncated or tampered file)"
             )
+    packing: dict[str, tuple[int, int]] = {}  # dtype: (elements per byte, bytes per element)
     for record in stored_records(records):
-        if record.storage is None or record.inline_data is not None:
+        viewed = record.storage
+        if viewed is None or record.inline_data is not None:
             continue
-        needed = record.stored_extent_bytes
-        if needed > record.storage.nbytes:
+        # record.stored_extent_bytes, without its three property calls per tensor
+        offset = record.storage_offset
+        shape = record.shape
+        if 0 in shape:  # no elements
+            extent = offset
+        else:
+            extent = offset + 1
+            for size, stride in zip(shape, record.stride):
+                extent += (size - 1) * stride
+        dtype = record.dtype
+        per_byte_itemsize = packing.get(dtype)
+        if per_byte_itemsize is None:
+            per_byte_itemsize = packing[dtype] = (
+                ELEMENTS_PER_BYTE.get(dtype, 1),
+                ITEMSIZE.get(dtype, 1),
+            )
+        needed = -(-extent // per_byte_itemsize[0]) * per_byte_itemsize[1]
+        if needed > viewed.nbytes:
             problems.append(
                 f"tensor {record.key!r} ({record.dtype}{list(record.shape)}) reaches byte "
-                f"{needed:,} of its storage, which has {record.storage.nbytes:,}"
+                f"{needed:,} of its storage, which has {viewed.nbytes:,}"
             )
     return problems
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
 
 #: Bytes per element, by torch dtype name (without ``torch.``).
 ITEMSIZE: dict[str, int] = {
@@ -93,7 +93,7 @@ FLOATING_DTYPES = frozenset(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageRecord:
     """One block of tensor bytes in the file; several tensors may view the same storage."""
 
@@ -104,6 +104,11 @@ class StorageRecord:
     record: str  # where its bytes live: zip member name, "legacy:<key>", "inline", ...
     data_size: int  # bytes actually present in the file for it (checked against numel)
     byteorder: str = "little"
+
+    def __hash__(self) -> int:
+        # Equal storages have equal keys. Hashing every field (the generated hash) was a tenth
+        # of listing 100,000 tensors: records are grouped by storage several times.
+        return hash(self.key)
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +130,7 @@ class ChunkRecord:
         return math.prod(self.sizes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkedStorageRecord(StorageRecord):
     """The storage of a tensor stored as chunks in several files (torch.distributed.checkpoint).
 
@@ -170,7 +175,7 @@ PART_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass(eq=True)
+@dataclass(slots=True)
 class TensorRecord:
     """A tensor (or NumPy array) as described by the file: everything but its values.
 
@@ -305,7 +310,39 @@ def stored_records(records: list[TensorRecord]) -> list[TensorRecord]:
     return out
 
 
-def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
+class StorageViews(NamedTuple):
+    """Which of some records view which storage (:func:`storage_views`)."""
+
+    first: dict[StorageRecord, TensorRecord]  # each storage's first viewer, in file order
+    shared: dict[StorageRecord, list[TensorRecord]]  # storages viewed more than once: by all
+    loose: list[TensorRecord]  # records with no storage to share (meta, bytes in the pickle)
+
+
+def storage_views(records: list[TensorRecord]) -> StorageViews:
+    """``records`` grouped by the storage they view: once for :func:`count_once` and
+    :func:`storage_groups` (a listing asks both of 100,000 records)."""
+    first_viewer: dict[StorageRecord, TensorRecord] = {}
+    shared: dict[StorageRecord, list[TensorRecord]] = {}
+    loose: list[TensorRecord] = []
+    for record in records:
+        storage = record.storage
+        if storage is None or record.inline_data is not None:
+            loose.append(record)
+            continue
+        known = len(first_viewer)
+        first = first_viewer.setdefault(storage, record)  # one hash: StorageRecord's is Python's
+        if len(first_viewer) == known:  # a storage seen before
+            group = shared.get(storage)
+            if group is None:
+                shared[storage] = [first, record]
+            else:
+                group.append(record)
+    return StorageViews(first_viewer, shared, loose)
+
+
+def count_once(
+    records: list[TensorRecord], views: StorageViews | None = None
+) -> tuple[int, dict[str, int]]:
     """Elements and bytes by dtype of ``records``, each stored element counted once.
 
     This is the one counting rule of parameters and bytes. Tensors that view the same storage
@@ -313,7 +350,7 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
     the storage holds (overlapping slices). Tensors without a storage count as they are,
     except that a meta tensor (no storage, no inline bytes) has elements but stores no bytes.
     A sparse or nested tensor counts its elements as torch's ``numel()`` does and the bytes of
-    its stored parts (indices and values).
+    its stored parts (indices and values). ``views``: ``storage_views(records)``, if known.
     """
     sparse = [r for r in records if r.parts]
     if sparse:
@@ -323,21 +360,36 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
             dense_bytes[dtype] = dense_bytes.get(dtype, 0) + nbytes
         numel = sum(r.parts[0].numel if r.layout == "nested" else r.numel for r in sparse)
         return dense_elements + numel, dense_bytes
+    if views is None:
+        views = storage_views(records)
     elements = 0
     by_dtype: dict[str, int] = {}
-    by_storage: dict[StorageRecord, list[TensorRecord]] = {}
-    for record in records:
-        storage = record.storage
-        if storage is None or record.inline_data is not None:
-            elements += record.numel
-            if storage is not None or record.inline_data is not None:
-                by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.stored_nbytes
-        elif storage in by_storage:
-            by_storage[storage].append(record)
-        else:
-            by_storage[storage] = [record]
-    for storage, viewing in by_storage.items():
-        distinct = viewing if len(viewing) == 1 else _distinct_regions(viewing)
+    prod = math.prod
+    for record in views.loose:
+        elements += prod(record.shape)
+        if record.storage is not None or record.inline_data is not None:
+            by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.stored_nbytes
+    viewers = views.shared
+    packing: dict[str, tuple[int, int]] = {}  # dtype: (elements per byte, bytes per element)
+    for storage, first in views.first.items():
+        group = viewers.get(storage)
+        if group is None:  # one record views this storage (almost every storage)
+            dtype = first.dtype
+            per_byte_itemsize = packing.get(dtype)
+            if per_byte_itemsize is None:
+                per_byte_itemsize = packing[dtype] = _packing(dtype)
+            per_byte, itemsize = per_byte_itemsize
+            numel = prod(first.shape)
+            nbytes = -(-numel // per_byte) * itemsize
+            storage_nbytes = storage.nbytes
+            if nbytes > storage_nbytes:  # it claims more than the storage holds
+                elements += storage_nbytes // itemsize
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + storage_nbytes
+            else:
+                elements += numel
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+            continue
+        distinct = _distinct_regions(group)
         nbytes = sum(r.stored_nbytes for r in distinct)
         if nbytes > storage.nbytes:  # overlapping views: the storage is all there is
             first = distinct[0]
@@ -350,6 +402,11 @@ def count_once(records: list[TensorRecord]) -> tuple[int, dict[str, int]]:
     return elements, by_dtype
 
 
+def _packing(dtype: str) -> tuple[int, int]:
+    """(elements per stored byte, bytes per element) of a dtype, as ``stored_nbytes`` uses them."""
+    return ELEMENTS_PER_BYTE.get(dtype, 1), ITEMSIZE.get(dtype, 1)
+
+
 def _distinct_regions(viewing: list[TensorRecord]) -> list[TensorRecord]:
     """The first of ``viewing`` (views of one storage) for each region they view."""
     regions: dict[tuple[Any, ...] | None, TensorRecord] = {}
@@ -360,11 +417,21 @@ def _distinct_regions(viewing: list[TensorRecord]) -> list[TensorRecord]:
 
 def shared_storages(records: list[TensorRecord]) -> list[list[str]]:
     """The keys of each storage that several of ``records`` view (tied weights), file order."""
-    keys: dict[StorageRecord, list[str]] = {}
-    for record in records:
-        if record.storage is not None and record.inline_data is None:
-            keys.setdefault(record.storage, []).append(record.key)
-    return [group for group in keys.values() if len(group) > 1]
+    return [[record.key for record in group] for group in storage_groups(records)]
+
+
+def storage_groups(
+    records: list[TensorRecord], views: StorageViews | None = None
+) -> list[list[TensorRecord]]:
+    """The records that view each storage several of ``records`` view, in file order (of
+    each storage's first viewer, then of the records). Inline bytes view no shared storage.
+    ``views``: ``storage_views(records)``, if known."""
+    if views is None:
+        views = storage_views(records)
+    shared = views.shared
+    if not shared:
+        return []
+    return [shared[storage] for storage in views.first if storage in shared]
 
 
 @dataclass(frozen=True)
@@ -419,15 +486,17 @@ class OpaqueObject:
 
 
 def children(node: Any) -> Iterator[tuple[str, Any]]:
-    """The (name, child) pairs under a container node, in file order."""
+    """The (name, child) pairs under a container node, in file order (nothing under a leaf).
+
+    Made by ``zip``/``map`` over the container, not a generator: layout questions list the
+    children of dicts of 100,000 tensors."""
     if isinstance(node, dict):
-        for key, value in node.items():
-            yield str(key), value
-    elif isinstance(node, (list, tuple)):
-        for index, value in enumerate(node):
-            yield str(index), value
-    elif isinstance(node, OpaqueObject):
-        yield from node.fields().items()
+        return zip(map(str, node), node.values())
+    if isinstance(node, (list, tuple)):
+        return zip(map(str, range(len(node))), node)
+    if isinstance(node, OpaqueObject):
+        return iter(node.fields().items())
+    return iter(())
 
 
 def is_container(node: Any) -> bool:
@@ -451,32 +520,122 @@ def walk(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 def nodes(node: Any) -> Iterator[Any]:
     """Every node under ``node``, containers included, without building keys (for questions
-    like "which classes" or "which dtypes", where names are not needed). Iterative."""
-    stack: list[Any] = [node]
+    like "which classes" or "which dtypes", where names are not needed). Iterative, depth
+    first, each container before what it holds."""
+    yield node
+    if not isinstance(node, (dict, list, tuple, OpaqueObject)):
+        return
+    stack: list[Iterator[Any]] = [_child_values(node)]
     while stack:
-        current = stack.pop()
-        yield current
-        if isinstance(current, dict):
-            stack.extend(reversed(current.values()))
-        elif isinstance(current, (list, tuple)):
-            stack.extend(reversed(current))
-        elif isinstance(current, OpaqueObject):
-            stack.extend(reversed(current.fields().values()))
+        for child in stack[-1]:
+            yield child
+            if isinstance(child, TensorRecord):  # most nodes of a checkpoint
+                continue
+            if isinstance(child, (dict, list, tuple, OpaqueObject)):
+                stack.append(_child_values(child))
+                break
+        else:
+            stack.pop()
+
+
+def _child_values(node: Any) -> Iterator[Any]:
+    """What a container holds, in file order (an object's fields as ``fields()`` gives them)."""
+    if isinstance(node, dict):
+        return iter(node.values())
+    if isinstance(node, (list, tuple)):
+        return iter(node)
+    return iter(node.fields().values())
 
 
 def tensors(node: Any, prefix: str = "") -> list[TensorRecord]:
-    """All tensor records under ``node`` with their ``key`` set to their dotted path."""
-    return [
-        with_key(leaf, key) for key, leaf in walk(node, prefix) if isinstance(leaf, TensorRecord)
-    ]
+    """All tensor records under ``node`` with their ``key`` set to their dotted path.
+
+    :func:`walk` with its leaves filtered, in one loop: listing a checkpoint calls this once per
+    tensor, so no generator or key is made for what is not a tensor's.
+    """
+    out: list[TensorRecord] = []
+    if isinstance(node, TensorRecord):
+        return [with_key(node, prefix)]
+    if not is_container(node):
+        return out
+    append = out.append
+    # (the container's key, an iterator over its (name, child) pairs); depth-first, file order
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [(prefix, _named_children(node))]
+    while stack:
+        key, items = stack[-1]
+        for name, child in items:
+            if isinstance(child, TensorRecord):
+                name = name if type(name) is str else str(name)
+                append(with_key(child, f"{key}.{name}" if key else name))
+            elif isinstance(child, (dict, list, tuple, OpaqueObject)):
+                name = name if type(name) is str else str(name)
+                stack.append((f"{key}.{name}" if key else name, _named_children(child)))
+                break
+        else:
+            stack.pop()
+    return out
+
+
+def tensor_keys(node: Any, prefix: str = "") -> list[str]:
+    """The keys :func:`tensors` gives the records under ``node``, without copying a record."""
+    if isinstance(node, TensorRecord):
+        return [prefix]
+    out: list[str] = []
+    if not is_container(node):
+        return out
+    append = out.append
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [(prefix, _named_children(node))]
+    while stack:
+        key, items = stack[-1]
+        for name, child in items:
+            if isinstance(child, TensorRecord):
+                name = name if type(name) is str else str(name)
+                append(f"{key}.{name}" if key else name)
+            elif isinstance(child, (dict, list, tuple, OpaqueObject)):
+                name = name if type(name) is str else str(name)
+                stack.append((f"{key}.{name}" if key else name, _named_children(child)))
+                break
+        else:
+            stack.pop()
+    return out
+
+
+def _named_children(node: Any) -> Iterator[tuple[Any, Any]]:
+    """:func:`children` of a container with names not yet made text (``str`` of an index is
+    made only for what is kept)."""
+    if isinstance(node, dict):
+        return iter(node.items())
+    if isinstance(node, (list, tuple)):
+        return enumerate(node)
+    return iter(node.fields().items())
+
+
+_new = object.__new__
+_FIELD_NAMES = tuple(f.name for f in fields(TensorRecord))
+# Each field's setter (slots: its member descriptor's ``__set__``), for copies made without
+# ``__init__``; tests/test_records.py checks that these are all the fields, in this order.
+(_set_key, _set_dtype, _set_shape, _set_stride, _set_storage_offset, _set_storage,
+ _set_requires_grad, _set_kind, _set_inline_data, _set_layout, _set_parts, _set_quant,
+ _set_is_coalesced) = (getattr(TensorRecord, name).__set__ for name in _FIELD_NAMES)  # fmt: skip
 
 
 def with_key(record: TensorRecord, key: str) -> TensorRecord:
     """A copy of ``record`` with another key (``dataclasses.replace`` without its slow path:
-    listing a large checkpoint re-keys every record several times)."""
-    copy = object.__new__(TensorRecord)
-    copy.__dict__.update(record.__dict__)
-    copy.__dict__["key"] = key
+    listing a large checkpoint re-keys every record, 100,000 of them for as many tensors)."""
+    copy = _new(TensorRecord)
+    _set_key(copy, key)
+    _set_dtype(copy, record.dtype)
+    _set_shape(copy, record.shape)
+    _set_stride(copy, record.stride)
+    _set_storage_offset(copy, record.storage_offset)
+    _set_storage(copy, record.storage)
+    _set_requires_grad(copy, record.requires_grad)
+    _set_kind(copy, record.kind)
+    _set_inline_data(copy, record.inline_data)
+    _set_layout(copy, record.layout)
+    _set_parts(copy, record.parts)
+    _set_quant(copy, record.quant)
+    _set_is_coalesced(copy, record.is_coalesced)
     return copy
 
 
@@ -484,13 +643,13 @@ def with_fields(record: TensorRecord, **changes: Any) -> TensorRecord:
     """``dataclasses.replace(record, **changes)`` without its slow path (it re-runs
     ``__init__`` through keyword arguments): reading a tensor narrows its record once per
     chunk, once per tensor at least. ``changes`` must name fields of a record."""
-    copy = object.__new__(TensorRecord)
-    state = copy.__dict__
-    state.update(record.__dict__)
     for name in changes:
-        if name not in state:
+        if name not in _FIELD_NAMES:
             raise TypeError(f"TensorRecord has no field {name!r}")
-    state.update(changes)
+    copy = _new(TensorRecord)
+    for name in _FIELD_NAMES:
+        value = changes[name] if name in changes else getattr(record, name)
+        object.__setattr__(copy, name, value)
     return copy
 
 

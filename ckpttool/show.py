@@ -21,13 +21,21 @@ from ckpttool.layout import (
     summarize_optimizer,
 )
 from ckpttool.reader import Checkpoint, open_checkpoint
-from ckpttool.records import ChunkedStorageRecord, TensorRecord, count_once, shared_storages
+from ckpttool.records import (
+    ChunkedStorageRecord,
+    TensorRecord,
+    count_once,
+    shared_storages,
+    storage_groups,
+    storage_views,
+    tensor_keys,
+)
 
 if TYPE_CHECKING:
     from ckpttool.values import TensorStats
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorInfo:
     record: TensorRecord
     notes: list[str]
@@ -73,40 +81,71 @@ class ShowReport:
         return sum(self.bytes_by_dtype.values())
 
 
-def tensor_notes(records: list[TensorRecord]) -> dict[str, list[str]]:
-    """Per key: shared storage (tied weights), views, non-contiguous, saved on an accelerator."""
-    by_storage: dict[Any, list[TensorRecord]] = {}
+def tensor_notes(
+    records: list[TensorRecord], groups: list[list[TensorRecord]] | None = None
+) -> dict[str, list[str]]:
+    """Per key: shared storage (tied weights), views, non-contiguous, saved on an accelerator.
+
+    ``groups``: ``storage_groups(records)`` when the caller has it. Keys without a note are
+    left out (most keys: a checkpoint of 100,000 tensors would hold as many empty lists).
+    """
+    notes: dict[str, list[str]] = {}
+    for group in storage_groups(records) if groups is None else groups:
+        # linear in the group: a hostile file can hang 100,000 views on one storage
+        same = len({(o.shape, o.storage_offset, o.stride) for o in group}) == 1
+        label = "tied with" if same else "shares storage with"
+        more = f" (+{len(group) - 2})" if len(group) > 2 else ""
+        for index, record in enumerate(group):
+            first_other = group[1] if index == 0 else group[0]
+            notes.setdefault(record.key, []).append(f"{label} {first_other.key}{more}")
+    contiguous: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape: its contiguous strides
     for record in records:
-        if record.storage is not None and record.inline_data is None:
-            by_storage.setdefault(record.storage, []).append(record)
-    notes: dict[str, list[str]] = {r.key: [] for r in records}
-    for group in by_storage.values():
-        if len(group) > 1:
-            # linear in the group: a hostile file can hang 100,000 views on one storage
-            same = len({(o.shape, o.storage_offset, o.stride) for o in group}) == 1
-            label = "tied with" if same else "shares storage with"
-            more = f" (+{len(group) - 2})" if len(group) > 2 else ""
-            for index, record in enumerate(group):
-                first_other = group[1] if index == 0 else group[0]
-                notes[record.key].append(f"{label} {first_other.key}{more}")
-    for record in records:
+        shape = record.shape
+        strides = contiguous.get(shape)
+        if strides is None:
+            strides = contiguous[shape] = contiguous_strides(shape)
+        storage = record.storage
+        location = storage.location if storage is not None else record.location
+        if (
+            record.stride == strides
+            and not record.storage_offset
+            and (location == "cpu" or location == "")
+            and record.kind == "tensor"
+            and not record.parts
+            and record.quant is None
+            and not isinstance(storage, ChunkedStorageRecord)
+        ):
+            continue  # nothing to say (almost every tensor)
+        found = []
         if not record.is_contiguous:
-            notes[record.key].append("non-contiguous")
+            found.append("non-contiguous")
         if record.storage_offset:
-            notes[record.key].append(f"offset {record.storage_offset}")
-        if record.location not in ("cpu", ""):
-            notes[record.key].append(f"saved on {record.location}")
+            found.append(f"offset {record.storage_offset}")
+        if location not in ("cpu", ""):
+            found.append(f"saved on {location}")
         if record.kind == "ndarray":
-            notes[record.key].append("numpy")
+            found.append("numpy")
         elif record.kind == "storage":
-            notes[record.key].append("a storage saved on its own")
+            found.append("a storage saved on its own")
         if record.parts:
-            notes[record.key].append(layout_note(record))
+            found.append(layout_note(record))
         if record.quant is not None:
-            notes[record.key].append(f"quantized {record.quant.describe()}")
-        if isinstance(record.storage, ChunkedStorageRecord):
-            notes[record.key].append(chunk_note(record.storage))
+            found.append(f"quantized {record.quant.describe()}")
+        if isinstance(storage, ChunkedStorageRecord):
+            found.append(chunk_note(storage))
+        if found:
+            notes.setdefault(record.key, []).extend(found)
     return notes
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``."""
+    strides = []
+    expected = 1
+    for size in reversed(shape):
+        strides.append(expected)
+        expected *= size
+    return tuple(reversed(strides))
 
 
 def layout_note(record: TensorRecord) -> str:
@@ -148,18 +187,28 @@ def build_report(
     records = ckpt.tensors(section) if section else all_records
     if pattern:
         records = [r for r in records if fnmatch.fnmatchcase(r.key, pattern)]
-    notes = tensor_notes(all_records)
-    infos = [TensorInfo(r, list(notes.get(r.key, []))) for r in records]
+    views = storage_views(all_records)
+    groups = storage_groups(all_records, views)
+    notes = tensor_notes(all_records, groups)
+    if notes:
+        infos = [TensorInfo(r, list(notes.get(r.key, ()))) for r in records]
+    else:
+        infos = [TensorInfo(r, []) for r in records]
     warnings = layout_warnings(ckpt.root, layout, all_records) + list(ckpt.problems)
     if stats:
         warnings.extend(add_stats(ckpt, infos))
     model_key = model_part(ckpt.root, layout)
     optimizer_key = optimizer_part(ckpt.root, layout)
-    selected_elements, selected_bytes = count_once(records)
+    selected_elements, selected_bytes = count_once(
+        records, views if records is all_records else None
+    )
     num_parameters = None
     if model_key is not None:
-        model_keys = {r.key for r in (ckpt.tensors(model_key) if model_key else all_records)}
-        selected_model = [r for r in records if r.key in model_keys]
+        if model_key:
+            model_keys = set(tensor_keys(ckpt.section(model_key), model_key))
+            selected_model = [r for r in records if r.key in model_keys]
+        else:  # the whole file
+            selected_model = records
         if len(selected_model) == len(records):  # the whole selection: one count serves both
             num_parameters = selected_elements if records else None
         elif selected_model:
@@ -192,7 +241,11 @@ def build_report(
         pattern=pattern,
         model_part=model_key,
         optimizer_part=optimizer_key,
-        shared=shared_storages(records),
+        shared=(
+            shared_storages(records)
+            if records is not all_records
+            else [[record.key for record in group] for group in groups]
+        ),
         optimizer=optimizer,
         rng=rng_present(ckpt.root),
         warnings=warnings,

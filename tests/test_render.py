@@ -72,3 +72,72 @@ def test_json_text_in_chunks_is_the_same_text(value: object, size: int) -> None:
     assert "".join(pieces) == dumps(value)
     assert all(pieces)
     assert all(len(piece) >= size for piece in pieces[:-1])  # batched, not one per item
+
+
+TABLE_HEADERS = ["key", "dtype", "shape", "numel", "size", "notes"]
+TABLE_CASES = [
+    [["a.b", "float32", [4, 4], 16, "64 B", None], ["c" * 9, "int64", [1], 10**6, "1 MB", "n"]],
+    [[" lead", "trail ", None, True, False, "True"]],  # stripped; bools and "True" as text
+    [["True", "False", "True", None, None, None]],  # a column tabulate types bool
+    [[None] * 6],
+    [["x", 1.5, -3, 2**70, (1, 2), {"a": 1}]],
+    [["tab\there", 1, 2, 3, 4, 5]],  # not printable: tabulate's own rules
+    [["line\nbreak", 1, 2, 3, 4, 5]],  # multiline cells
+    [["\x1b[31mred\x1b[0m", 1, 2, 3, 4, 5]],  # escape codes are not counted in widths
+    [["wide 漢字", "é", 2, 3, 4, 5]],  # non-ASCII
+    [["\x01", 1, 2, 3, 4, 5]],  # tabulate's separating line
+    [[b"bytes", 1, 2, 3, 4, 5]],  # decoded by tabulate
+    [["short row", 1]],
+    [],
+]
+
+
+@pytest.mark.parametrize("rows", TABLE_CASES)
+def test_table_is_tabulates_text(rows: list[list[object]]) -> None:
+    from tabulate import tabulate
+
+    from ckpttool.render.text import table
+
+    for headers in (TABLE_HEADERS, ["a", "b", "c", "d", "e", "a much longer header"]):
+        assert table(rows, headers) == tabulate(rows, headers=headers, disable_numparse=True)
+
+
+def test_table_of_many_random_rows_is_tabulates_text() -> None:
+    import random
+    import string
+
+    from tabulate import tabulate
+
+    from ckpttool.render.text import table
+
+    rng = random.Random(13)
+    alphabet = string.ascii_letters + string.digits + string.punctuation + "   "
+
+    def cell() -> object:
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        return rng.choice([None, text, rng.randint(-5, 10**9), [rng.randint(0, 9)] * 2])
+
+    rows = [[cell() for _ in TABLE_HEADERS] for _ in range(5000)]
+    rows += [[f"layers.{i}.w", "float32", [4, 4], 16, "64 B", None] for i in range(20_000)]
+    assert table(rows, TABLE_HEADERS) == tabulate(
+        rows, headers=TABLE_HEADERS, disable_numparse=True
+    )
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])
+def test_json_text_rows_are_written_as_the_list_they_stand_for(depth: int) -> None:
+    from ckpttool.render.json_text import Rows, chunks, dumps
+
+    items = list(range(600))  # more than one batch of lines
+
+    def make(i: int) -> object:
+        return {"key": f"w{i}", "shape": [i, 2], "notes": ["é"] if i % 7 == 0 else []}
+
+    for count in (0, 1, 600):
+        listed = {"file": "x", "tensors": [make(i) for i in items[:count]], "n": count}
+        lazy = {"file": "x", "tensors": Rows(items[:count], make), "n": count}
+        assert dumps(lazy, depth=depth) == dumps(listed, depth=depth)
+        assert "".join(chunks(lazy, depth=depth, size=100)) == dumps(listed, depth=depth)
+        assert dumps(Rows(items[:count], make), depth=depth) == dumps(
+            [make(i) for i in items[:count]], depth=depth
+        )

@@ -206,3 +206,125 @@ def test_optimizer_state_maps_to_names_through_the_trainers_decay_groups(tmp_pat
     with open_checkpoint(tmp_path / "t.pt") as ckpt:
         _, rule = map_param_names(one_group.state_dict(), ckpt.root["model"])  # type: ignore[arg-type]
     assert rule == "order"  # one group in model order (no state yet: nothing contradicts it)
+
+
+def _fixture_reports() -> list[object]:
+    from ckpttool.errors import CkptError
+    from ckpttool.show import show
+    from tests.support.helpers import fixture_files
+
+    reports = []
+    for path in fixture_files():
+        for options in ({}, {"stats": True}, {"pattern": "*weight*"}):
+            try:
+                reports.append(show(path, **options))  # type: ignore[arg-type]
+            except CkptError:  # the damaged fixtures are other tests'
+                break
+    assert len(reports) > 100
+    return reports
+
+
+def test_show_text_and_json_on_every_fixture_are_tabulates_and_render_jsons() -> None:
+    """The table without tabulate and the --json written as made are the text they replace:
+    tabulate's table, and ``json_text.chunks(render_json(report))``."""
+    import tabulate
+
+    from ckpttool.render import show as show_render
+    from ckpttool.render.json_text import chunks
+
+    def with_tabulate(rows: list[list[object]], headers: list[str]) -> str:
+        return str(tabulate.tabulate(rows, headers=headers, disable_numparse=True))
+
+    tables = 0
+    for report in _fixture_reports():
+        assert "".join(show_render.json_chunks(report)) == "".join(  # type: ignore[arg-type]
+            chunks(show_render.render_json(report))  # type: ignore[arg-type]
+        )
+        text = show_render.render_text(report)  # type: ignore[arg-type]
+        original = show_render.table
+        show_render.table = with_tabulate  # type: ignore[assignment]
+        try:
+            assert text == show_render.render_text(report)  # type: ignore[arg-type]
+        finally:
+            show_render.table = original
+        tables += report.tensors != []  # type: ignore[attr-defined]
+    assert tables > 100
+
+
+def test_tensor_notes_say_what_each_tensor_is() -> None:
+    from ckpttool.records import ChunkedStorageRecord, ChunkRecord
+    from ckpttool.show import tensor_notes
+
+    storage = StorageRecord("0", "float32", 64, "cpu", "archive/data/0", 256)
+    gpu = StorageRecord("1", "float32", 16, "cuda:0", "archive/data/1", 64)
+    chunked = ChunkedStorageRecord("c", "float32", 4, "cpu", "dcp", 16,
+                                   chunks=(ChunkRecord("__0_0.distcp", 0, 9, (0,), (4,)),))  # fmt: skip
+    records = [
+        TensorRecord("w", "float32", (4, 4), (4, 1), 0, storage),
+        TensorRecord("tied", "float32", (4, 4), (4, 1), 0, storage),
+        TensorRecord("t", "float32", (4, 4), (1, 4), 0, storage),
+        TensorRecord("row", "float32", (1, 4), (99, 1), 16, storage),  # size-1 dim: contiguous
+        TensorRecord("g", "float32", (4, 4), (4, 1), 0, gpu),
+        TensorRecord("meta", "float32", (2,), (1,), 0, None),
+        TensorRecord("arr", "float32", (2,), (1,), 0, None, kind="ndarray", inline_data=b"x" * 8),
+        TensorRecord("s", "float32", (4,), (1,), 0, chunked),
+        TensorRecord("plain", "float32", (), (), 0, StorageRecord("2", "float32", 1, "", "r", 4)),
+    ]
+    notes = tensor_notes(records)
+    more = "shares storage with"
+    assert notes == {
+        "w": [f"{more} tied (+2)"],
+        "tied": [f"{more} w (+2)"],
+        "t": [f"{more} w (+2)", "non-contiguous"],
+        "row": [f"{more} w (+2)", "offset 16"],
+        "g": ["saved on cuda:0"],
+        "meta": ["saved on meta"],
+        "arr": ["saved on meta", "numpy"],
+        "s": ["1 chunk: __0_0.distcp"],
+    }
+    # two records under one key (a hostile file can repeat a key) share its notes
+    twice = [records[4], records[4]]
+    assert tensor_notes(twice) == {"g": ["tied with g", "tied with g"] + ["saved on cuda:0"] * 2}
+
+
+def test_tensor_lines_are_what_json_writes_for_tensor_json() -> None:
+    """The --json line of a tensor made without its dict is the encoder's text of the dict,
+    whatever odd values a hostile file puts in a record (bools, str subclasses, non-ASCII)."""
+    import dataclasses
+    import enum
+    import json
+
+    from ckpttool.records import ChunkedStorageRecord, ChunkRecord
+    from ckpttool.render.show import TensorLines, tensor_json
+    from ckpttool.show import TensorInfo
+
+    class Name(str):
+        pass
+
+    class Size(enum.IntEnum):
+        FOUR = 4
+
+    storage = StorageRecord("0", "float32", 64, "cpu", "archive/data/0", 256)
+    chunked = ChunkedStorageRecord("c", "float32", 4, "cpu", "dcp", 16,
+                                   chunks=(ChunkRecord("f", 0, 9, (0,), (4,)),))  # fmt: skip
+    records = [
+        TensorRecord("w", "float32", (4, 4), (4, 1), 0, storage),
+        TensorRecord("w", "float32", (1, 4), (4, 1), 0, storage),  # [1, 4] then...
+        TensorRecord("b", "float32", (True, 4), (4, True), 0, storage),  # ...[true, 4]
+        TensorRecord("b", "float32", (4,), (1,), True, storage),  # a bool offset
+        TensorRecord(Name("sub"), Name("float32"), (Size.FOUR,), (1,), 0, storage),
+        TensorRecord("é\n\"ü", "bfloat16", (), (), 3, None, kind="parameter"),
+        TensorRecord("q", "quint4x2", (5,), (1,), 0, dataclasses.replace(storage, key=7)),
+        TensorRecord("s", "float32", (4,), (1,), 0, chunked),
+        TensorRecord("g", "float32", (2,), (1,), 0, StorageRecord("1", "float32", 2, "cuda:1", "r", 8)),
+        TensorRecord("l", "float32", (2,), (1,), 0, StorageRecord("2", "float32", 2, 3, "r", 8)),  # type: ignore[arg-type]
+        TensorRecord("d", 4, (2,), (1,), 0, storage),  # type: ignore[arg-type]
+    ]  # fmt: skip
+    lines = TensorLines()
+    encoder = json.JSONEncoder(separators=(", ", ": "))
+    for notes in ([], ["tied with x", "offset 3"]):
+        for record in records + records:  # the second time from the caches
+            info = TensorInfo(record, list(notes))
+            assert lines(info) == encoder.encode(tensor_json(info))
+    stats = TensorInfo(records[0], [], stats_unavailable="quantized")
+    assert lines(stats) == encoder.encode(tensor_json(stats))

@@ -26,7 +26,10 @@ ZIP_DEFLATED = 8
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
 _EOCD64_LOCATOR = struct.Struct("<4sLQL")
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")
-_CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # one central directory entry
+# One central directory entry ("<4s4B4HL2L5H2L"), 46 bytes, as read: the signature, extract
+# version, flags, method, CRC, compressed and file size, name/extra/comment lengths and local
+# header offset; the versions made by, times, disk and attributes skipped as padding.
+_CENTRAL_READ = struct.Struct("<4s2xBxHH4xLLLHHH8xL")
 LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # a member's local header
 _MAX_COMMENT = 0xFFFF
 # A torch archive's directory holds one ~100-byte entry per storage: a few MB for the largest
@@ -70,7 +73,10 @@ def _decode_name(raw: bytes, flags: int) -> str:
 
 def encoded_name(member: ZipMember) -> bytes:
     """``member``'s name as the archive stores it (cp437 round-trips every byte)."""
-    return member.filename.encode(_name_encoding(member.flag_bits))
+    name = member.filename
+    if name.isascii():  # what torch writes (once per tensor); both encodings agree on ASCII
+        return name.encode("ascii")
+    return name.encode(_name_encoding(member.flag_bits))
 
 
 class ZipIndex:
@@ -150,33 +156,39 @@ class ZipIndex:
         if len(data) != dir_size:
             raise BadZipError("Truncated central directory")
         members: list[ZipMember] = []
-        unpack = _CENTRAL.unpack_from
-        entry_size = _CENTRAL.size
+        append = members.append
+        unpack = _CENTRAL_READ.unpack_from
+        entry_size = _CENTRAL_READ.size
+        make = tuple.__new__  # ZipMember(...) without its Python-level __new__ (one per tensor)
+        concat = self.concat
         pos = 0
         while pos < dir_size:
             if pos + entry_size > dir_size:
                 raise BadZipError("Truncated central directory")
-            (signature, _, _, extract_version, _, flags, method, _, _, crc, compressed, size,
-             name_len, extra_len, comment_len, _, _, _, offset) = unpack(data, pos)  # fmt: skip
+            (signature, extract_version, flags, method, crc, compressed, size, name_len, extra_len,
+             comment_len, offset) = unpack(data, pos)  # fmt: skip
             if signature != b"PK\x01\x02":
                 raise BadZipError("Bad magic number for central directory")
             if extract_version > _MAX_EXTRACT_VERSION:
                 raise BadZipError(f"zip file version {extract_version / 10:.1f} is not supported")
             name_at = pos + entry_size
-            pos = name_at + name_len + extra_len + comment_len
+            name_end = name_at + name_len
+            pos = name_end + extra_len + comment_len
             if pos > dir_size:  # zipfile reads such an entry short; it is corrupt
                 raise BadZipError(
                     f"the directory entry at byte {name_at - entry_size} runs past its end"
                 )
-            name = _decode_name(data[name_at : name_at + name_len], flags)
-            if 0xFFFFFFFF in (size, compressed, offset):
-                extra = data[name_at + name_len : name_at + name_len + extra_len]
-                size, compressed, offset = _zip64_extra(extra, size, compressed, offset)
+            raw = data[name_at:name_end]
+            if raw.isascii() and b"\x00" not in raw:  # what torch writes (_decode_name's rule)
+                name = raw.decode("ascii")
             else:
-                _check_extra(data, name_at + name_len, extra_len)
-            members.append(
-                ZipMember(name, offset + self.concat, method, compressed, size, crc, flags)
-            )
+                name = _decode_name(raw, flags)
+            if max(size, compressed, offset) == 0xFFFFFFFF:  # any of them (4-byte fields)
+                extra = data[name_end : name_end + extra_len]
+                size, compressed, offset = _zip64_extra(extra, size, compressed, offset)
+            elif extra_len:
+                _check_extra(data, name_end, extra_len)
+            append(make(ZipMember, (name, offset + concat, method, compressed, size, crc, flags)))
         if len(members) != count and count != 0xFFFF:
             raise BadZipError(
                 f"the central directory lists {len(members)} entries, its end record says {count}"

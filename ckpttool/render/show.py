@@ -1,36 +1,53 @@
-"""``show``'s report: the header lines and tensor table (tabulate), and the ``--json`` document."""
+"""``show``'s report: the header lines and tensor table (tabulate's format, ``text.table``), and
+the ``--json`` document (written as made: :func:`json_chunks`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from json.encoder import encode_basestring_ascii
+from math import prod
 from typing import Any
 
 from ckpttool.layout import NESTED, TRAINING
-from ckpttool.records import ChunkedStorageRecord, TensorRecord
+from ckpttool.records import (
+    ELEMENTS_PER_BYTE,
+    ITEMSIZE,
+    ChunkedStorageRecord,
+    StorageRecord,
+    TensorRecord,
+)
 from ckpttool.render.show_deepspeed import deepspeed_lines, parameter_table
-from ckpttool.render.text import human_count, human_size, plain, short
+from ckpttool.render.text import human_count, human_size, plain, short, table
 from ckpttool.show import ShowReport
 
 
 def tensor_json(info: Any) -> dict[str, Any]:
     record: TensorRecord = info.record
+    storage = record.storage
+    numel = prod(record.shape)
+    if record.parts:
+        nbytes = record.stored_nbytes
+    else:  # record.stored_nbytes without its property calls (this runs once per tensor)
+        dtype = record.dtype
+        nbytes = -(-numel // ELEMENTS_PER_BYTE.get(dtype, 1)) * ITEMSIZE.get(dtype, 1)
     out: dict[str, Any] = {
         "key": record.key,
         "dtype": record.dtype,
         "shape": list(record.shape),
-        "numel": record.numel,
-        "nbytes": record.stored_nbytes,
+        "numel": numel,
+        "nbytes": nbytes,
         "stride": list(record.stride),
         "storage_offset": record.storage_offset,
-        "storage": record.storage.key if record.storage else None,
-        "location": record.location,
+        "storage": storage.key if storage is not None else None,
+        "location": storage.location if storage is not None else record.location,
         "kind": record.kind,
         "layout": record.layout,
         "notes": info.notes,
     }
-    if isinstance(record.storage, ChunkedStorageRecord):  # DCP: where each piece is stored
+    if isinstance(storage, ChunkedStorageRecord):  # DCP: where each piece is stored
         out["chunks"] = [
             {"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
-            for c in record.storage.chunks
+            for c in storage.chunks
         ]
     if info.stats is not None:
         out["stats"] = {k: plain(v) for k, v in vars(info.stats).items()}
@@ -40,8 +57,101 @@ def tensor_json(info: Any) -> dict[str, Any]:
     return out
 
 
+class TensorLines:
+    """A tensor's line of ``show --json``: the text json writes for :func:`tensor_json`, made
+    without the dict for a plain tensor (no stats, parts or chunks: almost every tensor).
+
+    At 100,000 tensors the dicts and their encoding were a third of the command's time after
+    the pickle walk. A field whose value json might write otherwise than assumed here (a
+    string subclass is written as a string; a bool where an int is expected is not) sends the
+    tensor to the encoder with its dict.
+    """
+
+    def __init__(self) -> None:
+        from ckpttool.render.json_text import item_encoder
+
+        self.encode = item_encoder()
+        # by (dtype, shape, stride): the text from "dtype" to "stride" (numel, nbytes between)
+        self.sizes: dict[tuple[Any, ...], str] = {}
+        # by (location, kind, layout): the text from "location" to the "notes" key
+        self.places: dict[tuple[Any, ...], str] = {}
+
+    def __call__(self, info: Any) -> str:
+        record: TensorRecord = info.record
+        storage = record.storage
+        shape = record.shape
+        stride = record.stride
+        offset = record.storage_offset
+        if (
+            info.stats is not None
+            or info.stats_unavailable is not None
+            or record.parts
+            or type(shape) is not tuple
+            or type(stride) is not tuple
+            or type(offset) is not int
+            # True == 1: a text made for (1, 4) would not say [true, 4]
+            or bool in map(type, shape)
+            or bool in map(type, stride)
+        ):
+            return self.encode(tensor_json(info))
+        if storage is None:
+            storage_text = "null"
+            location = record.location
+        elif type(storage) is StorageRecord and type(storage.key) is str:
+            storage_text = encode_basestring_ascii(storage.key)
+            location = storage.location
+        else:  # chunks, or a key json would write otherwise
+            return self.encode(tensor_json(info))
+        dtype = record.dtype
+        sizes = self.sizes.get((dtype, shape, stride))
+        if sizes is None:
+            if type(dtype) is not str:
+                return self.encode(tensor_json(info))
+            numel = prod(shape)
+            nbytes = -(-numel // ELEMENTS_PER_BYTE.get(dtype, 1)) * ITEMSIZE.get(dtype, 1)
+            sizes = self.sizes[dtype, shape, stride] = (
+                f', "dtype": {encode_basestring_ascii(dtype)}, "shape": {self.encode(list(shape))}'
+                f', "numel": {numel}, "nbytes": {nbytes}, "stride": {self.encode(list(stride))}'
+            )
+        place = (location, record.kind, record.layout)
+        places = self.places.get(place)
+        if places is None:
+            if not all(type(word) is str for word in place):
+                return self.encode(tensor_json(info))
+            location_text, kind_text, layout_text = map(encode_basestring_ascii, place)
+            places = self.places[place] = (
+                f', "location": {location_text}, "kind": {kind_text}, "layout": {layout_text}'
+                ', "notes": '
+            )
+        key = record.key
+        key_text = encode_basestring_ascii(key) if isinstance(key, str) else self.encode(key)
+        notes = info.notes
+        notes_text = self.encode(notes) if notes else "[]"
+        return (
+            f'{{"key": {key_text}{sizes}, "storage_offset": {offset}, "storage": {storage_text}'
+            f"{places}{notes_text}}}"
+        )
+
+
 def render_json(report: ShowReport) -> dict[str, Any]:
     """``show --json``: docs/schemas/show.schema.json."""
+    document = _document(report)
+    document["tensors"] = document["tensors"].values()
+    return document
+
+
+def json_chunks(report: ShowReport) -> Iterator[str]:
+    """The text of ``render_json(report)`` as :func:`~ckpttool.render.json_text.chunks` writes
+    it, each tensor's record made as it is written (not all of them first)."""
+    from ckpttool.render.json_text import chunks
+
+    return chunks(_document(report))
+
+
+def _document(report: ShowReport) -> dict[str, Any]:
+    """``render_json``'s value with its tensors as a :class:`~ckpttool.render.json_text.Rows`."""
+    from ckpttool.render.json_text import Rows
+
     optimizer = None
     if report.optimizer is not None:
         optimizer = plain(vars(report.optimizer))
@@ -66,7 +176,7 @@ def render_json(report: ShowReport) -> dict[str, Any]:
         "optimizer": optimizer,
         "rng": report.rng,
         "warnings": report.warnings,
-        "tensors": [tensor_json(info) for info in report.tensors],
+        "tensors": Rows(report.tensors, tensor_json, TensorLines()),
     }
 
 
@@ -94,21 +204,29 @@ def render_text(report: ShowReport) -> str:
         lines.append("rng:        " + ", ".join(report.rng))
     if report.optimizer is not None:
         lines.extend(_optimizer_lines(report))
-    from tabulate import tabulate  # here: --json and --tree print no table
-
     parameters = parameter_table(report.details)
     if parameters:
         lines.append("")
         headers = ["parameter", "shape", "numel", "kind"]
-        lines.append(tabulate(parameters, headers=headers, disable_numparse=True))
+        lines.append(table(parameters, headers))
     if not report.tensors:
         return "\n".join(lines)
     lines.append("")
     rows = []
+    sizes: dict[int, str] = {}  # human_size by bytes: most tensors share a few sizes
     for info in report.tensors:
         record = info.record
-        row = [record.key, record.dtype, list(record.shape), record.numel,
-               human_size(record.stored_nbytes), "; ".join(info.notes) or None]  # fmt: skip
+        numel = prod(record.shape)
+        if record.parts:
+            nbytes = record.stored_nbytes
+        else:  # record.stored_nbytes without its property calls
+            dtype = record.dtype
+            nbytes = -(-numel // ELEMENTS_PER_BYTE.get(dtype, 1)) * ITEMSIZE.get(dtype, 1)
+        size = sizes.get(nbytes)
+        if size is None:
+            size = sizes[nbytes] = human_size(nbytes)
+        row = [record.key, record.dtype, list(record.shape), numel, size,
+               "; ".join(info.notes) or None]  # fmt: skip
         if info.stats is not None:
             s = info.stats
             row[5:5] = [_num(s.min), _num(s.max), _num(s.mean), _num(s.std), s.nan, s.inf]
@@ -119,9 +237,8 @@ def render_text(report: ShowReport) -> str:
     headers = ["key", "dtype", "shape", "numel", "size", "notes"]
     if any(info.stats is not None or info.stats_unavailable for info in report.tensors):
         headers[5:5] = ["min", "max", "mean", "std", "nan", "inf"]
-    # tabulate prints None as an empty cell, and types it without trying int() and float()
-    # on it as it does on "": most rows have no notes.
-    lines.append(tabulate(rows, headers=headers, disable_numparse=True))
+    # tabulate's text (text.table): None is an empty cell
+    lines.append(table(rows, headers))
     return "\n".join(lines)
 
 
@@ -266,14 +383,9 @@ def collection_text(listing: dict[str, Any]) -> str:
         [c["name"], c["step"], "yes" if c["complete"] else "no", ", ".join(c["missing"]) or None]
         for c in listing["checkpoints"]
     ]
-    from tabulate import tabulate
-
     header = [
         f"file:       {listing['file']}",
         f"layout:     {listing['layout_title']} ({len(rows)} checkpoints; show one for its contents)",
         "",
     ]
-    table = tabulate(
-        rows, headers=["checkpoint", "step", "complete", "missing"], disable_numparse=True
-    )
-    return "\n".join(header) + table
+    return "\n".join(header) + table(rows, ["checkpoint", "step", "complete", "missing"])
