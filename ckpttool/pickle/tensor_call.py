@@ -202,9 +202,9 @@ def compile_layout(raw: bytes, pos: int) -> Layout | None:
 def _find_layout(
     layouts: list[Layout], raw: bytes, pos: int
 ) -> tuple[Layout, tuple[Any, ...]] | None:
-    """The layout that reads the bytes at ``pos`` (most recently used first; a new one parsed
-    when none does) and the values it read."""
-    for number, layout in enumerate(layouts):
+    """The layout that reads the bytes at ``pos`` (most recently used first, after the first,
+    which ``tensor_call`` tried; a new one parsed when none does) and the values it read."""
+    for number, layout in enumerate(layouts[1:], 1):
         try:
             values = layout.read(raw, pos)
         except struct.error:  # the bytes end first
