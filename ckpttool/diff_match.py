@@ -34,7 +34,7 @@ from ckpttool.records import TensorRecord
 PROVENANCE_KEYS = ("ckpttool.source", "ckpttool.version")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Alias:
     """A key one side lacks, matched with a tensor that side stores under another name."""
 
@@ -47,7 +47,7 @@ CHANGED = "changed"
 TYPE_CHANGED = "type_changed"  # a scalar on one side, a tensor on the other
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FieldDiff:
     """A scalar or string field whose value differs (or that only one side has)."""
 
@@ -59,7 +59,7 @@ class FieldDiff:
     b_tensor: TensorRecord | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorPair:
     key: str  # normalised key
     a: TensorRecord | None

@@ -128,6 +128,37 @@ class Checkpoint:
         stop = record.stored_extent_bytes
         return self.read_storage(record.storage, first, stop, record.key), 0
 
+    def file_span(self, record: TensorRecord) -> tuple[int, int] | None:
+        """(absolute offset, length) of the bytes :meth:`read_bytes` reads for ``record`` when
+        they are one range of this checkpoint's one file, else None (inline bytes, a meta
+        tensor, a packed dtype, storages the format assembles, a range past its storage: those
+        are left to :meth:`read_bytes`, which reads them or raises). For reading many small
+        tensors at once (:mod:`ckpttool.read_batch`)."""
+        storage = record.storage
+        if (
+            storage is None
+            or record.inline_data is not None
+            or self._parsed.read is not None
+            or self._handle is None
+            or record.dtype in ELEMENTS_PER_BYTE
+        ):
+            return None
+        try:
+            offset, length = self.storage_span(storage)
+        except CkptError:
+            return None  # read_bytes raises it, naming the file
+        first = record.storage_offset * record.itemsize
+        stop = record.stored_extent_bytes
+        if stop > length or first > stop:
+            return None
+        return offset + first, stop - first
+
+    def read_file(self, offset: int, length: int) -> bytearray:
+        """``length`` bytes at ``offset`` of this checkpoint's one file (fewer only at its end):
+        the raw read under :meth:`file_span`."""
+        assert self._handle is not None
+        return read_range(source_of(self._handle), length, offset)
+
     def prefetch(self, record: TensorRecord) -> None:
         """A hint: ``record``'s bytes will be read next. A remote file starts fetching them
         (convert writes one tensor while the next arrives); a local file ignores it."""
