@@ -40,6 +40,7 @@ from ckpttool.convert_plan import FIELD_PREFIX, Plan, Planned, build_plan
 from ckpttool.errors import EXIT_FOUND, CkptError, InputError
 from ckpttool.frameworks.huggingface import SAFE_WEIGHTS_NAME
 from ckpttool.progress import ProgressCallback
+from ckpttool.read_batch import BLOCK, InOrder
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
 from ckpttool.source import is_url, local_path
@@ -49,6 +50,7 @@ from ckpttool.zero_consolidate import open_source, zero_note
 
 Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
 Keep = Callable[["Planned"], Any]  # a kept (sparse, nested, quantized) tensor, as torch's
+ReadBytes = Callable[[TensorRecord], "tuple[bytes | bytearray, int]"]  # as Checkpoint.read_bytes
 
 
 class OverflowRefusedError(CkptError):
@@ -213,12 +215,15 @@ def _write_outputs(
     # the order produce is called in (each file's tensors, files in turn): the next one is
     # fetched while this one is written, when the source is remote
     sequence = [p for f in files if f.kind != "index" for p in f.tensors if not p.kept]
-    following = dict(zip((p.name for p in sequence), sequence[1:]))
+    following = dict(zip((p.name for p in sequence), sequence[1:])) if remote_source else {}
     if remote_source:
         ckpt.resolve_spans([p.record.storage for p in sequence if p.record.storage is not None])
+    # a local source's small tensors are read in blocks of adjacent records (a remote one's
+    # are fetched ahead one by one, above)
+    source = InOrder(ckpt, [] if remote_source else _read_as_is(sequence))
 
     def produce(planned: Planned) -> bytes | bytearray | memoryview:
-        data, cast = tensor_bytes(ckpt, planned)
+        data, cast = tensor_bytes(ckpt, planned, source)
         upcoming = following.get(planned.name) if remote_source else None
         if upcoming is not None:
             ckpt.prefetch(upcoming.record)
@@ -343,19 +348,40 @@ def _notes(plan: Plan, output_format: str, underflow: dict[str, int]) -> list[st
     return notes
 
 
-def tensor_bytes(
-    ckpt: Checkpoint, planned: Planned
-) -> tuple[bytes | bytearray | memoryview, CastCounts | None]:
-    """The contiguous little-endian bytes ``planned`` is stored as, and what a cast lost.
-    A sparse tensor is stored dense, a quantized one dequantized (``dense_record``)."""
-    record = dense_record(ckpt, planned.record)
-    plain = (
+def _as_is(planned: Planned, record: TensorRecord) -> bool:
+    """Whether ``planned`` is stored as the bytes ``record`` (its dense record) has in the file."""
+    return (
         planned.dtype == record.dtype
         and record.inline_data is None
         and record.is_contiguous
         and (record.storage is None or record.storage.byteorder == "little")
     )
-    if plain:  # the common case: the bytes as they are in the file, one pread
+
+
+def _read_as_is(sequence: list[Planned]) -> list[TensorRecord]:
+    """The records :func:`tensor_bytes` reads as they are, small ones, in ``sequence``'s order:
+    what is worth reading in blocks (:class:`~ckpttool.read_batch.InOrder`)."""
+    return [
+        p.record
+        for p in sequence
+        if not p.record.parts
+        and p.record.quant is None
+        and 0 < p.record.nbytes <= BLOCK
+        and _as_is(p, p.record)
+    ]
+
+
+def tensor_bytes(
+    ckpt: Checkpoint, planned: Planned, source: InOrder | None = None
+) -> tuple[bytes | bytearray | memoryview, CastCounts | None]:
+    """The contiguous little-endian bytes ``planned`` is stored as, and what a cast lost.
+    A sparse tensor is stored dense, a quantized one dequantized (``dense_record``).
+    ``source``: the small tensors stored as they are (:func:`_read_as_is`), read in blocks."""
+    read = source.take(planned.record) if source is not None else None
+    if read is not None:
+        return memoryview(read[0])[read[1] * planned.record.itemsize :], None
+    record = dense_record(ckpt, planned.record)
+    if _as_is(planned, record):  # the common case: the bytes as they are in the file
         if record.numel == 0:
             return b"", None
         data, first = ckpt.read_bytes(record)
@@ -479,6 +505,19 @@ def _compare_file(
     bytes read back are hashed on a thread of its own while the next tensor is read)."""
     problems: list[str] = []
     read_back = _Hashing() if digests is not None else None
+    # both sides' small tensors read in blocks, in the order compared (a remote source is
+    # compared with the digests instead)
+    plain = [
+        p
+        for p in out.tensors
+        if (r := found[p.name]).dtype == p.dtype
+        and r.shape == p.record.shape
+        and not p.kept
+        and not torch_kinds.is_kept_kind(r)
+        and r.is_contiguous
+    ]
+    written_bytes = InOrder(written, [found[p.name] for p in plain if 0 < p.nbytes <= BLOCK])
+    source = InOrder(ckpt, _read_as_is(plain) if digests is None else [])
     try:
         for planned in out.tensors:
             record = found[planned.name]
@@ -491,10 +530,10 @@ def _compare_file(
                     problems.append(f"{planned.name} does not read back as the same tensor")
                 progress(planned.nbytes)
                 continue
-            got = _stored_bytes(written, record)
+            got = _stored_bytes(written, record, written_bytes.read_bytes)
             if got is not None and read_back is not None and digests and planned.name in digests:
                 read_back.add(planned.name, got)  # compared below
-            elif got is None or not _same_bytes(tensor_bytes(ckpt, planned)[0], got):
+            elif got is None or not _same_bytes(tensor_bytes(ckpt, planned, source)[0], got):
                 problems.append(f"{planned.name} does not read back bit-for-bit equal")
             progress(planned.nbytes)
         if read_back is not None and digests is not None:
@@ -512,13 +551,15 @@ def _compare_file(
     return [f"{out.target.name}: {problem}" for problem in problems]
 
 
-def _stored_bytes(written: Checkpoint, record: TensorRecord) -> memoryview | None:
+def _stored_bytes(
+    written: Checkpoint, record: TensorRecord, read_bytes: ReadBytes
+) -> memoryview | None:
     """A written tensor's bytes; None if it is not stored contiguously (it always should be)."""
     if not record.is_contiguous:
         return None
     if record.numel == 0:
         return memoryview(b"")
-    data, first = written.read_bytes(record)
+    data, first = read_bytes(record)
     start = first * record.itemsize
     return memoryview(data)[start : start + record.nbytes]
 
@@ -526,6 +567,8 @@ def _stored_bytes(written: Checkpoint, record: TensorRecord) -> memoryview | Non
 def _same_bytes(want: bytes | bytearray | memoryview, got: memoryview) -> bool:
     if len(want) != len(got):
         return False
+    if len(got) <= 4096:  # most of a checkpoint of many small tensors: no NumPy call
+        return bytes(want) == bytes(got)
     return bool(np.array_equal(np.frombuffer(want, np.uint8), np.frombuffer(got, np.uint8)))
 
 

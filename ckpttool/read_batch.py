@@ -77,3 +77,26 @@ def _groups(
             assert member_span is not None
             at = member_span[0] - start
             yield data[at : at + member_span[1]], 0
+
+
+class InOrder:
+    """``read_bytes`` for records that will be asked for in a known order (``expected``): those
+    are read in blocks by :func:`read_many`; any other record, or one asked for out of turn,
+    is read on its own. The caller's loop stays as it was, one record at a time."""
+
+    def __init__(self, ckpt: Checkpoint, expected: list[TensorRecord]) -> None:
+        self._ckpt = ckpt
+        self._expected = iter(expected)
+        self._next = next(self._expected, None)
+        self._reads = read_many(ckpt, expected)
+
+    def take(self, record: TensorRecord) -> tuple[bytes | bytearray, int] | None:
+        """``record``'s bytes if it is the next one expected, else None."""
+        if record is not self._next:
+            return None
+        self._next = next(self._expected, None)
+        return next(self._reads)
+
+    def read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
+        found = self.take(record)
+        return found if found is not None else self._ckpt.read_bytes(record)

@@ -33,6 +33,7 @@ from ckpttool.formats.torch_zip import read_torch_zip
 from ckpttool.pickle.interpreter import PickleResult, load_pickle
 from ckpttool.records import (
     ELEMENTS_PER_BYTE,
+    ITEMSIZE,
     StorageRecord,
     TensorRecord,
     get_path,
@@ -144,11 +145,19 @@ class Checkpoint:
         ):
             return None
         try:
-            offset, length = self.storage_span(storage)
+            offset, length = self._spans.get(storage.key) or self._parsed.span(storage)
         except CkptError:
             return None  # read_bytes raises it, naming the file
-        first = record.storage_offset * record.itemsize
-        stop = record.stored_extent_bytes
+        # record.storage_offset * itemsize and record.stored_extent_bytes, without the
+        # properties' calls (this runs once per tensor of a 100,000-tensor diff or convert)
+        itemsize = ITEMSIZE.get(record.dtype, 1)
+        first = last = record.storage_offset
+        for size, step in zip(record.shape, record.stride):
+            if size == 0:
+                return (offset + first * itemsize, 0) if first * itemsize <= length else None
+            last += (size - 1) * step
+        first *= itemsize
+        stop = (last + 1) * itemsize
         if stop > length or first > stop:
             return None
         return offset + first, stop - first
