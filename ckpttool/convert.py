@@ -40,7 +40,7 @@ from ckpttool.convert_plan import FIELD_PREFIX, Plan, Planned, build_plan
 from ckpttool.errors import EXIT_FOUND, CkptError, InputError
 from ckpttool.frameworks.huggingface import SAFE_WEIGHTS_NAME
 from ckpttool.progress import ProgressCallback
-from ckpttool.read_batch import BLOCK, InOrder
+from ckpttool.read_batch import BLOCK
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
 from ckpttool.source import is_url, local_path
@@ -50,7 +50,6 @@ from ckpttool.zero_consolidate import open_source, zero_note
 
 Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
 Keep = Callable[["Planned"], Any]  # a kept (sparse, nested, quantized) tensor, as torch's
-ReadBytes = Callable[[TensorRecord], "tuple[bytes | bytearray, int]"]  # as Checkpoint.read_bytes
 
 
 class OverflowRefusedError(CkptError):
@@ -218,12 +217,9 @@ def _write_outputs(
     following = dict(zip((p.name for p in sequence), sequence[1:])) if remote_source else {}
     if remote_source:
         ckpt.resolve_spans([p.record.storage for p in sequence if p.record.storage is not None])
-    # a local source's small tensors are read in blocks of adjacent records (a remote one's
-    # are fetched ahead one by one, above)
-    source = InOrder(ckpt, [] if remote_source else _read_as_is(sequence))
 
     def produce(planned: Planned) -> bytes | bytearray | memoryview:
-        data, cast = tensor_bytes(ckpt, planned, source)
+        data, cast = tensor_bytes(ckpt, planned)
         upcoming = following.get(planned.name) if remote_source else None
         if upcoming is not None:
             ckpt.prefetch(upcoming.record)
@@ -247,8 +243,14 @@ def _write_outputs(
             verify_outputs(ckpt, list(zip(temps, files)), progress, digests)
         ckpt.check_unchanged()  # a remote source replaced mid-read must not be committed
 
+    # a local source's small tensors are read in blocks of adjacent records (a remote one's
+    # are fetched ahead one by one, above)
+    blocks = [] if remote_source else _read_as_is(sequence)
     try:
-        with atomic_group([f.target for f in files], check=check) as handles:
+        with (
+            atomic_group([f.target for f in files], check=check) as handles,
+            ckpt.expect_reads(blocks),  # left before the check reads the source again
+        ):
             for handle, out_file in zip(handles, files):
                 _write(handle, out_file, plan.names, produce, keep)
     except OSError as error:  # permissions, a full disk: one line, not a traceback
@@ -372,14 +374,10 @@ def _read_as_is(sequence: list[Planned]) -> list[TensorRecord]:
 
 
 def tensor_bytes(
-    ckpt: Checkpoint, planned: Planned, source: InOrder | None = None
+    ckpt: Checkpoint, planned: Planned
 ) -> tuple[bytes | bytearray | memoryview, CastCounts | None]:
     """The contiguous little-endian bytes ``planned`` is stored as, and what a cast lost.
-    A sparse tensor is stored dense, a quantized one dequantized (``dense_record``).
-    ``source``: the small tensors stored as they are (:func:`_read_as_is`), read in blocks."""
-    read = source.take(planned.record) if source is not None else None
-    if read is not None:
-        return memoryview(read[0])[read[1] * planned.record.itemsize :], None
+    A sparse tensor is stored dense, a quantized one dequantized (``dense_record``)."""
     record = dense_record(ckpt, planned.record)
     if _as_is(planned, record):  # the common case: the bytes as they are in the file
         if record.numel == 0:
@@ -503,8 +501,6 @@ def _compare_file(
 ) -> list[str]:
     """Each tensor of ``out`` as ``written`` holds it, against the source (or ``digests``: the
     bytes read back are hashed on a thread of its own while the next tensor is read)."""
-    problems: list[str] = []
-    read_back = _Hashing() if digests is not None else None
     # both sides' small tensors read in blocks, in the order compared (a remote source is
     # compared with the digests instead)
     plain = [
@@ -516,8 +512,22 @@ def _compare_file(
         and not torch_kinds.is_kept_kind(r)
         and r.is_contiguous
     ]
-    written_bytes = InOrder(written, [found[p.name] for p in plain if 0 < p.nbytes <= BLOCK])
-    source = InOrder(ckpt, _read_as_is(plain) if digests is None else [])
+    written_reads = [found[p.name] for p in plain if 0 < p.nbytes <= BLOCK]
+    source_reads = _read_as_is(plain) if not digests else []
+    with written.expect_reads(written_reads), ckpt.expect_reads(source_reads):
+        return _compare_tensors(ckpt, written, out, found, progress, digests)
+
+
+def _compare_tensors(
+    ckpt: Checkpoint,
+    written: Checkpoint,
+    out: OutFile,
+    found: dict[str, TensorRecord],
+    progress: ProgressCallback,
+    digests: dict[str, bytes] | None,
+) -> list[str]:
+    problems: list[str] = []
+    read_back = _Hashing() if digests is not None else None
     try:
         for planned in out.tensors:
             record = found[planned.name]
@@ -530,10 +540,10 @@ def _compare_file(
                     problems.append(f"{planned.name} does not read back as the same tensor")
                 progress(planned.nbytes)
                 continue
-            got = _stored_bytes(written, record, written_bytes.read_bytes)
+            got = _stored_bytes(written, record)
             if got is not None and read_back is not None and digests and planned.name in digests:
                 read_back.add(planned.name, got)  # compared below
-            elif got is None or not _same_bytes(tensor_bytes(ckpt, planned, source)[0], got):
+            elif got is None or not _same_bytes(tensor_bytes(ckpt, planned)[0], got):
                 problems.append(f"{planned.name} does not read back bit-for-bit equal")
             progress(planned.nbytes)
         if read_back is not None and digests is not None:
@@ -551,15 +561,13 @@ def _compare_file(
     return [f"{out.target.name}: {problem}" for problem in problems]
 
 
-def _stored_bytes(
-    written: Checkpoint, record: TensorRecord, read_bytes: ReadBytes
-) -> memoryview | None:
+def _stored_bytes(written: Checkpoint, record: TensorRecord) -> memoryview | None:
     """A written tensor's bytes; None if it is not stored contiguously (it always should be)."""
     if not record.is_contiguous:
         return None
     if record.numel == 0:
         return memoryview(b"")
-    data, first = read_bytes(record)
+    data, first = written.read_bytes(record)
     start = first * record.itemsize
     return memoryview(data)[start : start + record.nbytes]
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -45,6 +47,8 @@ from ckpttool.source import is_url, join, local_path, read_range, source_of, sou
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from ckpttool.read_batch import InOrder
+
 
 @dataclass
 class Checkpoint:
@@ -62,6 +66,7 @@ class Checkpoint:
     _handle: BinaryIO | None = field(repr=False)  # None for a directory of several files
     _all_tensors: list[TensorRecord] | None = field(default=None, repr=False)
     _spans: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    _expected: InOrder | None = field(default=None, repr=False)  # see expect_reads
 
     @property
     def path(self) -> Path:
@@ -114,10 +119,32 @@ class Checkpoint:
         Only the range from the tensor's first to its last element is read. Errors name the
         file.
         """
+        expected = self._expected
+        if expected is not None:
+            self._expected = None  # the block reads below call read_bytes themselves
+            try:
+                found = expected.take(record)
+            finally:
+                self._expected = expected
+            if found is not None:
+                return found
         try:
             return self._read_bytes(record)
         except CkptError as error:
             raise name_file(error, _shown(self.name)) from None
+
+    @contextmanager
+    def expect_reads(self, records: list[TensorRecord]) -> Iterator[None]:
+        """A hint: :meth:`read_bytes` will be asked for ``records`` in this order (others may
+        come between): runs of small adjacent ones are then read in blocks
+        (:mod:`ckpttool.read_batch`). What each read gives, or raises, is the same."""
+        from ckpttool.read_batch import InOrder
+
+        previous, self._expected = self._expected, InOrder(self, records)
+        try:
+            yield
+        finally:
+            self._expected = previous
 
     def _read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
         if record.inline_data is not None:

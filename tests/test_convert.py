@@ -500,9 +500,9 @@ class FailingReads:
     def __init__(self, real: Any, fail_at: int, corrupt: bool = False) -> None:
         self.real, self.fail_at, self.corrupt, self.calls = real, fail_at, corrupt, 0
 
-    def __call__(self, ckpt: Any, planned: Any, *blocks: Any) -> Any:
+    def __call__(self, ckpt: Any, planned: Any) -> Any:
         self.calls += 1
-        data, counts = self.real(ckpt, planned, *blocks)
+        data, counts = self.real(ckpt, planned)
         if self.calls == self.fail_at:
             if not self.corrupt:
                 raise OSError(28, "No space left on device (injected)")

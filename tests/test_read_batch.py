@@ -169,3 +169,37 @@ def test_diff_of_every_pair_is_the_same_one_by_one(
         batched = diff(base, PAIRS / other, rounded=rounded)
         alone = report_one_by_one(base, PAIRS / other, monkeypatch, rounded=rounded)
         same_reports(batched, alone)
+
+
+def test_expected_reads_give_the_same_bytes_whatever_is_asked(tmp_path: Path) -> None:
+    """Checkpoint.expect_reads: records asked for in turn, out of turn, twice, or not at all
+    read as they do without the hint."""
+    path = tmp_path / "many.pth"
+    torch.save(small_tensors(40), path)
+    with open_checkpoint(path) as ckpt:
+        records = ckpt.tensors()
+        want = [bytes(ckpt.read_bytes(r)[0]) for r in records]
+        asked = [0, 1, 5, 2, 3, 3, 4, 39, 6, *range(7, 30), 35, 36]  # 30 to 34 never
+        with ckpt.expect_reads(records):
+            got = [bytes(ckpt.read_bytes(records[i])[0]) for i in asked]
+        assert got == [want[i] for i in asked]
+
+
+def test_convert_reads_small_tensors_in_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written and read back (source and output) in blocks, not one read per tensor."""
+    from ckpttool.convert import convert
+
+    path = tmp_path / "many.pth"
+    torch.save(small_tensors(300), path)
+    alone: list[str] = []  # reads of one tensor's bytes
+    original = Checkpoint.read_storage
+
+    def counting(self: Checkpoint, storage: Any, *args: Any) -> Any:
+        alone.append(storage.key)
+        return original(self, storage, *args)
+
+    monkeypatch.setattr(Checkpoint, "read_storage", counting)
+    report = convert(path, tmp_path / "out.safetensors")
+    assert report.verified and len(alone) < 20
