@@ -161,8 +161,9 @@ def _known_layout(
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
         return None
-    if not all(type(size) is int for size in shape):  # (4.0, 4) would find (4, 4)'s entry
-        return None
+    for size in shape:  # (4.0, 4) would find (4, 4)'s entry
+        if type(size) is not int:
+            return None
     code = info.get("dtype")
     known = layouts.get((code, tuple(shape))) if type(code) is str else None
     begin, end = offsets
