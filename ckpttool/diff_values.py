@@ -3,7 +3,8 @@
 Why chunks: a diff of two multi-GB checkpoints must not hold either file in memory. Each pair of
 tensors is read in runs of :data:`CHUNK` elements (a contiguous tensor's run is one ``pread`` of
 exactly its bytes), so peak memory is a constant plus, for a non-contiguous view only, that one
-tensor. torch is never imported: NumPy works on the raw bytes (imported on first use, so that
+tensor. (Before this module is asked, :func:`ckpttool.diff.run_diff` settles pairs of small
+plain tensors whose bytes are equal, read in blocks by :mod:`ckpttool.read_batch`.) torch is never imported: NumPy works on the raw bytes (imported on first use, so that
 ``diff --quick`` does not pay for it).
 
 What the verdicts mean (documented in docs/diff.md):
