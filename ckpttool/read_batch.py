@@ -80,12 +80,11 @@ def _groups(
 
 
 class InOrder:
-    """``read_bytes`` for records that will be asked for in a known order (``expected``): those
-    are read in blocks by :func:`read_many`; any other record, or one asked for out of turn,
-    is read on its own. The caller's loop stays as it was, one record at a time."""
+    """The reads of records that will be asked for in a known order (``expected``), made in
+    blocks by :func:`read_many`; :meth:`~ckpttool.reader.Checkpoint.expect_reads` asks it first
+    and reads any other record, or one asked for out of turn, on its own."""
 
     def __init__(self, ckpt: Checkpoint, expected: list[TensorRecord]) -> None:
-        self._ckpt = ckpt
         self._expected = iter(expected)
         self._next = next(self._expected, None)
         self._reads = read_many(ckpt, expected)
@@ -96,7 +95,3 @@ class InOrder:
             return None
         self._next = next(self._expected, None)
         return next(self._reads)
-
-    def read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
-        found = self.take(record)
-        return found if found is not None else self._ckpt.read_bytes(record)
