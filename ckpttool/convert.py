@@ -40,6 +40,7 @@ from ckpttool.convert_plan import FIELD_PREFIX, Plan, Planned, build_plan
 from ckpttool.errors import EXIT_FOUND, CkptError, InputError
 from ckpttool.frameworks.huggingface import SAFE_WEIGHTS_NAME
 from ckpttool.progress import ProgressCallback
+from ckpttool.read_batch import BLOCK
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import TensorRecord
 from ckpttool.source import is_url, local_path
@@ -213,7 +214,7 @@ def _write_outputs(
     # the order produce is called in (each file's tensors, files in turn): the next one is
     # fetched while this one is written, when the source is remote
     sequence = [p for f in files if f.kind != "index" for p in f.tensors if not p.kept]
-    following = dict(zip((p.name for p in sequence), sequence[1:]))
+    following = dict(zip((p.name for p in sequence), sequence[1:])) if remote_source else {}
     if remote_source:
         ckpt.resolve_spans([p.record.storage for p in sequence if p.record.storage is not None])
 
@@ -242,8 +243,14 @@ def _write_outputs(
             verify_outputs(ckpt, list(zip(temps, files)), progress, digests)
         ckpt.check_unchanged()  # a remote source replaced mid-read must not be committed
 
+    # a local source's small tensors are read in blocks of adjacent records (a remote one's
+    # are fetched ahead one by one, above)
+    blocks = [] if remote_source else _read_as_is(sequence)
     try:
-        with atomic_group([f.target for f in files], check=check) as handles:
+        with (
+            atomic_group([f.target for f in files], check=check) as handles,
+            ckpt.expect_reads(blocks),  # left before the check reads the source again
+        ):
             for handle, out_file in zip(handles, files):
                 _write(handle, out_file, plan.names, produce, keep)
     except OSError as error:  # permissions, a full disk: one line, not a traceback
@@ -343,19 +350,36 @@ def _notes(plan: Plan, output_format: str, underflow: dict[str, int]) -> list[st
     return notes
 
 
+def _as_is(planned: Planned, record: TensorRecord) -> bool:
+    """Whether ``planned`` is stored as the bytes ``record`` (its dense record) has in the file."""
+    return (
+        planned.dtype == record.dtype
+        and record.inline_data is None
+        and record.is_contiguous
+        and (record.storage is None or record.storage.byteorder == "little")
+    )
+
+
+def _read_as_is(sequence: list[Planned]) -> list[TensorRecord]:
+    """The records :func:`tensor_bytes` reads as they are, small ones, in ``sequence``'s order:
+    what is worth reading in blocks (:class:`~ckpttool.read_batch.InOrder`)."""
+    return [
+        p.record
+        for p in sequence
+        if not p.record.parts
+        and p.record.quant is None
+        and 0 < p.record.nbytes <= BLOCK
+        and _as_is(p, p.record)
+    ]
+
+
 def tensor_bytes(
     ckpt: Checkpoint, planned: Planned
 ) -> tuple[bytes | bytearray | memoryview, CastCounts | None]:
     """The contiguous little-endian bytes ``planned`` is stored as, and what a cast lost.
     A sparse tensor is stored dense, a quantized one dequantized (``dense_record``)."""
     record = dense_record(ckpt, planned.record)
-    plain = (
-        planned.dtype == record.dtype
-        and record.inline_data is None
-        and record.is_contiguous
-        and (record.storage is None or record.storage.byteorder == "little")
-    )
-    if plain:  # the common case: the bytes as they are in the file, one pread
+    if _as_is(planned, record):  # the common case: the bytes as they are in the file
         if record.numel == 0:
             return b"", None
         data, first = ckpt.read_bytes(record)
@@ -477,6 +501,31 @@ def _compare_file(
 ) -> list[str]:
     """Each tensor of ``out`` as ``written`` holds it, against the source (or ``digests``: the
     bytes read back are hashed on a thread of its own while the next tensor is read)."""
+    # both sides' small tensors read in blocks, in the order compared (a remote source is
+    # compared with the digests instead)
+    plain = [
+        p
+        for p in out.tensors
+        if (r := found[p.name]).dtype == p.dtype
+        and r.shape == p.record.shape
+        and not p.kept
+        and not torch_kinds.is_kept_kind(r)
+        and r.is_contiguous
+    ]
+    written_reads = [found[p.name] for p in plain if 0 < p.nbytes <= BLOCK]
+    source_reads = _read_as_is(plain) if not digests else []
+    with written.expect_reads(written_reads), ckpt.expect_reads(source_reads):
+        return _compare_tensors(ckpt, written, out, found, progress, digests)
+
+
+def _compare_tensors(
+    ckpt: Checkpoint,
+    written: Checkpoint,
+    out: OutFile,
+    found: dict[str, TensorRecord],
+    progress: ProgressCallback,
+    digests: dict[str, bytes] | None,
+) -> list[str]:
     problems: list[str] = []
     read_back = _Hashing() if digests is not None else None
     try:
@@ -526,6 +575,8 @@ def _stored_bytes(written: Checkpoint, record: TensorRecord) -> memoryview | Non
 def _same_bytes(want: bytes | bytearray | memoryview, got: memoryview) -> bool:
     if len(want) != len(got):
         return False
+    if len(got) <= 4096:  # most of a checkpoint of many small tensors: no NumPy call
+        return bytes(want) == bytes(got)
     return bool(np.array_equal(np.frombuffer(want, np.uint8), np.frombuffer(got, np.uint8)))
 
 

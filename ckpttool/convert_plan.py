@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -24,7 +25,7 @@ from ckpttool.keys import (
     strip_prefixes,
 )
 from ckpttool.reader import Checkpoint
-from ckpttool.records import TensorRecord, walk
+from ckpttool.records import ITEMSIZE, TensorRecord, walk
 from ckpttool.writers import OutTensor
 
 #: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
@@ -53,7 +54,7 @@ class Planned:
 
     @property
     def nbytes(self) -> int:
-        return self.out.nbytes
+        return math.prod(self.record.shape) * ITEMSIZE[self.dtype]  # self.out's, not built
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Why chunks: a diff of two multi-GB checkpoints must not hold either file in memory. Each pair of
 tensors is read in runs of :data:`CHUNK` elements (a contiguous tensor's run is one ``pread`` of
 exactly its bytes), so peak memory is a constant plus, for a non-contiguous view only, that one
-tensor. torch is never imported: NumPy works on the raw bytes (imported on first use, so that
+tensor. (Before this module is asked, :func:`ckpttool.diff.run_diff` settles pairs of small
+plain tensors whose bytes are equal, read in blocks by :mod:`ckpttool.read_batch`.) torch is never imported: NumPy works on the raw bytes (imported on first use, so that
 ``diff --quick`` does not pay for it).
 
 What the verdicts mean (documented in docs/diff.md):
@@ -23,6 +24,7 @@ the narrower side is the wider one saved in its dtype.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,7 +48,7 @@ _DECODABLE = frozenset(
 )  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ValueDiff:
     """How the values of one tensor pair compare (see the module docstring for the rules)."""
 
@@ -69,6 +71,13 @@ class ValueDiff:
     @property
     def within_tolerance(self) -> bool:
         return self.mismatched == 0
+
+
+@functools.lru_cache(maxsize=1024)
+def bitwise_equal_values(dtype: str, numel: int, rounded: bool = False) -> ValueDiff:
+    """The verdict on two tensors of ``numel`` elements whose bits are equal in ``dtype``:
+    one shared object per (dtype, numel), not one per tensor of a 100,000-tensor diff."""
+    return ValueDiff(dtype, numel, True, 0, 0.0, 0.0, False, False, rounded)
 
 
 def decodable(dtype: str) -> bool:
@@ -272,9 +281,7 @@ def compare_values(
         else:
             tally.add_float(a, b)
     if bitwise:
-        return ValueDiff(
-            common, record_a.numel, True, 0, 0.0, 0.0, False, False, narrow is not None
-        )
+        return bitwise_equal_values(common, record_a.numel, narrow is not None)
     return ValueDiff(
         compared_as=common,
         numel=record_a.numel,

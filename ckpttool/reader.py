@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -45,6 +47,8 @@ from ckpttool.source import is_url, join, local_path, read_range, source_of, sou
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from ckpttool.read_batch import InOrder
+
 
 @dataclass
 class Checkpoint:
@@ -62,6 +66,7 @@ class Checkpoint:
     _handle: BinaryIO | None = field(repr=False)  # None for a directory of several files
     _all_tensors: list[TensorRecord] | None = field(default=None, repr=False)
     _spans: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    _expected: InOrder | None = field(default=None, repr=False)  # see expect_reads
 
     @property
     def path(self) -> Path:
@@ -114,10 +119,32 @@ class Checkpoint:
         Only the range from the tensor's first to its last element is read. Errors name the
         file.
         """
+        expected = self._expected
+        if expected is not None:
+            self._expected = None  # the block reads below call read_bytes themselves
+            try:
+                found = expected.take(record)
+            finally:
+                self._expected = expected
+            if found is not None:
+                return found
         try:
             return self._read_bytes(record)
         except CkptError as error:
             raise name_file(error, _shown(self.name)) from None
+
+    @contextmanager
+    def expect_reads(self, records: list[TensorRecord]) -> Iterator[None]:
+        """A hint: :meth:`read_bytes` will be asked for ``records`` in this order (others may
+        come between): runs of small adjacent ones are then read in blocks
+        (:mod:`ckpttool.read_batch`). What each read gives, or raises, is the same."""
+        from ckpttool.read_batch import InOrder
+
+        previous, self._expected = self._expected, InOrder(self, records)
+        try:
+            yield
+        finally:
+            self._expected = previous
 
     def _read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
         if record.inline_data is not None:
@@ -128,6 +155,45 @@ class Checkpoint:
         first = record.storage_offset * itemsize // ELEMENTS_PER_BYTE.get(record.dtype, 1)
         stop = record.stored_extent_bytes
         return self.read_storage(record.storage, first, stop, record.key), 0
+
+    def file_span(self, record: TensorRecord) -> tuple[int, int] | None:
+        """(absolute offset, length) of the bytes :meth:`read_bytes` reads for ``record`` when
+        they are one range of this checkpoint's one file, else None (inline bytes, a meta
+        tensor, a packed dtype, storages the format assembles, a range past its storage: those
+        are left to :meth:`read_bytes`, which reads them or raises). For reading many small
+        tensors at once (:mod:`ckpttool.read_batch`)."""
+        storage = record.storage
+        if (
+            storage is None
+            or record.inline_data is not None
+            or self._parsed.read is not None
+            or self._handle is None
+            or record.dtype in ELEMENTS_PER_BYTE
+        ):
+            return None
+        try:
+            offset, length = self._spans.get(storage.key) or self._parsed.span(storage)
+        except CkptError:
+            return None  # read_bytes raises it, naming the file
+        # record.storage_offset * itemsize and record.stored_extent_bytes, without the
+        # properties' calls (this runs once per tensor of a 100,000-tensor diff or convert)
+        itemsize = ITEMSIZE.get(record.dtype, 1)
+        first = last = record.storage_offset
+        for size, step in zip(record.shape, record.stride):
+            if size == 0:
+                return (offset + first * itemsize, 0) if first * itemsize <= length else None
+            last += (size - 1) * step
+        first *= itemsize
+        stop = (last + 1) * itemsize
+        if stop > length or first > stop:
+            return None
+        return offset + first, stop - first
+
+    def read_file(self, offset: int, length: int) -> bytearray:
+        """``length`` bytes at ``offset`` of this checkpoint's one file (fewer only at its end):
+        the raw read under :meth:`file_span`."""
+        assert self._handle is not None
+        return read_range(source_of(self._handle), length, offset)
 
     def prefetch(self, record: TensorRecord) -> None:
         """A hint: ``record``'s bytes will be read next. A remote file starts fetching them

@@ -24,7 +24,7 @@ from ckpttool.progress import ProgressCallback
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.source import is_url
 from ckpttool.values import tensor_stats
-from ckpttool.verify_zip import check_zip_records, record_owners, unreferenced_records
+from ckpttool.verify_zip import check_torch_zip
 
 
 @dataclass
@@ -75,9 +75,9 @@ def verify_file(
         if dangerous:
             result.problems.append(never_load_problem("the pickle calls", dangerous))
         if ckpt.format == "torch-zip":
-            result.problems.extend(check_zip_records(path, progress, record_owners(ckpt)))
+            zip_problems, spare = check_torch_zip(ckpt, progress)
+            result.problems.extend(zip_problems)
             result.checked.append("zip directory vs local headers, CRC-32 of every record")
-            spare = unreferenced_records(ckpt)
             if spare:
                 result.checked.append(f"note: {len(spare)} storage records no tensor uses")
         if ckpt.format == "dcp":

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from ckpttool.formats.torch_zip import open_zip
 from ckpttool.formats.zip_index import BadZipError, ZipIndex, ZipMember
 from ckpttool.progress import ProgressCallback
+from ckpttool.read_batch import BLOCK, GAP
 from ckpttool.reader import Checkpoint, open_source
 from ckpttool.records import stored_records
 from ckpttool.source import RangeReader, read_range, source_of
@@ -23,18 +23,20 @@ from ckpttool.source import RangeReader, read_range, source_of
 CHUNK = 8 << 20
 
 
-def check_zip_records(
-    path: str | Path,
-    progress: ProgressCallback | None = None,
-    owners: Mapping[str, Sequence[str]] | None = None,
-) -> list[str]:
-    """Central directory vs local headers, and the CRC of every record, streamed.
-
-    ``owners`` maps a record's name to the tensor keys whose bytes it holds, to name them in
-    the problems found in it.
-    """
-    with open_source(str(path)) as handle:
-        return check_archive(source_of(handle), open_zip(handle), 0, progress, owners)
+def check_torch_zip(
+    ckpt: Checkpoint, progress: ProgressCallback | None = None
+) -> tuple[list[str], list[str]]:
+    """A torch zip file's records: the problems found (central directory vs local headers, the
+    CRC of every record, streamed; each names the tensors stored in the record), and the
+    storage records no tensor uses (not an error: a note). The directory is read once."""
+    with open_source(ckpt.name) as handle:
+        archive = open_zip(handle)
+        problems = check_archive(source_of(handle), archive, 0, progress, record_owners(ckpt))
+        names = archive.namelist()
+    used = {r.storage.record for r in stored_records(ckpt.tensors()) if r.storage is not None}
+    prefix = ckpt.details.get("prefix", "")
+    data_prefix = f"{prefix}/data/" if prefix else "data/"
+    return problems, [n for n in names if n.startswith(data_prefix) and n not in used]
 
 
 def record_owners(ckpt: Checkpoint) -> dict[str, list[str]]:
@@ -61,30 +63,54 @@ def check_archive(
     progress: ProgressCallback | None = None,
     owners: Mapping[str, Sequence[str]] | None = None,
 ) -> list[str]:
-    """:func:`check_zip_records` for an archive that starts at byte ``base`` of ``fd``.
+    """The records of an archive that starts at byte ``base`` of ``fd``, in directory order.
 
     ``archive`` reads its local headers itself (offsets relative to its start); the records'
-    bytes are streamed from ``fd``.
+    bytes are streamed from ``fd``, runs of small adjacent records in one read of at most
+    :data:`~ckpttool.read_batch.BLOCK` bytes (100,000 tensors: 100,000 reads saved).
     """
-    problems = []
+    problems: list[str] = []
+    run: list[tuple[ZipMember, list[str], int]] = []  # headers checked, CRCs to take
+
+    def take_crcs() -> None:
+        for (info, found, _), actual in zip(run, _crcs_of(fd, run, progress), strict=True):
+            found += _crc_problems(info, actual)
+            problems.extend(p + _stored_in((owners or {}).get(info.filename, ())) for p in found)
+        run.clear()
+
     for info in archive.infolist():
-        stored_in = _stored_in((owners or {}).get(info.filename, ()))
-        problems += [p + stored_in for p in _record_problems(fd, archive, info, base, progress)]
+        found, data_start = _header_problems(archive, info)
+        if data_start is None:  # nothing to read: its problems go after the run's
+            take_crcs()
+            problems.extend(p + _stored_in((owners or {}).get(info.filename, ())) for p in found)
+            continue
+        start = base + data_start
+        if run and not _joins(run, start, info.file_size):
+            take_crcs()
+        run.append((info, found, start))
+    take_crcs()
     return problems
 
 
-def _record_problems(
-    fd: int | RangeReader,
-    archive: ZipIndex,
-    info: ZipMember,
-    base: int,
-    progress: ProgressCallback | None,
-) -> list[str]:
-    """One record: its local header against the directory's entry, then its CRC-32."""
+def _joins(run: list[tuple[ZipMember, list[str], int]], start: int, size: int) -> bool:
+    """Whether a record at ``start`` can be read in one block with ``run``."""
+    first_info, _, first = run[0]
+    last_info, _, last = run[-1]
+    end = last + last_info.file_size
+    return (
+        first_info.file_size <= BLOCK
+        and end <= start <= end + GAP
+        and start + size - first <= BLOCK
+    )
+
+
+def _header_problems(archive: ZipIndex, info: ZipMember) -> tuple[list[str], int | None]:
+    """One record's local header against the directory's entry, and where its bytes start
+    (None: they are not read, the header is missing or the record compressed)."""
     try:
         header = archive.local_header(info)
     except BadZipError:  # before the file, cut off, or no signature there
-        return [f"{info.filename}: no local header where the directory says"]
+        return [f"{info.filename}: no local header where the directory says"], None
     problems = []
     if not header.names(info):
         problems.append(
@@ -102,16 +128,41 @@ def _record_problems(
             f"{info.filename}: compressed (torch never compresses records: a re-zipped "
             "file?); its bytes cannot be checked or read in place"
         )
-        return problems
-    actual = _crc_of(fd, base + header.data_start, info.file_size, progress)
+        return problems, None
+    return problems, header.data_start
+
+
+def _crc_problems(info: ZipMember, actual: int | None) -> list[str]:
     if actual is None:
-        problems.append(f"{info.filename}: the file ends inside this record (truncated)")
-    elif actual != info.CRC:
-        problems.append(
+        return [f"{info.filename}: the file ends inside this record (truncated)"]
+    if actual != info.CRC:
+        return [
             f"{info.filename}: CRC-32 is {actual:08x}, the archive says {info.CRC:08x} "
             "(the bytes were altered or damaged)"
-        )
-    return problems
+        ]
+    return []
+
+
+def _crcs_of(
+    fd: int | RangeReader,
+    run: list[tuple[ZipMember, list[str], int]],
+    progress: ProgressCallback | None,
+) -> list[int | None]:
+    """The CRC-32 of each record of ``run`` (None: the file ends inside it): one read for
+    the run, or, for one record or a run the file ends inside, :func:`_crc_of` each."""
+    if len(run) > 1:
+        first = run[0][2]
+        last_info, _, last = run[-1]
+        block = read_range(fd, last + last_info.file_size - first, first)
+        if len(block) == last + last_info.file_size - first:
+            crcs: list[int | None] = []
+            for info, _, start in run:
+                at = start - first
+                crcs.append(zlib.crc32(block[at : at + info.file_size]))
+                if progress is not None and info.file_size:
+                    progress(info.file_size)
+            return crcs
+    return [_crc_of(fd, start, info.file_size, progress) for info, _, start in run]
 
 
 def _crc_of(
@@ -130,16 +181,4 @@ def _crc_of(
     return crc
 
 
-def unreferenced_records(ckpt: Checkpoint) -> list[str]:
-    """Storage records in a torch zip that no tensor uses (not an error: reported as a note)."""
-    if ckpt.format != "torch-zip":
-        return []
-    prefix = ckpt.details.get("prefix", "")
-    used = {r.storage.record for r in stored_records(ckpt.tensors()) if r.storage is not None}
-    with open_source(ckpt.name) as handle:
-        names = open_zip(handle).namelist()
-    data_prefix = f"{prefix}/data/" if prefix else "data/"
-    return [n for n in names if n.startswith(data_prefix) and n not in used]
-
-
-__all__ = ["check_archive", "check_zip_records", "record_owners", "unreferenced_records"]
+__all__ = ["check_archive", "check_torch_zip", "record_owners"]

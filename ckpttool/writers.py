@@ -58,8 +58,15 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def safetensors_header(tensors: Sequence[OutTensor], metadata: dict[str, str]) -> bytes:
-    """Length field plus JSON header for ``tensors`` stored back to back in this order."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    """Length field plus JSON header for ``tensors`` stored back to back in this order.
+
+    The text is what ``json.dumps(header, ensure_ascii=False, separators=(",", ":"))`` gives
+    for the header as a dict, made one entry at a time: at 100,000 tensors the dict of dicts
+    took 50 MB for a moment, for 7 MB of text.
+    """
+    dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+    parts = [f'"__metadata__":{dumps(dict(metadata))}'] if metadata else []
+    names = {"__metadata__"} if metadata else set()
     offset = 0
     for tensor in tensors:
         code = CODES.get(tensor.dtype)
@@ -68,15 +75,18 @@ def safetensors_header(tensors: Sequence[OutTensor], metadata: dict[str, str]) -
                 f"{tensor.name}: safetensors cannot store {tensor.dtype} tensors; leave it out "
                 "with --filter or write a .pth (--to pth)"
             )
-        if tensor.name in header:
+        if tensor.name in names:
             raise InputError(f"{tensor.name!r} cannot be a tensor name in safetensors")
-        header[tensor.name] = {
-            "dtype": code,
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + tensor.nbytes],
-        }
-        offset += tensor.nbytes
-    text = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        names.add(tensor.name)
+        end = offset + tensor.nbytes
+        shape = ",".join(map(str, tensor.shape))
+        parts.append(
+            f'{dumps(tensor.name)}:{{"dtype":"{code}","shape":[{shape}],'
+            f'"data_offsets":[{offset},{end}]}}'
+        )
+        offset = end
+    text = ("{" + ",".join(parts) + "}").encode("utf-8")
+    del parts, names
     text += b" " * ((-len(text)) % HEADER_ALIGNMENT)
     if len(text) > MAX_HEADER:
         raise InputError(
