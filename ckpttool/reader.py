@@ -362,7 +362,7 @@ def _checkpoint(
 
 def _checked(parsed: Parsed, strict: bool) -> tuple[list[TensorRecord], list[str]]:
     """The tensors of a parsed file and its problems (the first one raised when ``strict``)."""
-    records = tensors(parsed.root)
+    records = tensors(parsed.root, in_place=True)  # the tree is this parse's own
     problems = list(parsed.problems) + check_extents(parsed, records)
     if problems and strict:
         raise CorruptCheckpointError(problems[0])
