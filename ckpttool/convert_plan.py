@@ -39,7 +39,7 @@ MAX_FIELD_CHARS = 1024  # longer strings are left out (listed in a note) rather 
 MAX_FIELDS_PER_ENTRY = 64  # an entry with more scalars (RNG state, loop counters) is left out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Planned:
     """One tensor to store: its output name, its source record and its output dtype."""
 

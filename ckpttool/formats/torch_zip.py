@@ -112,9 +112,9 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
                 f"storage record {record!r} claims {member.file_size:,} bytes, past the end of "
                 "the file (truncated or tampered file)"
             )
-        storage = StorageRecord(
-            key, storage_dtype(storage_type), numel, str(location), record, member.file_size,
-            byteorder,
+        storage = StorageRecord(  # the member's own name: ``record`` is a copy (8 MB at 100,000)
+            key, storage_dtype(storage_type), numel, str(location), member.filename,
+            member.file_size, byteorder,
         )  # fmt: skip
         storages[key] = storage
         return storage
@@ -126,13 +126,16 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
         track_spans=track_spans,
     )
 
-    spans: dict[str, tuple[int, int]] = {}  # each record's local header is read once
+    # each record's local header is read once; its data start is kept (the length is the
+    # member's size: a tuple per record was 6 MB at 100,000)
+    starts: dict[str, int] = {}
 
     def span(storage: StorageRecord) -> tuple[int, int]:
-        found = spans.get(storage.record)
-        if found is None:
-            found = spans[storage.record] = member_span(handle, archive.NameToInfo[storage.record])
-        return found
+        member = members[storage.record]
+        start = starts.get(storage.record)
+        if start is None:
+            start = starts[storage.record] = member_span(handle, member)[0]
+        return start, member.file_size
 
     return Parsed(
         format="torch-zip",
