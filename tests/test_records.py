@@ -11,6 +11,7 @@ from ckpttool.records import (
     TensorRecord,
     count_once,
     shared_storages,
+    tensors,
     with_fields,
     with_key,
 )
@@ -169,3 +170,22 @@ def test_with_key_sets_every_field_of_a_record() -> None:
     copy = with_key(record, "k")
     assert all(getattr(copy, name) is value for name, value in values.items() if name != "key")
     assert copy.key == "k"
+
+
+def test_tensors_in_place_keys_each_record_once_and_copies_the_rest() -> None:
+    """What the reader does with a freshly parsed tree: a keyless record takes its key where it
+    is; a second name of the same record (a tied weight), an empty name, or a record keyed
+    otherwise gets a copy, so no record in the list changes key afterwards."""
+    tied = dataclasses.replace(RECORD, key="")
+    alone = dataclasses.replace(RECORD, key="")
+    named = dataclasses.replace(RECORD, key="named")  # as safetensors makes them
+    root = {"a": {"w": tied}, "b": tied, "c": alone, "": dataclasses.replace(RECORD, key="")}
+    root["named"] = named
+    root["elsewhere"] = dataclasses.replace(RECORD, key="kept")
+    listed = tensors(root, in_place=True)
+    assert [r.key for r in listed] == ["a.w", "b", "c", "", "named", "elsewhere"]
+    assert listed[0] is tied and listed[2] is alone and listed[4] is named  # keyed in place
+    assert listed[1] is not tied and listed[1] == dataclasses.replace(tied, key="b")
+    assert listed[5] is not root["elsewhere"] and root["elsewhere"].key == "kept"
+    assert tensors(root) == listed  # the same answer as copying every record
+    assert all(r is not s for r, s in zip(tensors(root), listed))

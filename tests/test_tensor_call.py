@@ -208,3 +208,35 @@ def test_truncations_read_the_same() -> None:
     data = _data_pkl()
     for end in range(0, len(data), 7):
         assert _walk(data[:end], True) == _walk(data[:end], False)
+
+
+def test_more_layouts_than_it_keeps_read_the_same(
+    calls: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """24 opcode patterns (rank 0 to 3, 1-, 2- and 4-byte sizes, requires_grad or not),
+    interleaved three times: the layout cache (MAX_LAYOUTS) evicts and parses layouts again."""
+    state: dict[str, Any] = {}
+    for repeat in range(3):
+        for rank in range(4):
+            for size in (3, 300, 70_000):  # BININT1, BININT2, BININT
+                for grad in (False, True):
+                    shape = (size,) + (1,) * (rank - 1) if rank else ()
+                    tensor = torch.zeros(shape).requires_grad_(grad)
+                    state[f"t{repeat}.{rank}.{size}.{grad}"] = tensor
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
+        data = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    parsed: list[object] = []
+    compile_layout = tensor_call.compile_layout
+
+    def counted(raw: bytes, pos: int) -> Any:
+        made = compile_layout(raw, pos)
+        parsed.append(made)
+        return made
+
+    monkeypatch.setattr(tensor_call, "compile_layout", counted)
+    assert _walk(data, True) == _walk(data, False)
+    assert tensor_call.MAX_LAYOUTS < 24
+    assert len([p for p in parsed if p is not None]) > 24  # evicted ones parsed again
+    assert calls.count(True) == 71  # all 72 tensors but the first (its rebuild is a GLOBAL)
