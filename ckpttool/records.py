@@ -550,21 +550,29 @@ def _child_values(node: Any) -> Iterator[Any]:
 def tensors(node: Any, prefix: str = "", *, in_place: bool = False) -> list[TensorRecord]:
     """All tensor records under ``node`` with their ``key`` set to their dotted path.
 
-    :func:`walk` with its leaves filtered, in one loop: listing a checkpoint calls this once per
-    tensor, so no generator or key is made for what is not a tensor's.
-
     Each record is a copy, unless ``in_place``: then a record the tree holds with no key yet
     gets its key set where it is, and only one met again (a tied weight's second name) or under
     an empty name is copied. The reader flattens a freshly parsed tree so: at 100,000 tensors
     the copies were 14 MB per file, and the tree's records were never read by key.
     """
-    out: list[TensorRecord] = []
     if isinstance(node, TensorRecord):
         return [with_key(node, prefix)]
-    if not is_container(node):
-        return out
-    append = out.append
     keyed = _keyed_in_place if in_place else with_key
+    return [keyed(record, key) for key, record in _keyed_leaves(node, prefix)]
+
+
+def tensor_keys(node: Any, prefix: str = "") -> list[str]:
+    """The keys :func:`tensors` gives the records under ``node``, without copying a record."""
+    if isinstance(node, TensorRecord):
+        return [prefix]
+    return [key for key, _ in _keyed_leaves(node, prefix)]
+
+
+def _keyed_leaves(node: Any, prefix: str) -> Iterator[tuple[str, TensorRecord]]:
+    """(dotted key, record) of every tensor record under the container ``node``: :func:`walk`
+    with its leaves filtered, making no key for what is not a tensor's."""
+    if not is_container(node):
+        return
     # (the container's key, an iterator over its (name, child) pairs); depth-first, file order
     stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [(prefix, _named_children(node))]
     while stack:
@@ -572,38 +580,13 @@ def tensors(node: Any, prefix: str = "", *, in_place: bool = False) -> list[Tens
         for name, child in items:
             if isinstance(child, TensorRecord):
                 name = name if type(name) is str else str(name)
-                append(keyed(child, f"{key}.{name}" if key else name))
+                yield (f"{key}.{name}" if key else name), child
             elif isinstance(child, (dict, list, tuple, OpaqueObject)):
                 name = name if type(name) is str else str(name)
                 stack.append((f"{key}.{name}" if key else name, _named_children(child)))
                 break
         else:
             stack.pop()
-    return out
-
-
-def tensor_keys(node: Any, prefix: str = "") -> list[str]:
-    """The keys :func:`tensors` gives the records under ``node``, without copying a record."""
-    if isinstance(node, TensorRecord):
-        return [prefix]
-    out: list[str] = []
-    if not is_container(node):
-        return out
-    append = out.append
-    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [(prefix, _named_children(node))]
-    while stack:
-        key, items = stack[-1]
-        for name, child in items:
-            if isinstance(child, TensorRecord):
-                name = name if type(name) is str else str(name)
-                append(f"{key}.{name}" if key else name)
-            elif isinstance(child, (dict, list, tuple, OpaqueObject)):
-                name = name if type(name) is str else str(name)
-                stack.append((f"{key}.{name}" if key else name, _named_children(child)))
-                break
-        else:
-            stack.pop()
-    return out
 
 
 def _named_children(node: Any) -> Iterator[tuple[Any, Any]]:
