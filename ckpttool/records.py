@@ -599,13 +599,7 @@ def _named_children(node: Any) -> Iterator[tuple[Any, Any]]:
     return iter(node.fields().items())
 
 
-_new = object.__new__
 _FIELD_NAMES = tuple(f.name for f in fields(TensorRecord))
-# Each field's setter (slots: its member descriptor's ``__set__``), for copies made without
-# ``__init__``; tests/test_records.py checks that these are all the fields, in this order.
-(_set_key, _set_dtype, _set_shape, _set_stride, _set_storage_offset, _set_storage,
- _set_requires_grad, _set_kind, _set_inline_data, _set_layout, _set_parts, _set_quant,
- _set_is_coalesced) = (getattr(TensorRecord, name).__set__ for name in _FIELD_NAMES)  # fmt: skip
 
 
 def _keyed_in_place(record: TensorRecord, key: str) -> TensorRecord:
@@ -613,41 +607,30 @@ def _keyed_in_place(record: TensorRecord, key: str) -> TensorRecord:
         return record
     if record.key or not key:  # met before under another name, or a name that keys nothing
         return with_key(record, key)
-    _set_key(record, key)
+    record.key = key
     return record
 
 
 def with_key(record: TensorRecord, key: str) -> TensorRecord:
     """A copy of ``record`` with another key (``dataclasses.replace`` without its slow path:
-    listing a large checkpoint re-keys every record, 100,000 of them for as many tensors)."""
-    copy = _new(TensorRecord)
-    _set_key(copy, key)
-    _set_dtype(copy, record.dtype)
-    _set_shape(copy, record.shape)
-    _set_stride(copy, record.stride)
-    _set_storage_offset(copy, record.storage_offset)
-    _set_storage(copy, record.storage)
-    _set_requires_grad(copy, record.requires_grad)
-    _set_kind(copy, record.kind)
-    _set_inline_data(copy, record.inline_data)
-    _set_layout(copy, record.layout)
-    _set_parts(copy, record.parts)
-    _set_quant(copy, record.quant)
-    _set_is_coalesced(copy, record.is_coalesced)
-    return copy
+    listing a large checkpoint re-keys every record, 100,000 of them for as many tensors).
+    Every field, positionally: tests/test_records.py checks that these are all, in order."""
+    r = record
+    return TensorRecord(
+        key, r.dtype, r.shape, r.stride, r.storage_offset, r.storage, r.requires_grad, r.kind,
+        r.inline_data, r.layout, r.parts, r.quant, r.is_coalesced,
+    )  # fmt: skip
 
 
 def with_fields(record: TensorRecord, **changes: Any) -> TensorRecord:
     """``dataclasses.replace(record, **changes)`` without its slow path (it re-runs
     ``__init__`` through keyword arguments): reading a tensor narrows its record once per
     chunk, once per tensor at least. ``changes`` must name fields of a record."""
-    for name in changes:
+    copy = with_key(record, record.key)
+    for name, value in changes.items():
         if name not in _FIELD_NAMES:
             raise TypeError(f"TensorRecord has no field {name!r}")
-    copy = _new(TensorRecord)
-    for name in _FIELD_NAMES:
-        value = changes[name] if name in changes else getattr(record, name)
-        object.__setattr__(copy, name, value)
+        setattr(copy, name, value)
     return copy
 
 

@@ -158,7 +158,7 @@ def test_nodes_is_a_depth_first_walk_with_containers_first() -> None:
 
 
 def test_with_key_sets_every_field_of_a_record() -> None:
-    """with_key names each field's setter: a field added to TensorRecord must be added there."""
+    """with_key passes every field positionally: a field added to TensorRecord must be added there."""
     from ckpttool import records
 
     assert records._FIELD_NAMES == (
