@@ -47,6 +47,7 @@ __all__ = [
     "build_resume_pair",
     "build_scaled_weights",
     "build_weights",
+    "weights_and_resume",
 ]
 
 
@@ -81,6 +82,23 @@ def _single_seeded(seed: int) -> Iterator[None]:
 def _model(hidden: int) -> MiniMindForCausalLM:
     with _single_seeded(hidden):
         return MiniMindForCausalLM(minimind_config(hidden))
+
+
+def weights_and_resume(
+    argv: list[str] | None, prog: str, doc: str | None, work_name: str
+) -> tuple[argparse.Namespace, Path, Path, Path]:
+    """A comparison script's start: its options (``--runs``, ``--warmup``, ``--out``), the
+    MiniMind-768 weights and resume files (built once) and its work directory under ``--out``."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    weights = build_weights(args.out)
+    resume = build_resume(args.out)
+    work = args.out / work_name
+    work.mkdir(exist_ok=True)
+    return args, weights, resume, work
 
 
 def build_weights(out_dir: Path, hidden: int = 768, *, force: bool = False) -> Path:

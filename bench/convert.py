@@ -17,11 +17,10 @@ includes its verification (a second read of source and output) unless it says ``
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from bench.build import DEFAULT_OUT, build_resume, build_weights
+from bench.build import weights_and_resume
 from bench.harness import compare
 
 REFERENCE = """
@@ -80,15 +79,9 @@ def _model_bytes(resume: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.convert", description=__doc__)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
-    weights = build_weights(args.out)
-    resume = build_resume(args.out)
-    work = args.out / "convert_out"
-    work.mkdir(exist_ok=True)
+    args, weights, resume, work = weights_and_resume(
+        argv, "python -m bench.convert", __doc__, "convert_out"
+    )
 
     print(f"\n### {weights.name} ({weights.stat().st_size / 1e6:.0f} MB, fp16) to safetensors\n")
     rows = {

@@ -16,15 +16,13 @@ pay for the server too.
 
 from __future__ import annotations
 
-import argparse
 import re
 import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
-from bench.build import DEFAULT_OUT, build_resume, build_weights
+from bench.build import weights_and_resume
 from bench.harness import compare
 from tests.support.range_server import RangeServer
 
@@ -64,15 +62,9 @@ def _fetched(url: str, command: str = "show") -> tuple[int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.remote", description=__doc__)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
-    weights = build_weights(args.out)
-    resume = build_resume(args.out)
-    work = args.out / "remote_out"
-    work.mkdir(exist_ok=True)
+    args, weights, resume, work = weights_and_resume(
+        argv, "python -m bench.remote", __doc__, "remote_out"
+    )
     server = RangeServer().start()
     try:
         resume_url = server.add_path(resume.name, resume)
