@@ -300,11 +300,19 @@ def tensor_record(
     return TensorRecord("", dtype, size, stride, offset, storage, bool(requires_grad))
 
 
+def storage_tensor(
+    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any
+) -> TensorRecord:
+    """A tensor viewing ``storage`` in its dtype: what ``_rebuild_tensor(_v2)`` builds (the
+    walker's fast path, ``tensor_call``, builds its tensors here too)."""
+    dtype = storage.dtype if storage.__class__ is StorageRecord else storage_dtype(storage)
+    return tensor_record(storage, offset, size, stride, dtype, requires_grad)
+
+
 def _rebuild_tensor(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
     storage, offset, size, stride = args[:4]
     requires_grad = args[4] if len(args) > 4 and func.name != "_rebuild_tensor" else False
-    dtype = storage.dtype if storage.__class__ is StorageRecord else storage_dtype(storage)
-    return tensor_record(storage, offset, size, stride, dtype, requires_grad)
+    return storage_tensor(storage, offset, size, stride, requires_grad)
 
 
 def _rebuild_tensor_v3(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:

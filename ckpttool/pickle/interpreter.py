@@ -91,6 +91,10 @@ _U32 = struct.Struct("<I").unpack_from
 _I32 = struct.Struct("<i").unpack_from
 
 
+#: What a call may make that ``BUILD`` may later set state on (``SafeUnpickler.created``).
+_MUTABLE = (dict, list, set, OpaqueObject, NdarrayBuilder, NumpyDtype)
+
+
 class TruncatedPickleError(CorruptCheckpointError):
     """The bytes end before the pickle does (or a length prefix points past them)."""
 
@@ -207,8 +211,9 @@ class SafeUnpickler:
         if not isinstance(args, tuple):
             raise _bad(self.pos, "call arguments are not a tuple")
         result = emulate_call(self.call, func, args)
-        mutable = (dict, list, set, OpaqueObject, NdarrayBuilder, NumpyDtype)
-        return self._new(result) if isinstance(result, mutable) else result
+        if isinstance(result, _MUTABLE):  # what BUILD may then touch
+            self.created.add(id(result))
+        return result
 
     def _build(self, obj: Any, state: Any) -> Any:
         if isinstance(obj, (GlobalRef, TorchDtype, TorchLayout)) or id(obj) not in self.created:

@@ -34,8 +34,7 @@ import struct
 from operator import itemgetter
 from typing import Any
 
-from ckpttool.pickle.emulation import storage_dtype, tensor_record
-from ckpttool.records import GlobalRef, StorageRecord
+from ckpttool.pickle.emulation import storage_tensor
 
 OPCODES = 26  # what one call counts towards the walker's periodic checks
 MAX_LAYOUTS = 16  # layouts kept per pickle (most recently used first)
@@ -210,8 +209,7 @@ def _find_layout(
         except struct.error:  # the bytes end first
             continue
         if layout.opcodes(values) == layout.expected:
-            if number:
-                layouts.insert(0, layouts.pop(number))
+            layouts.insert(0, layouts.pop(number))
             return layout, values
     found = compile_layout(raw, pos)
     if found is None:
@@ -269,20 +267,11 @@ def tensor_call(u: Any, raw: bytes, pos: int, func: Any) -> tuple[int, Any] | No
         stride = shapes.setdefault(stride, stride)
         pid = (tag, storage_type, key, location, values[layout.numel_at])
         storage = u.persistent_load(pid)
-        if (
-            hooks_func.__class__ is GlobalRef
-            and hooks_func.name == "OrderedDict"
-            and hooks_func.module == "collections"
-        ):
-            made = hooks = {}  # what ``call`` makes of OrderedDict(), and marks as made here
-            u.created.add(id(hooks))
-        else:
-            made = hooks = u.call(hooks_func, ())
+        made = hooks = u.call(hooks_func, ())  # OrderedDict(): the emulation's, marked made
         offset = values[layout.offset_at]
         args = (storage, offset, size, stride, layout.flag, hooks)
         # what ``call`` runs for _rebuild_tensor_v2 (the walker checked that ``func`` is it)
-        dtype = storage.dtype if storage.__class__ is StorageRecord else storage_dtype(storage)
-        tensor = tensor_record(storage, offset, size, stride, dtype, layout.flag)
+        tensor = storage_tensor(storage, offset, size, stride, layout.flag)
     except Exception:  # any error: the general loop reads the bytes and decides
         if made is not None:
             u.created.discard(id(made))
