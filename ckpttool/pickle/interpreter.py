@@ -27,7 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError
+from ckpttool.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    ResourceLimitError,
+    UnsafePickleError,
+)
+from ckpttool.pickle.dcp_call import COMPACT, ELIDED, Redo, dcp_call
+from ckpttool.pickle.dcp_call import MODULES as DCP_MODULES
+from ckpttool.pickle.dcp_call import OPCODES as DCP_CALL_OPCODES
 from ckpttool.pickle.emulation import (
     NdarrayBuilder,
     NumpyDtype,
@@ -56,8 +64,9 @@ MAX_SECONDS = 60.0  # wall-clock budget for one pickle
 MAX_STACK = 1_000_000  # items on the stack (checked every CHECK_EVERY opcodes)
 MAX_MARKS = MAX_DEPTH * 10  # MARKs open at once
 CHECK_EVERY = 16_384  # opcodes between checks of the clock and the stack's size
-#: Whether walkers read tensor calls with ``tensor_call`` unless told (the differential tests
-#: turn it off to compare every reader's output with and without it).
+#: Whether walkers read tensor calls with ``tensor_call`` and DCP ``.metadata`` entries with
+#: ``dcp_call`` unless told (the differential tests turn it off to compare every reader's output
+#: with and without them).
 FAST_PATH = True
 
 
@@ -124,13 +133,20 @@ class SafeUnpickler:
         # find); copying a window per line made protocol-0 pickles quadratic to read
         self.raw = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         self.start = start
-        self.pos = start
         self.persistent_load = persistent_load
         self.refuse_dangerous = refuse_dangerous
         self.track_spans = track_spans
-        # tensors read by ``tensor_call`` (off: every opcode through the general loop; the
-        # differential tests compare both; span tracking needs the general loop)
+        # tensors read by ``tensor_call``, DCP entries by ``dcp_call`` (off: every opcode
+        # through the general loop; the differential tests compare both; span tracking needs
+        # the general loop)
         self.fast_path = FAST_PATH if fast_path is None else fast_path
+        self.compact = self.fast_path and not track_spans  # ``dcp_call`` (off for a redo)
+        self._reset()
+
+    def _reset(self) -> None:
+        """The walk's state, fresh (``__init__``, and a walk done again without ``dcp_call``)."""
+        self.pos = self.start
+        self.compacts = 0  # records ``dcp_call`` made
         self.layouts: list[Any] = []  # ``tensor_call``'s layouts for this pickle
         self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # and its shared shapes
         self.stack: list[Any] = []
@@ -144,7 +160,7 @@ class SafeUnpickler:
         self.memo_list: list[Any] = []
         self.memo: dict[int, Any] = {}
         self.created: set[int] = set()  # ids of objects BUILD may touch (made by this reader)
-        self.result = PickleResult(root=None, end=start)
+        self.result = PickleResult(root=None, end=self.start)
 
     # -- reading primitives ---------------------------------------------------------------
     def _take(self, n: int) -> memoryview:
@@ -210,6 +226,8 @@ class SafeUnpickler:
             raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
         if not isinstance(args, tuple):
             raise _bad(self.pos, "call arguments are not a tuple")
+        if self.compacts and _holds_compact(args):
+            raise Redo  # the emulation would have seen the objects a record replaced
         result = emulate_call(self.call, func, args)
         if isinstance(result, _MUTABLE):  # what BUILD may then touch
             self.created.add(id(result))
@@ -227,6 +245,24 @@ class SafeUnpickler:
 
     # -- main loop ------------------------------------------------------------------------
     def load(self) -> PickleResult:
+        """Interpret opcodes until STOP; finalize the tree.
+
+        A walk in which ``dcp_call`` made records and that then fails (any error, or a
+        :class:`~ckpttool.pickle.dcp_call.Redo`: a record met where the objects it replaced
+        would not have been left alone) is done again without it, within the same time budget:
+        the result, or the error, is the general loop's.
+        """
+        deadline = time.monotonic() + MAX_SECONDS
+        try:
+            return self._load(deadline)
+        except (CkptError, Redo):
+            if not self.compacts:
+                raise
+        self.compact = False
+        self._reset()
+        return self._load(deadline)
+
+    def _load(self, deadline: float) -> PickleResult:
         """Interpret opcodes until STOP.
 
         The opcodes ``torch.save`` emits most (protocol 2: memo PUT/GET, small ints, MARK and
@@ -235,7 +271,6 @@ class SafeUnpickler:
         opcode was half its cost. Every other opcode goes through ``DISPATCH``. Both paths check
         lengths, the stack and the memo the same way.
         """
-        deadline = time.monotonic() + MAX_SECONDS
         data = self.data
         size = len(data)
         dispatch = DISPATCH
@@ -251,6 +286,7 @@ class SafeUnpickler:
         next_check = CHECK_EVERY
         raw = self.raw
         fast = self.fast_path and not track
+        compact = self.compact
         try:
             while True:
                 if pos >= size:
@@ -295,17 +331,28 @@ class SafeUnpickler:
                         value = memo[index]
                     else:
                         raise _bad(op_pos, f"memo GET of index {index} that was never PUT")
-                    if (
-                        value.__class__ is GlobalRef
-                        and value.name == "_rebuild_tensor_v2"
-                        and fast
-                        and value.module == "torch._utils"
-                        and len(metastack) + 3 <= MAX_MARKS
-                    ):  # a tensor: its whole call in one step (``tensor_call``)
-                        made = tensor_call(self, raw, pos, value)
-                        if made is not None:
-                            pos, value = made
-                            ops += TENSOR_CALL_OPCODES
+                    if value.__class__ is GlobalRef:
+                        if (
+                            value.name == "_rebuild_tensor_v2"
+                            and fast
+                            and value.module == "torch._utils"
+                            and len(metastack) + 3 <= MAX_MARKS
+                        ):  # a tensor: its whole call in one step (``tensor_call``)
+                            made = tensor_call(self, raw, pos, value)
+                            if made is not None:
+                                pos, value = made
+                                ops += TENSOR_CALL_OPCODES
+                        elif (
+                            compact
+                            and value.module in DCP_MODULES
+                            and len(metastack) + 3 <= MAX_MARKS
+                        ):  # a DCP metadata entry, as one compact record (``dcp_call``)
+                            made = dcp_call(self, raw, pos, value)
+                            if made is not None:
+                                pos, value = made
+                                ops += DCP_CALL_OPCODES
+                    elif value is ELIDED:
+                        raise Redo  # an object a compact record replaced
                     stack.append(value)
                     starts.append(op_pos)
                     if track:
@@ -419,7 +466,7 @@ class SafeUnpickler:
         created.clear()
         try:
             reuse = REUSE_BASE + (self.pos - self.start) // REUSE_BYTES
-            self.result.root = finalize(self.result.root, max_reuse=reuse)
+            self.result.root = finalize(self.result.root, max_reuse=reuse, compacts=self.compacts)
         except (TypeError, ValueError, RecursionError) as error:
             raise _bad(self.pos, f"{type(error).__name__}: {error}") from None
         self.result.end = self.pos
@@ -531,11 +578,14 @@ def _memo_get(index_reader: Callable[[SafeUnpickler], int]) -> Callable[[SafeUnp
     def handler(u: SafeUnpickler, pos: int) -> bool:
         index = index_reader(u)
         if 0 <= index < len(u.memo_list):
-            u._push(u.memo_list[index], pos)
+            value = u.memo_list[index]
         elif index in u.memo:
-            u._push(u.memo[index], pos)
+            value = u.memo[index]
         else:
             raise _bad(pos, f"memo GET of index {index} that was never PUT")
+        if value is ELIDED:
+            raise Redo
+        u._push(value, pos)
         if u.track_spans:
             u.result.memo_gets.append((index, pos))
         return False
@@ -829,7 +879,36 @@ def _weight(leaf: Any) -> int:
     return 1 + len(leaf) // 64 if isinstance(leaf, (str, bytes, bytearray)) else 1
 
 
-def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) -> Any:
+def _holds_compact(value: Any) -> bool:
+    """Whether a call's arguments hold a ``dcp_call`` record, at any depth."""
+    if isinstance(value, COMPACT):
+        return True
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return any(_holds_compact(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_compact(k) or _holds_compact(v) for k, v in value.items())
+    if isinstance(value, OpaqueObject):
+        return any(
+            _holds_compact(part)
+            for part in (value.args, value.state, value.dictitems, value.listitems)
+        )
+    return False
+
+
+def finalize(
+    root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES, compacts: int = 0
+) -> Any:
+    """The tree with the walk's placeholders replaced, checked for cycles, depth and size.
+
+    A ``dcp_call`` record (only where ``compacts`` were made) counts as the objects it replaced:
+    its ``nodes``, its ``depth``, and a visit of what it shares; reaching one twice raises
+    :class:`~ckpttool.pickle.dcp_call.Redo` (the walk is then done without them).
+    """
+    return _finalize(root, max_nodes, max_reuse, compacts)[0]
+
+
+def _finalize(root: Any, max_nodes: int, max_reuse: int, compacts: int) -> tuple[Any, int, int]:
+    """``finalize``, and the tree's expanded size and its reused weight (for the tests)."""
     done: dict[int, Any] = {}
     sizes: dict[int, int] = {}
     on_path: set[int] = set()
@@ -858,6 +937,8 @@ def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) 
                 reuse(1)
             leaves_seen.add(id(node))
             return node, 1
+        if compacts and cls in COMPACT:
+            return compact(node, depth)
         if isinstance(node, NdarrayBuilder):
             node = node.record
         elif isinstance(node, NumpyDtype):
@@ -942,7 +1023,22 @@ def finalize(root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES) 
         sizes[key] = total
         return out, total
 
-    return visit(root, 0)[0]
+    def compact(node: Any, depth: int) -> tuple[Any, int]:
+        if id(node) in leaves_seen:
+            raise Redo  # shared: the general loop's objects would be counted as reused
+        leaves_seen.add(id(node))
+        inner = depth + node.depth
+        if inner > MAX_DEPTH:
+            raise ResourceLimitError(f"the pickle nests containers more than {MAX_DEPTH} deep")
+        total = node.nodes + sum(visit(part, inner)[1] for part in node.shared)
+        if total > max_nodes:
+            raise ResourceLimitError(
+                f"the pickle expands to over {max_nodes:,} objects (a reference bomb)"
+            )
+        return node, total
+
+    tree, total = visit(root, 0)
+    return tree, total, reused
 
 
 def load_pickle(
