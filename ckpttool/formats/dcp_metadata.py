@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeGuard
 
 from ckpttool.errors import CorruptCheckpointError
+from ckpttool.pickle.dcp_call import IndexMeta, InfoMeta, TensorMeta
 from ckpttool.records import ITEMSIZE, ChunkRecord, OpaqueObject
 
 DCP_MODULE = "torch.distributed.checkpoint"
@@ -68,22 +71,28 @@ class DcpMetadata:
     version: str | None
     problems: list[str] = field(default_factory=list)
 
-    @property
+    @cached_property
     def files(self) -> list[str]:
         """Every data file some entry refers to, sorted."""
-        return sorted({span.file for _, span in self.items()})
+        return sorted({span.file for span in self.spans()})
 
-    def items(self) -> list[tuple[str, StorageSpan]]:
-        """Every stored item (tensor chunks and values) with a description, in file order."""
-        out: list[tuple[str, StorageSpan]] = []
+    def spans(self) -> Iterator[StorageSpan]:
+        """Every stored item's place (tensor chunks and values), in the metadata's order."""
         for entry in self.entries:
             if isinstance(entry, TensorEntry):
-                out.extend(
-                    (f"{entry.fqn} (chunk at {list(c.offsets)})", span_of(c)) for c in entry.chunks
-                )
+                yield from map(span_of, entry.chunks)
             elif entry.span is not None:
-                out.append((entry.fqn, entry.span))
-        return out
+                yield entry.span
+
+    def items(self) -> Iterator[tuple[str, StorageSpan]]:
+        """Every stored item with a description, in the metadata's order (made as needed: at
+        100,000 chunks a list of them was 50 MB)."""
+        for entry in self.entries:
+            if isinstance(entry, TensorEntry):
+                for c in entry.chunks:
+                    yield f"{entry.fqn} (chunk at {list(c.offsets)})", span_of(c)
+            elif entry.span is not None:
+                yield entry.fqn, entry.span
 
 
 def span_of(chunk: ChunkRecord) -> StorageSpan:
@@ -140,6 +149,10 @@ def _dtype(properties: Any, fqn: str) -> tuple[str, bool]:
         dtype, requires_grad = state.get("dtype"), state.get("requires_grad", False)
     else:
         raise _bad(f"{fqn}: TensorProperties without a dtype")
+    return _dtype_name(dtype, requires_grad, fqn)
+
+
+def _dtype_name(dtype: Any, requires_grad: Any, fqn: str) -> tuple[str, bool]:
     name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
     if name not in ITEMSIZE:
         raise _bad(f"{fqn}: unknown dtype {dtype!r:.40}")
@@ -147,13 +160,21 @@ def _dtype(properties: Any, fqn: str) -> tuple[str, bool]:
 
 
 def _span(info: Any) -> StorageSpan:
+    if info.__class__ is InfoMeta:  # read by the walker's ``dcp_call``: no transforms
+        return _checked_span(info.relative_path, info.offset, info.length, None)
     state = _state(info, "_StorageInfo")
-    file, offset, length = state.get("relative_path"), state.get("offset"), state.get("length")
+    return _checked_span(
+        state.get("relative_path"), state.get("offset"), state.get("length"),
+        state.get("transform_descriptors"),
+    )  # fmt: skip
+
+
+def _checked_span(file: Any, offset: Any, length: Any, transforms: Any) -> StorageSpan:
     if not isinstance(file, str) or file in ("", ".", "..") or any(c in file for c in "/\\\0"):
         raise _bad(f"a data file named {file!r:.80}: DCP names files inside its directory")
     if not _is_count(offset) or not _is_count(length):
         raise _bad(f"{file}: a byte range with offset {offset!r:.40} length {length!r:.40}")
-    transforms = state.get("transform_descriptors") or ()
+    transforms = transforms or ()
     if not isinstance(transforms, (list, tuple)):
         raise _bad(f"{file}: transform_descriptors is a {type(transforms).__name__}")
     return StorageSpan(file, offset, length, tuple(str(t) for t in transforms))
@@ -165,8 +186,11 @@ def _storage_index(storage_data: Any) -> dict[tuple[str, Any], StorageSpan]:
         raise _bad(f"storage_data is a {type(storage_data).__name__}")
     index: dict[tuple[str, Any], StorageSpan] = {}
     for key, info in storage_data.items():
-        state = _state(key, "MetadataIndex")
-        fqn, offset, position = state.get("fqn"), state.get("offset"), state.get("index")
+        if key.__class__ is IndexMeta:  # read by the walker's ``dcp_call``
+            fqn, offset, position = key.fqn, key.offset, key.index
+        else:
+            state = _state(key, "MetadataIndex")
+            fqn, offset, position = state.get("fqn"), state.get("offset"), state.get("index")
         if not isinstance(fqn, str):
             raise _bad(f"a MetadataIndex with fqn {fqn!r:.80}")
         span = _span(info)
@@ -179,17 +203,22 @@ def _storage_index(storage_data: Any) -> dict[tuple[str, Any], StorageSpan]:
 def _tensor_entry(
     fqn: str, node: Any, spans: dict[tuple[str, Any], StorageSpan], problems: list[str]
 ) -> TensorEntry:
-    state = _state(node, "TensorStorageMetadata")
-    dtype, requires_grad = _dtype(state.get("properties"), fqn)
-    shape = _ints(state.get("size"), f"{fqn}'s size")
-    raw_chunks = state.get("chunks")
-    if not isinstance(raw_chunks, list):
-        raise _bad(f"{fqn}: chunks is a {type(raw_chunks).__name__}")
+    if node.__class__ is TensorMeta:  # read by the walker's ``dcp_call``
+        dtype, requires_grad = _dtype_name(node.dtype, node.requires_grad, fqn)
+        shape = _ints(node.size, f"{fqn}'s size")
+        raw_chunks: Any = node.chunks
+    else:
+        state = _state(node, "TensorStorageMetadata")
+        dtype, requires_grad = _dtype(state.get("properties"), fqn)
+        shape = _ints(state.get("size"), f"{fqn}'s size")
+        raw_chunks = state.get("chunks")
+        if not isinstance(raw_chunks, list):
+            raise _bad(f"{fqn}: chunks is a {type(raw_chunks).__name__}")
+        raw_chunks = (_chunk_fields(raw) for raw in raw_chunks)  # each checked in turn
     chunks = []
-    for position, raw in enumerate(raw_chunks):
-        chunk_state = _state(raw, "ChunkStorageMetadata")
-        offsets = _ints(chunk_state.get("offsets"), f"{fqn}'s chunk offsets")
-        sizes = _ints(chunk_state.get("sizes"), f"{fqn}'s chunk sizes")
+    for position, (raw_offsets, raw_sizes) in enumerate(raw_chunks):
+        offsets = _ints(raw_offsets, f"{fqn}'s chunk offsets")
+        sizes = _ints(raw_sizes, f"{fqn}'s chunk sizes")
         if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise _bad(f"{fqn}: a chunk of rank {len(sizes)} in a tensor of rank {len(shape)}")
         if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
@@ -214,6 +243,11 @@ def _tensor_entry(
         chunks.append(ChunkRecord(span.file, span.offset, span.length, offsets, sizes))
     problems.extend(coverage_problems(fqn, shape, chunks))
     return TensorEntry(fqn, dtype, shape, requires_grad, tuple(chunks))
+
+
+def _chunk_fields(node: Any) -> tuple[Any, Any]:
+    state = _state(node, "ChunkStorageMetadata")
+    return state.get("offsets"), state.get("sizes")
 
 
 def coverage_problems(fqn: str, shape: tuple[int, ...], chunks: list[ChunkRecord]) -> list[str]:
