@@ -111,7 +111,7 @@ def _layouts() -> dict[str, Metadata]:
     first = next(iter(big.storage_data))
     big.storage_data[first] = _StorageInfo("__1_0.distcp", 5 * 2**31 + 7, 2**33)  # LONG1
     shared_chunk = _metadata(_many(4))
-    chunks = [m.chunks for m in shared_chunk.state_dict_metadata.values()]
+    chunks = [m.chunks for m in shared_chunk.state_dict_metadata.values()]  # type: ignore[union-attr]
     chunks[3][0] = chunks[1][0]  # one ChunkStorageMetadata object in two tensors
     shared_tensor = _metadata(_many(4))
     entries = shared_tensor.state_dict_metadata
@@ -284,3 +284,13 @@ def test_a_redo_keeps_the_walks_time_budget(monkeypatch: pytest.MonkeyPatch) -> 
         SafeUnpickler(data).load()
     monkeypatch.setattr(interpreter, "MAX_SECONDS", float(sum(readings.values()) + 10))
     assert SafeUnpickler(data).load().root is not None
+
+
+def test_a_size_equal_to_a_checked_one_is_still_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(4.0, 4) equals the (4, 4) checked before it; it is refused all the same."""
+    metadata = _metadata(_many(3))
+    tensor = metadata.state_dict_metadata["layers.2.weight"]
+    assert isinstance(tensor, TensorStorageMetadata)
+    tensor.chunks[0] = ChunkStorageMetadata(torch.Size([0, 0]), (4.0, 4))  # type: ignore[arg-type]
+    outcome = _same(pickle.dumps(metadata), monkeypatch)["outcome"]
+    assert outcome[0] == "refused" and "chunk sizes is (4.0, 4)" in outcome[2]

@@ -130,11 +130,16 @@ def _is_count(value: Any) -> TypeGuard[int]:
     return type(value) is int and 0 <= value <= MAX_COUNT
 
 
-def _ints(value: Any, what: str) -> tuple[int, ...]:
+def _ints(value: Any, fqn: str, what: str, valid: dict[int, Any]) -> tuple[int, ...]:
+    """``value`` if it is a shape or an offset torch can count. ``valid``: the tuples checked,
+    by identity (the walker shares equal shapes; equality would take (1.0, True) for (1, 1))."""
+    if valid.get(id(value)) is value:
+        return value  # type: ignore[return-value]
     if not isinstance(value, tuple) or not all(_is_count(v) for v in value):
-        raise _bad(f"{what} is {value!r:.80}, not a tuple of non-negative int64s")
+        raise _bad(f"{fqn}'s {what} is {value!r:.80}, not a tuple of non-negative int64s")
     if len(value) > MAX_DIMS or math.prod(value) > MAX_COUNT:
-        raise _bad(f"{what} {value!r:.80} has more elements than torch can count")
+        raise _bad(f"{fqn}'s {what} {value!r:.80} has more elements than torch can count")
+    valid[id(value)] = value
     return value
 
 
@@ -159,19 +164,24 @@ def _dtype_name(dtype: Any, requires_grad: Any, fqn: str) -> tuple[str, bool]:
     return name, bool(requires_grad)
 
 
-def _span(info: Any) -> StorageSpan:
+def _span(info: Any, plain: set[str]) -> StorageSpan:
     if info.__class__ is InfoMeta:  # read by the walker's ``dcp_call``: no transforms
-        return _checked_span(info.relative_path, info.offset, info.length, None)
+        return _checked_span(info.relative_path, info.offset, info.length, None, plain)
     state = _state(info, "_StorageInfo")
     return _checked_span(
         state.get("relative_path"), state.get("offset"), state.get("length"),
-        state.get("transform_descriptors"),
+        state.get("transform_descriptors"), plain,
     )  # fmt: skip
 
 
-def _checked_span(file: Any, offset: Any, length: Any, transforms: Any) -> StorageSpan:
-    if not isinstance(file, str) or file in ("", ".", "..") or any(c in file for c in "/\\\0"):
-        raise _bad(f"a data file named {file!r:.80}: DCP names files inside its directory")
+def _checked_span(
+    file: Any, offset: Any, length: Any, transforms: Any, plain: set[str]
+) -> StorageSpan:
+    """A checked span; ``plain``: the file names checked (a few, each named by every chunk)."""
+    if file not in plain:
+        if not isinstance(file, str) or file in ("", ".", "..") or any(c in file for c in "/\\\0"):
+            raise _bad(f"a data file named {file!r:.80}: DCP names files inside its directory")
+        plain.add(file)
     if not _is_count(offset) or not _is_count(length):
         raise _bad(f"{file}: a byte range with offset {offset!r:.40} length {length!r:.40}")
     transforms = transforms or ()
@@ -185,6 +195,7 @@ def _storage_index(storage_data: Any) -> dict[tuple[str, Any], StorageSpan]:
     if not isinstance(storage_data, dict):
         raise _bad(f"storage_data is a {type(storage_data).__name__}")
     index: dict[tuple[str, Any], StorageSpan] = {}
+    plain: set[str] = set()
     for key, info in storage_data.items():
         if key.__class__ is IndexMeta:  # read by the walker's ``dcp_call``
             fqn, offset, position = key.fqn, key.offset, key.index
@@ -193,7 +204,7 @@ def _storage_index(storage_data: Any) -> dict[tuple[str, Any], StorageSpan]:
             fqn, offset, position = state.get("fqn"), state.get("offset"), state.get("index")
         if not isinstance(fqn, str):
             raise _bad(f"a MetadataIndex with fqn {fqn!r:.80}")
-        span = _span(info)
+        span = _span(info, plain)
         index[(fqn, tuple(offset) if isinstance(offset, (tuple, list)) else None)] = span
         if isinstance(position, int):
             index.setdefault((fqn, position), span)
@@ -201,27 +212,34 @@ def _storage_index(storage_data: Any) -> dict[tuple[str, Any], StorageSpan]:
 
 
 def _tensor_entry(
-    fqn: str, node: Any, spans: dict[tuple[str, Any], StorageSpan], problems: list[str]
+    fqn: str,
+    node: Any,
+    spans: dict[tuple[str, Any], StorageSpan],
+    problems: list[str],
+    valid: dict[int, Any],
 ) -> TensorEntry:
     if node.__class__ is TensorMeta:  # read by the walker's ``dcp_call``
         dtype, requires_grad = _dtype_name(node.dtype, node.requires_grad, fqn)
-        shape = _ints(node.size, f"{fqn}'s size")
+        shape = _ints(node.size, fqn, "size", valid)
         raw_chunks: Any = node.chunks
     else:
         state = _state(node, "TensorStorageMetadata")
         dtype, requires_grad = _dtype(state.get("properties"), fqn)
-        shape = _ints(state.get("size"), f"{fqn}'s size")
+        shape = _ints(state.get("size"), fqn, "size", valid)
         raw_chunks = state.get("chunks")
         if not isinstance(raw_chunks, list):
             raise _bad(f"{fqn}: chunks is a {type(raw_chunks).__name__}")
         raw_chunks = (_chunk_fields(raw) for raw in raw_chunks)  # each checked in turn
     chunks = []
     for position, (raw_offsets, raw_sizes) in enumerate(raw_chunks):
-        offsets = _ints(raw_offsets, f"{fqn}'s chunk offsets")
-        sizes = _ints(raw_sizes, f"{fqn}'s chunk sizes")
+        offsets = _ints(raw_offsets, fqn, "chunk offsets", valid)
+        sizes = _ints(raw_sizes, fqn, "chunk sizes", valid)
         if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise _bad(f"{fqn}: a chunk of rank {len(sizes)} in a tensor of rank {len(shape)}")
-        if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
+        outside = (  # a whole-tensor chunk (the common case) is outside if it is offset
+            any(offsets) if sizes == shape else any(map(_past, offsets, sizes, shape))
+        )
+        if outside:
             raise _bad(f"{fqn}: chunk at {list(offsets)} of shape {list(sizes)} is outside "
                        f"the tensor's shape {list(shape)}")  # fmt: skip
         span = spans.get((fqn, offsets)) or spans.get((fqn, position))
@@ -243,6 +261,10 @@ def _tensor_entry(
         chunks.append(ChunkRecord(span.file, span.offset, span.length, offsets, sizes))
     problems.extend(coverage_problems(fqn, shape, chunks))
     return TensorEntry(fqn, dtype, shape, requires_grad, tuple(chunks))
+
+
+def _past(offset: int, size: int, bound: int) -> bool:
+    return offset + size > bound
 
 
 def _chunk_fields(node: Any) -> tuple[Any, Any]:
@@ -303,6 +325,7 @@ def parse_metadata(root: Any) -> DcpMetadata:
     spans = _storage_index(state.get("storage_data"))
     problems: list[str] = []
     entries: list[TensorEntry | BytesEntry] = []
+    valid: dict[int, Any] = {}  # shapes and offsets checked, by identity
     for fqn, node in entries_in.items():
         if not isinstance(fqn, str):
             raise _bad(f"a state dict key {fqn!r:.60}")
@@ -312,7 +335,7 @@ def parse_metadata(root: Any) -> DcpMetadata:
                 problems.append(f"{fqn}: the value has no storage record")
             entries.append(BytesEntry(fqn, span))
         else:
-            entries.append(_tensor_entry(fqn, node, spans, problems))
+            entries.append(_tensor_entry(fqn, node, spans, problems, valid))
     version = state.get("version")
     return DcpMetadata(
         entries, _paths(state.get("planner_data")), version if isinstance(version, str) else None,

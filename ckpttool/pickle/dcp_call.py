@@ -107,7 +107,8 @@ COMPACT = (TensorMeta, IndexMeta, InfoMeta)
 _U16 = struct.Struct("<H").unpack_from
 _U32 = struct.Struct("<I").unpack_from
 _I32 = struct.Struct("<i").unpack_from
-_NOTHING = object()
+_INTS = frozenset(b"KMJ\x8a")  # BININT1, BININT2, BININT, LONG1
+_DTYPE_NAMES: dict[str, str] = {}  # "float32" -> "torch.float32"
 
 
 class _Miss(Exception):
@@ -220,31 +221,35 @@ class _Reader:
             return func
         if func.__class__ is not GlobalRef or func.module != "torch" or func.name != "Size":
             raise _Miss
-        code = self.peek()
-        values: list[int] = []
-        if code == 0x29:  # EMPTY_TUPLE (never memoized)
-            self.pos += 1
-        else:
-            marked = code == 0x28
-            if marked:
-                self.pos += 1
-            while self.peek() in (0x4B, 0x4D, 0x4A, 0x8A):
-                values.append(self.integer())
-            code = self.peek()
-            if marked:
-                if code != 0x74:  # TUPLE
-                    raise _Miss
-            elif code - 0x84 != len(values) or not 1 <= len(values) <= 3:  # TUPLE1..3
+        raw = self.raw
+        code = raw[self.pos]
+        if code == 0x29:  # EMPTY_TUPLE (never memoized), TUPLE1 MEMOIZE REDUCE MEMOIZE
+            if raw[self.pos + 1 : self.pos + 5] != b"\x85\x94R\x94":
                 raise _Miss
+            self.pos += 5
+            self.pending += (ELIDED, ())
+            return ()
+        marked = code == 0x28
+        if marked:
             self.pos += 1
+        values: list[int] = []
+        while raw[self.pos] in _INTS:
+            values.append(self.integer())
+        pos = self.pos
+        code = raw[pos]
+        if marked:
+            if code != 0x74:  # TUPLE
+                raise _Miss
+        elif code - 0x84 != len(values) or not 1 <= len(values) <= 3:  # TUPLE1..3
+            raise _Miss
+        # MEMOIZE the ints, TUPLE1 (the call's arguments) MEMOIZE, REDUCE MEMOIZE: the Size is
+        # the tuple itself in the emulation
+        if raw[pos + 1 : pos + 6] != b"\x94\x85\x94R\x94":
+            raise _Miss
+        self.pos = pos + 6
         shape = tuple(values)
         shape = self.shapes.setdefault(shape, shape)
-        if values:
-            self.memoize(shape)
-        self.op(0x85)  # TUPLE1: the call's arguments
-        self.memoize(ELIDED)
-        self.op(0x52)  # REDUCE: torch.Size(shape) is the tuple itself in the emulation
-        self.memoize(shape)
+        self.pending += (shape, ELIDED, shape)
         return shape
 
     def new_object(self, module: str, name: str) -> None:
@@ -255,15 +260,21 @@ class _Reader:
         self.object_body()
 
     def object_body(self) -> None:
-        self.op(0x29)  # EMPTY_TUPLE
-        self.op(0x81)  # NEWOBJ
-        self.memoize(ELIDED)
+        """EMPTY_TUPLE NEWOBJ MEMOIZE."""
+        pos = self.pos
+        if self.raw[pos : pos + 3] != b")\x81\x94":
+            raise _Miss
+        self.pos = pos + 3
+        self.pending.append(ELIDED)
 
     def fields(self, read: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """EMPTY_DICT MEMOIZE, its items (SETITEM, or MARK ... SETITEMS), BUILD: the state dict
         as {name: value} and its nodes. ``read`` reads each known name's value and weight."""
-        self.op(0x7D)  # EMPTY_DICT
-        self.memoize(ELIDED)
+        pos = self.pos
+        if self.raw[pos : pos + 2] != b"}\x94":  # EMPTY_DICT MEMOIZE
+            raise _Miss
+        self.pos = pos + 2
+        self.pending.append(ELIDED)
         values: dict[str, Any] = {}
         nodes = 1
         marked = self.peek() == 0x28
@@ -338,8 +349,12 @@ def _properties(r: _Reader) -> tuple[tuple[str, bool], int]:
     r.memoize(ELIDED)
     r.op(0x62)  # BUILD
     r.shared.append(memory_format)
-    # the object (4: itself, args, dictitems, listitems) and its state tuple of five
-    return (str(dtype), requires_grad), 4 + 5
+    # the object (4: itself, args, dictitems, listitems) and its state tuple of five; the
+    # dtype as finalize writes it, one string per dtype (not one per tensor)
+    name = _DTYPE_NAMES.get(dtype.name)
+    if name is None:
+        name = _DTYPE_NAMES.setdefault(dtype.name, str(dtype))
+    return (name, requires_grad), 4 + 5
 
 
 _CHUNK_FIELDS = {"offsets": _size, "sizes": _size}
