@@ -290,7 +290,9 @@ def load_metadata(handle: BinaryIO, *, refuse_dangerous: bool) -> tuple[PickleRe
     if size > MAX_METADATA:
         raise ResourceLimitError(f".metadata has {size:,} bytes")
     result = load_pickle(handle.read(), refuse_dangerous=refuse_dangerous)
-    return result, parse_metadata(result.root)
+    meta = parse_metadata(result.root)
+    result.root = None  # the walked tree: 70 MB at 100,000 entries, and read only here
+    return result, meta
 
 
 def _file_problems(meta: DcpMetadata, sizes: dict[str, int]) -> list[str]:
