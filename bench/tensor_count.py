@@ -11,7 +11,8 @@ Run from the repository root: ``python -m bench.tensor_count [--sizes 585,20000,
   parameter): N tensors in all; ``resume_N_copy.pth`` is a byte copy;
 * ``dcp_N/``: ``{"model": the weights dict, "step": 1200}`` saved with
   ``torch.distributed.checkpoint`` by a real 2-process gloo group (every entry replicated, so
-  DCP's planner spreads them over both ranks' files): N entries in ``.metadata``.
+  DCP's planner spreads them over both ranks' files): N entries in ``.metadata``;
+  ``dcp_N_copy/`` is a byte copy (the other side of ``diff``).
 
 Then, per size and file kind, one interleaved run (:mod:`bench.harness`: fresh process per run,
 median wall time from spawn to reap, median peak RSS from ``wait4``; the inputs are read into
@@ -94,6 +95,36 @@ DCP_READ_METADATA = """
 import sys
 from torch.distributed.checkpoint import FileSystemReader
 FileSystemReader(sys.argv[1]).read_metadata()
+"""
+
+# verify's and diff's torch counterparts for a DCP directory: read every chunk of every entry
+# into memory (what dcp_to_torch_save reads, without the save), and compare two such reads
+DCP_LOAD_ALL = """
+import sys, warnings
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+warnings.simplefilter("ignore")
+_load_state_dict_from_keys(checkpoint_id=sys.argv[1])
+"""
+
+DCP_DIFF = """
+import sys, warnings, torch
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+warnings.simplefilter("ignore")
+def flat(obj, prefix=""):
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from flat(value, f"{prefix}.{key}" if prefix else str(key))
+    else:
+        yield prefix, obj
+a = dict(flat(_load_state_dict_from_keys(checkpoint_id=sys.argv[1])))
+b = dict(flat(_load_state_dict_from_keys(checkpoint_id=sys.argv[2])))
+def same(x, y):
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return torch.equal(x, y)
+    return x == y
+differ = [k for k in a if k not in b or not same(a[k], b[k])] + [k for k in b if k not in a]
+print(len(a), "entries,", len(differ), "differ")
+sys.exit(1 if differ else 0)
 """
 
 DCP_TO_TORCH_SAVE = """
@@ -187,10 +218,22 @@ def build_dcp(out_dir: Path, count: int) -> Path:
     return target
 
 
+def dcp_copy(source: Path) -> Path:
+    """``dcp_N_copy/``: a byte copy of ``dcp_N/`` (the other side of ``diff``)."""
+    copy = source.with_name(source.name + "_copy")
+    if not copy.is_dir():
+        temp = source.with_name(source.name + "_copy.tmp")
+        shutil.rmtree(temp, ignore_errors=True)
+        shutil.copytree(source, temp)
+        temp.rename(copy)
+    return copy
+
+
 def _read_into_page_cache(out_dir: Path, count: int) -> None:
     """Read every input of size ``count`` once, so that no measured run reads from the disk."""
     paths = [*out_dir.glob(f"*_{count}.pth"), *out_dir.glob(f"*_{count}_*.pth")]
-    paths += [p for p in (out_dir / f"dcp_{count}").glob("*") if p.is_file()]
+    for directory in (f"dcp_{count}", f"dcp_{count}_copy"):
+        paths += [p for p in (out_dir / directory).glob("*") if p.is_file()]
     for path in paths:
         with path.open("rb") as f:
             while f.read(1 << 24):
@@ -220,6 +263,8 @@ PAIRS = (
     ),
     ("show (table) vs read_metadata", "ckpttool show", "torch: FileSystemReader.read_metadata"),
     ("convert (DCP)", "ckpttool convert", "torch: dcp_to_torch_save"),
+    ("diff (DCP)", "ckpttool diff", "torch: load both (DCP) + torch.equal"),
+    ("verify (DCP)", "ckpttool verify", "torch: load every chunk (DCP)"),
 )
 
 
@@ -244,17 +289,22 @@ def torch_file_rows(a: Path, b: Path, section: str, work: Path) -> dict[str, lis
     }
 
 
-def dcp_rows(source: Path, work: Path) -> dict[str, list[str]]:
+def dcp_rows(source: Path, copy: Path, work: Path) -> dict[str, list[str]]:
+    """Every measured command on a DCP directory ``source`` (``copy``: the other side of the
+    diff, a byte copy)."""
     out = work / source.name
     return {
         "torch: FileSystemReader.read_metadata": _python(DCP_READ_METADATA, source),
         "C pickle.Unpickler floor": _python(C_FLOOR, source / ".metadata"),
         "ckpttool show": _ckpttool("show", source),
         "ckpttool show --json": _ckpttool("show", source, "--json"),
+        "torch: load both (DCP) + torch.equal": _tolerating_exit_1(_python(DCP_DIFF, source, copy)),
+        "ckpttool diff": _tolerating_exit_1(_ckpttool("diff", source, copy)),
         "torch: dcp_to_torch_save": _python(DCP_TO_TORCH_SAVE, source, f"{out}_torch.pth"),
         "ckpttool convert": _ckpttool(
             "convert", source, f"{out}_ckpttool.safetensors", "--section", "model", "--force"
         ),
+        "torch: load every chunk (DCP)": _python(DCP_LOAD_ALL, source),
         "ckpttool verify": _ckpttool("verify", source),
     }
 
@@ -332,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append(("resume", f"{a.name} vs {b.name}", torch_file_rows(a, b, "model", work)))
         if "dcp" in kinds:
             source = build_dcp(args.out, count)
-            jobs.append(("dcp", f"{source.name}/ (2 ranks)", dcp_rows(source, work)))
+            copy = dcp_copy(source)
+            title = f"{source.name}/ (2 ranks) vs {copy.name}/"
+            jobs.append(("dcp", title, dcp_rows(source, copy, work)))
         for kind, title, rows in jobs:
             baseline = next(iter(rows))
             _read_into_page_cache(args.out, count)
