@@ -192,6 +192,21 @@ def test_the_fast_path_reads_nearly_every_entry(monkeypatch: pytest.MonkeyPatch)
     assert _same(data, monkeypatch)["records"] == 3 * 299
 
 
+def test_tensor_entries_of_one_kind_are_read_with_one_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kinds = [((4, 4), [((0, 0), (4, 4))]), ((8,), [((0,), (8,))]), ((70000,), [((0,), (70000,))]),
+             ((8, 8), [((0, 0), (3, 8)), ((3, 0), (5, 8))])]  # fmt: skip
+    tensors = {f"t{i}": kinds[i % 4] for i in range(40)}
+    data = pickle.dumps(_metadata(tensors))
+    # 40 tensor entries, 50 chunks of a MetadataIndex and a _StorageInfo; each first by the loop
+    assert _same(data, monkeypatch)["records"] == 40 + 2 * 50 - 3
+    unpickler = SafeUnpickler(data)
+    unpickler.load()
+    # the first entry names its class (general loop), the next three make a layout each
+    assert len(unpickler.dcp_layouts) == 4
+
+
 def test_the_dcp_fixture_reads_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     fast = _same((DCP / ".metadata").read_bytes(), monkeypatch)
     assert fast["outcome"][0] == "parsed" and fast["records"] > 20
@@ -242,11 +257,13 @@ REPLACEMENTS = b"\x00\x01\x02\x7f\x80\xff()tuabesNKMJ\x8ahj\x94\x8c\x85\x86R\x81
 
 def test_every_mutation_of_the_entries_reads_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     split = [((0, 0), (3, 8)), ((3, 0), (5, 8))]
-    data = pickle.dumps(_metadata({"a": ((8, 8), split), "b": ((8, 8), split), "c": ((8,), [])}))
-    # from the second tensor entry (its names and classes fetched) to the last storage record
+    tensors = {"a": ((8, 8), split), "b": ((8, 8), split), "c": ((8, 8), split), "d": ((8,), [])}
+    data = pickle.dumps(_metadata(tensors))
+    # from the second tensor entry (read and made a layout of; the third is read with it) to
+    # the last storage record
     start = data.index(b"\x8c\x01b") - 1
     end = data.index(b"storage_meta")
-    assert end - start > 500
+    assert end - start > 700
     for at in range(start, end):
         for byte in REPLACEMENTS:
             if data[at] != byte:

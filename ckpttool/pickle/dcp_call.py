@@ -30,6 +30,7 @@ directories of several layouts, the hostile corpus and mutated pickles.
 from __future__ import annotations
 
 import struct
+from operator import itemgetter
 from typing import Any
 
 from ckpttool.pickle.emulation import TorchDtype, TorchLayout
@@ -39,6 +40,7 @@ METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
 OPCODES = 40  # what one record counts towards the walker's periodic checks (a rough mean)
 MAX_MARKS = 3  # MARKs a record's opcodes open at once
+MAX_LAYOUTS = 16  # tensor entry layouts kept per pickle (most recently used first)
 
 
 class Redo(Exception):
@@ -108,6 +110,7 @@ _U16 = struct.Struct("<H").unpack_from
 _U32 = struct.Struct("<I").unpack_from
 _I32 = struct.Struct("<i").unpack_from
 _INTS = frozenset(b"KMJ\x8a")  # BININT1, BININT2, BININT, LONG1
+_INT_WIDTHS = {0x4B: "B", 0x4D: "H", 0x4A: "i"}  # what a layout reads (not LONG1)
 _DTYPE_NAMES: dict[str, str] = {}  # "float32" -> "torch.float32"
 
 
@@ -118,14 +121,21 @@ class _Miss(Exception):
 class _Reader:
     """One sequence's opcodes: reads, checks, and collects its memo entries until committed."""
 
-    __slots__ = ("known", "memo", "memo_list", "pending", "pos", "raw", "shapes", "shared")
+    __slots__ = (
+        "ints", "known", "memo", "memo_list", "pending", "pos", "raw", "shape_puts", "shapes",
+        "shared",
+    )  # fmt: skip
 
-    def __init__(self, u: Any, raw: bytes, pos: int) -> None:
+    def __init__(self, u: Any, raw: bytes, pos: int, *, trace: bool = False) -> None:
         self.raw, self.pos = raw, pos
         self.memo_list, self.memo, self.shapes = u.memo_list, u.memo, u.shapes
         self.known = len(self.memo_list)
         self.pending: list[Any] = []  # memo entries this sequence puts, in order
         self.shared: list[Any] = []  # what finalize must still visit (long strings, memfmt)
+        # with ``trace``: where each integer's opcode is, and where each shape went in
+        # ``pending``, in order (what ``compile_layout`` makes a layout of)
+        self.ints: list[int] | None = [] if trace else None
+        self.shape_puts: list[tuple[int, ...]] = []
 
     def op(self, code: int) -> None:
         if self.raw[self.pos] != code:
@@ -192,6 +202,8 @@ class _Reader:
         """BININT1, BININT2, BININT, LONG1 (up to 8 bytes), NONE."""
         raw, pos = self.raw, self.pos
         code = raw[pos]
+        if self.ints is not None:
+            self.ints.append(pos)
         if code == 0x4B:
             self.pos = pos + 2
             return raw[pos + 1]
@@ -227,6 +239,7 @@ class _Reader:
             if raw[self.pos + 1 : self.pos + 5] != b"\x85\x94R\x94":
                 raise _Miss
             self.pos += 5
+            self.shape_puts.append((len(self.pending) + 1,))
             self.pending += (ELIDED, ())
             return ()
         marked = code == 0x28
@@ -249,6 +262,8 @@ class _Reader:
         self.pos = pos + 6
         shape = tuple(values)
         shape = self.shapes.setdefault(shape, shape)
+        at = len(self.pending)
+        self.shape_puts.append((at, at + 2))
         self.pending += (shape, ELIDED, shape)
         return shape
 
@@ -358,6 +373,7 @@ def _properties(r: _Reader) -> tuple[tuple[str, bool], int]:
 
 
 _CHUNK_FIELDS = {"offsets": _size, "sizes": _size}
+_CHUNK_ORDER = list(_CHUNK_FIELDS)  # the order torch writes them in
 
 
 def _chunk(r: _Reader) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], int]:
@@ -365,6 +381,8 @@ def _chunk(r: _Reader) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], int]:
     values, nodes = r.fields(_CHUNK_FIELDS)
     if len(values) != 2:
         raise _Miss
+    if list(values) != _CHUNK_ORDER:
+        r.ints = None  # read, but no layout
     return (values["offsets"], values["sizes"]), 4 + nodes
 
 
@@ -393,6 +411,7 @@ def _chunks(r: _Reader) -> tuple[tuple[Any, ...], int]:
 
 
 _TENSOR_FIELDS = {"properties": _properties, "size": _size, "chunks": _chunks}
+_TENSOR_ORDER = list(_TENSOR_FIELDS)
 _INDEX_FIELDS = {"fqn": _string, "offset": _size_or_none, "index": _integer}
 _INFO_FIELDS = {
     "relative_path": _string, "offset": _integer, "length": _integer,
@@ -404,6 +423,8 @@ def _tensor(r: _Reader) -> TensorMeta:
     values, nodes = r.fields(_TENSOR_FIELDS)
     if len(values) != 3:
         raise _Miss
+    if list(values) != _TENSOR_ORDER:
+        r.ints = None  # read, but no layout: ``TensorLayout`` reads shapes in this order
     (dtype, requires_grad), size, chunks = values["properties"], values["size"], values["chunks"]
     return TensorMeta(dtype, requires_grad, size, chunks, 4 + nodes, tuple(r.shared))
 
@@ -427,21 +448,133 @@ _RECORDS = {
 MODULES = frozenset(module for module, _ in _RECORDS)
 
 
+class TensorLayout:
+    """How the bytes of one kind of ``TensorStorageMetadata`` lie (its dims, chunks, int widths,
+    flags, memo indices): made from the first entry of the kind, read later ones in one step.
+
+    Only the integers vary between entries of one layout. ``read`` unpacks the whole entry: the
+    bytes between the integers (opcodes, memo indices of the names and classes it fetches) must
+    equal ``expected``; the integers are the shapes, in order (``dims``). What the entry's memo
+    GETs fetch is what they fetched when the layout was made as long as no memo entry was
+    overwritten since (``SafeUnpickler.overwrites``).
+    """
+
+    __slots__ = (
+        "dims", "dtype", "expected", "fixed", "integers", "length", "nodes", "overwrites",
+        "puts", "read", "requires_grad", "shared", "template",
+    )  # fmt: skip
+
+    def __init__(self, r: _Reader, start: int, record: TensorMeta, overwrites: int) -> None:
+        assert r.ints is not None  # a traced read (``_traceable``)
+        fmt: list[str] = []
+        fixed: list[int] = []  # items of the unpacked tuple: the bytes between the integers
+        integers: list[int] = []  # and the integers
+        expected: list[bytes] = []
+        at = start
+        for position in r.ints:
+            code = r.raw[position]
+            width = _INT_WIDTHS[code]
+            fmt.append(f"{position + 1 - at}s{width}")
+            fixed.append(len(fixed) + len(integers))
+            integers.append(len(fixed) + len(integers))
+            expected.append(r.raw[at : position + 1])
+            at = position + 1 + struct.calcsize("<" + width)
+        fmt.append(f"{r.pos - at}s")
+        fixed.append(len(fixed) + len(integers))
+        expected.append(r.raw[at : r.pos])
+        compiled = struct.Struct("<" + "".join(fmt))
+        self.read, self.length = compiled.unpack_from, compiled.size
+        self.fixed, self.expected = _getter(fixed), tuple(expected)
+        self.integers = _getter(integers)
+        self.dims = (len(record.size), *(len(part) for chunk in record.chunks for part in chunk))
+        self.puts = tuple(r.shape_puts)  # where each shape goes among the memo entries
+        self.template = tuple(r.pending)
+        self.dtype, self.requires_grad = record.dtype, record.requires_grad
+        self.nodes, self.shared, self.overwrites = record.nodes, record.shared, overwrites
+
+
+def _getter(at: list[int]) -> Any:
+    """Items ``at`` of a tuple, as a tuple (itemgetter gives a bare item for one index)."""
+    if len(at) == 1:
+        only = at[0]
+        return lambda values: (values[only],)
+    return itemgetter(*at) if at else (lambda values: ())
+
+
+def _traceable(r: _Reader, record: TensorMeta) -> bool:
+    """Whether the entry just read can be a layout: its fields in torch's order, its integers
+    its shapes' (no LONG1, no shape fetched from the memo), no new string among its memo
+    entries (a layout would share one string object between entries)."""
+    if r.ints is None or any(r.raw[at] not in _INT_WIDTHS for at in r.ints):
+        return False
+    if not all(v is ELIDED or v.__class__ is tuple for v in r.pending):
+        return False
+    shapes = [record.size, *(part for chunk in record.chunks for part in chunk)]
+    flat = [value for shape in shapes for value in shape]
+    return len(r.shape_puts) == len(shapes) and len(flat) == len(r.ints)
+
+
+def _replay(u: Any, raw: bytes, pos: int) -> tuple[int, TensorMeta] | None:
+    """The entry at ``pos`` read with a layout that fits it (most recently used first)."""
+    layouts: list[TensorLayout] = u.dcp_layouts
+    for number, layout in enumerate(layouts):
+        try:
+            values = layout.read(raw, pos)
+        except struct.error:  # the bytes end first
+            continue
+        if layout.fixed(values) != layout.expected or layout.overwrites != u.overwrites:
+            continue
+        if number:
+            layouts.insert(0, layouts.pop(number))
+        integers = layout.integers(values)
+        interned = u.shapes.setdefault
+        shapes = []
+        at = 0
+        for dims in layout.dims:
+            shape = integers[at : at + dims]
+            shapes.append(interned(shape, shape))
+            at += dims
+        pending = list(layout.template)
+        for shape, puts in zip(shapes, layout.puts):
+            for put in puts:
+                pending[put] = shape
+        chunks = tuple(zip(shapes[1::2], shapes[2::2]))
+        record = TensorMeta(
+            layout.dtype, layout.requires_grad, shapes[0], chunks, layout.nodes, layout.shared
+        )
+        u.memo_list.extend(pending)
+        return pos + layout.length, record
+    return None
+
+
 def dcp_call(u: Any, raw: bytes, pos: int, cls: GlobalRef) -> tuple[int, Any] | None:
     """Read the object of class ``cls`` (just fetched from the memo; ``pos`` is past the GET).
 
     Returns (offset past its BUILD, its compact record) with the memo updated as the opcodes
-    would have, or ``None`` with nothing changed.
+    would have, or ``None`` with nothing changed. A ``TensorStorageMetadata`` is read with a
+    :class:`TensorLayout` made from an earlier one where one fits (a file has a few: one per
+    rank, chunk count and integer widths), else read and made one of.
     """
-    read = _RECORDS.get((cls.module, cls.name))
+    read: Any = _RECORDS.get((cls.module, cls.name))
     if read is None or u.memo:  # sparse memo indices: MEMOIZE numbering is the general loop's
         return None
-    r = _Reader(u, raw, pos)
+    tensor = read is _tensor
+    if tensor and u.dcp_layouts:
+        made = _replay(u, raw, pos)
+        if made is not None:
+            u.compacts += 1
+            return made
+    r = _Reader(u, raw, pos, trace=tensor)
     try:
         r.object_body()
         record = read(r)
     except (_Miss, IndexError, struct.error, UnicodeDecodeError):
         return None
+    if isinstance(record, TensorMeta) and _traceable(r, record):
+        layouts = u.dcp_layouts
+        if len(layouts) >= MAX_LAYOUTS:
+            layouts.pop()
+        layouts.insert(0, TensorLayout(r, pos, record, u.overwrites))
     u.memo_list.extend(r.pending)
     u.compacts += 1
     return r.pos, record
@@ -455,6 +588,7 @@ __all__ = [
     "IndexMeta",
     "InfoMeta",
     "Redo",
+    "TensorLayout",
     "TensorMeta",
     "dcp_call",
 ]

@@ -147,6 +147,8 @@ class SafeUnpickler:
         """The walk's state, fresh (``__init__``, and a walk done again without ``dcp_call``)."""
         self.pos = self.start
         self.compacts = 0  # records ``dcp_call`` made
+        self.dcp_layouts: list[Any] = []  # its layouts of tensor entries
+        self.overwrites = 0  # PUTs onto a memo index already PUT (layouts check it)
         self.layouts: list[Any] = []  # ``tensor_call``'s layouts for this pickle
         self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # and its shared shapes
         self.stack: list[Any] = []
@@ -311,6 +313,7 @@ class SafeUnpickler:
                         raise _bad(op_pos, "memo PUT on an empty stack")
                     if index < len(memo_list):
                         memo_list[index] = stack[-1]
+                        self.overwrites += 1
                     elif index == len(memo_list):
                         memo_list.append(stack[-1])
                         if memo:
@@ -554,6 +557,7 @@ def _memo_store(u: SafeUnpickler, index: int, value: Any) -> None:
     """The memo's PUT (see ``SafeUnpickler.__init__``; ``load`` inlines the same steps)."""
     if 0 <= index < len(u.memo_list):
         u.memo_list[index] = value
+        u.overwrites += 1
     elif index == len(u.memo_list):
         u.memo_list.append(value)
         u.memo.pop(index, None)

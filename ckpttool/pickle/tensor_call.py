@@ -286,6 +286,7 @@ def tensor_call(u: Any, raw: bytes, pos: int, func: Any) -> tuple[int, Any] | No
                 memo.pop(index, None)
         elif index < known:
             memo_list[index] = value
+            u.overwrites += 1
         else:
             memo[index] = value
     return pos + layout.length, tensor
