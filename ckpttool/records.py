@@ -101,7 +101,7 @@ class StorageRecord:
     dtype: str  # element type the storage was saved with ("float32"; "uint8" if untyped)
     numel: int  # number of elements the file claims the storage has
     location: str  # device it was saved from: "cpu", "cuda:0", ... (never used to load)
-    record: str  # where its bytes live: zip member name, "legacy:<key>", "inline", ...
+    record: str  # where its bytes live: zip member name, "legacy:<key>", "inline", "safetensors" or "dcp" (by key)...
     data_size: int  # bytes actually present in the file for it (checked against numel)
     byteorder: str = "little"
 
@@ -550,14 +550,16 @@ def _child_values(node: Any) -> Iterator[Any]:
 def tensors(node: Any, prefix: str = "", *, in_place: bool = False) -> list[TensorRecord]:
     """All tensor records under ``node`` with their ``key`` set to their dotted path.
 
-    Each record is a copy, unless ``in_place``: then a record the tree holds with no key yet
-    gets its key set where it is, and only one met again (a tied weight's second name) or under
-    an empty name is copied. The reader flattens a freshly parsed tree so: at 100,000 tensors
-    the copies were 14 MB per file, and the tree's records were never read by key.
+    A record that already has that key is the tree's own (records are not changed once made:
+    ``with_fields`` copies); any other is a copy with the key, unless ``in_place``: then a
+    record the tree holds with no key yet gets its key set where it is, and only one met again
+    (a tied weight's second name) or under an empty name is copied. The reader flattens a
+    freshly parsed tree so: at 100,000 tensors the copies were 14 MB per file, and the tree's
+    records were never read by key; listing a section of it later copies none.
     """
     if isinstance(node, TensorRecord):
-        return [with_key(node, prefix)]
-    keyed = _keyed_in_place if in_place else with_key
+        return [_keyed(node, prefix)]
+    keyed = _keyed_in_place if in_place else _keyed
     return [keyed(record, key) for key, record in _keyed_leaves(node, prefix)]
 
 
@@ -600,6 +602,10 @@ def _named_children(node: Any) -> Iterator[tuple[Any, Any]]:
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(TensorRecord))
+
+
+def _keyed(record: TensorRecord, key: str) -> TensorRecord:
+    return record if record.key == key else with_key(record, key)
 
 
 def _keyed_in_place(record: TensorRecord, key: str) -> TensorRecord:
