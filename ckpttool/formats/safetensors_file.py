@@ -74,14 +74,15 @@ def read_safetensors(handle: BinaryIO, file_size: int, *, strict: bool) -> Parse
     extents: list[tuple[int, int, str]] = []
     # each tensor's data offsets, kept for reading; the parsed header (a dict and two lists
     # per tensor) is not: at 100,000 tensors it was a third of the memory the file held
-    offsets: dict[str, tuple[int, int]] = {}
+    starts: dict[str, int] = {}  # each tensor's first data byte (its storage has its length)
     layouts: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
     # each entry is taken out of the parsed header as it becomes a record: both whole at once
     # were the peak of reading a 100,000-tensor file (about 40 MB more)
     for name in list(header):
         info = header.pop(name)
         record = _tensor(name, info, layouts)
-        begin, end = offsets[name] = tuple(info["data_offsets"])
+        begin, end = info["data_offsets"]
+        starts[name] = begin
         if end - begin != record.nbytes:
             problems.append(
                 f"{name}: holds {end - begin:,} bytes, but {record.dtype}{list(record.shape)} "
@@ -108,8 +109,7 @@ def read_safetensors(handle: BinaryIO, file_size: int, *, strict: bool) -> Parse
     del header, extents
 
     def span(storage: StorageRecord) -> tuple[int, int]:
-        begin, end = offsets[storage.key]
-        return data_start + begin, end - begin
+        return data_start + starts[storage.key], storage.data_size
 
     return Parsed(
         format="safetensors",
@@ -178,10 +178,11 @@ def _known_layout(
 
 
 def _storage(name: str, dtype: str, shape: tuple[int, ...], begin: int, end: int) -> StorageRecord:
+    # its record: the file's data section, where the key (the tensor's name) finds its bytes
     numel = math.prod(shape)
     storage = StorageRecord(
-        name, dtype, (end - begin) // ITEMSIZE[dtype], "cpu", f"safetensors:{name}", end - begin
+        name, dtype, (end - begin) // ITEMSIZE[dtype], "cpu", "safetensors", end - begin
     )
     if numel * ITEMSIZE[dtype] > end - begin:
-        storage = StorageRecord(name, dtype, numel, "cpu", f"safetensors:{name}", end - begin)
+        storage = StorageRecord(name, dtype, numel, "cpu", "safetensors", end - begin)
     return storage
