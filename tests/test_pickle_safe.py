@@ -14,8 +14,14 @@ from collections import OrderedDict
 
 import pytest
 
-from ckpttool.errors import CorruptCheckpointError
-from ckpttool.pickle.interpreter import DISPATCH, INLINE_OPCODES, TruncatedPickleError, load_pickle
+from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
+from ckpttool.pickle.interpreter import (
+    DISPATCH,
+    INLINE_OPCODES,
+    MAX_NODES,
+    TruncatedPickleError,
+    load_pickle,
+)
 
 PLAIN = {
     "ints": [0, 1, 255, 256, 65535, 65536, -1, -(2**31), 2**31 - 1, 2**40, -(2**70)],
@@ -101,3 +107,13 @@ def test_memo_get_of_an_index_never_put_is_refused() -> None:
     for data in (b"\x80\x02K\x01" + _put(3) + b"0" + _get(0) + b".", b"\x80\x02h\x00."):
         with pytest.raises(CorruptCheckpointError, match="never PUT"):
             load_pickle(data)
+
+
+def test_small_flat_tuples_shared_many_times_still_hit_the_expanded_size_limit() -> None:
+    """A tuple of short strings is returned as it is and not tallied as reused (like a shape),
+    but its weight still counts: 1.5 million references to one weigh 25 million nodes."""
+    pair = tuple(f"s{i}" for i in range(16))
+    data = pickle.dumps([pair] * 1_500_000, protocol=4)
+    assert MAX_NODES < 17 * 1_500_000 and len(data) < 8 << 20
+    with pytest.raises(ResourceLimitError, match="expands to over"):
+        load_pickle(data)

@@ -874,9 +874,15 @@ DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
 
 #: Leaves that finalize returns as they are, weighing one node each.
 _SCALARS = frozenset({int, float, bool, complex, type(None)})
-#: Tuples of scalars up to this length are returned as they are (their weight still counts in
-#: the expanded size, so the limits hold; only the reuse tally skips them, as it skips scalars).
+#: Tuples of scalars and short strings up to this length are returned as they are (their weight
+#: still counts in the expanded size, so the limits hold; only the reuse tally skips them, as it
+#: skips scalars and short strings): a DCP .metadata has a (section, name) path per entry.
 _SMALL = 16
+
+
+def _flat(value: Any) -> bool:
+    """A leaf finalize returns as it is and does not tally when reached again."""
+    return type(value) in _SCALARS or (type(value) is str and len(value) < 64)
 
 
 def _weight(leaf: Any) -> int:
@@ -934,8 +940,8 @@ def _finalize(root: Any, max_nodes: int, max_reuse: int, compacts: int) -> tuple
             raise ResourceLimitError(f"the pickle nests containers more than {MAX_DEPTH} deep")
         if cls in _SCALARS or (cls is str and len(node) < 64):  # most nodes: nothing to do
             return node, 1
-        if cls is tuple and len(node) <= _SMALL and all(type(v) in _SCALARS for v in node):
-            return node, len(node) + 1  # a shape, an offset: immutable, nothing to replace
+        if cls is tuple and len(node) <= _SMALL and all(map(_flat, node)):
+            return node, len(node) + 1  # a shape, a key's path: immutable, nothing to replace
         if cls is TensorRecord:  # the other most common node: a leaf, counted when met again
             if id(node) in leaves_seen:
                 reuse(1)
