@@ -115,7 +115,7 @@ class StorageRecord:
         return self.numel * ITEMSIZE.get(self.dtype, 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkRecord:
     """One stored piece of a tensor that was saved in pieces (a DCP shard of one rank)."""
 

@@ -34,9 +34,10 @@ MAX_COUNT = 2**63 - 1  # torch counts sizes, offsets and bytes in int64
 MAX_DIMS = 64  # torch's limit on a tensor's rank
 
 Path_ = tuple[str | int, ...]  # a key's path in the nested state dict
+_DTYPE_NAMES = {**{name: name for name in ITEMSIZE}, **{f"torch.{name}": name for name in ITEMSIZE}}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageSpan:
     """Where one stored item (a chunk or a value) is: a byte range of one data file."""
 
@@ -49,7 +50,7 @@ class StorageSpan:
         return f"{self.file}@{self.offset}+{self.length}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     fqn: str
     dtype: str  # torch dtype name without "torch."
@@ -58,7 +59,7 @@ class TensorEntry:
     chunks: tuple[ChunkRecord, ...]  # those with a storage record, in the metadata's order
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BytesEntry:
     fqn: str
     span: StorageSpan | None  # None when storage_data has no record for it
@@ -158,7 +159,8 @@ def _dtype(properties: Any, fqn: str) -> tuple[str, bool]:
 
 
 def _dtype_name(dtype: Any, requires_grad: Any, fqn: str) -> tuple[str, bool]:
-    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+    # the name ITEMSIZE keys (one string per dtype, not one per tensor), "torch." or not
+    name = _DTYPE_NAMES.get(dtype) if isinstance(dtype, str) else None
     if name not in ITEMSIZE:
         raise _bad(f"{fqn}: unknown dtype {dtype!r:.40}")
     return name, bool(requires_grad)
