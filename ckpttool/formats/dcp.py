@@ -40,7 +40,7 @@ from ckpttool.formats.dcp_metadata import (
     parse_metadata,
     span_of,
 )
-from ckpttool.formats.torch_zip import open_zip, read_torch_zip
+from ckpttool.formats.torch_zip import PickleCache, open_zip, read_torch_zip
 from ckpttool.formats.zip_index import ZipIndex
 from ckpttool.pickle.interpreter import PickleResult, load_pickle
 from ckpttool.records import (
@@ -65,6 +65,10 @@ METADATA = DCP_METADATA
 MAX_METADATA = 1 << 30  # as for a torch file's data.pkl
 MAX_RAW_VALUE = 64 << 20  # a value stored as raw bytes (a BytesIO, no archive) is kept up to this
 MAX_OPEN_FILES = 32  # data files held open at once (a 1024-rank checkpoint has 1024 of them)
+# An item's archive up to this size is read with one read and parsed in memory (a chunk's is
+# a few hundred bytes plus its tensor's); a larger one is parsed through a window, a range at a
+# time, so memory stays bounded by this whatever the chunks hold.
+MAX_IN_MEMORY = 1 << 20
 
 
 def present(span: StorageSpan, sizes: dict[str, int]) -> bool:
@@ -81,19 +85,23 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Window(io.RawIOBase):
-    """Bytes [base, base + length) of an open file as a file of their own: one item's archive."""
+    """Bytes [base, base + length) of an open data file as a file of their own: one item's
+    archive, read a range at a time (an archive too large to hold in memory at once).
+
+    It is sized by the window (``size``, as a remote file is), not by the data file: a record
+    that claims bytes past its archive is refused, not read from the next item's bytes.
+    """
 
     def __init__(self, fd: int | RangeReader, base: int, length: int) -> None:
         super().__init__()
         self._fd, self._base, self._length, self._pos = fd, base, length, 0
 
-    def fileno(self) -> int:
-        # The whole data file's descriptor (torch_zip sizes a handle with fstat): a bound
-        # looser than the window's that never rejects a valid archive. Offsets in the window
-        # are relative to its start: read through read()/seek(), not os.pread on this fd.
-        if not isinstance(self._fd, int):
-            raise io.UnsupportedOperation("a window of a remote file has no descriptor")
-        return self._fd
+    @property
+    def size(self) -> int:
+        return self._length
+
+    def read_range(self, offset: int, length: int) -> bytearray:
+        return read_range(self._fd, min(length, self._length - offset), self._base + offset)
 
     def readable(self) -> bool:
         return True
@@ -119,23 +127,22 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
-class _RemoteWindow(_Window):
-    """A window of a remote data file: sized by the window itself (it has no descriptor)."""
+class _ArchiveBytes(io.BytesIO):
+    """A small item's archive, read whole with one read and parsed from memory.
 
-    @property
-    def size(self) -> int:
-        return self._length
+    A DCP chunk's archive is a few hundred bytes: parsing it through a window took a dozen
+    small reads (end record, directory, local headers, data.pkl), half of the cost of reading
+    a chunk. ``source_size`` and ``read_range`` treat it as they treat a remote file.
+    """
+
+    def __init__(self, data: bytearray) -> None:
+        super().__init__(data)
+        self.size = len(data)
 
     def read_range(self, offset: int, length: int) -> bytearray:
-        return read_range(self._fd, min(length, self._length - offset), self._base + offset)
-
-
-def _window(source: int | RangeReader, base: int, length: int) -> _Window:
-    return (
-        _Window(source, base, length)
-        if isinstance(source, int)
-        else _RemoteWindow(source, base, length)
-    )
+        offset = max(0, offset)
+        with self.getbuffer() as view:
+            return bytearray(view[offset : offset + max(0, length)])
 
 
 class DcpFiles:
@@ -146,6 +153,7 @@ class DcpFiles:
         self.sizes = sizes  # data file -> size, for the files that exist
         self._fds: OrderedDict[str, int | RangeReader] = OrderedDict()
         self._chunks: dict[tuple[ChunkRecord, str], tuple[TensorRecord, int]] = {}
+        self.pickles = PickleCache()  # chunk archives' data.pkl walks (identical pickles)
 
     def fd(self, name: str) -> int | RangeReader:
         if name in self._fds:
@@ -169,18 +177,40 @@ class DcpFiles:
             raise CorruptCheckpointError(f"{name} ends inside an item's bytes (truncated)")
         return data
 
+    def _item(self, fd: int | RangeReader, span: StorageSpan) -> BinaryIO:
+        """The archive at ``span`` of ``fd`` as a file of its own: in memory if small, else a
+        window. A read that fails or comes back short (the file shrank) leaves it to the
+        window, so the zip reader meets that error where and as it always did."""
+        if span.length <= MAX_IN_MEMORY:
+            try:
+                data = read_range(fd, span.length, span.offset)
+            except OSError:
+                data = bytearray()
+            if len(data) == span.length:
+                return _ArchiveBytes(data)
+        return io.BufferedReader(_Window(fd, span.offset, span.length))
+
     def zip_directory(self, span: StorageSpan) -> ZipIndex:
         """The zip directory of the archive at ``span`` (offsets relative to its start)."""
-        return open_zip(io.BufferedReader(_window(self.fd(span.file), span.offset, span.length)))
+        return open_zip(self._item(self.fd(span.file), span))
 
-    def archive(self, span: StorageSpan, *, refuse_dangerous: bool = True) -> Parsed:
-        """The torch.save archive stored at ``span``, parsed (spans relative to its start)."""
+    def archive(
+        self, span: StorageSpan, *, refuse_dangerous: bool = True, shared: bool = False
+    ) -> Parsed:
+        """The torch.save archive stored at ``span``, parsed (spans relative to its start).
+
+        ``shared``: its pickle's walk may be shared with other archives' (a tensor chunk's,
+        whose tree is only read; see :class:`~ckpttool.formats.torch_zip.PickleCache`).
+        """
         if span.offset + span.length > self.sizes.get(span.file, -1):
             raise CorruptCheckpointError(f"{span}: past the end of {span.file} (truncated)")
-        window = _window(self.fd(span.file), span.offset, span.length)
+        fd = self.fd(span.file)
         try:
             return read_torch_zip(
-                io.BufferedReader(window), refuse_dangerous=refuse_dangerous, track_spans=False
+                self._item(fd, span),
+                refuse_dangerous=refuse_dangerous,
+                track_spans=False,
+                cache=self.pickles if shared else None,
             )
         except CkptError as error:  # inside a DCP directory, "not a checkpoint" is corruption
             kind = CorruptCheckpointError if isinstance(error, NotACheckpointError) else type(error)
@@ -195,7 +225,7 @@ class DcpFiles:
         if cached is None:
             span = span_of(chunk)
             if parsed is None:
-                parsed = self.archive(span)
+                parsed = self.archive(span, shared=True)
             record = parsed.root
             if not isinstance(record, TensorRecord) or record.storage is None:
                 raise CorruptCheckpointError(f"{span}: holds no tensor chunk")
