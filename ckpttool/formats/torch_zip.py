@@ -88,7 +88,7 @@ class PickleCache:
         if cached is not None:
             try:
                 replayed = [persistent_load(pid) for pid in cached.pids]
-            except Exception:  # noqa: BLE001 - the full walk raises it again, where it would
+            except Exception:  # any: the full walk below raises it again, where it would
                 replayed = None
             if replayed == cached.storages:
                 self._walks.move_to_end(key)
