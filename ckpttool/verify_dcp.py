@@ -75,7 +75,8 @@ def _check_item(
     try:
         problems = check_archive(files.fd(span.file), files.zip_directory(span), span.offset,
                                  progress)  # fmt: skip
-        parsed = files.archive(span, refuse_dangerous=False)
+        # a chunk's tree is only read here: its walk may be shared (a value's is its own)
+        parsed = files.archive(span, refuse_dangerous=False, shared=chunk is not None)
     except CkptError as error:
         return [f"{where}: {error}"]
     if parsed.pickle is not None:

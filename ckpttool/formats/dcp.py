@@ -249,21 +249,36 @@ class DcpFiles:
         import numpy as np
 
         record, base = self.chunk_tensor(chunk, storage)
-        if record.shape:
-            record = replace(
-                record,
-                shape=(stop - first, *record.shape[1:]),
-                storage_offset=record.storage_offset + first * record.stride[0],
-            )
+        shape, stride, offset = record.shape, record.stride, record.storage_offset
+        if shape:  # the rows' view of the chunk (no record copied for it: one per chunk read)
+            shape = (stop - first, *shape[1:])
+            offset += first * stride[0]
+        extent = offset  # as TensorRecord.extent, of that view
+        if math.prod(shape):
+            extent += 1 + sum((n - 1) * s for n, s in zip(shape, stride))
         itemsize = record.itemsize
-        start = record.storage_offset * itemsize
-        data = self.pread(chunk.file, base + start, record.extent * itemsize - start)
+        start = offset * itemsize
+        data = self.pread(chunk.file, base + start, extent * itemsize - start)
         return np.lib.stride_tricks.as_strided(
             np.frombuffer(data, dtype=f"V{itemsize}"),
-            shape=record.shape,
-            strides=tuple(s * itemsize for s in record.stride),
+            shape=shape,
+            strides=tuple(s * itemsize for s in stride),
             writeable=False,
         )
+
+    def _whole_chunk(
+        self, chunk: ChunkRecord, storage: ChunkedStorageRecord, start: int, length: int
+    ) -> bytearray | None:
+        """``length`` bytes from byte ``start`` of a tensor stored as one contiguous chunk: one
+        read, no NumPy (most tensors of a checkpoint that was not sharded). None if the chunk
+        is a part of its tensor or strided: rows are assembled then."""
+        if chunk.sizes != storage.shape or any(chunk.offsets):
+            return None
+        record, base = self.chunk_tensor(chunk, storage)
+        if record.stride != contiguous_stride(record.shape):
+            return None
+        at = base + record.storage_offset * record.itemsize + start
+        return self.pread(chunk.file, at, length)
 
     def read(self, storage: StorageRecord, start: int, stop: int) -> bytearray:
         """Bytes [start, stop) of a chunked tensor as if stored whole, contiguous, in one file.
@@ -292,6 +307,11 @@ class DcpFiles:
                         f"{storage.key}: {chunk.file} is missing or shorter than its items"
                     )
                 needed.append((chunk, low, high))
+        if len(storage.chunks) == 1 and needed and start >= 0 and stop <= storage.nbytes:
+            # from the first whole item, as the rows below are cut
+            whole = self._whole_chunk(needed[0][0], storage, first * itemsize, stop - start)
+            if whole is not None:
+                return whole
         buffer = bytearray((row_stop - row_first) * row * itemsize)
         rows = np.frombuffer(buffer, dtype=f"V{itemsize}").reshape(row_stop - row_first, *shape[1:])
         covered = 0
