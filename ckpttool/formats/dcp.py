@@ -195,22 +195,29 @@ class DcpFiles:
         return open_zip(self._item(self.fd(span.file), span))
 
     def archive(
-        self, span: StorageSpan, *, refuse_dangerous: bool = True, shared: bool = False
+        self,
+        span: StorageSpan,
+        *,
+        refuse_dangerous: bool = True,
+        shared: bool = False,
+        directory: ZipIndex | None = None,
     ) -> Parsed:
         """The torch.save archive stored at ``span``, parsed (spans relative to its start).
 
         ``shared``: its pickle's walk may be shared with other archives' (a tensor chunk's,
         whose tree is only read; see :class:`~ckpttool.formats.torch_zip.PickleCache`).
+        ``directory``: what :meth:`zip_directory` gave for ``span``, not to read it twice.
         """
         if span.offset + span.length > self.sizes.get(span.file, -1):
             raise CorruptCheckpointError(f"{span}: past the end of {span.file} (truncated)")
         fd = self.fd(span.file)
         try:
             return read_torch_zip(
-                self._item(fd, span),
+                self._item(fd, span) if directory is None else directory.handle,
                 refuse_dangerous=refuse_dangerous,
                 track_spans=False,
                 cache=self.pickles if shared else None,
+                directory=directory,
             )
         except CkptError as error:  # inside a DCP directory, "not a checkpoint" is corruption
             kind = CorruptCheckpointError if isinstance(error, NotACheckpointError) else type(error)

@@ -158,13 +158,15 @@ def read_torch_zip(
     refuse_dangerous: bool,
     track_spans: bool,
     cache: PickleCache | None = None,
+    directory: ZipIndex | None = None,
 ) -> Parsed:
     """The archive read through ``handle``: its tree, storages and where their bytes lie.
 
     With ``cache``, a small pickle's walk may be shared with an earlier archive's (see
-    :class:`PickleCache`): the caller must not change the returned tree.
+    :class:`PickleCache`): the caller must not change the returned tree. ``directory``: the
+    zip directory of ``handle``, if the caller has already read it (``open_zip(handle)``).
     """
-    archive = open_zip(handle)
+    archive = open_zip(handle) if directory is None else directory
     infos = archive.infolist()
     names = [info.filename for info in infos]
     if len(set(names)) != len(names):
