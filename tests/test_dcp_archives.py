@@ -28,7 +28,7 @@ from ckpttool.formats.dcp import DcpFiles, load_metadata, tensor_record
 from ckpttool.formats.dcp_metadata import TensorEntry
 from ckpttool.reader import open_checkpoint
 from ckpttool.records import ChunkRecord, StorageRecord
-from ckpttool.source import member_sizes
+from ckpttool.source import member_sizes, read_range
 from ckpttool.verify import verify_file
 from tests.support.dcp_cases import DCP, rewrite_metadata
 
@@ -384,3 +384,29 @@ def test_values_never_share_a_walk(tmp_path: Path) -> None:
         x, y = ckpt.root["x"], ckpt.root["y"]
         assert x is not y and x.state is not y.state
         assert x.state["tensor"].inline_data == torch.arange(3.0).numpy().tobytes()
+
+
+def test_small_archives_are_read_once_and_large_ones_a_range_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory stays bounded by MAX_IN_MEMORY: a larger archive goes through a window."""
+    directory = _save(tmp_path / "dcp", {"small": torch.ones(4), "large": torch.ones(300_000)})
+    lengths: list[int] = []
+
+    def recording(source: Any, length: int, offset: int) -> bytearray:
+        lengths.append(length)
+        return read_range(source, length, offset)
+
+    monkeypatch.setattr(dcp_format, "read_range", recording)
+    files = _files(directory)
+    try:
+        for chunk, storage in _chunks(directory):
+            lengths.clear()
+            files.chunk_tensor(chunk, storage)
+            if storage.key == "small":
+                assert lengths == [chunk.length]
+            else:
+                assert chunk.length > dcp_format.MAX_IN_MEMORY
+                assert lengths and max(lengths) <= 1 << 16, lengths
+    finally:
+        files.close()
