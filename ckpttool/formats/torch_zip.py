@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpttool.errors import CorruptCheckpointError, NotACheckpointError, ResourceLimitError
@@ -76,7 +77,7 @@ class PickleCache:
         self,
         data: bytes,
         persistent_load: PersistentLoad,
-        reset: Any,
+        reset: Callable[[], None],
         *,
         refuse_dangerous: bool,
         track_spans: bool,
