@@ -199,6 +199,27 @@ def test_a_tampered_archive_after_an_identical_one_reads_as_without_the_cache(
     assert [p for p in tested[-1][1] if p.startswith("t1")], tested[-1]  # verify names it
 
 
+def _lengthen_storage(archive: bytearray) -> None:
+    name = next(n for n in zipfile.ZipFile(io.BytesIO(bytes(archive))).namelist() if "/data/" in n)
+    entry = _central_entry(archive, name.encode())
+    for field in (20, 24):  # compressed and file size: past the archive, not the data file
+        size = struct.unpack_from("<L", archive, entry + field)[0]
+        struct.pack_into("<L", archive, entry + field, size + 2000)
+
+
+def test_a_storage_member_claiming_past_its_archive_reads_as_through_a_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """A local window is bounded by its data file's size (a bound that never rejects a valid
+    archive): an archive read from memory is bounded the same, so it reads the same."""
+    directory = _same_shapes(tmp_path / "dcp")
+    [(chunk, _)] = [pair for pair in _chunks(directory) if pair[1].key == "t1"]
+    _patch(directory, chunk, _lengthen_storage)
+    reference, tested = _both(directory, monkeypatch, mode)
+    assert tested == reference
+    assert [p for p in tested[-1][1] if p.startswith("t1") and "CRC-32" in p], tested[-1]
+
+
 def test_a_truncated_archive_reads_as_without_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
@@ -286,7 +307,7 @@ def _rezip(archive: bytes, change: Callable[[dict[str, bytes]], None]) -> bytes:
 def _read(archive: bytes, cache: torch_zip.PickleCache | None) -> Any:
     try:
         parsed = torch_zip.read_torch_zip(
-            dcp_format._ArchiveBytes(bytearray(archive)),
+            dcp_format._ArchiveBytes(bytearray(archive), len(archive)),
             refuse_dangerous=True,
             track_spans=False,
             cache=cache,

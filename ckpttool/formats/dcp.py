@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -85,23 +86,20 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Window(io.RawIOBase):
-    """Bytes [base, base + length) of an open data file as a file of their own: one item's
-    archive, read a range at a time (an archive too large to hold in memory at once).
-
-    It is sized by the window (``size``, as a remote file is), not by the data file: a record
-    that claims bytes past its archive is refused, not read from the next item's bytes.
-    """
+    """Bytes [base, base + length) of an open file as a file of their own: one item's archive,
+    read a range at a time (one too large to hold in memory at once: ``MAX_IN_MEMORY``)."""
 
     def __init__(self, fd: int | RangeReader, base: int, length: int) -> None:
         super().__init__()
         self._fd, self._base, self._length, self._pos = fd, base, length, 0
 
-    @property
-    def size(self) -> int:
-        return self._length
-
-    def read_range(self, offset: int, length: int) -> bytearray:
-        return read_range(self._fd, min(length, self._length - offset), self._base + offset)
+    def fileno(self) -> int:
+        # The whole data file's descriptor (torch_zip sizes a handle with fstat): a bound
+        # looser than the window's that never rejects a valid archive. Offsets in the window
+        # are relative to its start: read through read()/seek(), not os.pread on this fd.
+        if not isinstance(self._fd, int):
+            raise io.UnsupportedOperation("a window of a remote file has no descriptor")
+        return self._fd
 
     def readable(self) -> bool:
         return True
@@ -127,19 +125,41 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+class _RemoteWindow(_Window):
+    """A window of a remote data file: sized by the window itself (it has no descriptor)."""
+
+    @property
+    def size(self) -> int:
+        return self._length
+
+    def read_range(self, offset: int, length: int) -> bytearray:
+        return read_range(self._fd, min(length, self._length - offset), self._base + offset)
+
+
+def _window(source: int | RangeReader, base: int, length: int) -> _Window:
+    return (
+        _Window(source, base, length)
+        if isinstance(source, int)
+        else _RemoteWindow(source, base, length)
+    )
+
+
 class _ArchiveBytes(io.BytesIO):
     """A small item's archive, read whole with one read and parsed from memory.
 
     A DCP chunk's archive is a few hundred bytes: parsing it through a window took a dozen
     small reads (end record, directory, local headers, data.pkl), half of the cost of reading
-    a chunk. ``source_size`` and ``read_range`` treat it as they treat a remote file.
+    a chunk. ``source_size`` takes its ``size``: the bound a window gives the zip reader's
+    checks (the whole data file's size for a local file, the archive's for a remote one), so
+    every archive reads as it does through a window.
     """
 
-    def __init__(self, data: bytearray) -> None:
+    def __init__(self, data: bytearray, size: int) -> None:
         super().__init__(data)
-        self.size = len(data)
+        self.size = size
 
     def read_range(self, offset: int, length: int) -> bytearray:
+        """Bytes of the archive (only what it holds: ``size`` may bound more)."""
         offset = max(0, offset)
         with self.getbuffer() as view:
             return bytearray(view[offset : offset + max(0, length)])
@@ -184,11 +204,12 @@ class DcpFiles:
         if span.length <= MAX_IN_MEMORY:
             try:
                 data = read_range(fd, span.length, span.offset)
+                bound = os.fstat(fd).st_size if isinstance(fd, int) else span.length
             except OSError:
-                data = bytearray()
-            if len(data) == span.length:
-                return _ArchiveBytes(data)
-        return io.BufferedReader(_Window(fd, span.offset, span.length))
+                data, bound = bytearray(), -1
+            if len(data) == span.length and bound >= 0:
+                return _ArchiveBytes(data, bound)
+        return io.BufferedReader(_window(fd, span.offset, span.length))
 
     def zip_directory(self, span: StorageSpan) -> ZipIndex:
         """The zip directory of the archive at ``span`` (offsets relative to its start)."""
