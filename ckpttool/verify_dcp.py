@@ -73,9 +73,12 @@ def _check_item(
     if files.pread(span.file, span.offset, min(4, span.length)) != b"PK\x03\x04":
         return []  # a value saved as raw bytes (a BytesIO): no structure to check
     try:
-        problems = check_archive(files.fd(span.file), files.zip_directory(span), span.offset,
-                                 progress)  # fmt: skip
-        parsed = files.archive(span, refuse_dangerous=False)
+        directory = files.zip_directory(span)
+        problems = check_archive(files.fd(span.file), directory, span.offset, progress)
+        # a chunk's tree is only read here: its walk may be shared (a value's is its own)
+        parsed = files.archive(
+            span, refuse_dangerous=False, shared=chunk is not None, directory=directory
+        )
     except CkptError as error:
         return [f"{where}: {error}"]
     if parsed.pickle is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -40,7 +41,7 @@ from ckpttool.formats.dcp_metadata import (
     parse_metadata,
     span_of,
 )
-from ckpttool.formats.torch_zip import open_zip, read_torch_zip
+from ckpttool.formats.torch_zip import PickleCache, open_zip, read_torch_zip
 from ckpttool.formats.zip_index import ZipIndex
 from ckpttool.pickle.interpreter import PickleResult, load_pickle
 from ckpttool.records import (
@@ -65,6 +66,10 @@ METADATA = DCP_METADATA
 MAX_METADATA = 1 << 30  # as for a torch file's data.pkl
 MAX_RAW_VALUE = 64 << 20  # a value stored as raw bytes (a BytesIO, no archive) is kept up to this
 MAX_OPEN_FILES = 32  # data files held open at once (a 1024-rank checkpoint has 1024 of them)
+# An item's archive up to this size is read with one read and parsed in memory (a chunk's is
+# a few hundred bytes plus its tensor's); a larger one is parsed through a window, a range at a
+# time, so memory stays bounded by this whatever the chunks hold.
+MAX_IN_MEMORY = 1 << 20
 
 
 def present(span: StorageSpan, sizes: dict[str, int]) -> bool:
@@ -81,7 +86,8 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Window(io.RawIOBase):
-    """Bytes [base, base + length) of an open file as a file of their own: one item's archive."""
+    """Bytes [base, base + length) of an open file as a file of their own: one item's archive,
+    read a range at a time (one too large to hold in memory at once: ``MAX_IN_MEMORY``)."""
 
     def __init__(self, fd: int | RangeReader, base: int, length: int) -> None:
         super().__init__()
@@ -138,6 +144,27 @@ def _window(source: int | RangeReader, base: int, length: int) -> _Window:
     )
 
 
+class _ArchiveBytes(io.BytesIO):
+    """A small item's archive, read whole with one read and parsed from memory.
+
+    A DCP chunk's archive is a few hundred bytes: parsing it through a window took a dozen
+    small reads (end record, directory, local headers, data.pkl), half of the cost of reading
+    a chunk. ``source_size`` takes its ``size``: the bound a window gives the zip reader's
+    checks (the whole data file's size for a local file, the archive's for a remote one), so
+    every archive reads as it does through a window.
+    """
+
+    def __init__(self, data: bytearray, size: int) -> None:
+        super().__init__(data)
+        self.size = size
+
+    def read_range(self, offset: int, length: int) -> bytearray:
+        """Bytes of the archive (only what it holds: ``size`` may bound more)."""
+        offset = max(0, offset)
+        with self.getbuffer() as view:
+            return bytearray(view[offset : offset + max(0, length)])
+
+
 class DcpFiles:
     """The data files of one DCP directory: opened on demand, parsed item by item, closed."""
 
@@ -146,6 +173,7 @@ class DcpFiles:
         self.sizes = sizes  # data file -> size, for the files that exist
         self._fds: OrderedDict[str, int | RangeReader] = OrderedDict()
         self._chunks: dict[tuple[ChunkRecord, str], tuple[TensorRecord, int]] = {}
+        self.pickles = PickleCache()  # chunk archives' data.pkl walks (identical pickles)
 
     def fd(self, name: str) -> int | RangeReader:
         if name in self._fds:
@@ -169,18 +197,48 @@ class DcpFiles:
             raise CorruptCheckpointError(f"{name} ends inside an item's bytes (truncated)")
         return data
 
+    def _item(self, fd: int | RangeReader, span: StorageSpan) -> BinaryIO:
+        """The archive at ``span`` of ``fd`` as a file of its own: in memory if small, else a
+        window. A read that fails or comes back short (the file shrank) leaves it to the
+        window, so the zip reader meets that error where and as it always did."""
+        if span.length <= MAX_IN_MEMORY:
+            try:
+                data = read_range(fd, span.length, span.offset)
+                bound = os.fstat(fd).st_size if isinstance(fd, int) else span.length
+            except OSError:
+                data, bound = bytearray(), -1
+            if len(data) == span.length and bound >= 0:
+                return _ArchiveBytes(data, bound)
+        return io.BufferedReader(_window(fd, span.offset, span.length))
+
     def zip_directory(self, span: StorageSpan) -> ZipIndex:
         """The zip directory of the archive at ``span`` (offsets relative to its start)."""
-        return open_zip(io.BufferedReader(_window(self.fd(span.file), span.offset, span.length)))
+        return open_zip(self._item(self.fd(span.file), span))
 
-    def archive(self, span: StorageSpan, *, refuse_dangerous: bool = True) -> Parsed:
-        """The torch.save archive stored at ``span``, parsed (spans relative to its start)."""
+    def archive(
+        self,
+        span: StorageSpan,
+        *,
+        refuse_dangerous: bool = True,
+        shared: bool = False,
+        directory: ZipIndex | None = None,
+    ) -> Parsed:
+        """The torch.save archive stored at ``span``, parsed (spans relative to its start).
+
+        ``shared``: its pickle's walk may be shared with other archives' (a tensor chunk's,
+        whose tree is only read; see :class:`~ckpttool.formats.torch_zip.PickleCache`).
+        ``directory``: what :meth:`zip_directory` gave for ``span``, not to read it twice.
+        """
         if span.offset + span.length > self.sizes.get(span.file, -1):
             raise CorruptCheckpointError(f"{span}: past the end of {span.file} (truncated)")
-        window = _window(self.fd(span.file), span.offset, span.length)
+        fd = self.fd(span.file)
         try:
             return read_torch_zip(
-                io.BufferedReader(window), refuse_dangerous=refuse_dangerous, track_spans=False
+                self._item(fd, span) if directory is None else directory.handle,
+                refuse_dangerous=refuse_dangerous,
+                track_spans=False,
+                cache=self.pickles if shared else None,
+                directory=directory,
             )
         except CkptError as error:  # inside a DCP directory, "not a checkpoint" is corruption
             kind = CorruptCheckpointError if isinstance(error, NotACheckpointError) else type(error)
@@ -195,7 +253,7 @@ class DcpFiles:
         if cached is None:
             span = span_of(chunk)
             if parsed is None:
-                parsed = self.archive(span)
+                parsed = self.archive(span, shared=True)
             record = parsed.root
             if not isinstance(record, TensorRecord) or record.storage is None:
                 raise CorruptCheckpointError(f"{span}: holds no tensor chunk")
@@ -219,21 +277,36 @@ class DcpFiles:
         import numpy as np
 
         record, base = self.chunk_tensor(chunk, storage)
-        if record.shape:
-            record = replace(
-                record,
-                shape=(stop - first, *record.shape[1:]),
-                storage_offset=record.storage_offset + first * record.stride[0],
-            )
+        shape, stride, offset = record.shape, record.stride, record.storage_offset
+        if shape:  # the rows' view of the chunk (no record copied for it: one per chunk read)
+            shape = (stop - first, *shape[1:])
+            offset += first * stride[0]
+        extent = offset  # as TensorRecord.extent, of that view
+        if math.prod(shape):
+            extent += 1 + sum((n - 1) * s for n, s in zip(shape, stride))
         itemsize = record.itemsize
-        start = record.storage_offset * itemsize
-        data = self.pread(chunk.file, base + start, record.extent * itemsize - start)
+        start = offset * itemsize
+        data = self.pread(chunk.file, base + start, extent * itemsize - start)
         return np.lib.stride_tricks.as_strided(
             np.frombuffer(data, dtype=f"V{itemsize}"),
-            shape=record.shape,
-            strides=tuple(s * itemsize for s in record.stride),
+            shape=shape,
+            strides=tuple(s * itemsize for s in stride),
             writeable=False,
         )
+
+    def _whole_chunk(
+        self, chunk: ChunkRecord, storage: ChunkedStorageRecord, start: int, length: int
+    ) -> bytearray | None:
+        """``length`` bytes from byte ``start`` of a tensor stored as one contiguous chunk: one
+        read, no NumPy (most tensors of a checkpoint that was not sharded). None if the chunk
+        is a part of its tensor or strided: rows are assembled then."""
+        if chunk.sizes != storage.shape or any(chunk.offsets):
+            return None
+        record, base = self.chunk_tensor(chunk, storage)
+        if record.stride != contiguous_stride(record.shape):
+            return None
+        at = base + record.storage_offset * record.itemsize + start
+        return self.pread(chunk.file, at, length)
 
     def read(self, storage: StorageRecord, start: int, stop: int) -> bytearray:
         """Bytes [start, stop) of a chunked tensor as if stored whole, contiguous, in one file.
@@ -262,6 +335,11 @@ class DcpFiles:
                         f"{storage.key}: {chunk.file} is missing or shorter than its items"
                     )
                 needed.append((chunk, low, high))
+        if len(storage.chunks) == 1 and needed and start >= 0 and stop <= storage.nbytes:
+            # from the first whole item, as the rows below are cut
+            whole = self._whole_chunk(needed[0][0], storage, first * itemsize, stop - start)
+            if whole is not None:
+                return whole
         buffer = bytearray((row_stop - row_first) * row * itemsize)
         rows = np.frombuffer(buffer, dtype=f"V{itemsize}").reshape(row_stop - row_first, *shape[1:])
         covered = 0

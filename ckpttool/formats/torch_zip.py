@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import Any, BinaryIO
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, BinaryIO, NamedTuple
 
 from ckpttool.errors import CorruptCheckpointError, NotACheckpointError, ResourceLimitError
 from ckpttool.formats.base import Parsed
@@ -22,7 +24,7 @@ from ckpttool.formats.zip_index import (
     read_local_header,
 )  # fmt: skip
 from ckpttool.pickle.emulation import STORAGE_DTYPES
-from ckpttool.pickle.interpreter import load_pickle
+from ckpttool.pickle.interpreter import PersistentLoad, PickleResult, load_pickle
 from ckpttool.records import GlobalRef, StorageRecord, fits_int64
 from ckpttool.source import source_size
 
@@ -33,6 +35,88 @@ MAX_INFLATED = 64 << 20
 # What reading a hostile archive can raise: BadZipError (a ValueError), bad names
 # (UnicodeDecodeError, a ValueError), short reads, broken deflate streams.
 ZIP_ERRORS = (OSError, EOFError, ValueError, struct.error, OverflowError, zlib.error)
+# A walk is reused only for pickles up to this size (a DCP chunk's is ~150 bytes), so a cache
+# of PICKLE_CACHE_ENTRIES walks holds at most a few hundred KB of keys and small trees.
+MAX_CACHED_PICKLE = 4096
+PICKLE_CACHE_ENTRIES = 128
+
+
+class _Walk(NamedTuple):
+    """One walk of a pickle: the persistent ids it loaded, in order, what they gave, its result."""
+
+    pids: list[Any]
+    storages: list[Any]
+    result: PickleResult
+
+
+class PickleCache:
+    """Walks of small ``data.pkl`` pickles, reused for archives whose pickle is the same bytes.
+
+    A DCP directory stores one archive per tensor chunk, and chunks of one shape and dtype
+    have byte-identical pickles (100,000 of them in a 100,000-tensor checkpoint): walking each
+    was most of the cost of reading a chunk. A walk's result depends on the bytes, the flags,
+    and what ``persistent_load`` gives for each persistent id (the archive's storage records:
+    member name, size, byteorder). So a walk is reused only after the new archive's own
+    ``persistent_load`` ran on every id the first walk loaded, in the same order (every check
+    it makes runs again, against this archive), and gave storages equal to the first walk's;
+    on any difference or error the pickle is walked in full, so results and error messages are
+    exactly those of an uncached read. The trees it hands out are shared: callers must not
+    change them (DCP's values, whose tensors get their bytes inlined, are read without it).
+    """
+
+    def __init__(self, entries: int = PICKLE_CACHE_ENTRIES) -> None:
+        self.entries = entries
+        self._walks: OrderedDict[tuple[bytes, bool, bool], _Walk] = OrderedDict()
+        self.walks = 0  # full walks of cacheable pickles (a test counts them)
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._walks)
+
+    def load(
+        self,
+        data: bytes,
+        persistent_load: PersistentLoad,
+        reset: Callable[[], None],
+        *,
+        refuse_dangerous: bool,
+        track_spans: bool,
+    ) -> PickleResult:
+        """``load_pickle(data, ...)``, or an earlier walk's result where that is sound
+        (``reset()`` undoes what a replay's ``persistent_load`` calls recorded)."""
+        key = (data, refuse_dangerous, track_spans)
+        cached = self._walks.get(key)
+        if cached is not None:
+            try:
+                replayed = [persistent_load(pid) for pid in cached.pids]
+            except Exception:  # any: the full walk below raises it again, where it would
+                replayed = None
+            if replayed == cached.storages:
+                self._walks.move_to_end(key)
+                self.hits += 1
+                return cached.result
+            reset()
+        pids: list[Any] = []
+        storages: list[Any] = []
+
+        def recording(pid: Any) -> Any:
+            storage = persistent_load(pid)
+            pids.append(pid)
+            storages.append(storage)
+            return storage
+
+        self.walks += 1
+        result = load_pickle(
+            data,
+            persistent_load=recording,
+            refuse_dangerous=refuse_dangerous,
+            track_spans=track_spans,
+        )
+        self._walks[key] = _Walk(pids, storages, result)
+        self._walks.move_to_end(key)
+        if len(self._walks) > self.entries:
+            self._walks.popitem(last=False)
+        return result
 
 
 def storage_dtype(storage_type: Any) -> str:
@@ -69,8 +153,21 @@ def find_data_pkl(names: list[str]) -> str:
     return candidates[0]
 
 
-def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: bool) -> Parsed:
-    archive = open_zip(handle)
+def read_torch_zip(
+    handle: BinaryIO,
+    *,
+    refuse_dangerous: bool,
+    track_spans: bool,
+    cache: PickleCache | None = None,
+    directory: ZipIndex | None = None,
+) -> Parsed:
+    """The archive read through ``handle``: its tree, storages and where their bytes lie.
+
+    With ``cache``, a small pickle's walk may be shared with an earlier archive's (see
+    :class:`PickleCache`): the caller must not change the returned tree. ``directory``: the
+    zip directory of ``handle``, if the caller has already read it (``open_zip(handle)``).
+    """
+    archive = open_zip(handle) if directory is None else directory
     infos = archive.infolist()
     names = [info.filename for info in infos]
     if len(set(names)) != len(names):
@@ -119,12 +216,21 @@ def read_torch_zip(handle: BinaryIO, *, refuse_dangerous: bool, track_spans: boo
         storages[key] = storage
         return storage
 
-    result = load_pickle(
-        pickle_bytes,
-        persistent_load=persistent_load,
-        refuse_dangerous=refuse_dangerous,
-        track_spans=track_spans,
-    )
+    if cache is not None and len(pickle_bytes) <= MAX_CACHED_PICKLE:
+        result = cache.load(
+            pickle_bytes,
+            persistent_load,
+            storages.clear,
+            refuse_dangerous=refuse_dangerous,
+            track_spans=track_spans,
+        )
+    else:
+        result = load_pickle(
+            pickle_bytes,
+            persistent_load=persistent_load,
+            refuse_dangerous=refuse_dangerous,
+            track_spans=track_spans,
+        )
 
     # each record's local header is read once; its data start is kept (the length is the
     # member's size: a tuple per record was 6 MB at 100,000)

@@ -89,6 +89,11 @@ class ZipIndex:
         self.filelist: list[ZipMember] = self._read_directory(start_dir, dir_size, count)
         self.NameToInfo: dict[str, ZipMember] = {m.filename: m for m in self.filelist}
 
+    @property
+    def handle(self) -> BinaryIO:
+        """What the directory was read through (its members are read through it too)."""
+        return self._handle
+
     # -- zipfile.ZipFile's read-side names ----------------------------------------------------
     def infolist(self) -> list[ZipMember]:
         return list(self.filelist)
