@@ -172,7 +172,9 @@ class DcpFiles:
         self.directory = directory  # a local directory, or a URL (str)
         self.sizes = sizes  # data file -> size, for the files that exist
         self._fds: OrderedDict[str, int | RangeReader] = OrderedDict()
-        self._chunks: dict[tuple[ChunkRecord, str], tuple[TensorRecord, int]] = {}
+        # each chunk's tensor as checked, and where its bytes start (keyed by the chunk alone: a
+        # pair key was 6 MB at 100,000 chunks; the dtype it was checked against is the record's)
+        self._chunks: dict[ChunkRecord, tuple[TensorRecord, int]] = {}
         self.pickles = PickleCache()  # chunk archives' data.pkl walks (identical pickles)
 
     def fd(self, name: str) -> int | RangeReader:
@@ -249,8 +251,8 @@ class DcpFiles:
     ) -> tuple[TensorRecord, int]:
         """The chunk's tensor as its archive describes it, and where its storage's bytes start
         (``parsed``: the chunk's archive, if the caller has already parsed it)."""
-        cached = self._chunks.get((chunk, storage.dtype))
-        if cached is None:
+        cached = self._chunks.get(chunk)
+        if cached is None or cached[0].dtype != storage.dtype:  # (a chunk of two tensors)
             span = span_of(chunk)
             if parsed is None:
                 parsed = self.archive(span, shared=True)
@@ -269,7 +271,7 @@ class DcpFiles:
             if record.storage.byteorder != "little":
                 raise CorruptCheckpointError(f"{where} is big-endian, which ckpttool does not read")
             cached = (record, chunk.offset + start)
-            self._chunks[(chunk, storage.dtype)] = cached
+            self._chunks[chunk] = cached
         return cached
 
     def _chunk_rows(self, chunk: ChunkRecord, storage: StorageRecord, first: int, stop: int) -> Any:
@@ -376,7 +378,7 @@ def load_metadata(handle: BinaryIO, *, refuse_dangerous: bool) -> tuple[PickleRe
 def _file_problems(meta: DcpMetadata, sizes: dict[str, int]) -> list[str]:
     """Missing data files, and files shorter or longer than the items they should hold."""
     ends: dict[str, int] = {}
-    for _, span in meta.items():
+    for span in meta.spans():
         ends[span.file] = max(ends.get(span.file, 0), span.offset + span.length)
     problems = []
     for name, end in sorted(ends.items()):
@@ -430,20 +432,27 @@ def _inline_tensors(node: Any, inline: dict[StorageRecord, bytes]) -> Any:
     return node
 
 
-def tensor_record(entry: TensorEntry) -> TensorRecord:
-    """A DCP tensor as the reader's record: global shape, contiguous, chunked storage."""
+def tensor_record(
+    entry: TensorEntry, strides: dict[tuple[int, ...], tuple[int, ...]] | None = None
+) -> TensorRecord:
+    """A DCP tensor as the reader's record: global shape, contiguous, chunked storage (its
+    record "dcp": found by its key). ``strides``: shape -> stride, shared by the records made."""
     numel = math.prod(entry.shape)
     storage = ChunkedStorageRecord(
         key=entry.fqn,
         dtype=entry.dtype,
         numel=numel,
         location="cpu",
-        record=f"dcp:{entry.fqn}",
+        record="dcp",
         data_size=numel * ITEMSIZE[entry.dtype],
         chunks=entry.chunks,
         shape=entry.shape,
     )
-    stride = contiguous_stride(entry.shape)
+    stride = strides.get(entry.shape) if strides is not None else None
+    if stride is None:
+        stride = contiguous_stride(entry.shape)
+        if strides is not None:
+            strides[entry.shape] = stride
     return TensorRecord("", entry.dtype, entry.shape, stride, 0, storage, entry.requires_grad)
 
 
@@ -459,10 +468,11 @@ def read_dcp(
         raise CorruptCheckpointError(f"{directory}: {problems[0]}")
     files = DcpFiles(directory, sizes)
     values: dict[str, Any] = {}
+    strides: dict[tuple[int, ...], tuple[int, ...]] = {}
     try:
         for entry in meta.entries:
             if isinstance(entry, TensorEntry):
-                values[entry.fqn] = tensor_record(entry)
+                values[entry.fqn] = tensor_record(entry, strides)
                 continue
             if entry.span is not None and not present(entry.span, sizes):
                 values[entry.fqn] = None  # its file is missing or short: reported above
@@ -475,6 +485,7 @@ def read_dcp(
                 problems.append(str(error))
                 values[entry.fqn] = None
         root = nested_tree(meta, values)
+        meta.paths.clear()  # read by nested_tree only (two objects an entry)
     except BaseException:
         files.close()
         raise
