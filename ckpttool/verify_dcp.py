@@ -35,24 +35,25 @@ def check_dcp(
     dangerous: set[str] = set()
     # each tensor chunk's archive is checked against the metadata when its item is read
     chunks: dict[StorageSpan, tuple[ChunkRecord, StorageRecord]] = {}
+    strides: dict[tuple[int, ...], tuple[int, ...]] = {}
     for entry in meta.entries:
         if isinstance(entry, TensorEntry):
-            storage = tensor_record(entry).storage
+            storage = tensor_record(entry, strides).storage
             assert storage is not None
             chunks.update((span_of(chunk), (chunk, storage)) for chunk in entry.chunks)
+    count = 0
     try:
-        items = [(what, span) for what, span in meta.items() if present(span, sizes)]
-        for what, span in items:
-            problems += _check_item(
-                files, span, f"{what} in {span}", dangerous, progress, chunks.get(span)
-            )
+        for what, span in meta.items():
+            if present(span, sizes):
+                count += 1
+                problems += _check_item(files, span, what, dangerous, progress, chunks.get(span))
     finally:
         files.close()
     if dangerous:
         problems.append(never_load_problem("the data files' pickles call", dangerous))
     checked = [
         f"data files: each present and as long as its items ({len(meta.files)} files)",
-        f"{len(items)} items: zip directory, CRC-32 of every record, chunk dtype/shape/extent",
+        f"{count} items: zip directory, CRC-32 of every record, chunk dtype/shape/extent",
     ]
     spare = [n for n in list_names(directory) if n.endswith(".distcp") and n not in meta.files]
     if spare:
@@ -63,13 +64,14 @@ def check_dcp(
 def _check_item(
     files: DcpFiles,
     span: StorageSpan,
-    where: str,
+    what: str,
     dangerous: set[str],
     progress: ProgressCallback | None,
     chunk: tuple[ChunkRecord, StorageRecord] | None,
 ) -> list[str]:
-    """One item: its archive's records and CRCs, its pickle walked once (dangerous globals
-    collected), and, for a tensor chunk, its tensor against the metadata."""
+    """One item (``what`` it holds, at ``span``): its archive's records and CRCs, its pickle
+    walked once (dangerous globals collected), and, for a tensor chunk, its tensor against the
+    metadata."""
     if files.pread(span.file, span.offset, min(4, span.length)) != b"PK\x03\x04":
         return []  # a value saved as raw bytes (a BytesIO): no structure to check
     try:
@@ -80,12 +82,12 @@ def _check_item(
             span, refuse_dangerous=False, shared=chunk is not None, directory=directory
         )
     except CkptError as error:
-        return [f"{where}: {error}"]
+        return [f"{what} in {span}: {error}"]
     if parsed.pickle is not None:
         dangerous.update(
             f"{m}.{n}" for m, n, v in parsed.pickle.globals_seen if v is Verdict.DANGEROUS
         )
-    found = [f"{where}: {problem}" for problem in problems]
+    found = [f"{what} in {span}: {problem}" for problem in problems]
     if chunk is not None and not found:
         try:
             files.chunk_tensor(*chunk, parsed=parsed)
