@@ -46,7 +46,7 @@ def _walk(data: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str,
         return tree, total, reused
 
     monkeypatch.setattr(interpreter, "_finalize", counted)
-    unpickler = SafeUnpickler(data, fast_path=fast)
+    unpickler = SafeUnpickler(data, fast_path=fast, compact=True)
     try:
         result = unpickler.load()
         try:
@@ -201,7 +201,7 @@ def test_tensor_entries_of_one_kind_are_read_with_one_layout(
     data = pickle.dumps(_metadata(tensors))
     # 40 tensor entries, 50 chunks of a MetadataIndex and a _StorageInfo; each first by the loop
     assert _same(data, monkeypatch)["records"] == 40 + 2 * 50 - 3
-    unpickler = SafeUnpickler(data)
+    unpickler = SafeUnpickler(data, compact=True)
     unpickler.load()
     # the first entry names its class (general loop), the next three make a layout each
     assert len(unpickler.dcp_layouts) == 4
@@ -293,14 +293,14 @@ def test_a_redo_keeps_the_walks_time_budget(monkeypatch: pytest.MonkeyPatch) -> 
     readings = {}
     for fast in (True, False):
         calls[0] = 0
-        SafeUnpickler(plain, fast_path=fast).load()
+        SafeUnpickler(plain, fast_path=fast, compact=True).load()
         readings[fast] = calls[0]
     # enough for either walk alone, not for both
     monkeypatch.setattr(interpreter, "MAX_SECONDS", float(max(readings.values()) + 10))
     with pytest.raises(CkptError, match="to walk"):
-        SafeUnpickler(data).load()
+        SafeUnpickler(data, compact=True).load()
     monkeypatch.setattr(interpreter, "MAX_SECONDS", float(sum(readings.values()) + 10))
-    assert SafeUnpickler(data).load().root is not None
+    assert SafeUnpickler(data, compact=True).load().root is not None
 
 
 def test_a_size_equal_to_a_checked_one_is_still_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -311,3 +311,16 @@ def test_a_size_equal_to_a_checked_one_is_still_checked(monkeypatch: pytest.Monk
     tensor.chunks[0] = ChunkStorageMetadata(torch.Size([0, 0]), (4.0, 4))  # type: ignore[arg-type]
     outcome = _same(pickle.dumps(metadata), monkeypatch)["outcome"]
     assert outcome[0] == "refused" and "chunk sizes is (4.0, 4)" in outcome[2]
+
+
+def test_only_a_dcp_metadata_walk_makes_records() -> None:
+    """Any other pickle naming these classes (a hostile data.pkl) gets the general loop's
+    objects: other readers do not know the records."""
+    data = pickle.dumps(LAYOUTS["plain"])
+    asked = SafeUnpickler(data, compact=True)
+    asked.load()
+    unpickler = SafeUnpickler(data)
+    state = unpickler.load().root.state
+    assert asked.compacts > 0 and unpickler.compacts == 0
+    kinds = {type(v).__name__ for v in state["state_dict_metadata"].values()}
+    assert kinds == {"OpaqueObject"}

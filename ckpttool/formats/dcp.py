@@ -369,7 +369,8 @@ def load_metadata(handle: BinaryIO, *, refuse_dangerous: bool) -> tuple[PickleRe
     size = source_size(handle)
     if size > MAX_METADATA:
         raise ResourceLimitError(f".metadata has {size:,} bytes")
-    result = load_pickle(handle.read(), refuse_dangerous=refuse_dangerous)
+    # compact: its entries as dcp_call's records, which parse_metadata reads
+    result = load_pickle(handle.read(), refuse_dangerous=refuse_dangerous, compact=True)
     meta = parse_metadata(result.root)
     result.root = None  # the walked tree: 70 MB at 100,000 entries, and read only here
     return result, meta

@@ -127,6 +127,7 @@ class SafeUnpickler:
         refuse_dangerous: bool = True,
         track_spans: bool = False,
         fast_path: bool | None = None,
+        compact: bool = False,
     ) -> None:
         self.data = memoryview(data)
         # text opcodes search for their newline in the bytes themselves (memoryview has no
@@ -140,7 +141,10 @@ class SafeUnpickler:
         # through the general loop; the differential tests compare both; span tracking needs
         # the general loop)
         self.fast_path = FAST_PATH if fast_path is None else fast_path
-        self.compact = self.fast_path and not track_spans  # ``dcp_call`` (off for a redo)
+        # ``dcp_call``: only where asked (a DCP .metadata, whose reader knows its records: in
+        # any other tree they would stand where readers expect the general loop's objects);
+        # off for a redo
+        self.compact = compact and self.fast_path and not track_spans
         self._reset()
 
     def _reset(self) -> None:
@@ -1059,6 +1063,7 @@ def load_pickle(
     refuse_dangerous: bool = True,
     track_spans: bool = False,
     fast_path: bool | None = None,
+    compact: bool = False,
 ) -> PickleResult:
     """Read one pickle safely; see :class:`SafeUnpickler`.
 
@@ -1076,6 +1081,7 @@ def load_pickle(
         refuse_dangerous=refuse_dangerous,
         track_spans=track_spans,
         fast_path=fast_path,
+        compact=compact,
     )
     paused = gc.isenabled()
     if paused:
