@@ -186,7 +186,8 @@ def _checked_span(
         plain.add(file)
     if not _is_count(offset) or not _is_count(length):
         raise _bad(f"{file}: a byte range with offset {offset!r:.40} length {length!r:.40}")
-    transforms = transforms or ()
+    if not transforms:  # None, or none listed: what DCP writes unless it compresses
+        return StorageSpan(file, offset, length)
     if not isinstance(transforms, (list, tuple)):
         raise _bad(f"{file}: transform_descriptors is a {type(transforms).__name__}")
     return StorageSpan(file, offset, length, tuple(str(t) for t in transforms))
@@ -280,6 +281,8 @@ def coverage_problems(fqn: str, shape: tuple[int, ...], chunks: list[ChunkRecord
     Overlaps are looked for among up to MAX_PAIRWISE chunks (a sweep, quadratic at worst);
     beyond that only the element count is checked.
     """
+    if len(chunks) == 1 and chunks[0].sizes == shape:  # one chunk, the whole tensor (the caller
+        return []  # refused one that is offset: it would reach outside the tensor)
     ordered = sorted(chunks, key=lambda c: c.offsets) if len(chunks) <= MAX_PAIRWISE else []
     for i, chunk in enumerate(ordered):
         for other in ordered[i + 1 :]:
