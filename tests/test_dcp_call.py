@@ -12,6 +12,7 @@ call), and every single-byte mutation of a small metadata pickle's entries.
 from __future__ import annotations
 
 import pickle
+import pickletools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckpttool.errors import CkptError
 from ckpttool.formats.dcp_metadata import parse_metadata
-from ckpttool.pickle import interpreter
+from ckpttool.pickle import dcp_call, interpreter
 from ckpttool.pickle.interpreter import SafeUnpickler
 from tests.support.dcp_cases import DCP
 
@@ -192,19 +193,25 @@ def test_the_fast_path_reads_nearly_every_entry(monkeypatch: pytest.MonkeyPatch)
     assert _same(data, monkeypatch)["records"] == 3 * 299
 
 
-def test_tensor_entries_of_one_kind_are_read_with_one_layout(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_records_of_one_kind_are_read_with_one_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     kinds = [((4, 4), [((0, 0), (4, 4))]), ((8,), [((0,), (8,))]), ((70000,), [((0,), (70000,))]),
              ((8, 8), [((0, 0), (3, 8)), ((3, 0), (5, 8))])]  # fmt: skip
-    tensors = {f"t{i}": kinds[i % 4] for i in range(40)}
+    tensors = {f"t{i}": kinds[i % 4] for i in range(400)}
     data = pickle.dumps(_metadata(tensors))
-    # 40 tensor entries, 50 chunks of a MetadataIndex and a _StorageInfo; each first by the loop
-    assert _same(data, monkeypatch)["records"] == 40 + 2 * 50 - 3
+    # 400 tensor entries, 500 chunks of a MetadataIndex and a _StorageInfo; each first by the
+    # loop, and one a FRAME opcode (every 64 KiB) cuts
+    frames = sum(op.name == "FRAME" for op, _, _ in pickletools.genops(data))
+    assert 400 + 2 * 500 - 3 - frames <= _same(data, monkeypatch)["records"] <= 400 + 2 * 500 - 3
     unpickler = SafeUnpickler(data, compact=True)
     unpickler.load()
-    # the first entry names its class (general loop), the next three make a layout each
-    assert len(unpickler.dcp_layouts) == 4
+    made = {name: (kind.made, kind.hits) for name, kind in unpickler.dcp_layouts.items()}
+    # a layout per kind of tensor entry and of storage record (offsets of 1-, 2-, 4-byte ints)
+    assert made["TensorStorageMetadata"] == (4, 400 - 1 - 4)
+    assert made["_StorageInfo"][0] <= 6 and made["_StorageInfo"][1] > 480
+    # this MetadataIndex fetches its chunk's own Size (its memo index differs each time): no
+    # layout fits twice, so after 2 x 16 of them none is made or tried
+    assert made["MetadataIndex"][0] == 2 * dcp_call.MAX_LAYOUTS
+    assert made["MetadataIndex"][1] < 2 * dcp_call.MAX_LAYOUTS
 
 
 def test_the_dcp_fixture_reads_the_same(monkeypatch: pytest.MonkeyPatch) -> None:

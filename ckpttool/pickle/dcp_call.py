@@ -40,7 +40,7 @@ METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
 OPCODES = 40  # what one record counts towards the walker's periodic checks (a rough mean)
 MAX_MARKS = 3  # MARKs a record's opcodes open at once
-MAX_LAYOUTS = 16  # tensor entry layouts kept per pickle (most recently used first)
+MAX_LAYOUTS = 16  # layouts kept per record class and pickle (most recently used first)
 
 
 class Redo(Exception):
@@ -122,8 +122,8 @@ class _Reader:
     """One sequence's opcodes: reads, checks, and collects its memo entries until committed."""
 
     __slots__ = (
-        "ints", "known", "memo", "memo_list", "pending", "pos", "raw", "shape_puts", "shapes",
-        "shared",
+        "known", "memo", "memo_list", "pending", "plan", "pos", "raw", "shape_puts", "shapes",
+        "shared", "string_puts", "vars",
     )  # fmt: skip
 
     def __init__(self, u: Any, raw: bytes, pos: int, *, trace: bool = False) -> None:
@@ -132,10 +132,14 @@ class _Reader:
         self.known = len(self.memo_list)
         self.pending: list[Any] = []  # memo entries this sequence puts, in order
         self.shared: list[Any] = []  # what finalize must still visit (long strings, memfmt)
-        # with ``trace``: where each integer's opcode is, and where each shape went in
-        # ``pending``, in order (what ``compile_layout`` makes a layout of)
-        self.ints: list[int] | None = [] if trace else None
+        # with ``trace``, what a layout is made of: where each integer's and each new string's
+        # bytes are (offset, length, struct code: "s" for a string), in order (None: the read
+        # can make no layout); where each shape and string went in ``pending``; and each field
+        # of the state dict read, with where its value came from (``_Plan``)
+        self.vars: list[tuple[int, int, str]] | None = [] if trace else None
         self.shape_puts: list[tuple[int, ...]] = []
+        self.string_puts: list[tuple[int, int]] = []  # (pending index, var index)
+        self.plan: list[tuple[str, int, Any, tuple[int, ...]]] | None = [] if trace else None
 
     def op(self, code: int) -> None:
         if self.raw[self.pos] != code:
@@ -188,6 +192,12 @@ class _Reader:
             raise _Miss
         self.pos = start + length
         value = str(raw[start : start + length], "utf-8", "surrogatepass")
+        if self.vars is not None:
+            if length < 64:  # (fewer bytes: fewer characters; finalize tracks longer ones)
+                self.string_puts.append((len(self.pending), len(self.vars)))
+                self.vars.append((start, length, "s"))
+            else:
+                self.vars = None
         self.memoize(value)
         return value
 
@@ -202,8 +212,12 @@ class _Reader:
         """BININT1, BININT2, BININT, LONG1 (up to 8 bytes), NONE."""
         raw, pos = self.raw, self.pos
         code = raw[pos]
-        if self.ints is not None:
-            self.ints.append(pos)
+        if self.vars is not None and code != 0x4E:  # NONE is an opcode, not a variable
+            width = _INT_WIDTHS.get(code)
+            if width is None:  # LONG1: no layout
+                self.vars = None
+            else:
+                self.vars.append((pos + 1, struct.calcsize(width), width))
         if code == 0x4B:
             self.pos = pos + 2
             return raw[pos + 1]
@@ -302,17 +316,41 @@ class _Reader:
                 break
             if code in (0x62, 0x73, 0x75):  # BUILD, SETITEM
                 raise _Miss
+            before = len(self.vars) if self.vars is not None else -1
             key = self.string()
             reader = read.get(key)
             if reader is None or key in values:
                 raise _Miss
+            first, shapes = len(self.vars) if self.vars is not None else -1, len(self.shape_puts)
             values[key], weight = reader(self)
             nodes += self.string_weight(key) + weight
+            if self.plan is not None:
+                self._trace_field(key, values[key], before, first, shapes)
             if not marked:
                 self.op(0x73)  # SETITEM: one item
                 break
         self.op(0x62)  # BUILD
         return values, nodes
+
+    def _trace_field(self, key: str, value: Any, before: int, first: int, shapes: int) -> None:
+        """Where field ``key``'s ``value`` came from, for a layout: a constant, a variable, or
+        a shape of variables (``before``, ``first``: variables before its key and its value)."""
+        if self.vars is None or self.plan is None or before != first:  # a new key: no layout
+            self.plan = None
+            return
+        count = len(self.vars) - first
+        puts = tuple(p for put in self.shape_puts[shapes:] for p in put)
+        if count == 0:  # (a shape of no dimensions: the template holds its () where it went)
+            self.plan.append((key, _CONSTANT, value, ()))
+        elif count == 1 and not puts and value.__class__ in (int, str):
+            self.plan.append((key, _VARIABLE, first, ()))
+        elif value.__class__ is tuple and count == len(value) and len(puts) == 2:
+            self.plan.append((key, _SHAPE, tuple(range(first, first + count)), puts))
+        else:
+            self.plan = None
+
+
+_CONSTANT, _VARIABLE, _SHAPE = 0, 1, 2  # where a traced field's value comes from
 
 
 def _size(r: _Reader) -> tuple[tuple[int, ...], int]:
@@ -382,7 +420,7 @@ def _chunk(r: _Reader) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], int]:
     if len(values) != 2:
         raise _Miss
     if list(values) != _CHUNK_ORDER:
-        r.ints = None  # read, but no layout
+        r.vars = None  # read, but no layout
     return (values["offsets"], values["sizes"]), 4 + nodes
 
 
@@ -424,7 +462,7 @@ def _tensor(r: _Reader) -> TensorMeta:
     if len(values) != 3:
         raise _Miss
     if list(values) != _TENSOR_ORDER:
-        r.ints = None  # read, but no layout: ``TensorLayout`` reads shapes in this order
+        r.vars = None  # read, but no layout: ``TensorLayout`` reads shapes in this order
     (dtype, requires_grad), size, chunks = values["properties"], values["size"], values["chunks"]
     return TensorMeta(dtype, requires_grad, size, chunks, 4 + nodes, tuple(r.shared))
 
@@ -448,49 +486,151 @@ _RECORDS = {
 MODULES = frozenset(module for module, _ in _RECORDS)
 
 
-class TensorLayout:
-    """How the bytes of one kind of ``TensorStorageMetadata`` lie (its dims, chunks, int widths,
-    flags, memo indices): made from the first entry of the kind, read later ones in one step.
+def _format(r: _Reader, start: int) -> tuple[Any, int, Any, tuple[bytes, ...], Any]:
+    """The struct that reads the sequence ``r`` just read from ``start`` again: (its
+    ``unpack_from``, its length, the getter of the items between the variables, what they must
+    be, the getter of the variables)."""
+    assert r.vars is not None  # a traced read
+    fmt: list[str] = []
+    fixed: list[int] = []  # items of the unpacked tuple: the bytes between the variables
+    variables: list[int] = []  # and the variables (integers, strings' bytes)
+    expected: list[bytes] = []
+    at = start
+    for value_at, length, code in r.vars:
+        fmt.append(f"{value_at - at}s")
+        fixed.append(len(fixed) + len(variables))
+        expected.append(r.raw[at:value_at])
+        fmt.append(f"{length}s" if code == "s" else code)
+        variables.append(len(fixed) + len(variables))
+        at = value_at + length
+    fmt.append(f"{r.pos - at}s")
+    fixed.append(len(fixed) + len(variables))
+    expected.append(r.raw[at : r.pos])
+    compiled = struct.Struct("<" + "".join(fmt))
+    return compiled.unpack_from, compiled.size, _getter(fixed), tuple(expected), _getter(variables)
 
-    Only the integers vary between entries of one layout. ``read`` unpacks the whole entry: the
-    bytes between the integers (opcodes, memo indices of the names and classes it fetches) must
-    equal ``expected``; the integers are the shapes, in order (``dims``). What the entry's memo
-    GETs fetch is what they fetched when the layout was made as long as no memo entry was
-    overwritten since (``SafeUnpickler.overwrites``).
+
+class _Layout:
+    """How the bytes of one kind of record lie (its memo indices, opcodes, integer widths,
+    string lengths): made from the first of the kind, reads later ones in one step.
+
+    Only the variables (integers, new strings' bytes) differ between records of one layout.
+    ``read`` unpacks the whole record: the bytes between the variables must equal
+    ``expected``. What the record's memo GETs fetch is what they fetched when the layout was
+    made as long as no memo entry was overwritten since (``SafeUnpickler.overwrites``).
     """
 
-    __slots__ = (
-        "dims", "dtype", "expected", "fixed", "integers", "length", "nodes", "overwrites",
-        "puts", "read", "requires_grad", "shared", "template",
-    )  # fmt: skip
+    __slots__ = ("expected", "fixed", "length", "nodes", "overwrites", "read", "variables")
+
+    def __init__(self, r: _Reader, start: int, nodes: int, overwrites: int) -> None:
+        self.read, self.length, self.fixed, self.expected, self.variables = _format(r, start)
+        self.nodes, self.overwrites = nodes, overwrites
+
+    def values(self, u: Any, raw: bytes, pos: int) -> tuple[Any, ...] | None:
+        """The variables of the record at ``pos``, or None if it is not of this layout."""
+        try:
+            values = self.read(raw, pos)
+        except struct.error:  # the bytes end first
+            return None
+        if self.fixed(values) != self.expected or self.overwrites != u.overwrites:
+            return None
+        return self.variables(values)
+
+
+class TensorLayout(_Layout):
+    """A ``TensorStorageMetadata``'s layout (dims, chunk count, integer widths, flags): its
+    variables are its shapes' integers, in order (``dims``)."""
+
+    __slots__ = ("dims", "dtype", "puts", "requires_grad", "shared", "template")
 
     def __init__(self, r: _Reader, start: int, record: TensorMeta, overwrites: int) -> None:
-        assert r.ints is not None  # a traced read (``_traceable``)
-        fmt: list[str] = []
-        fixed: list[int] = []  # items of the unpacked tuple: the bytes between the integers
-        integers: list[int] = []  # and the integers
-        expected: list[bytes] = []
-        at = start
-        for position in r.ints:
-            code = r.raw[position]
-            width = _INT_WIDTHS[code]
-            fmt.append(f"{position + 1 - at}s{width}")
-            fixed.append(len(fixed) + len(integers))
-            integers.append(len(fixed) + len(integers))
-            expected.append(r.raw[at : position + 1])
-            at = position + 1 + struct.calcsize("<" + width)
-        fmt.append(f"{r.pos - at}s")
-        fixed.append(len(fixed) + len(integers))
-        expected.append(r.raw[at : r.pos])
-        compiled = struct.Struct("<" + "".join(fmt))
-        self.read, self.length = compiled.unpack_from, compiled.size
-        self.fixed, self.expected = _getter(fixed), tuple(expected)
-        self.integers = _getter(integers)
+        super().__init__(r, start, record.nodes, overwrites)
         self.dims = (len(record.size), *(len(part) for chunk in record.chunks for part in chunk))
         self.puts = tuple(r.shape_puts)  # where each shape goes among the memo entries
         self.template = tuple(r.pending)
-        self.dtype, self.requires_grad = record.dtype, record.requires_grad
-        self.nodes, self.shared, self.overwrites = record.nodes, record.shared, overwrites
+        self.dtype, self.requires_grad, self.shared = (
+            record.dtype,
+            record.requires_grad,
+            record.shared,
+        )
+
+    def replay(self, u: Any, integers: tuple[int, ...]) -> TensorMeta:
+        interned = u.shapes.setdefault
+        shapes = []
+        at = 0
+        for dims in self.dims:
+            shape = integers[at : at + dims]
+            shapes.append(interned(shape, shape))
+            at += dims
+        pending = list(self.template)
+        for shape, puts in zip(shapes, self.puts):
+            for put in puts:
+                pending[put] = shape
+        u.memo_list.extend(pending)
+        chunks = tuple(zip(shapes[1::2], shapes[2::2]))
+        return TensorMeta(
+            self.dtype, self.requires_grad, shapes[0], chunks, self.nodes, self.shared
+        )
+
+
+def _tensor_layout(r: _Reader, start: int, record: Any, overwrites: int) -> TensorLayout | None:
+    """A layout of the tensor entry just read, if it can have one: fields in torch's order,
+    its variables all its shapes' integers (no LONG1, no string, no shape fetched from the
+    memo), no new string among its memo entries (a layout would share it between entries)."""
+    if r.vars is None or any(code == "s" for _, _, code in r.vars):
+        return None
+    if not all(v is ELIDED or v.__class__ is tuple for v in r.pending):
+        return None
+    shapes = [record.size, *(part for chunk in record.chunks for part in chunk)]
+    if len(r.shape_puts) != len(shapes) or sum(map(len, shapes)) != len(r.vars):
+        return None
+    return TensorLayout(r, start, record, overwrites)
+
+
+class FieldsLayout(_Layout):
+    """A ``MetadataIndex``'s or a ``_StorageInfo``'s layout: each field a constant, a
+    variable (an integer, a new string) or a shape of variables (``plan``)."""
+
+    __slots__ = ("make", "plan", "string_puts", "strings", "template")
+
+    def __init__(self, r: _Reader, start: int, record: Any, overwrites: int) -> None:
+        super().__init__(r, start, record.nodes, overwrites)
+        assert r.vars is not None and r.plan is not None
+        self.make = type(record)
+        self.plan = tuple(r.plan)
+        self.strings = tuple(n for n, (_, _, code) in enumerate(r.vars) if code == "s")
+        self.string_puts = tuple(r.string_puts)
+        self.template = tuple(r.pending)
+
+    def replay(self, u: Any, values: tuple[Any, ...]) -> Any:
+        variables = list(values)
+        for n in self.strings:
+            variables[n] = str(variables[n], "utf-8", "surrogatepass")
+        pending = list(self.template)
+        fields = {}
+        for key, kind, data, puts in self.plan:
+            if kind == _CONSTANT:
+                value = data
+            elif kind == _VARIABLE:
+                value = variables[data]
+            else:
+                value = tuple([variables[n] for n in data])
+                value = u.shapes.setdefault(value, value)
+                for put in puts:
+                    pending[put] = value
+            fields[key] = value
+        for put, n in self.string_puts:
+            pending[put] = variables[n]
+        u.memo_list.extend(pending)
+        return self.make(fields, self.nodes, ())
+
+
+def _fields_layout(r: _Reader, start: int, record: Any, overwrites: int) -> FieldsLayout | None:
+    """A layout of the index or storage record just read, if it can have one: every field
+    traced, nothing shared for finalize to visit (no string of 64 bytes or more)."""
+    if r.vars is None or r.plan is None or record.shared:
+        return None
+    return FieldsLayout(r, start, record, overwrites)
 
 
 def _getter(at: list[int]) -> Any:
@@ -501,48 +641,42 @@ def _getter(at: list[int]) -> Any:
     return itemgetter(*at) if at else (lambda values: ())
 
 
-def _traceable(r: _Reader, record: TensorMeta) -> bool:
-    """Whether the entry just read can be a layout: its fields in torch's order, its integers
-    its shapes' (no LONG1, no shape fetched from the memo), no new string among its memo
-    entries (a layout would share one string object between entries)."""
-    if r.ints is None or any(r.raw[at] not in _INT_WIDTHS for at in r.ints):
-        return False
-    if not all(v is ELIDED or v.__class__ is tuple for v in r.pending):
-        return False
-    shapes = [record.size, *(part for chunk in record.chunks for part in chunk)]
-    flat = [value for shape in shapes for value in shape]
-    return len(r.shape_puts) == len(shapes) and len(flat) == len(r.ints)
+class Layouts:
+    """The layouts of one record class in one pickle (most recently used first), and how many
+    were made and used: where records of the class seldom repeat a layout (each fetches its
+    own memo entries), making and trying layouts would cost more than it saves, so it stops."""
+
+    __slots__ = ("hits", "layouts", "made")
+
+    def __init__(self) -> None:
+        self.layouts: list[Any] = []
+        self.made = self.hits = 0
+
+    @property
+    def worth_it(self) -> bool:
+        return self.made < 2 * MAX_LAYOUTS or self.hits >= self.made
+
+    def add(self, layout: Any) -> None:
+        if len(self.layouts) >= MAX_LAYOUTS:
+            self.layouts.pop()
+        self.layouts.insert(0, layout)
+        self.made += 1
 
 
-def _replay(u: Any, raw: bytes, pos: int) -> tuple[int, TensorMeta] | None:
-    """The entry at ``pos`` read with a layout that fits it (most recently used first)."""
-    layouts: list[TensorLayout] = u.dcp_layouts
+def _replay(kind: Layouts, u: Any, raw: bytes, pos: int) -> tuple[int, Any] | None:
+    """The record at ``pos`` read with a layout of its ``kind`` that fits, or None."""
+    layouts = kind.layouts
     for number, layout in enumerate(layouts):
+        values = layout.values(u, raw, pos)
+        if values is None:
+            continue
         try:
-            values = layout.read(raw, pos)
-        except struct.error:  # the bytes end first
-            continue
-        if layout.fixed(values) != layout.expected or layout.overwrites != u.overwrites:
-            continue
+            record = layout.replay(u, values)
+        except UnicodeDecodeError:  # the general loop raises its error
+            return None
         if number:
             layouts.insert(0, layouts.pop(number))
-        integers = layout.integers(values)
-        interned = u.shapes.setdefault
-        shapes = []
-        at = 0
-        for dims in layout.dims:
-            shape = integers[at : at + dims]
-            shapes.append(interned(shape, shape))
-            at += dims
-        pending = list(layout.template)
-        for shape, puts in zip(shapes, layout.puts):
-            for put in puts:
-                pending[put] = shape
-        chunks = tuple(zip(shapes[1::2], shapes[2::2]))
-        record = TensorMeta(
-            layout.dtype, layout.requires_grad, shapes[0], chunks, layout.nodes, layout.shared
-        )
-        u.memo_list.extend(pending)
+        kind.hits += 1
         return pos + layout.length, record
     return None
 
@@ -558,23 +692,27 @@ def dcp_call(u: Any, raw: bytes, pos: int, cls: GlobalRef) -> tuple[int, Any] | 
     read: Any = _RECORDS.get((cls.module, cls.name))
     if read is None or u.memo:  # sparse memo indices: MEMOIZE numbering is the general loop's
         return None
-    tensor = read is _tensor
-    if tensor and u.dcp_layouts:
-        made = _replay(u, raw, pos)
+    kind = u.dcp_layouts.get(cls.name)
+    if kind is None:
+        kind = u.dcp_layouts[cls.name] = Layouts()
+    trace = kind.worth_it
+    if trace and kind.layouts:
+        made = _replay(kind, u, raw, pos)
         if made is not None:
             u.compacts += 1
             return made
-    r = _Reader(u, raw, pos, trace=tensor)
+    r = _Reader(u, raw, pos, trace=trace)
     try:
         r.object_body()
         record = read(r)
     except (_Miss, IndexError, struct.error, UnicodeDecodeError):
         return None
-    if isinstance(record, TensorMeta) and _traceable(r, record):
-        layouts = u.dcp_layouts
-        if len(layouts) >= MAX_LAYOUTS:
-            layouts.pop()
-        layouts.insert(0, TensorLayout(r, pos, record, u.overwrites))
+    if trace:
+        layout = (_tensor_layout if read is _tensor else _fields_layout)(
+            r, pos, record, u.overwrites
+        )
+        if layout is not None:
+            kind.add(layout)
     u.memo_list.extend(r.pending)
     u.compacts += 1
     return r.pos, record
@@ -585,8 +723,10 @@ __all__ = [
     "ELIDED",
     "MODULES",
     "OPCODES",
+    "FieldsLayout",
     "IndexMeta",
     "InfoMeta",
+    "Layouts",
     "Redo",
     "TensorLayout",
     "TensorMeta",

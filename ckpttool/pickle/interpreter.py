@@ -151,7 +151,7 @@ class SafeUnpickler:
         """The walk's state, fresh (``__init__``, and a walk done again without ``dcp_call``)."""
         self.pos = self.start
         self.compacts = 0  # records ``dcp_call`` made
-        self.dcp_layouts: list[Any] = []  # its layouts of tensor entries
+        self.dcp_layouts: dict[str, Any] = {}  # its ``Layouts``, by class name
         self.overwrites = 0  # PUTs onto a memo index already PUT (layouts check it)
         self.layouts: list[Any] = []  # ``tensor_call``'s layouts for this pickle
         self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # and its shared shapes
