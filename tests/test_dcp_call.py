@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckpttool.errors import CkptError
 from ckpttool.formats.dcp_metadata import parse_metadata
-from ckpttool.pickle import dcp_call, interpreter
+from ckpttool.pickle import dcp_layout, interpreter
 from ckpttool.pickle.interpreter import SafeUnpickler
 from tests.support.dcp_cases import DCP
 
@@ -210,8 +210,8 @@ def test_records_of_one_kind_are_read_with_one_layout(monkeypatch: pytest.Monkey
     assert made["_StorageInfo"][0] <= 6 and made["_StorageInfo"][1] > 480
     # this MetadataIndex fetches its chunk's own Size (its memo index differs each time): no
     # layout fits twice, so after 2 x 16 of them none is made or tried
-    assert made["MetadataIndex"][0] == 2 * dcp_call.MAX_LAYOUTS
-    assert made["MetadataIndex"][1] < 2 * dcp_call.MAX_LAYOUTS
+    assert made["MetadataIndex"][0] == 2 * dcp_layout.MAX_LAYOUTS
+    assert made["MetadataIndex"][1] < 2 * dcp_layout.MAX_LAYOUTS
 
 
 def test_the_dcp_fixture_reads_the_same(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,7 @@ from functools import cached_property
 from typing import Any, TypeGuard
 
 from ckpttool.errors import CorruptCheckpointError
-from ckpttool.pickle.dcp_call import IndexMeta, InfoMeta, TensorMeta
+from ckpttool.pickle.dcp_records import IndexMeta, InfoMeta, TensorMeta
 from ckpttool.records import ITEMSIZE, ChunkRecord, OpaqueObject
 
 DCP_MODULE = "torch.distributed.checkpoint"

@@ -10,19 +10,20 @@ as :class:`~ckpttool.records.OpaqueObject` trees with their state dicts, then co
 So when the walker fetches one of those three classes from the memo (the first entry names it
 with ``STACK_GLOBAL``; every later one fetches it), :func:`dcp_call` reads the whole object, the
 exact opcodes ``pickle`` writes for it, and pushes one slotted record holding what
-:mod:`ckpttool.formats.dcp_metadata` reads: :class:`TensorMeta`, :class:`IndexMeta`,
-:class:`InfoMeta`. Each also carries what ``finalize`` would have counted for the objects it
-replaces (``nodes``, ``depth``, and ``shared``: objects it refers to that ``finalize`` must still
-visit), so every limit sees the tree the general loop would have built.
+:mod:`ckpttool.formats.dcp_metadata` reads (:mod:`ckpttool.pickle.dcp_records`). Each also
+carries what ``finalize`` would have counted for the objects it replaces (``nodes``, ``depth``,
+and ``shared``: objects it refers to that ``finalize`` must still visit), so every limit sees
+the tree the general loop would have built. Records of one kind are read with a layout made
+from the first (:mod:`ckpttool.pickle.dcp_layout`).
 
 The memo entries such a sequence puts hold what the general loop would put for strings and
-shapes; the objects the record replaces get :data:`ELIDED`. Anything that departs from the
+shapes; the objects the record replaces get ``ELIDED``. Anything that departs from the
 pattern (another opcode, a ``FRAME``, a field it does not know, a value of another kind, sparse
 memo indices) makes it answer ``None`` with nothing changed, and the general loop reads the
 bytes. The records are only equivalent where the general loop's objects would have been left
 alone: a later memo GET of an elided object, a call given a record, a record reached twice by
 ``finalize``, or any error in a walk that made records makes the walker throw the result away and
-walk the pickle again without this path (:class:`Redo`), so a file reads the same, error for
+walk the pickle again without this path (``Redo``), so a file reads the same, error for
 error, with or without it: ``tests/test_dcp_call.py`` checks that over the fixtures, DCP
 directories of several layouts, the hostile corpus and mutated pickles.
 """
@@ -30,9 +31,18 @@ directories of several layouts, the hostile corpus and mutated pickles.
 from __future__ import annotations
 
 import struct
-from operator import itemgetter
 from typing import Any
 
+from ckpttool.pickle.dcp_layout import (
+    _CONSTANT,
+    _SHAPE,
+    _VARIABLE,
+    Layouts,
+    fields_layout,
+    replay,
+    tensor_layout,
+)
+from ckpttool.pickle.dcp_records import ELIDED, IndexMeta, InfoMeta, TensorMeta
 from ckpttool.pickle.emulation import TorchDtype, TorchLayout
 from ckpttool.records import GlobalRef
 
@@ -40,71 +50,7 @@ METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
 OPCODES = 40  # what one record counts towards the walker's periodic checks (a rough mean)
 MAX_MARKS = 3  # MARKs a record's opcodes open at once
-MAX_LAYOUTS = 16  # layouts kept per record class and pickle (most recently used first)
 
-
-class Redo(Exception):
-    """A compact record cannot stand for the objects it replaced: walk again without them."""
-
-
-class _Elided:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<elided>"
-
-
-#: What the memo holds for an object a compact record replaced (a GET of it means ``Redo``).
-ELIDED = _Elided()
-
-
-class TensorMeta:
-    """A ``TensorStorageMetadata``: dtype name ("torch.float32"), requires_grad, global size,
-    and each chunk's (offsets, sizes)."""
-
-    __slots__ = ("chunks", "depth", "dtype", "nodes", "requires_grad", "shared", "size")
-
-    def __init__(
-        self,
-        dtype: str,
-        requires_grad: Any,
-        size: tuple[int, ...],
-        chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...],
-        nodes: int,
-        shared: tuple[Any, ...],
-    ) -> None:
-        self.dtype, self.requires_grad, self.size, self.chunks = dtype, requires_grad, size, chunks
-        self.nodes, self.shared, self.depth = nodes, shared, 7
-
-
-class IndexMeta:
-    """A ``MetadataIndex`` (a ``storage_data`` key): fqn, chunk offset, chunk position. A field
-    the pickle left out is None, as the state dict's ``get`` would give."""
-
-    __slots__ = ("depth", "fqn", "index", "nodes", "offset", "shared")
-
-    def __init__(self, fields: dict[str, Any], nodes: int, shared: tuple[Any, ...]) -> None:
-        self.fqn, self.offset, self.index = (
-            fields.get("fqn"),
-            fields.get("offset"),
-            fields.get("index"),
-        )
-        self.nodes, self.shared, self.depth = nodes, shared, 3
-
-
-class InfoMeta:
-    """A ``_StorageInfo`` (a ``storage_data`` value): data file, offset, length; no transforms."""
-
-    __slots__ = ("depth", "length", "nodes", "offset", "relative_path", "shared")
-
-    def __init__(self, fields: dict[str, Any], nodes: int, shared: tuple[Any, ...]) -> None:
-        self.relative_path = fields.get("relative_path")
-        self.offset, self.length = fields.get("offset"), fields.get("length")
-        self.nodes, self.shared, self.depth = nodes, shared, 3
-
-
-#: The record types, for the walker's checks.
-COMPACT = (TensorMeta, IndexMeta, InfoMeta)
 
 _U16 = struct.Struct("<H").unpack_from
 _U32 = struct.Struct("<I").unpack_from
@@ -350,9 +296,6 @@ class _Reader:
             self.plan = None
 
 
-_CONSTANT, _VARIABLE, _SHAPE = 0, 1, 2  # where a traced field's value comes from
-
-
 def _size(r: _Reader) -> tuple[tuple[int, ...], int]:
     shape = r.size()
     return shape, len(shape) + 1
@@ -486,208 +429,13 @@ _RECORDS = {
 MODULES = frozenset(module for module, _ in _RECORDS)
 
 
-def _format(r: _Reader, start: int) -> tuple[Any, int, Any, tuple[bytes, ...], Any]:
-    """The struct that reads the sequence ``r`` just read from ``start`` again: (its
-    ``unpack_from``, its length, the getter of the items between the variables, what they must
-    be, the getter of the variables)."""
-    assert r.vars is not None  # a traced read
-    fmt: list[str] = []
-    fixed: list[int] = []  # items of the unpacked tuple: the bytes between the variables
-    variables: list[int] = []  # and the variables (integers, strings' bytes)
-    expected: list[bytes] = []
-    at = start
-    for value_at, length, code in r.vars:
-        fmt.append(f"{value_at - at}s")
-        fixed.append(len(fixed) + len(variables))
-        expected.append(r.raw[at:value_at])
-        fmt.append(f"{length}s" if code == "s" else code)
-        variables.append(len(fixed) + len(variables))
-        at = value_at + length
-    fmt.append(f"{r.pos - at}s")
-    fixed.append(len(fixed) + len(variables))
-    expected.append(r.raw[at : r.pos])
-    compiled = struct.Struct("<" + "".join(fmt))
-    return compiled.unpack_from, compiled.size, _getter(fixed), tuple(expected), _getter(variables)
-
-
-class _Layout:
-    """How the bytes of one kind of record lie (its memo indices, opcodes, integer widths,
-    string lengths): made from the first of the kind, reads later ones in one step.
-
-    Only the variables (integers, new strings' bytes) differ between records of one layout.
-    ``read`` unpacks the whole record: the bytes between the variables must equal
-    ``expected``. What the record's memo GETs fetch is what they fetched when the layout was
-    made as long as no memo entry was overwritten since (``SafeUnpickler.overwrites``).
-    """
-
-    __slots__ = ("expected", "fixed", "length", "nodes", "overwrites", "read", "variables")
-
-    def __init__(self, r: _Reader, start: int, nodes: int, overwrites: int) -> None:
-        self.read, self.length, self.fixed, self.expected, self.variables = _format(r, start)
-        self.nodes, self.overwrites = nodes, overwrites
-
-    def values(self, u: Any, raw: bytes, pos: int) -> tuple[Any, ...] | None:
-        """The variables of the record at ``pos``, or None if it is not of this layout."""
-        try:
-            values = self.read(raw, pos)
-        except struct.error:  # the bytes end first
-            return None
-        if self.fixed(values) != self.expected or self.overwrites != u.overwrites:
-            return None
-        return self.variables(values)
-
-
-class TensorLayout(_Layout):
-    """A ``TensorStorageMetadata``'s layout (dims, chunk count, integer widths, flags): its
-    variables are its shapes' integers, in order (``dims``)."""
-
-    __slots__ = ("dims", "dtype", "puts", "requires_grad", "shared", "template")
-
-    def __init__(self, r: _Reader, start: int, record: TensorMeta, overwrites: int) -> None:
-        super().__init__(r, start, record.nodes, overwrites)
-        self.dims = (len(record.size), *(len(part) for chunk in record.chunks for part in chunk))
-        self.puts = tuple(r.shape_puts)  # where each shape goes among the memo entries
-        self.template = tuple(r.pending)
-        self.dtype, self.requires_grad, self.shared = (
-            record.dtype,
-            record.requires_grad,
-            record.shared,
-        )
-
-    def replay(self, u: Any, integers: tuple[int, ...]) -> TensorMeta:
-        interned = u.shapes.setdefault
-        shapes = []
-        at = 0
-        for dims in self.dims:
-            shape = integers[at : at + dims]
-            shapes.append(interned(shape, shape))
-            at += dims
-        pending = list(self.template)
-        for shape, puts in zip(shapes, self.puts):
-            for put in puts:
-                pending[put] = shape
-        u.memo_list.extend(pending)
-        chunks = tuple(zip(shapes[1::2], shapes[2::2]))
-        return TensorMeta(
-            self.dtype, self.requires_grad, shapes[0], chunks, self.nodes, self.shared
-        )
-
-
-def _tensor_layout(r: _Reader, start: int, record: Any, overwrites: int) -> TensorLayout | None:
-    """A layout of the tensor entry just read, if it can have one: fields in torch's order,
-    its variables all its shapes' integers (no LONG1, no string, no shape fetched from the
-    memo), no new string among its memo entries (a layout would share it between entries)."""
-    if r.vars is None or any(code == "s" for _, _, code in r.vars):
-        return None
-    if not all(v is ELIDED or v.__class__ is tuple for v in r.pending):
-        return None
-    shapes = [record.size, *(part for chunk in record.chunks for part in chunk)]
-    if len(r.shape_puts) != len(shapes) or sum(map(len, shapes)) != len(r.vars):
-        return None
-    return TensorLayout(r, start, record, overwrites)
-
-
-class FieldsLayout(_Layout):
-    """A ``MetadataIndex``'s or a ``_StorageInfo``'s layout: each field a constant, a
-    variable (an integer, a new string) or a shape of variables (``plan``)."""
-
-    __slots__ = ("make", "plan", "string_puts", "strings", "template")
-
-    def __init__(self, r: _Reader, start: int, record: Any, overwrites: int) -> None:
-        super().__init__(r, start, record.nodes, overwrites)
-        assert r.vars is not None and r.plan is not None
-        self.make = type(record)
-        self.plan = tuple(r.plan)
-        self.strings = tuple(n for n, (_, _, code) in enumerate(r.vars) if code == "s")
-        self.string_puts = tuple(r.string_puts)
-        self.template = tuple(r.pending)
-
-    def replay(self, u: Any, values: tuple[Any, ...]) -> Any:
-        variables = list(values)
-        for n in self.strings:
-            variables[n] = str(variables[n], "utf-8", "surrogatepass")
-        pending = list(self.template)
-        fields = {}
-        for key, kind, data, puts in self.plan:
-            if kind == _CONSTANT:
-                value = data
-            elif kind == _VARIABLE:
-                value = variables[data]
-            else:
-                value = tuple([variables[n] for n in data])
-                value = u.shapes.setdefault(value, value)
-                for put in puts:
-                    pending[put] = value
-            fields[key] = value
-        for put, n in self.string_puts:
-            pending[put] = variables[n]
-        u.memo_list.extend(pending)
-        return self.make(fields, self.nodes, ())
-
-
-def _fields_layout(r: _Reader, start: int, record: Any, overwrites: int) -> FieldsLayout | None:
-    """A layout of the index or storage record just read, if it can have one: every field
-    traced, nothing shared for finalize to visit (no string of 64 bytes or more)."""
-    if r.vars is None or r.plan is None or record.shared:
-        return None
-    return FieldsLayout(r, start, record, overwrites)
-
-
-def _getter(at: list[int]) -> Any:
-    """Items ``at`` of a tuple, as a tuple (itemgetter gives a bare item for one index)."""
-    if len(at) == 1:
-        only = at[0]
-        return lambda values: (values[only],)
-    return itemgetter(*at) if at else (lambda values: ())
-
-
-class Layouts:
-    """The layouts of one record class in one pickle (most recently used first), and how many
-    were made and used: where records of the class seldom repeat a layout (each fetches its
-    own memo entries), making and trying layouts would cost more than it saves, so it stops."""
-
-    __slots__ = ("hits", "layouts", "made")
-
-    def __init__(self) -> None:
-        self.layouts: list[Any] = []
-        self.made = self.hits = 0
-
-    @property
-    def worth_it(self) -> bool:
-        return self.made < 2 * MAX_LAYOUTS or self.hits >= self.made
-
-    def add(self, layout: Any) -> None:
-        if len(self.layouts) >= MAX_LAYOUTS:
-            self.layouts.pop()
-        self.layouts.insert(0, layout)
-        self.made += 1
-
-
-def _replay(kind: Layouts, u: Any, raw: bytes, pos: int) -> tuple[int, Any] | None:
-    """The record at ``pos`` read with a layout of its ``kind`` that fits, or None."""
-    layouts = kind.layouts
-    for number, layout in enumerate(layouts):
-        values = layout.values(u, raw, pos)
-        if values is None:
-            continue
-        try:
-            record = layout.replay(u, values)
-        except UnicodeDecodeError:  # the general loop raises its error
-            return None
-        if number:
-            layouts.insert(0, layouts.pop(number))
-        kind.hits += 1
-        return pos + layout.length, record
-    return None
-
-
 def dcp_call(u: Any, raw: bytes, pos: int, cls: GlobalRef) -> tuple[int, Any] | None:
     """Read the object of class ``cls`` (just fetched from the memo; ``pos`` is past the GET).
 
     Returns (offset past its BUILD, its compact record) with the memo updated as the opcodes
-    would have, or ``None`` with nothing changed. A ``TensorStorageMetadata`` is read with a
-    :class:`TensorLayout` made from an earlier one where one fits (a file has a few: one per
-    rank, chunk count and integer widths), else read and made one of.
+    would have, or ``None`` with nothing changed. A record is read with a layout made from an
+    earlier one of its class where one fits (a file has a few: one per dims, chunk count,
+    integer widths, name length), else read and made one of.
     """
     read: Any = _RECORDS.get((cls.module, cls.name))
     if read is None or u.memo:  # sparse memo indices: MEMOIZE numbering is the general loop's
@@ -697,7 +445,7 @@ def dcp_call(u: Any, raw: bytes, pos: int, cls: GlobalRef) -> tuple[int, Any] | 
         kind = u.dcp_layouts[cls.name] = Layouts()
     trace = kind.worth_it
     if trace and kind.layouts:
-        made = _replay(kind, u, raw, pos)
+        made = replay(kind, u, raw, pos)
         if made is not None:
             u.compacts += 1
             return made
@@ -708,9 +456,7 @@ def dcp_call(u: Any, raw: bytes, pos: int, cls: GlobalRef) -> tuple[int, Any] | 
     except (_Miss, IndexError, struct.error, UnicodeDecodeError):
         return None
     if trace:
-        layout = (_tensor_layout if read is _tensor else _fields_layout)(
-            r, pos, record, u.overwrites
-        )
+        layout = (tensor_layout if read is _tensor else fields_layout)(r, pos, record, u.overwrites)
         if layout is not None:
             kind.add(layout)
     u.memo_list.extend(r.pending)
@@ -718,17 +464,4 @@ def dcp_call(u: Any, raw: bytes, pos: int, cls: GlobalRef) -> tuple[int, Any] | 
     return r.pos, record
 
 
-__all__ = [
-    "COMPACT",
-    "ELIDED",
-    "MODULES",
-    "OPCODES",
-    "FieldsLayout",
-    "IndexMeta",
-    "InfoMeta",
-    "Layouts",
-    "Redo",
-    "TensorLayout",
-    "TensorMeta",
-    "dcp_call",
-]
+__all__ = ["MODULES", "OPCODES", "dcp_call"]

@@ -33,9 +33,10 @@ from ckpttool.errors import (
     ResourceLimitError,
     UnsafePickleError,
 )
-from ckpttool.pickle.dcp_call import COMPACT, ELIDED, Redo, dcp_call
 from ckpttool.pickle.dcp_call import MODULES as DCP_MODULES
 from ckpttool.pickle.dcp_call import OPCODES as DCP_CALL_OPCODES
+from ckpttool.pickle.dcp_call import dcp_call
+from ckpttool.pickle.dcp_records import COMPACT, ELIDED, Redo
 from ckpttool.pickle.emulation import (
     NdarrayBuilder,
     NumpyDtype,
@@ -254,7 +255,7 @@ class SafeUnpickler:
         """Interpret opcodes until STOP; finalize the tree.
 
         A walk in which ``dcp_call`` made records and that then fails (any error, or a
-        :class:`~ckpttool.pickle.dcp_call.Redo`: a record met where the objects it replaced
+        :class:`~ckpttool.pickle.dcp_records.Redo`: a record met where the objects it replaced
         would not have been left alone) is done again without it, within the same time budget:
         the result, or the error, is the general loop's.
         """
@@ -916,7 +917,7 @@ def finalize(
 
     A ``dcp_call`` record (only where ``compacts`` were made) counts as the objects it replaced:
     its ``nodes``, its ``depth``, and a visit of what it shares; reaching one twice raises
-    :class:`~ckpttool.pickle.dcp_call.Redo` (the walk is then done without them).
+    :class:`~ckpttool.pickle.dcp_records.Redo` (the walk is then done without them).
     """
     return _finalize(root, max_nodes, max_reuse, compacts)[0]
 
