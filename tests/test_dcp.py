@@ -22,6 +22,7 @@ import torch
 from ckpttool.errors import CorruptCheckpointError, InputError, UnsafePickleError
 from ckpttool.formats import base as base_format
 from ckpttool.formats import dcp as dcp_format
+from ckpttool.formats import dcp_files
 from ckpttool.formats.dcp_metadata import set_element
 from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import ChunkedStorageRecord, TensorRecord, get_path
@@ -164,7 +165,7 @@ def _open_fds() -> int:
 def test_data_files_are_bounded_and_closed(
     reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dcp_format, "MAX_OPEN_FILES", 1)  # every switch of file evicts one
+    monkeypatch.setattr(dcp_files, "MAX_OPEN_FILES", 1)  # every switch of file evicts one
     before = _open_fds()
     with open_checkpoint(DCP) as ckpt:
         for key, value in flatten_loaded(reference):

@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from ckpttool.errors import CkptError
-from ckpttool.formats import dcp as dcp_format
-from ckpttool.formats import torch_zip
+from ckpttool.formats import dcp_files, torch_zip
 from ckpttool.formats.dcp import DcpFiles, load_metadata, tensor_record
 from ckpttool.formats.dcp_metadata import TensorEntry
 from ckpttool.reader import open_checkpoint
@@ -78,7 +77,7 @@ def mode(request: pytest.FixtureRequest) -> str:
 
 
 def _reading(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    monkeypatch.setattr(dcp_format, "MAX_IN_MEMORY", 1 << 20 if "memory" in mode else -1)
+    monkeypatch.setattr(dcp_files, "MAX_IN_MEMORY", 1 << 20 if "memory" in mode else -1)
     monkeypatch.setattr(torch_zip, "MAX_CACHED_PICKLE", 4096 if "cache" in mode else -1)
 
 
@@ -307,7 +306,7 @@ def _rezip(archive: bytes, change: Callable[[dict[str, bytes]], None]) -> bytes:
 def _read(archive: bytes, cache: torch_zip.PickleCache | None) -> Any:
     try:
         parsed = torch_zip.read_torch_zip(
-            dcp_format._ArchiveBytes(bytearray(archive), len(archive)),
+            dcp_files._ArchiveBytes(bytearray(archive), len(archive)),
             refuse_dangerous=True,
             track_spans=False,
             cache=cache,
@@ -418,7 +417,7 @@ def test_small_archives_are_read_once_and_large_ones_a_range_at_a_time(
         lengths.append(length)
         return read_range(source, length, offset)
 
-    monkeypatch.setattr(dcp_format, "read_range", recording)
+    monkeypatch.setattr(dcp_files, "read_range", recording)
     files = _files(directory)
     try:
         for chunk, storage in _chunks(directory):
@@ -427,7 +426,7 @@ def test_small_archives_are_read_once_and_large_ones_a_range_at_a_time(
             if storage.key == "small":
                 assert lengths == [chunk.length]
             else:
-                assert chunk.length > dcp_format.MAX_IN_MEMORY
+                assert chunk.length > dcp_files.MAX_IN_MEMORY
                 assert lengths and max(lengths) <= 1 << 16, lengths
     finally:
         files.close()
