@@ -101,7 +101,9 @@ class StorageRecord:
     dtype: str  # element type the storage was saved with ("float32"; "uint8" if untyped)
     numel: int  # number of elements the file claims the storage has
     location: str  # device it was saved from: "cpu", "cuda:0", ... (never used to load)
-    record: str  # where its bytes live: zip member name, "legacy:<key>", "inline", "safetensors" or "dcp" (by key)...
+    # where its bytes live: zip member name, "legacy:<key>", "inline", "safetensors" or "dcp"
+    # (the file's data found by the key), ...
+    record: str
     data_size: int  # bytes actually present in the file for it (checked against numel)
     byteorder: str = "little"
 

@@ -34,9 +34,9 @@ import struct
 from typing import Any
 
 from ckpttool.pickle.dcp_layout import (
-    _CONSTANT,
-    _SHAPE,
-    _VARIABLE,
+    CONSTANT,
+    SHAPE,
+    VARIABLE,
     Layouts,
     fields_layout,
     replay,
@@ -68,20 +68,21 @@ class _Reader:
     """One sequence's opcodes: reads, checks, and collects its memo entries until committed."""
 
     __slots__ = (
-        "known", "memo", "memo_list", "pending", "plan", "pos", "raw", "shape_puts", "shapes",
-        "shared", "string_puts", "vars",
+        "known", "memo_list", "pending", "plan", "pos", "raw", "shape_puts", "shapes", "shared",
+        "string_puts", "vars",
     )  # fmt: skip
 
     def __init__(self, u: Any, raw: bytes, pos: int, *, trace: bool = False) -> None:
+        # (the walker's sparse memo is empty: ``dcp_call`` reads nothing otherwise)
         self.raw, self.pos = raw, pos
-        self.memo_list, self.memo, self.shapes = u.memo_list, u.memo, u.shapes
+        self.memo_list, self.shapes = u.memo_list, u.shapes
         self.known = len(self.memo_list)
         self.pending: list[Any] = []  # memo entries this sequence puts, in order
         self.shared: list[Any] = []  # what finalize must still visit (long strings, memfmt)
         # with ``trace``, what a layout is made of: where each integer's and each new string's
         # bytes are (offset, length, struct code: "s" for a string), in order (None: the read
         # can make no layout); where each shape and string went in ``pending``; and each field
-        # of the state dict read, with where its value came from (``_Plan``)
+        # of the state dict read, with where its value came from (a ``dcp_layout`` plan)
         self.vars: list[tuple[int, int, str]] | None = [] if trace else None
         self.shape_puts: list[tuple[int, ...]] = []
         self.string_puts: list[tuple[int, int]] = []  # (pending index, var index)
@@ -113,8 +114,9 @@ class _Reader:
             self.pos = pos + 5
         else:
             raise _Miss
-        # ELIDED: also "not put before this sequence"
-        value = self.memo_list[index] if index < self.known else self.memo.get(index, ELIDED)
+        if index >= self.known:  # not put before this sequence
+            raise _Miss
+        value = self.memo_list[index]
         if value is ELIDED:
             raise _Miss
         return value
@@ -287,11 +289,11 @@ class _Reader:
         count = len(self.vars) - first
         puts = tuple(p for put in self.shape_puts[shapes:] for p in put)
         if count == 0:  # (a shape of no dimensions: the template holds its () where it went)
-            self.plan.append((key, _CONSTANT, value, ()))
+            self.plan.append((key, CONSTANT, value, ()))
         elif count == 1 and not puts and value.__class__ in (int, str):
-            self.plan.append((key, _VARIABLE, first, ()))
+            self.plan.append((key, VARIABLE, first, ()))
         elif value.__class__ is tuple and count == len(value) and len(puts) == 2:
-            self.plan.append((key, _SHAPE, tuple(range(first, first + count)), puts))
+            self.plan.append((key, SHAPE, tuple(range(first, first + count)), puts))
         else:
             self.plan = None
 

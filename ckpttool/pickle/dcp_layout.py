@@ -18,7 +18,7 @@ from typing import Any
 from ckpttool.pickle.dcp_records import ELIDED, TensorMeta
 
 MAX_LAYOUTS = 16  # layouts kept per record class and pickle (most recently used first)
-_CONSTANT, _VARIABLE, _SHAPE = 0, 1, 2  # where a traced field's value comes from
+CONSTANT, VARIABLE, SHAPE = 0, 1, 2  # where a traced field's value comes from (``plan``)
 
 
 def _format(r: Any, start: int) -> tuple[Any, int, Any, tuple[bytes, ...], Any]:
@@ -144,9 +144,9 @@ class FieldsLayout(_Layout):
         pending = list(self.template)
         fields = {}
         for key, kind, data, puts in self.plan:
-            if kind == _CONSTANT:
+            if kind == CONSTANT:
                 value = data
-            elif kind == _VARIABLE:
+            elif kind == VARIABLE:
                 value = variables[data]
             else:
                 value = tuple([variables[n] for n in data])
@@ -217,6 +217,6 @@ def replay(kind: Layouts, u: Any, raw: bytes, pos: int) -> tuple[int, Any] | Non
 
 
 __all__ = [
-    "MAX_LAYOUTS", "FieldsLayout", "Layouts", "TensorLayout", "fields_layout", "replay",
-    "tensor_layout",
+    "CONSTANT", "MAX_LAYOUTS", "SHAPE", "VARIABLE", "FieldsLayout", "Layouts", "TensorLayout",
+    "fields_layout", "replay", "tensor_layout",
 ]  # fmt: skip
