@@ -33,15 +33,18 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.atomic import atomic_group
-from ckpttool.errors import InputError, LayoutError, OutputExistsError
+from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError, name_file
 from ckpttool.formats.base import is_dcp_directory
 from ckpttool.layout import LAYOUT_TITLES, LIGHTNING, TRAINING, is_resume, layout_of
+from ckpttool.lr_schedule import rescale_scheduler
+from ckpttool.pickle.edit import emit
 from ckpttool.progress import ProgressCallback
 from ckpttool.reader import open_checkpoint
 from ckpttool.rewrite import FieldRewrite, verify_rewrite
 
 __all__ = [
     "HISTORY_KEY",
+    "SCHEDULER_KEY",
     "InexactRescaleError",
     "RescalePlan",
     "RescaleReport",
@@ -55,6 +58,8 @@ __all__ = [
 #: world size it was counted under before that rescale.
 HISTORY_KEY = "rescaled_from"
 WORLD_SIZE_KEY = "world_size"
+#: Where save_checkpoint (and training dicts of its kind) keep the LR scheduler's state dict.
+SCHEDULER_KEY = "scheduler"
 
 
 class InexactRescaleError(InputError):
@@ -72,6 +77,9 @@ class RescalePlan:
     file_world_size: Any  # what the file's world_size field holds (None when absent)
     world_size: int  # the new one
     history: tuple[dict[str, Any], ...]  # rescaled_from after the change
+    # the LR scheduler saved under SCHEDULER_KEY: what moved, (key, old, new), or why it did not
+    scheduler_changes: tuple[tuple[str, Any, Any], ...] = ()
+    scheduler_note: str = ""
 
     @property
     def global_batches(self) -> int:
@@ -125,8 +133,10 @@ def rescale_fields(
     """Rescale ``fields[step_key]`` from the saved world size to ``world_size``.
 
     Returns the new top-level fields (a new dict: ``step_key`` and ``world_size`` updated in
-    place, ``world_size`` and ``rescaled_from`` appended when absent, everything else and the
-    key order untouched) and the plan. The saved world size is ``from_world_size`` when given
+    place, ``world_size`` and ``rescaled_from`` appended when absent, a torch LR scheduler's
+    state under ``scheduler`` moved by the same factor (:func:`ckpttool.lr_schedule.rescale_scheduler`;
+    the plan says what moved, or why it did not), everything else and the key order untouched)
+    and the plan. The saved world size is ``from_world_size`` when given
     (for files without one, or with a wrong one), else the file's ``world_size``. When nothing
     would change, the fields come back equal and ``plan.changed`` is False.
 
@@ -180,7 +190,13 @@ def rescale_fields(
     new_fields[step_key] = new_step
     new_fields[WORLD_SIZE_KEY] = world_size
     new_fields[HISTORY_KEY] = history
-    return new_fields, replace(plan, history=tuple(history))
+    plan = replace(plan, history=tuple(history))
+    if fields.get(SCHEDULER_KEY) is not None:
+        moved = rescale_scheduler(fields[SCHEDULER_KEY], saved, world_size)
+        if moved.state is not None:
+            new_fields[SCHEDULER_KEY] = moved.state
+        plan = replace(plan, scheduler_changes=moved.changes, scheduler_note=moved.note)
+    return new_fields, plan
 
 
 def describe_repeats(plan: RescalePlan, batch_size: int | None = None) -> str:
@@ -244,6 +260,30 @@ def rescale_step(
     backup_path = path.with_name(path.name + ".bak") if backup else None
     _check_request(path, target, in_place=in_place, backup_path=backup_path,
                    overwrite=overwrite, batch_size=batch_size)  # fmt: skip
+    try:
+        return _rescale_file(
+            path, target, world_size, from_world_size=from_world_size, step_key=step_key,
+            strict=strict, in_place=in_place, backup_path=backup_path, dry_run=dry_run,
+            batch_size=batch_size, progress=progress,
+        )  # fmt: skip
+    except CkptError as error:
+        raise name_file(error, str(path)) from None  # every error says which file
+
+
+def _rescale_file(
+    path: Path,
+    target: Path,
+    world_size: int,
+    *,
+    from_world_size: int | None,
+    step_key: str | None,
+    strict: bool,
+    in_place: bool,
+    backup_path: Path | None,
+    dry_run: bool,
+    batch_size: int | None,
+    progress: ProgressCallback | None,
+) -> RescaleReport:
     with open_checkpoint(path, track_spans=True) as ckpt:
         layout = layout_of(ckpt)
         if step_key is None and layout == TRAINING and isinstance(ckpt.root, dict):
@@ -261,12 +301,31 @@ def rescale_step(
         )
         if not plan.changed:
             return report
-        changes = {key: new_fields[key] for key in (plan.step_key, WORLD_SIZE_KEY, HISTORY_KEY)}
+        keys = [plan.step_key, WORLD_SIZE_KEY, HISTORY_KEY]
+        if plan.scheduler_changes and not _emittable(new_fields[SCHEDULER_KEY]):
+            plan = replace(plan, scheduler_changes=(), scheduler_note=(
+                "its state holds values other than plain numbers, strings and lists, which "
+                "ckpttool does not rewrite: left at last_epoch "
+                f"{ckpt.root[SCHEDULER_KEY].get('last_epoch')}; rebuild it for the new number "
+                "of processes"
+            ))  # fmt: skip
+            report = replace(report, plan=plan)
+        if plan.scheduler_changes:
+            keys.append(SCHEDULER_KEY)  # the whole value is re-emitted (plain data only)
+        changes = {key: new_fields[key] for key in keys}
         with FieldRewrite(ckpt, changes) as rewrite:
             if dry_run:
                 return report
             made_backup = _rewrite_file(rewrite, path, target, in_place, backup_path, progress)
     return replace(report, written=True, backup=made_backup)
+
+
+def _emittable(value: Any) -> bool:
+    try:
+        emit(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _check_request(

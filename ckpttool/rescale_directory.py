@@ -46,9 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.atomic import TMP_SUFFIX, fsync_dir
-from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError
+from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError, name_file
 from ckpttool.formats.base import is_dcp_directory
 from ckpttool.frameworks import accelerate, huggingface, list_files
+from ckpttool.lr_schedule import moved_counters
 from ckpttool.reader import open_checkpoint
 from ckpttool.rescale import InexactRescaleError, RescalePlan, describe_repeats
 from ckpttool.rewrite import FieldRewrite, verify_rewrite
@@ -156,11 +157,8 @@ def _counter_changes(
     delta = new_steps - old_steps
     if delta == 0:
         return {}, []
-    new = {"last_epoch": last_epoch + delta, "_step_count": step_count + delta}
-    return new, [
-        ValueChange(name, "last_epoch", last_epoch, last_epoch + delta),
-        ValueChange(name, "_step_count", step_count, step_count + delta),
-    ]
+    new = moved_counters(state, delta)
+    return new, [ValueChange(name, key, state[key], value) for key, value in new.items()]
 
 
 def plan_directory(
@@ -385,6 +383,29 @@ def rescale_directory(
     path = Path(path)
     if in_place and output is not None:
         raise InputError("--in-place and -o/--output exclude each other")
+    try:
+        return _rescale_directory(
+            path, world_size, from_world_size=from_world_size, strict=strict, output=output,
+            in_place=in_place, overwrite=overwrite, dry_run=dry_run, batch_size=batch_size,
+            keep_global_batch=keep_global_batch,
+        )  # fmt: skip
+    except CkptError as error:
+        raise name_file(error, str(path)) from None  # every error says which checkpoint
+
+
+def _rescale_directory(
+    path: Path,
+    world_size: int,
+    *,
+    from_world_size: int | None,
+    strict: bool,
+    output: str | os.PathLike[str] | None,
+    in_place: bool,
+    overwrite: bool,
+    dry_run: bool,
+    batch_size: int | None,
+    keep_global_batch: bool,
+) -> DirectoryRescaleReport:
     from ckpttool.zero_consolidate import is_deepspeed_directory
 
     if is_deepspeed_directory(path):

@@ -50,6 +50,7 @@ from ckpttool.errors import (
     LayoutError,
     UnsafePickleError,
 )
+from ckpttool.lr_schedule import rescale_scheduler
 
 logger = logging.getLogger("ckpttool")
 
@@ -259,8 +260,11 @@ def load_checkpoint(
     containers is refused with :class:`UnsafePickleError`, never loaded unsafely. When the saved
     ``world_size`` (1 if absent, as in old MiniMind files) differs from the current one, ``step``
     is rescaled to ``step * saved // current`` (MiniMind's rule: the same number of samples seen)
-    and ``world_size`` set to the current one; the change is logged at INFO on ``"ckpttool"``,
-    and when the division is not exact (some batches will be trained twice), at WARNING.
+    and ``world_size`` set to the current one; a saved LR scheduler, which counts optimizer
+    steps, moves by the same factor (``rescale-step``'s rule,
+    :func:`ckpttool.lr_schedule.rescale_scheduler`). The change is logged at INFO on
+    ``"ckpttool"``; at WARNING when the division is not exact (some batches will be trained
+    twice) or when the scheduler's state cannot be moved (it is then left as it was).
     """
     _, resume_path = checkpoint_paths(save_dir, weight, hidden_size, use_moe)
     if not resume_path.exists():
@@ -284,6 +288,7 @@ def load_checkpoint(
             saved_step,
             ckpt["step"],
         )
+        _rescale_scheduler(ckpt, saved_world_size, current_world_size)
         repeated = saved_step * saved_world_size - ckpt["step"] * current_world_size
         if repeated:
             logger.warning(
@@ -296,6 +301,29 @@ def load_checkpoint(
                 repeated,
             )
     return ckpt
+
+
+def _rescale_scheduler(ckpt: dict[str, Any], saved_world_size: int, world_size: int) -> None:
+    """Move the saved LR scheduler with ``step`` (``rescale-step``'s rule, in memory)."""
+    if ckpt.get("scheduler") is None:
+        return
+    moved = rescale_scheduler(ckpt["scheduler"], saved_world_size, world_size)
+    if moved.state is not None:
+        ckpt["scheduler"] = moved.state
+        logger.info(
+            "world_size changed %d -> %d: scheduler %s (it counts optimizer steps, scaled "
+            "like step)",
+            saved_world_size,
+            world_size,
+            ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in moved.changes),
+        )
+    elif moved.note:
+        logger.warning(
+            "world_size changed %d -> %d: scheduler not moved: %s",
+            saved_world_size,
+            world_size,
+            moved.note,
+        )
 
 
 def _load_weights_only(path: Path, map_location: str | torch.device) -> Any:

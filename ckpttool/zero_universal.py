@@ -45,6 +45,7 @@ from typing import Any
 
 from ckpttool.atomic import TMP_SUFFIX, fsync_dir
 from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError
+from ckpttool.lr_schedule import STEP_COUNTERS, moved_counters
 from ckpttool.records import OpaqueObject, TensorRecord
 from ckpttool.rescale import RescalePlan
 from ckpttool.rescale_directory import (
@@ -177,16 +178,15 @@ def _counter_changes(model: dict[str, Any], delta: int) -> tuple[list[ValueChang
     new: dict[str, Any] = {"global_steps": old_steps + delta}
     scheduler = model.get("lr_scheduler")
     if isinstance(scheduler, dict) and scheduler:
-        moved = dict(scheduler)
-        keys = [k for k in ("last_batch_iteration", "last_epoch", "_step_count") if k in moved]
-        if not keys or not all(isinstance(moved[k], int) for k in keys):
+        keys = [k for k in ("last_batch_iteration", *STEP_COUNTERS) if k in scheduler]
+        if not keys or not all(isinstance(scheduler[k], int) for k in keys):
             raise LayoutError(
                 "the saved lr_scheduler has no integer last_batch_iteration or last_epoch; "
                 "its position cannot be moved with global_steps, so nothing was written "
                 "(--keep-global-batch keeps every counter)"
             )
+        moved = {**scheduler, **moved_counters(scheduler, delta, tuple(keys))}
         for key in keys:
-            moved[key] += delta
             changes.append(ValueChange("", f"lr_scheduler.{key}", scheduler[key], moved[key]))
         new["lr_scheduler"] = moved
     return changes, new

@@ -21,6 +21,7 @@ import ckpttool.train
 from ckpttool.atomic import temp_name_pattern
 from ckpttool.errors import InputError, LayoutError, OutputExistsError
 from ckpttool.formats.zip_writer import TorchZipWriter
+from ckpttool.lr_schedule import rescale_scheduler
 from ckpttool.reader import open_checkpoint
 from ckpttool.records import walk
 from ckpttool.rescale import InexactRescaleError, rescale_fields, rescale_step
@@ -234,8 +235,11 @@ def test_rescale_preserves_everything_else(name: str, tmp_path: Path) -> None:
         assert new.root["rescaled_from"] == [{"step": step, "world_size": saved}]
         assert new.tensors() == old.tensors()  # records: dtype, shape, stride, storage...
         for key in old.root:
-            if key not in ("step", "world_size"):
+            if key not in ("step", "world_size", "scheduler"):
                 assert list(walk(new.root[key])) == list(walk(old.root[key])), key
+        if "scheduler" in old.root:  # counts optimizer steps: moved like step (its own tests)
+            moved = rescale_scheduler(old.root["scheduler"], saved, 3).state
+            assert moved is not None and new.root["scheduler"] == moved
         for record in old.tensors():
             assert new.read_bytes(record) == old.read_bytes(record), record.key
 
@@ -245,6 +249,9 @@ def test_rescale_preserves_everything_else(name: str, tmp_path: Path) -> None:
     assert after.pop("step") == step * saved // 3 and before.pop("step") == step
     assert after.pop("world_size") == 3
     before.pop("world_size", None)
+    if "scheduler" in before:
+        assert after["scheduler"]["last_epoch"] == before["scheduler"]["last_epoch"] * saved // 3
+        after["scheduler"] = before["scheduler"]
     assert_same_loaded(before, after)
     assert storage_groups(after) == storage_groups(before)
     if new.format == "torch-zip":  # records stay 64-byte aligned

@@ -7,7 +7,14 @@ from typing import Any
 from ckpttool.render.rescale_directory import plan_json
 from ckpttool.render.rescale_directory import render_json as directory_json
 from ckpttool.render.rescale_directory import render_text as directory_text
-from ckpttool.rescale import HISTORY_KEY, WORLD_SIZE_KEY, RescaleReport, describe_repeats
+from ckpttool.rescale import (
+    HISTORY_KEY,
+    SCHEDULER_KEY,
+    WORLD_SIZE_KEY,
+    RescalePlan,
+    RescaleReport,
+    describe_repeats,
+)
 from ckpttool.rescale_directory import DirectoryRescaleReport
 
 __all__ = ["render_json", "render_text"]
@@ -26,10 +33,30 @@ def render_json(report: RescaleReport | DirectoryRescaleReport) -> dict[str, Any
         "layout": report.layout,
         **plan_json(plan, batch_size, file_world_size=plan.file_world_size, changed=plan.changed),
         HISTORY_KEY: list(plan.history),
+        "scheduler": scheduler_json(plan),
         "dry_run": report.dry_run,
         "written": report.written,
         "backup": str(report.backup) if report.backup else None,
     }
+
+
+def scheduler_json(plan: RescalePlan) -> dict[str, Any] | None:
+    """What happened to the file's LR scheduler: null when nothing (no scheduler, no change)."""
+    if not plan.scheduler_changes and not plan.scheduler_note:
+        return None
+    return {
+        "changes": [{"key": k, "old": old, "new": new} for k, old, new in plan.scheduler_changes],
+        "note": plan.scheduler_note or None,
+    }
+
+
+def scheduler_lines(plan: RescalePlan) -> list[str]:
+    if plan.scheduler_note:
+        return [f"note: {SCHEDULER_KEY}: {plan.scheduler_note}"]
+    if not plan.scheduler_changes:
+        return []
+    moved = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in plan.scheduler_changes)
+    return [f"{SCHEDULER_KEY}: {moved} (it counts optimizer steps: scaled like {plan.step_key})"]
 
 
 def render_text(report: RescaleReport | DirectoryRescaleReport) -> str:
@@ -71,6 +98,7 @@ def _lines(report: RescaleReport) -> list[str]:
         for entry in plan.history
     )
     lines.append(f"{HISTORY_KEY}: {history}")
+    lines += scheduler_lines(plan)
     if report.dry_run:
         lines.append("dry run: nothing was written")
     else:

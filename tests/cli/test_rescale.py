@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from ckpttool.cli import cli
 from tests.support.helpers import copy_fixture, digest
 
 RESUME = "minimind/pretrain_32_resume.pth"  # step 1200, world_size 8
+FRAMEWORKS = Path(__file__).parents[1] / "fixtures" / "frameworks"
 
 
 def run(*args: object) -> Result:
@@ -54,7 +56,7 @@ def test_strict_refuses_an_inexact_rescale(tmp_path: Path) -> None:
     result = run("rescale-step", path, "--world-size", 7, "--strict")
     assert result.exit_code == 2
     assert result.stderr == (
-        "Error: 1200 x 8 = 9600 global batches is not a multiple of 7: 3 global batches "
+        f"Error: {path}: 1200 x 8 = 9600 global batches is not a multiple of 7: 3 global batches "
         "(3/7 of a batch per rank) will be trained twice; refused (--strict)\n"
     )
     assert digest(path) == before
@@ -66,7 +68,7 @@ def test_missing_world_size_needs_from_world_size(tmp_path: Path) -> None:
     result = run("rescale-step", path, "--world-size", 2)
     assert result.exit_code == 2
     assert result.stderr == (
-        "Error: the checkpoint has no world_size, so the number of GPUs its step was counted on "
+        f"Error: {path}: the checkpoint has no world_size, so the number of GPUs its step was counted on "
         "is unknown: pass --from-world-size M (older MiniMind files do not record it)\n"
     )
     result = run("rescale-step", path, "--world-size", 2, "--from-world-size", 4)
@@ -143,6 +145,7 @@ def test_json_report(tmp_path: Path) -> None:
         "repeated_samples": 12,
         "max_repeated_samples_per_rank": 2,
         "rescaled_from": [{"step": 1200, "world_size": 8}],
+        "scheduler": None,
         "dry_run": False,
         "written": True,
         "backup": None,
@@ -231,3 +234,15 @@ def test_usage_errors(tmp_path: Path) -> None:
     result = run("rescale-step", tmp_path / "missing.pth", "--world-size", 2)
     assert result.exit_code == 2
     assert result.stderr == f"Error: {tmp_path / 'missing.pth'}: no such file\n"
+
+
+def test_every_refusal_names_the_checkpoint(tmp_path: Path) -> None:
+    """README's rule, for the refusals that come from the counters, not from reading a file."""
+    trainer = tmp_path / "checkpoint-4"
+    shutil.copytree(FRAMEWORKS / "trainer_1proc" / "output" / "checkpoint-4", trainer)
+    result = run("rescale-step", trainer, "--world-size", 3, "--strict")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"Error: {trainer}: 4 x 1 = 4 is not a multiple of 3: 1 global batch (1/3 of a batch "
+        "per rank) will be trained twice; refused (--strict)\n"
+    )
