@@ -117,6 +117,23 @@ def cast_array(values: np.ndarray, source: str, target: str) -> tuple[np.ndarray
     return out, CastCounts(overflow, underflow, max_abs)
 
 
+def count_overflow(
+    values: np.ndarray, source: str, narrowed: np.ndarray, target: str
+) -> tuple[int, float]:
+    """The overflow check of :func:`cast_array` for a cast done elsewhere (``save_checkpoint``'s,
+    by torch): (finite ``values`` that are inf in ``narrowed``, the largest finite |value| if
+    any are). Both arrays are held as :func:`stored_dtype` of their dtype, in the same order."""
+    if (source, target) in _LOSSLESS or source == target:
+        return 0, 0.0
+    flat, narrow = values.reshape(-1), narrowed.reshape(-1)
+    lost, largest = 0, 0.0
+    for start in range(0, flat.size, _CHUNK):
+        chunk = widen(flat[start : start + _CHUNK], source)
+        chunk_lost, chunk_largest = _overflow(chunk, narrow[start : start + _CHUNK], target)
+        lost, largest = lost + chunk_lost, max(largest, chunk_largest)
+    return lost, largest
+
+
 def _overflow(wide: np.ndarray, narrow: np.ndarray, target: str) -> tuple[int, float]:
     """(finite values that became inf, largest finite |value| if any did)."""
     with np.errstate(invalid="ignore"):

@@ -154,12 +154,10 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
             )
 
 
-def _cpu_state_dict(state_dict: Mapping[str, Any], *, half: bool) -> dict[str, Any]:
-    """``{k: v.cpu()}``, floating-point tensors also ``.half()``-ed when ``half`` (as MiniMind)."""
+def _cpu_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``{k: v.detach().cpu()}`` for the tensors, the rest as is."""
     return {
-        key: (value.half() if half and value.is_floating_point() else value).detach().cpu()
-        if isinstance(value, torch.Tensor)
-        else value
+        key: value.detach().cpu() if isinstance(value, torch.Tensor) else value
         for key, value in state_dict.items()
     }
 
@@ -178,11 +176,16 @@ def save_checkpoint(
     scheduler: Any | None = None,
     extra_state: Mapping[str, Any] | None = None,
     wandb_id: str | None = None,
-) -> tuple[Path, Path]:
+    weights_dtype: torch.dtype | None = torch.float16,
+) -> tuple[Path | None, Path]:
     """Write the weights file and the resume file atomically; return ``(weights_path, resume_path)``.
 
     The weights file is ``{name: tensor.half().cpu()}`` as in MiniMind, except that only
-    floating-point tensors are halved (halving an int or bool buffer would corrupt it). The resume
+    floating-point tensors are halved (halving an int or bool buffer would corrupt it).
+    ``weights_dtype`` chooses its floating dtype (``torch.bfloat16``, ``torch.float32``...); with
+    ``None`` no weights file is written and ``weights_path`` comes back ``None``. Values beyond
+    that dtype's range become inf in the weights file: a WARNING on ``"ckpttool"`` names every such
+    tensor, with its count and largest value (the resume file keeps them exactly). The resume
     file is a dict, in this key order: ``model`` (training dtype, CPU), ``optimizer``, ``epoch``,
     ``step`` (batches trained in ``epoch``), ``world_size``, ``wandb_id``, ``scaler`` and
     ``scheduler`` (their state dicts, when given), ``rng`` (:func:`capture_rng_state`), then the
@@ -205,11 +208,14 @@ def save_checkpoint(
     try:
         if not _distributed() or dist.get_rank() == 0:
             weights_path.parent.mkdir(parents=True, exist_ok=True)
-            state_dict = _unwrap(model).state_dict()
-            with atomic_write(weights_path) as handle:
-                torch.save(_cpu_state_dict(state_dict, half=True), handle)
+            cpu_model = _cpu_state_dict(_unwrap(model).state_dict())
+            if weights_dtype is not None:
+                weights = _weights_state_dict(cpu_model, weights_dtype, weights_path)
+                with atomic_write(weights_path) as handle:
+                    torch.save(weights, handle)
+                del weights
             resume_data: dict[str, Any] = {
-                "model": _cpu_state_dict(state_dict, half=False),
+                "model": cpu_model,
                 "optimizer": optimizer.state_dict(),
                 "epoch": epoch,
                 "step": step,
@@ -232,7 +238,54 @@ def save_checkpoint(
         # as if the files were there.
         if _distributed():
             _agree_on_write(written)
-    return weights_path, resume_path
+    return (weights_path if weights_dtype is not None else None), resume_path
+
+
+def _weights_state_dict(
+    cpu_model: Mapping[str, Any], dtype: torch.dtype, weights_path: Path
+) -> dict[str, Any]:
+    """The weights file's dict: floating tensors cast to ``dtype``, overflows reported by
+    ``convert``'s own check (:func:`ckpttool.cast.count_overflow`)."""
+    weights: dict[str, Any] = {}
+    overflowed: list[str] = []
+    for key, value in cpu_model.items():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            weights[key] = value
+            continue
+        weights[key] = narrowed = value.to(dtype)
+        lost, largest = _overflow(value, narrowed)
+        if lost:
+            overflowed.append(f"{key} ({lost:,} value(s), max |x| = {largest:.6g})")
+    if overflowed:
+        target = str(dtype).removeprefix("torch.")
+        logger.warning(
+            "%s: %d tensor(s) hold values beyond %s's range, written as inf in the weights file "
+            "(the resume file keeps them exactly): %s; pass weights_dtype=torch.bfloat16 (or "
+            "torch.float32) to save_checkpoint",
+            weights_path,
+            len(overflowed),
+            target,
+            "; ".join(overflowed),
+        )
+    return weights
+
+
+def _overflow(value: torch.Tensor, narrowed: torch.Tensor) -> tuple[int, float]:
+    from ckpttool.cast import CASTABLE, count_overflow
+
+    source = str(value.dtype).removeprefix("torch.")
+    target = str(narrowed.dtype).removeprefix("torch.")
+    if source not in CASTABLE or target not in CASTABLE or not value.numel():
+        return 0, 0.0
+    return count_overflow(_stored(value), source, _stored(narrowed), target)
+
+
+def _stored(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's elements as NumPy holds them for :mod:`ckpttool.cast` (bf16: the bits)."""
+    tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
 
 
 def _agree_on_write(written: bool) -> None:

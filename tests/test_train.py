@@ -230,6 +230,48 @@ def test_resume_file_keeps_training_dtype_weights_file_is_fp16(tmp_path: Path) -
     assert set(resume["rng"]) >= {"python", "numpy", "torch"}
 
 
+def test_weights_beyond_fp16_range_are_named_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, optimizer = make_training()
+    with torch.no_grad():
+        model.linear.weight[0, :2] = torch.tensor([70000.0, -1e6])  # float16 ends at 65504
+        model.linear.bias[0] = 65504.0  # the largest float16: no overflow
+    with caplog.at_level(logging.WARNING, logger="ckpttool"):
+        weights_path, resume_path = save(model, optimizer, tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{weights_path}: 1 tensor(s) hold values beyond float16's range, written as inf in the "
+        "weights file (the resume file keeps them exactly): linear.weight (2 value(s), max |x| = "
+        "1e+06); pass weights_dtype=torch.bfloat16 (or torch.float32) to save_checkpoint"
+    ]
+    assert torch.isinf(torch.load(weights_path, weights_only=True)["linear.weight"]).sum() == 2
+    resume = torch.load(resume_path, weights_only=True)
+    assert resume["model"]["linear.weight"][0, 1] == -1e6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weights_dtype_chooses_the_weights_file_dtype(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, dtype: torch.dtype
+) -> None:
+    model, optimizer = make_training()
+    with torch.no_grad():
+        model.linear.weight[0, 0] = 70000.0
+    with caplog.at_level(logging.WARNING, logger="ckpttool"):
+        weights_path, _ = save(model, optimizer, tmp_path, weights_dtype=dtype)
+    assert caplog.records == []  # in range of both
+    assert weights_path is not None
+    weights = torch.load(weights_path, weights_only=True)
+    assert weights["linear.weight"].dtype == dtype
+    assert torch.equal(weights["linear.weight"], model.linear.weight.detach().to(dtype))
+    assert weights["position_ids"].dtype == torch.int64
+
+
+def test_weights_dtype_none_writes_no_weights_file(tmp_path: Path) -> None:
+    model, optimizer = make_training()
+    weights_path, resume_path = save(model, optimizer, tmp_path, weights_dtype=None)
+    assert weights_path is None and sorted(os.listdir(tmp_path)) == [resume_path.name]
+
+
 def test_tied_weights_stay_shared_in_the_resume_file(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight  # MiniMind ties embedding and lm_head
