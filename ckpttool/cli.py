@@ -217,7 +217,7 @@ def diff_command(
 
     \b
     Examples:
-      ckpttool diff out/pretrain_768.pth out/pretrain_768_resume.pth --rounded
+      ckpttool diff out/pretrain_768.pth checkpoints/pretrain_768_resume.pth --rounded
       ckpttool diff run1/ckpt.pth run2/ckpt.pth --rtol 1e-3 --all
       ckpttool diff ddp.pth model.safetensors --ignore-wrappers
       ckpttool diff tutorial.pt model.pth --section-a model_state_dict
@@ -314,8 +314,8 @@ def rescale_step(
 
     \b
     Examples:
-      ckpttool rescale-step out/pretrain_768_resume.pth --world-size 2 --dry-run
-      ckpttool rescale-step out/pretrain_768_resume.pth --world-size 2 --backup
+      ckpttool rescale-step checkpoints/pretrain_768_resume.pth --world-size 2 --dry-run
+      ckpttool rescale-step checkpoints/pretrain_768_resume.pth --world-size 2 --backup
       ckpttool rescale-step old_resume.pth --world-size 4 --from-world-size 8 -o new_resume.pth
       ckpttool rescale-step last.ckpt --world-size 2 --from-world-size 4 --step-key global_step
       ckpttool rescale-step output/checkpoint-500 --world-size 4 -o output/checkpoint-500-ws4
@@ -419,7 +419,7 @@ def convert_command(
     \b
     Examples:
       ckpttool convert out/pretrain_768.pth
-      ckpttool convert out/pretrain_768_resume.pth model.safetensors --dtype bf16
+      ckpttool convert checkpoints/pretrain_768_resume.pth model.safetensors --dtype bf16
       ckpttool convert model.safetensors model.pth
       ckpttool convert ddp.pth --ignore-wrappers --filter 'model.layers.*'
       ckpttool convert ddp.pth --strip-prefix module. --to pth   # ddp.converted.pth

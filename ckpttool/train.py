@@ -76,8 +76,8 @@ def checkpoint_paths(
 ) -> tuple[Path, Path]:
     """MiniMind's two file names: ``(weights_path, resume_path)``.
 
-    >>> checkpoint_paths("out", "pretrain", 768, use_moe=True)
-    (PosixPath('out/pretrain_768_moe.pth'), PosixPath('out/pretrain_768_moe_resume.pth'))
+    >>> checkpoint_paths("checkpoints", "pretrain", 768, use_moe=True)[1]
+    PosixPath('checkpoints/pretrain_768_moe_resume.pth')
     """
     stem = f"{weight}_{hidden_size}{'_moe' if use_moe else ''}"
     save_dir = Path(save_dir)

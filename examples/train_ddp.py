@@ -1,15 +1,17 @@
 """Train a tiny MiniMind-style LM under DDP, checkpoint with ckpttool, resume, on any world size.
 
-    torchrun --nproc_per_node 2 examples/train_ddp.py --out DIR --stop-after 5  # 'crashes'
-    torchrun --nproc_per_node 2 examples/train_ddp.py --out DIR                 # resumes, ends
-    python examples/train_ddp.py --out DIR --epochs 3                            # 1 process
+    torchrun --nproc_per_node 2 examples/train_ddp.py --stop-after 5   # 'crashes'
+    torchrun --nproc_per_node 2 examples/train_ddp.py                   # resumes, ends
+    python examples/train_ddp.py --epochs 3                             # 1 process
 
 CPU only needs gloo (used when there is no GPU; NCCL and one GPU per rank otherwise); a run takes
-seconds. Each run resumes from DIR's resume file when there is one. ``--stop-after N`` stops
+seconds. Files go where MiniMind's lm_checkpoint puts them, ``--save-dir`` (default
+``checkpoints``): ``pretrain_64.pth`` (fp16 weights) and ``pretrain_64_resume.pth``. Each run
+resumes from the resume file when there is one. ``--stop-after N`` stops
 after N steps as a crash would, with the steps since the last save lost: the next run trains
 them again. Started with another number of processes, ``load_checkpoint`` rescales the saved
 step (``step * saved_world_size // world_size``: the same number of samples consumed), and
-``ckpttool rescale-step DIR/pretrain_64_resume.pth --world-size N`` does the same to the file.
+``ckpttool rescale-step checkpoints/pretrain_64_resume.pth --world-size N`` does the same to the file.
 
 What differs from MiniMind's train_pretrain.py, and why:
 
@@ -130,7 +132,7 @@ def train(
             if step % args.save_interval == 0 or step == iters:
                 # On every rank: rank 0 writes, then all wait until the files are complete.
                 save_checkpoint(
-                    model, optimizer, save_dir=args.out, weight=WEIGHT, hidden_size=HIDDEN,
+                    model, optimizer, save_dir=args.save_dir, weight=WEIGHT, hidden_size=HIDDEN,
                     epoch=epoch, step=step,
                 )  # fmt: skip
                 say(f"epoch {epoch} step {step}/{iters}: loss {loss.item():.3f}, saved")
@@ -141,7 +143,9 @@ def train(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="checkpoint directory")
+    parser.add_argument(
+        "--save-dir", type=Path, default=Path("checkpoints"), help="checkpoint directory"
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4, help="per rank")
     parser.add_argument("--learning-rate", type=float, default=5e-3)
@@ -166,7 +170,7 @@ def main() -> None:
     say(f"world size {world_size} ({dist.get_backend() if world_size > 1 else 'no process group'})")
 
     start_epoch, start_step = 0, 0
-    ckpt = load_checkpoint(args.out, WEIGHT, HIDDEN, map_location=device)  # on every rank
+    ckpt = load_checkpoint(args.save_dir, WEIGHT, HIDDEN, map_location=device)  # on every rank
     if ckpt is not None:
         start_epoch, start_step = resume_training(ckpt, model, optimizer, restore_rng=rank == 0)
         say(f"resumed at epoch {start_epoch}, step {start_step}")

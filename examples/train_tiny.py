@@ -1,6 +1,6 @@
 """Train a tiny MiniMind-like LM for a few steps, save with ckpttool, then resume from the file.
 
-    python examples/train_tiny.py [--out DIR]
+    python examples/train_tiny.py [--save-dir checkpoints]   # default: a temp dir
 
 Runs in seconds on a CPU. "Crashes" (stops) after ``--stop-after`` steps of a 2-epoch run, right
 after a save, then rebuilds everything as a new process would, resumes with ``load_checkpoint`` +
@@ -83,7 +83,7 @@ def build() -> Parts:
 
 
 def train(
-    out: Path, parts: Parts, start_epoch: int, start_step: int, stop_after: int | None
+    save_dir: Path, parts: Parts, start_epoch: int, start_step: int, stop_after: int | None
 ) -> int:
     """The loop; returns the number of steps trained. ``stop_after`` simulates a crash."""
     model, optimizer, scheduler = parts
@@ -110,7 +110,7 @@ def train(
             trained += 1
             if step % SAVE_INTERVAL == 0 or step == iters:
                 _, resume_path = save_checkpoint(
-                    model, optimizer, save_dir=out, weight="pretrain", hidden_size=HIDDEN,
+                    model, optimizer, save_dir=save_dir, weight="pretrain", hidden_size=HIDDEN,
                     epoch=epoch, step=step, scheduler=scheduler,
                 )  # fmt: skip
                 print(
@@ -123,21 +123,23 @@ def train(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="checkpoint dir (default: temp)")
+    parser.add_argument(
+        "--save-dir", type=Path, default=None, help="checkpoint dir (default: a temp dir)"
+    )
     parser.add_argument("--stop-after", type=int, default=12, help="steps before the 'crash'")
     args = parser.parse_args()
-    out = args.out or Path(tempfile.mkdtemp(prefix="train_tiny-"))
+    save_dir = args.save_dir or Path(tempfile.mkdtemp(prefix="train_tiny-"))
     torch.set_num_threads(1)
 
     first = build()
-    train(out, first, 0, 0, args.stop_after)
-    weights_path, resume_path = checkpoint_paths(out, "pretrain", HIDDEN)
+    train(save_dir, first, 0, 0, args.stop_after)
+    weights_path, resume_path = checkpoint_paths(save_dir, "pretrain", HIDDEN)
     print(f"wrote {weights_path} ({weights_path.stat().st_size:,} bytes, fp16)")
     print(f"wrote {resume_path} ({resume_path.stat().st_size:,} bytes, fp32 + optimizer + RNG)")
 
     # A new process would start here: build everything, then restore it from the resume file.
     second = build()
-    ckpt = load_checkpoint(out, "pretrain", HIDDEN)
+    ckpt = load_checkpoint(save_dir, "pretrain", HIDDEN)
     assert ckpt is not None
     start_epoch, start_step = resume_training(ckpt, second[0], second[1], scheduler=second[2])
     print(f"resumed at epoch {start_epoch}, step {start_step} (batches of that epoch skipped)")
@@ -148,7 +150,7 @@ def main() -> None:
     print(f"resumed weights equal the model at the 'crash': {same}")
     if not same:
         print("(it trained past its last save; those steps are trained again)")
-    trained = train(out, second, start_epoch, start_step, None)
+    trained = train(save_dir, second, start_epoch, start_step, None)
     print(f"finished the run: {trained} more steps")
 
 

@@ -396,10 +396,10 @@ def test_resume_on_another_world_size_keeps_the_number_of_samples(
 # --- the example -------------------------------------------------------------------------------
 
 
-def run_example(launcher: list[str], out: Path, *args: str) -> list[str]:
+def run_example(launcher: list[str], save_dir: Path, *args: str) -> list[str]:
     """Run examples/train_ddp.py; its stdout lines with the loss values masked."""
     result = subprocess.run(
-        [*launcher, str(EXAMPLE), "--out", str(out), *args],
+        [*launcher, str(EXAMPLE), "--save-dir", str(save_dir), *args],
         env=clean_env(),
         capture_output=True,
         text=True,
@@ -412,7 +412,7 @@ def run_example(launcher: list[str], out: Path, *args: str) -> list[str]:
 def test_ddp_example_under_torchrun_then_alone(tmp_path: Path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    out = tmp_path / "out"
+    out = tmp_path / "checkpoints"  # MiniMind's layout: the resume files in checkpoints/
     resume_path = out / "pretrain_64_resume.pth"
 
     # Stopped 2 steps after its save at step 3: steps 4 and 5 are lost.
