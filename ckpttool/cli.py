@@ -305,8 +305,10 @@ def rescale_step(
     and the change is recorded in its 'rescaled_from' list.
 
     A Trainer checkpoint-N/ or an accelerate save_state folder is rewritten as a whole to a new
-    directory (PATH.wsN, or -o OUT; --in-place to replace it): global_step / accelerate's step,
-    the scheduler's counters and the per-rank RNG files (docs/rescale-step.md).
+    directory (PATH.wsN; a Trainer OUTPUT_DIR/checkpoint-N goes to OUTPUT_DIR.wsN/checkpoint-M,
+    where Trainer resumes from it; or -o OUT; --in-place to replace it): global_step /
+    accelerate's step, the scheduler's counters and the per-rank RNG files
+    (docs/rescale-step.md).
 
     A DeepSpeed ZeRO-1/2/3 save or tag directory is written, without DeepSpeed, as the
     universal checkpoint DeepSpeed resumes from on N ranks ("load_universal": true):
@@ -318,7 +320,7 @@ def rescale_step(
       ckpttool rescale-step checkpoints/pretrain_768_resume.pth --world-size 2 --backup
       ckpttool rescale-step old_resume.pth --world-size 4 --from-world-size 8 -o new_resume.pth
       ckpttool rescale-step last.ckpt --world-size 2 --from-world-size 4 --step-key global_step
-      ckpttool rescale-step output/checkpoint-500 --world-size 4 -o output/checkpoint-500-ws4
+      ckpttool rescale-step output/checkpoint-500 --world-size 4  # output.ws4/checkpoint-<step>
       ckpttool rescale-step ds_checkpoints/ --world-size 4 -o ds_universal/
     """
     import os

@@ -100,6 +100,7 @@ class DirectoryRescaleReport:
     dry_run: bool
     written: bool
     in_place: bool
+    resume_from_checkpoint: str | None = None  # Trainer: the path to pass to trainer.train
 
 
 def counter_plan(key: str, old: int, saved: int, new_world: int, strict: bool) -> RescalePlan:
@@ -423,18 +424,33 @@ def _rescale_directory(
         )  # fmt: skip
     if keep_global_batch:
         raise InputError("--keep-global-batch applies to a DeepSpeed ZeRO checkpoint")
-    target = path if in_place else Path(output or f"{path}.ws{world_size}")
-    if not in_place:
-        if target.resolve() == path.resolve():
-            raise InputError(f"{target} is the checkpoint itself; use --in-place to replace it")
-        if os.path.lexists(target) and not overwrite:
-            raise OutputExistsError(f"{target} already exists (pass --force to replace it)")
     layout, plan, actions, changes, notes = plan_directory(
         path, world_size, from_world_size=from_world_size, strict=strict
     )
+    in_run = layout == huggingface.HF_TRAINER and huggingface.CHECKPOINT_DIR.match(path.name)
+    if in_place:
+        target = path
+    elif output is not None:
+        target = Path(output)
+    elif in_run:
+        target = trainer_run_output(path, world_size, plan.new_step)
+    else:
+        target = Path(f"{path}.ws{world_size}")
+    if not in_place:
+        if target.resolve() == path.resolve():
+            raise InputError(f"{target} is the checkpoint itself; use --in-place to replace it")
+        if in_run:
+            proposed = trainer_run_output(path, world_size, plan.new_step)
+            _check_trainer_output(path, target, proposed)
+        if os.path.lexists(target) and not overwrite:
+            raise OutputExistsError(f"{target} already exists (pass --force to replace it)")
+    resume = None
+    if layout == huggingface.HF_TRAINER:
+        resume = str(target)
+        notes.append(_resume_note(target))
     report = DirectoryRescaleReport(
         path, target, layout, plan, tuple(changes), tuple(actions), tuple(notes), batch_size,
-        dry_run, False, in_place,
+        dry_run, False, in_place, resume,
     )  # fmt: skip
     if dry_run:
         _check_rewrites(path, actions)  # the same refusals as a real run
@@ -443,6 +459,42 @@ def _rescale_directory(
         return report
     _write_directory(path, target, actions, replace_existing=in_place or overwrite)
     return DirectoryRescaleReport(**{**report.__dict__, "written": True})
+
+
+def trainer_run_output(path: Path, world_size: int, global_step: int) -> Path:
+    """Where a Trainer ``OUTPUT_DIR/checkpoint-N`` goes by default:
+    ``OUTPUT_DIR.wsM/checkpoint-<new global_step>``, a run directory of its own, where
+    ``get_last_checkpoint`` finds it (under the name Trainer itself would have saved it with on M
+    processes), and where the saved run's rotation (``save_total_limit``) never looks."""
+    run = path.parent
+    if run.name in ("", ".", ".."):
+        run = Path(os.path.abspath(run))
+    return run.with_name(f"{run.name}.ws{world_size}") / f"checkpoint-{global_step}"
+
+
+def _check_trainer_output(path: Path, target: Path, proposed: Path) -> None:
+    """Refuse an output in the saved run's own output_dir under a name that Trainer's rotation
+    counts (``checkpoint-*``) but ``get_last_checkpoint`` never resumes from."""
+    if not target.parent.is_dir() or not os.path.samefile(path.parent, target.parent):
+        return
+    name = target.name
+    if huggingface.ROTATED_DIR.match(name) and not huggingface.CHECKPOINT_DIR.match(name):
+        raise InputError(
+            f"{target}: in the run's output_dir, Trainer's rotation (save_total_limit) counts a "
+            f"checkpoint-* folder and may delete it, while get_last_checkpoint never resumes from "
+            f"one not named checkpoint-<N>; write it to another run directory (the default: "
+            f"{proposed})"
+        )
+
+
+def _resume_note(target: Path) -> str:
+    note = f'resume with trainer.train(resume_from_checkpoint="{target}")'
+    if huggingface.CHECKPOINT_DIR.match(target.name):
+        note += (
+            f", or with output_dir={str(target.parent)!r} and resume_from_checkpoint=True "
+            "(get_last_checkpoint takes the highest checkpoint-<N> there)"
+        )
+    return note
 
 
 def _check_rewrites(path: Path, actions: list[FileAction]) -> None:
@@ -456,15 +508,25 @@ def _write_directory(
     path: Path, target: Path, actions: list[FileAction], *, replace_existing: bool
 ) -> None:
     parent = target.resolve().parent
-    temp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=parent))
+    made_parent = not parent.exists()
+    if made_parent:  # a new run directory (OUTPUT_DIR.wsM/): made here, removed if left empty
+        parent.mkdir()
+        fsync_dir(parent.parent)
     try:
-        for action in actions:
-            if action.action != DROP:
-                _write_member(path / action.source, temp / action.name, action)
-        fsync_dir(temp)
-        move_into_place(temp, target, replace_existing)
+        temp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=parent))
+        try:
+            for action in actions:
+                if action.action != DROP:
+                    _write_member(path / action.source, temp / action.name, action)
+            fsync_dir(temp)
+            move_into_place(temp, target, replace_existing)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
     except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
+        if made_parent:
+            with contextlib.suppress(OSError):
+                parent.rmdir()
         raise
 
 

@@ -237,3 +237,75 @@ def test_trainer_without_rescale_repeats_data(tmp_path: Path) -> None:
     logs = _resume_trainer(source, tmp_path / "run", max_steps=16)
     new_logs = [entry for entry in logs if entry["step"] > 4]
     assert new_logs[0]["step"] == 5  # resumes 4 one-process steps (8 samples) too early
+
+
+# -- where a Trainer checkpoint goes: a place Trainer resumes from ------------------------------
+
+
+def test_trainer_checkpoint_goes_to_a_sibling_run_that_get_last_checkpoint_finds(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers")
+    from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
+
+    run = _copy(TRAINER_2.parent, tmp_path, "output")  # the run's output_dir, checkpoint-4 and -8
+    before = sort_checkpoints(str(run))
+    report = rescale_directory(run / "checkpoint-4", 1)
+    # checkpoint-<new global_step> in a run directory of its own: what Trainer itself would have
+    # written on one process, found by auto-resume, out of reach of the saved run's rotation
+    assert report.output == tmp_path / "output.ws1" / "checkpoint-8" and report.written
+    assert get_last_checkpoint(str(tmp_path / "output.ws1")) == str(report.output)
+    assert report.resume_from_checkpoint == str(report.output)
+    assert (
+        f'resume with trainer.train(resume_from_checkpoint="{report.output}"), or with '
+        f"output_dir={str(tmp_path / 'output.ws1')!r} and resume_from_checkpoint=True"
+    ) in " ".join(report.notes)
+    assert sort_checkpoints(str(run)) == before
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-8")
+    assert json.loads((report.output / "trainer_state.json").read_text())["global_step"] == 8
+    assert sorted(os.listdir(tmp_path)) == ["output", "output.ws1"]  # no temp dir left
+
+
+def test_an_output_in_the_run_that_trainer_would_rotate_but_never_resume_is_refused(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers")
+    from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
+
+    run = _copy(TRAINER_2.parent, tmp_path, "output")
+    (run / "checkpoint-4.ws1").mkdir()  # what the rule is about, checked on transformers itself
+    assert str(run / "checkpoint-4.ws1") in sort_checkpoints(str(run))
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-8")
+    (run / "checkpoint-4.ws1").rmdir()
+    result = CliRunner().invoke(
+        cli, ["rescale-step", str(run / "checkpoint-4"), "--world-size", "1",
+              "-o", str(run / "checkpoint-4.ws1")],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"Error: {run / 'checkpoint-4.ws1'}: in the run's output_dir, Trainer's rotation "
+        "(save_total_limit) counts a checkpoint-* folder and may delete it, while "
+        "get_last_checkpoint never resumes from one not named checkpoint-<N>; write it to "
+        f"another run directory (the default: {tmp_path / 'output.ws1' / 'checkpoint-8'})\n"
+    )
+    assert sorted(os.listdir(run)) == ["checkpoint-4", "checkpoint-8"]
+
+
+def test_show_lists_the_rescaled_checkpoints_a_trainer_output_dir_holds(tmp_path: Path) -> None:
+    run = _copy(TRAINER_2.parent, tmp_path, "output")
+    shutil.copytree(run / "checkpoint-4", run / "checkpoint-4.ws2")  # as an older ckpttool wrote
+    (run / "checkpoint-notes").mkdir()  # not a checkpoint: not listed
+    report = rescale_directory(run / "checkpoint-8", 1)
+    result = CliRunner().invoke(cli, ["show", str(report.output.parent)])
+    assert result.exit_code == 0, result.output
+    assert "checkpoint-16" in result.output and "note:" not in result.output
+    result = CliRunner().invoke(cli, ["show", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    assert [(c["name"], c["step"], c["resumable"]) for c in json.loads(result.stdout)["checkpoints"]] == [
+        ("checkpoint-4", 4, True), ("checkpoint-4.ws2", 4, False), ("checkpoint-8", 8, True),
+    ]  # fmt: skip
+    text = CliRunner().invoke(cli, ["show", str(run)]).stdout
+    assert text.splitlines()[-1] == (
+        "note: checkpoint-4.ws2: not checkpoint-<N>, so Trainer's get_last_checkpoint never "
+        "resumes from it, but its rotation (save_total_limit) counts it and may delete it"
+    )

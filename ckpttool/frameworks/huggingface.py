@@ -54,6 +54,10 @@ SCALER_NAME = "scaler.pt"
 RNG_STATE_NAME = "rng_state.pth"
 RNG_STATE_RANK = re.compile(r"^rng_state_(\d+)\.pth$")
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR
+#: What Trainer's rotation (``save_total_limit``, ``trainer_utils.sort_checkpoints``) globs and
+#: may delete: ``checkpoint-*`` folders, ordered by the number after the prefix. Only those that
+#: match CHECKPOINT_DIR are ever resumed from (``get_last_checkpoint``).
+ROTATED_DIR = re.compile(r"^checkpoint-(\d*)")
 
 TRAINER_FILES = (TRAINER_STATE_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME)
 
@@ -233,7 +237,9 @@ def _check_trainer(layout: DirectoryLayout, files: dict[str, int]) -> None:
 
 def detect_output_dir(path: str) -> DirectoryLayout | None:
     """A Trainer ``output_dir`` holding ``checkpoint-N/`` folders: each listed with its step and
-    whether it is complete. Not one checkpoint: commands other than ``show`` ask for one.
+    whether it is complete; Trainer checkpoints under other ``checkpoint-*`` names too (e.g. a
+    ``checkpoint-4.ws2``), with ``resumable`` False: rotation counts them, auto-resume never
+    takes them. Not one checkpoint: commands other than ``show`` ask for one.
     Local only (a URL names one checkpoint)."""
     if is_url(path) or not os.path.isdir(path):
         return None
@@ -244,11 +250,16 @@ def detect_output_dir(path: str) -> DirectoryLayout | None:
     checkpoints = []
     for name in names:
         match = CHECKPOINT_DIR.match(name)
-        if match and os.path.isdir(os.path.join(path, name)):
-            layout = detect(os.path.join(path, name))
-            complete = layout is not None and layout.complete
-            missing = layout.missing if layout is not None else ["every file"]
-            checkpoints.append((int(match.group(1)), name, complete, missing))
+        rotated = ROTATED_DIR.match(name)
+        if not rotated or not os.path.isdir(os.path.join(path, name)):
+            continue
+        layout = detect(os.path.join(path, name))
+        if not match and (layout is None or layout.layout != HF_TRAINER):
+            continue  # another folder the glob happens to match: not listed
+        complete = layout is not None and layout.complete
+        missing = layout.missing if layout is not None else ["every file"]
+        step = int(rotated.group(1) or 0)
+        checkpoints.append((step, name, complete, missing, match is not None))
     if not checkpoints:
         return None
     checkpoints.sort()
@@ -260,7 +271,13 @@ def detect_output_dir(path: str) -> DirectoryLayout | None:
         complete=False,
     )
     result.details["checkpoints"] = [
-        {"name": name, "step": step, "complete": complete, "missing": missing}
-        for step, name, complete, missing in checkpoints
+        {
+            "name": name,
+            "step": step,
+            "complete": complete,
+            "missing": missing,
+            "resumable": resumable,
+        }
+        for step, name, complete, missing, resumable in checkpoints
     ]
     return result

@@ -53,6 +53,7 @@ def render_json(report: DirectoryRescaleReport) -> dict[str, Any]:
         "written": report.written,
         "backup": None,
         "in_place": report.in_place,
+        "resume_from_checkpoint": report.resume_from_checkpoint,
         "changes": [
             {"file": change.file, "key": change.key, "old": change.old, "new": change.new}
             for change in report.changes

@@ -388,4 +388,11 @@ def collection_text(listing: dict[str, Any]) -> str:
         f"layout:     {listing['layout_title']} ({len(rows)} checkpoints; show one for its contents)",
         "",
     ]
-    return "\n".join(header) + table(rows, ["checkpoint", "step", "complete", "missing"])
+    notes = [
+        f"note: {c['name']}: not checkpoint-<N>, so Trainer's get_last_checkpoint never resumes "
+        "from it, but its rotation (save_total_limit) counts it and may delete it"
+        for c in listing["checkpoints"]
+        if not c.get("resumable", True)
+    ]
+    text = "\n".join(header) + table(rows, ["checkpoint", "step", "complete", "missing"])
+    return "\n".join([text, *notes])
