@@ -17,6 +17,7 @@ from ckpttool.errors import OutputExistsError
 from ckpttool.reader import open_checkpoint
 from ckpttool.rescale import rescale_step
 from ckpttool.rescale_directory import rescale_directory
+from tests.test_json_schemas import assert_valid
 
 FIXTURES = Path(__file__).parent / "fixtures" / "frameworks"
 TRAINER_2 = FIXTURES / "trainer_2proc" / "output" / "checkpoint-4"
@@ -289,6 +290,12 @@ def test_an_output_in_the_run_that_trainer_would_rotate_but_never_resume_is_refu
         f"another run directory (the default: {tmp_path / 'output.ws1' / 'checkpoint-8'})\n"
     )
     assert sorted(os.listdir(run)) == ["checkpoint-4", "checkpoint-8"]
+    result = CliRunner().invoke(
+        cli, ["rescale-step", str(run / "checkpoint-4"), "--world-size", "1", "--dry-run", "--json"]
+    )
+    data = json.loads(result.stdout)
+    assert_valid("rescale-step", data)
+    assert data["resume_from_checkpoint"] == str(tmp_path / "output.ws1" / "checkpoint-8")
 
 
 def test_show_lists_the_rescaled_checkpoints_a_trainer_output_dir_holds(tmp_path: Path) -> None:

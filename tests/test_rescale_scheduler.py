@@ -28,6 +28,7 @@ from ckpttool import load_checkpoint, resume_training, save_checkpoint
 from ckpttool.cli import cli
 from ckpttool.lr_schedule import rescale_scheduler
 from ckpttool.rescale import rescale_fields, rescale_step
+from tests.test_json_schemas import assert_valid
 
 #: Steps the saved run had taken (per rank), in a schedule of LENGTH steps on that many ranks.
 DONE, LENGTH = 24, 48
@@ -146,6 +147,7 @@ def test_report_text_and_json_name_every_scheduler_change(
     result = CliRunner().invoke(
         cli, ["rescale-step", str(path), "--world-size", "2", "--dry-run", "--json"]
     )
+    assert_valid("rescale-step", json.loads(result.stdout))
     assert json.loads(result.stdout)["scheduler"] == {
         "changes": [
             {"key": "last_epoch", "old": 24, "new": 12},
@@ -181,6 +183,7 @@ def test_a_scheduler_that_cannot_be_moved_is_left_and_said(
     result = CliRunner().invoke(cli, ["rescale-step", str(path), "--world-size", "2", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
+    assert_valid("rescale-step", report)
     assert report["to"]["step"] == 12 and report["scheduler"]["changes"] == []
     assert "MultiStepLR" in report["scheduler"]["note"]
     assert torch.load(path, weights_only=True)["scheduler"]["last_epoch"] == DONE
