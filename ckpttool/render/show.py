@@ -322,6 +322,12 @@ def _member_lines(details: dict[str, Any]) -> list[str]:
             f"  {member.get('name')!s:<{width}}  {human_size(int(member.get('size') or 0)):>9}"
             f"  {role}{where}"
         )
+    weights = details.get("weights_section")
+    if weights:
+        lines.append(
+            f"keys:       the weights' keys as their files store them (section {weights!r}); "
+            "the other parts' keys start with their section"
+        )
     missing = details.get("missing") or []
     if missing:
         lines.append(f"missing:    {', '.join(str(m) for m in missing)}")
