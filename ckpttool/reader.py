@@ -488,7 +488,9 @@ def _files_seen(directory: str, most: int = 8) -> str:
     """What a plain directory holds, for the refusal: its checkpoint files, or that it has none."""
     names = checkpoint_names(directory)
     if not names:
-        return "it holds no file named like a checkpoint (*.pth, *.pt, *.bin, *.ckpt, *.safetensors)"
+        return (
+            "it holds no file named like a checkpoint (*.pth, *.pt, *.bin, *.ckpt, *.safetensors)"
+        )
     shown = ", ".join(names[:most]) + (f" (+{len(names) - most} more)" if len(names) > most else "")
     return (
         f"it holds {len(names)} checkpoint file{'s' if len(names) != 1 else ''}: {shown}; "

@@ -31,6 +31,7 @@ from ckpttool.records import (
     tensor_keys,
     with_key,
 )
+from ckpttool.show_settings import part_settings, settings_of
 
 if TYPE_CHECKING:
     from ckpttool.values import TensorStats
@@ -71,6 +72,9 @@ class ShowReport:
     optimizer: OptimizerSummary | None = None
     rng: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # what was saved beside the tensors, by top-level part (a scheduler's position, a config
+    # dataclass, an argparse.Namespace, Lightning's hyper_parameters): see part_settings
+    parts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def layout_title(self) -> str:
@@ -264,9 +268,7 @@ def build_report(
         format=ckpt.format,
         file_size=ckpt.file_size,
         layout=layout,
-        details=(
-            {**ckpt.details, "weights_section": weights_key} if weights_key else ckpt.details
-        ),
+        details=({**ckpt.details, "weights_section": weights_key} if weights_key else ckpt.details),
         metadata=ckpt.metadata,
         fields=fields,
         tensors=infos,
@@ -286,7 +288,16 @@ def build_report(
         optimizer=optimizer,
         rng=rng_present(ckpt.root),
         warnings=warnings,
+        parts=_selected_parts(ckpt, section),
     )
+
+
+def _selected_parts(ckpt: Checkpoint, section: str | None) -> dict[str, dict[str, Any]]:
+    """:func:`part_settings`; with ``--section``, that section's own settings only."""
+    if not section:
+        return part_settings(ckpt.root)
+    settings = settings_of(ckpt.section(section))
+    return {section: settings} if settings else {}
 
 
 def add_stats(ckpt: Checkpoint, infos: list[TensorInfo]) -> list[str]:

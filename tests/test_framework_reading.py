@@ -174,7 +174,10 @@ def test_trainer_output_directory_is_a_collection() -> None:
         ("hf_model", "hf_model/model.safetensors"),
         ("hf_sharded", "hf_sharded/model-00001-of-00003.safetensors"),
         ("hf_bin_sharded", "hf_bin_sharded/pytorch_model-00001-of-00003.bin"),
-        ("trainer_1proc/output/checkpoint-8", "trainer_1proc/output/checkpoint-8/model.safetensors"),
+        (
+            "trainer_1proc/output/checkpoint-8",
+            "trainer_1proc/output/checkpoint-8/model.safetensors",
+        ),
         ("accelerate_2proc/state", "accelerate_2proc/state/model.safetensors"),
     ],
 )

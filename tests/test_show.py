@@ -95,7 +95,9 @@ def test_a_resume_dict_is_labelled_ckpttool_only_on_ckpttool_evidence() -> None:
     weights = {"a.weight": record("a", (2,))}
     base = {"model": weights, "optimizer": {}, "epoch": 1, "step": 2}
     assert detect_layout(base, "torch-zip") == "minimind_resume"
-    assert detect_layout({**base, "scheduler": {"last_epoch": 3}}, "torch-zip") == "resume_checkpoint"
+    assert (
+        detect_layout({**base, "scheduler": {"last_epoch": 3}}, "torch-zip") == "resume_checkpoint"
+    )
     assert detect_layout({**base, "rng": {"cpu": "x"}}, "torch-zip") == "resume_checkpoint"
     saved = {
         **base, "world_size": 1, "wandb_id": None,

@@ -182,7 +182,9 @@ def test_verify_a_plain_directory_verifies_each_checkpoint_in_it(tmp_path: Path)
     (empty / "README.md").write_text("notes\n")
     nothing = run("verify", empty)
     assert nothing.exit_code == 2
-    assert nothing.stderr == f"Error: {empty}: a directory holding no checkpoint file ckpttool reads\n"
+    assert (
+        nothing.stderr == f"Error: {empty}: a directory holding no checkpoint file ckpttool reads\n"
+    )
 
 
 def test_show_of_a_plain_directory_names_the_checkpoint_files_in_it(tmp_path: Path) -> None:
