@@ -53,10 +53,10 @@ def part_settings(root: Any) -> dict[str, dict[str, Any]]:
 
 def settings_of(node: Any) -> dict[str, Any]:
     """The direct children of ``node`` that are scalars or short lists of scalars, the
-    position ones first; empty when one of them is a tensor (a state dict)."""
+    position ones first; empty when one of them is a tensor or a state dict."""
     settings: dict[str, Any] = {}
     for key, value in children(node):
-        if isinstance(value, TensorRecord):
+        if isinstance(value, TensorRecord) or _holds_tensors(value):
             return {}
         if _is_scalar(value):
             settings[key] = value
@@ -68,6 +68,14 @@ def settings_of(node: Any) -> dict[str, Any]:
             settings[key] = list(value)
     first = [key for key in POSITION_SETTINGS if key in settings]
     return {key: settings[key] for key in [*first, *settings]}
+
+
+def _holds_tensors(value: Any) -> bool:
+    """A state dict (DeepSpeed's ``module`` inside its model states): the part holding it is
+    a container of weights, summarized elsewhere. Its first entry says (no walk of the rest)."""
+    if not isinstance(value, dict) or not value:
+        return False
+    return isinstance(next(iter(value.values())), TensorRecord)
 
 
 def _is_scalar(value: Any) -> bool:

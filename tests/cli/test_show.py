@@ -598,6 +598,8 @@ def test_show_prints_what_was_saved_beside_the_tensors() -> None:
     assert data["parts"]["config"]["hidden_size"] == 16
     assert len(data["parts"]["training_args"]) > 100  # all of them, the text shows ten
     assert "rng" not in data["parts"] and "model" not in data["parts"]
+    deepspeed = FIXTURES / "deepspeed/stage2_bf16_2proc/checkpoints"  # its lines say the rest
+    assert json.loads(run("show", deepspeed, "--json").stdout)["parts"] == {}
     assert json.loads(run("show", RESUME, "--json").stdout)["parts"] == {
         "scaler": {"scale": 65536.0, "_growth_tracker": 3, "growth_factor": 2.0,
                    "backoff_factor": 0.5, "growth_interval": 2000},
