@@ -463,7 +463,9 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     files left next to the file by an interrupted save.
 
     Each path gets its own verdict and the run goes on: a path that cannot be checked at all
-    (missing, not a checkpoint) gets an "Error: PATH: ..." line on stderr. Exit 0 when every
+    (missing, unreadable) gets an "Error: PATH: ..." line on stderr; a file that is there but
+    is no checkpoint (empty, torn, unrecognised) is a problem. A directory that is no
+    checkpoint layout is walked: each checkpoint in it gets its verdict. Exit 0 when every
     path was checked and is clean, 1 when a problem (or a leftover temp file) was found in any
     (this wins), 2 when some path could not be checked. --json always prints the JSON report.
 

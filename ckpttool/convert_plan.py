@@ -27,6 +27,7 @@ from ckpttool.keys import (
 from ckpttool.reader import Checkpoint
 from ckpttool.records import ITEMSIZE, TensorRecord, walk
 from ckpttool.writers import OutTensor
+from ckpttool.zero_consolidate import reported_layout
 
 #: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
 #: Prefix of the ``__metadata__`` keys that keep a checkpoint's scalar fields (JSON values).
@@ -150,7 +151,7 @@ def build_plan(
         # save_model-style alias entries are re-recorded under ckpttool.aliases
         skip = OWN_KEYS | alias_entries
         carried = {k: v for k, v in ckpt.metadata.items() if k not in skip}
-    return Plan(selection.layout, selection.section, list(named), stored, aliases, fields,
+    return Plan(reported_layout(ckpt, selection.layout), selection.section, list(named), stored, aliases, fields,
                 carried, left_out, notes)  # fmt: skip
 
 

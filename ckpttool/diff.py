@@ -48,7 +48,7 @@ from ckpttool.read_batch import BLOCK, read_many
 from ckpttool.reader import Checkpoint
 from ckpttool.records import ELEMENTS_PER_BYTE, ITEMSIZE, TensorRecord
 from ckpttool.values import dense_record
-from ckpttool.zero_consolidate import counters, open_source
+from ckpttool.zero_consolidate import counters, open_source, reported_layout
 
 IDENTICAL = "identical"
 WITHIN_TOLERANCE = "within_tolerance"
@@ -415,7 +415,7 @@ def _how(a: TensorRecord, b: TensorRecord, *, quick: bool, rounded: bool) -> str
 def _side(ckpt: Checkpoint, part: Part) -> Side:
     section = part.selection.section
     return Side(
-        ckpt.name, ckpt.format, part.layout, section, part.auto and section is not None,
+        ckpt.name, ckpt.format, reported_layout(ckpt, part.layout), section, part.auto and section is not None,
         len(part.selection.tensors), part.aligned_prefix,
     )  # fmt: skip
 

@@ -23,6 +23,16 @@ class InputError(CkptError):
     """The path given is not usable: missing, a directory, empty, unreadable."""
 
 
+class EmptyFileError(InputError):
+    """The file is there but holds no byte: a save that was interrupted (``verify``: a problem
+    found, not a path it could not check)."""
+
+
+class NotADirectoryCheckpointError(InputError):
+    """A directory that is no checkpoint layout ckpttool knows (``verify``: it checks each
+    checkpoint file in it, as ``scan`` does)."""
+
+
 class NotACheckpointError(CkptError):
     """The file is readable but is not a checkpoint format ckpttool knows (or is TorchScript)."""
 

@@ -25,7 +25,8 @@ from ckpttool.records import (
 
 STATE_DICT = "state_dict"
 MINIMIND_RESUME = "minimind_resume"
-CKPTTOOL_RESUME = "ckpttool_resume"
+CKPTTOOL_RESUME = "ckpttool_resume"  # written by ckpttool.save_checkpoint (its RNG state says so)
+RESUME = "resume_checkpoint"  # the same keys plus a scheduler or RNG state someone else saved
 LIGHTNING = "lightning"
 SAFETENSORS = "safetensors"
 NESTED = "nested_dict"
@@ -47,6 +48,7 @@ LAYOUT_TITLES = {
     STATE_DICT: "plain state dict",
     MINIMIND_RESUME: "MiniMind-style resume checkpoint",
     CKPTTOOL_RESUME: "ckpttool resume checkpoint",
+    RESUME: "resume checkpoint",
     LIGHTNING: "Lightning checkpoint",
     SAFETENSORS: "safetensors weights",
     NESTED: "nested dict",
@@ -104,7 +106,9 @@ def detect_layout(root: Any, file_format: str, declared: Any = None) -> str:
     if root and all(isinstance(v, TensorRecord) for v in root.values()):
         return STATE_DICT
     if all(k in root for k in RESUME_KEYS):
-        return CKPTTOOL_RESUME if "rng" in root or "scheduler" in root else MINIMIND_RESUME
+        if _saved_by_ckpttool(root):
+            return CKPTTOOL_RESUME
+        return RESUME if "rng" in root or "scheduler" in root else MINIMIND_RESUME
     if "state_dict" in root and ("pytorch-lightning_version" in root or "optimizer_states" in root):
         return LIGHTNING
     if _is_optimizer_state(root):
@@ -118,8 +122,25 @@ def detect_layout(root: Any, file_format: str, declared: Any = None) -> str:
     return NESTED
 
 
+def _saved_by_ckpttool(root: dict[Any, Any]) -> bool:
+    """Whether a resume dict carries what only ``ckpttool.save_checkpoint`` writes: MiniMind's
+    ``world_size`` and ``wandb_id`` beside an ``rng`` made by ``capture_rng_state`` (Python,
+    torch, and NumPy's state as a dict with its MT19937 ``key``). ckpttool writes no other
+    marker; a ``scheduler`` key alone is anybody's."""
+    rng = root.get("rng")
+    numpy_state = rng.get("numpy") if isinstance(rng, dict) else None
+    return (
+        "world_size" in root
+        and "wandb_id" in root
+        and isinstance(rng, dict)
+        and {"python", "torch"} <= set(rng)
+        and isinstance(numpy_state, dict)
+        and {"bit_generator", "key", "pos"} <= set(numpy_state)
+    )
+
+
 def is_resume(layout: str) -> bool:
-    return layout in (MINIMIND_RESUME, CKPTTOOL_RESUME)
+    return layout in (MINIMIND_RESUME, CKPTTOOL_RESUME, RESUME)
 
 
 def model_section(layout: str, root: Any = None) -> str | None:

@@ -24,8 +24,10 @@ from ckpttool.errors import (
     CheckpointCollectionError,
     CkptError,
     CorruptCheckpointError,
+    EmptyFileError,
     InputError,
     NotACheckpointError,
+    NotADirectoryCheckpointError,
     name_file,
 )
 from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory
@@ -410,7 +412,7 @@ def open_source(name: str) -> Any:
         handle = open_remote(name)
         if handle.size == 0:
             handle.close()
-            raise InputError(f"{_shown(name)}: the file is empty (an interrupted save?)")
+            raise EmptyFileError(f"{_shown(name)}: the file is empty (an interrupted save?)")
         return handle
     return _open_input(local_path(name))
 
@@ -441,11 +443,10 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool) -> Checkpoi
     if layout is None:
         if os.path.isdir(name) and _has_dcp_shards(name):
             _open_input(name)  # raises the DCP-specific message
-        raise InputError(
+        raise NotADirectoryCheckpointError(
             f"{name}: is a directory, but not a checkpoint layout ckpttool knows (a Hugging Face "
             "model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed save or tag "
-            "directory, a DCP directory); "
-            "name a checkpoint file in it"
+            f"directory, a DCP directory); {_files_seen(name)}"
         )
     if layout.layout == COLLECTION:
         raise CheckpointCollectionError(layout)
@@ -462,6 +463,38 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool) -> Checkpoi
         _parsed=parsed,
         _handle=None,
         _all_tensors=tensors(parsed.root),
+    )
+
+
+#: Names of files that are usually checkpoints (what ``show DIR`` lists of a plain directory).
+CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar")
+
+
+def checkpoint_names(directory: str) -> list[str]:
+    """The files directly in ``directory`` named like checkpoints, sorted (names only: nothing
+    is opened)."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(
+        name for name in entries
+        if name.endswith(CHECKPOINT_SUFFIXES) and not name.startswith(".")
+        and os.path.isfile(os.path.join(directory, name))
+    )  # fmt: skip
+
+
+def _files_seen(directory: str, most: int = 8) -> str:
+    """What a plain directory holds, for the refusal: its checkpoint files, or that it has none."""
+    names = checkpoint_names(directory)
+    if not names:
+        return (
+            "it holds no file named like a checkpoint (*.pth, *.pt, *.bin, *.ckpt, *.safetensors)"
+        )
+    shown = ", ".join(names[:most]) + (f" (+{len(names) - most} more)" if len(names) > most else "")
+    return (
+        f"it holds {len(names)} checkpoint file{'s' if len(names) != 1 else ''}: {shown}; "
+        "name one of them (verify and scan take the whole directory)"
     )
 
 
@@ -487,7 +520,7 @@ def _open_input(path: str) -> BinaryIO:
         raise InputError(f"{path}: cannot open ({error.strerror})") from None
     if os.fstat(handle.fileno()).st_size == 0:
         handle.close()
-        raise InputError(f"{path}: the file is empty (an interrupted save?)")
+        raise EmptyFileError(f"{path}: the file is empty (an interrupted save?)")
     return handle
 
 

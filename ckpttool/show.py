@@ -29,7 +29,9 @@ from ckpttool.records import (
     storage_groups,
     storage_views,
     tensor_keys,
+    with_key,
 )
+from ckpttool.show_settings import part_settings, settings_of
 
 if TYPE_CHECKING:
     from ckpttool.values import TensorStats
@@ -61,12 +63,18 @@ class ShowReport:
     total_tensors: int = 0  # in the whole file
     section: str | None = None
     pattern: str | None = None
+    # a framework directory: the section its weights files fill, whose keys are shown (and
+    # --filter matched) as the files store them, without the section's name before them
+    weights_section: str | None = None
     model_part: str | None = None  # top-level key of the model ("" the whole file; None unknown)
     optimizer_part: str | None = None
     shared: list[list[str]] = field(default_factory=list)  # selected keys, by shared storage
     optimizer: OptimizerSummary | None = None
     rng: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # what was saved beside the tensors, by top-level part (a scheduler's position, a config
+    # dataclass, an argparse.Namespace, Lightning's hyper_parameters): see part_settings
+    parts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def layout_title(self) -> str:
@@ -175,6 +183,25 @@ def largest_first(by_dtype: dict[str, int]) -> dict[str, int]:
     return dict(sorted(by_dtype.items(), key=lambda kv: -kv[1]))
 
 
+def weights_section(ckpt: Checkpoint) -> str | None:
+    """The section a framework directory's weights files fill (``model``), when it is one."""
+    members = ckpt.details.get("members")
+    if ckpt.format != "directory" or not isinstance(members, list):
+        return None
+    sections = {m.get("section") for m in members if m.get("role") == "weights"}
+    if len(sections) != 1:
+        return None
+    found = sections.pop()
+    return found if isinstance(found, str) and found else None
+
+
+def stored_keys(records: list[TensorRecord], section: str) -> list[TensorRecord]:
+    """``records`` with ``section.`` taken off the keys under it: a weights file's tensors
+    under the keys the file stores them by."""
+    start = section + "."
+    return [with_key(r, r.key[len(start) :]) if r.key.startswith(start) else r for r in records]
+
+
 def build_report(
     ckpt: Checkpoint,
     *,
@@ -185,6 +212,14 @@ def build_report(
     layout = layout_of(ckpt)
     all_records = ckpt.tensors()
     records = ckpt.tensors(section) if section else all_records
+    weights_key = weights_section(ckpt)
+    if weights_key is not None:
+        shown = stored_keys(all_records, weights_key)
+        if len({r.key for r in shown}) == len(shown):
+            all_records = shown
+            records = stored_keys(records, weights_key) if section else all_records
+        else:  # a stored key equal to another part's (optimizer.*): keep the full keys
+            weights_key = None
     if pattern:
         records = [r for r in records if fnmatch.fnmatchcase(r.key, pattern)]
     views = storage_views(all_records)
@@ -205,7 +240,10 @@ def build_report(
     num_parameters = None
     if model_key is not None:
         if model_key:
-            model_keys = set(tensor_keys(ckpt.section(model_key), model_key))
+            in_model = tensor_keys(ckpt.section(model_key), model_key)
+            if model_key == weights_key:
+                in_model = [key[len(model_key) + 1 :] for key in in_model]
+            model_keys = set(in_model)
             selected_model = [r for r in records if r.key in model_keys]
         else:  # the whole file
             selected_model = records
@@ -230,7 +268,7 @@ def build_report(
         format=ckpt.format,
         file_size=ckpt.file_size,
         layout=layout,
-        details=ckpt.details,
+        details=({**ckpt.details, "weights_section": weights_key} if weights_key else ckpt.details),
         metadata=ckpt.metadata,
         fields=fields,
         tensors=infos,
@@ -239,6 +277,7 @@ def build_report(
         total_tensors=len(all_records),
         section=section,
         pattern=pattern,
+        weights_section=weights_key,
         model_part=model_key,
         optimizer_part=optimizer_key,
         shared=(
@@ -249,7 +288,16 @@ def build_report(
         optimizer=optimizer,
         rng=rng_present(ckpt.root),
         warnings=warnings,
+        parts=_selected_parts(ckpt, section),
     )
+
+
+def _selected_parts(ckpt: Checkpoint, section: str | None) -> dict[str, dict[str, Any]]:
+    """:func:`part_settings`; with ``--section``, that section's own settings only."""
+    if not section:
+        return part_settings(ckpt.root)
+    settings = settings_of(ckpt.section(section))
+    return {section: settings} if settings else {}
 
 
 def add_stats(ckpt: Checkpoint, infos: list[TensorInfo]) -> list[str]:

@@ -7,7 +7,10 @@ bounded memory) and records nothing refers to (``verify_zip``), every item of a 
 (``verify_dcp``); optionally NaN/Inf in every floating tensor. It also reports temp files
 that interrupted saves left next to the file. Problems are collected, not
 raised, so one run lists all of them; with several paths, one that cannot be checked at all
-(missing, not a checkpoint) gets its own verdict and the others are still checked.
+(missing, unreadable) gets its own verdict and the others are still checked. A file that is
+there but is no checkpoint of any format (empty, a few bytes, unrecognised) is a problem found:
+an interrupted save leaves such files. A plain directory (no checkpoint layout) is walked as
+``scan`` walks it: each checkpoint file (and checkpoint directory) in it gets its own verdict.
 """
 
 from __future__ import annotations
@@ -18,10 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpttool.atomic import temp_name_pattern
-from ckpttool.errors import EXIT_ERROR, EXIT_FOUND, CkptError, InputError, NotACheckpointError
+from ckpttool.errors import (
+    EXIT_ERROR,
+    EXIT_FOUND,
+    CkptError,
+    EmptyFileError,
+    InputError,
+    NotACheckpointError,
+    NotADirectoryCheckpointError,
+)
 from ckpttool.pickle.policy import Verdict, never_load_problem
 from ckpttool.progress import ProgressCallback
-from ckpttool.reader import Checkpoint, open_checkpoint
+from ckpttool.reader import CHECKPOINT_SUFFIXES, Checkpoint, open_checkpoint
 from ckpttool.source import is_url
 from ckpttool.values import tensor_stats
 from ckpttool.verify_zip import check_torch_zip
@@ -134,19 +145,82 @@ def verify(
     values: bool = False,
     progress: ProgressCallback | None = None,
 ) -> list[VerifyResult]:
-    """Check every path on its own: one that cannot be checked at all (missing, a directory,
-    not a checkpoint) gets a result with ``error`` set, and the run goes on."""
+    """Check every path on its own: one that cannot be checked at all (missing, unreadable, a
+    directory without checkpoints) gets a result with ``error`` set, and the run goes on. A
+    file that is no checkpoint is a problem; a plain directory gives one result per checkpoint
+    in it."""
     results = []
     for raw in paths:
         try:
             results.append(verify_file(raw, values=values, progress=progress))
-        except (InputError, NotACheckpointError) as error:
-            path = os.fspath(raw) if is_url(raw) else Path(raw)
-            results.append(
-                VerifyResult(str(path), None, leftovers=_leftovers(path),
-                             error=_without_path(error, path))
-            )  # fmt: skip
+        except NotADirectoryCheckpointError as error:
+            results.extend(_verify_directory_files(Path(raw), error, values, progress))
+        except (EmptyFileError, NotACheckpointError) as error:  # there, but no checkpoint
+            results.append(_unreadable(raw, error))
+        except InputError as error:
+            results.append(_unchecked(raw, error))
     return results
+
+
+def _verify_directory_files(
+    directory: Path,
+    refusal: CkptError,
+    values: bool,
+    progress: ProgressCallback | None,
+) -> list[VerifyResult]:
+    """Every checkpoint under a plain ``directory``, each verified on its own. Files that are
+    not checkpoints, such as a README, are passed over as ``scan`` passes them, unless named
+    like one (``*.pth``...): an empty or torn file there is what an interrupted save leaves."""
+    results = []
+    for path in _checkpoints_under(directory):
+        try:
+            results.append(verify_file(path, values=values, progress=progress))
+        except (EmptyFileError, NotACheckpointError) as error:
+            if path.name.endswith(CHECKPOINT_SUFFIXES):
+                results.append(_unreadable(path, error))
+        except InputError as error:
+            results.append(_unchecked(path, error))
+    if not results:
+        message = f"{directory}: a directory holding no checkpoint file ckpttool reads"
+        results.append(_unchecked(directory, type(refusal)(message)))
+    return results
+
+
+def _checkpoints_under(directory: Path) -> list[Path]:
+    """Files under ``directory``, recursively, and the checkpoint directories in it (a DCP or
+    framework directory is one input, not its files); hidden files are left out (an
+    interrupted save's temp files are reported beside the checkpoint they were meant for)."""
+    from ckpttool.formats.base import is_dcp_directory
+    from ckpttool.frameworks import COLLECTION, detect_directory
+
+    found = []
+    for root, subdirectories, names in os.walk(directory):
+        here = Path(root)
+        if here != directory:
+            try:
+                layout = detect_directory(str(here))  # a Trainer output_dir: its checkpoints
+                known = layout is not None and layout.layout != COLLECTION
+            except CkptError:  # a framework's layout, damaged: verify says what is wrong
+                known = True
+            if known or is_dcp_directory(here):
+                found.append(here)
+                subdirectories.clear()
+                continue
+        found.extend(here / name for name in names if not name.startswith("."))
+    return sorted(found)
+
+
+def _unreadable(raw: str | os.PathLike[str], error: CkptError) -> VerifyResult:
+    """A file that is there but is no checkpoint: a problem found (``PROBLEMS (unreadable)``)."""
+    path = os.fspath(raw) if is_url(raw) else Path(raw)
+    return VerifyResult(str(path), None, problems=[_without_path(error, path)],
+                        leftovers=_leftovers(path))  # fmt: skip
+
+
+def _unchecked(raw: str | os.PathLike[str], error: CkptError) -> VerifyResult:
+    path = os.fspath(raw) if is_url(raw) else Path(raw)
+    return VerifyResult(str(path), None, leftovers=_leftovers(path),
+                        error=_without_path(error, path))  # fmt: skip
 
 
 def verify_exit_code(results: Sequence[VerifyResult]) -> int:

@@ -35,9 +35,12 @@ import numpy as np
 from ckpttool.cast import stored_dtype, widen
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
 from ckpttool.formats.base import Parsed, no_span
+from ckpttool.formats.multifile import DIRECTORY
+from ckpttool.layout import DEEPSPEED
 from ckpttool.records import ITEMSIZE, OpaqueObject, StorageRecord, TensorRecord
 
-#: ``show`` / ``convert`` layout name of the consolidated view.
+#: The consolidated view's ``details["layout"]`` (its tree is a flat state dict; outputs name it
+#: by :func:`reported_layout`).
 ZERO_FP32 = "deepspeed_zero_fp32"
 
 
@@ -187,6 +190,13 @@ def counters(ckpt: Any) -> dict[str, Any] | None:
     return {key: weights.model_state[key] for key in COUNTERS if key in weights.model_state}
 
 
+def reported_layout(ckpt: Any, layout: str) -> str:
+    """The layout ``diff`` and ``convert`` report for ``ckpt``: a ZeRO directory read as its
+    fp32 weights is the DeepSpeed checkpoint ``show`` names (ckpttool/vocabulary.py), though
+    its tree is read as a state dict."""
+    return DEEPSPEED if ckpt.details.get("layout") == ZERO_FP32 else layout
+
+
 def zero_note(ckpt: Any) -> list[str]:
     """For convert's report: what was consolidated from what."""
     weights = ckpt.details.get("zero")
@@ -237,7 +247,7 @@ def open_zero_weights(path: str | os.PathLike[str], tag: ZeroTag | None = None) 
         for ckpt in opened:
             ckpt.check_unchanged()
 
-    parsed = Parsed(format="deepspeed-zero", root=dict(weights.tensors), span=no_span,
+    parsed = Parsed(format=DIRECTORY, root=dict(weights.tensors), span=no_span,
                     read=read, close=close, unchanged=unchanged)  # fmt: skip
     parsed.details.update({"layout": ZERO_FP32, "zero": weights})
     size = sum(ckpt.file_size for ckpt in opened)

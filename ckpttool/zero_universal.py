@@ -45,6 +45,7 @@ from typing import Any
 
 from ckpttool.atomic import TMP_SUFFIX, fsync_dir
 from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError
+from ckpttool.layout import DEEPSPEED
 from ckpttool.lr_schedule import STEP_COUNTERS, moved_counters
 from ckpttool.records import OpaqueObject, TensorRecord
 from ckpttool.rescale import RescalePlan
@@ -66,7 +67,7 @@ from ckpttool.zero_consolidate import (
     span_pieces,
 )
 
-ZERO_LAYOUT = "deepspeed_zero"
+ZERO_LAYOUT = DEEPSPEED  # the name show gives the directory (ckpttool/vocabulary.py)
 LATEST_UNIVERSAL = "latest_universal"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 #: optimizer_state_dict entries ds_to_universal leaves out of ZeRO-1/2's optimizer_state.pt

@@ -170,7 +170,7 @@ def test_cli_json_reports_the_changes(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert_valid("rescale-step", data)
-    assert data["layout"] == "deepspeed_zero" and data["written"]
+    assert data["layout"] == "deepspeed" and data["written"]
     assert (data["from"], data["to"]) == (
         {"step": 4, "world_size": 2},
         {"step": 8, "world_size": 1},

@@ -168,6 +168,49 @@ def test_trainer_output_directory_is_a_collection() -> None:
     assert diffed.exit_code == 2 and "name one of them" in diffed.stderr
 
 
+@pytest.mark.parametrize(
+    ("directory", "weights"),
+    [
+        ("hf_model", "hf_model/model.safetensors"),
+        ("hf_sharded", "hf_sharded/model-00001-of-00003.safetensors"),
+        ("hf_bin_sharded", "hf_bin_sharded/pytorch_model-00001-of-00003.bin"),
+        (
+            "trainer_1proc/output/checkpoint-8",
+            "trainer_1proc/output/checkpoint-8/model.safetensors",
+        ),
+        ("accelerate_2proc/state", "accelerate_2proc/state/model.safetensors"),
+    ],
+)
+def test_show_keys_a_directorys_weights_as_its_files_store_them(
+    directory: str, weights: str
+) -> None:
+    """``show DIR --filter`` matches what the same filter matches in the weights file itself:
+    no ``model.model.`` (the section's name before keys that start with ``model.``)."""
+
+    def shown(path: Path, *options: str) -> list[str]:
+        result = CliRunner().invoke(cli, ["show", str(path), "--json", *options])
+        assert result.exit_code == 0, result.output
+        return [t["key"] for t in json.loads(result.stdout)["tensors"]]
+
+    pattern = "model.layers.0.*"
+    in_file = shown(FRAMEWORKS / weights, "--filter", pattern)
+    assert in_file
+    in_directory = shown(FRAMEWORKS / directory, "--filter", pattern)
+    assert in_directory == in_file or set(in_file) < set(in_directory)  # a shard holds a part
+    everything = shown(FRAMEWORKS / directory)
+    assert not any(key.startswith("model.model.") for key in everything)
+    assert "model.norm.weight" in everything
+    assert shown(FRAMEWORKS / directory, "--section", "model", "--filter", pattern) == in_directory
+    details = json.loads(
+        CliRunner().invoke(cli, ["show", str(FRAMEWORKS / directory), "--json"]).stdout
+    )["details"]
+    assert details["weights_section"] == "model"
+    text = CliRunner().invoke(cli, ["show", str(FRAMEWORKS / directory)]).stdout
+    assert "keys:       the weights' keys as their files store them (section 'model')" in text
+    if directory.startswith(("trainer", "accelerate")):  # the other parts keep their section
+        assert "optimizer.state.0.exp_avg" in everything
+
+
 def test_show_gives_an_accelerate_folders_counters() -> None:
     result = CliRunner().invoke(cli, ["show", str(FRAMEWORKS / "accelerate_2proc/state")])
     lines = result.stdout.splitlines()

@@ -284,7 +284,8 @@ VERIFY_CASES: list[tuple[str, Callable[[Path], list[Path]], int]] = [
     ("flipped-byte", lambda tmp: [flipped(tmp), RESUME], 1),
     ("truncated", lambda tmp: [truncated(tmp)], 1),
     ("leftover-temp-file", lambda tmp: [with_leftover(tmp)], 1),
-    ("unreadable-paths", lambda tmp: [not_a_checkpoint(tmp), tmp / "missing.pth", RESUME], 2),
+    ("not-a-checkpoint", lambda tmp: [not_a_checkpoint(tmp), RESUME], 1),
+    ("unreadable-paths", lambda tmp: [tmp / "missing.pth", RESUME], 2),
 ]
 
 

@@ -89,6 +89,25 @@ def test_model_part_of_known_layouts() -> None:
     assert model_part(lightning, detect_layout(lightning, "torch-zip")) == "state_dict"
 
 
+def test_a_resume_dict_is_labelled_ckpttool_only_on_ckpttool_evidence() -> None:
+    """A ``scheduler`` (or any ``rng``) beside model/optimizer/epoch/step is anybody's resume
+    file; only save_checkpoint's own RNG state (with MiniMind's keys) says ckpttool wrote it."""
+    weights = {"a.weight": record("a", (2,))}
+    base = {"model": weights, "optimizer": {}, "epoch": 1, "step": 2}
+    assert detect_layout(base, "torch-zip") == "minimind_resume"
+    assert (
+        detect_layout({**base, "scheduler": {"last_epoch": 3}}, "torch-zip") == "resume_checkpoint"
+    )
+    assert detect_layout({**base, "rng": {"cpu": "x"}}, "torch-zip") == "resume_checkpoint"
+    saved = {
+        **base, "world_size": 1, "wandb_id": None,
+        "rng": {"python": (3, (), None), "torch": record("r", (8,)),
+                "numpy": {"bit_generator": "MT19937", "key": record("k", (624,)), "pos": 0}},
+    }  # fmt: skip
+    assert detect_layout(saved, "torch-zip") == "ckpttool_resume"
+    assert model_part({**base, "scheduler": {}}, "resume_checkpoint") == "model"
+
+
 def test_module_tree_groups_keys_and_collapses_identical_blocks() -> None:
     state = {"embed.weight": record("e", (10, 4))}
     for index in range(4):

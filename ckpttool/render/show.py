@@ -175,6 +175,7 @@ def _document(report: ShowReport) -> dict[str, Any]:
         "shared_storage": report.shared,
         "optimizer": optimizer,
         "rng": report.rng,
+        "parts": {name: plain(settings) for name, settings in report.parts.items()},
         "warnings": report.warnings,
         "tensors": Rows(report.tensors, tensor_json, TensorLines()),
     }
@@ -194,9 +195,8 @@ def render_text(report: ShowReport) -> str:
     top = {k: v for k, v in report.fields.items() if "." not in k}
     for key, value in top.items():
         lines.append(f"{key + ':':<11} {short(value)}")
-    scaler = {k: v for k, v in report.fields.items() if k.startswith("scaler.")}
-    if scaler:
-        lines.append("scaler:     " + ", ".join(f"{k[7:]}={v}" for k, v in scaler.items()))
+    for name, settings in report.parts.items():
+        lines.append(f"{name + ':':<11} {_settings_line(settings)}")
     history = _rescale_history(report.fields)
     if history:
         lines.append(f"rescaled_from: {history}")
@@ -322,12 +322,29 @@ def _member_lines(details: dict[str, Any]) -> list[str]:
             f"  {member.get('name')!s:<{width}}  {human_size(int(member.get('size') or 0)):>9}"
             f"  {role}{where}"
         )
+    weights = details.get("weights_section")
+    if weights:
+        lines.append(
+            f"keys:       the weights' keys as their files store them (section {weights!r})"
+        )
     missing = details.get("missing") or []
     if missing:
         lines.append(f"missing:    {', '.join(str(m) for m in missing)}")
     if details.get("complete") is False:
         lines.append("complete:   no (the framework's resume would fail or be inexact)")
     return lines
+
+
+#: Settings of one part on its line; the rest are counted (all of them are in --json).
+MAX_SETTINGS_SHOWN = 10
+
+
+def _settings_line(settings: dict[str, Any]) -> str:
+    """``last_epoch=8, base_lrs=[0.001, 0.001], ...`` (the first ones, then how many more)."""
+    shown = [f"{key}={short(value, 40)}" for key, value in
+             list(settings.items())[:MAX_SETTINGS_SHOWN]]  # fmt: skip
+    more = len(settings) - MAX_SETTINGS_SHOWN
+    return ", ".join(shown) + (f", ... (+{more} more)" if more > 0 else "")
 
 
 def _rescale_history(fields: dict[str, Any]) -> str:

@@ -496,3 +496,111 @@ def test_stats_report_a_damaged_tensor_and_go_on(tmp_path: Path) -> None:
     assert "a: no statistics: file ends inside its data (truncated)" in report.warnings
     # b's record is located after: its local header says it reaches past the end
     assert any(w.startswith("b: no statistics: record ") for w in report.warnings)
+
+
+# --- the examples of docs/show.md are real output ------------------------------------------
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def documented_runs(page: str) -> list[tuple[list[str], list[str]]]:
+    """(arguments, documented output lines) of each ``$ ckpttool show tests/fixtures/...`` in
+    the console blocks of ``docs/<page>``."""
+    import shlex
+
+    text = (ROOT / "docs" / page).read_text()
+    runs: list[tuple[list[str], list[str]]] = []
+    for block in text.split("```")[1::2]:
+        current: list[str] | None = None
+        for line in block.splitlines():
+            if line.startswith("$ "):
+                current = None
+                words = shlex.split(line[2:].split("  #")[0])
+                if words[:2] == ["ckpttool", "show"] and words[2].startswith("tests/fixtures/"):
+                    current = []
+                    runs.append((words[2:], current))
+            elif current is not None:
+                current.append(line)
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("arguments", "documented"),
+    documented_runs("show.md"),
+    ids=[" ".join(arguments) for arguments, _ in documented_runs("show.md")],
+)
+def test_the_examples_in_docs_show_md_are_real_output(
+    arguments: list[str], documented: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run of "..."-free lines is found, in order and unbroken, in what the command
+    prints (stdout, then its warnings)."""
+    monkeypatch.chdir(ROOT)  # the examples name fixtures relative to the repository
+    result = CliRunner().invoke(cli, ["show", *arguments])
+    assert result.exit_code == 0, result.output
+    real = [line.rstrip() for line in (result.stdout + result.stderr).splitlines()]
+    segments: list[list[str]] = [[]]
+    for line in documented:
+        if line.strip() == "...":
+            segments.append([])
+        else:
+            segments[-1].append(line.rstrip())
+    position = 0
+    for segment in filter(None, segments):
+        for start in range(position, len(real) - len(segment) + 1):
+            if real[start : start + len(segment)] == segment:
+                position = start + len(segment)
+                break
+        else:
+            shown = "\n".join(real)
+            raise AssertionError(f"docs/show.md shows {segment}; the command prints:\n{shown}")
+
+
+def test_the_docs_show_md_examples_are_checked() -> None:
+    commands = [" ".join(arguments) for arguments, _ in documented_runs("show.md")]
+    assert "tests/fixtures/frameworks/trainer_1proc/half_written/checkpoint-8" in commands
+    assert "tests/fixtures/minimind/pretrain_32_resume.pth" in commands
+
+
+# --- what was saved beside the tensors --------------------------------------------------------
+
+
+def test_show_prints_what_was_saved_beside_the_tensors() -> None:
+    """A config dataclass, an argparse.Namespace, Lightning's hyper_parameters and a
+    scheduler's position are in the default view and in --json's parts, not only in --tree."""
+    lines = run("show", FIXTURES / "special/namespace_config.pth").stdout.splitlines()
+    assert "args:       lr=0.0005, batch_size=32, save_dir='../out', use_moe=false" in lines
+    assert (
+        'config:     lr=0.0005, batch_size=32, hidden_size=32, tags=["pretrain", "tiny"]' in lines
+    )
+    lightning = run("show", FIXTURES / "lightning/epoch=1-step=40.ckpt").stdout
+    assert "hyper_parameters: lr=0.001, hidden_size=16, num_layers=1," in lightning
+    assert (
+        "lr_schedulers.0: last_epoch=3, _step_count=4, base_lrs=[0.001], _last_lr=[0.0005],"
+        in lightning
+    )
+    resume = run("show", FIXTURES / "ckpttool/pretrain_32_resume.pth").stdout.splitlines()
+    assert "scaler:     scale=2048.0, _growth_tracker=1, growth_factor=2.0, backoff_factor=0.5, growth_interval=2" in resume  # fmt: skip
+    assert not any(line.startswith(("rng:", "optimizer:", "model:")) and "=" in line.split()[1]
+                   for line in resume)  # fmt: skip
+    trainer = FIXTURES / "frameworks/trainer_1proc/output/checkpoint-8"
+    section = run("show", trainer, "--section", "scheduler").stdout.splitlines()
+    assert "tensors:    0 of 82  (section 'scheduler' matched no tensor)" in section
+    assert [line for line in section if line.startswith(("scheduler:", "config:"))] == [
+        "scheduler:  last_epoch=8, _step_count=9, base_lrs=[0.001, 0.001], _last_lr=[0.0, 0.0], "
+        "_is_initial=false, _get_lr_called_within_step=false"
+    ]
+    data = json.loads(run("show", trainer, "--json").stdout)
+    assert data["parts"]["scheduler"] == {
+        "last_epoch": 8, "_step_count": 9, "base_lrs": [0.001, 0.001], "_last_lr": [0.0, 0.0],
+        "_is_initial": False, "_get_lr_called_within_step": False,
+    }  # fmt: skip
+    assert data["parts"]["config"]["hidden_size"] == 16
+    assert len(data["parts"]["training_args"]) > 100  # all of them, the text shows ten
+    assert "rng" not in data["parts"] and "model" not in data["parts"]
+    deepspeed = FIXTURES / "deepspeed/stage2_bf16_2proc/checkpoints"  # its lines say the rest
+    assert json.loads(run("show", deepspeed, "--json").stdout)["parts"] == {}
+    assert json.loads(run("show", RESUME, "--json").stdout)["parts"] == {
+        "scaler": {"scale": 65536.0, "_growth_tracker": 3, "growth_factor": 2.0,
+                   "backoff_factor": 0.5, "growth_interval": 2000},
+    }  # fmt: skip

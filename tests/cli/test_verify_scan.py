@@ -94,18 +94,19 @@ def test_verify_gives_every_path_its_own_verdict(tmp_path: Path) -> None:
     assert result.exit_code == 1  # a problem found wins over a path it could not check
     assert f"{model_dir / 'model.safetensors'}: OK (safetensors)" in result.stdout
     assert f"{flipped}: PROBLEMS (torch-zip)" in result.stdout
-    assert result.stdout.endswith("4 paths: 1 OK, 1 with problems, 2 could not be checked\n")
-    assert result.stderr.splitlines() == [
-        f"Error: {model_dir / 'config.json'}: not a checkpoint: unrecognised format (first "
-        "bytes b'{\\n \"arch'); ckpttool reads torch.save files (zip or legacy), safetensors "
-        "and pickles",
-        f"Error: {missing}: no such file",
-    ]
+    # a file that is there but is no checkpoint: a problem found, not a path left unchecked
+    assert f"{model_dir / 'config.json'}: PROBLEMS (unreadable)" in result.stdout
+    assert result.stdout.endswith("4 paths: 1 OK, 2 with problems, 1 could not be checked\n")
+    assert result.stderr.splitlines() == [f"Error: {missing}: no such file"]
     report = json.loads(run("verify", *paths, "--json").stdout)
     assert [(f["ok"], f["format"], f["error"] is not None) for f in report["files"]] == [
-        (False, None, True), (False, None, True), (True, "safetensors", False),
+        (False, None, False), (False, None, True), (True, "safetensors", False),
         (False, "torch-zip", False),
     ]  # fmt: skip
+    assert report["files"][0]["problems"] == [
+        "not a checkpoint: unrecognised format (first bytes b'{\\n \"arch'); ckpttool reads "
+        "torch.save files (zip or legacy), safetensors and pickles"
+    ]
     assert report["files"][1]["error"] == "no such file"
     assert not report["ok"]
 
@@ -114,9 +115,10 @@ def test_verify_gives_every_path_its_own_verdict(tmp_path: Path) -> None:
     ("names", "exit_code"),
     [
         (["good"], 0),
-        (["good", "config.json"], 2),  # could not check one: not a clean result
-        (["config.json", "missing"], 2),
-        (["config.json", "good", "flipped"], 1),  # a problem found wins
+        (["good", "missing"], 2),  # could not check one: not a clean result
+        (["good", "config.json"], 1),  # there, but no checkpoint: a problem
+        (["config.json", "missing"], 1),
+        (["missing", "good", "flipped"], 1),  # a problem found wins
     ],
 )
 def test_verify_exit_code_sums_up_the_paths(
@@ -130,6 +132,73 @@ def test_verify_exit_code_sums_up_the_paths(
     as_json = run("verify", *(tmp_path / name for name in names), "--json")
     assert as_json.exit_code == exit_code
     assert len(json.loads(as_json.stdout)["files"]) == len(names)
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        (b"", "the file is empty (an interrupted save?)"),
+        (b"abc", "not a checkpoint: unrecognised format (first bytes b'abc')"),
+        (b"PK\x03", "not a checkpoint: unrecognised format"),
+    ],
+    ids=["empty", "3-bytes", "zip-magic-cut"],
+)
+def test_verify_a_file_too_short_to_be_a_checkpoint_is_a_problem_found(
+    tmp_path: Path, content: bytes, fragment: str
+) -> None:
+    path = tmp_path / "model.pth"
+    path.write_bytes(content)
+    result = run("verify", path)
+    assert result.exit_code == 1, result.output
+    assert result.stdout.startswith(f"{path}: PROBLEMS (unreadable)\n  problem: {fragment}")
+    assert result.stderr == ""
+    data = json.loads(run("verify", path, "--json").stdout)["files"][0]
+    assert data["error"] is None and data["problems"] and data["format"] is None
+
+
+def test_verify_a_plain_directory_verifies_each_checkpoint_in_it(tmp_path: Path) -> None:
+    folder = tmp_path / "runs"
+    (folder / "old").mkdir(parents=True)
+    shutil.copy(RESUME, folder / "resume.pth")
+    _flipped_copy(folder / "old" / "flipped.pth")
+    shutil.copytree(FIXTURES / "frameworks/hf_model", folder / "hf")  # one checkpoint, whole
+    (folder / "README.md").write_text("notes\n")  # not a checkpoint: passed over, as by scan
+    (folder / "torn.pt").write_bytes(b"")  # named like one: an interrupted save
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    verdicts = [line for line in result.stdout.splitlines() if not line.startswith(" ")]
+    assert verdicts == [
+        f"{folder / 'hf'}: OK (directory)",
+        f"{folder / 'old' / 'flipped.pth'}: PROBLEMS (torch-zip)",
+        f"{folder / 'resume.pth'}: OK (torch-zip)",
+        f"{folder / 'torn.pt'}: PROBLEMS (unreadable)",
+        "4 paths: 2 OK, 2 with problems, 0 could not be checked",
+    ]
+    (folder / "old" / "flipped.pth").unlink()
+    (folder / "torn.pt").unlink()
+    assert run("verify", folder).exit_code == 0
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    (empty / "README.md").write_text("notes\n")
+    nothing = run("verify", empty)
+    assert nothing.exit_code == 2
+    assert (
+        nothing.stderr == f"Error: {empty}: a directory holding no checkpoint file ckpttool reads\n"
+    )
+
+
+def test_show_of_a_plain_directory_names_the_checkpoint_files_in_it(tmp_path: Path) -> None:
+    shutil.copy(RESUME, tmp_path / "resume.pth")
+    shutil.copy(FIXTURES / "safetensors/model.safetensors", tmp_path / "weights.safetensors")
+    (tmp_path / "README.md").write_text("notes\n")
+    result = run("show", tmp_path)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"Error: {tmp_path}: is a directory, but not a checkpoint layout ckpttool knows (a "
+        "Hugging Face model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed "
+        "save or tag directory, a DCP directory); it holds 2 checkpoint files: resume.pth, "
+        "weights.safetensors; name one of them (verify and scan take the whole directory)"
+    ]
 
 
 def test_verify_finds_local_header_disagreeing_with_directory(tmp_path: Path) -> None:
@@ -262,7 +331,7 @@ def test_verify_cannot_check(tmp_path: Path) -> None:
     result = run("verify", tmp_path / "missing.pth")
     assert result.exit_code == 2 and result.stderr.startswith("Error: ")
     (tmp_path / "notes.txt").write_text("hello\n")
-    assert run("verify", tmp_path / "notes.txt").exit_code == 2
+    assert run("verify", tmp_path / "notes.txt").exit_code == 1  # there: not a checkpoint
 
 
 # --- scan -------------------------------------------------------------------------------
