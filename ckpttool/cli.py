@@ -377,6 +377,11 @@ def rescale_step(
 @click.option("--densify", is_flag=True, help="Store sparse tensors as their dense values.")
 @click.option("--dequantize", is_flag=True, help="Store quantized tensors as their float32 values.")
 @click.option(
+    "--skip-missing-values", is_flag=True,
+    help="Leave out selected tensors the file has no values of (DTensor shards, meta tensors) "
+    "instead of refusing to convert.",
+)  # fmt: skip
+@click.option(
     "--max-shard-size", metavar="SIZE",
     help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
 )  # fmt: skip
@@ -397,6 +402,7 @@ def convert_command(
     keep_shared: bool,
     densify: bool,
     dequantize: bool,
+    skip_missing_values: bool,
     max_shard_size: str | None,
     no_verify: bool,
     force: bool,
@@ -436,7 +442,7 @@ def convert_command(
             src, dst, to=to, dtype=dtype, section=section, strip=strip,
             ignore_wrappers=ignore_wrappers, pattern=pattern, keep_shared=keep_shared,
             max_shard_size=max_shard_size, allow_overflow=allow_overflow, densify=densify,
-            dequantize=dequantize, verify=not no_verify, force=force, progress=bar.advance, on_total=lambda n: setattr(bar, "total", max(n, 1)),
+            dequantize=dequantize, skip_missing_values=skip_missing_values, verify=not no_verify, force=force, progress=bar.advance, on_total=lambda n: setattr(bar, "total", max(n, 1)),
         )  # fmt: skip
     if as_json:
         _echo_json(convert_render.render_json(report))

@@ -101,6 +101,7 @@ def convert(
     allow_overflow: bool = False,
     densify: bool = False,
     dequantize: bool = False,
+    skip_missing_values: bool = False,
     verify: bool = True,
     force: bool = False,
     progress: ProgressCallback | None = None,
@@ -110,6 +111,8 @@ def convert(
 
     ``progress`` is called with the bytes each tensor adds (written, then verified);
     ``on_total`` once, before any is written, with the total it will add up to.
+    ``skip_missing_values``: leave out the selected tensors the file holds no values of
+    (DTensor shards of one rank, meta tensors), with a note; without it they are refused.
 
     Raises :class:`~ckpttool.errors.OutputExistsError` if an output exists and not ``force``,
     :class:`OverflowRefusedError` if a cast overflows and not ``allow_overflow``,
@@ -123,7 +126,8 @@ def convert(
         plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
                           pattern=pattern, dtype=dtype, keep_shared=keep_shared,
                           densify=densify, dequantize=dequantize,
-                          keep_kinds=writes_pth(dst, to))  # fmt: skip
+                          keep_kinds=writes_pth(dst, to),
+                          skip_missing_values=skip_missing_values)  # fmt: skip
         plan.notes[:0] = zero_note(ckpt)
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))

@@ -25,7 +25,7 @@ from ckpttool.keys import (
     strip_prefixes,
 )
 from ckpttool.reader import Checkpoint
-from ckpttool.records import ITEMSIZE, TensorRecord, walk
+from ckpttool.records import ITEMSIZE, TensorRecord, walk, without_values
 from ckpttool.writers import OutTensor
 
 #: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
@@ -86,12 +86,16 @@ def build_plan(
     densify: bool = False,
     dequantize: bool = False,
     keep_kinds: bool = False,
+    skip_missing_values: bool = False,
 ) -> Plan:
     """Decide names, dtypes, aliases and metadata fields for converting ``ckpt``.
 
     Sparse and nested tensors are refused unless ``densify`` (then stored dense), quantized
     ones unless ``dequantize`` (then stored as float32 values, or cast to ``dtype``); with
-    ``keep_kinds`` (a .pth output) those not densified or dequantized are kept as they are."""
+    ``keep_kinds`` (a .pth output) those not densified or dequantized are kept as they are.
+    Tensors the file holds no values of (DTensor shards, meta tensors) are refused unless
+    ``skip_missing_values`` (then left out, with a note): an output never holds fewer tensors
+    than were selected without the user asking for it."""
     if dtype != "keep" and dtype not in TARGETS:
         raise InputError(f"--dtype must be one of keep, {', '.join(TARGETS)}; got {dtype!r}")
     selection = select(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
@@ -117,13 +121,13 @@ def build_plan(
     ):
         if keys:
             notes.append(f"{what} {len(keys)} tensor(s): {_some(keys)}")
-    meta = [k for k, r in named.items() if r.is_meta]
-    if meta:
-        notes.append(f"left out {len(meta)} meta tensor(s) without values: {_some(meta)}")
-        named = {k: r for k, r in named.items() if k not in meta}
+    missing = [k for k, r in named.items() if r.is_meta]
+    if missing:
+        named = _leave_out_missing(ckpt.name, named, missing, skip_missing_values, notes)
     if not named:
         where = f" in section {selection.section!r}" if selection.section else ""
-        raise InputError(f"{ckpt.path}: no tensors to convert{where}")
+        why = f": {notes[-1]}" if missing else ""
+        raise InputError(f"{ckpt.name}: no tensors to convert{where}{why}")
     target = TARGETS.get(dtype)
     uncastable = sorted(
         {
@@ -152,6 +156,30 @@ def build_plan(
         carried = {k: v for k, v in ckpt.metadata.items() if k not in skip}
     return Plan(selection.layout, selection.section, list(named), stored, aliases, fields,
                 carried, left_out, notes)  # fmt: skip
+
+
+def _leave_out_missing(
+    source: str,
+    named: dict[str, TensorRecord],
+    missing: list[str],
+    skip: bool,
+    notes: list[str],
+) -> dict[str, TensorRecord]:
+    """``named`` without the tensors that have no values, when ``skip``; else the error that
+    says why they have none and what to do."""
+    reasons = "; ".join(without_values([named[k] for k in missing]))
+    if not skip:
+        raise InputError(
+            f"{source}: {len(missing)} of the {len(named)} tensors selected have no values in "
+            f"this file, so nothing was written: {reasons}. To write the other tensors without "
+            "them, add --skip-missing-values"
+        )
+    notes.append(
+        f"left out {len(missing)} tensor(s) without values (--skip-missing-values): "
+        f"{_some(missing)}; {reasons}"
+    )
+    left_out = set(missing)
+    return {k: r for k, r in named.items() if k not in left_out}
 
 
 def _output_dtype(record: TensorRecord, target: str | None) -> str:

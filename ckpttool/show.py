@@ -29,6 +29,7 @@ from ckpttool.records import (
     storage_groups,
     storage_views,
     tensor_keys,
+    without_values,
 )
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ def tensor_notes(
             and not record.parts
             and record.quant is None
             and not isinstance(storage, ChunkedStorageRecord)
+            and record.dtensor is None
         ):
             continue  # nothing to say (almost every tensor)
         found = []
@@ -133,6 +135,8 @@ def tensor_notes(
             found.append(f"quantized {record.quant.describe()}")
         if isinstance(storage, ChunkedStorageRecord):
             found.append(chunk_note(storage))
+        if record.dtensor is not None:
+            found.append(record.dtensor.describe())
         if found:
             notes.setdefault(record.key, []).extend(found)
     return notes
@@ -195,6 +199,7 @@ def build_report(
     else:
         infos = [TensorInfo(r, []) for r in records]
     warnings = layout_warnings(ckpt.root, layout, all_records) + list(ckpt.problems)
+    warnings += [f"of the tensors listed, {reason}" for reason in without_values(records)]
     if stats:
         warnings.extend(add_stats(ckpt, infos))
     model_key = model_part(ckpt.root, layout)
