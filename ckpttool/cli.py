@@ -92,7 +92,10 @@ def _echo_json(data: object) -> None:
 @cli.command()
 @click.argument("path", type=click.Path(path_type=str))
 @json_option("show")
-@click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose key matches GLOB.")
+@click.option(
+    "--filter", "pattern", metavar="GLOB",
+    help="Only tensors whose key (as listed, e.g. model.layers.0.*) matches GLOB.",
+)  # fmt: skip
 @section_option()
 @click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")
 @click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
@@ -372,7 +375,10 @@ def rescale_step(
 @click.option("--allow-overflow", is_flag=True, help="Write values too large for --dtype as inf.")
 @section_option(default="the weights")
 @key_prefix_options
-@click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose name matches GLOB.")
+@click.option(
+    "--filter", "pattern", metavar="GLOB",
+    help="Only tensors whose key (as show lists it) or written name matches GLOB.",
+)  # fmt: skip
 @click.option("--keep-shared", is_flag=True, help="Write tied tensors as separate copies.")
 @click.option("--densify", is_flag=True, help="Store sparse tensors as their dense values.")
 @click.option("--dequantize", is_flag=True, help="Store quantized tensors as their float32 values.")
@@ -450,6 +456,8 @@ def convert_command(
         click.echo(convert_render.render_text(report))
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}", err=True)
 
 
 @cli.command("verify")

@@ -81,6 +81,7 @@ class ConvertReport:
     overflow: dict[str, int]  # tensor -> values that became inf (only with allow_overflow)
     fields: dict[str, str]  # __metadata__ entries kept from non-tensor entries
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. names kept with wrapper prefixes
     verified: bool = False
     directory: Path | None = None  # the model directory written, for a Hugging Face source
     copied: list[str] = field(default_factory=list)  # its files copied byte for byte
@@ -326,6 +327,7 @@ def _build_report(
         overflow={name: c.overflow for name, c in counts.items() if c.overflow},
         fields={k: v for k, v in files[0].metadata.items() if k in plan.fields},
         notes=_notes(plan, output_format, underflow),
+        warnings=list(plan.warnings),
         verified=verified,
     )
 

@@ -23,6 +23,7 @@ from ckpttool.keys import (
     declared_aliases,
     select,
     strip_prefixes,
+    wrapper_hint,
 )
 from ckpttool.reader import Checkpoint
 from ckpttool.records import ITEMSIZE, TensorRecord, walk, without_values
@@ -68,6 +69,7 @@ class Plan:
     carried: dict[str, str]  # a safetensors source's own __metadata__ entries, kept
     left_out: list[str]  # entries not converted, described for a note
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what the output may not be as wanted
 
     @property
     def tensor_bytes(self) -> int:
@@ -107,9 +109,13 @@ def build_plan(
     if ckpt.format == "safetensors":
         alias_entries = _add_recorded_aliases(ckpt, named, prefixes, notes)
     if pattern is not None:
-        named = {k: r for k, r in named.items() if fnmatch.fnmatchcase(k, pattern)}
+        named = filtered(named, pattern)
         if not named:
-            raise InputError(f"--filter {pattern!r} matches no tensor")
+            raise InputError(
+                f"{ckpt.name}: --filter {pattern!r} matches no tensor (it is matched against "
+                "each tensor's key as show prints it, and the name it would be written under)"
+            )
+    warnings = [] if ignore_wrappers else _wrapper_warning(named)
     kept = {k for k, r in named.items() if keep_kinds and _keeps(r, densify, dequantize)}
     _refuse_unwritable(
         {k: r for k, r in named.items() if k not in kept}, densify=densify, dequantize=dequantize
@@ -155,7 +161,28 @@ def build_plan(
         skip = OWN_KEYS | alias_entries
         carried = {k: v for k, v in ckpt.metadata.items() if k not in skip}
     return Plan(selection.layout, selection.section, list(named), stored, aliases, fields,
-                carried, left_out, notes)  # fmt: skip
+                carried, left_out, notes, warnings)  # fmt: skip
+
+
+def _wrapper_warning(named: dict[str, TensorRecord]) -> list[str]:
+    """Names that would be written with DDP/torch.compile prefixes: said, with the option."""
+    count, prefixes = wrapper_hint(named)
+    if not count:
+        return []
+    which = " and ".join(repr(p) for p in prefixes)
+    return [
+        f"{count} of the {len(named)} tensor names start with the DDP/torch.compile wrapper "
+        f"prefix {which} and are written with it; add --ignore-wrappers to remove it"
+    ]
+
+
+def filtered(named: dict[str, TensorRecord], pattern: str) -> dict[str, TensorRecord]:
+    """The tensors ``--filter`` keeps: those whose key in the file (as ``show`` prints it and
+    matches it: ``model.model.layers.0.mlp.up_proj.weight`` in a resume file) or whose output
+    name (below the section, prefixes removed: ``model.layers.0.mlp.up_proj.weight``) matches
+    ``pattern``, so that a pattern means the same in both commands."""
+    match = fnmatch.fnmatchcase
+    return {k: r for k, r in named.items() if match(r.key, pattern) or match(k, pattern)}
 
 
 def _leave_out_missing(

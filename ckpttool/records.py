@@ -567,6 +567,34 @@ def walk(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield key, current
 
 
+def paths_of(node: Any, key: str, most: int = 2) -> list[str]:
+    """Up to ``most`` paths in ``node`` to the tensors whose dotted key is ``key``, written as
+    subscripts (``['a.b']['c']``): what tells apart two paths that flatten to the same key
+    (``{'a.b': {'c': t}}`` and ``{'a': {'b.c': t}}``). Only the branches that can lead to
+    ``key`` are walked."""
+    found: list[str] = []
+    stack: list[tuple[str, str, Any]] = [("", "", node)]
+    while stack and len(found) < most:
+        dotted, path, current = stack.pop()
+        if not is_container(current):
+            if dotted == key and isinstance(current, TensorRecord):
+                found.append(path)
+            continue
+        if isinstance(current, dict):
+            named: Iterator[tuple[Any, Any]] = iter(current.items())
+        elif isinstance(current, (list, tuple)):
+            named = enumerate(current)
+        else:
+            named = iter(current.fields().items())
+        following = []
+        for name, child in named:
+            below = join_key(dotted, str(name))
+            if key == below or key.startswith(below + "."):
+                following.append((below, f"{path}[{name!r}]", child))
+        stack.extend(reversed(following))
+    return found
+
+
 def nodes(node: Any) -> Iterator[Any]:
     """Every node under ``node``, containers included, without building keys (for questions
     like "which classes" or "which dtypes", where names are not needed). Iterative, depth

@@ -25,6 +25,7 @@ from ckpttool.records import (
     ChunkedStorageRecord,
     TensorRecord,
     count_once,
+    paths_of,
     shared_storages,
     storage_groups,
     storage_views,
@@ -200,6 +201,7 @@ def build_report(
         infos = [TensorInfo(r, []) for r in records]
     warnings = layout_warnings(ckpt.root, layout, all_records) + list(ckpt.problems)
     warnings += [f"of the tensors listed, {reason}" for reason in without_values(records)]
+    warnings += same_key_warnings(ckpt.root, all_records)
     if stats:
         warnings.extend(add_stats(ckpt, infos))
     model_key = model_part(ckpt.root, layout)
@@ -255,6 +257,26 @@ def build_report(
         rng=rng_present(ckpt.root),
         warnings=warnings,
     )
+
+
+def same_key_warnings(root: Any, records: list[TensorRecord]) -> list[str]:
+    """Keys that several paths flatten to (``{'a.b': {'c': t}, 'a': {'b.c': t}}``): rows with
+    the same key, which the table alone would not explain."""
+    seen: set[str] = set()
+    repeated: dict[str, None] = {}
+    for record in records:
+        if record.key in seen:
+            repeated.setdefault(record.key)
+        seen.add(record.key)
+    if not repeated:
+        return []
+    first = next(iter(repeated))
+    paths = " and ".join(paths_of(root, first))
+    more = f" (+{len(repeated) - 1} more keys)" if len(repeated) > 1 else ""
+    return [
+        f"two paths flatten to the same key {first!r}: {paths}{more}; their rows are listed "
+        "under one key, and diff and convert refuse them"
+    ]
 
 
 def add_stats(ckpt: Checkpoint, infos: list[TensorInfo]) -> list[str]:
