@@ -341,10 +341,13 @@ def storage_region(record: TensorRecord) -> tuple[Any, ...] | None:
 
 def stored_records(records: list[TensorRecord]) -> list[TensorRecord]:
     """The records whose bytes are in the file: each tensor, a sparse/nested one by its parts
-    (named ``<key>.<part>``), a quantized one's per-channel scales and zero points added."""
+    (named ``<key>.<part>``), a quantized one's per-channel scales and zero points added, a
+    DTensor by this rank's piece (``<key>._local_tensor``)."""
     out: list[TensorRecord] = []
     for record in records:
-        if record.parts:
+        if record.dtensor is not None:
+            out.append(with_key(record.dtensor.local, f"{record.key}._local_tensor"))
+        elif record.parts:
             names = PART_NAMES[record.layout]
             out.extend(
                 with_key(part, f"{record.key}.{name}") for name, part in zip(names, record.parts)

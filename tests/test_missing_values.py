@@ -118,3 +118,29 @@ def test_stats_say_a_shard_has_no_values_of_its_own() -> None:
         "a DTensor shard: this file holds one rank's piece, not the tensor"
     )
     assert unavailable["positions"] is None
+
+
+def test_verify_counts_each_shards_piece_as_stored() -> None:
+    from ckpttool.verify import verify
+
+    (result,) = verify([RANK0])
+    assert not result.problems
+    # the five pieces are the DTensors' bytes; the one record left is the device mesh's rank map
+    assert "note: 1 storage records no tensor uses" in result.checked
+
+
+def test_a_hostile_dtensor_state_is_read_as_data_or_not_at_all() -> None:
+    from ckpttool.pickle.emulation import _dtensor_info, _placement_name
+    from ckpttool.records import OpaqueObject, StorageRecord, TensorRecord
+
+    shard = "torch.distributed.tensor.placement_types.Shard"
+    assert _placement_name(OpaqueObject(shard, (), {"dim": 10**5000})) == "Shard()"  # no str()
+    assert _placement_name(OpaqueObject(shard, (), {"dim": 1, 2: "x"})) == "Shard(dim=1)"
+    assert _placement_name(OpaqueObject(shard, (), ["not", "a", "dict"])) == "Shard()"
+    storage = StorageRecord("0", "float32", 4, "cpu", "archive/data/0", 16)
+    piece = TensorRecord("", "float32", (2,), (1,), 0, storage)
+    spec = OpaqueObject("torch.distributed.tensor._dtensor_spec.DTensorSpec", (), {})
+    for state in (None, 5, (None,), {"_local_tensor": "x"}, {"_spec": spec}):
+        assert _dtensor_info(state) is None
+    info = _dtensor_info((None, {"_local_tensor": piece, "_spec": spec}))
+    assert info is not None and info.local is piece and info.placements == ()

@@ -386,8 +386,17 @@ def _placement_name(placement: OpaqueObject) -> str:
     fields of its state (as torch's ``repr`` writes a ``Shard``)."""
     name = placement.cls.rpartition(".")[2]
     state = placement.state if isinstance(placement.state, dict) else {}
-    fields = [f"{k}={v}" for k, v in state.items() if isinstance(v, (int, str, float, bool))]
+    fields = [
+        f"{k}={v}" for k, v in state.items() if isinstance(k, str) and _short(k) and _short(v)
+    ]
     return f"{name}({', '.join(fields)})"
+
+
+def _short(value: Any) -> bool:
+    """A placement's field worth printing (a hostile pickle's 10,000-digit int is not)."""
+    if isinstance(value, int):
+        return abs(value) <= 2**63
+    return isinstance(value, str) and len(value) <= 64
 
 
 def _rebuild_meta(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
