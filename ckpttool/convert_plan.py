@@ -197,9 +197,10 @@ def _leave_out_missing(
     reasons = "; ".join(without_values([named[k] for k in missing]))
     if not skip:
         raise InputError(
-            f"{source}: {len(missing)} of the {len(named)} tensors selected have no values in "
-            f"this file, so nothing was written: {reasons}. To write the other tensors without "
-            "them, add --skip-missing-values"
+            f"{source}: {len(missing)} of the {len(named)} tensors selected "
+            f"{'has' if len(missing) == 1 else 'have'} no values in this file, so nothing was "
+            f"written: {reasons}. To write the other tensors without them, add "
+            "--skip-missing-values"
         )
     notes.append(
         f"left out {len(missing)} tensor(s) without values (--skip-missing-values): "

@@ -74,7 +74,7 @@ def test_skip_missing_values_writes_the_rest_and_says_what_was_left_out(tmp_path
 def test_convert_refuses_meta_tensors_naming_the_cause(tmp_path: Path) -> None:
     source = tmp_path / "meta.pth"
     torch.save({"w": torch.empty(2, 3, device="meta"), "b": torch.ones(2)}, source)
-    with pytest.raises(InputError, match=r"1 of the 2 tensors selected have no values") as raised:
+    with pytest.raises(InputError, match=r"1 of the 2 tensors selected has no values") as raised:
         convert(source, tmp_path / "out.safetensors")
     assert "1 is a meta tensor saved without data (e.g. 'w'" in str(raised.value)
     assert not (tmp_path / "out.safetensors").exists()
