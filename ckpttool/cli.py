@@ -92,7 +92,10 @@ def _echo_json(data: object) -> None:
 @cli.command()
 @click.argument("path", type=click.Path(path_type=str))
 @json_option("show")
-@click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose key matches GLOB.")
+@click.option(
+    "--filter", "pattern", metavar="GLOB",
+    help="Only tensors whose key (as listed, e.g. model.layers.0.*) matches GLOB.",
+)  # fmt: skip
 @section_option()
 @click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")
 @click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
@@ -374,10 +377,18 @@ def rescale_step(
 @click.option("--allow-overflow", is_flag=True, help="Write values too large for --dtype as inf.")
 @section_option(default="the weights")
 @key_prefix_options
-@click.option("--filter", "pattern", metavar="GLOB", help="Only tensors whose name matches GLOB.")
+@click.option(
+    "--filter", "pattern", metavar="GLOB",
+    help="Only tensors whose key (as show lists it) or written name matches GLOB.",
+)  # fmt: skip
 @click.option("--keep-shared", is_flag=True, help="Write tied tensors as separate copies.")
 @click.option("--densify", is_flag=True, help="Store sparse tensors as their dense values.")
 @click.option("--dequantize", is_flag=True, help="Store quantized tensors as their float32 values.")
+@click.option(
+    "--skip-missing-values", is_flag=True,
+    help="Leave out selected tensors the file has no values of (DTensor shards, meta tensors) "
+    "instead of refusing to convert.",
+)  # fmt: skip
 @click.option(
     "--max-shard-size", metavar="SIZE",
     help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
@@ -399,6 +410,7 @@ def convert_command(
     keep_shared: bool,
     densify: bool,
     dequantize: bool,
+    skip_missing_values: bool,
     max_shard_size: str | None,
     no_verify: bool,
     force: bool,
@@ -438,7 +450,7 @@ def convert_command(
             src, dst, to=to, dtype=dtype, section=section, strip=strip,
             ignore_wrappers=ignore_wrappers, pattern=pattern, keep_shared=keep_shared,
             max_shard_size=max_shard_size, allow_overflow=allow_overflow, densify=densify,
-            dequantize=dequantize, verify=not no_verify, force=force, progress=bar.advance, on_total=lambda n: setattr(bar, "total", max(n, 1)),
+            dequantize=dequantize, skip_missing_values=skip_missing_values, verify=not no_verify, force=force, progress=bar.advance, on_total=lambda n: setattr(bar, "total", max(n, 1)),
         )  # fmt: skip
     if as_json:
         _echo_json(convert_render.render_json(report))
@@ -446,6 +458,8 @@ def convert_command(
         click.echo(convert_render.render_text(report))
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}", err=True)
 
 
 @cli.command("verify")

@@ -81,6 +81,7 @@ class ConvertReport:
     overflow: dict[str, int]  # tensor -> values that became inf (only with allow_overflow)
     fields: dict[str, str]  # __metadata__ entries kept from non-tensor entries
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. names kept with wrapper prefixes
     verified: bool = False
     directory: Path | None = None  # the model directory written, for a Hugging Face source
     copied: list[str] = field(default_factory=list)  # its files copied byte for byte
@@ -101,6 +102,7 @@ def convert(
     allow_overflow: bool = False,
     densify: bool = False,
     dequantize: bool = False,
+    skip_missing_values: bool = False,
     verify: bool = True,
     force: bool = False,
     progress: ProgressCallback | None = None,
@@ -110,6 +112,8 @@ def convert(
 
     ``progress`` is called with the bytes each tensor adds (written, then verified);
     ``on_total`` once, before any is written, with the total it will add up to.
+    ``skip_missing_values``: leave out the selected tensors the file holds no values of
+    (DTensor shards of one rank, meta tensors), with a note; without it they are refused.
 
     Raises :class:`~ckpttool.errors.OutputExistsError` if an output exists and not ``force``,
     :class:`OverflowRefusedError` if a cast overflows and not ``allow_overflow``,
@@ -123,7 +127,8 @@ def convert(
         plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
                           pattern=pattern, dtype=dtype, keep_shared=keep_shared,
                           densify=densify, dequantize=dequantize,
-                          keep_kinds=writes_pth(dst, to))  # fmt: skip
+                          keep_kinds=writes_pth(dst, to),
+                          skip_missing_values=skip_missing_values)  # fmt: skip
         plan.notes[:0] = zero_note(ckpt)
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
@@ -322,6 +327,7 @@ def _build_report(
         overflow={name: c.overflow for name, c in counts.items() if c.overflow},
         fields={k: v for k, v in files[0].metadata.items() if k in plan.fields},
         notes=_notes(plan, output_format, underflow),
+        warnings=list(plan.warnings),
         verified=verified,
     )
 

@@ -23,9 +23,10 @@ from ckpttool.keys import (
     declared_aliases,
     select,
     strip_prefixes,
+    wrapper_hint,
 )
 from ckpttool.reader import Checkpoint
-from ckpttool.records import ITEMSIZE, TensorRecord, walk
+from ckpttool.records import ITEMSIZE, TensorRecord, walk, without_values
 from ckpttool.writers import OutTensor
 from ckpttool.zero_consolidate import reported_layout
 
@@ -69,6 +70,7 @@ class Plan:
     carried: dict[str, str]  # a safetensors source's own __metadata__ entries, kept
     left_out: list[str]  # entries not converted, described for a note
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what the output may not be as wanted
 
     @property
     def tensor_bytes(self) -> int:
@@ -87,12 +89,16 @@ def build_plan(
     densify: bool = False,
     dequantize: bool = False,
     keep_kinds: bool = False,
+    skip_missing_values: bool = False,
 ) -> Plan:
     """Decide names, dtypes, aliases and metadata fields for converting ``ckpt``.
 
     Sparse and nested tensors are refused unless ``densify`` (then stored dense), quantized
     ones unless ``dequantize`` (then stored as float32 values, or cast to ``dtype``); with
-    ``keep_kinds`` (a .pth output) those not densified or dequantized are kept as they are."""
+    ``keep_kinds`` (a .pth output) those not densified or dequantized are kept as they are.
+    Tensors the file holds no values of (DTensor shards, meta tensors) are refused unless
+    ``skip_missing_values`` (then left out, with a note): an output never holds fewer tensors
+    than were selected without the user asking for it."""
     if dtype != "keep" and dtype not in TARGETS:
         raise InputError(f"--dtype must be one of keep, {', '.join(TARGETS)}; got {dtype!r}")
     selection = select(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
@@ -104,9 +110,13 @@ def build_plan(
     if ckpt.format == "safetensors":
         alias_entries = _add_recorded_aliases(ckpt, named, prefixes, notes)
     if pattern is not None:
-        named = {k: r for k, r in named.items() if fnmatch.fnmatchcase(k, pattern)}
+        named = filtered(named, pattern)
         if not named:
-            raise InputError(f"--filter {pattern!r} matches no tensor")
+            raise InputError(
+                f"{ckpt.name}: --filter {pattern!r} matches no tensor (it is matched against "
+                "each tensor's key as show prints it, and the name it would be written under)"
+            )
+    warnings = [] if ignore_wrappers else _wrapper_warning(named)
     kept = {k for k, r in named.items() if keep_kinds and _keeps(r, densify, dequantize)}
     _refuse_unwritable(
         {k: r for k, r in named.items() if k not in kept}, densify=densify, dequantize=dequantize
@@ -118,13 +128,13 @@ def build_plan(
     ):
         if keys:
             notes.append(f"{what} {len(keys)} tensor(s): {_some(keys)}")
-    meta = [k for k, r in named.items() if r.is_meta]
-    if meta:
-        notes.append(f"left out {len(meta)} meta tensor(s) without values: {_some(meta)}")
-        named = {k: r for k, r in named.items() if k not in meta}
+    missing = [k for k, r in named.items() if r.is_meta]
+    if missing:
+        named = _leave_out_missing(ckpt.name, named, missing, skip_missing_values, notes)
     if not named:
         where = f" in section {selection.section!r}" if selection.section else ""
-        raise InputError(f"{ckpt.path}: no tensors to convert{where}")
+        why = f": {notes[-1]}" if missing else ""
+        raise InputError(f"{ckpt.name}: no tensors to convert{where}{why}")
     target = TARGETS.get(dtype)
     uncastable = sorted(
         {
@@ -152,7 +162,53 @@ def build_plan(
         skip = OWN_KEYS | alias_entries
         carried = {k: v for k, v in ckpt.metadata.items() if k not in skip}
     return Plan(reported_layout(ckpt, selection.layout), selection.section, list(named), stored, aliases, fields,
-                carried, left_out, notes)  # fmt: skip
+                carried, left_out, notes, warnings)  # fmt: skip
+
+
+def _wrapper_warning(named: dict[str, TensorRecord]) -> list[str]:
+    """Names that would be written with DDP/torch.compile prefixes: said, with the option."""
+    count, prefixes = wrapper_hint(named)
+    if not count:
+        return []
+    which = " and ".join(repr(p) for p in prefixes)
+    return [
+        f"{count} of the {len(named)} tensor names start with the DDP/torch.compile wrapper "
+        f"prefix {which} and are written with it; add --ignore-wrappers to remove it"
+    ]
+
+
+def filtered(named: dict[str, TensorRecord], pattern: str) -> dict[str, TensorRecord]:
+    """The tensors ``--filter`` keeps: those whose key in the file (as ``show`` prints it and
+    matches it: ``model.model.layers.0.mlp.up_proj.weight`` in a resume file) or whose output
+    name (below the section, prefixes removed: ``model.layers.0.mlp.up_proj.weight``) matches
+    ``pattern``, so that a pattern means the same in both commands."""
+    match = fnmatch.fnmatchcase
+    return {k: r for k, r in named.items() if match(r.key, pattern) or match(k, pattern)}
+
+
+def _leave_out_missing(
+    source: str,
+    named: dict[str, TensorRecord],
+    missing: list[str],
+    skip: bool,
+    notes: list[str],
+) -> dict[str, TensorRecord]:
+    """``named`` without the tensors that have no values, when ``skip``; else the error that
+    says why they have none and what to do."""
+    reasons = "; ".join(without_values([named[k] for k in missing]))
+    if not skip:
+        raise InputError(
+            f"{source}: {len(missing)} of the {len(named)} tensors selected "
+            f"{'has' if len(missing) == 1 else 'have'} no values in this file, so nothing was "
+            f"written: {reasons}. To write the other tensors without them, add "
+            "--skip-missing-values"
+        )
+    notes.append(
+        f"left out {len(missing)} tensor(s) without values (--skip-missing-values): "
+        f"{_some(missing)}; {reasons}"
+    )
+    left_out = set(missing)
+    return {k: r for k, r in named.items() if k not in left_out}
 
 
 def _output_dtype(record: TensorRecord, target: str | None) -> str:

@@ -32,6 +32,7 @@ from ckpttool.diff_match import (
     match_tensors,
     merge_type_changes,
     metadata_aliases,
+    wrapper_note,
 )
 from ckpttool.diff_sections import Part, choose_parts
 from ckpttool.diff_values import (
@@ -214,6 +215,8 @@ def plan_diff(
     for pair in pairs:
         if pair.alias is not None:
             notes.append(alias_note(pair))
+    if not ignore_wrappers:
+        notes.extend(wrapper_note(pairs))
     fields = compare_fields(
         ckpt_a.section(sel_a.section) if sel_a.section else ckpt_a.root,
         ckpt_b.section(sel_b.section) if sel_b.section else ckpt_b.root,

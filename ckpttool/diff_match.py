@@ -25,7 +25,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.keys import ALIASES_KEY, Selection, declared_aliases, strip_prefixes
+from ckpttool.keys import (
+    ALIASES_KEY,
+    WRAPPER_PREFIXES,
+    Selection,
+    declared_aliases,
+    strip_prefixes,
+    wrapper_hint,
+)
 from ckpttool.layout import scalar_fields
 from ckpttool.reader import Checkpoint
 from ckpttool.records import TensorRecord
@@ -179,6 +186,29 @@ def match_tensors(
         else:
             pairs.append(TensorPair(key, found[0], record, found[1]))
     return pairs
+
+
+def wrapper_note(pairs: list[TensorPair]) -> list[str]:
+    """The hint ``show`` gives, when keys only in A and keys only in B are the same keys once
+    DDP/``torch.compile`` wrapper prefixes are removed (``module._orig_mod.x`` against ``x``,
+    ``_orig_mod.x`` against ``module.x``): name the prefixes and ``--ignore-wrappers``."""
+    only_a = [pair.key for pair in pairs if pair.b is None]
+    only_b = [pair.key for pair in pairs if pair.a is None]
+    if not only_a or not only_b:
+        return []
+    bare_b = {strip_prefixes(key, WRAPPER_PREFIXES) for key in only_b}
+    matching = sum(1 for key in only_a if strip_prefixes(key, WRAPPER_PREFIXES) in bare_b)
+    if not matching:
+        return []
+    sides = []
+    for label, keys in (("A", only_a), ("B", only_b)):
+        count, prefixes = wrapper_hint(keys)
+        if count:
+            sides.append(f"{count} of {label}'s start with {' and '.join(map(repr, prefixes))}")
+    return [
+        f"{matching} keys only in A are keys only in B once DDP/torch.compile wrapper prefixes "
+        f"are removed ({'; '.join(sides)}): use --ignore-wrappers to compare them"
+    ]
 
 
 def alias_note(pair: TensorPair) -> str:

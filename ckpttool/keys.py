@@ -12,11 +12,11 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ckpttool.errors import InputError
+from ckpttool.layout import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # diff and convert's door
 from ckpttool.layout import layout_of, model_section
 from ckpttool.reader import Checkpoint
-from ckpttool.records import TensorRecord, tensors
+from ckpttool.records import TensorRecord, paths_of, tensors
 
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 #: safetensors ``__metadata__`` key under which ``convert`` records ``{alias: stored name}``.
 ALIASES_KEY = "ckpttool.aliases"
 
@@ -43,6 +43,22 @@ def strip_prefixes(key: str, prefixes: Sequence[str]) -> str:
     return key
 
 
+def leading_wrappers(key: str) -> str:
+    """The DDP/``torch.compile`` prefixes that lead ``key`` (``"module._orig_mod."``), or ""."""
+    return key[: len(key) - len(strip_prefixes(key, WRAPPER_PREFIXES))]
+
+
+def wrapper_hint(keys: Iterable[str]) -> tuple[int, list[str]]:
+    """How many of ``keys`` start with wrapper prefixes, and which prefixes (first seen first)."""
+    count = 0
+    prefixes: dict[str, None] = {}
+    for key in keys:
+        if key.startswith(WRAPPER_PREFIXES):
+            count += 1
+            prefixes.setdefault(leading_wrappers(key))
+    return count, list(prefixes)
+
+
 def normalise(
     records: Iterable[TensorRecord],
     *,
@@ -62,11 +78,31 @@ def normalise(
             key = key[len(section) + 1 :]
         key = strip_prefixes(key, prefixes)
         if key in out:
+            if out[key].key == record.key:
+                raise SameKeyError(record.key)
             raise InputError(
                 f"after removing prefixes, {out[key].key!r} and {record.key!r} are both {key!r}"
             )
         out[key] = record
     return out
+
+
+class SameKeyError(InputError):
+    """Two paths of the tree flatten to the same dotted key (``{'a.b': {'c': t}}`` and
+    ``{'a': {'b.c': t}}``): no prefix made them one, the file's own keys did."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"two paths flatten to the same key {key!r}")
+        self.key = key
+
+
+def same_key_message(ckpt: Checkpoint, key: str) -> str:
+    """The error for :class:`SameKeyError`: the file, the key and both paths to it."""
+    paths = " and ".join(paths_of(ckpt.root, key)) or "two tensors"
+    return (
+        f"{ckpt.name}: two paths flatten to the same key {key!r}: {paths}; tensors are named "
+        "by their dotted path, which cannot tell them apart"
+    )
 
 
 def select(
@@ -84,7 +120,10 @@ def select(
         section = model_section(layout, ckpt.root)
         auto = section is not None
     records = tensors(ckpt.section(section), section) if section else ckpt.tensors()
-    keyed = normalise(records, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
+    try:
+        keyed = normalise(records, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
+    except SameKeyError as error:
+        raise InputError(same_key_message(ckpt, error.key)) from None
     return Selection(layout, section, auto, keyed)
 
 

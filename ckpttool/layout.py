@@ -84,9 +84,15 @@ COUNTER_KEYS = (
 OPTIMIZER_PART_KEYS = ("optimizer", "optimizer_state_dict", "optimizer_state")
 #: ``model_part`` for a file that is the model's weights as a whole.
 WHOLE_FILE = ""
+#: What DDP (``module.``) and ``torch.compile`` (``_orig_mod.``) put before every key of the
+#: model they wrap, once per wrapper (``module._orig_mod.``). The one table: keys.py uses it.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-# one regex search per key (a generator of ``in`` tests per key was 0.1 s at 100,000 keys)
-_has_wrapper_prefix = re.compile("|".join(map(re.escape, WRAPPER_PREFIXES))).search
+# one regex match per key (a generator of ``in`` tests per key was 0.1 s at 100,000 keys); a
+# wrapper's prefix leads the key: in a state dict, or below its part (``model.module.``) in a
+# file of several parts. Elsewhere it is a name (``convolution_module.``, ``blocks.module.``).
+_WRAPPER = "(?:" + "|".join(map(re.escape, WRAPPER_PREFIXES)) + ")"
+_has_wrapper_prefix = re.compile(_WRAPPER).match
+_has_wrapper_prefix_in_part = re.compile(r"(?:[^.]*\.)?" + _WRAPPER).match
 RNG_NAMES = ("python", "numpy", "torch", "cuda")
 
 
@@ -434,9 +440,10 @@ def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list
                 "ckpttool.save_checkpoint keeps the training dtype"
             )
     # DeepSpeed's model-states files keep the weights under the key "module" itself
-    wrapped = [] if layout == DEEPSPEED else [
-        r.key for r in records if _has_wrapper_prefix(r.key)
-    ]  # fmt: skip
+    wrapped_key = _has_wrapper_prefix if model_part(root, layout) == WHOLE_FILE else (
+        _has_wrapper_prefix_in_part
+    )  # fmt: skip
+    wrapped = [] if layout == DEEPSPEED else [r.key for r in records if wrapped_key(r.key)]
     if wrapped:
         warnings.append(
             f"{len(wrapped)} keys carry DDP/torch.compile wrapper prefixes (module., _orig_mod.), "

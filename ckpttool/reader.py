@@ -152,6 +152,11 @@ class Checkpoint:
         if record.inline_data is not None:
             return record.inline_data, record.storage_offset
         if record.storage is None:
+            if record.dtensor is not None:
+                raise InputError(
+                    f"{record.key}: a DTensor shard ({record.dtensor.describe()}): this file "
+                    "holds one rank's piece, not the tensor's values"
+                )
             raise InputError(f"{record.key}: a meta tensor has no values")
         itemsize = record.itemsize
         first = record.storage_offset * itemsize // ELEMENTS_PER_BYTE.get(record.dtype, 1)

@@ -177,6 +177,20 @@ PART_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class DTensorInfo:
+    """What a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallelism) holds in a
+    ``torch.save`` file: one rank's piece of the tensor, not the tensor. The record it belongs
+    to has the global dtype and shape and no storage; the piece is an ordinary record."""
+
+    local: TensorRecord  # this rank's ``_local_tensor`` (its bytes are in the file)
+    placements: tuple[str, ...]  # per mesh dimension: "Shard(dim=0)", "Replicate()"...
+
+    def describe(self) -> str:
+        """For notes: "DTensor Shard(dim=0), local [4, 4]"."""
+        return f"DTensor {', '.join(self.placements) or '?'}, local {list(self.local.shape)}"
+
+
 @dataclass(slots=True)
 class TensorRecord:
     """A tensor (or NumPy array) as described by the file: everything but its values.
@@ -203,6 +217,8 @@ class TensorRecord:
     parts: tuple[TensorRecord, ...] = ()
     quant: QuantInfo | None = None  # a quantized tensor's scheme (its dtype is qint8, ...)
     is_coalesced: bool | None = None  # sparse COO: as torch.save recorded it
+    # a DTensor's piece in this file (the record itself, the global tensor, has no storage)
+    dtensor: DTensorInfo | None = None
 
     @property
     def is_sparse(self) -> bool:
@@ -266,15 +282,46 @@ class TensorRecord:
     def location(self) -> str:
         if self.storage is None and self.parts:
             return self.parts[-1].location
+        if self.storage is None and self.dtensor is not None:
+            return self.dtensor.local.location
         return self.storage.location if self.storage is not None else "meta"
 
     @property
     def is_meta(self) -> bool:
-        """No values in the file: a meta tensor (or a subclass saved without its data)."""
+        """No values in the file: a meta tensor (or a subclass saved without its data, such as a
+        DTensor, whose file holds only one rank's piece: ``dtensor``)."""
         return self.storage is None and self.inline_data is None and not self.parts
 
     def same_storage(self, other: TensorRecord) -> bool:
         return self.storage is not None and self.storage == other.storage
+
+
+def without_values(records: list[TensorRecord]) -> list[str]:
+    """Why ``records`` have no values in the file, one phrase per cause ("3 are DTensor
+    shards...", "2 are meta tensors..."), each naming an example and what to do; empty when
+    every record has values. ``convert`` refuses such tensors with these words; ``show`` warns
+    with them."""
+    shards = [r for r in records if r.is_meta and r.dtensor is not None]
+    meta = [r for r in records if r.is_meta and r.dtensor is None]
+    reasons = []
+    if shards:
+        first = shards[0]
+        assert first.dtensor is not None
+        reasons.append(
+            f"{len(shards)} {'is a DTensor shard' if len(shards) == 1 else 'are DTensor shards'}"
+            f" (FSDP2 or tensor parallelism; e.g. {first.key!r}: global {list(first.shape)}, "
+            f"{first.dtensor.describe()}): this file holds one rank's piece of each, and the "
+            "full tensors exist only once every rank's file is assembled; save full tensors "
+            "instead (get_model_state_dict with StateDictOptions(full_state_dict=True), or "
+            "torch.distributed.checkpoint, which ckpttool reads whole)"
+        )
+    if meta:
+        reasons.append(
+            f"{len(meta)} {'is a meta tensor' if len(meta) == 1 else 'are meta tensors'} saved "
+            f"without data (e.g. {meta[0].key!r}: a model built on the meta device, or a tensor "
+            "subclass saved without its values); save the model after its weights are loaded"
+        )
+    return reasons
 
 
 def storage_region(record: TensorRecord) -> tuple[Any, ...] | None:
@@ -294,10 +341,13 @@ def storage_region(record: TensorRecord) -> tuple[Any, ...] | None:
 
 def stored_records(records: list[TensorRecord]) -> list[TensorRecord]:
     """The records whose bytes are in the file: each tensor, a sparse/nested one by its parts
-    (named ``<key>.<part>``), a quantized one's per-channel scales and zero points added."""
+    (named ``<key>.<part>``), a quantized one's per-channel scales and zero points added, a
+    DTensor by this rank's piece (``<key>._local_tensor``)."""
     out: list[TensorRecord] = []
     for record in records:
-        if record.parts:
+        if record.dtensor is not None:
+            out.append(with_key(record.dtensor.local, f"{record.key}._local_tensor"))
+        elif record.parts:
             names = PART_NAMES[record.layout]
             out.extend(
                 with_key(part, f"{record.key}.{name}") for name, part in zip(names, record.parts)
@@ -520,6 +570,34 @@ def walk(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield key, current
 
 
+def paths_of(node: Any, key: str, most: int = 2) -> list[str]:
+    """Up to ``most`` paths in ``node`` to the tensors whose dotted key is ``key``, written as
+    subscripts (``['a.b']['c']``): what tells apart two paths that flatten to the same key
+    (``{'a.b': {'c': t}}`` and ``{'a': {'b.c': t}}``). Only the branches that can lead to
+    ``key`` are walked."""
+    found: list[str] = []
+    stack: list[tuple[str, str, Any]] = [("", "", node)]
+    while stack and len(found) < most:
+        dotted, path, current = stack.pop()
+        if not is_container(current):
+            if dotted == key and isinstance(current, TensorRecord):
+                found.append(path)
+            continue
+        if isinstance(current, dict):
+            named: Iterator[tuple[Any, Any]] = iter(current.items())
+        elif isinstance(current, (list, tuple)):
+            named = enumerate(current)
+        else:
+            named = iter(current.fields().items())
+        following = []
+        for name, child in named:
+            below = join_key(dotted, str(name))
+            if key == below or key.startswith(below + "."):
+                following.append((below, f"{path}[{name!r}]", child))
+        stack.extend(reversed(following))
+    return found
+
+
 def nodes(node: Any) -> Iterator[Any]:
     """Every node under ``node``, containers included, without building keys (for questions
     like "which classes" or "which dtypes", where names are not needed). Iterative, depth
@@ -626,7 +704,7 @@ def with_key(record: TensorRecord, key: str) -> TensorRecord:
     r = record
     return TensorRecord(
         key, r.dtype, r.shape, r.stride, r.storage_offset, r.storage, r.requires_grad, r.kind,
-        r.inline_data, r.layout, r.parts, r.quant, r.is_coalesced,
+        r.inline_data, r.layout, r.parts, r.quant, r.is_coalesced, r.dtensor,
     )  # fmt: skip
 
 

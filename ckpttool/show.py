@@ -25,11 +25,13 @@ from ckpttool.records import (
     ChunkedStorageRecord,
     TensorRecord,
     count_once,
+    paths_of,
     shared_storages,
     storage_groups,
     storage_views,
     tensor_keys,
     with_key,
+    without_values,
 )
 from ckpttool.show_settings import part_settings, settings_of
 
@@ -122,6 +124,7 @@ def tensor_notes(
             and not record.parts
             and record.quant is None
             and not isinstance(storage, ChunkedStorageRecord)
+            and record.dtensor is None
         ):
             continue  # nothing to say (almost every tensor)
         found = []
@@ -141,6 +144,8 @@ def tensor_notes(
             found.append(f"quantized {record.quant.describe()}")
         if isinstance(storage, ChunkedStorageRecord):
             found.append(chunk_note(storage))
+        if record.dtensor is not None:
+            found.append(record.dtensor.describe())
         if found:
             notes.setdefault(record.key, []).extend(found)
     return notes
@@ -230,6 +235,8 @@ def build_report(
     else:
         infos = [TensorInfo(r, []) for r in records]
     warnings = layout_warnings(ckpt.root, layout, all_records) + list(ckpt.problems)
+    warnings += [f"of the tensors listed, {reason}" for reason in without_values(records)]
+    warnings += same_key_warnings(ckpt.root, all_records)
     if stats:
         warnings.extend(add_stats(ckpt, infos))
     model_key = model_part(ckpt.root, layout)
@@ -298,6 +305,26 @@ def _selected_parts(ckpt: Checkpoint, section: str | None) -> dict[str, dict[str
         return part_settings(ckpt.root)
     settings = settings_of(ckpt.section(section))
     return {section: settings} if settings else {}
+
+
+def same_key_warnings(root: Any, records: list[TensorRecord]) -> list[str]:
+    """Keys that several paths flatten to (``{'a.b': {'c': t}, 'a': {'b.c': t}}``): rows with
+    the same key, which the table alone would not explain."""
+    seen: set[str] = set()
+    repeated: dict[str, None] = {}
+    for record in records:
+        if record.key in seen:
+            repeated.setdefault(record.key)
+        seen.add(record.key)
+    if not repeated:
+        return []
+    first = next(iter(repeated))
+    paths = " and ".join(paths_of(root, first))
+    more = f" (+{len(repeated) - 1} more keys)" if len(repeated) > 1 else ""
+    return [
+        f"two paths flatten to the same key {first!r}: {paths}{more}; their rows are listed "
+        "under one key, and diff and convert refuse them"
+    ]
 
 
 def add_stats(ckpt: Checkpoint, infos: list[TensorInfo]) -> list[str]:

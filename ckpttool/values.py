@@ -78,6 +78,8 @@ def stats_unavailable(record: TensorRecord) -> str | None:
     if record.parts or record.quant is not None:
         return None  # densified / dequantized on request (dense_record)
     if record.storage is None and record.inline_data is None:
+        if record.dtensor is not None:
+            return "a DTensor shard: this file holds one rank's piece, not the tensor"
         return "a meta tensor stores no values"
     if record.dtype in _QUANTIZED:
         return f"{record.dtype} values need the scale and zero point, which ckpttool does not apply"

@@ -40,9 +40,26 @@ def digest(ckpt: Any, record: Any) -> str:
 
 
 def described(ckpt: Any, records: list[Any]) -> dict[str, dict[str, Any]]:
+    return {r.key: describe(ckpt, r) for r in records}
+
+
+def describe(ckpt: Any, record: Any) -> dict[str, Any]:
+    """As the manifest describes a tensor; a DTensor by its global dtype and shape, its
+    placements and this rank's piece (ckpttool does not read the mesh it was saved on)."""
+    if record.dtensor is None:
+        return {"dtype": record.dtype, "shape": list(record.shape), "sha256": digest(ckpt, record)}
+    local = record.dtensor.local
     return {
-        r.key: {"dtype": r.dtype, "shape": list(r.shape), "sha256": digest(ckpt, r)}
-        for r in records
+        "dtype": record.dtype,
+        "shape": list(record.shape),
+        "dtensor": {
+            "placements": list(record.dtensor.placements),
+            "local": {
+                "dtype": local.dtype,
+                "shape": list(local.shape),
+                "sha256": digest(ckpt, local),
+            },
+        },
     }
 
 
@@ -67,7 +84,19 @@ def as_json(value: Any) -> Any:
 
 
 def without_values(tensors: dict[str, Any]) -> dict[str, Any]:
-    return {k: {f: v[f] for f in ("dtype", "shape", "sha256")} for k, v in tensors.items()}
+    return {k: _fields(v) for k, v in tensors.items()}
+
+
+def _fields(entry: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`describe` gives for a manifest tensor (a DTensor without its mesh)."""
+    if "dtensor" not in entry:
+        return {f: entry[f] for f in ("dtype", "shape", "sha256")}
+    piece = entry["dtensor"]
+    return {
+        "dtype": entry["dtype"],
+        "shape": entry["shape"],
+        "dtensor": {"placements": piece["placements"], "local": _fields(piece["local"])},
+    }
 
 
 @pytest.mark.parametrize("name", sorted(FILES))

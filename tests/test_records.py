@@ -163,7 +163,7 @@ def test_with_key_sets_every_field_of_a_record() -> None:
 
     assert records._FIELD_NAMES == (
         "key", "dtype", "shape", "stride", "storage_offset", "storage", "requires_grad", "kind",
-        "inline_data", "layout", "parts", "quant", "is_coalesced",
+        "inline_data", "layout", "parts", "quant", "is_coalesced", "dtensor",
     )  # fmt: skip
     values = {f.name: object() for f in dataclasses.fields(TensorRecord)}
     record = TensorRecord(**values)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
 from ckpttool.records import (
     ITEMSIZE,
     PART_NAMES,
+    DTensorInfo,
     GlobalRef,
     OpaqueObject,
     QuantInfo,
@@ -340,13 +341,62 @@ def _rebuild_parameter(call: NestedCall, func: GlobalRef, args: tuple[Any, ...])
 
 
 def _rebuild_from_type_v2(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
-    inner, new_type, inner_args, _state = args
+    inner, new_type, inner_args, state = args
     tensor = call(inner, inner_args)
     if isinstance(tensor, TensorRecord) and isinstance(new_type, GlobalRef):
         if new_type.name == "Parameter":
             return replace(tensor, kind="parameter")
+        if new_type.qualname in DTENSOR_CLASSES and tensor.storage is None:
+            info = _dtensor_info(state)
+            return tensor if info is None else replace(tensor, dtensor=info)
         return tensor
     return OpaqueObject(func.qualname, args)
+
+
+#: Where torch has defined DTensor (2.4 and earlier kept it in ``torch.distributed._tensor``).
+DTENSOR_CLASSES = frozenset({
+    "torch.distributed.tensor.DTensor",
+    "torch.distributed.tensor._api.DTensor",
+    "torch.distributed._tensor.api.DTensor",
+    "torch.distributed._tensor.DTensor",
+})  # fmt: skip
+
+
+def _dtensor_info(state: Any) -> DTensorInfo | None:
+    """A DTensor's piece and placements from its pickled state: ``(None, {"_local_tensor",
+    "_spec"})`` (its ``__slots__``) or a dict of them; the spec is a ``DTensorSpec`` object
+    whose state names its ``placements`` (``Shard`` objects with a ``dim``...). None when the
+    state is not that shape: the record is then a plain tensor without values."""
+    slots: dict[Any, Any] = {}
+    for part in state if isinstance(state, tuple) else (state,):
+        if isinstance(part, dict):
+            slots.update(part)
+    local = slots.get("_local_tensor")
+    if not isinstance(local, TensorRecord) or local.storage is None:
+        return None
+    spec = slots.get("_spec")
+    spec_state = spec.state if isinstance(spec, OpaqueObject) else None
+    placements = spec_state.get("placements") if isinstance(spec_state, dict) else None
+    named = tuple(_placement_name(p) for p in placements or () if isinstance(p, OpaqueObject))
+    return DTensorInfo(local, named)
+
+
+def _placement_name(placement: OpaqueObject) -> str:
+    """``Shard(dim=0)``, ``Replicate()``, ``Partial(reduce_op=sum)``: the class name and the
+    fields of its state (as torch's ``repr`` writes a ``Shard``)."""
+    name = placement.cls.rpartition(".")[2]
+    state = placement.state if isinstance(placement.state, dict) else {}
+    fields = [
+        f"{k}={v}" for k, v in state.items() if isinstance(k, str) and _short(k) and _short(v)
+    ]
+    return f"{name}({', '.join(fields)})"
+
+
+def _short(value: Any) -> bool:
+    """A placement's field worth printing (a hostile pickle's 10,000-digit int is not)."""
+    if isinstance(value, int):
+        return abs(value) <= 2**63
+    return isinstance(value, str) and len(value) <= 64
 
 
 def _rebuild_meta(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:

@@ -1,7 +1,7 @@
 """How ``convert`` reports what it wrote: a few lines for people, one JSON object for scripts.
 
-Notes (entries left out, underflow) are not here: the CLI prints them on stderr so that
-``--json`` output stays clean.
+Notes (entries left out, underflow) and warnings (names kept with wrapper prefixes) are not
+here: the CLI prints them on stderr so that ``--json`` output stays clean.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def render_json(report: ConvertReport) -> dict[str, Any]:
         "overflow": report.overflow,
         "fields": report.fields,
         "notes": report.notes,
+        "warnings": report.warnings,
         "verified": report.verified,
         "directory": None if report.directory is None else str(report.directory),
         "copied": report.copied,

@@ -49,6 +49,13 @@ def tensor_json(info: Any) -> dict[str, Any]:
             {"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
             for c in storage.chunks
         ]
+    if record.dtensor is not None:  # one rank's piece of a DTensor: what this file holds
+        local = record.dtensor.local
+        out["dtensor"] = {
+            "placements": list(record.dtensor.placements),
+            "local_shape": list(local.shape),
+            "local_storage": local.storage.key if local.storage is not None else None,
+        }
     if info.stats is not None:
         out["stats"] = {k: plain(v) for k, v in vars(info.stats).items()}
     elif info.stats_unavailable is not None:
@@ -59,7 +66,7 @@ def tensor_json(info: Any) -> dict[str, Any]:
 
 class TensorLines:
     """A tensor's line of ``show --json``: the text json writes for :func:`tensor_json`, made
-    without the dict for a plain tensor (no stats, parts or chunks: almost every tensor).
+    without the dict for a plain tensor (no stats, parts, chunks or DTensor: almost every tensor).
 
     At 100,000 tensors the dicts and their encoding were a third of the command's time after
     the pickle walk. A field whose value json might write otherwise than assumed here (a
@@ -86,6 +93,7 @@ class TensorLines:
             info.stats is not None
             or info.stats_unavailable is not None
             or record.parts
+            or record.dtensor is not None
             or type(shape) is not tuple
             or type(stride) is not tuple
             or type(offset) is not int

@@ -112,6 +112,7 @@ def test_json_is_clean_and_notes_go_to_stderr(tmp_path: Path) -> None:
         "overflow": {},
         "fields": data["fields"],
         "notes": ["not converted (not weights): optimizer (60 tensors, 32 other values)"],
+        "warnings": [],
         "verified": True,
         "directory": None,  # a file, not a Hugging Face model directory
         "copied": [],
@@ -263,3 +264,23 @@ def test_a_failing_write_is_one_line_exit_2(
         "Error: conversion failed, nothing was written: [Errno 28] No space left on device\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_names_written_with_a_wrapper_prefix_get_a_warning(tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    result = run("convert", FIXTURES / "wrapped/compiled.pth", out, "--json")
+    assert result.exit_code == 0
+    warning = (
+        "12 of the 12 tensor names start with the DDP/torch.compile wrapper prefix "
+        "'_orig_mod.' and are written with it; add --ignore-wrappers to remove it"
+    )
+    assert json.loads(result.stdout)["warnings"] == [warning]
+    assert f"warning: {warning}\n" in result.stderr
+    result = run("convert", FIXTURES / "wrapped/compiled.pth", out, "--force", "--ignore-wrappers")
+    assert "warning" not in result.stderr
+
+
+def test_a_filter_matching_nothing_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    result = run("convert", WEIGHTS, tmp_path / "out.safetensors", "--filter", "nothing*")
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: {WEIGHTS}: --filter 'nothing*' matches no tensor")

@@ -372,3 +372,33 @@ def test_help_documents_the_new_options() -> None:
     for option in ("--section-a KEY", "--section-b KEY", "--rounded", "--all"):
         assert option in text
     assert "tensor.to(dtype)" in text and "one extra prefix" in text
+
+
+def test_wrapper_prefixes_on_both_sides_get_a_hint_in_text_and_json() -> None:
+    a, b = FIXTURES / "wrapped/compiled.pth", FIXTURES / "wrapped/ddp.pth"
+    hint = (
+        "12 keys only in A are keys only in B once DDP/torch.compile wrapper prefixes are removed "
+        "(12 of A's start with '_orig_mod.'; 12 of B's start with 'module.'): use "
+        "--ignore-wrappers to compare them"
+    )
+    result = run(a, b)
+    assert result.exit_code == 1
+    assert f"note: {hint}\n" in result.stderr
+    assert hint not in result.stdout
+    assert hint in json.loads(run(a, b, "--json").stdout)["notes"]
+    assert run(a, b, "--ignore-wrappers").exit_code == 0
+
+
+def test_two_paths_flattening_to_one_key_is_an_error_naming_both(tmp_path: Path) -> None:
+    import torch
+
+    path = tmp_path / "same_key.pth"
+    torch.save({"a.b": {"c": torch.ones(2)}, "a": {"b.c": torch.ones(2)}}, path)
+    result = run(path, path)
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"Error: {path}: two paths flatten to the same key 'a.b.c': ['a.b']['c'] and "
+        "['a']['b.c']; tensors are named by their dotted path, which cannot tell them apart\n"
+    )
+    shown = CliRunner().invoke(cli, ["show", str(path)])
+    assert "warning: two paths flatten to the same key 'a.b.c'" in shown.stderr
