@@ -375,8 +375,20 @@ def _compare_pair(
     if quick or a.shape != b.shape:
         status = IDENTICAL if not changes else DIFFER
         return TensorDiff(pair.key, status, a, b, pair.alias, tuple(changes))
+    value_a, value_b = a, b
+    moved = False  # DTensor pieces of different parts of the tensor
+    if a.dtensor is not None and b.dtensor is not None:
+        # two ranks' files (or one rank's twice): what each file holds is its piece; the pieces
+        # compare when they are the same part of the tensor (one side alone raises on reading)
+        moved = a.dtensor.placements != b.dtensor.placements
+        if moved:
+            changes.append(f"placements {a.dtensor.placements} -> {b.dtensor.placements}")
+        value_a, value_b = a.dtensor.local, b.dtensor.local
+        if value_a.shape != value_b.shape:
+            changes.append(f"local piece {list(value_a.shape)} -> {list(value_b.shape)}")
+            return TensorDiff(pair.key, DIFFER, a, b, pair.alias, tuple(changes))
     # sparse and quantized tensors compare by their dense meaning, as torch.equal on to_dense()
-    dense_a, dense_b = dense_record(ckpt_a, a), dense_record(ckpt_b, b)
+    dense_a, dense_b = dense_record(ckpt_a, value_a), dense_record(ckpt_b, value_b)
     if dense_a.shape != dense_b.shape:  # nested tensors: buffers of different sizes
         changes.append(f"values {list(dense_a.shape)} -> {list(dense_b.shape)}")
         return TensorDiff(pair.key, DIFFER, a, b, pair.alias, tuple(changes))
@@ -393,6 +405,8 @@ def _compare_pair(
         status = IDENTICAL
     else:
         status = WITHIN_TOLERANCE if values.within_tolerance else DIFFER
+    if moved:
+        status = DIFFER  # the same bytes hold different parts of the tensor
     if values.nan_positions_differ:
         changes.append("NaN positions differ")
     if values.inf_positions_differ:

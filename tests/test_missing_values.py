@@ -144,3 +144,17 @@ def test_a_hostile_dtensor_state_is_read_as_data_or_not_at_all() -> None:
         assert _dtensor_info(state) is None
     info = _dtensor_info((None, {"_local_tensor": piece, "_spec": spec}))
     assert info is not None and info.local is piece and info.placements == ()
+
+
+def test_diff_compares_dtensor_pieces_rank_by_rank() -> None:
+    """Each rank file holds its pieces: a file against itself is identical, rank 0 against
+    rank 1 differs (other rows of the same tensors), a piece of another size is said."""
+    from ckpttool.diff import diff
+
+    rank0, rank1 = (FSDP2 / f"model_world_size_2_rank_{r}.pt" for r in (0, 1))
+    same = diff(str(rank0), str(rank0))
+    assert same.equal
+    other = diff(str(rank0), str(rank1))
+    assert not other.equal
+    notes = {t.key: t.changes for t in other.tensors}
+    assert "local piece [3, 4] -> [2, 4]" in notes["proj.weight"]
