@@ -38,6 +38,12 @@ class UnsafePickleError(CkptError):
     """
 
 
+class AmbiguousFileError(CkptError):
+    """The file reads two ways (a parser differential): ``torch.load`` and ckpttool, or two zip
+    readers, or two formats, could see different contents. The message names both readings;
+    every command but ``scan`` (which reports it) refuses the file."""
+
+
 class ResourceLimitError(CkptError):
     """A pickle asks for more memory, nesting or time than any real checkpoint needs."""
 
