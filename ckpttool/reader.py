@@ -392,7 +392,7 @@ def _open_file(
         parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
         ambiguity = parsed.details.get("ambiguous")
         if ambiguity and not allow_ambiguous:
-            raise AmbiguousFileError(f"ambiguous file, refused: {ambiguity}")
+            raise AmbiguousFileError(ambiguity)
         _read_pickled_module(parsed)
         records, problems = _checked(parsed, strict)
     except BaseException as error:

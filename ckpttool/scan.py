@@ -201,7 +201,7 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
     except UnsafePickleError as error:  # BUILD on a global: refused even in scan mode
         return FileScan(str(path), None, notes=[_without_path(error, path)])
     except AmbiguousFileError as error:  # a zip directory that reads two ways
-        return FileScan(str(path), None, notes=[f"ambiguous: {_without_path(error, path)}"])
+        return FileScan(str(path), None, notes=[f"ambiguous: {error.reason}"])
     except NotACheckpointError as error:
         return FileScan(str(path), None, error=_without_path(error, path), not_a_checkpoint=True)
     except CkptError as error:

@@ -70,6 +70,9 @@ def fold(name: str) -> str:
 def case_collision(names: list[str]) -> tuple[str, str] | None:
     """Two different names that torch's reader cannot tell apart (they differ only in ASCII
     case): which of them a lookup finds depends on its binary search, not on the file order."""
+    joined = "\n".join(names)
+    if joined.translate(_ASCII_FOLD) == joined:  # no upper case (what torch writes): no two
+        return None
     seen: dict[str, str] = {}
     for name in names:
         folded = fold(name)
