@@ -518,7 +518,7 @@ MAX_PICKLE_PROBE = 64 << 20
 def _parse(
     handle: BinaryIO, file_size: int, strict: bool, refuse_dangerous: bool, track_spans: bool
 ) -> Parsed:
-    head = handle.read(64)
+    head = handle.read(512)  # a tar header's "ustar" is at byte 257
     handle.seek(0)
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
         return read_torch_zip(handle, refuse_dangerous=refuse_dangerous, track_spans=track_spans)
