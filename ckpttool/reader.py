@@ -31,7 +31,7 @@ from ckpttool.errors import (
 )
 from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory
 from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
-from ckpttool.formats.torch_legacy import read_growing, read_pickle_stream
+from ckpttool.formats.torch_legacy import read_pickle_stream
 from ckpttool.formats.torch_tar import TAR_REFUSAL, is_torch_tar
 from ckpttool.formats.torch_zip import read_torch_zip
 from ckpttool.pickle.interpreter import PickleResult, SafeUnpickler

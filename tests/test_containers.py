@@ -30,6 +30,8 @@ from ckpttool.reader import open_checkpoint
 from ckpttool.scan import scan
 from ckpttool.verify import verify
 from tests.support import containers
+from tests.support.fuzz_targets import LOADABLE_ZIP_MUTATIONS, mutate
+from tests.support.helpers import FIXTURES
 
 HOSTILE = sorted(containers.HOSTILE)
 
@@ -71,6 +73,7 @@ def test_scan_flags_and_no_command_runs_it(tmp_path: Path, name: str) -> None:
         ["verify", str(path)],
         ["convert", str(path), str(tmp_path / "out.safetensors")],
         ["diff", str(path), str(path)],
+        ["rescale-step", str(path), "--world-size", "2", "--dry-run"],
     ):
         result = runner.invoke(cli, args)
         assert result.exit_code in (1, 2), (args, result.output)
@@ -177,7 +180,7 @@ def test_optimizer_state_keyed_by_parameters_is_named_by_storage(tmp_path: Path)
 def test_tar_format_is_refused_by_name_and_walked_by_scan(tmp_path: Path) -> None:
     path = tmp_path / "old.pth"
     path.write_bytes(containers.torch_tar(containers.BENIGN_PICKLE))
-    with pytest.raises(NotACheckpointError, match="pre-0.4 tar format"):
+    with pytest.raises(NotACheckpointError, match=r"pre-0\.4 tar format"):
         open_checkpoint(path)
     report = scan([path])
     assert report.clean and report.files[0].format == "torch-tar"
@@ -196,9 +199,7 @@ def test_a_tar_torch_cannot_open_is_not_the_tar_format(tmp_path: Path) -> None:
 def test_tar_member_storages_walked_in_torch_order(tmp_path: Path) -> None:
     """A storage entry's bytes are skipped by its element size, as torch reads them."""
     buffer = io.BytesIO()
-    entry = (
-        b"\x80\x02(X\x01\x00\x00\x00kX\x03\x00\x00\x00cpuctorch\nFloatStorage\ntq\x00."
-    )
+    entry = b"\x80\x02(X\x01\x00\x00\x00kX\x03\x00\x00\x00cpuctorch\nFloatStorage\ntq\x00."
     storages = pickle.dumps(1, 2) + entry + struct.pack("<q", 2) + bytes(8)
     storages += containers.payload(tmp_path / "ran")  # the views pickle
     with tarfile.open(fileobj=buffer, mode="w") as tar:
@@ -322,3 +323,29 @@ def test_a_zeroed_crc_among_computed_ones_is_still_a_mismatch(tmp_path: Path) ->
     path.write_bytes(bytes(data))
     (result,) = verify([path])
     assert not result.ok and any("CRC-32 is" in p for p in result.problems)
+
+
+# --- zip mutations that keep a file loadable by torch (fuzz/) -----------------------------
+
+
+@pytest.mark.parametrize("kind", LOADABLE_ZIP_MUTATIONS)
+@pytest.mark.parametrize("seed", range(4))
+def test_loadable_zip_mutations_read_as_torch_reads_them(
+    tmp_path: Path, kind: str, seed: int
+) -> None:
+    import random
+
+    import torch
+
+    source = FIXTURES / "special/views.pth"
+    path = tmp_path / "mutated.pth"
+    path.write_bytes(mutate(source.read_bytes(), kind, random.Random(seed), []))
+    assert path.read_bytes() != source.read_bytes()
+    expected = torch.load(path, weights_only=True)
+    with open_checkpoint(path) as ckpt, open_checkpoint(source) as original:
+        assert [r.key for r in ckpt.tensors()] == [r.key for r in original.tensors()]
+        for record, same in zip(ckpt.tensors(), original.tensors()):
+            assert bytes(ckpt.read_bytes(record)[0]) == bytes(original.read_bytes(same)[0])
+    assert expected.keys() == torch.load(source, weights_only=True).keys()
+    (result,) = verify([path])
+    assert result.ok, result.problems

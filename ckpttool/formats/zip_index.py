@@ -316,7 +316,7 @@ def _end_record(tail: bytes) -> int:
     file's end exactly (a reader that accepts the first such record takes it)."""
     signature = b"PK\x05\x06"
     at = tail.rfind(signature)
-    close = 0 <= at and at + _EOCD.size > len(tail)
+    close = at >= 0 and at + _EOCD.size > len(tail)
     if close:
         at = tail.rfind(signature, 0, at + len(signature) - 1)
     if at < 0:

@@ -294,7 +294,9 @@ def saved_model(legacy: bool) -> bytes:
     """``torch.save(model)`` (the module object), legacy or zip."""
     import torch
 
-    return _torch_bytes(lambda f: torch.save(_module(), f, _use_new_zipfile_serialization=not legacy))
+    return _torch_bytes(
+        lambda f: torch.save(_module(), f, _use_new_zipfile_serialization=not legacy)
+    )
 
 
 def saved_optimizer(legacy: bool) -> bytes:
