@@ -44,10 +44,18 @@ def payload(marker: Path) -> bytes:
     return b"\x80\x02" + open_call(marker) + b"."
 
 
-def _then(marker: Path, value: object) -> bytes:
-    """A pickle that calls ``open(marker, "w")``, drops the result and gives ``value``: torch
-    checks the value (the magic number, the protocol version), not what ran before it."""
-    return b"\x80\x02" + open_call(marker) + b"0" + pickle.dumps(value, protocol=2)[2:]
+def unlisted_call(marker: Path) -> bytes:
+    """Opcodes that push ``tests.support.adversarial.touch_marker(marker)``: a callable no
+    deny-list names (``scan`` calls it unknown; the other commands keep it as an opaque
+    object, never calling it)."""
+    return b"ctests.support.adversarial\ntouch_marker\n(" + _unicode(str(marker)) + b"tR"
+
+
+def _then(marker: Path, value: object, call: Callable[[Path], bytes] = open_call) -> bytes:
+    """A pickle that makes ``call`` (``open(marker, "w")``), drops the result and gives
+    ``value``: torch checks the value (the magic number, the protocol version), not what ran
+    before it."""
+    return b"\x80\x02" + call(marker) + b"0" + pickle.dumps(value, protocol=2)[2:]
 
 
 # --- 1, 2: the legacy pickle stream --------------------------------------------------------
@@ -77,12 +85,13 @@ def legacy_protocol_payload(marker: Path, protocol: int = 4) -> bytes:
 
 def legacy_payload_in(index: int) -> Callable[[Path], bytes]:
     """A legacy stream whose pickle ``index`` (0 magic, 1 version, 2 sys info, 4 keys) calls
-    the payload and still gives torch the value it checks."""
+    a callable on no deny-list (:func:`unlisted_call`) and still gives torch the value it
+    checks: only a reader walking that pickle with the full policy sees it."""
     values: list[Any] = [MAGIC_NUMBER, PROTOCOL_VERSION, SYS_INFO, None, []]
 
     def build(marker: Path) -> bytes:
         legit = pickle.dumps({"w": 1}, protocol=2)
-        return legacy_stream(legit, pickles={index: _then(marker, values[index])})
+        return legacy_stream(legit, pickles={index: _then(marker, values[index], unlisted_call)})
 
     build.__name__ = f"legacy_payload_in_pickle_{index}"
     return build
@@ -329,7 +338,7 @@ def crc_less_zip() -> bytes:
 #: Hostile files by name: each runs the payload under torch.load(weights_only=False). The
 #: suffix is the name torch.load is given (a safetensors polyglot is live under any other).
 HOSTILE: dict[str, Callable[[Path], bytes]] = {
-    "legacy_protocol4.pth": legacy_protocol_payload,
+    "legacy_protocol4_payload.pth": legacy_protocol_payload,
     "legacy_payload_in_magic.pth": legacy_payload_in(0),
     "legacy_payload_in_version.pth": legacy_payload_in(1),
     "legacy_payload_in_sys_info.pth": legacy_payload_in(2),
