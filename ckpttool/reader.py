@@ -511,8 +511,14 @@ def _open_input(path: str) -> BinaryIO:
 #: a LONG1 or a PROTO) and of plain pickled dicts, lists and globals.
 PICKLE_STARTS = (b"\x80", b"(", b"}", b"]", b"c", b"L", b"\x8a")
 #: How far the safetensors reading of a file looks for a pickle reading too (a benign
-#: safetensors file's first bytes may read as a pickle opcode claiming a huge length).
+#: safetensors file's first bytes may read as a pickle opcode claiming a long argument), and
+#: what it reads first (the walk of a benign file's bytes fails within a few opcodes).
 MAX_PICKLE_PROBE = 64 << 20
+FIRST_PICKLE_PROBE = 64 << 10
+#: Opcodes whose argument's length is the next 8 bytes (FRAME, BINUNICODE8, BINBYTES8,
+#: BYTEARRAY8): as a safetensors file's first byte, their length is the header length's other
+#: bytes and its "{", over 2**56: no file holds that, so no pickle reading is looked for.
+_LONG8_OPCODES = (0x95, 0x8D, 0x8E, 0x96)
 
 
 def _parse(
@@ -564,9 +570,19 @@ def _pickle_probe(handle: BinaryIO, file_size: int) -> tuple[str | None, list[An
     """What the file is as a pickle stream, if ``torch.load`` would run or read anything of
     it (a legacy stream, or a pickle that names a global, even one that fails after), and the
     globals it names; (None, []) for bytes that are no such pickle."""
+    handle.seek(0)
+    head = handle.read(9)
+    handle.seek(0)
+    if head[0] in _LONG8_OPCODES and int.from_bytes(head[1:9], "little") > file_size:
+        return None, []  # pickle.load fails on its first opcode too, having run nothing
     try:
         stream = read_pickle_stream(
-            handle, file_size, refuse_dangerous=False, track_spans=False, limit=MAX_PICKLE_PROBE
+            handle,
+            file_size,
+            refuse_dangerous=False,
+            track_spans=False,
+            limit=MAX_PICKLE_PROBE,
+            first=FIRST_PICKLE_PROBE,
         )
     except CkptError:
         pass
@@ -578,7 +594,7 @@ def _pickle_probe(handle: BinaryIO, file_size: int) -> tuple[str | None, list[An
             return "a pickle", stream.pickle.globals_seen
         return None, []
     handle.seek(0)
-    data = handle.read(min(file_size, MAX_PICKLE_PROBE))
+    data = handle.read(min(file_size, FIRST_PICKLE_PROBE))
     handle.seek(0)
     placeholder = StorageRecord("?", "uint8", 0, "cpu", "", 0)
     unpickler = SafeUnpickler(data, persistent_load=lambda pid: placeholder, refuse_dangerous=False)

@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
-from ckpttool.errors import CorruptCheckpointError, NotACheckpointError
+from ckpttool.errors import CorruptCheckpointError
 from ckpttool.formats.base import Parsed
 from ckpttool.formats.torch_zip import storage_dtype
 from ckpttool.pickle.interpreter import PickleResult, TruncatedPickleError, load_pickle
@@ -34,15 +34,19 @@ T = TypeVar("T")
 
 
 def read_growing(
-    handle: BinaryIO, file_size: int, parse: Callable[[bytes], T], limit: int | None = None
+    handle: BinaryIO,
+    file_size: int,
+    parse: Callable[[bytes], T],
+    limit: int | None = None,
+    first: int = FIRST_WINDOW,
 ) -> T:
-    """Run ``parse`` on the file's first bytes, reading more only while the pickle needs it
-    (up to ``limit`` bytes, if given).
+    """Run ``parse`` on the file's first ``first`` bytes, reading more only while the pickle
+    needs it (up to ``limit`` bytes, if given).
 
     The tensor data that follows a legacy file's pickles is never read.
     """
     most = file_size if limit is None else min(file_size, limit)
-    window = min(FIRST_WINDOW, most)
+    window = min(first, most)
     while True:
         handle.seek(0)
         data = handle.read(window)
@@ -66,6 +70,7 @@ def read_pickle_stream(
     refuse_dangerous: bool,
     track_spans: bool,
     limit: int | None = None,
+    first: int = FIRST_WINDOW,
 ) -> Parsed:
     """A file ``torch.load`` reads as a pickle stream: the legacy format when its first pickle
     is the magic number (any protocol), else a bare pickle (its first pickle)."""
@@ -76,19 +81,7 @@ def read_pickle_stream(
             return _read_legacy(data, first, handle, file_size, refuse_dangerous, track_spans)
         return _bare_pickle(first, file_size)
 
-    return read_growing(handle, file_size, parse, limit)
-
-
-def read_torch_legacy(
-    handle: BinaryIO, file_size: int, *, refuse_dangerous: bool, track_spans: bool
-) -> Parsed:
-    """A legacy file (:func:`read_pickle_stream`, refusing a stream without the magic)."""
-    parsed = read_pickle_stream(
-        handle, file_size, refuse_dangerous=refuse_dangerous, track_spans=track_spans
-    )
-    if parsed.format != "torch-legacy":
-        raise NotACheckpointError("not a torch legacy file (wrong magic number)")
-    return parsed
+    return read_growing(handle, file_size, parse, limit, first)
 
 
 def _bare_pickle(result: PickleResult, file_size: int) -> Parsed:
