@@ -99,6 +99,8 @@ def test_ambiguous_files_are_refused_by_name(tmp_path: Path, name: str) -> None:
     if name.startswith("tar_"):  # refused as the tar format whatever else it is
         expected = "pre-0.4 tar format"
     else:
+        (result,) = verify([path])  # verify: a problem naming it
+        assert any(containers.AMBIGUOUS[name] in problem for problem in result.problems)
         expected = f"ambiguous file, refused: .*{containers.AMBIGUOUS[name]}"
         with pytest.raises(AmbiguousFileError):
             open_checkpoint(path, refuse_dangerous=False)
@@ -106,6 +108,7 @@ def test_ambiguous_files_are_refused_by_name(tmp_path: Path, name: str) -> None:
         ["show", str(path)],
         ["convert", str(path), str(tmp_path / "out.safetensors")],
         ["diff", str(path), str(path)],
+        ["rescale-step", str(path), "--world-size", "2", "--dry-run"],
     ):
         result = runner.invoke(cli, args)
         assert result.exit_code == 2, (args, result.output)
