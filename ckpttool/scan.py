@@ -224,6 +224,7 @@ def _scan_tar(path: Path | str) -> tuple[Counter[tuple[str, str, Verdict]], list
     with _open(path) as handle:
         found, notes, problems = scan_tar(handle)
         counts = Counter(found)
+        handle.seek(0)
         head = handle.read(64)
     other = "safetensors" if looks_like_safetensors(head, len(head)) else None
     with _open(path) as handle:

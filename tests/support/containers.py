@@ -364,7 +364,7 @@ AMBIGUOUS = {
 
 #: Benign files torch writes for the same classes.
 BENIGN: dict[str, Callable[[], bytes]] = {
-    **{f"legacy_protocol{p}.pth": (lambda p=p: legacy_state_dict(p)) for p in (2, 3, 4, 5)},
+    **{f"legacy_protocol{p}.pth": (lambda p=p: legacy_state_dict(p)) for p in (1, 2, 3, 4, 5)},
     "legacy_model.pth": lambda: saved_model(legacy=True),
     "zip_model.pth": lambda: saved_model(legacy=False),
     "legacy_optimizer.pth": lambda: saved_optimizer(legacy=True),
