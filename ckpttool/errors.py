@@ -48,6 +48,16 @@ class UnsafePickleError(CkptError):
     """
 
 
+class AmbiguousFileError(CkptError):
+    """The file reads two ways (a parser differential): ``torch.load`` and ckpttool, or two zip
+    readers, or two formats, could see different contents. ``reason`` names both readings;
+    every command but ``scan`` (which reports it as a finding) refuses the file."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"ambiguous file, refused: {reason}")
+        self.reason = reason
+
+
 class ResourceLimitError(CkptError):
     """A pickle asks for more memory, nesting or time than any real checkpoint needs."""
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.errors import (
+    AmbiguousFileError,
     CheckpointCollectionError,
     CkptError,
     CorruptCheckpointError,
@@ -32,9 +33,10 @@ from ckpttool.errors import (
 )
 from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory
 from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
-from ckpttool.formats.torch_legacy import MAGIC_PREFIX, read_growing, read_torch_legacy
+from ckpttool.formats.torch_legacy import read_pickle_stream
+from ckpttool.formats.torch_tar import TAR_REFUSAL, is_torch_tar
 from ckpttool.formats.torch_zip import read_torch_zip
-from ckpttool.pickle.interpreter import PickleResult, load_pickle
+from ckpttool.pickle.interpreter import PickleResult, SafeUnpickler
 from ckpttool.records import (
     ELEMENTS_PER_BYTE,
     ITEMSIZE,
@@ -276,13 +278,17 @@ def open_checkpoint(
     strict: bool = True,
     refuse_dangerous: bool = True,
     track_spans: bool = False,
+    allow_ambiguous: bool = False,
 ) -> Checkpoint:
     """Open ``path`` safely and lazily. Raises a :class:`~ckpttool.errors.CkptError` subclass
     whose message names the file (whatever part of it the error concerns).
 
     ``strict=False`` records structural problems in ``Checkpoint.problems`` where it can go on
     (``verify`` uses this); ``refuse_dangerous=False`` records dangerous globals instead of
-    refusing the file (``scan``).
+    refusing the file (``scan``). A file that reads two ways (docs/safety.md, "Parser
+    differentials") raises :class:`~ckpttool.errors.AmbiguousFileError`; with
+    ``allow_ambiguous`` (``scan``) it is read as ``torch.load`` reads it (a file not named
+    ``*.safetensors``) and ``details["ambiguous"]`` says what else it is.
     """
     name = os.fspath(path)
     if is_url(name):
@@ -292,12 +298,14 @@ def open_checkpoint(
             return _open_directory(name, strict, refuse_dangerous)
         if is_directory(name):
             return _open_remote_directory(name, strict, refuse_dangerous)
-        return _open_file(name, open_source(name), strict, refuse_dangerous, track_spans)
+        handle = open_source(name)
+        return _open_file(name, handle, strict, refuse_dangerous, track_spans, allow_ambiguous)
     name = local_path(name)
     if not is_dcp_directory(name) and is_framework_path(name):
         return _open_directory(name, strict, refuse_dangerous)
     if not is_dcp_directory(name):
-        return _open_file(name, _open_input(name), strict, refuse_dangerous, track_spans)
+        handle = _open_input(name)
+        return _open_file(name, handle, strict, refuse_dangerous, track_spans, allow_ambiguous)
     return _open_dcp(name, _open_input(os.path.join(name, DCP_METADATA)), strict, refuse_dangerous)
 
 
@@ -377,13 +385,21 @@ def _checked(parsed: Parsed, strict: bool) -> tuple[list[TensorRecord], list[str
 
 
 def _open_file(
-    name: str, handle: Any, strict: bool, refuse_dangerous: bool, track_spans: bool
+    name: str,
+    handle: Any,
+    strict: bool,
+    refuse_dangerous: bool,
+    track_spans: bool,
+    allow_ambiguous: bool = False,
 ) -> Checkpoint:
     """One checkpoint file, local or remote, opened as ``handle``."""
     parsed: Parsed | None = None
     try:
         file_size = source_size(handle)
         parsed = _parse(handle, file_size, strict, refuse_dangerous, track_spans)
+        ambiguity = parsed.details.get("ambiguous")
+        if ambiguity and not allow_ambiguous:
+            raise AmbiguousFileError(ambiguity)
         _read_pickled_module(parsed)
         records, problems = _checked(parsed, strict)
     except BaseException as error:
@@ -529,21 +545,35 @@ def _open_input(path: str) -> BinaryIO:
     return handle
 
 
+#: First bytes of the pickles torch.save writes (protocols 0 to 5: its magic number is a LONG,
+#: a LONG1 or a PROTO) and of plain pickled dicts, lists and globals.
+PICKLE_STARTS = (b"\x80", b"(", b"}", b"]", b"c", b"L", b"\x8a")
+#: How far the safetensors reading of a file looks for a pickle reading too (a benign
+#: safetensors file's first bytes may read as a pickle opcode claiming a long argument), and
+#: what it reads first (the walk of a benign file's bytes fails within a few opcodes).
+MAX_PICKLE_PROBE = 64 << 20
+FIRST_PICKLE_PROBE = 64 << 10
+#: Opcodes whose argument's length is the next 8 bytes (FRAME, BINUNICODE8, BINBYTES8,
+#: BYTEARRAY8): as a safetensors file's first byte, their length is the header length's other
+#: bytes and its "{", over 2**56: no file holds that, so no pickle reading is looked for.
+_LONG8_OPCODES = (0x95, 0x8D, 0x8E, 0x96)
+
+
 def _parse(
     handle: BinaryIO, file_size: int, strict: bool, refuse_dangerous: bool, track_spans: bool
 ) -> Parsed:
-    head = handle.read(64)
+    head = handle.read(512)  # a tar header's "ustar" is at byte 257
     handle.seek(0)
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
         return read_torch_zip(handle, refuse_dangerous=refuse_dangerous, track_spans=track_spans)
     if looks_like_safetensors(head, file_size):
-        return read_safetensors(handle, file_size, strict=strict)
-    if head.startswith(MAGIC_PREFIX[:4]) or head[:1] in (b"\x80", b"(", b"}", b"]", b"c"):
-        if head.startswith(MAGIC_PREFIX):
-            return read_torch_legacy(
-                handle, file_size, refuse_dangerous=refuse_dangerous, track_spans=track_spans
-            )
-        return _read_bare_pickle(handle, file_size, refuse_dangerous, track_spans)
+        return _read_safetensors(handle, file_size, strict, refuse_dangerous, track_spans)
+    if is_torch_tar(handle):  # before a pickle stream, as torch.load tries them
+        raise NotACheckpointError(TAR_REFUSAL)
+    if head[:1] in PICKLE_STARTS:
+        return read_pickle_stream(
+            handle, file_size, refuse_dangerous=refuse_dangerous, track_spans=track_spans
+        )
     if head.startswith(b"\x1f\x8b") or head[257:262] == b"ustar":
         raise NotACheckpointError("a compressed or tar archive, not a checkpoint")
     raise NotACheckpointError(
@@ -552,22 +582,66 @@ def _parse(
     )
 
 
-def _read_bare_pickle(
-    handle: BinaryIO, file_size: int, refuse_dangerous: bool, track_spans: bool
+def _read_safetensors(
+    handle: BinaryIO, file_size: int, strict: bool, refuse_dangerous: bool, track_spans: bool
 ) -> Parsed:
-    result = read_growing(
-        handle,
-        file_size,
-        lambda data: load_pickle(
-            data, 0, refuse_dangerous=refuse_dangerous, track_spans=track_spans
-        ),
-    )
-    details = {"trailing_bytes": file_size - result.end}
+    """A safetensors file; one that is also a tar or a pickle stream reads two ways:
+    ``torch.load`` reads safetensors only under a ``*.safetensors`` name, and unpickles any
+    other (its first pickle runs before anything checks it)."""
+    other: str | None = None
+    found: list[Any] = []
+    if is_torch_tar(handle):
+        other = "a tar archive (torch's pre-0.4 format)"
+    else:
+        other, found = _pickle_probe(handle, file_size)
+    parsed = read_safetensors(handle, file_size, strict=strict)
+    if other is not None:
+        parsed.details["ambiguous"] = (
+            f"a safetensors file that is also {other}: torch.load reads it as safetensors "
+            "under a *.safetensors name and unpickles it under any other"
+        )
+        parsed.details["pickle_globals"] = found  # what scan reports
+    return parsed
 
-    def no_span(storage: StorageRecord) -> tuple[int, int]:
-        raise CorruptCheckpointError("a bare pickle has no tensor storage")
 
-    return Parsed(format="pickle", root=result.root, span=no_span, pickle=result, details=details)
+def _pickle_probe(handle: BinaryIO, file_size: int) -> tuple[str | None, list[Any]]:
+    """What the file is as a pickle stream, if ``torch.load`` would run or read anything of
+    it (a legacy stream, or a pickle that names a global, even one that fails after), and the
+    globals it names; (None, []) for bytes that are no such pickle."""
+    handle.seek(0)
+    head = handle.read(9)
+    handle.seek(0)
+    if head[0] in _LONG8_OPCODES and int.from_bytes(head[1:9], "little") > file_size:
+        return None, []  # pickle.load fails on its first opcode too, having run nothing
+    try:
+        stream = read_pickle_stream(
+            handle,
+            file_size,
+            refuse_dangerous=False,
+            track_spans=False,
+            limit=MAX_PICKLE_PROBE,
+            first=FIRST_PICKLE_PROBE,
+        )
+    except CkptError:
+        pass
+    else:
+        assert stream.pickle is not None
+        if stream.format != "pickle":
+            return "a pickle stream (torch's legacy format)", stream.pickle.globals_seen
+        if stream.pickle.globals_seen:
+            return "a pickle", stream.pickle.globals_seen
+        return None, []
+    handle.seek(0)
+    data = handle.read(min(file_size, FIRST_PICKLE_PROBE))
+    handle.seek(0)
+    placeholder = StorageRecord("?", "uint8", 0, "cpu", "", 0)
+    unpickler = SafeUnpickler(data, persistent_load=lambda pid: placeholder, refuse_dangerous=False)
+    try:
+        unpickler.load()
+    except CkptError:
+        pass  # what it named before it failed, torch.load calls before it fails
+    found = unpickler.result.globals_seen
+    return ("a pickle" if found else None), found
 
 
 def check_extents(parsed: Parsed, records: list[TensorRecord]) -> list[str]:

@@ -197,8 +197,13 @@ class TensorRecord:
 
     Treated as immutable (copies are made with ``with_key``/``with_fields``), but not a frozen
     dataclass: a frozen one sets each of its 13 fields through ``object.__setattr__``, which was
-    a tenth of the time of reading a tensor call. Records are not hashable; group by storage.
+    a tenth of the time of reading a tensor call. Group records by storage, never by record.
+
+    Hashable by identity only, as a torch tensor is: ``torch.save(optimizer)`` pickles a dict
+    keyed by the parameters (its ``state``), which a pickle builds with the records as keys.
     """
+
+    __hash__ = object.__hash__  # identity, as torch.Tensor's; equality stays field by field
 
     key: str  # dotted path from the top of the object tree ("" until the tree is flattened)
     dtype: str  # torch dtype name without "torch." ("float16"); NumPy arrays use the same names
@@ -219,6 +224,13 @@ class TensorRecord:
     is_coalesced: bool | None = None  # sparse COO: as torch.save recorded it
     # a DTensor's piece in this file (the record itself, the global tensor, has no storage)
     dtensor: DTensorInfo | None = None
+
+    def __str__(self) -> str:
+        """The record as a key of a dict (``torch.save(optimizer)``'s ``state``, keyed by
+        parameters): which storage and offset it views, which names it among its siblings."""
+        if self.storage is None:
+            return f"<{self.kind} {self.dtype}{list(self.shape)}>"
+        return f"<{self.kind} {self.storage.key}:{self.storage_offset}>"
 
     @property
     def is_sparse(self) -> bool:

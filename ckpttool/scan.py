@@ -21,9 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, NotACheckpointError, UnsafePickleError
+from ckpttool.errors import AmbiguousFileError, CkptError, NotACheckpointError, UnsafePickleError
 from ckpttool.formats.dcp import METADATA, DcpFiles, is_dcp_directory, load_metadata, present
-from ckpttool.formats.torch_zip import is_torchscript, open_zip, read_record
+from ckpttool.formats.safetensors_file import looks_like_safetensors
+from ckpttool.formats.torch_legacy import read_pickle_stream
+from ckpttool.formats.torch_tar import is_torch_tar, scan_tar
+from ckpttool.formats.torch_zip import ambiguous_names, is_torchscript, open_zip, read_record
+from ckpttool.formats.zip_index import case_collision, fold
 from ckpttool.pickle.interpreter import SafeUnpickler
 from ckpttool.pickle.policy import Verdict
 from ckpttool.reader import open_checkpoint, open_source
@@ -95,11 +99,14 @@ def _pickles_of_zip(path: Path | str) -> tuple[str, list[tuple[str, bytes]], lis
         if is_torchscript(names):
             fmt = "torchscript"
             notes.append("a TorchScript archive: it carries code that torch.jit.load would run")
+        collision = case_collision(names)
+        if collision is not None:
+            notes.append(f"ambiguous: {ambiguous_names(*collision)}")
         pickles = []
         unreadable = []  # not scanned: the file could not be (fully) checked
         file_size = source_size(handle)
         for info in archive.infolist():
-            if info.filename.endswith(".pkl"):
+            if fold(info.filename).endswith(".pkl"):  # torch's reader ignores case
                 try:  # bounded: a deflated record could inflate to gigabytes
                     pickles.append((info.filename, read_record(handle, info, archive, file_size)))
                 except CkptError as error:
@@ -180,13 +187,21 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
                     notes.append(f"{name}: {attack}")
                 if problem:
                     problems.append(f"{name}: {problem}")
+        elif _is_tar(path):
+            fmt = "torch-tar"
+            counts, notes, problems = _scan_tar(path)
         else:
-            with open_checkpoint(path, refuse_dangerous=False) as ckpt:
+            with open_checkpoint(path, refuse_dangerous=False, allow_ambiguous=True) as ckpt:
                 fmt = ckpt.format
                 if ckpt.pickle is not None:
                     counts.update(ckpt.pickle.globals_seen)
+                counts.update(ckpt.details.get("pickle_globals", ()))
+                if ckpt.details.get("ambiguous"):
+                    notes.append(f"ambiguous: {ckpt.details['ambiguous']}")
     except UnsafePickleError as error:  # BUILD on a global: refused even in scan mode
         return FileScan(str(path), None, notes=[_without_path(error, path)])
+    except AmbiguousFileError as error:  # a zip directory that reads two ways
+        return FileScan(str(path), None, notes=[f"ambiguous: {error.reason}"])
     except NotACheckpointError as error:
         return FileScan(str(path), None, error=_without_path(error, path), not_a_checkpoint=True)
     except CkptError as error:
@@ -196,6 +211,37 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
         qualname = f"{module}.{name}"
         uses.append(GlobalUse(qualname, Verdict.ALLOWED if qualname in allowed else verdict, count))
     return FileScan(str(path), fmt, uses, notes, error="; ".join(problems) or None)
+
+
+def _is_tar(path: Path | str) -> bool:
+    with _open(path) as handle:
+        return is_torch_tar(handle)
+
+
+def _scan_tar(path: Path | str) -> tuple[Counter[tuple[str, str, Verdict]], list[str], list[str]]:
+    """torch's tar format: every pickle torch.load unpickles from it; and, if the file reads
+    as a pickle stream or as safetensors too, that reading's globals and a note saying so."""
+    with _open(path) as handle:
+        found, notes, problems = scan_tar(handle)
+        counts = Counter(found)
+        handle.seek(0)
+        head = handle.read(64)
+    other = "safetensors" if looks_like_safetensors(head, len(head)) else None
+    with _open(path) as handle:
+        size = source_size(handle)
+        try:
+            stream = read_pickle_stream(handle, size, refuse_dangerous=False, track_spans=False)
+        except CkptError:
+            stream = None
+    if stream is not None and stream.pickle is not None:
+        counts.update(stream.pickle.globals_seen)
+        other = "a pickle stream"
+    if other is not None:
+        notes.append(
+            f"ambiguous: a tar archive (torch.load reads it as torch's pre-0.4 tar format) "
+            f"that is also {other}"
+        )
+    return counts, notes, problems
 
 
 def _is_dcp(path: Path | str) -> bool:

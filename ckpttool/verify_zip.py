@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 
 from ckpttool.formats.torch_zip import open_zip
-from ckpttool.formats.zip_index import BadZipError, ZipIndex, ZipMember
+from ckpttool.formats.zip_index import BadZipError, ZipIndex, ZipMember, fold
 from ckpttool.progress import ProgressCallback
 from ckpttool.read_batch import BLOCK, GAP
 from ckpttool.reader import Checkpoint, open_source
@@ -35,8 +35,8 @@ def check_torch_zip(
         names = archive.namelist()
     used = {r.storage.record for r in stored_records(ckpt.tensors()) if r.storage is not None}
     prefix = ckpt.details.get("prefix", "")
-    data_prefix = f"{prefix}/data/" if prefix else "data/"
-    return problems, [n for n in names if n.startswith(data_prefix) and n not in used]
+    data_prefix = fold(f"{prefix}/data/" if prefix else "data/")  # torch's lookup ignores case
+    return problems, [n for n in names if fold(n).startswith(data_prefix) and n not in used]
 
 
 def record_owners(ckpt: Checkpoint) -> dict[str, list[str]]:
@@ -80,6 +80,11 @@ def check_archive(
 
     for info in archive.infolist():
         found, data_start = _header_problems(archive, info)
+        if not archive.crc_computed:  # no CRC to take: the directory and headers are checked
+            problems.extend(p + _stored_in((owners or {}).get(info.filename, ())) for p in found)
+            if data_start is not None and data_start + info.file_size > archive.size:
+                problems.append(f"{info.filename}: the file ends inside this record (truncated)")
+            continue
         if data_start is None:  # nothing to read: its problems go after the run's
             take_crcs()
             problems.extend(p + _stored_in((owners or {}).get(info.filename, ())) for p in found)

@@ -21,6 +21,7 @@ FORMATS = {
     "directory": "a framework's directory of several files (Hugging Face, Trainer, accelerate, "
     "DeepSpeed)",
     "torchscript": "a TorchScript archive (scan only: never opened as a checkpoint)",
+    "torch-tar": "torch's pre-0.4 tar format (scan only: its pickles are walked, never opened)",
 }
 
 #: Every layout a command reports.

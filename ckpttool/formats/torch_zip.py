@@ -13,14 +13,22 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, BinaryIO, NamedTuple
 
-from ckpttool.errors import CorruptCheckpointError, NotACheckpointError, ResourceLimitError
+from ckpttool.errors import (
+    AmbiguousFileError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    ResourceLimitError,
+)
 from ckpttool.formats.base import Parsed
 from ckpttool.formats.zip_index import (
     LOCAL_HEADER,
     ZIP_STORED,
+    AmbiguousZipError,
     ZipIndex,
     ZipMember,
+    case_collision,
     encoded_name,
+    fold,
     read_local_header,
 )  # fmt: skip
 from ckpttool.pickle.emulation import STORAGE_DTYPES
@@ -132,6 +140,8 @@ def is_torchscript(names: list[str]) -> bool:
 def open_zip(handle: BinaryIO) -> ZipIndex:
     try:
         return ZipIndex(handle)
+    except AmbiguousZipError as error:
+        raise AmbiguousFileError(f"a zip archive that reads two ways: {error}") from None
     except ZIP_ERRORS as error:
         raise CorruptCheckpointError(
             f"corrupt or truncated zip archive ({error}); an interrupted torch.save leaves "
@@ -145,8 +155,9 @@ def find_data_pkl(names: list[str]) -> str:
             "this is a TorchScript archive (torch.jit.save), not a checkpoint: it holds "
             "code, and only torch.jit.load can open it (do so only if you trust it)"
         )
-    candidates = [n for n in names if n.endswith("data.pkl") and n.count("/") <= 1]
-    candidates = [n for n in candidates if n.rsplit("/", 1)[-1] == "data.pkl"]
+    # torch's reader finds data.pkl whatever its ASCII case (``fold``)
+    candidates = [n for n in names if len(n) >= 8 and n.count("/") <= 1]
+    candidates = [n for n in candidates if fold(n.rsplit("/", 1)[-1]) == "data.pkl"]
     if len(candidates) != 1:
         what = "no data.pkl" if not candidates else f"{len(candidates)} data.pkl records"
         raise NotACheckpointError(f"a zip archive with {what}: not a torch checkpoint")
@@ -170,16 +181,19 @@ def read_torch_zip(
     archive = open_zip(handle) if directory is None else directory
     infos = archive.infolist()
     names = [info.filename for info in infos]
-    if len(set(names)) != len(names):
+    if len(archive.NameToInfo) != len(names):
         duplicate = next(n for n in names if names.count(n) > 1)
         raise CorruptCheckpointError(f"the zip archive has two records named {duplicate!r}")
+    collision = case_collision(names)
+    if collision is not None:
+        raise AmbiguousFileError(ambiguous_names(*collision))
     pkl_name = find_data_pkl(names)
     prefix = pkl_name[: -len("data.pkl")]
     file_size = source_size(handle)
     pickle_bytes = read_record(handle, archive.getinfo(pkl_name), archive, file_size)
     byteorder = "little"
-    if prefix + "byteorder" in archive.NameToInfo:
-        info = archive.NameToInfo[prefix + "byteorder"]
+    info = archive.find(prefix + "byteorder")
+    if info is not None:
         raw = read_record(handle, info, archive, file_size, limit=64)
         byteorder = raw.decode("ascii", "replace").strip()
     if byteorder not in ("little", "big"):
@@ -199,7 +213,7 @@ def read_torch_zip(
         if found is not None:
             return found
         record = data_prefix + key
-        member = members.get(record)
+        member = members.get(record) or archive.find(record)
         if member is None:
             raise CorruptCheckpointError(f"storage {key!r} is missing from the archive")
         if not isinstance(numel, int) or numel < 0 or not fits_int64(numel):
@@ -237,7 +251,7 @@ def read_torch_zip(
     starts: dict[str, int] = {}
 
     def span(storage: StorageRecord) -> tuple[int, int]:
-        member = members[storage.record]
+        member = members[storage.record]  # the member's own name (persistent_load's)
         start = starts.get(storage.record)
         if start is None:
             start = starts[storage.record] = member_span(handle, member)[0]
@@ -248,8 +262,20 @@ def read_torch_zip(
         root=result.root,
         span=span,
         pickle=result,
-        details={"prefix": prefix.rstrip("/"), "byteorder": byteorder, "records": len(names)},
+        details={
+            "prefix": prefix.rstrip("/"),
+            "byteorder": byteorder,
+            "records": len(names),
+            **({} if archive.crc_computed else {"crc32": "not computed"}),
+        },
         storages=list(storages.values()),
+    )
+
+
+def ambiguous_names(first: str, second: str) -> str:
+    return (
+        f"the zip archive has records {first!r} and {second!r}: torch's reader ignores "
+        "case in names, and which of them it reads depends on its search order"
     )
 
 

@@ -10,8 +10,15 @@ that walks an archive reads the same with either.
 
 Everything the directory claims is checked before it is used: where the directory starts and
 how long it is, each entry's lengths, the zip64 extra field, and a member's bytes against the
-end of the file. Archives with data in front of them (a zip appended to another file) are read
-as ``zipfile`` reads them: offsets are shifted by the size of that prefix.
+end of the file.
+
+The directory is found as ``torch.load``'s reader (miniz, in caffe2's PyTorchStreamReader)
+finds it: the last end record with a whole record's room after it, the zip64 end record where
+the locator points, the directory at the offset the end record gives. Where another reader
+(Python's ``zipfile``, which shifts offsets by data it supposes in front of the archive and
+takes the zip64 record just before the locator) would find something else, the archive reads
+two ways: :class:`AmbiguousZipError`. Names are looked up as miniz looks them up, ignoring
+ASCII case (:meth:`ZipIndex.find`); two records whose names differ only in case are ambiguous.
 """
 
 from __future__ import annotations
@@ -44,6 +51,35 @@ _STRONG_ENCRYPTION = 0x40
 
 class BadZipError(ValueError):
     """The bytes are not a zip archive this module can read (the message says why)."""
+
+
+class AmbiguousZipError(BadZipError):
+    """The archive reads two ways: two zip readers would see different records (the message
+    names both readings)."""
+
+
+_ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def fold(name: str) -> str:
+    """``name`` as miniz compares names (``mz_zip_reader_locate_file`` without its
+    case-sensitive flag, as torch calls it): ASCII letters in lower case."""
+    return name.translate(_ASCII_FOLD)
+
+
+def case_collision(names: list[str]) -> tuple[str, str] | None:
+    """Two different names that torch's reader cannot tell apart (they differ only in ASCII
+    case): which of them a lookup finds depends on its binary search, not on the file order."""
+    joined = "\n".join(names)
+    if joined.translate(_ASCII_FOLD) == joined:  # no upper case (what torch writes): no two
+        return None
+    seen: dict[str, str] = {}
+    for name in names:
+        folded = fold(name)
+        other = seen.setdefault(folded, name)
+        if other != name:
+            return other, name
+    return None
 
 
 class ZipMember(NamedTuple):
@@ -88,6 +124,10 @@ class ZipIndex:
         start_dir, dir_size, count = self._find_directory()
         self.filelist: list[ZipMember] = self._read_directory(start_dir, dir_size, count)
         self.NameToInfo: dict[str, ZipMember] = {m.filename: m for m in self.filelist}
+        self._folded: dict[str, ZipMember] | None = None
+        # torch.save with torch.serialization.config.save.compute_crc32 = False writes 0 for
+        # every CRC (torch.load never checks them): nothing to check a record's bytes against
+        self.crc_computed = any(m.CRC for m in self.filelist) or not self.filelist
 
     @property
     def handle(self) -> BinaryIO:
@@ -101,6 +141,16 @@ class ZipIndex:
     def namelist(self) -> list[str]:
         return [member.filename for member in self.filelist]
 
+    def find(self, name: str) -> ZipMember | None:
+        """The record torch's reader finds under ``name`` (ASCII case ignored); None if none.
+        Unique only where :func:`case_collision` finds no two names."""
+        member = self.NameToInfo.get(name)
+        if member is not None:
+            return member
+        if self._folded is None:
+            self._folded = {fold(m.filename): m for m in self.filelist}
+        return self._folded.get(fold(name))
+
     def getinfo(self, name: str) -> ZipMember:
         member = self.NameToInfo.get(name)
         if member is None:
@@ -113,43 +163,62 @@ class ZipIndex:
         return self._handle.read(length)
 
     def _find_directory(self) -> tuple[int, int, int]:
-        """(offset, byte length, entry count) of the central directory."""
+        """(offset, byte length, entry count) of the central directory, as miniz finds it."""
         if self.size < _EOCD.size:
             raise BadZipError("File is not a zip file (too short)")
         # No archive comment (torch.save writes none): the record is the last 22 bytes, as
-        # zipfile tries first. Only otherwise search the comment's 64 KiB, which over a URL
-        # would fetch the last tensors' bytes of a small file (a ZeRO rank's Adam moments).
+        # zipfile tries first and miniz finds it. Only otherwise search the comment's 64 KiB,
+        # which over a URL would fetch the last tensors' bytes of a small file.
         tail_start = self.size - _EOCD.size
         tail = self._pread(tail_start, _EOCD.size)
-        if tail[:4] != b"PK\x05\x06" or tail[-2:] != b"\x00\x00":
+        if tail[:4] == b"PK\x05\x06" and tail[-2:] == b"\x00\x00":
+            at = 0
+        else:
             tail_start = max(0, self.size - _EOCD.size - _MAX_COMMENT)
             tail = self._pread(tail_start, self.size - tail_start)
-        at = tail.rfind(b"PK\x05\x06")  # the last one, as zipfile takes it
-        if at < 0 or at + _EOCD.size > len(tail):
-            raise BadZipError("File is not a zip file (no end of central directory record)")
-        _, disk, dir_disk, _, count, dir_size, dir_offset, _ = _EOCD.unpack_from(tail, at)
+            at = _end_record(tail)
+        (_, disk, dir_disk, disk_count, count, dir_size, dir_offset, _) = _EOCD.unpack_from(
+            tail, at
+        )
         location = tail_start + at
         zip64 = False
         if location >= _EOCD64_LOCATOR.size:
             locator = self._pread(location - _EOCD64_LOCATOR.size, _EOCD64_LOCATOR.size)
-            signature, locator_disk, _, disks = _EOCD64_LOCATOR.unpack(locator)
+            signature, locator_disk, record_at, disks = _EOCD64_LOCATOR.unpack(locator)
             if signature == b"PK\x06\x07":
-                if locator_disk != 0 or disks > 1:
+                if locator_disk != 0 or disks != 1:
                     raise BadZipError("zip archives that span several disks are not supported")
-                record_at = location - _EOCD64_LOCATOR.size - _EOCD64.size
+                before = location - _EOCD64_LOCATOR.size - _EOCD64.size
+                if record_at != before:
+                    raise AmbiguousZipError(
+                        f"the zip64 locator points at byte {record_at:,} for the zip64 end "
+                        f"record (torch's reader reads it there), zipfile reads the one at "
+                        f"byte {before:,}, just before the locator"
+                    )
                 record = self._pread(record_at, _EOCD64.size) if record_at >= 0 else b""
                 if len(record) == _EOCD64.size and record[:4] == b"PK\x06\x06":
                     fields = _EOCD64.unpack(record)
-                    disk, dir_disk, count, dir_size, dir_offset = (
-                        fields[4], fields[5], fields[7], fields[8], fields[9],
+                    disk, dir_disk, disk_count, count, dir_size, dir_offset = (
+                        fields[4], fields[5], fields[6], fields[7], fields[8], fields[9],
                     )  # fmt: skip
                     zip64 = True
         if disk != 0 or dir_disk != 0:
             raise BadZipError("zip archives that span several disks are not supported")
-        # bytes in front of the archive (zip appended to another file) shift every offset
+        if disk_count != count:
+            raise BadZipError(
+                f"the end record counts {count} entries in all but {disk_count} on its disk"
+            )
+        # zipfile shifts every offset by data it supposes in front of the archive (a zip
+        # appended to another file); miniz reads the directory where the record says
         directory_end = location - (_EOCD64.size + _EOCD64_LOCATOR.size if zip64 else 0)
         self.concat = directory_end - dir_size - dir_offset
-        start_dir = dir_offset + self.concat
+        if self.concat != 0:
+            raise AmbiguousZipError(
+                f"the end record puts the central directory at byte {dir_offset:,} (torch's "
+                f"reader reads it there) but it ends {self.concat:+,} bytes from there, where "
+                f"zipfile reads it (at byte {dir_offset + self.concat:,})"
+            )
+        start_dir = dir_offset
         if start_dir < 0 or dir_size < 0:
             raise BadZipError("Bad offset for central directory")
         if dir_size > MAX_DIRECTORY:
@@ -194,7 +263,7 @@ class ZipIndex:
             elif extra_len:
                 _check_extra(data, name_end, extra_len)
             append(make(ZipMember, (name, offset + concat, method, compressed, size, crc, flags)))
-        if len(members) != count and count != 0xFFFF:
+        if len(members) != count:  # miniz reads ``count`` entries, zipfile all of them
             raise BadZipError(
                 f"the central directory lists {len(members)} entries, its end record says {count}"
             )
@@ -234,9 +303,40 @@ class ZipIndex:
             raise BadZipError(
                 f"{member.filename}: compression method {member.compress_type} is not supported"
             )
-        if zlib.crc32(data) != member.CRC:
+        if self.crc_computed and zlib.crc32(data) != member.CRC:
             raise BadZipError(f"Bad CRC-32 for file {member.filename!r}")
         return data
+
+
+def _end_record(tail: bytes) -> int:
+    """Where in ``tail`` (the file's last bytes) the end-of-central-directory record is, as
+    miniz finds it: the last signature with a whole record's room after it. One that another
+    reader takes instead makes the archive ambiguous: a signature in the last 21 bytes
+    (``zipfile`` takes it, and fails), or an earlier record whose comment length reaches the
+    file's end exactly (a reader that accepts the first such record takes it)."""
+    signature = b"PK\x05\x06"
+    at = tail.rfind(signature)
+    close = at >= 0 and at + _EOCD.size > len(tail)
+    if close:
+        at = tail.rfind(signature, 0, at + len(signature) - 1)
+    if at < 0:
+        raise BadZipError("File is not a zip file (no end of central directory record)")
+    if close:
+        raise AmbiguousZipError(
+            "an end-of-central-directory signature in the last 21 bytes of the file, too "
+            "close for a record (zipfile takes it, and fails; torch's reader takes the one "
+            f"{len(tail) - at} bytes before the end)"
+        )
+    earlier = tail.rfind(signature, 0, at + len(signature) - 1)
+    while earlier >= 0:
+        (comment,) = struct.unpack_from("<H", tail, earlier + 20)
+        if earlier + _EOCD.size + comment == len(tail):
+            raise AmbiguousZipError(
+                f"two end-of-central-directory records, {at - earlier} bytes apart, each "
+                "reaching the end of the file (torch's reader takes the last)"
+            )
+        earlier = tail.rfind(signature, 0, earlier + len(signature) - 1)
+    return at
 
 
 class LocalHeader(NamedTuple):
@@ -319,6 +419,7 @@ def _zip64_extra(extra: bytes, size: int, compressed: int, offset: int) -> tuple
 
 
 __all__ = [
-    "LOCAL_HEADER", "ZIP_DEFLATED", "ZIP_STORED", "BadZipError", "LocalHeader", "ZipIndex",
-    "ZipMember", "encoded_name", "parse_local_header", "read_local_header",
+    "LOCAL_HEADER", "ZIP_DEFLATED", "ZIP_STORED", "AmbiguousZipError", "BadZipError",
+    "LocalHeader", "ZipIndex", "ZipMember", "case_collision", "encoded_name", "fold",
+    "parse_local_header", "read_local_header",
 ]  # fmt: skip

@@ -52,7 +52,14 @@ BYTE_MUTATIONS = ("truncate", "flip", "insert", "delete", "boundary_int", "splic
 #: Structure-aware ones: zip records moved about, and the payloads behind a checksum or a
 #: length field (data.pkl inside the zip, the safetensors JSON header) mutated and re-wrapped
 #: with a valid CRC / length, so the pickle walker and the header checks see the damage.
-MUTATIONS = (*BYTE_MUTATIONS, "swap_records", "duplicate_record", "inner_pickle", "header_json")
+#: The last three keep a torch zip loadable by torch (they change only what its reader
+#: ignores or reads alike: a name's ASCII case, an archive comment, zip64 end records),
+#: so the reader must read the same tensors (``tests/test_containers.py``).
+LOADABLE_ZIP_MUTATIONS = ("name_case", "archive_comment", "zip64_end")
+MUTATIONS = (
+    *BYTE_MUTATIONS, "swap_records", "duplicate_record", "inner_pickle", "header_json",
+    *LOADABLE_ZIP_MUTATIONS,
+)  # fmt: skip
 
 
 def zip_records(data: bytes | bytearray) -> list[tuple[int, int]]:
@@ -103,6 +110,8 @@ def mutate(data: bytes, kind: str, rng: random.Random, others: list[bytes]) -> b
         return _mutate_data_pkl(data, rng, others)
     elif kind == "header_json":
         return _mutate_header(data, rng)
+    elif kind in LOADABLE_ZIP_MUTATIONS:
+        return _loadable_zip_mutation(data, kind, rng)
     else:
         raise ValueError(f"unknown mutation {kind!r}")
     return bytes(out)
@@ -124,6 +133,57 @@ def _mutate_data_pkl(data: bytes, rng: random.Random, others: list[bytes]) -> by
                     payload = mutate(payload, rng.choice(BYTE_MUTATIONS), rng, others)
                 archive.writestr(name, payload)
     return buffer.getvalue()
+
+
+def _central_entries(data: bytes) -> list[tuple[int, int, int]] | None:
+    """(entry start, name length, local header offset) of each central directory entry of an
+    archive whose end record is its last 22 bytes; None for anything else."""
+    end = len(data) - 22
+    if end < 0 or data[end : end + 4] != b"PK\x05\x06":
+        return None
+    size, offset = struct.unpack_from("<LL", data, end + 12)
+    entries = []
+    at = offset
+    while at + 46 <= min(offset + size, len(data)) and data[at : at + 4] == b"PK\x01\x02":
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", data, at + 28)
+        (local,) = struct.unpack_from("<L", data, at + 42)
+        entries.append((at, name_len, local))
+        at += 46 + name_len + extra_len + comment_len
+    return entries
+
+
+def _loadable_zip_mutation(data: bytes, kind: str, rng: random.Random) -> bytes:
+    """One of :data:`LOADABLE_ZIP_MUTATIONS` on a torch zip (a plain flip on anything else)."""
+    entries = _central_entries(data)
+    if not entries:
+        return mutate(data, "flip", rng, [data])
+    out = bytearray(data)
+    end = len(out) - 22
+    if kind == "name_case":  # one ASCII letter of one name upper-cased, in both its headers
+        at, name_len, local = rng.choice(entries)
+        name = out[at + 46 : at + 46 + name_len]
+        # not in the folder: torch requires every record in the first one's, case and all
+        letters = [i for i, c in enumerate(name) if 0x61 <= c <= 0x7A and i > name.find(b"/")]
+        if letters and out[local + 30 : local + 30 + name_len] == name:
+            i = rng.choice(letters)
+            out[at + 46 + i] -= 0x20
+            out[local + 30 + i] -= 0x20
+    elif kind == "archive_comment":  # what miniz and zipfile both skip
+        comment = bytes(rng.randrange(0x20, 0x7F) for _ in range(rng.randint(1, 300)))
+        struct.pack_into("<H", out, end + 20, len(comment))
+        out += comment
+    elif out[end - 20 : end - 16] == b"PK\x06\x07":  # zip64_end: torch writes them: drop
+        if (0xFFFF in struct.unpack_from("<HH", out, end + 8)
+                or 0xFFFFFFFF in struct.unpack_from("<LL", out, end + 12)):  # fmt: skip
+            return bytes(out)  # the 32-bit fields do not hold the values
+        del out[end - 76 : end]
+    else:  # zip64_end: a zip64 end record and its locator before the end record
+        count, size, offset = struct.unpack_from("<HLL", out, end + 10)
+        record = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count,
+                             size, offset)  # fmt: skip
+        locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, end, 1)
+        out[end:end] = record + locator
+    return bytes(out)
 
 
 def _mutate_header(data: bytes, rng: random.Random) -> bytes:
