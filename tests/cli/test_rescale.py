@@ -231,3 +231,14 @@ def test_usage_errors(tmp_path: Path) -> None:
     result = run("rescale-step", tmp_path / "missing.pth", "--world-size", 2)
     assert result.exit_code == 2
     assert result.stderr == f"Error: {tmp_path / 'missing.pth'}: no such file\n"
+
+
+def test_directory_report_says_one_process_in_the_singular() -> None:
+    from tests.support.helpers import FIXTURES
+
+    checkpoint = FIXTURES / "frameworks/trainer_2proc/output/checkpoint-4"
+    result = run("rescale-step", checkpoint, "--world-size", 1, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0] == (
+        "hf_trainer: global_step 4 @ 2 processes -> global_step 8 @ 1 process"
+    )

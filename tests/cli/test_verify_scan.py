@@ -272,6 +272,19 @@ def test_scan_clean_file() -> None:
     result = run("scan", RESUME)
     assert result.exit_code == 0
     assert result.stdout.startswith("clean: only safe data constructs referenced")
+    assert result.stdout.splitlines()[-1] == "1 file scanned, 0 findings"
+
+
+def test_scan_summary_counts_in_the_plural_as_needed(tmp_path: Path) -> None:
+    target = tmp_path / "models"
+    target.mkdir()
+    shutil.copy(FIXTURES / "special/namespace_config.pth", target / "run.pth")
+    shutil.copy(RESUME, target / "resume.pth")
+    (target / "README.md").write_text("not a checkpoint\n")
+    result = run("scan", target)
+    assert result.stdout.splitlines()[-1] == (
+        "2 files scanned, 1 finding, 1 non-checkpoint file skipped"
+    )
 
 
 @pytest.mark.parametrize("container", ["bare", "zip", "legacy"])
