@@ -51,7 +51,15 @@ MAX_FULL_DOWNLOAD = 8 << 30  # --full-download keeps the file in memory: refuse 
 
 
 class TransientError(Exception):
-    """A fault worth another attempt (dropped connection, 5xx, short body, timeout)."""
+    """A fault worth another attempt (dropped connection, 5xx, short body, timeout).
+
+    ``received``: the body bytes the failed attempt brought before it failed (a dropped
+    connection's first half): fetched, so counted in ``--verbose``, though not used.
+    """
+
+    def __init__(self, message: str, received: int = 0) -> None:
+        super().__init__(message)
+        self.received = received
 
 
 class ChangedError(InputError):
@@ -271,16 +279,19 @@ class RemoteFile(io.RawIOBase):
         return data
 
     def _retry(self, request: Callable[[], Any]) -> Any:
+        """``request()``, retried on :class:`TransientError`. The caller counts the attempt
+        that succeeds; each failed one is counted here, with the bytes it received, so the
+        counts are what crossed the network (what the server sent and the client read)."""
         for attempt in range(MAX_TRIES):
             try:
                 return request()
             except TransientError as error:
+                self._count(1, error.received)
                 if attempt == MAX_TRIES - 1:
                     raise InputError(
                         f"{display_url(self.name)}: network error after {MAX_TRIES} attempts "
                         f"({error})"
                     ) from None
-                self._count(1, 0)
                 time.sleep(BACKOFF * (2**attempt))
         raise AssertionError("unreachable")
 
