@@ -128,7 +128,9 @@ def test_dir_lists_the_lazy_public_names_without_importing_them() -> None:
         "m for m in ('torch', 'ckpttool.train', 'ckpttool.reader', 'ckpttool.rescale', "
         "'ckpttool.atomic', 'ckpttool.records') if m in sys.modules)}))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     report = json.loads(result.stdout)
     assert set(report["all"]) <= set(report["names"])
     assert report["names"] == sorted(report["names"])
