@@ -27,9 +27,9 @@ def render_text(report: ScanReport) -> str:
         for directory in report.empty
     )
     flagged = sum(len(f.flagged) + len(f.notes) for f in report.files)
-    scanned, skipped = len(report.files), len(report.skipped)
+    files, skipped = len(report.files), len(report.skipped)
     summary = (
-        f"{scanned} {plural(scanned, 'file')} scanned, {flagged} {plural(flagged, 'finding')}"
+        f"{files} {plural(files, 'file')} scanned, {flagged} {plural(flagged, 'finding')}"
         + (f", {skipped} non-checkpoint {plural(skipped, 'file')} skipped" if skipped else "")
     )
     if not rows:
