@@ -44,10 +44,13 @@ def _safetensors(tensors: int, elements: int) -> bytes:
     return len(text).to_bytes(8, "little") + text + bytes(tensors * size)
 
 
-def _sigint_default() -> None:
-    # a test run started in the background inherits SIGINT ignored, and Python then keeps it
-    # ignored: the command must get Python's own handler, as in a terminal
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# `python -m ckpttool` with Python's own Ctrl-C handler, as in a terminal: a test run started in
+# the background inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored
+CKPTTOOL_WITH_SIGINT = [
+    sys.executable, "-c",
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('ckpttool', run_name='__main__', alter_sys=True)",
+]  # fmt: skip
 
 
 def _temps(directory: Path) -> list[Path]:
@@ -69,7 +72,7 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_no_temp_file(tmp_path: Path) 
     try:
         url = server.add("big.safetensors", _safetensors(tensors=2, elements=1 << 20))
         command = subprocess.Popen(
-            [*CKPTTOOL, "convert", url, target, "--force"], cwd=REPO, preexec_fn=_sigint_default,
+            [*CKPTTOOL_WITH_SIGINT, "convert", url, target, "--force"], cwd=REPO,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
