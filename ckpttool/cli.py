@@ -76,20 +76,34 @@ def _stopped_quietly() -> Iterator[None]:
 
     Both arrive as exceptions, so the library's cleanup runs on the way (temp files removed,
     the user's files untouched), and nothing is printed as a traceback. stdout is flushed here,
-    exit codes included, so that a pipe closed after the last write is seen here too, not by
-    the interpreter at exit (a traceback-like "Exception ignored" and exit 120).
+    on a ``sys.exit`` too, so that a pipe closed after the last write is seen here, not by the
+    interpreter at exit (an "Exception ignored" message and exit 120).
     """
     try:
         try:
             yield
         except SystemExit:
-            sys.stdout.flush()
+            _flush_stdout(failure_reported=True)
             raise
-        sys.stdout.flush()
+        _flush_stdout(failure_reported=False)
     except KeyboardInterrupt:
         _interrupted()
     except BrokenPipeError:
         _pipe_closed()
+
+
+def _flush_stdout(*, failure_reported: bool) -> None:
+    """Flush stdout; if that fails (a full disk), drop what it holds, so that nothing tries
+    again at exit, and say so in one line unless the command has already failed (``click.echo``
+    flushes after each write: output still held means a write failed, and said so, before)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as error:
+        _stdout_to_devnull()
+        if not failure_reported:
+            _fail(f"writing the output failed: {error.strerror or error}", EXIT_ERROR)
 
 
 def _interrupted() -> NoReturn:
@@ -105,11 +119,15 @@ def _pipe_closed() -> NoReturn:
     stdout becomes /dev/null so that the interpreter's own flush at exit, of what is still
     buffered, does not fail again (Python's documented way, "Note on SIGPIPE").
     """
+    _stdout_to_devnull()
+    sys.exit(EXIT_PIPE_CLOSED)
+
+
+def _stdout_to_devnull() -> None:
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    sys.exit(EXIT_PIPE_CLOSED)
 
 
 def _fail(message: str, exit_code: int) -> NoReturn:

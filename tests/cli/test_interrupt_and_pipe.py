@@ -167,3 +167,18 @@ def test_a_reader_that_stops_early_ends_show_quietly(as_json: bool, unbuffered: 
     assert len(whole.stdout) > len(first) + page  # more than was read and the pipe holds
     assert first == whole.stdout.splitlines(keepends=True)[0]
     assert (command.returncode, stderr) == (EXIT_PIPE_CLOSED, "")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "PYTHONUNBUFFERED"])
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_output_to_a_full_disk_is_one_line_and_exit_2(as_json: bool, unbuffered: str) -> None:
+    """Every write fails (ENOSPC): one line, exit 2, and nothing retried at exit (Python's
+    "Exception ignored" and exit 120)."""
+    with open("/dev/full", "w") as full:
+        result = timeouts.run(
+            [*CKPTTOOL, "show", RESUME, *(["--json"] if as_json else [])], 120, cwd=REPO,
+            stdout=full, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": unbuffered},
+        )  # fmt: skip
+    assert (result.returncode, result.stderr) == (2, "Error: No space left on device\n")
