@@ -28,9 +28,8 @@ def render_text(report: ScanReport) -> str:
     )
     flagged = sum(len(f.flagged) + len(f.notes) for f in report.files)
     files, skipped = len(report.files), len(report.skipped)
-    summary = (
-        f"{files} {plural(files, 'file')} scanned, {flagged} {plural(flagged, 'finding')}"
-        + (f", {skipped} non-checkpoint {plural(skipped, 'file')} skipped" if skipped else "")
+    summary = f"{files} {plural(files, 'file')} scanned, {flagged} {plural(flagged, 'finding')}" + (
+        f", {skipped} non-checkpoint {plural(skipped, 'file')} skipped" if skipped else ""
     )
     if not rows:
         verdict = "clean: only safe data constructs referenced" if report.files else (
