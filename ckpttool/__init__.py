@@ -52,6 +52,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ckpttool' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The public names too, loaded or not (``dir()``, tab completion), without importing
+    them."""
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "Checkpoint",
     "CkptError",

@@ -6,9 +6,12 @@ Each command parses its options, calls one library function, renders the result,
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import click
@@ -21,30 +24,110 @@ from ckpttool.cli_options import (
     remote_options,
     section_option,
 )
-from ckpttool.errors import EXIT_ERROR, CkptError, InputError
+from ckpttool.errors import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_PIPE_CLOSED,
+    CkptError,
+    InputError,
+)
 
 EXIT_CODES_HELP = """\b
 Exit codes:
-  0  success (diff: no differences; verify/scan: every path checked, nothing found)
-  1  diff: the checkpoints differ; verify/scan: a problem was found in any path;
-     convert, rescale-step: the written file failed verification (it was removed)
-  2  error: missing/unreadable/corrupt/unsafe input, bad usage; verify/scan: a path
-     could not be checked (or held no checkpoint) and nothing was found elsewhere"""
+    0  success (diff: no differences; verify/scan: every path checked, nothing found)
+    1  diff: the checkpoints differ; verify/scan: a problem was found in any path;
+       convert, rescale-step: the written file failed verification (it was removed)
+    2  error: missing/unreadable/corrupt/unsafe input, bad usage; verify/scan: a path
+       could not be checked (or held no checkpoint) and nothing was found elsewhere
+  130  interrupted (Ctrl-C): files being written were removed, the inputs untouched
+  141  stdout was closed early (| head): the output stops there, with no message"""
 
 
 class CkptGroup(click.Group):
-    """A click group that turns library errors into one line on stderr and an exit code."""
+    """A click group that turns library errors into one line on stderr and an exit code, and
+    Ctrl-C and a closed stdout into theirs (click's own handling would exit 1, "found")."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:  # fmt: skip
+        with _stopped_quietly():  # parsing, --help, --version
+            return super().make_context(info_name, args, parent, **extra)
 
     def invoke(self, ctx: click.Context) -> object:
+        with _stopped_quietly():
+            try:
+                return super().invoke(ctx)
+            except CkptError as error:
+                _fail(str(error), error.exit_code)
+            except MemoryError:
+                _fail("out of memory while reading the file", EXIT_ERROR)
+            except BrokenPipeError:  # stdout closed: _stopped_quietly's, not an error to print
+                raise
+            except OSError as error:  # a disk or permission problem the library did not expect
+                where = f": {error.filename}" if error.filename else ""
+                _fail(f"{error.strerror or error}{where}", EXIT_ERROR)
+
+
+@contextlib.contextmanager
+def _stopped_quietly() -> Iterator[None]:
+    """Ctrl-C ends the command with one line and :data:`EXIT_INTERRUPTED`; a closed stdout
+    with no line and :data:`EXIT_PIPE_CLOSED`, in every command and output mode.
+
+    Both arrive as exceptions, so the library's cleanup runs on the way (temp files removed,
+    the user's files untouched), and nothing is printed as a traceback. stdout is flushed here,
+    on a ``sys.exit`` too, so that a pipe closed after the last write is seen here, not by the
+    interpreter at exit (an "Exception ignored" message and exit 120).
+    """
+    try:
         try:
-            return super().invoke(ctx)
-        except CkptError as error:
-            _fail(str(error), error.exit_code)
-        except MemoryError:
-            _fail("out of memory while reading the file", EXIT_ERROR)
-        except OSError as error:  # a disk or permission problem the library did not expect
-            where = f": {error.filename}" if error.filename else ""
-            _fail(f"{error.strerror or error}{where}", EXIT_ERROR)
+            yield
+        except SystemExit:
+            _flush_stdout(failure_reported=True)
+            raise
+        _flush_stdout(failure_reported=False)
+    except KeyboardInterrupt:
+        _interrupted()
+    except BrokenPipeError:
+        _pipe_closed()
+
+
+def _flush_stdout(*, failure_reported: bool) -> None:
+    """Flush stdout; if that fails (a full disk), drop what it holds, so that nothing tries
+    again at exit, and say so in one line unless the command has already failed (``click.echo``
+    flushes after each write: output still held means a write failed, and said so, before)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as error:
+        _stdout_to_devnull()
+        if not failure_reported:
+            _fail(f"writing the output failed: {error.strerror or error}", EXIT_ERROR)
+
+
+def _interrupted() -> NoReturn:
+    # a terminal shows "^C" where the cursor is: the line starts on a line of its own
+    lead = "\n" if sys.stderr.isatty() else ""
+    click.echo(f"{lead}Error: interrupted", err=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def _pipe_closed() -> NoReturn:
+    """Whatever read stdout is gone: stop quietly, as ``cat`` and ``git`` do under ``| head``.
+
+    stdout becomes /dev/null so that the interpreter's own flush at exit, of what is still
+    buffered, does not fail again (Python's documented way, "Note on SIGPIPE").
+    """
+    _stdout_to_devnull()
+    sys.exit(EXIT_PIPE_CLOSED)
+
+
+def _stdout_to_devnull() -> None:
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _fail(message: str, exit_code: int) -> NoReturn:
@@ -71,7 +154,27 @@ GC_THRESHOLD = (100_000, 50, 100)
 
 def main() -> None:
     gc.set_threshold(*GC_THRESHOLD)
-    cli(prog_name="ckpttool")
+    _stdout_writes_all()
+    with _stopped_quietly():  # the instants before click's main and after it
+        cli(prog_name="ckpttool")
+
+
+def _stdout_writes_all() -> None:
+    """Put a buffer under stdout where ``PYTHONUNBUFFERED`` (``-u``, common in containers)
+    took it away.
+
+    Without one, a write stdout's descriptor takes only in part (the reader of a pipe gone
+    mid-write, a full disk) loses the rest without an error: the command would exit 0 with its
+    output cut. A ``BufferedWriter`` writes everything or raises. ``click.echo`` flushes after
+    each write, so the output is as prompt as unbuffered.
+    """
+    stream = sys.stdout
+    raw = getattr(stream, "buffer", None)
+    if isinstance(stream, io.TextIOWrapper) and isinstance(raw, io.RawIOBase):
+        sys.stdout = io.TextIOWrapper(
+            io.BufferedWriter(raw), encoding=stream.encoding, errors=stream.errors,
+            write_through=True,
+        )  # fmt: skip
 
 
 def _input_bytes(path: str) -> int:

@@ -11,6 +11,12 @@ from __future__ import annotations
 EXIT_ERROR = 2
 #: Exit code for "the command ran and found a difference or a problem" (diff, verify, scan).
 EXIT_FOUND = 1
+#: Exit code of a command stopped by Ctrl-C (SIGINT): 128 + 2, what a shell reports for a
+#: program the signal killed, so scripts tell it from 1 (found) and 2 (error).
+EXIT_INTERRUPTED = 130
+#: Exit code when whatever read stdout went away (``ckpttool show ... | head``): 128 + 13,
+#: what a shell reports for a program SIGPIPE killed (``cat``, ``git log``), in every output mode.
+EXIT_PIPE_CLOSED = 141
 
 
 class CkptError(Exception):

@@ -51,7 +51,15 @@ MAX_FULL_DOWNLOAD = 8 << 30  # --full-download keeps the file in memory: refuse 
 
 
 class TransientError(Exception):
-    """A fault worth another attempt (dropped connection, 5xx, short body, timeout)."""
+    """A fault worth another attempt (dropped connection, 5xx, short body, timeout).
+
+    ``received``: the body bytes the failed attempt brought before it failed (a dropped
+    connection's first half): fetched, so counted in ``--verbose``, though not used.
+    """
+
+    def __init__(self, message: str, received: int = 0) -> None:
+        super().__init__(message)
+        self.received = received
 
 
 class ChangedError(InputError):
@@ -164,19 +172,24 @@ class RemoteFile(io.RawIOBase):
         """``function`` over ``items`` on this file's request threads (``seek``/``read`` keep a
         position per thread): many small reads, e.g. every storage's local header, in
         ``MAX_IN_FLIGHT`` streams instead of one."""
-        with ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="ckpttool-map") as pool:
+        pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="ckpttool-map")
+        try:
             return list(pool.map(function, items))
+        finally:  # after an error or Ctrl-C, the items not started are dropped, not run
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def fileno(self) -> int:
         raise io.UnsupportedOperation(f"{display_url(self.name)} is remote: it has no descriptor")
 
     def close(self) -> None:
         if not self.closed:
+            # parts not started are dropped (a read stopped by Ctrl-C or an error does not
+            # fetch the rest of a tensor first); the requests in flight end before the backend
             if self._ahead_pool is not None:
-                self._ahead_pool.shutdown(wait=True)
+                self._ahead_pool.shutdown(wait=True, cancel_futures=True)
             self._ahead = None
             if self._pool is not None:
-                self._pool.shutdown(wait=True)
+                self._pool.shutdown(wait=True, cancel_futures=True)
             self._backend.close()
             self._cache.clear()
         super().close()
@@ -266,16 +279,19 @@ class RemoteFile(io.RawIOBase):
         return data
 
     def _retry(self, request: Callable[[], Any]) -> Any:
+        """``request()``, retried on :class:`TransientError`. The caller counts the attempt
+        that succeeds; each failed one is counted here, with the bytes it received, so the
+        counts are what crossed the network (what the server sent and the client read)."""
         for attempt in range(MAX_TRIES):
             try:
                 return request()
             except TransientError as error:
+                self._count(1, error.received)
                 if attempt == MAX_TRIES - 1:
                     raise InputError(
                         f"{display_url(self.name)}: network error after {MAX_TRIES} attempts "
                         f"({error})"
                     ) from None
-                self._count(1, 0)
                 time.sleep(BACKOFF * (2**attempt))
         raise AssertionError("unreachable")
 
@@ -327,7 +343,8 @@ def totals_line() -> str:
     """``remote: 3 requests, 68,203 bytes fetched of 1,436,000,123 (0.005 %)`` (``--verbose``)."""
     share = 100 * TOTALS.bytes_fetched / TOTALS.bytes_total if TOTALS.bytes_total else 0.0
     return (
-        f"remote: {TOTALS.requests:,} requests, {TOTALS.bytes_fetched:,} bytes fetched of "
+        f"remote: {TOTALS.requests:,} request{'s' * (TOTALS.requests != 1)}, "
+        f"{TOTALS.bytes_fetched:,} bytes fetched of "
         f"{TOTALS.bytes_total:,} ({share:.3f} %)"
     )
 

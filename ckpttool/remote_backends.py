@@ -198,10 +198,12 @@ class HttpBackend:
             extra = response.read(1)  # an honest server has nothing more
         except (OSError, http.client.HTTPException) as error:
             self._drop_connection()
-            raise TransientError(f"{type(error).__name__}: {error}") from None
+            raise TransientError(f"{type(error).__name__}: {error}", received=got) from None
         if got != stop - start or extra:
             self._drop_connection()
-            raise TransientError(f"short body ({got:,} of {stop - start:,} bytes)")
+            raise TransientError(
+                f"short body ({got:,} of {stop - start:,} bytes)", received=got + len(extra)
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -271,7 +273,9 @@ class FsspecBackend:
     def fetch(self, start: int, stop: int) -> bytes:
         data = self._call(lambda: self.fs.cat_file(self.path, start=start, end=stop))
         if len(data) != stop - start:
-            raise TransientError(f"short body ({len(data):,} of {stop - start:,} bytes)")
+            raise TransientError(
+                f"short body ({len(data):,} of {stop - start:,} bytes)", received=len(data)
+            )
         return bytes(data)
 
     def _call(self, action: Callable[[], Any]) -> Any:

@@ -205,8 +205,9 @@ def describe_repeats(plan: RescalePlan, batch_size: int | None = None) -> str:
         f"({plan.repeated_per_rank} of a batch per rank) will be trained twice"
     )
     if batch_size:
+        samples = plan.repeated_samples(batch_size)
         text += (
-            f": {plan.repeated_samples(batch_size)} samples at batch size {batch_size}, at most "
+            f": {samples} sample{'s' * (samples != 1)} at batch size {batch_size}, at most "
             f"{plan.max_repeated_samples_per_rank(batch_size)} on any rank"
         )
     return text

@@ -172,7 +172,9 @@ def layout_note(record: TensorRecord) -> str:
 def chunk_note(storage: ChunkedStorageRecord, most: int = 4) -> str:
     """How a DCP tensor is stored: "2 chunks: __0_0.distcp, __1_0.distcp"."""
     files = list(dict.fromkeys(chunk.file for chunk in storage.chunks))
-    more = f" (+{len(files) - most} files)" if len(files) > most else ""
+    more = (
+        f" (+{len(files) - most} file{'s' * (len(files) - most != 1)})" if len(files) > most else ""
+    )
     shown = ", ".join(files[:most]) + more
     count = len(storage.chunks)
     return f"{count} chunk{'s' if count != 1 else ''}: {shown}"

@@ -80,7 +80,10 @@ def verify_file(
         return result
     with ckpt:
         result.format = ckpt.format
-        result.checked.append(f"structure ({ckpt.format}), {len(ckpt.tensors())} tensor extents")
+        extents = len(ckpt.tensors())
+        result.checked.append(
+            f"structure ({ckpt.format}), {extents} tensor extent{'s' * (extents != 1)}"
+        )
         result.problems.extend(ckpt.problems)
         dangerous = {f"{m}.{n}" for m, n, v in _globals(ckpt) if v is Verdict.DANGEROUS}
         if dangerous:
@@ -97,7 +100,8 @@ def verify_file(
             else:
                 result.checked.append("zip directory vs local headers, CRC-32 of every record")
             if spare:
-                result.checked.append(f"note: {len(spare)} storage records no tensor uses")
+                records = f"{len(spare)} storage record{'s' * (len(spare) != 1)}"
+                result.checked.append(f"note: {records} no tensor uses")
         if ckpt.format == "dcp":
             from ckpttool.verify_dcp import check_dcp
 

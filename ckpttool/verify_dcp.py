@@ -52,8 +52,10 @@ def check_dcp(
     if dangerous:
         problems.append(never_load_problem("the data files' pickles call", dangerous))
     checked = [
-        f"data files: each present and as long as its items ({len(meta.files)} files)",
-        f"{count} items: zip directory, CRC-32 of every record, chunk dtype/shape/extent",
+        f"data files: each present and as long as its items ({len(meta.files)} "
+        f"file{'s' * (len(meta.files) != 1)})",
+        f"{count} item{'s' * (count != 1)}: zip directory, CRC-32 of every record, "
+        "chunk dtype/shape/extent",
     ]
     spare = [n for n in list_names(directory) if n.endswith(".distcp") and n not in meta.files]
     if spare:

@@ -52,7 +52,10 @@ def check_directory(
         for missing in details.get("missing", [])
     ]
     title = details.get("layout_title", "directory")
-    checked = [f"{len(members)} member files verified one by one", f"{title}: completeness rules"]
+    checked = [
+        f"{len(members)} member file{'s' * (len(members) != 1)} verified one by one",
+        f"{title}: completeness rules",
+    ]
     if "deepspeed" in details:
         checked.append(
             "DeepSpeed: latest names a tag; rank files against dp_world_size, partition_count "

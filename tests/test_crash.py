@@ -19,7 +19,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ import pytest
 
 from ckpttool import atomic
 from ckpttool.atomic import atomic_group, atomic_write, temp_name_pattern
+from tests.support import timeouts
 from tests.support.helpers import FIXTURES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,7 +49,7 @@ def _temps(directory: Path) -> list[Path]:
 def test_sigkill_mid_write_leaves_old_or_new_never_partial(tmp_path: Path, operation: str) -> None:
     worker = "tests.workers.crash_worker"
     argv = [sys.executable, "-m", worker, operation, str(KILLS), str(tmp_path)]
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, check=False, timeout=900)
+    done = timeouts.run(argv, 1800, cwd=REPO, capture_output=True, check=False)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     report = json.loads(done.stdout)
     trials: list[dict[str, Any]] = report["trials"]

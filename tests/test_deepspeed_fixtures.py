@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from tests.fixtures.deepspeed.generate import (
     deepspeed_env,
     files_view,
 )
+from tests.support import timeouts
 
 MANIFEST_DATA = json.loads(MANIFEST.read_text())
 
@@ -74,13 +74,13 @@ def test_manifest_matches_live_deepspeed(tmp_path: Path) -> None:
         "OMP_NUM_THREADS": "1",
         "TQDM_DISABLE": "1",
     }
-    result = subprocess.run(
+    result = timeouts.run(
         [sys.executable, "-m", "tests.fixtures.deepspeed.generate", "--check"],
+        1200,
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "manifest up to date" in result.stderr

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import pytest
 import torch
 
 from ckpttool.rescale_directory import rescale_directory
+from tests.support import timeouts
 from tests.test_distributed import clean_env, free_port
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "deepspeed_resume_worker.py"
 SAVE_AT, STEPS = 2, 4
-TIMEOUT_S = 240
+TIMEOUT_S = 1200  # a hang's bound (tests/support/timeouts.py scales it), not a speed limit
 
 
 def run_deepspeed(nproc: int, *args: object) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def run_deepspeed(nproc: int, *args: object) -> dict[str, Any]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER),
                *map(str, args)]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    result = timeouts.run(command, TIMEOUT_S, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     return dict(json.loads(result.stdout.strip().splitlines()[-1]))
 

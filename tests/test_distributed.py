@@ -52,6 +52,7 @@ from torch.utils.data import DistributedSampler
 
 from ckpttool.cli import cli
 from ckpttool.train import checkpoint_paths
+from tests.support import timeouts
 from tests.workers.dist_worker import (
     BATCH_SIZE,
     EPOCHS,
@@ -66,7 +67,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "dist_worker.py"
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
-TIMEOUT_S = 180
+TIMEOUT_S = 900  # a hang's bound (tests/support/timeouts.py scales it), not a speed limit
 #: Every killed run stops after epoch 1's step 5; it saved at step 3 (SAVE_INTERVAL).
 PAUSE_AFTER = (1, 5)
 CHECKPOINT_AT = (1, 3)
@@ -115,12 +116,20 @@ def launched(world_size: int, args: list[str]) -> Iterator[list[subprocess.Popen
             )
             pgid = pgid or process.pid
             ranks.append(process)
-        watchdog = threading.Timer(TIMEOUT_S, kill_group, [pgid])
+        bound, expired = timeouts.scaled(TIMEOUT_S), threading.Event()
+
+        def kill_hung_group() -> None:
+            expired.set()
+            kill_group(pgid)
+
+        watchdog = threading.Timer(bound, kill_hung_group)
         watchdog.start()
         try:
             yield ranks
         finally:
             watchdog.cancel()
+            if expired.is_set():
+                pytest.fail(timeouts.expired(f"{world_size} ranks of {WORKER.name}", bound))
     finally:
         if any(process.poll() is None for process in ranks):
             kill_group(pgid)
@@ -398,12 +407,12 @@ def test_resume_on_another_world_size_keeps_the_number_of_samples(
 
 def run_example(launcher: list[str], save_dir: Path, *args: str) -> list[str]:
     """Run examples/train_ddp.py; its stdout lines with the loss values masked."""
-    result = subprocess.run(
+    result = timeouts.run(
         [*launcher, str(EXAMPLE), "--save-dir", str(save_dir), *args],
+        TIMEOUT_S,
         env=clean_env(),
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr
     return [re.sub(r"loss \d+\.\d+", "loss X", line) for line in result.stdout.splitlines()]

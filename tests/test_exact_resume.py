@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from ckpttool import load_checkpoint
+from tests.support.timeouts import scaled
 from tests.workers import resume_worker as worker
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ N_SAMPLES, EPOCHS, ITERS, WEIGHT, HIDDEN = (
     worker.WEIGHT,
     worker.HIDDEN,
 )
-TIMEOUT_S = 120
+TIMEOUT_S = scaled(600)  # a hang's bound (tests/support/timeouts.py), not a speed limit
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ def expected_keys(config: Any) -> list[str]:
         return list(MiniMindForCausalLM(config).state_dict())
 
 
+@pytest.mark.slow  # every fixture rewritten, the DCP ones by two spawned ranks
 def test_regenerating_gives_the_committed_fixtures() -> None:
     assert generate.check() == []
 
@@ -67,6 +68,7 @@ def _regenerate(out: Path, **env: str) -> None:
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, **env}, cwd=REPO)
 
 
+@pytest.mark.slow  # the same, in a subprocess without SIMD
 def test_regenerating_with_another_vector_unit_passes_the_check(tmp_path: Path) -> None:
     """torch's kernels without SIMD (``ATEN_CPU_CAPABILITY=default``) round AdamW differently
     from AVX2/AVX-512: the check must accept that, and only in the trained fixtures."""

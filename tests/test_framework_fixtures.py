@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 
 from tests.fixtures.frameworks.generate import CASE_BY_NAME, FRAMEWORKS_DIR, REPO, differences
 from tests.fixtures.frameworks.manifest_files import describe_case_files
+from tests.support import timeouts
 
 MANIFEST: dict[str, Any] = json.loads((FRAMEWORKS_DIR / "manifest.json").read_text())
 CASES = sorted(CASE_BY_NAME)
@@ -82,12 +82,13 @@ def framework_manifest(tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     output = tmp_path_factory.mktemp("framework_manifest") / "manifest.json"
     command = [sys.executable, "-m", "tests.fixtures.frameworks.generate", "--manifest"]
     command += ["--output", str(output), *(f"--case={case}" for case in cases)]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = timeouts.run(command, 1200, cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     recomputed: dict[str, Any] = json.loads(output.read_text())
     return recomputed
 
 
+@pytest.mark.slow  # a subprocess importing transformers, accelerate and Lightning
 @pytest.mark.parametrize("case", CASES)
 def test_frameworks_load_what_the_manifest_says(
     case: str, framework_manifest: dict[str, Any]

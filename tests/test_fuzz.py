@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.fuzz_targets import MUTATIONS, SEEDS, exercise, mutate
+from tests.support.timeouts import scaled
 
-EXAMPLE_SECONDS = 10
+EXAMPLE_SECONDS = max(1, round(scaled(10)))  # SIGALRM takes whole seconds
 SEED_BYTES = [path.read_bytes() for path in SEEDS]
 
 

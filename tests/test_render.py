@@ -141,3 +141,13 @@ def test_json_text_rows_are_written_as_the_list_they_stand_for(depth: int) -> No
         assert dumps(Rows(items[:count], make), depth=depth) == dumps(
             [make(i) for i in items[:count]], depth=depth
         )
+
+
+@pytest.mark.parametrize(
+    ("count", "words"), [(0, "files"), (1, "file"), (2, "files"), (1000, "files")]
+)
+def test_plural_is_singular_for_one_only(count: int, words: str) -> None:
+    from ckpttool.render.text import plural
+
+    assert plural(count, "file") == words
+    assert plural(count, "process", "processes") == ("process" if count == 1 else "processes")

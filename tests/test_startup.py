@@ -116,3 +116,22 @@ def test_probe_sees_what_a_url_imports() -> None:
         server.stop()
     assert {"ckpttool.remote", "http.client"} <= modules
     assert "fsspec" not in modules and "torch" not in modules
+
+
+def test_dir_lists_the_lazy_public_names_without_importing_them() -> None:
+    """``dir(ckpttool)`` (tab completion) shows every public name, the lazy ones too, and
+    listing them imports none of their modules."""
+    code = (
+        "import json, sys, ckpttool\n"
+        "names = dir(ckpttool)\n"
+        "print(json.dumps({'names': names, 'all': ckpttool.__all__, 'loaded': sorted("
+        "m for m in ('torch', 'ckpttool.train', 'ckpttool.reader', 'ckpttool.rescale', "
+        "'ckpttool.atomic', 'ckpttool.records') if m in sys.modules)}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    report = json.loads(result.stdout)
+    assert set(report["all"]) <= set(report["names"])
+    assert report["names"] == sorted(report["names"])
+    assert report["loaded"] == []

@@ -44,6 +44,7 @@ from ckpttool.errors import (
     LayoutError,
     UnsafePickleError,
 )
+from tests.support.timeouts import scaled
 
 # --- checkpoint_paths ------------------------------------------------------------------------
 
@@ -437,7 +438,7 @@ def test_two_real_ranks_return_only_after_rank_zero_wrote(tmp_path: Path) -> Non
         )
         for rank in (0, 1)
     ]
-    outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    outputs = [rank.communicate(timeout=scaled(600))[0] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0]
     assert outputs == ["True 2 0\n", "True 2 0\n"]  # rank 0's step, seen complete by rank 1
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ckpttool.convert import ConvertReport
 from ckpttool.layout import LAYOUT_TITLES
-from ckpttool.render.text import human_size
+from ckpttool.render.text import human_size, plural
 
 __all__ = ["render_json", "render_text"]
 
@@ -47,10 +47,11 @@ def render_text(report: ConvertReport) -> str:
     if report.directory is not None:
         what = f"model directory {report.directory}"
     elif len(report.outputs) > 1:
-        what = f"{report.outputs[-1]} and {len(report.outputs) - 1} shards"
+        shards = len(report.outputs) - 1
+        what = f"{report.outputs[-1]} and {shards} {plural(shards, 'shard')}"
     else:
         what = str(report.outputs[0])
-    count = f"{report.tensors} tensor{'s' * (report.tensors != 1)}"
+    count = f"{report.tensors} {plural(report.tensors, 'tensor')}"
     lines = [f"wrote {what} ({report.format}, {count}, {human_size(report.file_bytes)})"]
     section = f", section {report.section!r}" if report.section else ""
     layout = LAYOUT_TITLES.get(report.layout, report.layout)
@@ -64,7 +65,9 @@ def render_text(report: ConvertReport) -> str:
         lines.append(f"  cast      {casts}")
     if report.overflow:
         total = sum(report.overflow.values())
-        lines.append(f"  overflow  {total:,} values written as inf (--allow-overflow)")
+        lines.append(
+            f"  overflow  {total:,} {plural(total, 'value')} written as inf (--allow-overflow)"
+        )
     if report.aliases:
         pairs = [f"{alias} -> {stored}" for alias, stored in report.aliases.items()]
         lines.append(f"  aliases   {_some(pairs)}; stored once")

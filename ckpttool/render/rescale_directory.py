@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckpttool.render.text import plural
 from ckpttool.rescale import RescalePlan, describe_repeats
 from ckpttool.rescale_directory import DROP, DirectoryRescaleReport
 
@@ -71,12 +72,16 @@ def render_json(report: DirectoryRescaleReport) -> dict[str, Any]:
     }
 
 
+def _processes(count: int) -> str:
+    return f"{count} {plural(count, 'process', 'processes')}"
+
+
 def render_text(report: DirectoryRescaleReport) -> str:
     plan = report.plan
     name = plan.step_key
     lines = [
-        f"{report.layout}: {name} {plan.old_step} @ {plan.from_world_size} processes -> "
-        f"{name} {plan.new_step} @ {plan.world_size} processes"
+        f"{report.layout}: {name} {plan.old_step} @ {_processes(plan.from_world_size)} -> "
+        f"{name} {plan.new_step} @ {_processes(plan.world_size)}"
     ]
     if plan.changed and not plan.exact:
         lines.append("not exact: " + describe_repeats(plan, report.batch_size))

@@ -7,6 +7,7 @@ from typing import Any
 from tabulate import tabulate
 
 from ckpttool.pickle.policy import Verdict
+from ckpttool.render.text import plural
 from ckpttool.scan import ScanReport
 
 
@@ -26,8 +27,9 @@ def render_text(report: ScanReport) -> str:
         for directory in report.empty
     )
     flagged = sum(len(f.flagged) + len(f.notes) for f in report.files)
-    summary = f"{len(report.files)} files scanned, {flagged} findings" + (
-        f", {len(report.skipped)} non-checkpoint files skipped" if report.skipped else ""
+    files, skipped = len(report.files), len(report.skipped)
+    summary = f"{files} {plural(files, 'file')} scanned, {flagged} {plural(flagged, 'finding')}" + (
+        f", {skipped} non-checkpoint {plural(skipped, 'file')} skipped" if skipped else ""
     )
     if not rows:
         verdict = "clean: only safe data constructs referenced" if report.files else (

@@ -276,7 +276,9 @@ def _count_lines(report: ShowReport) -> list[str]:
     )
     extras = [where] if where else []
     if report.num_parameters is not None:
-        extras.append(f"{human_count(report.num_parameters)} parameters")
+        extras.append(
+            f"{human_count(report.num_parameters)} parameter{'s' * (report.num_parameters != 1)}"
+        )
     lines = [
         f"tensors:    {count}" + (f"  ({'; '.join(extras)})" if extras else ""),
         "bytes:      "
@@ -373,7 +375,8 @@ def _optimizer_lines(report: ShowReport) -> list[str]:
     assert opt is not None
     dtypes = ", ".join(f"{d} {human_size(n)}" for d, n in opt.state_dtypes.items())
     lines = [
-        f"optimizer:  {opt.type_guess}, state for {opt.params_with_state} params ({dtypes})",
+        f"optimizer:  {opt.type_guess}, state for {opt.params_with_state} "
+        f"param{'s' * (opt.params_with_state != 1)} ({dtypes})",
     ]
     for index, group in enumerate(opt.param_groups):
         hyper = ", ".join(f"{k}={short(v, 24)}" for k, v in group.items() if v is not None)
@@ -410,7 +413,8 @@ def collection_text(listing: dict[str, Any]) -> str:
     ]
     header = [
         f"file:       {listing['file']}",
-        f"layout:     {listing['layout_title']} ({len(rows)} checkpoints; show one for its contents)",
+        f"layout:     {listing['layout_title']} ({len(rows)} checkpoint{'s' * (len(rows) != 1)}; "
+        "show one for its contents)",
         "",
     ]
     notes = [

@@ -72,7 +72,7 @@ def _parameters_line(summary: dict[str, Any]) -> str:
         slot[1] += entry["numel"] or 0 if entry["kind"] != "shared" else 0
     parts = [
         f"{n} {kind}{'s' if kind == 'parameter' and n != 1 else ''}"
-        + (f" ({human_count(numel)} elements)" if kind != "shared" else "")
+        + (f" ({human_count(numel)} element{'s' * (numel != 1)})" if kind != "shared" else "")
         for kind, (n, numel) in counts.items()
     ]
     buffers = summary.get("buffers") or []

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.records import OpaqueObject, TensorRecord, children, count_once, with_key
-from ckpttool.render.text import human_count, human_size, plain, short
+from ckpttool.render.text import human_count, human_size, plain, plural, short
 
 #: Deeper keys are not split into modules: real models nest a dozen levels, and a key with
 #: thousands of dots (a hostile file) would otherwise make thousands of one-child levels.
@@ -171,9 +171,9 @@ def _describe_module(node: Any) -> str:
     if node.tensor is not None:
         tensor = f"{node.tensor.kind} {node.tensor.dtype}{list(node.tensor.shape)}"
         return tensor if node.repeats == 1 else f"{node.repeats} × {tensor}"
-    plural = "s" if node.num_tensors != 1 else ""
     one = (
-        f"{node.num_tensors} tensor{plural}, {human_count(node.parameters)} params, "
+        f"{node.num_tensors} {plural(node.num_tensors, 'tensor')}, "
+        f"{human_count(node.parameters)} {plural(node.parameters, 'param')}, "
         f"{human_size(node.nbytes)}"
     )
     if node.repeats == 1:

@@ -12,6 +12,12 @@ from ckpttool.records import GlobalRef, OpaqueObject, TensorRecord
 _UNITS = ("B", "KB", "MB", "GB", "TB")
 
 
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``noun`` for one, ``nouns`` (default: ``noun`` + "s") for any other count: "1 file",
+    "0 files"."""
+    return noun if count == 1 else (nouns or noun + "s")
+
+
 def human_size(n: int | float) -> str:
     size = float(n)
     for unit in _UNITS:

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import adversarial
+from tests.support import adversarial, timeouts
 from tests.support.helpers import FIXTURES
 from tests.workers.corpus_worker import COMMANDS
 
@@ -145,7 +145,7 @@ def runs(corpus: tuple[Path, Path]) -> dict[str, dict[str, dict[str, Any]]]:
                     str(root / "corpus"), str(root / f"work-{command}"), str(GOOD)]  # fmt: skip
             running.append((command, subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE)))
         command, process = running.pop(0)
-        stdout, _ = process.communicate(timeout=600)
+        stdout, _ = process.communicate(timeout=timeouts.scaled(1200))
         assert process.returncode == 0, f"worker for {command} failed"
         results[command] = {r["file"]: r for r in json.loads(stdout)["results"]}
     return results

@@ -246,3 +246,14 @@ def test_every_refusal_names_the_checkpoint(tmp_path: Path) -> None:
         f"Error: {trainer}: 4 x 1 = 4 is not a multiple of 3: 1 global batch (1/3 of a batch "
         "per rank) will be trained twice; refused (--strict)\n"
     )
+
+
+def test_directory_report_says_one_process_in_the_singular() -> None:
+    from tests.support.helpers import FIXTURES
+
+    checkpoint = FIXTURES / "frameworks/trainer_2proc/output/checkpoint-4"
+    result = run("rescale-step", checkpoint, "--world-size", 1, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0] == (
+        "hf_trainer: global_step 4 @ 2 processes -> global_step 8 @ 1 process"
+    )

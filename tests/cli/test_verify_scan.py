@@ -42,6 +42,15 @@ def _record_data_offset(path: Path, name_suffix: str) -> int:
         return member_span(handle, info)[0]
 
 
+def test_verify_counts_one_tensor_in_the_singular(tmp_path: Path) -> None:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    path = tmp_path / "one.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    result = run("verify", path)
+    assert result.exit_code == 0, result.output
+    assert "  checked: structure (safetensors), 1 tensor extent\n" in result.stdout
+
+
 def test_verify_finds_a_flipped_byte_by_crc(tmp_path: Path) -> None:
     path = tmp_path / "flipped.pth"
     shutil.copy(RESUME, path)
@@ -341,6 +350,19 @@ def test_scan_clean_file() -> None:
     result = run("scan", RESUME)
     assert result.exit_code == 0
     assert result.stdout.startswith("clean: only safe data constructs referenced")
+    assert result.stdout.splitlines()[-1] == "1 file scanned, 0 findings"
+
+
+def test_scan_summary_counts_in_the_plural_as_needed(tmp_path: Path) -> None:
+    target = tmp_path / "models"
+    target.mkdir()
+    shutil.copy(FIXTURES / "special/namespace_config.pth", target / "run.pth")
+    shutil.copy(RESUME, target / "resume.pth")
+    (target / "README.md").write_text("not a checkpoint\n")
+    result = run("scan", target)
+    assert result.stdout.splitlines()[-1] == (
+        "2 files scanned, 1 finding, 1 non-checkpoint file skipped"
+    )
 
 
 @pytest.mark.parametrize("container", ["bare", "zip", "legacy"])

@@ -4,21 +4,28 @@ It serves files (bytes in memory, or paths on disk) by ``GET``, honouring ``Rang
 range, ``206`` with ``Content-Range``), ``If-Match`` against the file's ``ETag`` (``412``), and
 redirects, and records every request. Faults are scripted per test: a queue of what the next
 ranged requests get (``"close"``: the connection is dropped mid-body; ``"500"``; ``"short"``:
-the body stops early and the connection closes; ``"stall"``: nothing is sent for a while),
-``honour_range = False`` for a server that always sends the whole file, ``replace()`` to swap a
-file's bytes (and ETag) between requests, and ``require_token`` for a server that wants a
-bearer token.
+the body stops early and the connection closes; ``"stall"``: nothing is sent until the client
+gives up and hangs up, a request it cancels), ``honour_range = False`` for a server that always
+sends the whole file, ``replace()`` to swap a file's bytes (and ETag) between requests,
+``require_token`` for a server that wants a bearer token, and ``hold`` to keep requests
+waiting, for as long as a test wants, once a condition holds (a command stopped mid-read).
+
+``bytes_sent`` counts every body byte written, those of the faults' cut bodies too, and is read
+once no request is being answered: a handler counts a write after it returns, by which time the
+client may have read the bytes, finished, and been compared with the count.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from tests.support.timeouts import expired, scaled
 
 CHUNK = 1 << 20
 
@@ -52,9 +59,32 @@ class RangeServer:
     faults: deque[str] = field(default_factory=deque)
     redirects: dict[str, str] = field(default_factory=dict)
     require_token: str | None = None
-    stall_seconds: float = 2.0
+    # (path, first byte, end) -> whether to keep this ranged request waiting until `release`
+    hold: Callable[[str, int, int], bool] | None = None
+    holding: threading.Event = field(default_factory=threading.Event)  # a request is held
+    release: threading.Event = field(default_factory=threading.Event)
     requests: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Range)
-    bytes_sent: int = 0
+    _sent: int = 0
+    _in_flight: int = 0
+    _idle: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Body bytes written, once every request received has been answered."""
+        with self._idle:
+            bound = scaled(60)
+            if not self._idle.wait_for(lambda: self._in_flight == 0, bound):
+                raise AssertionError(expired("the server's answers", bound))
+            return self._sent
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        with self._idle:
+            self._sent = value
+
+    def _count(self, nbytes: int) -> None:
+        with self._idle:
+            self._sent += nbytes
 
     def add(self, name: str, data: bytes) -> str:
         self.files["/" + name] = Served(data, None, _etag(data))
@@ -85,6 +115,16 @@ class RangeServer:
                 pass
 
             def do_GET(self) -> None:
+                with server._idle:
+                    server._in_flight += 1
+                try:
+                    self._answer()
+                finally:
+                    with server._idle:
+                        server._in_flight -= 1
+                        server._idle.notify_all()
+
+            def _answer(self) -> None:
                 server.requests.append((self.path, self.headers.get("Range")))
                 if self.path in server.redirects:
                     self.send_response(302)
@@ -114,13 +154,27 @@ class RangeServer:
                 if start >= size:
                     self._empty(416)
                     return
+                if server.hold is not None and server.hold(self.path, start, stop):
+                    server.holding.set()
+                    server.release.wait(scaled(120))
                 fault = server.faults.popleft() if server.faults else None
                 if fault == "500":
                     self._empty(500)
                     return
                 if fault == "stall":
-                    time.sleep(server.stall_seconds)
+                    self._wait_for_hang_up()
+                    return
                 self._send(206, served, start, stop, size, fault)
+
+            def _wait_for_hang_up(self) -> None:
+                """Answer nothing until the client closes the connection (its timeout)."""
+                self.close_connection = True
+                self.connection.settimeout(scaled(120))
+                try:
+                    while self.connection.recv(1 << 16):
+                        pass
+                except OSError:  # the client hung up hard, or never did (the bound)
+                    pass
 
             def _empty(self, status: int) -> None:
                 self.send_response(status)
@@ -142,6 +196,7 @@ class RangeServer:
                     cut = start + max(1, (stop - start) // 2) if fault == "close" else stop - 1
                     self.wfile.write(served.read(start, cut))
                     self.wfile.flush()
+                    server._count(cut - start)
                     self.close_connection = True
                     self.connection.shutdown(2)
                     return
@@ -149,7 +204,7 @@ class RangeServer:
                     for at in range(start, stop, CHUNK):
                         piece = served.read(at, min(stop, at + CHUNK))
                         self.wfile.write(piece)
-                        server.bytes_sent += len(piece)
+                        server._count(len(piece))
                 except (BrokenPipeError, ConnectionResetError):
                     self.close_connection = True
 
@@ -164,6 +219,7 @@ class RangeServer:
         return self
 
     def stop(self) -> None:
+        self.release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 

@@ -78,7 +78,12 @@ def setup() -> tuple[int, int]:
     if world_size == 1:
         return 0, 1
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(60))
+    # a hang's bound, scaled as tests/support/timeouts.py does (this script runs by path, where
+    # the tests package may not be importable)
+    scale = float(os.environ.get("CKPTTOOL_TEST_TIMEOUT_SCALE") or 1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=600 * scale)
+    )
     return rank, world_size
 
 
