@@ -28,6 +28,7 @@ from ckpttool.pickle.interpreter import SafeUnpickler
 from ckpttool.pickle.policy import Verdict
 from ckpttool.reader import open_checkpoint, open_source
 from ckpttool.records import StorageRecord
+from ckpttool.scan_salvage import salvage_pickles
 from ckpttool.source import is_url, join, member_sizes, source_size
 
 
@@ -181,10 +182,18 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
                 if problem:
                     problems.append(f"{name}: {problem}")
         else:
-            with open_checkpoint(path, refuse_dangerous=False) as ckpt:
-                fmt = ckpt.format
-                if ckpt.pickle is not None:
-                    counts.update(ckpt.pickle.globals_seen)
+            try:
+                with open_checkpoint(path, refuse_dangerous=False) as ckpt:
+                    fmt = ckpt.format
+                    if ckpt.pickle is not None:
+                        counts.update(ckpt.pickle.globals_seen)
+            except CkptError as error:
+                # the reader gave up: what the pickles named before that point still counts,
+                # and a file it does not recognise may still be a pickle torch.load would run
+                salvaged = salvage_pickles(path, error)
+                if salvaged is None:
+                    raise
+                fmt, counts, notes, problems = salvaged
     except UnsafePickleError as error:  # BUILD on a global: refused even in scan mode
         return FileScan(str(path), None, notes=[_without_path(error, path)])
     except NotACheckpointError as error:

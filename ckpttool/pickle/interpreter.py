@@ -46,6 +46,7 @@ from ckpttool.pickle.emulation import (
     global_value,
     set_state,
 )
+from ckpttool.pickle.frames import check_frame
 from ckpttool.pickle.policy import RENAMED_MODULES, Verdict, classify_global
 from ckpttool.pickle.tensor_call import OPCODES as TENSOR_CALL_OPCODES
 from ckpttool.pickle.tensor_call import tensor_call
@@ -505,6 +506,7 @@ def _op_frame(u: SafeUnpickler, pos: int) -> bool:
     length = u._u("<Q", 8)
     if length > len(u.data) - u.pos:
         raise _bad(pos, f"FRAME claims {length:,} bytes past the end")
+    check_frame(u.raw, pos, length)  # torch.load and a linear reader must read the same opcodes
     u.result.frames.append((pos, length))
     return False
 
