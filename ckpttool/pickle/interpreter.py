@@ -33,6 +33,7 @@ from ckpttool.errors import (
     ResourceLimitError,
     UnsafePickleError,
 )
+from ckpttool.pickle.callables import ContextualUses, is_contextual
 from ckpttool.pickle.dcp_call import MODULES as DCP_MODULES
 from ckpttool.pickle.dcp_call import OPCODES as DCP_CALL_OPCODES
 from ckpttool.pickle.dcp_call import dcp_call
@@ -106,6 +107,19 @@ _I32 = struct.Struct("<i").unpack_from
 _MUTABLE = (dict, list, set, OpaqueObject, NdarrayBuilder, NumpyDtype)
 
 
+def _verdict_of(qualname: str) -> Verdict:
+    module, _, name = qualname.rpartition(".")
+    return classify_global(module, name)
+
+
+def _refused(qualname: str) -> UnsafePickleError:
+    return UnsafePickleError(
+        f"refusing to read: the pickle calls {qualname}, which can run code or "
+        "touch your system (nothing was run). Do not load this file with torch.load; "
+        "`ckpttool scan` lists everything it references"
+    )
+
+
 class TruncatedPickleError(CorruptCheckpointError):
     """The bytes end before the pickle does (or a length prefix points past them)."""
 
@@ -169,6 +183,7 @@ class SafeUnpickler:
         self.memo: dict[int, Any] = {}
         self.created: set[int] = set()  # ids of objects BUILD may touch (made by this reader)
         self.result = PickleResult(root=None, end=self.start)
+        self.contextual = ContextualUses(self.result.globals_seen, Verdict.SAFE, Verdict.DANGEROUS)
 
     # -- reading primitives ---------------------------------------------------------------
     def _take(self, n: int) -> memoryview:
@@ -221,12 +236,12 @@ class SafeUnpickler:
         module = RENAMED_MODULES.get(module, module)
         verdict = classify_global(module, name)
         self.result.globals_seen.append((module, name, verdict))
+        if is_contextual(f"{module}.{name}"):  # partial, getattr: settled by their uses
+            ref = GlobalRef(module, name)
+            self.contextual.named(ref, verdict)
+            return ref
         if verdict is Verdict.DANGEROUS and self.refuse_dangerous:
-            raise UnsafePickleError(
-                f"refusing to read: the pickle calls {module}.{name}, which can run code or "
-                "touch your system (nothing was run). Do not load this file with torch.load; "
-                "`ckpttool scan` lists everything it references"
-            )
+            raise _refused(f"{module}.{name}")
         return global_value(module, name)
 
     def call(self, func: Any, args: Any) -> Any:
@@ -236,6 +251,12 @@ class SafeUnpickler:
             raise _bad(self.pos, "call arguments are not a tuple")
         if self.compacts and _holds_compact(args):
             raise Redo  # the emulation would have seen the objects a record replaced
+        if self.contextual.refs:
+            resolved = self.contextual.call(func, args, _verdict_of)
+            if resolved is not None:
+                return resolved  # getattr(torch namespace, 'name'): the function it names
+            if self.refuse_dangerous and self.contextual.refused(func):
+                raise _refused(func.qualname)
         result = emulate_call(self.call, func, args)
         if isinstance(result, _MUTABLE):  # what BUILD may then touch
             self.created.add(id(result))
@@ -468,6 +489,9 @@ class SafeUnpickler:
         except (IndexError, KeyError, TypeError, ValueError, struct.error, OverflowError,
                 UnicodeDecodeError, AttributeError, RecursionError) as error:  # fmt: skip
             raise _bad(op_pos, f"{type(error).__name__}: {error}") from None
+        unsafe = self.contextual.unsafe() if self.refuse_dangerous else None
+        if unsafe:  # a partial, getattr or torch namespace not (only) used as data
+            raise _refused(unsafe[0])
         # the memo held every intermediate object (torch memoizes each tensor's argument
         # tuples): free them before finalize copies the tree, which is when memory peaks
         memo.clear()
