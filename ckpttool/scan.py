@@ -28,7 +28,7 @@ from ckpttool.pickle.interpreter import SafeUnpickler
 from ckpttool.pickle.policy import Verdict
 from ckpttool.reader import open_checkpoint, open_source
 from ckpttool.records import StorageRecord
-from ckpttool.scan_salvage import salvage_pickles
+from ckpttool.scan_salvage import add_linear_globals, salvage_pickles
 from ckpttool.source import is_url, join, member_sizes, source_size
 
 
@@ -119,7 +119,10 @@ def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, Verdict]], str |
         attack = str(error)
     except CkptError as error:
         problem = f"pickle not fully readable: {error}"
-    return Counter(unpickler.result.globals_seen), attack, problem
+    counts = Counter(unpickler.result.globals_seen)
+    if attack or problem:  # what torch.load may still import past the point the walk stopped
+        add_linear_globals(counts, data, 0)
+    return counts, attack, problem
 
 
 def _is_zip(path: Path | str) -> bool:

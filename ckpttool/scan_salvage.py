@@ -27,7 +27,8 @@ from ckpttool.errors import (
 from ckpttool.formats.safetensors_file import looks_like_safetensors
 from ckpttool.formats.torch_legacy import MAGIC_NUMBER
 from ckpttool.pickle.interpreter import SafeUnpickler, TruncatedPickleError
-from ckpttool.pickle.policy import Verdict
+from ckpttool.pickle.names import linear_globals
+from ckpttool.pickle.policy import RENAMED_MODULES, Verdict, classify_global
 from ckpttool.records import StorageRecord
 from ckpttool.source import is_url
 
@@ -84,6 +85,7 @@ def walk_stream(data: bytes, whole: bool) -> StreamWalk:
             if isinstance(error, TruncatedPickleError) and not whole:
                 raise _NeedMore from None
             walk.counts.update(unpickler.result.globals_seen)
+            add_linear_globals(walk.counts, data, start)
             walk.error = error
             if isinstance(error, UnsafePickleError):
                 walk.notes.append(str(error))
@@ -98,6 +100,17 @@ def walk_stream(data: bytes, whole: bool) -> StreamWalk:
         if start >= len(data):
             break
     return walk
+
+
+def add_linear_globals(counts: _Counts, data: bytes, start: int) -> None:
+    """Add to ``counts`` the globals a linear read of the pickle at ``start`` finds that the
+    walk, stopped early, did not (:func:`ckpttool.pickle.names.linear_globals`)."""
+    known = {(module, name) for module, name, _ in counts}
+    for module, name in linear_globals(data, start):
+        module = RENAMED_MODULES.get(module, module)
+        if (module, name) not in known:
+            known.add((module, name))
+            counts[(module, name, classify_global(module, name))] += 1
 
 
 def salvage_pickles(
@@ -156,4 +169,4 @@ def _is_text(head: bytes) -> bool:
     return not _TEXT_CONTROLS.intersection(head)
 
 
-__all__ = ["salvage_pickles", "walk_stream"]
+__all__ = ["add_linear_globals", "salvage_pickles", "walk_stream"]

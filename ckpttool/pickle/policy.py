@@ -111,9 +111,21 @@ _DANGEROUS_MODULES = frozenset(
         "xmlrpc",
         "logging",
         "unittest",
+        # gadgets named in published scanner bypasses (picklescan advisories, modelscan #338)
+        "_operator",
+        "idlelib",
+        "lib2to3",
+        "ssl",
+        "httplib",
+        "aiohttp",
     }
 )
-_DANGEROUS_PREFIXES = ("torch.hub", "torch.jit", "torch._C", "torch.ops", "torch._dynamo")
+_DANGEROUS_PREFIXES = (
+    "torch.hub", "torch.jit", "torch._C", "torch.ops", "torch._dynamo",
+    # a shell (collect_env.run), a profiler that runs a script, compilers and test helpers
+    "torch.utils.collect_env", "torch.utils.bottleneck", "torch.utils.cpp_extension",
+    "numpy.f2py", "numpy.testing", "numpy.distutils",
+)  # fmt: skip
 _DANGEROUS_NAMES = frozenset(
     {
         "builtins.eval",
@@ -166,6 +178,9 @@ def classify_global(module: str, name: str) -> Verdict:
     root = module.split(".")[0]
     if (
         qualname in _DANGEROUS_NAMES
+        # from protocol 4 find_class follows a dotted name: ("torch.serialization",
+        # "os.system") is os.system, reached through a module that imports os
+        or any(part in _DANGEROUS_MODULES or part == "builtins" for part in name.split(".")[:-1])
         or root in _DANGEROUS_MODULES
         or module.startswith(_DANGEROUS_PREFIXES)
         or module == "builtins"  # every builtin the emulation does not know (eval, getattr...)
