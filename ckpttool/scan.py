@@ -23,12 +23,12 @@ from typing import Any
 
 from ckpttool.errors import CkptError, NotACheckpointError, UnsafePickleError
 from ckpttool.formats.dcp import METADATA, DcpFiles, is_dcp_directory, load_metadata, present
+from ckpttool.formats.torch_legacy import MAGIC_NUMBER
 from ckpttool.formats.torch_zip import is_torchscript, open_zip, read_record
 from ckpttool.pickle.interpreter import SafeUnpickler
 from ckpttool.pickle.policy import Verdict
 from ckpttool.reader import open_checkpoint, open_source
-from ckpttool.records import StorageRecord
-from ckpttool.scan_salvage import add_linear_globals, salvage_pickles
+from ckpttool.scan_salvage import add_linear_globals, persistent_placeholder, salvage_pickles
 from ckpttool.source import is_url, join, member_sizes, source_size
 
 
@@ -110,8 +110,7 @@ def _pickles_of_zip(path: Path | str) -> tuple[str, list[tuple[str, bytes]], lis
 
 def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, Verdict]], str | None, str | None]:
     """Globals named by one pickle; an attack found in it; why it stopped early."""
-    placeholder = StorageRecord("?", "uint8", 0, "cpu", "", 0)  # storages are not read here
-    unpickler = SafeUnpickler(data, persistent_load=lambda pid: placeholder, refuse_dangerous=False)
+    unpickler = SafeUnpickler(data, persistent_load=persistent_placeholder, refuse_dangerous=False)
     attack = problem = None
     try:
         unpickler.load()
@@ -190,6 +189,11 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
                     fmt = ckpt.format
                     if ckpt.pickle is not None:
                         counts.update(ckpt.pickle.globals_seen)
+                    legacy_head = fmt == "pickle" and ckpt.root == MAGIC_NUMBER
+                if legacy_head:  # a legacy stream read as a bare pickle: torch.load reads on
+                    salvaged = salvage_pickles(path, NotACheckpointError("a legacy stream"))
+                    if salvaged is not None:
+                        fmt, counts, notes, problems = salvaged
             except CkptError as error:
                 # the reader gave up: what the pickles named before that point still counts,
                 # and a file it does not recognise may still be a pickle torch.load would run

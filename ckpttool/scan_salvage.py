@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckpttool.errors import (
     CkptError,
@@ -65,6 +66,18 @@ class StreamWalk:
     pickles: int = 0  # pickles read to their STOP
 
 
+_STORAGE = StorageRecord("?", "uint8", 0, "cpu", "", 0)  # storages are not read here
+
+
+def persistent_placeholder(pid: Any) -> Any:
+    """What a persistent id stands for in a scan: a storage, or, for a legacy file's
+    ``('module', class, source file, source)``, the class (torch.load returns it; the pickle
+    then calls it, and its name is already among the globals)."""
+    if isinstance(pid, tuple) and len(pid) > 1 and pid[0] == "module":
+        return pid[1]
+    return _STORAGE
+
+
 class _NeedMore(Exception):
     """The walk ran past the bytes read so far: read more and walk again."""
 
@@ -72,12 +85,11 @@ class _NeedMore(Exception):
 def walk_stream(data: bytes, whole: bool) -> StreamWalk:
     """Globals of the file's first pickle, and of the next four when it holds the legacy magic
     number (``whole``: ``data`` is all there is to read)."""
-    placeholder = StorageRecord("?", "uint8", 0, "cpu", "", 0)  # storages are not read here
     walk = StreamWalk()
     start = 0
     for index in range(LEGACY_PICKLES):
         unpickler = SafeUnpickler(
-            data, start, persistent_load=lambda pid: placeholder, refuse_dangerous=False
+            data, start, persistent_load=persistent_placeholder, refuse_dangerous=False
         )
         try:
             result = unpickler.load()
@@ -169,4 +181,4 @@ def _is_text(head: bytes) -> bool:
     return not _TEXT_CONTROLS.intersection(head)
 
 
-__all__ = ["add_linear_globals", "salvage_pickles", "walk_stream"]
+__all__ = ["add_linear_globals", "persistent_placeholder", "salvage_pickles", "walk_stream"]

@@ -62,9 +62,7 @@ def linear_globals(data: bytes | bytearray, start: int = 0) -> list[tuple[str, s
         else:
             nxt += width
             if op in _PUTS or op == 0x94:
-                index = (
-                    len(memo) if op == 0x94 else int.from_bytes(data[pos + 1 : nxt], "little")
-                )
+                index = len(memo) if op == 0x94 else int.from_bytes(data[pos + 1 : nxt], "little")
                 memo[index] = pushed[-1] if pushed else None
             elif op in _GETS:
                 value = memo.get(int.from_bytes(data[pos + 1 : nxt], "little"))

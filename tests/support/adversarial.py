@@ -17,6 +17,7 @@ import struct
 import sys
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool.formats.torch_legacy import MAGIC_NUMBER, PROTOCOL_VERSION
@@ -661,6 +662,69 @@ def hostile_pickles(marker_for: Callable[[str], Path]) -> dict[str, bytes]:
 
 def _same(data: bytes) -> bytes:
     return data
+
+
+# --- the benign side: what torch.save writes for common objects ------------------------------
+
+
+@dataclass
+class TrainConfig:
+    """A dataclass config, as training scripts save them (a class torch.load imports)."""
+
+    lr: float = 3e-4
+    layers: int = 2
+    name: str = "tiny"
+
+
+def benign_objects() -> dict[str, object]:
+    """Common things people torch.save, by name (torch and NumPy imported here, not at import)."""
+    import argparse
+    import functools
+
+    import numpy
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.GELU())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    args = argparse.Namespace(lr=1e-3, epochs=3, name="run")
+    return {
+        "state_dict": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "module": model,
+        "resume": {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3,
+                   "rng": torch.get_rng_state(), "args": args, "config": TrainConfig()},
+        "dataclass_config": {"config": TrainConfig(), "step": 7},
+        "namespace": {"args": args},
+        "numpy": {"weights": numpy.arange(6, dtype=numpy.float32).reshape(2, 3),
+                  "ids": numpy.arange(3), "scale": numpy.float64(0.5)},
+        "partial_configs": {
+            "optimizer": functools.partial(torch.optim.AdamW, lr=3e-4, weight_decay=0.1),
+            "act": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+            "norm": functools.partial(torch.nn.LayerNorm, eps=1e-5),
+            "funcs": [torch.relu, torch.tanh, torch.nn.functional.silu, torch.nn.init.normal_,
+                      torch.Tensor.add],
+        },
+    }  # fmt: skip
+
+
+def write_benign(out: Path) -> list[Path]:
+    """Each of :func:`benign_objects` saved by torch.save in both formats (zip, legacy) and
+    every pickle protocol torch accepts (2 to 5)."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, obj in benign_objects().items():
+        for zipped in (True, False):
+            for protocol in (2, 3, 4, 5):
+                path = out / f"{name}.{'zip' if zipped else 'legacy'}.p{protocol}.pt"
+                torch.save(obj, path, pickle_protocol=protocol,
+                           _use_new_zipfile_serialization=zipped)  # fmt: skip
+                paths.append(path)
+    return paths
 
 
 def write_corpus(out: Path, marker: Path, differential: bool = False) -> list[Path]:
