@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import functools
 import importlib
+import io
 import json
 import pickle
+import pickletools
 import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckpttool.cli import cli
-from ckpttool.errors import UnsafePickleError
+from ckpttool.errors import CkptError, UnsafePickleError
 from ckpttool.pickle.callables import (
     FUNCTION_MODULES,
     GETATTR_NAMESPACES,
@@ -279,3 +283,61 @@ dist.destroy_process_group()
             "torch.distributed.checkpoint.planner.SavePlan"} <= names  # fmt: skip
     with open_checkpoint(tmp_path / "dtensor.pt") as ckpt:
         assert sorted(r.key for r in ckpt.tensors()) == ["r", "s"]
+
+
+# --- frames: ckpttool accepts exactly what torch.load and a linear reader read alike ----------
+
+_PLAIN = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=20)
+    | st.binary(max_size=20) | st.floats(allow_nan=False),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+
+
+def _c_unpickler_on_a_file(data: bytes) -> Any:
+    """How torch.load reads a zip's data.pkl: the C unpickler on a BytesIO (frames honoured)."""
+    return pickle.Unpickler(io.BytesIO(data)).load()
+
+
+def _outcome(read: Any, data: bytes) -> Any:
+    try:
+        return ("value", read(data))
+    except Exception:
+        return ("error", None)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(
+    value=_PLAIN,
+    protocol=st.integers(0, 4),
+    where=st.integers(0, 10**6),
+    length=st.integers(0, 10**6),
+    regular=st.booleans(),
+)
+def test_a_frame_is_accepted_only_where_the_readers_agree(
+    value: Any, protocol: int, where: int, length: int, regular: bool
+) -> None:
+    """One FRAME inserted at an opcode boundary of a plain-data pickle (no globals: loading it
+    runs nothing), ending at another boundary or anywhere. Where ckpttool accepts it, the C
+    unpickler on a file (torch.load's reading), ``pickle.loads`` (linear) and ckpttool read the
+    same value; where the two C readings differ, ckpttool refuses it as ambiguous."""
+    original = pickle.dumps(value, protocol=protocol)
+    bounds = [pos for _, _, pos in pickletools.genops(original)] + [len(original)]
+    at = bounds[where % (len(bounds) - 1)]
+    ends = [b for b in bounds if b >= at] if regular else list(range(at, len(original) + 1))
+    end = ends[length % len(ends)]
+    data = original[:at] + b"\x95" + struct.pack("<Q", end - at) + original[at:]
+    by_file, linear = _outcome(_c_unpickler_on_a_file, data), _outcome(pickle.loads, data)
+    try:
+        ours = ("value", load_pickle(data).root)
+    except AmbiguousPickleError:
+        ours = ("ambiguous", None)
+    except CkptError:
+        ours = ("error", None)
+    if ours[0] == "value":
+        assert by_file == linear == ours
+    if by_file != linear:
+        assert ours[0] == "ambiguous"
+    if regular and protocol < 4:  # a whole-opcode frame where the pickle has none: accepted
+        assert ours[0] != "ambiguous"
