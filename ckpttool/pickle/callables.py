@@ -156,7 +156,7 @@ class ContextualUses:
             )
             good = home is not None and isinstance(name, str) and name in TORCH_FUNCTIONS
             self._use(func, good)
-            if not good:
+            if home is None or not isinstance(name, str) or not good:
                 return None
             self._use(namespace, True)
             self.seen.append((home, name, self.safe))

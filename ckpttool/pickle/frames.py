@@ -24,6 +24,8 @@ frame does not hold whole opcodes that end exactly at its end (and, when it hold
 
 from __future__ import annotations
 
+import struct
+
 from ckpttool.errors import UnsafePickleError
 
 
@@ -56,48 +58,117 @@ FRAME = 0x95
 STOP = 0x2E
 
 
+_U16 = struct.Struct("<H").unpack_from
+_U32 = struct.Struct("<I").unpack_from
+_I32 = struct.Struct("<i").unpack_from
+_U64 = struct.Struct("<Q").unpack_from
+# Per opcode byte: its fixed argument width (>= 0), or how to find its end (< 0). A table
+# lookup per opcode: the check reads every framed byte once, so its cost shows on protocol-4
+# pickles (DCP's .metadata; bench/README.md).
+_STEP = [_UNKNOWN] * 256
+for _op, _width in _FIXED.items():
+    _STEP[_op] = _width
+_SPECIAL_FRAME, _SPECIAL_STOP = -10, -11
+_STEP[FRAME], _STEP[STOP] = _SPECIAL_FRAME, _SPECIAL_STOP
+# length-prefixed arguments: -20 one byte, -22 four bytes, -23 eight bytes, -24 four signed
+for _op, (_size, _signed) in _PREFIXED.items():
+    _STEP[_op] = -24 if _signed else {1: -20, 4: -22, 8: -23}[_size]
+
+
 def check_frame(data: bytes | bytearray, frame_pos: int, length: int) -> None:
     """Raise :class:`AmbiguousPickleError` unless the frame announced at ``frame_pos`` (``length``
     bytes, starting 9 bytes later) holds whole opcodes, no ``FRAME``, and, if it holds the
     ``STOP``, nothing after it. The caller has checked that the frame lies within ``data``."""
-    start = frame_pos + 9
-    end = start + length
-    pos = start
+    end = frame_pos + 9 + length
+    pos = frame_pos + 9
+    step = _STEP
     while pos < end:
         op = data[pos]
-        width = _FIXED.get(op, _UNKNOWN)
-        nxt = pos + 1
+        width = step[op]
         if width >= 0:
-            nxt += width
-        elif width == _UNKNOWN:
-            prefixed = _PREFIXED.get(op)
-            if prefixed is None:
-                return  # not an opcode: every reader fails here (the walker says where)
-            size, signed = prefixed
-            if nxt + size > end:
-                nxt += size  # the length itself crosses the end
-            else:
-                count = int.from_bytes(data[nxt : nxt + size], "little", signed=signed)
-                if count < 0:
-                    return  # a negative length: every reader fails here
-                nxt += size + count
-        else:
+            pos += 1 + width
+            continue
+        if width == -20:  # a 1-byte length: SHORT_BINUNICODE, SHORT_BINBYTES...
+            if pos + 2 > end:
+                break
+            pos += 2 + data[pos + 1]
+        elif width == -22 or width == -24:  # a 4-byte length (BINUNICODE; signed: LONG4...)
+            if pos + 5 > end:
+                break
+            count = (_U32 if width == -22 else _I32)(data, pos + 1)[0]
+            if count < 0:
+                return  # a negative length: every reader fails here
+            pos += 5 + count
+        elif width == -23:  # an 8-byte length: BINBYTES8...
+            if pos + 9 > end:
+                break
+            pos += 9 + _U64(data, pos + 1)[0]
+        elif width in (_LINE, _TWO_LINES):
+            nxt = pos + 1
             for _ in range(-width):
                 newline = data.find(b"\n", nxt, end)
                 if newline < 0:
-                    nxt = end + 1  # the line runs past the frame's end
-                    break
+                    raise _ambiguous(frame_pos, _crossing(pos, op, end))
                 nxt = newline + 1
-        if op == FRAME and nxt <= end:
-            raise _ambiguous(frame_pos, f"a FRAME begins inside it, at byte {pos}")
-        if nxt > end:
-            raise _ambiguous(
-                frame_pos,
-                f"the opcode at byte {pos} (0x{op:02x}) runs past its end (byte {end})",
-            )
-        if op == STOP and nxt < end:
-            raise _ambiguous(frame_pos, f"{end - nxt} bytes follow the STOP at byte {pos}")
+            pos = nxt
+        elif width == _SPECIAL_FRAME:
+            if pos + 9 <= end:
+                raise _ambiguous(frame_pos, f"a FRAME begins inside it, at byte {pos}")
+            break
+        elif width == _SPECIAL_STOP:
+            if pos + 1 < end:
+                raise _ambiguous(frame_pos, f"{end - pos - 1} bytes follow the STOP at byte {pos}")
+            return
+        else:
+            return  # not an opcode: every reader fails here (the walker says where)
+    else:
+        if pos == end:
+            return
+    last = _last_start(data, frame_pos + 9, end)
+    raise _ambiguous(frame_pos, _crossing(last, data[last], end))
+
+
+def _last_start(data: bytes | bytearray, start: int, end: int) -> int:
+    """Where the opcode that runs past ``end`` begins (for the message; a second, rare walk)."""
+    pos = start
+    while True:
+        nxt = _next(data, pos)
+        if nxt >= end or nxt < 0:
+            return pos
         pos = nxt
+
+
+def _next(data: bytes | bytearray, pos: int) -> int:
+    """Where the opcode at ``pos`` ends (past the data when its argument does; -1: no opcode)."""
+    width = _STEP[data[pos]]
+    beyond = len(data) + 1
+    if width >= 0:
+        return pos + 1 + width
+    if width == _SPECIAL_STOP:
+        return pos + 1
+    if width == _SPECIAL_FRAME:
+        return pos + 9
+    if width == -20:
+        return pos + 2 + data[pos + 1] if pos + 2 <= len(data) else beyond
+    if width in (-22, -24):
+        if pos + 5 > len(data):
+            return beyond
+        return pos + 5 + max(0, (_U32 if width == -22 else _I32)(data, pos + 1)[0])
+    if width == -23:
+        return pos + 9 + _U64(data, pos + 1)[0] if pos + 9 <= len(data) else beyond
+    if width in (_LINE, _TWO_LINES):
+        nxt = pos + 1
+        for _ in range(-width):
+            newline = data.find(b"\n", nxt)
+            if newline < 0:
+                return beyond
+            nxt = newline + 1
+        return nxt
+    return -1
+
+
+def _crossing(pos: int, op: int, end: int) -> str:
+    return f"the opcode at byte {pos} (0x{op:02x}) runs past its end (byte {end})"
 
 
 def _ambiguous(frame_pos: int, what: str) -> AmbiguousPickleError:
