@@ -17,9 +17,11 @@ on what a frame that does not end on an opcode boundary means:
 
 A file whose frames admit two readings can hide a payload from any linear checker (the
 published scanner bypasses do exactly this), so ckpttool reads nothing from it: the walker
-calls :func:`check_frame` at each ``FRAME`` and raises :class:`AmbiguousPickleError` when the
-frame does not hold whole opcodes that end exactly at its end (and, when it holds the
-``STOP``, end with it). Python's and torch's picklers only ever write such frames.
+raises :class:`AmbiguousPickleError` when a frame does not hold whole opcodes that end exactly
+at its end (it stops where the frame ends: :func:`ends_an_opcode` looks at the last step; a
+walk that fails inside a frame checks it whole, :func:`check_frame`), when a ``FRAME`` begins
+inside another, and when bytes follow the ``STOP`` inside its frame. Python's and torch's
+picklers only ever write regular frames.
 """
 
 from __future__ import annotations
@@ -108,16 +110,16 @@ def check_frame(data: bytes | bytearray, frame_pos: int, length: int) -> None:
             for _ in range(-width):
                 newline = data.find(b"\n", nxt, end)
                 if newline < 0:
-                    raise _ambiguous(frame_pos, _crossing(pos, op, end))
+                    raise ambiguous(frame_pos, _crossing(pos, op, end))
                 nxt = newline + 1
             pos = nxt
         elif width == _SPECIAL_FRAME:
             if pos + 9 <= end:
-                raise _ambiguous(frame_pos, f"a FRAME begins inside it, at byte {pos}")
+                raise ambiguous(frame_pos, f"a FRAME begins inside it, at byte {pos}")
             break
         elif width == _SPECIAL_STOP:
             if pos + 1 < end:
-                raise _ambiguous(frame_pos, f"{end - pos - 1} bytes follow the STOP at byte {pos}")
+                raise ambiguous(frame_pos, f"{end - pos - 1} bytes follow the STOP at byte {pos}")
             return
         else:
             return  # not an opcode: every reader fails here (the walker says where)
@@ -125,7 +127,7 @@ def check_frame(data: bytes | bytearray, frame_pos: int, length: int) -> None:
         if pos == end:
             return
     last = _last_start(data, frame_pos + 9, end)
-    raise _ambiguous(frame_pos, _crossing(last, data[last], end))
+    raise ambiguous(frame_pos, _crossing(last, data[last], end))
 
 
 def _last_start(data: bytes | bytearray, start: int, end: int) -> int:
@@ -171,7 +173,15 @@ def _crossing(pos: int, op: int, end: int) -> str:
     return f"the opcode at byte {pos} (0x{op:02x}) runs past its end (byte {end})"
 
 
-def _ambiguous(frame_pos: int, what: str) -> AmbiguousPickleError:
+def ends_an_opcode(data: bytes | bytearray, start: int, end: int) -> bool:
+    """Whether, reading opcodes linearly from ``start`` (where one begins), one ends at ``end``."""
+    pos = start
+    while 0 <= pos < end:
+        pos = _next(data, pos)
+    return pos == end
+
+
+def ambiguous(frame_pos: int, what: str) -> AmbiguousPickleError:
     return AmbiguousPickleError(
         f"refusing to read: the pickle's FRAME at byte {frame_pos} is irregular ({what}): "
         "torch.load and a linear reader such as pickle.loads would run different opcodes "
@@ -180,4 +190,4 @@ def _ambiguous(frame_pos: int, what: str) -> AmbiguousPickleError:
     )
 
 
-__all__ = ["AmbiguousPickleError", "check_frame"]
+__all__ = ["AmbiguousPickleError", "ambiguous", "check_frame", "ends_an_opcode"]
