@@ -229,6 +229,7 @@ def _weights_only(path: Path) -> Any:
 LEGACY_READER_PENDING = tuple(f".legacy.p{protocol}.pt" for protocol in (3, 4, 5))
 
 
+@pytest.mark.slow
 def test_show_lists_what_torch_loads(benign: list[Path]) -> None:
     """Where torch.load(weights_only=True) loads a benign file, ckpttool lists the same tensors
     (shape and dtype at each path)."""

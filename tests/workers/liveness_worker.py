@@ -24,7 +24,7 @@ from pathlib import Path
 HANG_SECONDS = 30
 ADDRESS_SPACE = 8 << 30
 #: How long the marker of a payload that starts a process may take to appear.
-SETTLE_SECONDS = 1.0
+SETTLE_SECONDS = 3.0
 
 
 def _child(path: Path) -> None:
