@@ -623,7 +623,8 @@ def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) 
     """List every global the pickles reference, classed safe / unknown / dangerous.
 
     Runs nothing: the pickle is walked by ckpttool's own reader. Directories are scanned
-    recursively (files that are not checkpoints are skipped). Each path is scanned on its own.
+    recursively (only files that positively are not pickles, such as text, JSON or images,
+    are skipped). Each path is scanned on its own.
     Exit 0 when only safe data constructs are referenced, 1 when something unknown or
     dangerous is (this wins over 2), 2 when a path could not be scanned (missing, not a
     checkpoint, unreadable) or a directory holds no checkpoint: scanning nothing is not clean.

@@ -31,7 +31,7 @@ from ckpttool.formats.zip_index import case_collision, fold
 from ckpttool.pickle.interpreter import SafeUnpickler
 from ckpttool.pickle.policy import Verdict
 from ckpttool.reader import open_checkpoint, open_source
-from ckpttool.records import StorageRecord
+from ckpttool.scan_salvage import add_linear_globals, persistent_placeholder, salvage_pickles
 from ckpttool.source import is_url, join, member_sizes, source_size
 
 
@@ -116,8 +116,7 @@ def _pickles_of_zip(path: Path | str) -> tuple[str, list[tuple[str, bytes]], lis
 
 def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, Verdict]], str | None, str | None]:
     """Globals named by one pickle; an attack found in it; why it stopped early."""
-    placeholder = StorageRecord("?", "uint8", 0, "cpu", "", 0)  # storages are not read here
-    unpickler = SafeUnpickler(data, persistent_load=lambda pid: placeholder, refuse_dangerous=False)
+    unpickler = SafeUnpickler(data, persistent_load=persistent_placeholder, refuse_dangerous=False)
     attack = problem = None
     try:
         unpickler.load()
@@ -125,7 +124,10 @@ def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, Verdict]], str |
         attack = str(error)
     except CkptError as error:
         problem = f"pickle not fully readable: {error}"
-    return Counter(unpickler.result.globals_seen), attack, problem
+    counts = Counter(unpickler.result.globals_seen)
+    if attack or problem:  # what torch.load may still import past the point the walk stopped
+        add_linear_globals(counts, data, 0)
+    return counts, attack, problem
 
 
 def _is_zip(path: Path | str) -> bool:
@@ -191,13 +193,21 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
             fmt = "torch-tar"
             counts, notes, problems = _scan_tar(path)
         else:
-            with open_checkpoint(path, refuse_dangerous=False, allow_ambiguous=True) as ckpt:
-                fmt = ckpt.format
-                if ckpt.pickle is not None:
-                    counts.update(ckpt.pickle.globals_seen)
-                counts.update(ckpt.details.get("pickle_globals", ()))
-                if ckpt.details.get("ambiguous"):
-                    notes.append(f"ambiguous: {ckpt.details['ambiguous']}")
+            try:
+                with open_checkpoint(path, refuse_dangerous=False, allow_ambiguous=True) as ckpt:
+                    fmt = ckpt.format
+                    if ckpt.pickle is not None:
+                        counts.update(ckpt.pickle.globals_seen)
+                    counts.update(ckpt.details.get("pickle_globals", ()))
+                    if ckpt.details.get("ambiguous"):
+                        notes.append(f"ambiguous: {ckpt.details['ambiguous']}")
+            except CkptError as error:
+                # the reader gave up: what the pickles named before that point still counts,
+                # and a file it does not recognise may still be a pickle torch.load would run
+                salvaged = salvage_pickles(path, error)
+                if salvaged is None:
+                    raise
+                fmt, counts, notes, problems = salvaged
     except UnsafePickleError as error:  # BUILD on a global: refused even in scan mode
         return FileScan(str(path), None, notes=[_without_path(error, path)])
     except AmbiguousFileError as error:  # a zip directory that reads two ways

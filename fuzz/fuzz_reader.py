@@ -5,7 +5,7 @@
 
 Each input is written to a file and given to :func:`tests.support.fuzz_targets.exercise`: open
 it (strict and lenient), build and render ``show``'s report with ``--stats``, its JSON and tree,
-and ``verify --values``. Anything but a :class:`~ckpttool.errors.CkptError` escaping is a crash:
+``verify --values`` and ``scan``. Anything but a :class:`~ckpttool.errors.CkptError` escaping is a crash:
 libFuzzer saves the input under ``fuzz/artifacts/`` (the loop mode does the same) and stops.
 
 With atheris, ckpttool's modules are instrumented for coverage and a custom mutator mixes
@@ -61,6 +61,7 @@ def fuzz_with_atheris(argv: list[str]) -> None:
         import ckpttool.reader
         import ckpttool.render.show
         import ckpttool.render.show_tree
+        import ckpttool.scan
         import ckpttool.show
         import ckpttool.verify  # noqa: F401
 

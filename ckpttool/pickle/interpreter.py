@@ -33,6 +33,7 @@ from ckpttool.errors import (
     ResourceLimitError,
     UnsafePickleError,
 )
+from ckpttool.pickle.callables import ContextualUses, is_contextual
 from ckpttool.pickle.dcp_call import MODULES as DCP_MODULES
 from ckpttool.pickle.dcp_call import OPCODES as DCP_CALL_OPCODES
 from ckpttool.pickle.dcp_call import dcp_call
@@ -46,6 +47,7 @@ from ckpttool.pickle.emulation import (
     global_value,
     set_state,
 )
+from ckpttool.pickle.frames import ambiguous, check_frame, ends_an_opcode
 from ckpttool.pickle.policy import RENAMED_MODULES, Verdict, classify_global
 from ckpttool.pickle.tensor_call import OPCODES as TENSOR_CALL_OPCODES
 from ckpttool.pickle.tensor_call import tensor_call
@@ -103,6 +105,19 @@ _I32 = struct.Struct("<i").unpack_from
 
 #: What a call may make that ``BUILD`` may later set state on (``SafeUnpickler.created``).
 _MUTABLE = (dict, list, set, OpaqueObject, NdarrayBuilder, NumpyDtype)
+
+
+def _verdict_of(qualname: str) -> Verdict:
+    module, _, name = qualname.rpartition(".")
+    return classify_global(module, name)
+
+
+def _refused(qualname: str) -> UnsafePickleError:
+    return UnsafePickleError(
+        f"refusing to read: the pickle calls {qualname}, which can run code or "
+        "touch your system (nothing was run). Do not load this file with torch.load; "
+        "`ckpttool scan` lists everything it references"
+    )
 
 
 class TruncatedPickleError(CorruptCheckpointError):
@@ -167,7 +182,12 @@ class SafeUnpickler:
         self.memo_list: list[Any] = []
         self.memo: dict[int, Any] = {}
         self.created: set[int] = set()  # ids of objects BUILD may touch (made by this reader)
+        # the FRAME the walk is in (-1: none) and where the loop next stops to look: the end
+        # of the data, or the frame's, whose end must fall between two opcodes (frames.py)
+        self.frame_pos = self.frame_end = -1
+        self.limit = len(self.data)
         self.result = PickleResult(root=None, end=self.start)
+        self.contextual = ContextualUses(self.result.globals_seen, Verdict.SAFE, Verdict.DANGEROUS)
 
     # -- reading primitives ---------------------------------------------------------------
     def _take(self, n: int) -> memoryview:
@@ -220,12 +240,12 @@ class SafeUnpickler:
         module = RENAMED_MODULES.get(module, module)
         verdict = classify_global(module, name)
         self.result.globals_seen.append((module, name, verdict))
+        if is_contextual(f"{module}.{name}"):  # partial, getattr: settled by their uses
+            ref = GlobalRef(module, name)
+            self.contextual.named(ref, verdict)
+            return ref
         if verdict is Verdict.DANGEROUS and self.refuse_dangerous:
-            raise UnsafePickleError(
-                f"refusing to read: the pickle calls {module}.{name}, which can run code or "
-                "touch your system (nothing was run). Do not load this file with torch.load; "
-                "`ckpttool scan` lists everything it references"
-            )
+            raise _refused(f"{module}.{name}")
         return global_value(module, name)
 
     def call(self, func: Any, args: Any) -> Any:
@@ -235,10 +255,28 @@ class SafeUnpickler:
             raise _bad(self.pos, "call arguments are not a tuple")
         if self.compacts and _holds_compact(args):
             raise Redo  # the emulation would have seen the objects a record replaced
+        if self.contextual.refs:
+            resolved = self.contextual.call(func, args, _verdict_of)
+            if resolved is not None:
+                return resolved  # getattr(torch namespace, 'name'): the function it names
+            if self.refuse_dangerous and self.contextual.refused(func):
+                raise _refused(func.qualname)
         result = emulate_call(self.call, func, args)
         if isinstance(result, _MUTABLE):  # what BUILD may then touch
             self.created.add(id(result))
         return result
+
+    def _frame_passed(self, op_pos: int, pos: int) -> int:
+        """The walk reached the open frame's end (``pos``), or stepped past it from the opcode
+        (or the fast path's run of opcodes) at ``op_pos``: refuse the pickle unless an opcode
+        ends exactly there. Returns the loop's next limit."""
+        end = self.frame_end
+        if pos != end and not ends_an_opcode(self.raw, op_pos, end):
+            check_frame(self.raw, self.frame_pos, end - self.frame_pos - 9)  # says why
+            raise ambiguous(self.frame_pos, f"no opcode ends at its end (byte {end})")
+        self.frame_pos = self.frame_end = -1
+        self.limit = len(self.data)
+        return self.limit
 
     def _build(self, obj: Any, state: Any) -> Any:
         if isinstance(obj, (GlobalRef, TorchDtype, TorchLayout)) or id(obj) not in self.created:
@@ -261,13 +299,18 @@ class SafeUnpickler:
         """
         deadline = time.monotonic() + MAX_SECONDS
         try:
+            try:
+                return self._load(deadline)
+            except (CkptError, Redo):
+                if not self.compacts:
+                    raise
+            self.compact = False
+            self._reset()
             return self._load(deadline)
-        except (CkptError, Redo):
-            if not self.compacts:
-                raise
-        self.compact = False
-        self._reset()
-        return self._load(deadline)
+        except CkptError:
+            if self.frame_pos >= 0:  # stopped inside a frame: is it one torch.load reads alike?
+                check_frame(self.raw, self.frame_pos, self.frame_end - self.frame_pos - 9)
+            raise
 
     def _load(self, deadline: float) -> PickleResult:
         """Interpret opcodes until STOP.
@@ -294,10 +337,15 @@ class SafeUnpickler:
         raw = self.raw
         fast = self.fast_path and not track
         compact = self.compact
+        limit = self.limit
         try:
             while True:
-                if pos >= size:
-                    raise TruncatedPickleError("pickle truncated: it ends before its STOP opcode")
+                if pos >= limit:
+                    if pos >= size:
+                        raise TruncatedPickleError(
+                            "pickle truncated: it ends before its STOP opcode"
+                        )
+                    limit = self._frame_passed(op_pos, pos)
                 op_pos = pos
                 code = data[pos]
                 pos += 1
@@ -463,10 +511,14 @@ class SafeUnpickler:
                     if handler(self, op_pos):
                         break
                     pos = self.pos
+                    limit = self.limit  # a FRAME sets it
                     stack, starts = self.stack, self.starts
         except (IndexError, KeyError, TypeError, ValueError, struct.error, OverflowError,
                 UnicodeDecodeError, AttributeError, RecursionError) as error:  # fmt: skip
             raise _bad(op_pos, f"{type(error).__name__}: {error}") from None
+        unsafe = self.contextual.unsafe() if self.refuse_dangerous else None
+        if unsafe:  # a partial, getattr or torch namespace not (only) used as data
+            raise _refused(unsafe[0])
         # the memo held every intermediate object (torch memoizes each tensor's argument
         # tuples): free them before finalize copies the tree, which is when memory peaks
         memo.clear()
@@ -487,6 +539,8 @@ class SafeUnpickler:
 
 def _op_stop(u: SafeUnpickler, pos: int) -> bool:
     root, _ = u._pop()
+    if u.frame_end > pos + 1:  # bytes after the STOP inside its frame
+        raise ambiguous(u.frame_pos, f"{u.frame_end - pos - 1} bytes follow the STOP at byte {pos}")
     if u.stack or u.metastack:
         raise _bad(pos, "STOP with items left on the stack")
     u.result.root = root
@@ -505,6 +559,12 @@ def _op_frame(u: SafeUnpickler, pos: int) -> bool:
     length = u._u("<Q", 8)
     if length > len(u.data) - u.pos:
         raise _bad(pos, f"FRAME claims {length:,} bytes past the end")
+    if u.frame_end > pos:  # torch.load would skip the rest of the open frame
+        raise ambiguous(u.frame_pos, f"a FRAME begins inside it, at byte {pos}")
+    # torch.load and a linear reader read the same opcodes only if the frame ends between two
+    # of them (checked when the walk gets there: ``_frame_passed``, ``_op_stop``, ``load``)
+    u.frame_pos, u.frame_end = pos, u.pos + length
+    u.limit = u.frame_end
     u.result.frames.append((pos, length))
     return False
 

