@@ -24,7 +24,7 @@ from typing import Any
 from ckpttool.errors import CkptError, NotACheckpointError, UnsafePickleError
 from ckpttool.formats.dcp import METADATA, DcpFiles, is_dcp_directory, load_metadata, present
 from ckpttool.formats.torch_zip import is_torchscript, open_zip, read_record
-from ckpttool.pickle.interpreter import SafeUnpickler
+from ckpttool.pickle.interpreter import PickleResult, SafeUnpickler
 from ckpttool.pickle.policy import Verdict
 from ckpttool.reader import open_checkpoint, open_source
 from ckpttool.records import StorageRecord
@@ -36,6 +36,9 @@ class GlobalUse:
     qualname: str  # "torch._utils._rebuild_tensor_v2"
     verdict: Verdict  # safe / unknown / dangerous / allowed
     count: int
+    # how the pickle wrote the name, where Python 3 reads it as another ("__builtin__.long" for
+    # builtins.int in protocol 2: pickle.policy.python3_name)
+    written_as: str | None = None
 
 
 @dataclass
@@ -107,8 +110,19 @@ def _pickles_of_zip(path: Path | str) -> tuple[str, list[tuple[str, bytes]], lis
         return fmt, pickles, notes, unreadable
 
 
-def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, Verdict]], str | None, str | None]:
-    """Globals named by one pickle; an attack found in it; why it stopped early."""
+#: The globals a file's pickles name, counted, and how the pickles wrote the renamed ones.
+Counts = Counter[tuple[str, str, Verdict]]
+Written = dict[tuple[str, str], tuple[str, str]]
+
+
+def _tally(counts: Counts, written: Written, result: PickleResult) -> None:
+    counts.update(result.globals_seen)
+    written.update(result.renamed)
+
+
+def _walk_globals(data: bytes) -> tuple[PickleResult, str | None, str | None]:
+    """Globals named by one pickle (its result, as far as it got); an attack found in it; why
+    it stopped early."""
     placeholder = StorageRecord("?", "uint8", 0, "cpu", "", 0)  # storages are not read here
     unpickler = SafeUnpickler(data, persistent_load=lambda pid: placeholder, refuse_dangerous=False)
     attack = problem = None
@@ -118,7 +132,7 @@ def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, Verdict]], str |
         attack = str(error)
     except CkptError as error:
         problem = f"pickle not fully readable: {error}"
-    return Counter(unpickler.result.globals_seen), attack, problem
+    return unpickler.result, attack, problem
 
 
 def _is_zip(path: Path | str) -> bool:
@@ -126,18 +140,20 @@ def _is_zip(path: Path | str) -> bool:
         return handle.read(4) == b"PK\x03\x04"
 
 
-def _scan_dcp(path: Path | str) -> tuple[Counter[tuple[str, str, Verdict]], list[str], list[str]]:
-    """Globals of a DCP directory's every pickle: ``.metadata``, then each stored item's."""
+def _scan_dcp(path: Path | str, counts: Counts, written: Written) -> tuple[list[str], list[str]]:
+    """Globals of a DCP directory's every pickle (``.metadata``, then each stored item's),
+    tallied into ``counts`` and ``written``; (notes, problems)."""
     metadata = join(str(path), METADATA)
     with _open(metadata) as handle:
-        counts, attack, problem = _walk_globals(handle.read())
+        result, attack, problem = _walk_globals(handle.read())
+    _tally(counts, written, result)
     if attack or problem:  # the metadata cannot be trusted to say where the items are
-        return counts, [f"{METADATA}: {attack}"] if attack else [], [f"{METADATA}: {problem}"]
+        return [f"{METADATA}: {attack}"] if attack else [], [f"{METADATA}: {problem}"]
     try:
         with _open(metadata) as handle:
             _, meta = load_metadata(handle, refuse_dangerous=False)
     except CkptError as error:  # not DCP metadata (an attack's pickle?): report its globals
-        return counts, [], [f"{METADATA}: {error}"]
+        return [], [f"{METADATA}: {error}"]
     sizes = member_sizes(str(path), list(meta.files))
     files = DcpFiles(path, sizes)
     notes: list[str] = []
@@ -156,26 +172,27 @@ def _scan_dcp(path: Path | str) -> tuple[Counter[tuple[str, str, Verdict]], list
                     problems.append(f"{what}: {error}")
                     continue
                 if archive.pickle is not None:
-                    counts.update(archive.pickle.globals_seen)
+                    _tally(counts, written, archive.pickle)
     finally:
         files.close()
-    return counts, notes, problems
+    return notes, problems
 
 
 def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
     allowed = set(allow)
-    counts: Counter[tuple[str, str, Verdict]] = Counter()
+    counts: Counts = Counter()
+    written: Written = {}
     notes: list[str] = []
     problems: list[str] = []
     try:
         if _is_dcp(path):
             fmt = "dcp"
-            counts, notes, problems = _scan_dcp(path)
+            notes, problems = _scan_dcp(path, counts, written)
         elif _is_zip(path):
             fmt, pickles, notes, problems = _pickles_of_zip(path)
             for name, data in pickles:
                 found, attack, problem = _walk_globals(data)
-                counts.update(found)
+                _tally(counts, written, found)
                 if attack:
                     notes.append(f"{name}: {attack}")
                 if problem:
@@ -184,7 +201,7 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
             with open_checkpoint(path, refuse_dangerous=False) as ckpt:
                 fmt = ckpt.format
                 if ckpt.pickle is not None:
-                    counts.update(ckpt.pickle.globals_seen)
+                    _tally(counts, written, ckpt.pickle)
     except UnsafePickleError as error:  # BUILD on a global: refused even in scan mode
         return FileScan(str(path), None, notes=[_without_path(error, path)])
     except NotACheckpointError as error:
@@ -194,7 +211,9 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
     uses = []
     for (module, name, verdict), count in sorted(counts.items()):
         qualname = f"{module}.{name}"
-        uses.append(GlobalUse(qualname, Verdict.ALLOWED if qualname in allowed else verdict, count))
+        verdict = Verdict.ALLOWED if qualname in allowed else verdict
+        original = written.get((module, name))
+        uses.append(GlobalUse(qualname, verdict, count, original and ".".join(original)))
     return FileScan(str(path), fmt, uses, notes, error="; ".join(problems) or None)
 
 
