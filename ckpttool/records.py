@@ -1,12 +1,13 @@
 """Typed records that describe a checkpoint without holding its tensor bytes.
 
 A checkpoint is read into an object tree made of plain Python values (dict, list, tuple, set,
-int, float, str, bytes, bool, None) and three record types defined here:
+int, float, str, bytes, bool, None) and four record types defined here:
 
 * :class:`TensorRecord` for every tensor (and NumPy array) the file contains,
 * :class:`OpaqueObject` for any other object the pickle would have built (a config class, a
   model class): its class name and the plain data it carries, never imported,
-* :class:`GlobalRef` for a reference to a class or function that is stored as a value.
+* :class:`GlobalRef` for a reference to a class or function that is stored as a value,
+* :class:`BackReference` where an object refers to one that contains it (a parent link).
 
 Everything else (reading values, layout recognition, rendering) works on these records.
 """
@@ -511,6 +512,18 @@ class GlobalRef:
 
     def __str__(self) -> str:
         return f"<global {self.qualname}>"
+
+
+@dataclass(frozen=True, slots=True)
+class BackReference:
+    """Where an object refers back to one that contains it (an omegaconf node's ``_parent``, a
+    list holding itself): a leaf naming the object's type. The object itself is in the tree
+    where it was first reached; expanding it again here would never end."""
+
+    target: str  # the type of the object referred to: "dict", "omegaconf.dictconfig.DictConfig"
+
+    def __str__(self) -> str:
+        return f"<back-reference to {self.target}>"
 
 
 class OpaqueObject:

@@ -28,7 +28,7 @@ from ckpttool.formats.torch_legacy import read_pickle_stream
 from ckpttool.formats.torch_tar import is_torch_tar, scan_tar
 from ckpttool.formats.torch_zip import ambiguous_names, is_torchscript, open_zip, read_record
 from ckpttool.formats.zip_index import case_collision, fold
-from ckpttool.pickle.interpreter import SafeUnpickler
+from ckpttool.pickle.interpreter import PickleResult, SafeUnpickler
 from ckpttool.pickle.policy import Verdict
 from ckpttool.reader import open_checkpoint, open_source
 from ckpttool.scan_salvage import add_linear_globals, persistent_placeholder, salvage_pickles
@@ -40,6 +40,9 @@ class GlobalUse:
     qualname: str  # "torch._utils._rebuild_tensor_v2"
     verdict: Verdict  # safe / unknown / dangerous / allowed
     count: int
+    # how the pickle wrote the name, where Python 3 reads it as another ("__builtin__.long" for
+    # builtins.int in protocol 2: pickle.policy.python3_name)
+    written_as: str | None = None
 
 
 @dataclass
@@ -114,8 +117,19 @@ def _pickles_of_zip(path: Path | str) -> tuple[str, list[tuple[str, bytes]], lis
         return fmt, pickles, notes, unreadable
 
 
-def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, Verdict]], str | None, str | None]:
-    """Globals named by one pickle; an attack found in it; why it stopped early."""
+#: The globals a file's pickles name, counted, and how the pickles wrote the renamed ones.
+Counts = Counter[tuple[str, str, Verdict]]
+Written = dict[tuple[str, str], tuple[str, str]]
+
+
+def _tally(counts: Counts, written: Written, result: PickleResult) -> None:
+    counts.update(result.globals_seen)
+    written.update(result.renamed)
+
+
+def _walk_globals(data: bytes, written: Written) -> tuple[Counts, str | None, str | None]:
+    """Globals named by one pickle (their Python 2 spellings into ``written``); an attack found
+    in it; why it stopped early."""
     unpickler = SafeUnpickler(data, persistent_load=persistent_placeholder, refuse_dangerous=False)
     attack = problem = None
     try:
@@ -124,7 +138,8 @@ def _walk_globals(data: bytes) -> tuple[Counter[tuple[str, str, Verdict]], str |
         attack = str(error)
     except CkptError as error:
         problem = f"pickle not fully readable: {error}"
-    counts = Counter(unpickler.result.globals_seen)
+    counts: Counts = Counter()
+    _tally(counts, written, unpickler.result)
     if attack or problem:  # what torch.load may still import past the point the walk stopped
         add_linear_globals(counts, data, 0)
     return counts, attack, problem
@@ -135,11 +150,11 @@ def _is_zip(path: Path | str) -> bool:
         return handle.read(4) == b"PK\x03\x04"
 
 
-def _scan_dcp(path: Path | str) -> tuple[Counter[tuple[str, str, Verdict]], list[str], list[str]]:
+def _scan_dcp(path: Path | str, written: Written) -> tuple[Counts, list[str], list[str]]:
     """Globals of a DCP directory's every pickle: ``.metadata``, then each stored item's."""
     metadata = join(str(path), METADATA)
     with _open(metadata) as handle:
-        counts, attack, problem = _walk_globals(handle.read())
+        counts, attack, problem = _walk_globals(handle.read(), written)
     if attack or problem:  # the metadata cannot be trusted to say where the items are
         return counts, [f"{METADATA}: {attack}"] if attack else [], [f"{METADATA}: {problem}"]
     try:
@@ -165,7 +180,7 @@ def _scan_dcp(path: Path | str) -> tuple[Counter[tuple[str, str, Verdict]], list
                     problems.append(f"{what}: {error}")
                     continue
                 if archive.pickle is not None:
-                    counts.update(archive.pickle.globals_seen)
+                    _tally(counts, written, archive.pickle)
     finally:
         files.close()
     return counts, notes, problems
@@ -173,17 +188,18 @@ def _scan_dcp(path: Path | str) -> tuple[Counter[tuple[str, str, Verdict]], list
 
 def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
     allowed = set(allow)
-    counts: Counter[tuple[str, str, Verdict]] = Counter()
+    counts: Counts = Counter()
+    written: Written = {}
     notes: list[str] = []
     problems: list[str] = []
     try:
         if _is_dcp(path):
             fmt = "dcp"
-            counts, notes, problems = _scan_dcp(path)
+            counts, notes, problems = _scan_dcp(path, written)
         elif _is_zip(path):
             fmt, pickles, notes, problems = _pickles_of_zip(path)
             for name, data in pickles:
-                found, attack, problem = _walk_globals(data)
+                found, attack, problem = _walk_globals(data, written)
                 counts.update(found)
                 if attack:
                     notes.append(f"{name}: {attack}")
@@ -197,7 +213,7 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
                 with open_checkpoint(path, refuse_dangerous=False, allow_ambiguous=True) as ckpt:
                     fmt = ckpt.format
                     if ckpt.pickle is not None:
-                        counts.update(ckpt.pickle.globals_seen)
+                        _tally(counts, written, ckpt.pickle)
                     counts.update(ckpt.details.get("pickle_globals", ()))
                     if ckpt.details.get("ambiguous"):
                         notes.append(f"ambiguous: {ckpt.details['ambiguous']}")
@@ -219,7 +235,9 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
     uses = []
     for (module, name, verdict), count in sorted(counts.items()):
         qualname = f"{module}.{name}"
-        uses.append(GlobalUse(qualname, Verdict.ALLOWED if qualname in allowed else verdict, count))
+        verdict = Verdict.ALLOWED if qualname in allowed else verdict
+        original = written.get((module, name))
+        uses.append(GlobalUse(qualname, verdict, count, original and ".".join(original)))
     return FileScan(str(path), fmt, uses, notes, error="; ".join(problems) or None)
 
 
@@ -228,7 +246,7 @@ def _is_tar(path: Path | str) -> bool:
         return is_torch_tar(handle)
 
 
-def _scan_tar(path: Path | str) -> tuple[Counter[tuple[str, str, Verdict]], list[str], list[str]]:
+def _scan_tar(path: Path | str) -> tuple[Counts, list[str], list[str]]:
     """torch's tar format: every pickle torch.load unpickles from it; and, if the file reads
     as a pickle stream or as safetensors too, that reading's globals and a note saying so."""
     with _open(path) as handle:

@@ -29,7 +29,7 @@ from ckpttool.formats.safetensors_file import looks_like_safetensors
 from ckpttool.formats.torch_legacy import MAGIC_NUMBER
 from ckpttool.pickle.interpreter import SafeUnpickler, TruncatedPickleError
 from ckpttool.pickle.names import linear_globals
-from ckpttool.pickle.policy import RENAMED_MODULES, Verdict, classify_global
+from ckpttool.pickle.policy import Verdict, classify_global, python3_name
 from ckpttool.records import StorageRecord
 from ckpttool.source import is_url
 
@@ -118,8 +118,12 @@ def add_linear_globals(counts: _Counts, data: bytes, start: int) -> None:
     """Add to ``counts`` the globals a linear read of the pickle at ``start`` finds that the
     walk, stopped early, did not (:func:`ckpttool.pickle.names.linear_globals`)."""
     known = {(module, name) for module, name, _ in counts}
-    for module, name in linear_globals(data, start):
-        module = RENAMED_MODULES.get(module, module)
+    # the protocol its PROTO opcode declares (0 without one): it decides Python 2's names
+    protocol = (
+        data[start + 1] if data[start : start + 1] == b"\x80" and len(data) > start + 1 else 0
+    )
+    for written_module, written_name in linear_globals(data, start):
+        module, name = python3_name(written_module, written_name, protocol)
         if (module, name) not in known:
             known.add((module, name))
             counts[(module, name, classify_global(module, name))] += 1

@@ -235,8 +235,11 @@ def _plain_call(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any
     }  # fmt: skip
     if func.name in ("bytes", "bytearray") and args and isinstance(args[0], int):
         raise ResourceLimitError(f"pickle asks for {func.name}({args[0]:,}) (an allocation)")
-    if all(isinstance(a, (int, float, str, bytes, bool, type(None), list, tuple)) for a in args):
-        return constructors[func.name](*args)
+    constructor = constructors.get(func.name)  # an exception class: kept as an opaque object
+    if constructor is not None and all(
+        isinstance(a, (int, float, str, bytes, bool, type(None), list, tuple)) for a in args
+    ):
+        return constructor(*args)
     return OpaqueObject(func.qualname, args)
 
 

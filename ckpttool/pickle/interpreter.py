@@ -14,7 +14,8 @@ Resources are bounded: every length prefix is checked against the bytes that rem
 ``BINBYTES8`` claiming a terabyte fails at once), the memo is a list for the
 indices torch.save uses (0, 1, 2...) and a dict past its end (``LONG_BINPUT 0x7fffffff`` costs
 one entry), nesting depth and the size of the expanded tree are capped, and
-cycles are refused.
+an object that refers back to one containing it (a parent link) becomes a
+:class:`~ckpttool.records.BackReference` leaf, so the tree every consumer walks has no cycle.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ from ckpttool.pickle.emulation import (
     set_state,
 )
 from ckpttool.pickle.frames import ambiguous, check_frame, ends_an_opcode
-from ckpttool.pickle.policy import RENAMED_MODULES, Verdict, classify_global
+from ckpttool.pickle.policy import Verdict, classify_global, python3_name
 from ckpttool.pickle.tensor_call import OPCODES as TENSOR_CALL_OPCODES
 from ckpttool.pickle.tensor_call import tensor_call
-from ckpttool.records import GlobalRef, OpaqueObject, StorageRecord, TensorRecord
+from ckpttool.records import BackReference, GlobalRef, OpaqueObject, StorageRecord, TensorRecord
 
 MAX_DEPTH = 200  # nesting of containers; real checkpoints stay under 20
 MAX_NODES = 20_000_000  # nodes of the fully expanded tree (shared references counted each time)
@@ -87,8 +88,11 @@ class ItemSpan:
 class PickleResult:
     root: Any
     end: int  # offset just past STOP
-    # (module, name, verdict) of each global the pickle names, in order
+    # (module, name, verdict) of each global the pickle names, in order, by its Python 3 name
     globals_seen: list[tuple[str, str, Verdict]] = field(default_factory=list)
+    # (module, name) of globals_seen -> as the pickle wrote it, where that differs (``__builtin__
+    # long`` in protocol 2 is ``builtins.int``: ``policy.python3_name``)
+    renamed: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
     root_items: list[ItemSpan] = field(default_factory=list)
     stop_at: int = -1  # offset of the STOP opcode
     frames: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) of FRAME ops
@@ -166,6 +170,7 @@ class SafeUnpickler:
     def _reset(self) -> None:
         """The walk's state, fresh (``__init__``, and a walk done again without ``dcp_call``)."""
         self.pos = self.start
+        self.protocol = 0  # as the last PROTO opcode said (none: 0), for ``python3_name``
         self.compacts = 0  # records ``dcp_call`` made
         self.dcp_layouts: dict[str, Any] = {}  # its ``Layouts``, by class name
         self.overwrites = 0  # PUTs onto a memo index already PUT (layouts check it)
@@ -236,8 +241,10 @@ class SafeUnpickler:
         return obj
 
     # -- globals and calls ----------------------------------------------------------------
-    def _global(self, module: str, name: str) -> Any:
-        module = RENAMED_MODULES.get(module, module)
+    def _global(self, written_module: str, written_name: str) -> Any:
+        module, name = python3_name(written_module, written_name, self.protocol)
+        if (module, name) != (written_module, written_name):
+            self.result.renamed[module, name] = (written_module, written_name)
         verdict = classify_global(module, name)
         self.result.globals_seen.append((module, name, verdict))
         if is_contextual(f"{module}.{name}"):  # partial, getattr: settled by their uses
@@ -552,6 +559,7 @@ def _op_proto(u: SafeUnpickler, pos: int) -> bool:
     version = u._take(1)[0]
     if version > 5:
         raise _bad(pos, f"unsupported pickle protocol {version}")
+    u.protocol = version
     return False
 
 
@@ -934,7 +942,7 @@ DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
 
 
 # ---------------------------------------------------------------------------------------
-# Finalisation: replace internal placeholders, refuse cycles, bound depth and expanded size.
+# Finalisation: replace internal placeholders, cut cycles, bound depth and expanded size.
 
 
 #: Leaves that finalize returns as they are, weighing one node each.
@@ -973,7 +981,9 @@ def _holds_compact(value: Any) -> bool:
 def finalize(
     root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES, compacts: int = 0
 ) -> Any:
-    """The tree with the walk's placeholders replaced, checked for cycles, depth and size.
+    """The tree with the walk's placeholders replaced, checked for depth and size, and each
+    reference to a container that holds it (a cycle: a parent link) made a
+    :class:`~ckpttool.records.BackReference` leaf of weight one.
 
     A ``dcp_call`` record (only where ``compacts`` were made) counts as the objects it replaced:
     its ``nodes``, its ``depth``, and a visit of what it shares; reaching one twice raises
@@ -1033,10 +1043,9 @@ def _finalize(root: Any, max_nodes: int, max_reuse: int, compacts: int) -> tuple
         if key in done:
             reuse(sizes[key])
             return done[key], sizes[key]
-        if key in on_path:
-            raise CorruptCheckpointError(
-                "the pickle builds a structure that contains itself; no checkpoint does that"
-            )
+        if key in on_path:  # an ancestor: omegaconf's ``_parent``, a list holding itself
+            target = node.cls if isinstance(node, OpaqueObject) else type(node).__name__
+            return BackReference(target), 1
         on_path.add(key)
         total = 1
         out: Any

@@ -10,13 +10,21 @@ global); safety never depends on it, since nothing named is ever imported or cal
 
 from __future__ import annotations
 
+import _compat_pickle
 from collections.abc import Iterable
 from enum import Enum
 
 from ckpttool.pickle.callables import torch_function
 from ckpttool.pickle.emulation import is_emulated
 
-__all__ = ["RENAMED_MODULES", "Verdict", "classify_global", "is_data_record", "never_load_problem"]
+__all__ = [
+    "RENAMED_MODULES",
+    "Verdict",
+    "classify_global",
+    "is_data_record",
+    "never_load_problem",
+    "python3_name",
+]
 
 
 class Verdict(str, Enum):
@@ -163,8 +171,30 @@ _DANGEROUS_NAMES = frozenset(
         "copyreg.__newobj_ex__",
     }
 )
-#: py2 names written by protocol 0/1 pickles
+#: py2 module names classed under their Python 3 names in every protocol (see ``python3_name``)
 RENAMED_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg", "_compat_pickle": "pickle"}
+
+
+def python3_name(module: str, name: str, protocol: int) -> tuple[str, str]:
+    """The global Python 3 looks up for ``module.name`` in a pickle of ``protocol``.
+
+    Python 3 writes a pickle of protocol 0 to 2 (``torch.save``'s default is 2) with Python 2's
+    names, for Python 2 to read: ``int`` as ``__builtin__.long``, ``str`` as
+    ``__builtin__.unicode``, ``range`` as ``__builtin__.xrange``. ``pickle.Unpickler.find_class``
+    (``fix_imports=True``, the default, also torch.load's) maps them back when the protocol the
+    pickle declared is below 3 (0 without a ``PROTO`` opcode): ``_compat_pickle.NAME_MAPPING``
+    for the pair, else ``IMPORT_MAPPING`` for the module. The same is done here, so a name is
+    classed as what Python would load. Past that, ``RENAMED_MODULES`` applies in every protocol:
+    Python 3 would fail to import ``__builtin__`` in a protocol-3 pickle, but ``__builtin__.eval``
+    is still classed as ``builtins.eval`` (refused), never as harmless.
+    """
+    if protocol < 3:
+        renamed = _compat_pickle.NAME_MAPPING.get((module, name))
+        if renamed is not None:
+            module, name = renamed
+        else:
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+    return RENAMED_MODULES.get(module, module), name
 
 
 def classify_global(module: str, name: str) -> Verdict:

@@ -20,7 +20,10 @@ def render_text(report: ScanReport) -> str:
             rows.append([scanned.path, "-", "could not scan", scanned.error])
         for use in scanned.globals:
             if use.verdict is not Verdict.SAFE:
-                rows.append([scanned.path, use.qualname, use.verdict, use.count])
+                name = use.qualname
+                if use.written_as is not None:
+                    name += f" (written {use.written_as})"
+                rows.append([scanned.path, name, use.verdict, use.count])
         rows.extend([scanned.path, "-", Verdict.DANGEROUS, note] for note in scanned.notes)
     rows.extend(
         [directory, "-", "no checkpoint found", "no file in it is a checkpoint"]
@@ -49,8 +52,8 @@ def render_json(report: ScanReport) -> dict[str, Any]:
         "no_checkpoint_found": report.empty,
         "files": [
             {"path": f.path, "format": f.format, "error": f.error, "notes": f.notes,
-             "globals": [{"name": g.qualname, "verdict": g.verdict, "count": g.count}
-                         for g in f.globals]}
+             "globals": [{"name": g.qualname, "verdict": g.verdict, "count": g.count,
+                          "written_as": g.written_as} for g in f.globals]}
             for f in report.files
         ],
     }  # fmt: skip

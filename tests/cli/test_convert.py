@@ -24,6 +24,9 @@ SHOW_FIXTURES = [FIXTURES / name for name in FIXTURE_FILES if name != "special/t
 # Files without a model section whose non-tensor entries diff compares in full: safetensors
 # has no place for some of them (bytes, complex numbers, RNG state), so diff reports fields.
 FIELDS_DIFFER = {
+    "special/builtin_types.pth",
+    "special/omegaconf_config.pth",
+    "special/parent_links.pth",
     "special/cuda_storages.pth",
     "special/namespace_config.pth",
     "special/nested_generic.pth",

@@ -155,6 +155,8 @@ def deep_marks(depth: int = 1_000_000) -> bytes:
 
 
 def self_reference() -> bytes:
+    """A list holding itself: legitimate (a parent link is the same construct), read with a
+    back-reference where it meets itself."""
     return b"\x80\x02]q\x00h\x00a."
 
 
