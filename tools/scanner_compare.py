@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import io
 import json
 import logging
@@ -205,40 +206,43 @@ def main(argv: list[str] | None = None) -> None:
         )
         print("|---|---|---|---|---|---|")
         missed_by_tool: dict[str, set[Path]] = {}
+        false_alarms: dict[str, list[Path]] = {}
         for name, (module, tool) in TOOLS.items():
+            label = name
             if module is not None:
                 try:
                     __import__(module)
                 except ImportError:
                     print(f"| {name} | not installed | | | | |")
                     continue
+                label = f"{name} {importlib.metadata.version(module)}"
             on_live, on_benign = verdicts(tool, live), verdicts(tool, benign)
             flagged = sum(v in (DANGEROUS, WARNING) for v in on_live.values())
             clean = sum(v == CLEAN for v in on_live.values())
             failed = sum(v == ERROR for v in on_live.values())
             false_alarm = sum(v == DANGEROUS for v in on_benign.values())
             warned = sum(v == WARNING for v in on_benign.values())
-            print(f"| {name} | {flagged} / {len(live)} | {clean} | {failed} "
+            print(f"| {label} | {flagged} / {len(live)} | {clean} | {failed} "
                   f"| {false_alarm} / {len(benign)} | {warned} |")  # fmt: skip
-            missed_by_tool[name] = {p for p, v in on_live.items() if v in (CLEAN, ERROR)}
-            if args.details:
-                for path in sorted(p for p, v in on_benign.items() if v == DANGEROUS):
-                    print(f"|   benign flagged dangerous: {path.relative_to(work)}"
-                          if path.is_relative_to(work) else
-                          f"|   benign flagged dangerous: {path.relative_to(REPO)}")  # fmt: skip
+            missed_by_tool[label] = {p for p, v in on_live.items() if v in (CLEAN, ERROR)}
+            false_alarms[label] = sorted(p for p, v in on_benign.items() if v == DANGEROUS)
         tools = list(missed_by_tool)
         print("\nLive files missed (passed as clean or failed on), by class:\n")
         print("| class | live files | " + " | ".join(tools) + " |")
         print("|---|---|" + "---|" * len(tools))
-        for label, paths in sorted(classes.items()):
+        for class_label, paths in sorted(classes.items()):
             cells = [str(len(missed_by_tool[t] & set(paths))) for t in tools]
-            print(f"| {label} | {len(paths)} | " + " | ".join(cells) + " |")
+            print(f"| {class_label} | {len(paths)} | " + " | ".join(cells) + " |")
         if args.details:
-            for tool_name in tools:
-                for label, paths in sorted(classes.items()):
-                    missed = sorted(p.name for p in missed_by_tool[tool_name] & set(paths))
+            print()
+            for tool_label in tools:
+                for class_label, paths in sorted(classes.items()):
+                    missed = sorted(p.name for p in missed_by_tool[tool_label] & set(paths))
                     if missed:
-                        print(f"{tool_name} misses, {label}: {', '.join(missed)}")
+                        print(f"{tool_label} misses, {class_label}: {', '.join(missed)}")
+                for path in false_alarms[tool_label]:
+                    shown = path.relative_to(work if path.is_relative_to(work) else REPO)
+                    print(f"{tool_label} calls a benign file dangerous: {shown}")
         leftover = sorted(p.name for p in (work / "markers").iterdir())
         if leftover:
             raise SystemExit(f"a scanner ran a payload: {leftover}")
