@@ -3,13 +3,16 @@ dangerous, no command ever running a payload.
 
 The hostile side is :func:`tests.support.adversarial.hostile_pickles` (the code-execution payloads
 in every container, frame splits and other parser differentials, pickles under any name and
-first opcode, errors after a payload, the gadgets of published scanner bypasses), each file with
-its own marker. Whether a file is live is not assumed: :mod:`tests.workers.liveness_worker` loads
+first opcode, errors after a payload, the gadgets of published scanner bypasses) and the
+container level, :data:`tests.support.containers.HOSTILE` (legacy streams in other protocols or
+with a payload in another of their five pickles, torch's tar format, zip names differing in
+case, two zip end records, a safetensors/pickle polyglot), each file with its own marker. Whether a file is live is not assumed: :mod:`tests.workers.liveness_worker` loads
 each one with ``torch.load(weights_only=False)`` in a forked child of one throwaway process and
-reports which markers appeared. The benign side is every fixture of the repository and
+reports which markers appeared. The benign side is every fixture of the repository,
 :func:`tests.support.adversarial.write_benign` (torch.save of state dicts, an optimizer, a module,
 dataclass and Namespace configs, NumPy arrays, functools.partial configs; zip and legacy, pickle
-protocols 2 to 5).
+protocols 2 to 5) and :data:`tests.support.containers.BENIGN` (legacy files in protocols 1 to 5,
+a module and an optimizer saved whole, an archive without CRC-32s).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from click.testing import CliRunner
 
 from ckpttool.cli import cli
 from ckpttool.reader import open_checkpoint
-from tests.support import adversarial
+from tests.support import adversarial, containers
 from tests.support.helpers import FIXTURES
 
 torch = pytest.importorskip("torch")
@@ -65,6 +68,8 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         built = adversarial.hostile_pickles(lambda name: markers / name)
+    assert not built.keys() & containers.HOSTILE.keys()
+    built |= {name: make(markers / name) for name, make in containers.HOSTILE.items()}
     for name, data in built.items():
         (files / name).write_bytes(data)
     worker = [sys.executable, "-m", "tests.workers.liveness_worker", str(files), str(markers)]
@@ -168,14 +173,21 @@ def test_no_command_runs_a_payload(
 
 @pytest.fixture(scope="module")
 def benign(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("benign")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return adversarial.write_benign(tmp_path_factory.mktemp("benign"))
+        paths = adversarial.write_benign(folder)
+        for name, make in containers.BENIGN.items():
+            (folder / name).write_bytes(make())
+            paths.append(folder / name)
+    return paths
 
 
 def test_benign_files_are_never_dangerous(benign: list[Path]) -> None:
     """Nothing torch.save writes for common objects is called dangerous (config and module
-    classes are "unknown": torch.load would import them), in any format or protocol."""
+    classes are "unknown": torch.load would import them), in any format or protocol; and every
+    such file is scanned to its end (never "could not scan": a legacy ``torch.save(model)``
+    included, its classes reported as globals)."""
     _, report = _scan(*benign)
     dangerous = [
         (f["path"], f["notes"], [g["name"] for g in f["globals"] if g["verdict"] == "dangerous"])
@@ -183,7 +195,14 @@ def test_benign_files_are_never_dangerous(benign: list[Path]) -> None:
         if f["notes"] or any(g["verdict"] == "dangerous" for g in f["globals"])
     ]
     assert not dangerous
-    assert len(report["files"]) == len(benign) == 64
+    assert not [(f["path"], f["error"]) for f in report["files"] if f["error"]]
+    assert len(report["files"]) == len(benign) == 74
+    modules = [f for f in report["files"] if Path(f["path"]).name.startswith("module.legacy")]
+    for entry in modules:  # the ('module', class, ...) persistent ids give back the classes
+        assert {g["name"]: g["verdict"] for g in entry["globals"]}[
+            "torch.nn.modules.container.Sequential"
+        ] == "unknown", entry
+    assert len(modules) == 4
 
 
 def test_fixtures_are_never_dangerous() -> None:

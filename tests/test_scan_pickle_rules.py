@@ -31,6 +31,7 @@ from ckpttool.pickle.interpreter import load_pickle
 from ckpttool.pickle.names import linear_globals
 from ckpttool.pickle.policy import DISTRIBUTED_RECORDS, Verdict, classify_global
 from ckpttool.reader import open_checkpoint
+from ckpttool.records import OpaqueObject, TensorRecord
 from tests.support import adversarial
 
 torch = pytest.importorskip("torch")
@@ -139,7 +140,12 @@ def test_globals_seen_before_a_walk_error_are_reported(
     code, report = _scan(path)
     entry = report["files"][0]
     assert code == 1  # dangerous wins over "could not scan"
-    assert {"name": "posix.system", "verdict": "dangerous", "count": 1, "written_as": None} in entry["globals"]
+    assert {
+        "name": "posix.system",
+        "verdict": "dangerous",
+        "count": 1,
+        "written_as": None,
+    } in entry["globals"]
 
 
 def test_names_past_the_walks_limit_are_reported(tmp_path: Path) -> None:
@@ -283,6 +289,85 @@ dist.destroy_process_group()
             "torch.distributed.checkpoint.planner.SavePlan"} <= names  # fmt: skip
     with open_checkpoint(tmp_path / "dtensor.pt") as ckpt:
         assert sorted(r.key for r in ckpt.tensors()) == ["r", "s"]
+
+
+# --- NumPy arrays in pickle protocol 5 -----------------------------------------------------
+
+
+def _numpy_arrays() -> dict[str, Any]:
+    """Arrays of every form protocol 5 pickles through ``numpy._core.numeric._frombuffer``:
+    C order, Fortran order, a permuted one (order "K" and an axis order), big-endian, empty,
+    0-d, bool, read-only (its buffer in-band as bytes, not a bytearray)."""
+    import numpy as np
+
+    read_only = np.arange(4.0)
+    read_only.flags.writeable = False
+    return {
+        "a": np.arange(6).reshape(2, 3),
+        "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        "permuted": np.arange(24, dtype=np.int16).reshape(2, 3, 4).transpose(1, 0, 2),
+        "big_endian": np.arange(3, dtype=">f4"),
+        "empty": np.zeros((0, 3)),
+        "scalar": np.array(2.5),
+        "flags": np.array([True, False]),
+        "read_only": read_only,
+    }
+
+
+@pytest.mark.parametrize("zipped", [True, False])
+def test_numpy_arrays_of_protocol_5_are_data(tmp_path: Path, zipped: bool) -> None:
+    """``torch.save(..., pickle_protocol=5)`` of NumPy arrays: scan classes
+    ``_frombuffer`` as safe (no finding), show lists each array with its values."""
+    import numpy as np
+    import torch
+
+    arrays = _numpy_arrays()
+    path = tmp_path / "arrays.pt"
+    torch.save(arrays, path, pickle_protocol=5, _use_new_zipfile_serialization=zipped)
+    assert b"_frombuffer" in path.read_bytes()
+    code, report = _scan(path)
+    assert code == 0, report
+    verdicts = {g["name"]: g["verdict"] for g in report["files"][0]["globals"]}
+    assert verdicts["numpy._core.numeric._frombuffer"] == "safe", verdicts
+    with open_checkpoint(path) as ckpt:
+        records = {record.key: record for record in ckpt.tensors()}
+        assert list(records) == list(arrays)
+        for key, expected in arrays.items():
+            record = records[key]
+            assert record.kind == "ndarray"
+            data, _ = ckpt.read_bytes(record)
+            dtype = expected.dtype
+            flat = np.frombuffer(bytes(data), dtype=dtype)
+            strides = tuple(s * dtype.itemsize for s in record.stride)
+            got = np.lib.stride_tricks.as_strided(flat, shape=record.shape, strides=strides)
+            assert got.dtype == dtype and np.array_equal(got, expected), key
+    shown = CliRunner().invoke(cli, ["show", str(path)])
+    assert shown.exit_code == 0 and "opaque" not in shown.output + shown.stderr
+
+
+def _frombuffer_pickle(*args: bytes) -> bytes:
+    """A protocol-2 pickle of ``numpy._core.numeric._frombuffer(raw, numpy.dtype('i8'),
+    *args)``, each argument given as opcodes."""
+    dtype = b"cnumpy\ndtype\n" + pickle.dumps("i8", 2)[2:-1] + b"\x89\x88\x87R"
+    raw = b"C\x10" + bytes(16)  # two int64
+    call = b"cnumpy._core.numeric\n_frombuffer\n(" + raw + dtype + b"".join(args) + b"tR."
+    return b"\x80\x02" + call
+
+
+def test_frombuffer_arguments_are_checked() -> None:
+    """The array's size must be the bytes the pickle carries (numpy's reshape fails too);
+    arguments numpy would not take from its own pickles stay an opaque object."""
+    ok = load_pickle(_frombuffer_pickle(b"K\x02\x85X\x01\x00\x00\x00C")).root
+    assert isinstance(ok, TensorRecord) and ok.shape == (2,) and ok.kind == "ndarray"
+    with pytest.raises(CkptError, match="carries 16 bytes"):
+        load_pickle(_frombuffer_pickle(b"K\x03\x85X\x01\x00\x00\x00C"))
+    for odd in (
+        b"K\x02\x85X\x01\x00\x00\x00Z",  # an order numpy never writes
+        b"K\x02\x85X\x01\x00\x00\x00K",  # order "K" without an axis order
+        b"(" + b"K\x01" * 65 + b"tX\x01\x00\x00\x00C",  # 65 dimensions
+        b"J\xff\xff\xff\xff\x85X\x01\x00\x00\x00C",  # a negative dimension
+    ):
+        assert isinstance(load_pickle(_frombuffer_pickle(odd)).root, OpaqueObject), odd
 
 
 # --- frames: ckpttool accepts exactly what torch.load and a linear reader read alike ----------

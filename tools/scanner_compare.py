@@ -1,15 +1,21 @@
-"""ckpttool scan against other pickle scanners, over the differential corpus: a table.
+"""ckpttool scan against other pickle scanners, over the whole hostile corpus: tables.
 
-    python -m tools.scanner_compare [--work DIR]
+    python -m tools.scanner_compare [--work DIR] [--details]
 
-Builds the hostile files of :func:`tests.support.adversarial.hostile_pickles` (each with its own
-marker) and the benign ones (:func:`tests.support.adversarial.write_benign` plus every torch
-file among the repository's fixtures), learns which hostile files are live by loading each with
-``torch.load(weights_only=False)`` in a throwaway child (:mod:`tests.workers.liveness_worker`),
-then asks each scanner about every file, in file mode: ckpttool, and picklescan, modelscan and
-fickling where installed (``pip install picklescan modelscan fickling``; they are not
-dependencies of ckpttool). Prints, per tool, the live files it flags (as dangerous, or with a
-warning), those it passes as clean, those it fails on, and the benign files it flags.
+Builds the hostile files of both corpora, each with its own marker: the pickle level
+(:func:`tests.support.adversarial.hostile_pickles`) and the container level
+(:data:`tests.support.containers.HOSTILE`: legacy streams in other protocols or with a payload
+in another of their five pickles, torch's tar format, zip names differing in case, two zip end
+records, a safetensors/pickle polyglot); and the benign ones: the torch-written files of both
+builders (:func:`tests.support.adversarial.write_benign`, :data:`tests.support.containers.BENIGN`)
+and every torch file among the repository's fixtures. Learns which hostile files are live by
+loading each with ``torch.load(weights_only=False)`` in a throwaway child
+(:mod:`tests.workers.liveness_worker`), then asks each scanner about every file, in file mode:
+ckpttool, and picklescan, modelscan and fickling where installed (``pip install picklescan
+modelscan fickling``; they are not dependencies of ckpttool). Prints, per tool, the live files
+it flags (as dangerous, or with a warning), those it passes as clean, those it fails on, and
+the benign files it flags; then, per class of the corpus, how many live files each tool
+misses (``--details``: their names, and the benign files each tool calls dangerous).
 
 Levels: ckpttool "dangerous" (a dangerous global, an ambiguous file) / "warning" (an unknown
 global); picklescan infected / suspicious; modelscan CRITICAL or HIGH / MEDIUM or LOW; fickling
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import io
 import json
 import logging
@@ -93,18 +100,67 @@ TOOLS: dict[str, tuple[str | None, Callable[[Path], str]]] = {
 }
 
 
-def build(work: Path) -> tuple[list[Path], list[Path], list[Path]]:
-    """(live hostile files, hostile files torch.load does not run, benign files)."""
-    from tests.support import adversarial
+#: Classes of the pickle-level corpus (:mod:`tests.support.adversarial`) by file name prefix.
+PICKLE_CLASSES = {
+    "frame_": "pickle: irregular FRAMEs",
+    "first_opcode_": "pickle: any name, any first opcode",
+    "stop_with_open_mark": "pickle: an error after the payload",
+    "ext_after_payload": "pickle: an error after the payload",
+    "garbage_after_payload": "pickle: an error after the payload",
+    "deep_marks_then_payload": "pickle: an error after the payload",
+}
+#: Classes of the container-level corpus (:mod:`tests.support.containers`) by file name prefix.
+CONTAINER_CLASSES = {
+    "legacy_protocol": "container: legacy stream in protocol 4",
+    "legacy_payload_in_": "container: payload in a legacy stream's other pickles",
+    "tar_": "container: torch's pre-0.4 tar format",
+    "zip_upper_case_": "container: zip names differing in case",
+    "zip_two_": "container: two zip end records",
+    "safetensors_pickle_polyglot": "container: safetensors that is also a pickle",
+}
+
+
+def file_class(name: str) -> str:
+    """The corpus class of a hostile file, by its name."""
+    from tests.support import adversarial, containers
+
+    if name in containers.HOSTILE:
+        return next(c for prefix, c in CONTAINER_CLASSES.items() if name.startswith(prefix))
+    stem, _, suffix = name.partition(".")
+    if stem in adversarial.PAYLOADS or stem == "unlisted_callable_p2":
+        where = {"pkl": "a bare pickle", "zip.pth": "a torch zip", "legacy.pth": "a legacy stream"}
+        return f"pickle: code execution in {where[suffix]}"
+    for prefix, label in PICKLE_CLASSES.items():
+        if name.startswith(prefix):
+            return label
+    return "pickle: gadgets of published scanner bypasses"
+
+
+def build(work: Path) -> tuple[list[Path], list[Path], dict[str, list[Path]]]:
+    """(live hostile files, hostile files torch.load does not run, benign files by source).
+
+    The hostile files are the pickle-level corpus and the container-level one, in one folder,
+    each with its own marker; the benign ones, those both corpora's builders write with torch
+    and every torch file among the fixtures."""
+    from tests.support import adversarial, containers
 
     hostile, markers = work / "hostile", work / "markers"
     hostile.mkdir(parents=True)
     markers.mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, data in adversarial.hostile_pickles(lambda name: markers / name).items():
+        built = adversarial.hostile_pickles(lambda name: markers / name)
+        assert not built.keys() & containers.HOSTILE.keys()
+        built |= {name: make(markers / name) for name, make in containers.HOSTILE.items()}
+        for name, data in built.items():
             (hostile / name).write_bytes(data)
-        benign = adversarial.write_benign(work / "benign")
+        benign = {"adversarial.write_benign": adversarial.write_benign(work / "benign")}
+        (work / "benign-containers").mkdir()
+        benign["containers.BENIGN"] = []
+        for name, make_benign in containers.BENIGN.items():
+            path = work / "benign-containers" / name
+            path.write_bytes(make_benign())
+            benign["containers.BENIGN"].append(path)
     worker = [sys.executable, "-m", "tests.workers.liveness_worker", str(hostile), str(markers)]
     liveness = json.loads(subprocess.run(worker, cwd=REPO, capture_output=True, check=True).stdout)
     for marker in markers.iterdir():
@@ -112,7 +168,7 @@ def build(work: Path) -> tuple[list[Path], list[Path], list[Path]]:
     live = [hostile / n for n, seen in sorted(liveness.items()) if seen["live"]]
     dead = [hostile / n for n, seen in sorted(liveness.items()) if not seen["live"]]
     fixtures = REPO / "tests" / "fixtures"
-    benign += sorted(p for p in fixtures.rglob("*") if p.suffix in FIXTURE_SUFFIXES)
+    benign["fixtures"] = sorted(p for p in fixtures.rglob("*") if p.suffix in FIXTURE_SUFFIXES)
     return live, dead, benign
 
 
@@ -136,32 +192,57 @@ def main(argv: list[str] | None = None) -> None:
     warnings.simplefilter("ignore")
     with tempfile.TemporaryDirectory() as temp:
         work = args.work or Path(temp)
-        live, dead, benign = build(work)
-        print(f"{len(live)} live hostile files ({len(dead)} more that torch.load does not run), "
-              f"{len(benign)} benign files\n")  # fmt: skip
+        live, dead, benign_by_source = build(work)
+        benign = [path for paths in benign_by_source.values() for path in paths]
+        classes: dict[str, list[Path]] = {}
+        for path in live:
+            classes.setdefault(file_class(path.name), []).append(path)
+        print(f"{len(live)} live hostile files ({len(dead)} more that torch.load does not run: "
+              f"{', '.join(p.name for p in dead)}), {len(benign)} benign files ("
+              + ", ".join(f"{len(p)} {s}" for s, p in benign_by_source.items()) + ")\n")  # fmt: skip
         print(
             "| tool | live files flagged | live passed as clean | live: tool failed "
             "| benign flagged dangerous | benign with a warning |"
         )
         print("|---|---|---|---|---|---|")
+        missed_by_tool: dict[str, set[Path]] = {}
+        false_alarms: dict[str, list[Path]] = {}
         for name, (module, tool) in TOOLS.items():
+            label = name
             if module is not None:
                 try:
                     __import__(module)
                 except ImportError:
                     print(f"| {name} | not installed | | | | |")
                     continue
+                label = f"{name} {importlib.metadata.version(module)}"
             on_live, on_benign = verdicts(tool, live), verdicts(tool, benign)
             flagged = sum(v in (DANGEROUS, WARNING) for v in on_live.values())
             clean = sum(v == CLEAN for v in on_live.values())
             failed = sum(v == ERROR for v in on_live.values())
             false_alarm = sum(v == DANGEROUS for v in on_benign.values())
             warned = sum(v == WARNING for v in on_benign.values())
-            print(f"| {name} | {flagged} / {len(live)} | {clean} | {failed} "
+            print(f"| {label} | {flagged} / {len(live)} | {clean} | {failed} "
                   f"| {false_alarm} / {len(benign)} | {warned} |")  # fmt: skip
-            if args.details:
-                missed = [p.name for p, v in on_live.items() if v in (CLEAN, ERROR)]
-                print(f"|   missed: {', '.join(missed)} |")
+            missed_by_tool[label] = {p for p, v in on_live.items() if v in (CLEAN, ERROR)}
+            false_alarms[label] = sorted(p for p, v in on_benign.items() if v == DANGEROUS)
+        tools = list(missed_by_tool)
+        print("\nLive files missed (passed as clean or failed on), by class:\n")
+        print("| class | live files | " + " | ".join(tools) + " |")
+        print("|---|---|" + "---|" * len(tools))
+        for class_label, paths in sorted(classes.items()):
+            cells = [str(len(missed_by_tool[t] & set(paths))) for t in tools]
+            print(f"| {class_label} | {len(paths)} | " + " | ".join(cells) + " |")
+        if args.details:
+            print()
+            for tool_label in tools:
+                for class_label, paths in sorted(classes.items()):
+                    missed = sorted(p.name for p in missed_by_tool[tool_label] & set(paths))
+                    if missed:
+                        print(f"{tool_label} misses, {class_label}: {', '.join(missed)}")
+                for path in false_alarms[tool_label]:
+                    shown = path.relative_to(work if path.is_relative_to(work) else REPO)
+                    print(f"{tool_label} calls a benign file dangerous: {shown}")
         leftover = sorted(p.name for p in (work / "markers").iterdir())
         if leftover:
             raise SystemExit(f"a scanner ran a payload: {leftover}")

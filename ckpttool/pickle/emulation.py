@@ -557,6 +557,52 @@ def _np_scalar(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
     return OpaqueObject(func.qualname, args)
 
 
+#: NumPy's limit on an array's dimensions (``NPY_MAXDIMS``).
+_NUMPY_MAX_DIMS = 64
+
+
+def _np_frombuffer(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
+    # numpy._core.numeric._frombuffer(buffer, dtype, shape, order[, axis_order]): how pickle
+    # protocol 5 saves a contiguous array, its PickleBuffer in-band (BYTEARRAY8, or bytes when
+    # the array is read-only); numpy frombuffer()s the bytes, then reshapes (order "C" or "F"),
+    # or reshapes in C order and transposes by axis_order (order "K"). Read as the array's
+    # record, from the bytes the pickle carries: numel times itemsize must be their length.
+    if len(args) not in (4, 5):
+        return OpaqueObject(func.qualname, args)
+    raw, dtype, shape, order = args[:4]
+    axis_order = args[4] if len(args) == 5 else None
+    if (
+        not isinstance(raw, (bytes, bytearray))
+        or not isinstance(shape, tuple)
+        or len(shape) > _NUMPY_MAX_DIMS
+        or not all(type(n) is int and 0 <= n < 1 << 63 for n in shape)
+        or order not in ("C", "F", "K")
+        or (order == "K") != (axis_order is not None)
+        or (
+            axis_order is not None
+            and not (
+                isinstance(axis_order, tuple)
+                and all(type(axis) is int for axis in axis_order)
+                and sorted(axis_order) == list(range(len(shape)))
+            )
+        )
+        or not isinstance(dtype, NumpyDtype)
+        or dtype.code not in _NUMPY_DTYPES
+    ):
+        return OpaqueObject(func.qualname, args)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * _itemsize(_NUMPY_DTYPES[dtype.code]) != len(raw):
+        raise ValueError(f"NumPy array of shape {shape} carries {len(raw)} bytes")
+    record = _ndarray_from_state(NdarrayBuilder(), (1, shape, dtype, order == "F", raw), 0)
+    if axis_order is not None:
+        shape = tuple(record.shape[axis] for axis in axis_order)
+        stride = tuple(record.stride[axis] for axis in axis_order)
+        record = replace(record, shape=shape, stride=stride)
+    return record
+
+
 def _ndarray_from_state(builder: NdarrayBuilder, state: Any, pos: int) -> Any:
     # ndarray.__setstate__((version, shape, dtype, is_fortran, rawdata))
     if not (isinstance(state, tuple) and len(state) == 5):
@@ -619,6 +665,9 @@ _EMULATED: dict[str, Callable[[NestedCall, GlobalRef, tuple[Any, ...]], Any]] = 
     "torch.Tensor": _opaque_call,
     "numpy.core.multiarray._reconstruct": _np_reconstruct,
     "numpy._core.multiarray._reconstruct": _np_reconstruct,
+    # protocol 5's form of a contiguous array: numpy.frombuffer of the bytes, reshaped
+    "numpy.core.numeric._frombuffer": _np_frombuffer,
+    "numpy._core.numeric._frombuffer": _np_frombuffer,
     "numpy.ndarray": _opaque_call,
     "numpy.dtype": _np_dtype,
     "numpy.core.multiarray.scalar": _np_scalar,
