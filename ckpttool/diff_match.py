@@ -238,8 +238,12 @@ def compare_fields(node_a: Any, node_b: Any) -> list[FieldDiff]:
     for key, value in fields_a.items():
         if key not in fields_b:
             out.append(FieldDiff(key, "only_a", value, None))
-        elif not same_value(value, fields_b[key]):
-            out.append(FieldDiff(key, CHANGED, value, fields_b[key]))
+            continue
+        other = fields_b[key]
+        if type(value) is type(other) and value == other:  # ``same_value``'s common case, inline
+            continue
+        if not same_value(value, other):
+            out.append(FieldDiff(key, CHANGED, value, other))
     out.extend(FieldDiff(k, "only_b", None, v) for k, v in fields_b.items() if k not in fields_a)
     return out
 

@@ -17,8 +17,8 @@ from ckpttool.records import (
     TensorRecord,
     children,
     get_path,
-    join_key,
     nodes,
+    object_classes,
     tensors,
     walk,
 )
@@ -257,34 +257,48 @@ def _is_optimizer_state(node: Any) -> bool:
     return isinstance(node, dict) and isinstance(node.get("state"), dict) and "param_groups" in node
 
 
+_TREES = (dict, list, tuple, OpaqueObject)
+_SCALARS = (int, float, str, bool)
+#: The exact classes of most leaves, tested before ``isinstance`` (bench/object_table.py: a
+#: table of 150,000 small objects has half a million scalar fields)
+_SCALAR_CLASSES = frozenset({int, float, str, bool, type(None)})
+
+
 def scalar_fields(root: Any, max_siblings: int = 64) -> dict[str, Any]:
-    """Scalar values by dotted key, skipping long runs of numbers (RNG states, param lists)."""
+    """Scalar values by dotted key, skipping long runs of numbers (RNG states, param lists).
+
+    Top-level fields come first, in the file's order; nested ones after, sorted by key.
+    """
     out: dict[str, Any] = {}
     stack: list[tuple[str, Any]] = [("", root)]
+    scalar_classes = _SCALAR_CLASSES
     while stack:
         key, node = stack.pop()
-        items = list(children(node))
-        if len(items) > max_siblings and all(not _is_tree(v) for _, v in items):
+        # a dict's own items (``children`` makes every name text: only some need it)
+        items = list(node.items() if node.__class__ is dict else children(node))
+        if len(items) > max_siblings and not any(isinstance(v, _TREES) for _, v in items):
             continue
+        prefix = f"{key}." if key else ""
         for name, child in reversed(items):
-            child_key = join_key(key, name)
-            if _is_tree(child):
+            if name.__class__ is not str:
+                name = str(name)
+            if child.__class__ in scalar_classes:
+                out[prefix + name] = child
+            elif isinstance(child, _TREES):
                 if name != "params":
-                    stack.append((child_key, child))
-            elif isinstance(child, (int, float, str, bool)) or child is None:
-                out[child_key] = child
-    return dict(sorted(out.items(), key=lambda kv: _order(kv[0], root)))
+                    stack.append((prefix + name, child))
+            elif isinstance(child, _SCALARS):
+                out[prefix + name] = child
+    if not isinstance(root, dict):
+        return {key: out[key] for key in sorted(out)}
+    position = {key: index for index, key in enumerate(root)}
+    top = sorted((key for key in out if key in position), key=position.__getitem__)
+    nested = sorted(key for key in out if key not in position)
+    return {key: out[key] for key in top + nested}
 
 
 def _is_tree(node: Any) -> bool:
-    return isinstance(node, (dict, list, tuple, OpaqueObject))
-
-
-def _order(key: str, root: Any) -> tuple[int, str]:
-    # top-level fields first, in the file's order; nested ones after, alphabetically
-    if isinstance(root, dict) and key in root:
-        return (list(root).index(key), "")
-    return (1 << 30, key)
+    return isinstance(node, _TREES)
 
 
 @dataclass
@@ -449,10 +463,7 @@ def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list
             f"{len(wrapped)} keys carry DDP/torch.compile wrapper prefixes (module., _orig_mod.), "
             f"e.g. {wrapped[0]!r}: use --ignore-wrappers in diff/convert"
         )
-    opaque = sorted({
-        node.cls for node in nodes(root)
-        if isinstance(node, OpaqueObject) and not is_data_record(node.cls)
-    })  # fmt: skip
+    opaque = sorted(cls for cls in object_classes(root) if not is_data_record(cls))
     if opaque:
         warnings.append(
             "the pickle builds objects of classes ckpttool does not reconstruct (shown as "

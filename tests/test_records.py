@@ -6,15 +6,20 @@ import dataclasses
 
 import pytest
 
+from ckpttool.reader import open_checkpoint
 from ckpttool.records import (
+    OpaqueObject,
     StorageRecord,
     TensorRecord,
     count_once,
+    nodes,
+    object_classes,
     shared_storages,
     tensors,
     with_fields,
     with_key,
 )
+from tests.support.helpers import fixture_files
 
 STORAGE = StorageRecord("0", "float32", 64, "cpu", "archive/data/0", 256)
 RECORD = TensorRecord("w", "float32", (4, 4), (4, 1), 8, STORAGE, requires_grad=True)
@@ -193,3 +198,21 @@ def test_tensors_in_place_keys_each_record_once_and_copies_the_rest() -> None:
     assert again[0] is tied and again[2] is alone and again[4] is named
     assert again[1] is not tied and again[5] is not root["elsewhere"]
     assert root["elsewhere"].key == "kept" and tied.key == "a.w"
+
+
+def test_object_classes_are_those_nodes_yields() -> None:
+    """``object_classes``, the walk of ``show``'s warning, finds what ``nodes`` finds."""
+    inner = OpaqueObject("m.Inner", (1,), {"t": RECORD})
+    inner.dictitems = {"k": OpaqueObject("m.Item")}
+    inner.listitems = [OpaqueObject("m.Listed")]
+    outer = OpaqueObject("m.Outer", (), ({"x": inner}, {"slot": OpaqueObject("m.Slot")}))
+    trees = [{"a": [outer, (OpaqueObject("m.InTuple"),)], "b": 1}, outer, RECORD, "leaf"]
+    for path in fixture_files():
+        with open_checkpoint(path) as ckpt:
+            trees.append(ckpt.root)
+    for tree in trees:
+        expected = {node.cls for node in nodes(tree) if isinstance(node, OpaqueObject)}
+        assert object_classes(tree) == expected
+    assert object_classes(trees[0]) == {
+        "m.Outer", "m.Inner", "m.Item", "m.Listed", "m.Slot", "m.InTuple"
+    }  # fmt: skip

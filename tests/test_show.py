@@ -8,10 +8,20 @@ import numpy as np
 import pytest
 import torch
 
-from ckpttool.layout import detect_layout, model_part, optimizer_part
-from ckpttool.records import StorageRecord, TensorRecord, count_once, shared_storages
+from ckpttool.layout import detect_layout, model_part, optimizer_part, scalar_fields
+from ckpttool.reader import open_checkpoint
+from ckpttool.records import (
+    OpaqueObject,
+    StorageRecord,
+    TensorRecord,
+    children,
+    count_once,
+    join_key,
+    shared_storages,
+)
 from ckpttool.render.show_tree import MAX_MODULE_DEPTH, is_flat_state_dict, module_tree
 from ckpttool.values import _minifloat_table, as_float, numpy_code, stats_unavailable
+from tests.support.helpers import fixture_files
 
 
 def record(
@@ -347,3 +357,47 @@ def test_tensor_lines_are_what_json_writes_for_tensor_json() -> None:
             assert lines(info) == encoder.encode(tensor_json(info))
     stats = TensorInfo(records[0], [], stats_unavailable="quantized")
     assert lines(stats) == encoder.encode(tensor_json(stats))
+
+
+def _scalar_fields_reference(root: object, max_siblings: int = 64) -> dict[str, object]:
+    """``scalar_fields`` as first written (before bench/object_table.py made it faster)."""
+
+    def is_tree(node: object) -> bool:
+        return isinstance(node, (dict, list, tuple, OpaqueObject))
+
+    out: dict[str, object] = {}
+    stack: list[tuple[str, object]] = [("", root)]
+    while stack:
+        key, node = stack.pop()
+        items = list(children(node))
+        if len(items) > max_siblings and all(not is_tree(v) for _, v in items):
+            continue
+        for name, child in reversed(items):
+            child_key = join_key(key, name)
+            if is_tree(child):
+                if name != "params":
+                    stack.append((child_key, child))
+            elif isinstance(child, (int, float, str, bool)) or child is None:
+                out[child_key] = child
+
+    def order(key: str) -> tuple[int, str]:
+        if isinstance(root, dict) and key in root:
+            return (list(root).index(key), "")
+        return (1 << 30, key)
+
+    return dict(sorted(out.items(), key=lambda kv: order(kv[0])))
+
+
+def test_scalar_fields_as_first_written() -> None:
+    """Same fields, same order, same values (the later of two values under one key wins)."""
+    opaque = OpaqueObject("m.C", (1, "a"), {"x": 2, "params": [1], "z": None})
+    odd = {"b": {1: "int key", "1": "str key"}, "a.b": 3, "a": {"b": 4}, "c": [True] * 70,
+           "d": [[1]] + [2] * 70, "e": (1.5, "s"), "f": opaque, 7: "seven", "g": TensorRecord(
+               "", "float32", (1,), (1,), 0, None)}  # fmt: skip
+    for root in (odd, [odd, 1], "leaf", {}):
+        assert list(scalar_fields(root).items()) == list(_scalar_fields_reference(root).items())
+    for path in fixture_files():
+        with open_checkpoint(path) as ckpt:
+            assert list(scalar_fields(ckpt.root).items()) == list(
+                _scalar_fields_reference(ckpt.root).items()
+            ), path

@@ -105,6 +105,7 @@ PersistentLoad = Callable[[Any], Any]
 _U16 = struct.Struct("<H").unpack_from
 _U32 = struct.Struct("<I").unpack_from
 _I32 = struct.Struct("<i").unpack_from
+_F64 = struct.Struct(">d").unpack_from
 
 
 #: What a call may make that ``BUILD`` may later set state on (``SafeUnpickler.created``).
@@ -323,12 +324,13 @@ class SafeUnpickler:
         """Interpret opcodes until STOP.
 
         The opcodes ``torch.save`` emits most (protocol 2: memo PUT/GET, small ints, MARK and
-        TUPLE, strings, REDUCE, BINPERSID: ``INLINE_OPCODES``) are handled inline with the
+        TUPLE, strings, REDUCE, BINPERSID; and the floats and SETITEMS of a pickle of many small
+        objects, bench/object_table.py: ``INLINE_OPCODES``) are handled inline with the
         stack in local variables: listing a checkpoint is this loop, and a function call per
         opcode was half its cost. Every other opcode goes through ``DISPATCH``. Both paths check
         lengths, the stack and the memo the same way.
         """
-        data = self.data
+        data = self.raw  # bytes: cheaper to index and slice than the memoryview
         size = len(data)
         dispatch = DISPATCH
         memo = self.memo
@@ -475,6 +477,24 @@ class SafeUnpickler:
                     stack.append(str(data[pos : pos + length], "utf-8", "surrogatepass"))
                     starts.append(op_pos)
                     pos += length
+                elif code == 0x47:  # BINFLOAT
+                    if pos + 8 > size:
+                        raise TruncatedPickleError(f"pickle truncated at byte {pos}")
+                    stack.append(_F64(data, pos)[0])
+                    starts.append(op_pos)
+                    pos += 8
+                elif code == 0x75:  # SETITEMS
+                    if not metastack:
+                        raise _bad(pos, "no MARK on the stack")
+                    marked, marked_starts = stack, starts
+                    stack, starts, _ = metastack.pop()
+                    self.stack, self.starts = stack, starts
+                    if len(marked) % 2:
+                        raise _bad(op_pos, "SETITEMS with an odd number of items")
+                    if stack[-1].__class__ is dict and not track:
+                        stack[-1].update(zip(marked[::2], marked[1::2]))
+                    else:  # an object's items, or spans to record (for edits)
+                        _set_items(self, marked, marked_starts, op_pos, op_pos)
                 elif code == 0x29:  # EMPTY_TUPLE
                     stack.append(())
                     starts.append(op_pos)
@@ -753,12 +773,6 @@ def _op_setitem(u: SafeUnpickler, pos: int) -> bool:
     return False
 
 
-def _op_setitems(u: SafeUnpickler, pos: int) -> bool:
-    items, starts, _ = u._pop_mark()
-    _set_items(u, items, starts, pos, pos)
-    return False
-
-
 def _op_additems(u: SafeUnpickler, pos: int) -> bool:
     items, _, _ = u._pop_mark()
     target = u.stack[-1]
@@ -889,7 +903,7 @@ def _n(fmt: str, size: int) -> Callable[[SafeUnpickler], int]:
 
 
 #: Opcodes interpreted inline by ``SafeUnpickler.load`` (what ``torch.save`` writes most).
-INLINE_OPCODES = frozenset(b"rqhj\x94K(tMJX\x8c)\x85\x86\x87\x88\x89NRQ}]")
+INLINE_OPCODES = frozenset(b"rqhj\x94K(tMJX\x8c)\x85\x86\x87\x88\x89NRQ}]Gu")
 
 #: Every other opcode: a handler taking (unpickler, offset of the opcode), True on STOP.
 DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
@@ -904,7 +918,6 @@ DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
     0x8A: _push_read(lambda u: int.from_bytes(u._take(u._u("<B", 1)), "little", signed=True)),
     0x8B: _push_read(lambda u: _long4(u)),
     ord("F"): _push_read(lambda u: float(u._line())),
-    ord("G"): _push_read(lambda u: float(struct.unpack(">d", u._take(8))[0])),
     ord("S"): _push_read(_read_string_text),
     ord("T"): _push_read(lambda u: str(u._take(u._u("<i", 4)), "latin-1")),
     ord("U"): _push_read(lambda u: str(u._take(u._u("<B", 1)), "latin-1")),
@@ -919,7 +932,6 @@ DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
     ord("l"): _op_list,
     ord("d"): _op_dict,
     ord("s"): _op_setitem,
-    ord("u"): _op_setitems,
     0x8F: _op_empty(set),
     0x90: _op_additems,
     0x91: _op_frozenset,
@@ -951,11 +963,6 @@ _SCALARS = frozenset({int, float, bool, complex, type(None)})
 #: still counts in the expanded size, so the limits hold; only the reuse tally skips them, as it
 #: skips scalars and short strings): a DCP .metadata has a (section, name) path per entry.
 _SMALL = 16
-
-
-def _flat(value: Any) -> bool:
-    """A leaf finalize returns as it is and does not tally when reached again."""
-    return type(value) in _SCALARS or (type(value) is str and len(value) < 64)
 
 
 def _weight(leaf: Any) -> int:
@@ -1015,8 +1022,15 @@ def _finalize(root: Any, max_nodes: int, max_reuse: int, compacts: int) -> tuple
             raise ResourceLimitError(f"the pickle nests containers more than {MAX_DEPTH} deep")
         if cls in _SCALARS or (cls is str and len(node) < 64):  # most nodes: nothing to do
             return node, 1
-        if cls is tuple and len(node) <= _SMALL and all(map(_flat, node)):
-            return node, len(node) + 1  # a shape, a key's path: immutable, nothing to replace
+        if cls is tuple and len(node) <= _SMALL:
+            # each a scalar or a string under 64 characters (the leaves returned as they are and
+            # not tallied when reached again), tested inline: bench/object_table.py's tuples
+            for item in node:
+                kind = type(item)
+                if kind not in _SCALARS and (kind is not str or len(item) >= 64):
+                    break
+            else:  # a shape, a key's path: immutable, nothing to replace
+                return node, len(node) + 1
         if cls is TensorRecord:  # the other most common node: a leaf, counted when met again
             if id(node) in leaves_seen:
                 reuse(1)
@@ -1058,7 +1072,8 @@ def _finalize(root: Any, max_nodes: int, max_reuse: int, compacts: int) -> tuple
                     fk, ks = k, 1
                 else:
                     fk, ks = visit(k, inner)
-                if shallow and type(v) in _SCALARS:
+                kind = type(v)
+                if shallow and (kind in _SCALARS or (kind is str and len(v) < 64)):
                     fv, vs = v, 1
                 else:
                     fv, vs = visit(v, inner)

@@ -361,6 +361,8 @@ def _rescale_history(fields: dict[str, Any]) -> str:
     """``rescale-step``'s history (``rescaled_from.N.<key>`` fields) as one line, oldest first."""
     entries: dict[str, dict[str, Any]] = {}
     for key, value in fields.items():
+        if not key.startswith("rescaled_from."):  # most fields (a file's lookup table: 500,000)
+            continue
         parts = key.split(".")
         if len(parts) == 3 and parts[0] == "rescaled_from":
             entries.setdefault(parts[1], {})[parts[2]] = value
