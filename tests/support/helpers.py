@@ -33,14 +33,21 @@ def fixture_id(path: Path) -> str:
     return str(path.relative_to(FIXTURES))
 
 
-def flatten_loaded(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, tensor or ndarray) for an object torch.load returned, in ckpttool's keys."""
+def flatten_loaded(
+    obj: Any, prefix: str = "", holding: frozenset[int] = frozenset()
+) -> Iterator[tuple[str, Any]]:
+    """(dotted key, tensor or ndarray) for an object torch.load returned, in ckpttool's keys.
+    An object that holds itself through its children (omegaconf's ``_parent``) is a leaf where
+    it comes back (``holding``: the objects on the path), as ckpttool's back-references are."""
     import numpy as np
     import torch
 
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         yield prefix, obj
         return
+    if id(obj) in holding:
+        return
+    holding = holding | {id(obj)}
     if isinstance(obj, dict):
         items: Any = ((str(k), v) for k, v in obj.items())
     elif isinstance(obj, (list, tuple)):
@@ -50,7 +57,7 @@ def flatten_loaded(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     else:
         return
     for name, value in items:
-        yield from flatten_loaded(value, f"{prefix}.{name}" if prefix else name)
+        yield from flatten_loaded(value, f"{prefix}.{name}" if prefix else name, holding)
 
 
 def dtype_name(value: Any) -> str:
