@@ -47,7 +47,7 @@ from ckpttool.errors import CkptError
 from ckpttool.progress import ProgressCallback
 from ckpttool.read_batch import BLOCK, read_many
 from ckpttool.reader import Checkpoint
-from ckpttool.records import ELEMENTS_PER_BYTE, ITEMSIZE, TensorRecord
+from ckpttool.records import ELEMENTS_PER_BYTE, ITEMSIZE, TensorRecord, with_key
 from ckpttool.values import dense_record
 from ckpttool.zero_consolidate import counters, open_source, reported_layout
 
@@ -74,6 +74,10 @@ class Side:
     auto_section: bool  # chosen, not named: the files are of different kinds, or keys aligned
     num_tensors: int  # tensors compared on this side
     prefix: str | None = None  # removed from this side's keys to align them with the other's
+    # a framework directory: the section its weights files fill, when the part compared holds
+    # its tensors; their records' keys (and, compared whole, their keys) are as the files
+    # store them, without the section's name
+    weights_section: str | None = None
 
 
 @dataclass(frozen=True, slots=True)  # one per tensor: 100,000 in a large diff
@@ -222,6 +226,8 @@ def plan_diff(
         ckpt_b.section(sel_b.section) if sel_b.section else ckpt_b.root,
     )
     fields, pairs = merge_type_changes(fields, pairs, part_a.prefixes, part_b.prefixes)
+    if part_a.stored is not None or part_b.stored is not None:
+        pairs, fields = _as_stored(pairs, fields, part_a.stored, part_b.stored)
     if ckpt_a.format == ckpt_b.format == "safetensors":
         fields += compare_fields(described_metadata(ckpt_a), described_metadata(ckpt_b))
     counters_a, counters_b = counters(ckpt_a), counters(ckpt_b)
@@ -429,11 +435,42 @@ def _how(a: TensorRecord, b: TensorRecord, *, quick: bool, rounded: bool) -> str
     return f", compared as {common}"
 
 
+def _as_stored(
+    pairs: list[TensorPair],
+    fields: list[FieldDiff],
+    weights_a: str | None,
+    weights_b: str | None,
+) -> tuple[list[TensorPair], list[FieldDiff]]:
+    """Records under a directory's weights section re-keyed as its files store them (each
+    side's ``weights_*``, None: unchanged), so that a record's key is the key in its file."""
+
+    def stored(record: TensorRecord | None, weights: str | None) -> TensorRecord | None:
+        if record is None or weights is None or not record.key.startswith(weights + "."):
+            return record
+        return with_key(record, record.key[len(weights) + 1 :])
+
+    pairs = [
+        TensorPair(pair.key, stored(pair.a, weights_a), stored(pair.b, weights_b), pair.alias)
+        for pair in pairs
+    ]
+    fields = [
+        replace(
+            entry,
+            a_tensor=stored(entry.a_tensor, weights_a),
+            b_tensor=stored(entry.b_tensor, weights_b),
+        )
+        if entry.a_tensor is not None or entry.b_tensor is not None
+        else entry
+        for entry in fields
+    ]
+    return pairs, fields
+
+
 def _side(ckpt: Checkpoint, part: Part) -> Side:
     section = part.selection.section
     return Side(
         ckpt.name, ckpt.format, reported_layout(ckpt, part.layout), section, part.auto and section is not None,
-        len(part.selection.tensors), part.aligned_prefix,
+        len(part.selection.tensors), part.aligned_prefix, part.stored,
     )  # fmt: skip
 
 

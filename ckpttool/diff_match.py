@@ -101,7 +101,7 @@ def metadata_aliases(
     declared, malformed = declared_aliases(ckpt.metadata, stored)
     if malformed:
         notes.append(f"{label}: ignoring {ALIASES_KEY!r} metadata: not a JSON object of names")
-    section = selection.section
+    section = selection.section or selection.weights
     return {
         _normalised(name, section, prefixes): _normalised(target, section, prefixes)
         for name, target in declared.items()

@@ -13,6 +13,13 @@ Split from :mod:`ckpttool.diff`, whose job is comparing. The rules, in order:
    keys against plain ones; :func:`ckpttool.diff_match.extra_prefixes`), they are aligned
    there, with a note: by taking that subtree as the side's section when it is one, else by
    removing the prefix from that side's keys. Two candidate prefixes are not guessed between.
+
+Two framework directories compared whole whose weights files fill the same section (two
+Trainer ``checkpoint-N/``, two model directories) key those tensors as the files store them,
+without the section's name (``model.layers.0...``, not ``model.model.layers.0...``), as ``show``
+lists them, with a note that names the section once; unless a stored key would then equal
+another part's (``show`` keeps the full keys then too). Whatever the part compared, a record
+under a directory's weights section carries the key its file stores (:attr:`Part.stored`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from ckpttool.keys import WRAPPER_PREFIXES, Selection, select
 from ckpttool.layout import LAYOUT_TITLES, layout_of, model_section
 from ckpttool.reader import Checkpoint
 from ckpttool.records import tensors
+from ckpttool.show import weights_section
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,9 @@ class Part:
     auto: bool  # the section was chosen (layouts of different kinds, or alignment), not named
     prefixes: tuple[str, ...]  # removed from keys: --strip-prefix, wrappers, aligned prefix
     aligned_prefix: str | None  # the extra prefix removed to align this side's keys
+    # a framework directory: the section its weights files fill, when the part compared holds
+    # tensors of it; their records carry the keys the files store (see stored_section)
+    stored: str | None = None
 
 
 def choose_parts(
@@ -76,6 +87,8 @@ def choose_parts(
     options: dict[str, Any] = {"strip": strip, "ignore_wrappers": ignore_wrappers}
     sel_a = select(ckpt_a, section=section_a, auto_section=False, **options)
     sel_b = select(ckpt_b, section=section_b, auto_section=False, **options)
+    if section_a is None and section_b is None:
+        sel_a, sel_b = _weights_as_stored(ckpt_a, sel_a, ckpt_b, sel_b, options, notes)
     prefixes = [*strip, *(WRAPPER_PREFIXES if ignore_wrappers else ())]
     aliases_a = metadata_aliases(ckpt_a, sel_a, prefixes, "A", [])  # notes: once, by the caller
     aliases_b = metadata_aliases(ckpt_b, sel_b, prefixes, "B", [])
@@ -83,9 +96,65 @@ def choose_parts(
         ckpt_a, sel_a, aliases_a, ckpt_b, sel_b, aliases_b, options, notes
     )
     return (
-        Part(layout_a, sel_a, auto or sel_a.auto, (*prefixes, *prefix_a), _first(prefix_a)),
-        Part(layout_b, sel_b, auto or sel_b.auto, (*prefixes, *prefix_b), _first(prefix_b)),
+        Part(
+            layout_a, sel_a, auto or sel_a.auto, (*prefixes, *prefix_a), _first(prefix_a),
+            _stored_in(ckpt_a, sel_a),
+        ),
+        Part(
+            layout_b, sel_b, auto or sel_b.auto, (*prefixes, *prefix_b), _first(prefix_b),
+            _stored_in(ckpt_b, sel_b),
+        ),
+    )  # fmt: skip
+
+
+def _weights_as_stored(
+    ckpt_a: Checkpoint,
+    sel_a: Selection,
+    ckpt_b: Checkpoint,
+    sel_b: Selection,
+    options: dict[str, Any],
+    notes: list[str],
+) -> tuple[Selection, Selection]:
+    """Both whole selections keyed with the weights as their files store them, when A and B
+    are framework directories whose weights fill the same section (see the module
+    docstring); else both unchanged."""
+    weights = stored_section(ckpt_a)
+    if weights is None or stored_section(ckpt_b) != weights:
+        return sel_a, sel_b
+    try:
+        keyed_a = select(ckpt_a, auto_section=False, weights=weights, **options)
+        keyed_b = select(ckpt_b, auto_section=False, weights=weights, **options)
+    except InputError:  # a stored key, once prefixes are removed, equals another's
+        return sel_a, sel_b
+    notes.append(
+        f"A's and B's weights files fill their {weights!r} section: their tensors are keyed as "
+        f"the files store them, without {weights + '.'!r}"
     )
+    return keyed_a, keyed_b
+
+
+def stored_section(ckpt: Checkpoint) -> str | None:
+    """The section a framework directory's weights files fill, when its tensors can be keyed
+    as those files store them (no stored key equals another part's key: ``show``'s rule)."""
+    weights = weights_section(ckpt)
+    if weights is None:
+        return None
+    start = weights + "."
+    records = ckpt.tensors()
+    keys = {r.key[len(start) :] if r.key.startswith(start) else r.key for r in records}
+    return weights if len(keys) == len(records) else None
+
+
+def _stored_in(ckpt: Checkpoint, selection: Selection) -> str | None:
+    """:attr:`Part.stored` for a side: its weights section when the part compared holds it or
+    lies in it."""
+    if selection.weights is not None:
+        return selection.weights
+    weights = stored_section(ckpt)
+    section = selection.section
+    if weights is None or section is None:
+        return None
+    return weights if section == weights or section.startswith(weights + ".") else None
 
 
 def _first(prefixes: list[str]) -> str | None:
@@ -168,7 +237,7 @@ def _align(
         removed: list[str] = []
     elif all(key.startswith(prefix) for key in own.tensors):
         rekeyed = {key[len(prefix) :]: record for key, record in own.tensors.items()}
-        chosen = Selection(own.layout, own.section, own.auto, rekeyed)
+        chosen = Selection(own.layout, own.section, own.auto, rekeyed, own.weights)
         notes.append(
             f"{label}'s tensor keys are {other_label}'s with the prefix {prefix!r}: "
             "compared without it"
@@ -183,7 +252,10 @@ def _align(
 
 def _subtree(ckpt: Checkpoint, selection: Selection, prefix: str) -> str | None:
     """The section path of the subtree that holds exactly ``selection``'s keys under ``prefix``
-    (None: they are not one subtree, e.g. flat keys that merely share ``module.``)."""
+    (None: they are not one subtree, e.g. flat keys that merely share ``module.``; nor when
+    the weights' keys are as their files store them, which are not paths of the tree)."""
+    if selection.weights is not None:
+        return None
     path = (f"{selection.section}." if selection.section else "") + prefix[:-1]
     try:
         node = ckpt.section(path)

@@ -29,6 +29,9 @@ class Selection:
     section: str | None  # "model", "state_dict", a user's --section, or None (whole file)
     auto: bool  # True when the section was chosen from the layout, not by the user
     tensors: dict[str, TensorRecord]  # normalised key -> record (record.key is the original)
+    # a framework directory compared whole: the section its weights files fill, whose name was
+    # taken off the keys under it (they are keyed as the files store them)
+    weights: str | None = None
 
 
 def strip_prefixes(key: str, prefixes: Sequence[str]) -> str:
@@ -112,19 +115,29 @@ def select(
     strip: Sequence[str] = (),
     ignore_wrappers: bool = False,
     auto_section: bool = True,
+    weights: str | None = None,
 ) -> Selection:
-    """The weights of ``ckpt``: ``section`` if given, else the layout's model section."""
+    """The weights of ``ckpt``: ``section`` if given, else the layout's model section.
+
+    ``weights``: with no section, the section a framework directory's weights files fill;
+    the keys under it lose its name (as the files store them).
+    """
     layout = layout_of(ckpt)
     auto = False
     if section is None and auto_section:
         section = model_section(layout, ckpt.root)
         auto = section is not None
-    records = tensors(ckpt.section(section), section) if section else ckpt.tensors()
+    if section:
+        records, weights = tensors(ckpt.section(section), section), None
+    else:
+        records = ckpt.tensors()
     try:
-        keyed = normalise(records, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
+        keyed = normalise(
+            records, section=section or weights, strip=strip, ignore_wrappers=ignore_wrappers
+        )
     except SameKeyError as error:
         raise InputError(same_key_message(ckpt, error.key)) from None
-    return Selection(layout, section, auto, keyed)
+    return Selection(layout, section, auto, keyed, weights)
 
 
 def rekey(record: TensorRecord, key: str) -> TensorRecord:

@@ -240,6 +240,65 @@ def test_show_keys_a_directorys_weights_as_its_files_store_them(
         assert "optimizer.state.0.exp_avg" in everything
 
 
+def diffed(a: str, b: str, *options: str, exit_code: int) -> tuple[dict[str, Any], str]:
+    """``diff --json`` of two paths under the fixtures: the document and stderr's notes."""
+    result = CliRunner().invoke(cli, ["diff", str(FRAMEWORKS / a), str(FRAMEWORKS / b), "--json", *options])  # fmt: skip
+    assert result.exit_code == exit_code, result.output
+    return json.loads(result.stdout), result.stderr
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "exit_code"),
+    [
+        ("trainer_1proc/output/checkpoint-4", "trainer_1proc/output/checkpoint-8", 1),
+        ("hf_model", "hf_sharded", 0),
+        ("hf_model", "hf_bin_sharded", 1),  # transformers 4 and 5 configs
+        ("accelerate_1proc/state", "accelerate_2proc/state", 1),
+    ],
+)
+def test_diff_keys_two_directories_weights_as_their_files_store_them(
+    a: str, b: str, exit_code: int
+) -> None:
+    """Two framework directories of the same kind: diff keys the weights as ``show`` lists
+    them and as diff keys them against the other's weights file (no ``model.model.``), says
+    the section once; the other parts keep their section's name."""
+    data, notes = diffed(a, b, exit_code=exit_code)
+    keys = [t["key"] for t in data["tensors"]]
+    assert not any(key.startswith("model.model.") for key in keys)
+    entry = next(t for t in data["tensors"] if t["key"] == "model.layers.0.mlp.up_proj.weight")
+    assert entry["a"]["key"] == entry["b"]["key"] == "model.layers.0.mlp.up_proj.weight"
+    assert data["a"]["weights_section"] == data["b"]["weights_section"] == "model"
+    assert notes.count("their tensors are keyed as the files store them, without 'model.'") == 1
+    # the keys a directory's weights have against its own weights file
+    against_file, _ = diffed(a, f"{a}/model.safetensors", exit_code=0)
+    weights = {t["key"] for t in against_file["tensors"]}
+    assert len(weights) == 20 and weights <= set(keys)
+    shown = CliRunner().invoke(cli, ["show", str(FRAMEWORKS / a), "--json"]).stdout
+    in_a = [t for t in data["tensors"] if t["a"] is not None]
+    assert {t["key"] for t in json.loads(shown)["tensors"]} == {
+        t["key"] for t in in_a if not (t["alias"] and t["alias"]["side"] == "a")
+    }
+    if a.startswith(("trainer", "accelerate")):  # the other parts keep their section
+        assert "optimizer.state.0.exp_avg" in keys
+
+
+def test_diff_of_two_directories_selects_by_the_key_as_printed() -> None:
+    """``--strip-prefix`` works on the keys diff prints: ``model.`` comes off the stored keys
+    once (they are not ``model.model.``), and the text table lists them the same way."""
+    data, _ = diffed("hf_model", "hf_sharded", "--strip-prefix", "model.", exit_code=0)
+    keys = {t["key"] for t in data["tensors"]}
+    assert "layers.0.mlp.up_proj.weight" in keys and "norm.weight" in keys
+    assert not any(key.startswith("model.") for key in keys)
+    result = CliRunner().invoke(
+        cli, ["diff", str(FRAMEWORKS / "hf_model"), str(FRAMEWORKS / "hf_sharded"), "--all"]
+    )
+    assert result.exit_code == 0, result.output
+    rows = [line.split()[0] for line in result.stdout.splitlines()[2:] if line.strip()][:-1]
+    assert "model.layers.0.mlp.up_proj.weight" in rows and "model.norm.weight" in rows
+    assert not any(row.startswith("model.model.") for row in rows)
+    assert "note: A's and B's weights files fill their 'model' section" in result.stderr
+
+
 def test_show_gives_an_accelerate_folders_counters() -> None:
     result = CliRunner().invoke(cli, ["show", str(FRAMEWORKS / "accelerate_2proc/state")])
     lines = result.stdout.splitlines()
@@ -288,6 +347,28 @@ def _copy(name: str, tmp_path: Path) -> Path:
 def _verify(path: Path) -> tuple[int, str]:
     result = CliRunner().invoke(cli, ["verify", str(path)])
     return result.exit_code, result.stdout
+
+
+def test_diff_keeps_full_keys_when_a_stored_key_is_another_parts(tmp_path: Path) -> None:
+    """A weights file storing ``optimizer.state.0.exp_avg``: keyed as stored it would be the
+    optimizer's tensor, so diff (like show) keeps both directories' full keys, and says nothing
+    of a weights section. Guards the fallback: without it this diff fails on the clash."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = _copy("trainer_1proc/output/checkpoint-4", tmp_path)
+    weights = load_file(directory / "model.safetensors")
+    weights["optimizer.state.0.exp_avg"] = np.zeros(2, np.float32)
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    original = FRAMEWORKS / "trainer_1proc/output/checkpoint-4"
+    for a, b in ((directory, original), (original, directory)):
+        result = CliRunner().invoke(cli, ["diff", str(a), str(b), "--json"])
+        assert result.exit_code == 1, result.output
+        data = json.loads(result.stdout)
+        keys = {t["key"] for t in data["tensors"]}
+        assert {"model.model.norm.weight", "model.optimizer.state.0.exp_avg"} <= keys
+        assert "optimizer.state.0.exp_avg" in keys
+        assert "weights_section" not in data["a"] and "weights_section" not in data["b"]
+        assert "keyed as the files store them" not in result.stderr
 
 
 def test_verify_a_trainer_rank_without_its_rng_file(tmp_path: Path) -> None:

@@ -192,6 +192,17 @@ def test_diff_json_matches_its_schema(a: Path, b: Path, options: list[str], exit
     assert sum(data["summary"].values()) == len(data["tensors"])
 
 
+@pytest.mark.parametrize(
+    "b", [FRAMEWORKS / "hf_sharded", FRAMEWORKS / "hf_model/model.safetensors"], ids=["dir", "file"]
+)
+def test_diff_json_weights_section_matches_the_schema(b: Path) -> None:
+    """A framework directory's side names the section its weights files fill."""
+    data = run_json("diff", FRAMEWORKS / "hf_model", b, exit_code=0)
+    assert_valid("diff", data)
+    assert data["a"]["weights_section"] == "model"
+    assert ("weights_section" in data["b"]) is b.is_dir()
+
+
 def test_diff_json_inf_values_match_the_schema(tmp_path: Path) -> None:
     import torch
 

@@ -136,7 +136,7 @@ def _json_number(value: float | None) -> float | str | None:
 
 
 def side_json(side: Side) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "path": side.path,
         "format": side.format,
         "layout": side.layout,
@@ -145,6 +145,9 @@ def side_json(side: Side) -> dict[str, Any]:
         "num_tensors": side.num_tensors,
         "prefix": side.prefix,
     }
+    if side.weights_section is not None:  # only then: older outputs stay as they were
+        out["weights_section"] = side.weights_section
+    return out
 
 
 def record_json(record: TensorRecord | None) -> dict[str, Any] | None:
