@@ -126,7 +126,7 @@ def test_verify_counts_each_shards_piece_as_stored() -> None:
     (result,) = verify([RANK0])
     assert not result.problems
     # the five pieces are the DTensors' bytes; the one record left is the device mesh's rank map
-    assert "note: 1 storage records no tensor uses" in result.checked
+    assert "note: 1 storage record no tensor uses" in result.checked
 
 
 def test_a_hostile_dtensor_state_is_read_as_data_or_not_at_all() -> None:
