@@ -37,7 +37,12 @@ from ckpttool.convert_output import (
     writes_pth,
 )
 from ckpttool.convert_plan import FIELD_PREFIX, Plan, Planned, build_plan
-from ckpttool.errors import EXIT_FOUND, CkptError, InputError
+from ckpttool.errors import (
+    CkptError,
+    InputError,
+    OverflowRefusedError,
+    VerificationError,
+)
 from ckpttool.frameworks.huggingface import SAFE_WEIGHTS_NAME
 from ckpttool.progress import ProgressCallback
 from ckpttool.read_batch import BLOCK
@@ -50,16 +55,6 @@ from ckpttool.zero_consolidate import open_source, zero_note
 
 Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
 Keep = Callable[["Planned"], Any]  # a kept (sparse, nested, quantized) tensor, as torch's
-
-
-class OverflowRefusedError(CkptError):
-    """Casting would turn finite values into inf; refused unless ``allow_overflow``."""
-
-
-class VerificationError(CkptError):
-    """The written output did not read back identical to the source; it was removed."""
-
-    exit_code = EXIT_FOUND
 
 
 @dataclass

@@ -79,13 +79,12 @@ class OutputExistsError(CkptError):
 class CheckpointCollectionError(InputError):
     """The path holds several checkpoints (a Trainer ``output_dir``): name one of them.
 
-    ``layout`` (a :class:`ckpttool.frameworks.DirectoryLayout`) lists them, for ``show``.
+    ``layout`` (a :class:`ckpttool.frameworks.DirectoryLayout`) lists them, for ``show``;
+    ``message`` describes them (``frameworks.describe_collection``).
     """
 
-    def __init__(self, layout: object) -> None:
-        from ckpttool.frameworks import describe_collection
-
-        super().__init__(describe_collection(layout))
+    def __init__(self, layout: object, message: str) -> None:
+        super().__init__(message)
         self.layout = layout
 
 
@@ -94,6 +93,58 @@ class CheckpointKeyError(CkptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class TruncatedPickleError(CorruptCheckpointError):
+    """The bytes end before the pickle does (or a length prefix points past them)."""
+
+
+class AmbiguousPickleError(UnsafePickleError):
+    """The pickle reads differently in torch.load than in a linear reader: a FRAME that does not
+    end on an opcode (``ckpttool.pickle.frames``)."""
+
+
+class SameKeyError(InputError):
+    """Two paths of the tree flatten to the same dotted key (``{'a.b': {'c': t}}`` and
+    ``{'a': {'b.c': t}}``): no prefix made them one, the file's own keys did."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"two paths flatten to the same key {key!r}")
+        self.key = key
+
+
+class ChangedError(InputError):
+    """The remote file is not the one opened any more (size or ETag changed)."""
+
+
+class NotZeroError(InputError):
+    """The directory holds no partitioned ZeRO optimizer state (``deepspeed``: it is a
+    DeepSpeed tag all the same, of ZeRO stage 0)."""
+
+    def __init__(self, message: str, *, deepspeed: bool = False) -> None:
+        super().__init__(message)
+        self.deepspeed = deepspeed
+
+
+class InexactRescaleError(InputError):
+    """``strict`` was asked for and the new world size does not divide the batches consumed."""
+
+
+class OverflowRefusedError(CkptError):
+    """Casting would turn finite values into inf; refused unless ``allow_overflow``."""
+
+
+class ReadBackError(CkptError):
+    """What was written did not read back as intended (``convert``: not identical to the
+    source; ``rescale-step``: not the file planned). It was removed and nothing was replaced:
+    exit code 1, like a problem found."""
+
+    exit_code = EXIT_FOUND
+
+
+#: The names ``convert`` and ``rescale-step``'s rewrite raised it under before it was one error.
+VerificationError = ReadBackError
+RewriteCheckError = ReadBackError
 
 
 def name_file(error: CkptError, path: str) -> CkptError:

@@ -11,7 +11,7 @@ import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, SameKeyError
 from ckpttool.layout import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # diff and convert's door
 from ckpttool.layout import layout_of, model_section
 from ckpttool.reader import Checkpoint
@@ -88,15 +88,6 @@ def normalise(
             )
         out[key] = record
     return out
-
-
-class SameKeyError(InputError):
-    """Two paths of the tree flatten to the same dotted key (``{'a.b': {'c': t}}`` and
-    ``{'a': {'b.c': t}}``): no prefix made them one, the file's own keys did."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(f"two paths flatten to the same key {key!r}")
-        self.key = key
 
 
 def same_key_message(ckpt: Checkpoint, key: str) -> str:

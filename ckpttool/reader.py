@@ -458,7 +458,7 @@ def is_framework_path(path: str) -> bool:
 def _open_directory(name: str, strict: bool, refuse_dangerous: bool) -> Checkpoint:
     """A framework's directory (Hugging Face, Trainer, accelerate) as one checkpoint."""
     from ckpttool.formats.multifile import directory_size, read_directory
-    from ckpttool.frameworks import COLLECTION, detect_directory
+    from ckpttool.frameworks import COLLECTION, describe_collection, detect_directory
 
     layout = detect_directory(name)
     if layout is None:
@@ -470,7 +470,7 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool) -> Checkpoi
             f"directory, a DCP directory); {_files_seen(name)}"
         )
     if layout.layout == COLLECTION:
-        raise CheckpointCollectionError(layout)
+        raise CheckpointCollectionError(layout, describe_collection(layout))
     parsed = read_directory(layout, strict=strict, refuse_dangerous=refuse_dangerous)
     return Checkpoint(
         name=name,

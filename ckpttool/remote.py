@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from ckpttool.errors import CkptError, InputError
+from ckpttool.errors import ChangedError, CkptError, InputError
 from ckpttool.source import url_scheme
 
 BLOCK = 16 << 10  # cache granularity: a zip directory or a pickle is read in a few blocks
@@ -60,10 +60,6 @@ class TransientError(Exception):
     def __init__(self, message: str, received: int = 0) -> None:
         super().__init__(message)
         self.received = received
-
-
-class ChangedError(InputError):
-    """The remote file is not the one opened any more (size or ETag changed)."""
 
 
 @dataclass

@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.atomic import atomic_group
-from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError, name_file
+from ckpttool.errors import (
+    CkptError,
+    InexactRescaleError,
+    InputError,
+    LayoutError,
+    OutputExistsError,
+    name_file,
+)
 from ckpttool.formats.base import is_dcp_directory
 from ckpttool.layout import LAYOUT_TITLES, LIGHTNING, TRAINING, is_resume, layout_of
 from ckpttool.lr_schedule import rescale_scheduler
@@ -60,10 +67,6 @@ HISTORY_KEY = "rescaled_from"
 WORLD_SIZE_KEY = "world_size"
 #: Where save_checkpoint (and training dicts of its kind) keep the LR scheduler's state dict.
 SCHEDULER_KEY = "scheduler"
-
-
-class InexactRescaleError(InputError):
-    """``strict`` was asked for and the new world size does not divide the batches consumed."""
 
 
 @dataclass(frozen=True)

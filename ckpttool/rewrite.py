@@ -19,7 +19,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
-from ckpttool.errors import EXIT_FOUND, CkptError, CorruptCheckpointError, LayoutError
+from ckpttool.errors import (
+    CorruptCheckpointError,
+    LayoutError,
+    RewriteCheckError,
+)
 from ckpttool.formats.torch_zip import find_data_pkl, member_span, open_zip
 from ckpttool.formats.zip_writer import TorchZipWriter, copy_range
 from ckpttool.pickle.edit import Edit, root_edits, splice
@@ -28,12 +32,6 @@ from ckpttool.reader import Checkpoint, open_checkpoint
 from ckpttool.records import walk
 
 __all__ = ["FieldRewrite", "RewriteCheckError", "verify_rewrite"]
-
-
-class RewriteCheckError(CkptError):
-    """The rewritten file did not read back as intended (a ckpttool bug); nothing was replaced."""
-
-    exit_code = EXIT_FOUND
 
 
 class FieldRewrite:

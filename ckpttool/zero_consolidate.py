@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ckpttool.cast import stored_dtype, widen
-from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
+from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, NotZeroError, name_file
 from ckpttool.formats.base import Parsed, no_span
 from ckpttool.formats.multifile import DIRECTORY
 from ckpttool.layout import DEEPSPEED
@@ -42,15 +42,6 @@ from ckpttool.records import ITEMSIZE, OpaqueObject, StorageRecord, TensorRecord
 #: The consolidated view's ``details["layout"]`` (its tree is a flat state dict; outputs name it
 #: by :func:`reported_layout`).
 ZERO_FP32 = "deepspeed_zero_fp32"
-
-
-class NotZeroError(InputError):
-    """The directory holds no partitioned ZeRO optimizer state (``deepspeed``: it is a
-    DeepSpeed tag all the same, of ZeRO stage 0)."""
-
-    def __init__(self, message: str, *, deepspeed: bool = False) -> None:
-        super().__init__(message)
-        self.deepspeed = deepspeed
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,7 @@ from __future__ import annotations
 
 import struct
 
-from ckpttool.errors import UnsafePickleError
-
-
-class AmbiguousPickleError(UnsafePickleError):
-    """The pickle reads differently in torch.load than in a linear reader (see the module)."""
-
+from ckpttool.errors import AmbiguousPickleError
 
 _LINE = -1  # one text line (up to and including "\n")
 _TWO_LINES = -2  # GLOBAL and INST: module and name, each a line

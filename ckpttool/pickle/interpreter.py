@@ -32,6 +32,7 @@ from ckpttool.errors import (
     CkptError,
     CorruptCheckpointError,
     ResourceLimitError,
+    TruncatedPickleError,
     UnsafePickleError,
 )
 from ckpttool.pickle.callables import ContextualUses, is_contextual
@@ -123,10 +124,6 @@ def _refused(qualname: str) -> UnsafePickleError:
         "touch your system (nothing was run). Do not load this file with torch.load; "
         "`ckpttool scan` lists everything it references"
     )
-
-
-class TruncatedPickleError(CorruptCheckpointError):
-    """The bytes end before the pickle does (or a length prefix points past them)."""
 
 
 def _bad(pos: int, what: str) -> CorruptCheckpointError:
