@@ -69,8 +69,8 @@ def _ckpttool(source: Path, target: Path, *options: str) -> list[str]:
 
 def _model_bytes(resume: Path) -> int:
     """Bytes of the resume file's model tensors (what a conversion reads and writes)."""
-    from ckpttool.keys import select
-    from ckpttool.reader import open_checkpoint
+    from ckpttool.checkpoint import open_checkpoint
+    from ckpttool.commands.selection import select
 
     with open_checkpoint(resume) as ckpt:
         selection = select(ckpt)

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 from ckpttool.errors import CkptError
 
 _LAZY = {
-    "atomic_write": "ckpttool.atomic",
+    "atomic_write": "ckpttool.io.atomic",
     "SkipBatchSampler": "ckpttool.train",
     "capture_rng_state": "ckpttool.train",
     "checkpoint_paths": "ckpttool.train",
@@ -22,17 +22,17 @@ _LAZY = {
     "restore_rng_state": "ckpttool.train",
     "resume_training": "ckpttool.train",
     "save_checkpoint": "ckpttool.train",
-    "open_checkpoint": "ckpttool.reader",
-    "Checkpoint": "ckpttool.reader",
-    "TensorRecord": "ckpttool.records",
-    "rescale_step": "ckpttool.rescale",
+    "open_checkpoint": "ckpttool.checkpoint",
+    "Checkpoint": "ckpttool.checkpoint",
+    "TensorRecord": "ckpttool.model.records",
+    "rescale_step": "ckpttool.commands.rescale.run",
 }
 
 if TYPE_CHECKING:
-    from ckpttool.atomic import atomic_write
-    from ckpttool.reader import Checkpoint, open_checkpoint
-    from ckpttool.records import TensorRecord
-    from ckpttool.rescale import rescale_step
+    from ckpttool.checkpoint import Checkpoint, open_checkpoint
+    from ckpttool.commands.rescale.run import rescale_step
+    from ckpttool.io.atomic import atomic_write
+    from ckpttool.model.records import TensorRecord
     from ckpttool.train import (
         SkipBatchSampler,
         capture_rng_state,

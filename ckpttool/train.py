@@ -11,7 +11,7 @@ fixes what keeps MiniMind's resume from being exact or safe:
   file keeps the training dtype; only the weights file is fp16.
 * **No fsync.** ``torch.save(tmp); os.replace(tmp, path)`` is atomic against a crashed process but
   not against a power loss: the rename can reach the disk before the data does. Both files go
-  through :func:`ckpttool.atomic.atomic_write` (fsync file, replace, fsync directory).
+  through :func:`ckpttool.io.atomic.atomic_write` (fsync file, replace, fsync directory).
 * **No RNG, no scheduler.** Without the RNG state, dropout masks after a resume differ from those
   of the uninterrupted run; without the scheduler, the LR restarts its warmup. Both are saved.
   RNG states are stored as tensors, ints and tuples, so the file loads with
@@ -43,14 +43,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.utils.data import Sampler
 
-from ckpttool.atomic import atomic_write
 from ckpttool.errors import (
     CheckpointKeyError,
     CorruptCheckpointError,
     LayoutError,
     UnsafePickleError,
 )
-from ckpttool.lr_schedule import rescale_scheduler
+from ckpttool.io.atomic import atomic_write
+from ckpttool.model.lr_schedule import rescale_scheduler
 
 logger = logging.getLogger("ckpttool")
 
@@ -245,7 +245,7 @@ def _weights_state_dict(
     cpu_model: Mapping[str, Any], dtype: torch.dtype, weights_path: Path
 ) -> dict[str, Any]:
     """The weights file's dict: floating tensors cast to ``dtype``, overflows reported by
-    ``convert``'s own check (:func:`ckpttool.cast.count_overflow`)."""
+    ``convert``'s own check (:func:`ckpttool.model.cast.count_overflow`)."""
     weights: dict[str, Any] = {}
     overflowed: list[str] = []
     for key, value in cpu_model.items():
@@ -271,7 +271,7 @@ def _weights_state_dict(
 
 
 def _overflow(value: torch.Tensor, narrowed: torch.Tensor) -> tuple[int, float]:
-    from ckpttool.cast import CASTABLE, count_overflow
+    from ckpttool.model.cast import CASTABLE, count_overflow
 
     source = str(value.dtype).removeprefix("torch.")
     target = str(narrowed.dtype).removeprefix("torch.")
@@ -281,7 +281,7 @@ def _overflow(value: torch.Tensor, narrowed: torch.Tensor) -> tuple[int, float]:
 
 
 def _stored(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's elements as NumPy holds them for :mod:`ckpttool.cast` (bf16: the bits)."""
+    """A CPU tensor's elements as NumPy holds them for :mod:`ckpttool.model.cast` (bf16: the bits)."""
     tensor = tensor.contiguous()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(np.uint16)
@@ -315,7 +315,7 @@ def load_checkpoint(
     is rescaled to ``step * saved // current`` (MiniMind's rule: the same number of samples seen)
     and ``world_size`` set to the current one; a saved LR scheduler, which counts optimizer
     steps, moves by the same factor (``rescale-step``'s rule,
-    :func:`ckpttool.lr_schedule.rescale_scheduler`). The change is logged at INFO on
+    :func:`ckpttool.model.lr_schedule.rescale_scheduler`). The change is logged at INFO on
     ``"ckpttool"``; at WARNING when the division is not exact (some batches will be trained
     twice) or when the scheduler's state cannot be moved (it is then left as it was).
     """

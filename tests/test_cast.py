@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpttool.cast import cast_array, stored_dtype, to_bfloat16_bits, widen
+from ckpttool.model.cast import cast_array, stored_dtype, to_bfloat16_bits, widen
 
 TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
          "float64": torch.float64}  # fmt: skip
@@ -94,7 +94,7 @@ def test_widening_loses_nothing() -> None:
 
 
 def test_large_arrays_are_cast_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ckpttool.cast._CHUNK", 7)
+    monkeypatch.setattr("ckpttool.model.cast._CHUNK", 7)
     values = np.linspace(-1e5, 1e5, 100, dtype="<f4").reshape(4, 25)
     ours, counts = cast_array(values, "float32", "float16")
     assert_same_bits(ours, torch_cast(values.reshape(-1), "float32", "float16"), "float16")

@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
+from ckpttool.commands.scan import scan
+from ckpttool.commands.verify import verify
 from ckpttool.errors import AmbiguousFileError, NotACheckpointError
-from ckpttool.formats.zip_index import AmbiguousZipError, ZipIndex
-from ckpttool.reader import open_checkpoint
-from ckpttool.scan import scan
-from ckpttool.verify import verify
+from ckpttool.formats.torch_zip.zip_index import AmbiguousZipError, ZipIndex
 from tests.support import containers
 from tests.support.fuzz_targets import LOADABLE_ZIP_MUTATIONS, mutate
 from tests.support.helpers import FIXTURES

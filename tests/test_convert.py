@@ -1,4 +1,4 @@
-"""``ckpttool.convert``: exact round trips, tied weights, options, sharding, atomicity, verification.
+"""``ckpttool.commands.convert.run``: exact round trips, tied weights, options, sharding, atomicity, verification.
 
 torch and safetensors are the oracles: every output is read back with ``torch.load`` or
 ``safetensors.torch.load_file`` and compared bit for bit with what torch reads from the source.
@@ -22,16 +22,16 @@ import torch
 from safetensors import safe_open
 
 from ckpttool import __version__
-from ckpttool.convert import (
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.commands.convert.output import parse_size
+from ckpttool.commands.convert.run import (
     OverflowRefusedError,
     VerificationError,
     convert,
 )
-from ckpttool.convert_output import parse_size
+from ckpttool.commands.selection import select
 from ckpttool.errors import EXIT_FOUND, InputError, NotACheckpointError, OutputExistsError
-from ckpttool.keys import select
-from ckpttool.reader import open_checkpoint
-from ckpttool.writers import _encode
+from ckpttool.formats.writers import _encode
 from tests.support.helpers import FIXTURES, fixture_files, fixture_id, flatten_loaded
 from tests.support.minimind import MiniMindForCausalLM
 
@@ -271,7 +271,7 @@ def test_resume_converts_its_model_and_keeps_fields_as_metadata(tmp_path: Path) 
     assert set(st.load_file(report.outputs[0])) == set(expected_tensors(MINIMIND))
     meta = metadata(report.outputs[0])
     assert meta["format"] == "pt"
-    assert meta["ckpttool.source"] == "pretrain_32_resume.pth"
+    assert meta["ckpttool.io.source"] == "pretrain_32_resume.pth"
     assert meta["ckpttool.version"] == __version__
     fields = {k: json.loads(v) for k, v in meta.items() if k.startswith("ckpttool.field.")}
     assert fields == {
@@ -515,7 +515,7 @@ class FailingReads:
 def test_failure_mid_write_leaves_nothing_behind(
     to: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckpttool.convert as module
+    import ckpttool.commands.convert.run as module
 
     monkeypatch.setattr(module, "tensor_bytes", FailingReads(module.tensor_bytes, fail_at=12))
     target = tmp_path / ("out.pth" if to == "pth" else "out.safetensors")
@@ -528,7 +528,7 @@ def test_failure_mid_write_leaves_nothing_behind(
 def test_failure_with_force_leaves_the_existing_output_untouched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckpttool.convert as module
+    import ckpttool.commands.convert.run as module
 
     target = tmp_path / "out.safetensors"
     convert(CKPTTOOL, target)
@@ -544,7 +544,7 @@ def test_failure_with_force_leaves_the_existing_output_untouched(
 def test_verification_catches_a_flipped_bit_and_removes_the_output(
     to: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckpttool.convert as module
+    import ckpttool.commands.convert.run as module
 
     target = tmp_path / ("out.pth" if to == "pth" else "out.safetensors")
     target.write_bytes(b"old")
@@ -562,7 +562,7 @@ def test_verification_catches_a_flipped_bit_and_removes_the_output(
 
 
 def test_no_verify_skips_the_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckpttool.convert as module
+    import ckpttool.commands.convert.run as module
 
     reads = FailingReads(module.tensor_bytes, fail_at=3, corrupt=True)
     monkeypatch.setattr(module, "tensor_bytes", reads)
@@ -585,7 +585,7 @@ def test_progress_counts_writing_and_verifying(tmp_path: Path) -> None:
 
 def test_conversion_does_not_import_torch(tmp_path: Path) -> None:
     code = (
-        "import sys; from ckpttool.convert import convert;"
+        "import sys; from ckpttool.commands.convert.run import convert;"
         f"convert({str(RESUME)!r}, {str(tmp_path / 'a.safetensors')!r}, dtype='bf16');"
         f"convert({str(tmp_path / 'a.safetensors')!r}, {str(tmp_path / 'b.pth')!r});"
         "assert 'torch' not in sys.modules, 'torch was imported'"
@@ -631,7 +631,7 @@ def big_endian_copy(source: Path, target: Path) -> None:
     """``source`` rewritten as a big-endian machine's torch.save would write it."""
     import zipfile
 
-    from ckpttool.formats.zip_writer import TorchZipWriter
+    from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter
 
     with open_checkpoint(source) as ckpt:
         itemsize = {s.record: r.itemsize for r in ckpt.tensors() if (s := r.storage)}

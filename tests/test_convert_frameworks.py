@@ -16,10 +16,10 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from ckpttool import convert_model_dir
 from ckpttool.cli import cli
-from ckpttool.convert import convert
+from ckpttool.commands.convert.run import convert
 from ckpttool.errors import InputError, OutputExistsError
+from ckpttool.frameworks.huggingface import model_dir as convert_model_dir
 
 FRAMEWORKS = Path(__file__).resolve().parent / "fixtures" / "frameworks"
 TRAINER_CHECKPOINT = "trainer_1proc/output/checkpoint-8"
@@ -72,7 +72,7 @@ def test_writes_a_model_directory_as_save_pretrained(
 def test_tied_embedding_is_stored_under_the_name_transformers_keeps(tmp_path: Path) -> None:
     out, report = _convert(tmp_path, "hf_bin_sharded", None)
     assert report.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
-    from ckpttool.reader import open_checkpoint
+    from ckpttool.checkpoint import open_checkpoint
 
     with open_checkpoint(out / "model.safetensors") as ckpt:
         keys = {record.key for record in ckpt.tensors()}

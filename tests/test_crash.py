@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from ckpttool import atomic
-from ckpttool.atomic import atomic_group, atomic_write, temp_name_pattern
+from ckpttool.io import atomic
+from ckpttool.io.atomic import atomic_group, atomic_write, temp_name_pattern
 from tests.support import timeouts
 from tests.support.helpers import FIXTURES
 
@@ -188,7 +188,7 @@ def test_save_checkpoint_disk_full_keeps_old_files(
 def test_convert_disk_full_keeps_old_target(
     tmp_path: Path, full_disk: Callable[[int], DiskFull]
 ) -> None:
-    from ckpttool.convert import convert
+    from ckpttool.commands.convert.run import convert
     from ckpttool.errors import InputError
 
     target = tmp_path / "model.safetensors"
@@ -203,8 +203,8 @@ def test_convert_disk_full_keeps_old_target(
 def test_rescale_disk_full_keeps_old_file(
     tmp_path: Path, full_disk: Callable[[int], DiskFull]
 ) -> None:
+    from ckpttool.commands.rescale.run import rescale_step
     from ckpttool.errors import InputError
-    from ckpttool.rescale import rescale_step
 
     path = tmp_path / "pretrain_32_resume.pth"
     shutil.copyfile(RESUME, path)
@@ -249,7 +249,7 @@ def _fail_on_call(number: int, error: BaseException) -> Callable[..., Any]:
 def test_convert_exception_mid_write_keeps_old_target(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckpttool.convert as convert_module
+    import ckpttool.commands.convert.run as convert_module
 
     target = tmp_path / "model.safetensors"
     convert_module.convert(WEIGHTS, target, dtype="fp16")
@@ -264,8 +264,8 @@ def test_convert_exception_mid_write_keeps_old_target(
 def test_rescale_exception_mid_copy_keeps_old_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckpttool.formats.zip_writer as zip_writer
-    from ckpttool.rescale import rescale_step
+    import ckpttool.formats.torch_zip.zip_writer as zip_writer
+    from ckpttool.commands.rescale.run import rescale_step
 
     path = tmp_path / "pretrain_32_resume.pth"
     shutil.copyfile(RESUME, path)

@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 import torch
 
+from ckpttool.checkpoint import Checkpoint, open_checkpoint
+from ckpttool.commands.scan import scan
+from ckpttool.commands.verify import verify_file
 from ckpttool.errors import CorruptCheckpointError, InputError, UnsafePickleError
 from ckpttool.formats import base as base_format
-from ckpttool.formats import dcp as dcp_format
-from ckpttool.formats import dcp_files
-from ckpttool.formats.dcp_metadata import set_element
-from ckpttool.reader import Checkpoint, open_checkpoint
-from ckpttool.records import ChunkedStorageRecord, TensorRecord, get_path
-from ckpttool.scan import scan
-from ckpttool.values import read_tensor, tensor_stats
-from ckpttool.verify import verify_file
+from ckpttool.formats.dcp import directory as dcp_format
+from ckpttool.formats.dcp import files as dcp_files
+from ckpttool.formats.dcp.metadata import set_element
+from ckpttool.io.values import read_tensor, tensor_stats
+from ckpttool.model.records import ChunkedStorageRecord, TensorRecord, get_path
 from tests.support.dcp_cases import (
     DCP,
     DCP_PTH,

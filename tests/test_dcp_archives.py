@@ -21,14 +21,15 @@ from typing import Any
 import pytest
 import torch
 
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.commands.verify import verify_file
 from ckpttool.errors import CkptError
-from ckpttool.formats import dcp_files, torch_zip
-from ckpttool.formats.dcp import DcpFiles, load_metadata, tensor_record
-from ckpttool.formats.dcp_metadata import TensorEntry
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import ChunkRecord, StorageRecord
-from ckpttool.source import member_sizes, read_range
-from ckpttool.verify import verify_file
+from ckpttool.formats.dcp import files as dcp_files
+from ckpttool.formats.dcp.directory import DcpFiles, load_metadata, tensor_record
+from ckpttool.formats.dcp.metadata import TensorEntry
+from ckpttool.formats.torch_zip import reader as torch_zip
+from ckpttool.io.source import member_sizes, read_range
+from ckpttool.model.records import ChunkRecord, StorageRecord
 from tests.support.dcp_cases import DCP, rewrite_metadata
 
 Outcome = list[tuple[str, Any]]

@@ -1,4 +1,4 @@
-"""The walker's fast path for DCP ``.metadata`` entries (``ckpttool.pickle.dcp_call``) against the
+"""The walker's fast path for DCP ``.metadata`` entries (``ckpttool.formats.dcp.pickle_call``) against the
 general loop: the same parsed metadata (or the same error), the same expanded size and reused
 weight as ``finalize`` counts them, the same globals.
 
@@ -29,8 +29,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckpttool.errors import CkptError
-from ckpttool.formats.dcp_metadata import parse_metadata
-from ckpttool.pickle import dcp_layout, interpreter
+from ckpttool.formats.dcp import pickle_layout as dcp_layout
+from ckpttool.formats.dcp.metadata import parse_metadata
+from ckpttool.pickle import interpreter
 from ckpttool.pickle.interpreter import SafeUnpickler
 from tests.support.dcp_cases import DCP
 

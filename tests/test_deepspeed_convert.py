@@ -21,13 +21,13 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.cli import cli
-from ckpttool.convert import convert
-from ckpttool.diff import DIFFER, IDENTICAL, diff
+from ckpttool.commands.convert.run import convert
+from ckpttool.commands.diff.run import DIFFER, IDENTICAL, diff
 from ckpttool.errors import CkptError
-from ckpttool.reader import Checkpoint, open_checkpoint
-from ckpttool.records import TensorRecord, walk
-from ckpttool.zero_consolidate import ZeroWeights, open_zero_weights
+from ckpttool.frameworks.deepspeed.consolidate import ZeroWeights, open_zero_weights
+from ckpttool.model.records import TensorRecord, walk
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())

@@ -16,14 +16,14 @@ import pytest
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
+from ckpttool.commands.show import show
 from ckpttool.errors import CorruptCheckpointError, InputError
-from ckpttool.frameworks.deepspeed import record_value, zero_files
-from ckpttool.frameworks.deepspeed_checks import summarize
+from ckpttool.frameworks.deepspeed.checks import summarize
+from ckpttool.frameworks.deepspeed.files import record_value, zero_files
+from ckpttool.model.records import OpaqueObject
 from ckpttool.pickle.policy import Verdict, classify_global
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import OpaqueObject
-from ckpttool.show import show
 from tests.fixtures.deepspeed.generate import CASES, DAMAGED, DEEPSPEED_DIR, MANIFEST, SAVE_DIR
 
 MANIFEST_DATA = json.loads(MANIFEST.read_text())
@@ -404,8 +404,8 @@ def test_scan_calls_a_deepspeed_checkpoint_clean() -> None:
 def test_reading_imports_nothing_from_deepspeed() -> None:
     code = (
         "import sys\n"
-        "from ckpttool.show import show\n"
-        "from ckpttool.verify import verify_file\n"
+        "from ckpttool.commands.show import show\n"
+        "from ckpttool.commands.verify import verify_file\n"
         f"show({str(save_dir('stage3_bf16_2proc'))!r})\n"
         f"assert verify_file({str(save_dir('stage2_fp32_2proc'))!r}).ok\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'torch')))\n"

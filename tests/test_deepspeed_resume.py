@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckpttool.rescale_directory import rescale_directory
+from ckpttool.commands.rescale.directory import rescale_directory
 from tests.support import timeouts
 from tests.test_distributed import clean_env, free_port
 

@@ -22,9 +22,9 @@ import torch
 from click.testing import CliRunner
 
 from ckpttool.cli import cli
+from ckpttool.commands.rescale.directory import rescale_directory
 from ckpttool.errors import OutputExistsError
-from ckpttool.rescale_directory import rescale_directory
-from ckpttool.zero_schedule import scheduled_lr
+from ckpttool.frameworks.deepspeed.schedule import scheduled_lr
 from tests.test_json_schemas import assert_valid
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from ckpttool import diff_values
-from ckpttool.diff import (
+from ckpttool.checkpoint import Checkpoint, open_checkpoint
+from ckpttool.commands.diff import values as diff_values
+from ckpttool.commands.diff.run import (
     DIFFER,
     EQUAL_AFTER_ROUNDING,
     IDENTICAL,
@@ -26,9 +27,8 @@ from ckpttool.diff import (
     plan_diff,
     run_diff,
 )
-from ckpttool.diff_values import compare_dtype
+from ckpttool.commands.diff.values import compare_dtype
 from ckpttool.errors import InputError, NotACheckpointError
-from ckpttool.reader import Checkpoint, open_checkpoint
 from tests.fixtures.pairs import CHANGED_INDEX, CHANGED_TENSOR, NAN_TENSOR, TIED
 from tests.support.helpers import FIXTURES, fixture_files, fixture_id
 
@@ -258,7 +258,7 @@ def test_lightning_fields_and_section_option() -> None:
 
 
 def test_field_types_count() -> None:
-    from ckpttool.diff import compare_fields
+    from ckpttool.commands.diff.run import compare_fields
 
     assert compare_fields({"step": 1}, {"step": 1.0}) == [FieldDiff("step", "changed", 1, 1.0)]
     assert compare_fields({"x": float("nan")}, {"x": float("nan")}) == []
@@ -570,10 +570,10 @@ def test_safetensors_metadata_is_compared_but_not_aliases_or_provenance(tmp_path
     assert diff(PAIRS / "base.safetensors", PAIRS / "base_aliases.safetensors").equal
     tensors = {"w": torch.ones(2)}
     save_file(
-        tensors, tmp_path / "a.safetensors", metadata={"ckpttool.source": "a.pth", "note": "x"}
+        tensors, tmp_path / "a.safetensors", metadata={"ckpttool.io.source": "a.pth", "note": "x"}
     )
     save_file(
-        tensors, tmp_path / "b.safetensors", metadata={"ckpttool.source": "b.pth", "note": "y"}
+        tensors, tmp_path / "b.safetensors", metadata={"ckpttool.io.source": "b.pth", "note": "y"}
     )
     report = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
     assert report.fields == [FieldDiff("__metadata__.note", "changed", "x", "y")]

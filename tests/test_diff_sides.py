@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckpttool.diff import (
+from ckpttool.commands.diff.run import (
     DIFFER,
     IDENTICAL,
     ONLY_A,
@@ -276,8 +276,8 @@ def test_aligned_keys_are_compared_like_any_others(
 def test_many_candidate_prefixes_cost_linear_time_and_make_a_short_note() -> None:
     """9,000 one-tensor groups (``g0.w``, ``g1.w``, ...) each pair with a one-tensor side: the
     search stops at the second candidate instead of listing 9,000 in a note."""
-    from ckpttool.diff_match import extra_prefixes, match_tensors
-    from ckpttool.records import StorageRecord, TensorRecord
+    from ckpttool.commands.diff.match import extra_prefixes, match_tensors
+    from ckpttool.model.records import StorageRecord, TensorRecord
 
     def record(key: str, index: int) -> TensorRecord:
         storage = StorageRecord(str(index), "float32", 4, "cpu", f"archive/data/{index}", 16)
@@ -290,10 +290,10 @@ def test_many_candidate_prefixes_cost_linear_time_and_make_a_short_note() -> Non
         calls["n"] += 1
         return match_tensors(*args)
 
-    import ckpttool.diff_match
+    import ckpttool.commands.diff.match
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ckpttool.diff_match, "match_tensors", counting)
+        patch.setattr(ckpttool.commands.diff.match, "match_tensors", counting)
         found = extra_prefixes(many, {"w": record("w", -1)}, {}, {})
     assert found == ["g0.", "g1."] and calls["n"] == 2
     # a large group still pairs when it is the only candidate

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
 from ckpttool.errors import CheckpointCollectionError, CorruptCheckpointError, InputError
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import get_path
-from ckpttool.values import read_array
+from ckpttool.io.values import read_array
+from ckpttool.model.records import get_path
 
 FRAMEWORKS = Path(__file__).resolve().parent / "fixtures" / "frameworks"
 MANIFEST: dict[str, Any] = json.loads((FRAMEWORKS / "manifest.json").read_text())
@@ -66,7 +66,7 @@ def describe(ckpt: Any, record: Any) -> dict[str, Any]:
 def _value(root: Any, key: str) -> Any:
     """The value at a dotted key; keys that hold dots themselves (Lightning's
     ``epoch_loop.state_dict``) are found among the flattened leaves."""
-    from ckpttool.records import walk
+    from ckpttool.model.records import walk
 
     try:
         return get_path(root, key)
@@ -114,7 +114,7 @@ def test_every_file_reads_as_torch_reads_it(name: str) -> None:
     "name", sorted(n for n, e in FILES.items() if e.get("globals") is not None)
 )
 def test_scan_names_the_globals_torch_would_import(name: str) -> None:
-    from ckpttool.scan import scan
+    from ckpttool.commands.scan import scan
 
     expected = set(FILES[name]["globals"])
     (result,) = scan([FRAMEWORKS / name]).files
@@ -510,7 +510,7 @@ def test_opening_a_directory_reads_each_json_file_once(
 ) -> None:
     """Detection reads the index and trainer_state.json; reading the directory uses what it
     parsed instead of reading them again."""
-    from ckpttool.frameworks import huggingface
+    from ckpttool.frameworks.huggingface import files as huggingface
 
     reads: list[str] = []
     original = huggingface.read_small

@@ -15,10 +15,10 @@ import pytest
 import safetensors.torch as st
 import torch
 
-from ckpttool.convert import convert
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.commands.convert.run import convert
+from ckpttool.commands.show import show
 from ckpttool.errors import EXIT_ERROR, InputError
-from ckpttool.reader import open_checkpoint
-from ckpttool.show import show
 from tests.support.helpers import FIXTURES
 
 FSDP2 = FIXTURES / "frameworks/fsdp2_2proc"
@@ -121,7 +121,7 @@ def test_stats_say_a_shard_has_no_values_of_its_own() -> None:
 
 
 def test_verify_counts_each_shards_piece_as_stored() -> None:
-    from ckpttool.verify import verify
+    from ckpttool.commands.verify import verify
 
     (result,) = verify([RANK0])
     assert not result.problems
@@ -130,8 +130,8 @@ def test_verify_counts_each_shards_piece_as_stored() -> None:
 
 
 def test_a_hostile_dtensor_state_is_read_as_data_or_not_at_all() -> None:
+    from ckpttool.model.records import OpaqueObject, StorageRecord, TensorRecord
     from ckpttool.pickle.emulation import _dtensor_info, _placement_name
-    from ckpttool.records import OpaqueObject, StorageRecord, TensorRecord
 
     shard = "torch.distributed.tensor.placement_types.Shard"
     assert _placement_name(OpaqueObject(shard, (), {"dim": 10**5000})) == "Shard()"  # no str()
@@ -149,7 +149,7 @@ def test_a_hostile_dtensor_state_is_read_as_data_or_not_at_all() -> None:
 def test_diff_compares_dtensor_pieces_rank_by_rank() -> None:
     """Each rank file holds its pieces: a file against itself is identical, rank 0 against
     rank 1 differs (other rows of the same tensors), a piece of another size is said."""
-    from ckpttool.diff import diff
+    from ckpttool.commands.diff.run import diff
 
     rank0, rank1 = (FSDP2 / f"model_world_size_2_rank_{r}.pt" for r in (0, 1))
     same = diff(str(rank0), str(rank0))

@@ -15,9 +15,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
 from ckpttool.pickle.interpreter import load_pickle
-from ckpttool.reader import open_checkpoint
 
 ARGS = argparse.Namespace(lr=1e-3, batch_size=32, layers=[1, 2], inner=argparse.Namespace(a=1))
 

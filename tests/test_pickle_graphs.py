@@ -4,7 +4,7 @@
 (``int`` as ``__builtin__ long``); ``pickle`` maps them back below protocol 3 only, and so does
 the walker (``policy.python3_name``). Objects that refer back to what holds them (omegaconf's
 ``_parent``, any tree with parent links) are legitimate: the tree gets a
-:class:`~ckpttool.records.BackReference` leaf there, and every limit still holds.
+:class:`~ckpttool.model.records.BackReference` leaf there, and every limit still holds.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from ckpttool.errors import ResourceLimitError, UnsafePickleError
+from ckpttool.model.records import BackReference, GlobalRef, OpaqueObject, walk
 from ckpttool.pickle.interpreter import MAX_DEPTH, load_pickle
 from ckpttool.pickle.policy import Verdict, python3_name
-from ckpttool.records import BackReference, GlobalRef, OpaqueObject, walk
 from ckpttool.render.text import plain
 
 BUILTIN_TYPES = [int, str, range, float, bool, bytes, bytearray, dict, list, tuple, set,

@@ -1,4 +1,4 @@
-"""Reading many tensors in blocks (ckpttool.read_batch) gives what reading each one gives.
+"""Reading many tensors in blocks (ckpttool.io.read_batch) gives what reading each one gives.
 
 And diff, which settles pairs of small tensors by comparing their bytes read that way, gives
 the same report as comparing every pair's values one by one.
@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from ckpttool import diff as diff_module
-from ckpttool.diff import IDENTICAL, WITHIN_TOLERANCE, DiffReport, diff
-from ckpttool.read_batch import read_many
-from ckpttool.reader import Checkpoint, open_checkpoint
-from ckpttool.records import TensorRecord, stored_records
+from ckpttool.checkpoint import Checkpoint, open_checkpoint
+from ckpttool.commands.diff import run as diff_module
+from ckpttool.commands.diff.run import IDENTICAL, WITHIN_TOLERANCE, DiffReport, diff
+from ckpttool.io.read_batch import read_many
+from ckpttool.model.records import TensorRecord, stored_records
 from tests.support.helpers import FIXTURES, fixture_files, fixture_id
 from tests.test_convert import big_endian_copy
 
@@ -189,7 +189,7 @@ def test_convert_reads_small_tensors_in_blocks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Written and read back (source and output) in blocks, not one read per tensor."""
-    from ckpttool.convert import convert
+    from ckpttool.commands.convert.run import convert
 
     path = tmp_path / "many.pth"
     torch.save(small_tensors(300), path)

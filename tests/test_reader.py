@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.errors import CorruptCheckpointError, InputError, NotACheckpointError
-from ckpttool.layout import detect_layout
-from ckpttool.reader import open_checkpoint
-from ckpttool.values import read_array, read_tensor
+from ckpttool.io.values import read_array, read_tensor
+from ckpttool.model.roles import detect_layout
 from tests.support.helpers import FIXTURES, dtype_name, fixture_files, fixture_id, flatten_loaded
 
 FILES = fixture_files()
@@ -75,7 +75,7 @@ def test_reader_does_not_import_torch(tmp_path: Path) -> None:
     import subprocess
 
     code = (
-        "import sys; from ckpttool.reader import open_checkpoint; from ckpttool.show import show;"
+        "import sys; from ckpttool.checkpoint import open_checkpoint; from ckpttool.commands.show import show;"
         f"show({str(FIXTURES / 'minimind/pretrain_32_resume.pth')!r});"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

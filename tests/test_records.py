@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import (
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.model.records import (
     OpaqueObject,
     StorageRecord,
     TensorRecord,
@@ -112,9 +112,9 @@ def test_count_once_counts_a_storage_once_and_never_past_it() -> None:
 
 def test_tensors_and_tensor_keys_are_what_walk_gives_on_every_fixture() -> None:
     """The one-loop :func:`tensors` against the generic walk it replaces."""
+    from ckpttool.checkpoint import open_checkpoint
     from ckpttool.errors import CkptError
-    from ckpttool.reader import open_checkpoint
-    from ckpttool.records import OpaqueObject, tensor_keys, tensors, walk
+    from ckpttool.model.records import OpaqueObject, tensor_keys, tensors, walk
     from tests.support.helpers import fixture_files
 
     def reference(node: object, prefix: str = "") -> list[TensorRecord]:
@@ -141,7 +141,7 @@ def test_tensors_and_tensor_keys_are_what_walk_gives_on_every_fixture() -> None:
 
 
 def test_nodes_is_a_depth_first_walk_with_containers_first() -> None:
-    from ckpttool.records import OpaqueObject, nodes
+    from ckpttool.model.records import OpaqueObject, nodes
 
     def reference(node: object) -> list[object]:  # the stack walk nodes() replaced
         out, stack = [], [node]
@@ -164,7 +164,7 @@ def test_nodes_is_a_depth_first_walk_with_containers_first() -> None:
 
 def test_with_key_sets_every_field_of_a_record() -> None:
     """with_key passes every field positionally: a field added to TensorRecord must be added there."""
-    from ckpttool import records
+    from ckpttool.model import records
 
     assert records._FIELD_NAMES == (
         "key", "dtype", "shape", "stride", "storage_offset", "storage", "requires_grad", "kind",

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from ckpttool import remote
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
-from ckpttool.convert import convert
+from ckpttool.commands.convert.run import convert
 from ckpttool.errors import InputError
-from ckpttool.reader import open_checkpoint
+from ckpttool.io import remote
 from tests.support.helpers import FIXTURES
 from tests.support.range_server import RangeServer
 from tests.support.timeouts import scaled
@@ -76,7 +76,7 @@ def test_show_and_stats_over_http_equal_local(server: RangeServer, local: Path) 
 def test_show_fetches_the_directory_and_pickle_only(server: RangeServer) -> None:
     """Every request of a URL's show is for the pickle (at the start of a torch zip) or for the
     end record and directory (the last 64 KiB + 22 bytes, where the end record is searched)."""
-    from ckpttool.formats.torch_zip import member_span, open_zip
+    from ckpttool.formats.torch_zip.reader import member_span, open_zip
 
     data = RESUME.read_bytes()
     url = server.add("resume.pth", data)
@@ -441,7 +441,7 @@ def test_convert_from_a_url_verifies_against_what_it_read(
 ) -> None:
     """The remote source is not fetched twice: the output is read back against the CRC-32 of
     the bytes written, which still catches an output that differs."""
-    import ckpttool.convert as convert_module
+    import ckpttool.commands.convert.run as convert_module
 
     monkeypatch.setattr(remote, "BLOCK", 256)  # the cache holds 16 KiB: no second pass from it
     url = server.add(RESUME.name, RESUME.read_bytes())
@@ -619,7 +619,7 @@ def test_a_shard_replaced_during_convert_writes_nothing(bucket: str, tmp_path: P
     commits its output, like a single file's."""
     import boto3
 
-    from ckpttool.convert import convert
+    from ckpttool.commands.convert.run import convert
     from ckpttool.errors import InputError
 
     local = FRAMEWORKS / "hf_sharded"

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from ckpttool import remote
-from ckpttool.convert import convert
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.commands.convert.run import convert
 from ckpttool.errors import InputError
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import TensorRecord, walk
+from ckpttool.io import remote
+from ckpttool.model.records import TensorRecord, walk
 from tests import test_remote as shared
 from tests.support.helpers import FIXTURES
 from tests.support.range_server import RangeServer

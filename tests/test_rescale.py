@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
 import ckpttool.train
-from ckpttool.atomic import temp_name_pattern
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.commands.rescale.run import InexactRescaleError, rescale_fields, rescale_step
 from ckpttool.errors import InputError, LayoutError, OutputExistsError
-from ckpttool.formats.zip_writer import TorchZipWriter
-from ckpttool.lr_schedule import rescale_scheduler
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import walk
-from ckpttool.rescale import InexactRescaleError, rescale_fields, rescale_step
-from ckpttool.rewrite import RewriteCheckError, verify_rewrite
+from ckpttool.formats.torch_zip.rewrite import RewriteCheckError, verify_rewrite
+from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter
+from ckpttool.io.atomic import temp_name_pattern
+from ckpttool.model.lr_schedule import rescale_scheduler
+from ckpttool.model.records import walk
 from tests.support.helpers import FIXTURES, copy_fixture, digest
 
 # fixture -> (step, world_size in the file); the legacy one has none (rescaled --from-world-size 4)
@@ -402,10 +402,12 @@ def test_failure_while_writing_legacy_leaves_the_original(
 ) -> None:
     path = copy_fixture("legacy/resume_bigkeys.pth", tmp_path)
     before = digest(path)
-    import ckpttool.rewrite
+    import ckpttool.formats.torch_zip.rewrite
 
     monkeypatch.setattr(
-        ckpttool.rewrite, "copy_range", fail_halfway(ckpttool.rewrite.copy_range, 1)
+        ckpttool.formats.torch_zip.rewrite,
+        "copy_range",
+        fail_halfway(ckpttool.formats.torch_zip.rewrite.copy_range, 1),
     )
     with pytest.raises(InputError, match="injected"):
         rescale_step(path, 2, from_world_size=4)
@@ -416,12 +418,12 @@ def test_failure_while_writing_legacy_leaves_the_original(
 def test_failed_read_back_replaces_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = copy_fixture("minimind/pretrain_32_resume.pth", tmp_path)
     before = digest(path)
-    import ckpttool.rescale
+    import ckpttool.commands.rescale.run
 
     def wrong_expectation(old: Any, new_path: Path, changes: dict[str, Any]) -> None:
         verify_rewrite(old, new_path, {**changes, "step": 1})
 
-    monkeypatch.setattr(ckpttool.rescale, "verify_rewrite", wrong_expectation)
+    monkeypatch.setattr(ckpttool.commands.rescale.run, "verify_rewrite", wrong_expectation)
     with pytest.raises(RewriteCheckError, match=r"'step' is 4800 instead of 1") as error:
         rescale_step(path, 2, backup=True)
     assert error.value.exit_code == 1
@@ -432,7 +434,7 @@ def test_failed_read_back_replaces_nothing(tmp_path: Path, monkeypatch: pytest.M
 def test_rescale_never_imports_torch(tmp_path: Path) -> None:
     path = copy_fixture("minimind/pretrain_32_resume.pth", tmp_path)
     code = (
-        "import sys; from ckpttool.rescale import rescale_step; "
+        "import sys; from ckpttool.commands.rescale.run import rescale_step; "
         f"rescale_step({str(path)!r}, 2); assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

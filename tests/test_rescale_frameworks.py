@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
+from ckpttool.commands.rescale.directory import rescale_directory
+from ckpttool.commands.rescale.run import rescale_step
 from ckpttool.errors import OutputExistsError
-from ckpttool.reader import open_checkpoint
-from ckpttool.rescale import rescale_step
-from ckpttool.rescale_directory import rescale_directory
 from tests.test_json_schemas import assert_valid
 
 FIXTURES = Path(__file__).parent / "fixtures" / "frameworks"
@@ -132,7 +132,7 @@ def test_crash_leaves_old_checkpoint_and_no_output(
         raise OSError("simulated crash")
 
     monkeypatch.setattr(os, "rename", crash)
-    monkeypatch.setattr("ckpttool.rescale_directory._exchange", lambda a, b: False)
+    monkeypatch.setattr("ckpttool.commands.rescale.directory._exchange", lambda a, b: False)
     with pytest.raises(OSError, match="simulated"):
         rescale_directory(source, 1, in_place=in_place)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no output, no temp dir left

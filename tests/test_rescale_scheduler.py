@@ -26,8 +26,8 @@ from torch.optim.lr_scheduler import (
 import ckpttool.train
 from ckpttool import load_checkpoint, resume_training, save_checkpoint
 from ckpttool.cli import cli
-from ckpttool.lr_schedule import rescale_scheduler
-from ckpttool.rescale import rescale_fields, rescale_step
+from ckpttool.commands.rescale.run import rescale_fields, rescale_step
+from ckpttool.model.lr_schedule import rescale_scheduler
 from tests.test_json_schemas import assert_valid
 
 #: Steps the saved run had taken (per rank), in a schedule of LENGTH steps on that many ranks.

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.errors import CkptError
-from ckpttool.reader import open_checkpoint
 
 GOOD = {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}
 

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
-from ckpttool.reader import open_checkpoint
 from tests.support import adversarial, containers
 from tests.support.helpers import FIXTURES
 

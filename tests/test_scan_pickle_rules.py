@@ -18,8 +18,10 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
 from ckpttool.errors import CkptError, UnsafePickleError
+from ckpttool.model.records import OpaqueObject, TensorRecord
 from ckpttool.pickle.callables import (
     FUNCTION_MODULES,
     GETATTR_NAMESPACES,
@@ -30,8 +32,6 @@ from ckpttool.pickle.frames import AmbiguousPickleError
 from ckpttool.pickle.interpreter import load_pickle
 from ckpttool.pickle.names import linear_globals
 from ckpttool.pickle.policy import DISTRIBUTED_RECORDS, Verdict, classify_global
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import OpaqueObject, TensorRecord
 from tests.support import adversarial
 
 torch = pytest.importorskip("torch")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
 from ckpttool.errors import (
     CkptError,
@@ -19,9 +20,8 @@ from ckpttool.errors import (
     ResourceLimitError,
     UnsafePickleError,
 )
+from ckpttool.model.records import BackReference
 from ckpttool.pickle.interpreter import load_pickle
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import BackReference
 from tests.support import adversarial
 from tests.support.timeouts import scaled
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from ckpttool.layout import detect_layout, model_part, optimizer_part, scalar_fields
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import (
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.io.values import _minifloat_table, as_float, numpy_code, stats_unavailable
+from ckpttool.model.records import (
     OpaqueObject,
     StorageRecord,
     TensorRecord,
@@ -19,8 +19,8 @@ from ckpttool.records import (
     join_key,
     shared_storages,
 )
+from ckpttool.model.roles import detect_layout, model_part, optimizer_part, scalar_fields
 from ckpttool.render.show_tree import MAX_MODULE_DEPTH, is_flat_state_dict, module_tree
-from ckpttool.values import _minifloat_table, as_float, numpy_code, stats_unavailable
 from tests.support.helpers import fixture_files
 
 
@@ -195,7 +195,7 @@ def test_dtypes_without_statistics_say_why(dtype: str, reason: str) -> None:
 
 
 def test_every_torch_dtype_gets_statistics_or_a_reason() -> None:
-    from ckpttool.records import ITEMSIZE
+    from ckpttool.model.records import ITEMSIZE
 
     for name in ITEMSIZE:
         probe = record("x", (1,), dtype=name)
@@ -209,8 +209,8 @@ def test_optimizer_state_maps_to_names_through_the_trainers_decay_groups(tmp_pat
     with a model stored in its own order (a .bin file, a resume dict) the names follow."""
     import torch
 
-    from ckpttool.layout import map_param_names
-    from ckpttool.reader import open_checkpoint
+    from ckpttool.checkpoint import open_checkpoint
+    from ckpttool.model.roles import map_param_names
 
     model = torch.nn.Sequential()
     model.add_module("fc1", torch.nn.Linear(4, 3))
@@ -238,8 +238,8 @@ def test_optimizer_state_maps_to_names_through_the_trainers_decay_groups(tmp_pat
 
 
 def _fixture_reports() -> list[object]:
+    from ckpttool.commands.show import show
     from ckpttool.errors import CkptError
-    from ckpttool.show import show
     from tests.support.helpers import fixture_files
 
     reports = []
@@ -281,8 +281,8 @@ def test_show_text_and_json_on_every_fixture_are_tabulates_and_render_jsons() ->
 
 
 def test_tensor_notes_say_what_each_tensor_is() -> None:
-    from ckpttool.records import ChunkedStorageRecord, ChunkRecord
-    from ckpttool.show import tensor_notes
+    from ckpttool.commands.show import tensor_notes
+    from ckpttool.model.records import ChunkedStorageRecord, ChunkRecord
 
     storage = StorageRecord("0", "float32", 64, "cpu", "archive/data/0", 256)
     gpu = StorageRecord("1", "float32", 16, "cuda:0", "archive/data/1", 64)
@@ -323,9 +323,9 @@ def test_tensor_lines_are_what_json_writes_for_tensor_json() -> None:
     import enum
     import json
 
-    from ckpttool.records import ChunkedStorageRecord, ChunkRecord
+    from ckpttool.commands.show import TensorInfo
+    from ckpttool.model.records import ChunkedStorageRecord, ChunkRecord
     from ckpttool.render.show import TensorLines, tensor_json
-    from ckpttool.show import TensorInfo
 
     class Name(str):
         pass

@@ -44,13 +44,13 @@ NOT_FOR_LISTING = [
     "email",
     "pathlib",  # the reader works on str paths; Checkpoint.path builds a Path on demand
     "zipfile",  # formats.zip_index reads the directory: zipfile imports bz2, lzma, shutil
-    "ckpttool.values",
+    "ckpttool.io.values",
     "ckpttool.formats.dcp",
-    "ckpttool.diff",
-    "ckpttool.convert",
-    "ckpttool.rescale",
+    "ckpttool.commands.diff",
+    "ckpttool.commands.convert",
+    "ckpttool.commands.rescale",
     "ckpttool.train",
-    "ckpttool.remote",  # URLs only (issue 17): the HTTP client, threads, fsspec
+    "ckpttool.io.remote",  # URLs only (issue 17): the HTTP client, threads, fsspec
     "http.client",
     "fsspec",
     "aiohttp",
@@ -81,7 +81,9 @@ def _modules_after(*args: str) -> set[str]:
 )
 def test_show_imports_only_what_listing_needs(fixture: str) -> None:
     modules = _modules_after("show", str(FIXTURES / fixture))
-    assert "ckpttool.render.show" in modules and "ckpttool.reader" in modules  # the probe saw it
+    assert (
+        "ckpttool.render.show" in modules and "ckpttool.checkpoint" in modules
+    )  # the probe saw it
     # a table of printable ASCII is written without tabulate (render.text.table)
     assert "tabulate" not in modules
     assert sorted(modules & set(NOT_FOR_LISTING)) == []
@@ -89,7 +91,7 @@ def test_show_imports_only_what_listing_needs(fixture: str) -> None:
 
 def test_show_json_does_not_need_tabulate() -> None:
     modules = _modules_after("show", "--json", str(FIXTURES / "minimind/pretrain_32.pth"))
-    assert "ckpttool.reader" in modules
+    assert "ckpttool.checkpoint" in modules
     assert "tabulate" not in modules
     assert sorted(modules & set(NOT_FOR_LISTING)) == []
 
@@ -97,7 +99,7 @@ def test_show_json_does_not_need_tabulate() -> None:
 def test_probe_sees_what_stats_and_dcp_do_import(tmp_path: Path) -> None:
     """Positive controls: values are read with NumPy; a DCP directory needs the DCP reader."""
     stats = _modules_after("show", "--stats", str(FIXTURES / "minimind/pretrain_32.pth"))
-    assert {"numpy", "ckpttool.values"} <= stats
+    assert {"numpy", "ckpttool.io.values"} <= stats
     dcp_dirs = sorted(p.parent for p in FIXTURES.glob("dcp/*/.metadata"))
     assert dcp_dirs, "no DCP fixture"
     assert "ckpttool.formats.dcp" in _modules_after("show", str(dcp_dirs[0]))
@@ -114,7 +116,7 @@ def test_probe_sees_what_a_url_imports() -> None:
         modules = _modules_after("show", url)
     finally:
         server.stop()
-    assert {"ckpttool.remote", "http.client"} <= modules
+    assert {"ckpttool.io.remote", "http.client"} <= modules
     assert "fsspec" not in modules and "torch" not in modules
 
 
@@ -125,8 +127,8 @@ def test_dir_lists_the_lazy_public_names_without_importing_them() -> None:
         "import json, sys, ckpttool\n"
         "names = dir(ckpttool)\n"
         "print(json.dumps({'names': names, 'all': ckpttool.__all__, 'loaded': sorted("
-        "m for m in ('torch', 'ckpttool.train', 'ckpttool.reader', 'ckpttool.rescale', "
-        "'ckpttool.atomic', 'ckpttool.records') if m in sys.modules)}))\n"
+        "m for m in ('torch', 'ckpttool.train', 'ckpttool.checkpoint', 'ckpttool.commands.rescale', "
+        "'ckpttool.io.atomic', 'ckpttool.model.records') if m in sys.modules)}))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

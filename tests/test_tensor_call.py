@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import torch
 
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.commands.show import build_report
+from ckpttool.commands.verify import verify
 from ckpttool.errors import CkptError
+from ckpttool.model.records import GlobalRef, OpaqueObject, StorageRecord, TensorRecord
 from ckpttool.pickle import interpreter, tensor_call
 from ckpttool.pickle.interpreter import load_pickle
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import GlobalRef, OpaqueObject, StorageRecord, TensorRecord
 from ckpttool.render.show import render_json
-from ckpttool.show import build_report
-from ckpttool.verify import verify
 from tests.support.adversarial import corpus
 from tests.support.helpers import FIXTURES, fixture_files, fixture_id
 

@@ -10,13 +10,13 @@ import pytest
 import safetensors.torch as st
 import torch
 
-from ckpttool.convert import convert
-from ckpttool.diff import diff
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.commands.convert.run import convert
+from ckpttool.commands.diff.run import diff
+from ckpttool.commands.show import show
 from ckpttool.errors import InputError
-from ckpttool.layout import layout_warnings
-from ckpttool.reader import open_checkpoint
+from ckpttool.model.roles import layout_warnings
 from ckpttool.render.show import render_json
-from ckpttool.show import show
 from tests.support.helpers import FIXTURES
 
 RESUME = FIXTURES / "minimind/pretrain_32_resume.pth"
@@ -25,7 +25,7 @@ WRAPPED = FIXTURES / "wrapped"
 
 def _wrapper_warnings(path: Path) -> list[str]:
     with open_checkpoint(path) as ckpt:
-        from ckpttool.layout import layout_of
+        from ckpttool.model.roles import layout_of
 
         warnings = layout_warnings(ckpt.root, layout_of(ckpt), ckpt.tensors())
     return [w for w in warnings if "wrapper prefixes" in w]

@@ -21,9 +21,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ckpttool.reader import open_checkpoint  # noqa: E402
-from ckpttool.records import TensorRecord, walk  # noqa: E402
-from ckpttool.values import read_tensor  # noqa: E402
+from ckpttool.checkpoint import open_checkpoint  # noqa: E402
+from ckpttool.io.values import read_tensor  # noqa: E402
+from ckpttool.model.records import TensorRecord, walk  # noqa: E402
 
 _DTYPE_NAMES = [name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)]
 
@@ -360,8 +360,8 @@ _V2 = _op_call(
     ids=["rebuild_tensor_v1", "wrapper_subclass", "device_from_cpu"],
 )  # fmt: skip
 def test_rebuilders_torch_no_longer_writes(pickled: bytes, expected: tuple[Any, ...]) -> None:
+    from ckpttool.model.records import StorageRecord
     from ckpttool.pickle.interpreter import finalize, load_pickle
-    from ckpttool.records import StorageRecord
 
     def storage(pid: Any) -> StorageRecord:
         return StorageRecord(pid[2], "float32", pid[4], pid[3], "data/0", 24)

@@ -37,13 +37,13 @@ from ckpttool import (
     resume_training,
     save_checkpoint,
 )
-from ckpttool.atomic import temp_name_pattern
 from ckpttool.errors import (
     CheckpointKeyError,
     CorruptCheckpointError,
     LayoutError,
     UnsafePickleError,
 )
+from ckpttool.io.atomic import temp_name_pattern
 from tests.support.timeouts import scaled
 
 # --- checkpoint_paths ------------------------------------------------------------------------

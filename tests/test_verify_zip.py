@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpttool import verify_zip
-from ckpttool.reader import open_checkpoint
-from ckpttool.verify import verify
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.commands.verify import verify
+from ckpttool.formats.torch_zip import verify as verify_zip
 
 
 def save_many(path: Path) -> bytes:

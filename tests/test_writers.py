@@ -9,7 +9,7 @@ import pytest
 
 from ckpttool.errors import InputError
 from ckpttool.formats.safetensors_file import CODES
-from ckpttool.writers import HEADER_ALIGNMENT, OutTensor, safetensors_header
+from ckpttool.formats.writers import HEADER_ALIGNMENT, OutTensor, safetensors_header
 
 # names JSON must escape, or that UTF-8 encodes in several bytes
 NAMES = ["w", 'q"uote', "back\\slash", "new\nline", "nul\x00", "é", "\u2028sep", "𝔘nicode", ""]

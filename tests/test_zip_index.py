@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpttool.formats.zip_index import AmbiguousZipError, BadZipError, ZipIndex
+from ckpttool.formats.torch_zip.zip_index import AmbiguousZipError, BadZipError, ZipIndex
 from tests.support.fuzz_targets import MUTATIONS, mutate
 from tests.support.helpers import FIXTURES, fixture_files
 
@@ -144,7 +144,7 @@ def test_refusals() -> None:
 
 def test_deflate_bomb_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A member inflating past its declared size yields at most file_size + 1 bytes, then fails."""
-    from ckpttool.formats import zip_index
+    from ckpttool.formats.torch_zip import zip_index
 
     produced: list[int] = []
     real_decompressobj = zlib.decompressobj
@@ -238,7 +238,7 @@ def test_hostile_corpus_archives(tmp_path: Path) -> None:
 
 def test_directory_size_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A directory larger than MAX_DIRECTORY is refused before it is read into memory."""
-    from ckpttool.formats import zip_index
+    from ckpttool.formats.torch_zip import zip_index
 
     data = ZIP_FIXTURES[0].read_bytes()
     ZipIndex(io.BytesIO(data))  # within the limit

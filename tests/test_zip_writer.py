@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpttool.formats.torch_zip import member_span
-from ckpttool.formats.zip_writer import ALIGNMENT, TorchZipWriter
-from ckpttool.reader import open_checkpoint
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.formats.torch_zip.reader import member_span
+from ckpttool.formats.torch_zip.zip_writer import ALIGNMENT, TorchZipWriter
 from tests.support.helpers import FIXTURES
 
 

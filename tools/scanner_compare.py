@@ -43,8 +43,8 @@ DANGEROUS, WARNING, ERROR, CLEAN = "dangerous", "warning", "error", "clean"
 
 
 def ckpttool_verdict(path: Path) -> str:
+    from ckpttool.commands.scan import scan
     from ckpttool.pickle.policy import Verdict
-    from ckpttool.scan import scan
 
     report = scan([path])
     scanned = report.files[0] if report.files else None

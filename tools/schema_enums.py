@@ -1,4 +1,4 @@
-"""Write the format and layout names (ckpttool/vocabulary.py) into docs/schemas/*.json.
+"""Write the format and layout names (ckpttool/model/vocabulary.py) into docs/schemas/*.json.
 
     python -m tools.schema_enums            # from the repository root: rewrite the schemas
     python -m tools.schema_enums --check    # exit 1 if a schema's names are not the table's
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ckpttool.vocabulary import FORMATS, LAYOUTS
+from ckpttool.model.vocabulary import FORMATS, LAYOUTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / "docs" / "schemas"
@@ -32,11 +32,11 @@ def definitions() -> dict[str, Any]:
     return {
         "format": {
             "enum": list(FORMATS),
-            "description": f"how the checkpoint is stored (ckpttool/vocabulary.py; {REGENERATE})",
+            "description": f"how the checkpoint is stored (ckpttool/model/vocabulary.py; {REGENERATE})",
         },
         "layout": {
             "enum": list(LAYOUTS),
-            "description": f"what the checkpoint holds (ckpttool/vocabulary.py; {REGENERATE})",
+            "description": f"what the checkpoint holds (ckpttool/model/vocabulary.py; {REGENERATE})",
         },
     }
 

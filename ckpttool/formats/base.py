@@ -1,4 +1,4 @@
-"""What every format reader returns to :mod:`ckpttool.reader`."""
+"""What every format reader returns to :mod:`ckpttool.checkpoint`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpttool.model.records import StorageRecord
 from ckpttool.pickle.interpreter import PickleResult
-from ckpttool.records import StorageRecord
 
 #: The file a torch.distributed.checkpoint directory is recognised by (written last by DCP).
 DCP_METADATA = ".metadata"

@@ -14,7 +14,13 @@ from typing import Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError
 from ckpttool.formats.base import Parsed
-from ckpttool.records import ITEMSIZE, StorageRecord, TensorRecord, fits_int64, numel_fits_int64
+from ckpttool.model.records import (
+    ITEMSIZE,
+    StorageRecord,
+    TensorRecord,
+    fits_int64,
+    numel_fits_int64,
+)
 
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 

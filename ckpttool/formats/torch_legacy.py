@@ -19,10 +19,10 @@ from typing import Any, BinaryIO, TypeVar
 
 from ckpttool.errors import CorruptCheckpointError
 from ckpttool.formats.base import Parsed
-from ckpttool.formats.torch_zip import storage_dtype
+from ckpttool.formats.torch_zip.reader import storage_dtype
+from ckpttool.io.source import read_range, source_of
+from ckpttool.model.records import ITEMSIZE, StorageRecord, fits_int64
 from ckpttool.pickle.interpreter import PickleResult, TruncatedPickleError, load_pickle
-from ckpttool.records import ITEMSIZE, StorageRecord, fits_int64
-from ckpttool.source import read_range, source_of
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001

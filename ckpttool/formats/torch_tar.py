@@ -18,9 +18,9 @@ import struct
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.errors import CkptError, UnsafePickleError
+from ckpttool.model.records import ITEMSIZE, GlobalRef, StorageRecord
 from ckpttool.pickle.emulation import STORAGE_DTYPES
 from ckpttool.pickle.interpreter import SafeUnpickler, TruncatedPickleError
-from ckpttool.records import ITEMSIZE, GlobalRef, StorageRecord
 
 if TYPE_CHECKING:
     from ckpttool.pickle.policy import Verdict

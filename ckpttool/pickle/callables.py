@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.records import GlobalRef
+from ckpttool.model.records import GlobalRef
 
 _ACTIVATION = "an activation: computes on the tensor it is given, touches nothing else"
 _ARITHMETIC = "tensor arithmetic: computes on its tensor arguments only"

@@ -4,9 +4,9 @@ A pickle builds objects by calling globals (``REDUCE``, ``NEWOBJ``, ``INST``, ``
 setting their state (``BUILD``). For a short allow-list of data constructs (torch's tensor
 rebuilders, ``OrderedDict``, NumPy arrays/scalars/dtypes, ``argparse.Namespace``, a few
 builtins) this module says what the call would build, without performing it: a
-:class:`~ckpttool.records.TensorRecord` (sparse, nested and quantized tensors too: one record
+:class:`~ckpttool.model.records.TensorRecord` (sparse, nested and quantized tensors too: one record
 each, with their layout, parts and quantization), a dict, a number... Any other call builds an
-:class:`~ckpttool.records.OpaqueObject` that records the class name and arguments. Nothing
+:class:`~ckpttool.model.records.OpaqueObject` that records the class name and arguments. Nothing
 named is imported or called. Placeholders (:class:`TorchDtype`, :class:`NumpyDtype`,
 :class:`NdarrayBuilder`) stand for objects still being built; the interpreter replaces them
 when it finalizes the tree.
@@ -21,7 +21,7 @@ from itertools import repeat
 from typing import Any
 
 from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
-from ckpttool.records import (
+from ckpttool.model.records import (
     ITEMSIZE,
     PART_NAMES,
     DTensorInfo,
@@ -689,7 +689,7 @@ def is_emulated(qualname: str) -> bool:
 
 def global_value(module: str, name: str) -> Any:
     """What a ``GLOBAL`` opcode pushes: a torch dtype's placeholder, or a
-    :class:`~ckpttool.records.GlobalRef` (a name; nothing is imported)."""
+    :class:`~ckpttool.model.records.GlobalRef` (a name; nothing is imported)."""
     qualname = f"{module}.{name}"
     if qualname in _TORCH_DTYPE_GLOBALS:
         return _TORCH_DTYPE_GLOBALS[qualname]
@@ -697,7 +697,7 @@ def global_value(module: str, name: str) -> Any:
 
 
 def emulate_call(call: NestedCall, func: GlobalRef, args: tuple[Any, ...]) -> Any:
-    """What ``func(*args)`` builds, as data; an :class:`~ckpttool.records.OpaqueObject` for any
+    """What ``func(*args)`` builds, as data; an :class:`~ckpttool.model.records.OpaqueObject` for any
     call outside the allow-list."""
     return _EMULATED.get(func.qualname, _opaque_call)(call, func, args)
 

@@ -2,10 +2,10 @@
 
 ``pickle.Unpickler`` imports whatever module a pickle names and calls whatever it is told to;
 that is how a checkpoint runs ``os.system``. This module interprets the opcodes itself instead.
-A ``GLOBAL`` becomes a :class:`~ckpttool.records.GlobalRef` (a name, never imported). Calls
+A ``GLOBAL`` becomes a :class:`~ckpttool.model.records.GlobalRef` (a name, never imported). Calls
 (``REDUCE``, ``NEWOBJ``, ``INST``, ``OBJ``) are *emulated* for a short allow-list of data
 constructs (tensor rebuilders, ``OrderedDict``, NumPy arrays and scalars, ``set``...); any other
-call yields an :class:`~ckpttool.records.OpaqueObject` that records the class name and
+call yields an :class:`~ckpttool.model.records.OpaqueObject` that records the class name and
 arguments. Names that only make sense as an attack (``os.system``, ``builtins.eval``...) are
 refused outright. ``BUILD`` is applied only to objects this reader created. What is emulated
 lives in :mod:`ckpttool.pickle.emulation`, what is refused in :mod:`ckpttool.pickle.policy`.
@@ -15,7 +15,7 @@ Resources are bounded: every length prefix is checked against the bytes that rem
 indices torch.save uses (0, 1, 2...) and a dict past its end (``LONG_BINPUT 0x7fffffff`` costs
 one entry), nesting depth and the size of the expanded tree are capped, and
 an object that refers back to one containing it (a parent link) becomes a
-:class:`~ckpttool.records.BackReference` leaf, so the tree every consumer walks has no cycle.
+:class:`~ckpttool.model.records.BackReference` leaf, so the tree every consumer walks has no cycle.
 """
 
 from __future__ import annotations
@@ -35,11 +35,18 @@ from ckpttool.errors import (
     TruncatedPickleError,
     UnsafePickleError,
 )
+from ckpttool.formats.dcp.pickle_call import MODULES as DCP_MODULES
+from ckpttool.formats.dcp.pickle_call import OPCODES as DCP_CALL_OPCODES
+from ckpttool.formats.dcp.pickle_call import dcp_call
+from ckpttool.formats.dcp.pickle_records import COMPACT, ELIDED, Redo
+from ckpttool.model.records import (
+    BackReference,
+    GlobalRef,
+    OpaqueObject,
+    StorageRecord,
+    TensorRecord,
+)
 from ckpttool.pickle.callables import ContextualUses, is_contextual
-from ckpttool.pickle.dcp_call import MODULES as DCP_MODULES
-from ckpttool.pickle.dcp_call import OPCODES as DCP_CALL_OPCODES
-from ckpttool.pickle.dcp_call import dcp_call
-from ckpttool.pickle.dcp_records import COMPACT, ELIDED, Redo
 from ckpttool.pickle.emulation import (
     NdarrayBuilder,
     NumpyDtype,
@@ -53,7 +60,6 @@ from ckpttool.pickle.frames import ambiguous, check_frame, ends_an_opcode
 from ckpttool.pickle.policy import Verdict, classify_global, python3_name
 from ckpttool.pickle.tensor_call import OPCODES as TENSOR_CALL_OPCODES
 from ckpttool.pickle.tensor_call import tensor_call
-from ckpttool.records import BackReference, GlobalRef, OpaqueObject, StorageRecord, TensorRecord
 
 MAX_DEPTH = 200  # nesting of containers; real checkpoints stay under 20
 MAX_NODES = 20_000_000  # nodes of the fully expanded tree (shared references counted each time)
@@ -298,7 +304,7 @@ class SafeUnpickler:
         """Interpret opcodes until STOP; finalize the tree.
 
         A walk in which ``dcp_call`` made records and that then fails (any error, or a
-        :class:`~ckpttool.pickle.dcp_records.Redo`: a record met where the objects it replaced
+        :class:`~ckpttool.formats.dcp.pickle_records.Redo`: a record met where the objects it replaced
         would not have been left alone) is done again without it, within the same time budget:
         the result, or the error, is the general loop's.
         """
@@ -987,11 +993,11 @@ def finalize(
 ) -> Any:
     """The tree with the walk's placeholders replaced, checked for depth and size, and each
     reference to a container that holds it (a cycle: a parent link) made a
-    :class:`~ckpttool.records.BackReference` leaf of weight one.
+    :class:`~ckpttool.model.records.BackReference` leaf of weight one.
 
     A ``dcp_call`` record (only where ``compacts`` were made) counts as the objects it replaced:
     its ``nodes``, its ``depth``, and a visit of what it shares; reaching one twice raises
-    :class:`~ckpttool.pickle.dcp_records.Redo` (the walk is then done without them).
+    :class:`~ckpttool.formats.dcp.pickle_records.Redo` (the walk is then done without them).
     """
     return _finalize(root, max_nodes, max_reuse, compacts)[0]
 

@@ -3,7 +3,7 @@
 The policy is an allow-list: a call is *emulated* (never performed) only for the constructs
 of :mod:`ckpttool.pickle.emulation` — torch's tensor rebuilders, ``OrderedDict``, NumPy
 arrays/scalars/dtypes, ``argparse.Namespace``, a few builtins; anything else becomes an
-:class:`~ckpttool.records.OpaqueObject`. The deny-list of
+:class:`~ckpttool.model.records.OpaqueObject`. The deny-list of
 dangerous names only decides whether to refuse a file outright (and how ``scan`` classes a
 global); safety never depends on it, since nothing named is ever imported or called.
 """
@@ -230,7 +230,7 @@ def never_load_problem(calls: str, names: Iterable[str]) -> str:
 # a layout lookup, an enum, a path; and the BytesIO that DCP users store values as (its state
 # is its bytes; the rest of ``io`` stays dangerous). Known data records, classed "safe" for
 # ``scan``; like any class they are never imported or called here: each becomes an
-# OpaqueObject with its state, which :mod:`ckpttool.formats.dcp_metadata` interprets.
+# OpaqueObject with its state, which :mod:`ckpttool.formats.dcp.metadata` interprets.
 _DCP = "torch.distributed.checkpoint"
 _DATA_RECORDS = frozenset(
     {f"{_DCP}.metadata.{name}" for name in (
@@ -239,7 +239,7 @@ _DATA_RECORDS = frozenset(
     )}
     | {f"{_DCP}.filesystem._StorageInfo", "torch.serialization._get_layout"}
     | {"pathlib.PosixPath", "pathlib.WindowsPath", "_io.BytesIO", "io.BytesIO"}
-    # DeepSpeed's data records in ZeRO checkpoints (ckpttool.frameworks.deepspeed reads them):
+    # DeepSpeed's data records in ZeRO checkpoints (ckpttool.frameworks.deepspeed.files reads them):
     # a loss scaler's numbers, the ZeRO stage (an int enum), a (numel, start) pair
     | {"deepspeed.runtime.fp16.loss_scaler.LossScaler",
        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",

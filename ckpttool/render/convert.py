@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.convert import ConvertReport
-from ckpttool.layout import LAYOUT_TITLES
+from ckpttool.commands.convert.run import ConvertReport
+from ckpttool.model.roles import LAYOUT_TITLES
 from ckpttool.render.text import human_size, plural
 
 __all__ = ["render_json", "render_text"]

@@ -1,4 +1,4 @@
-"""Rendering a :class:`~ckpttool.diff.DiffReport`: the human table and the JSON document.
+"""Rendering a :class:`~ckpttool.commands.diff.run.DiffReport`: the human table and the JSON document.
 
 The JSON schema is a contract (docs/schemas/diff.schema.json, explained in docs/diff.md;
 tests/test_json_schemas.py checks real output against both): change it only by adding keys.
@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ckpttool.diff import (
+from ckpttool.commands.diff.match import TYPE_CHANGED
+from ckpttool.commands.diff.run import (
     DIFFER,
     EQUAL_AFTER_ROUNDING,
     IDENTICAL,
@@ -23,9 +24,8 @@ from ckpttool.diff import (
     Side,
     TensorDiff,
 )
-from ckpttool.diff_match import TYPE_CHANGED
-from ckpttool.diff_values import ValueDiff
-from ckpttool.records import TensorRecord
+from ckpttool.commands.diff.values import ValueDiff
+from ckpttool.model.records import TensorRecord
 from ckpttool.render.text import plain, short
 
 SCHEMA_VERSION = 1

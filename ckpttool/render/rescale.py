@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.render.rescale_directory import plan_json
-from ckpttool.render.rescale_directory import render_json as directory_json
-from ckpttool.render.rescale_directory import render_text as directory_text
-from ckpttool.rescale import (
+from ckpttool.commands.rescale.directory import DirectoryRescaleReport
+from ckpttool.commands.rescale.run import (
     HISTORY_KEY,
     SCHEDULER_KEY,
     WORLD_SIZE_KEY,
@@ -15,7 +13,9 @@ from ckpttool.rescale import (
     RescaleReport,
     describe_repeats,
 )
-from ckpttool.rescale_directory import DirectoryRescaleReport
+from ckpttool.render.rescale_directory import plan_json
+from ckpttool.render.rescale_directory import render_json as directory_json
+from ckpttool.render.rescale_directory import render_text as directory_text
 
 __all__ = ["render_json", "render_text"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckpttool.commands.rescale.directory import DROP, DirectoryRescaleReport
+from ckpttool.commands.rescale.run import RescalePlan, describe_repeats
 from ckpttool.render.text import plural
-from ckpttool.rescale import RescalePlan, describe_repeats
-from ckpttool.rescale_directory import DROP, DirectoryRescaleReport
 
 __all__ = ["render_json", "render_text"]
 

@@ -6,9 +6,9 @@ from typing import Any
 
 from tabulate import tabulate
 
+from ckpttool.commands.scan import ScanReport
 from ckpttool.pickle.policy import Verdict
 from ckpttool.render.text import plural
-from ckpttool.scan import ScanReport
 
 
 def render_text(report: ScanReport) -> str:

@@ -8,17 +8,17 @@ from json.encoder import encode_basestring_ascii
 from math import prod
 from typing import Any
 
-from ckpttool.layout import NESTED, TRAINING
-from ckpttool.records import (
+from ckpttool.commands.show import ShowReport
+from ckpttool.frameworks.deepspeed.show import deepspeed_lines, parameter_table
+from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
     ITEMSIZE,
     ChunkedStorageRecord,
     StorageRecord,
     TensorRecord,
 )
-from ckpttool.render.show_deepspeed import deepspeed_lines, parameter_table
+from ckpttool.model.roles import NESTED, TRAINING
 from ckpttool.render.text import human_count, human_size, plain, short, table
-from ckpttool.show import ShowReport
 
 
 def tensor_json(info: Any) -> dict[str, Any]:

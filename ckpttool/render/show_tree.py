@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.records import OpaqueObject, TensorRecord, children, count_once, with_key
+from ckpttool.model.records import OpaqueObject, TensorRecord, children, count_once, with_key
 from ckpttool.render.text import human_count, human_size, plain, plural, short
 
 #: Deeper keys are not split into modules: real models nest a dozen levels, and a key with

@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ckpttool.records import GlobalRef, OpaqueObject, TensorRecord
+from ckpttool.model.records import GlobalRef, OpaqueObject, TensorRecord
 
 _UNITS = ("B", "KB", "MB", "GB", "TB")
 

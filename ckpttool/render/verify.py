@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.verify import VerifyResult
+from ckpttool.commands.verify import VerifyResult
 
 
 def render_text(results: list[VerifyResult]) -> str:

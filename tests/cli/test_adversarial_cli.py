@@ -222,7 +222,7 @@ def test_rescaled_damaged_file_keeps_its_damage_visible(
     root, _ = corpus
     rescaled = root / "work-rescale-step" / "bad_crc.pth.out"
     assert runs["rescale-step"]["bad_crc.pth"]["exit_code"] == 0
-    from ckpttool.verify import verify_file
+    from ckpttool.commands.verify import verify_file
 
     problems = verify_file(rescaled).problems
     assert len(problems) == 1 and "data/5: CRC-32 is" in problems[0]
@@ -246,8 +246,8 @@ def test_unlisted_callable_is_real_and_never_called(tmp_path: Path) -> None:
 def test_many_names_on_one_view_match_in_linear_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """diff's alias matching looked at every tensor for every unmatched key: 9,000 names on one
     storage took 20 s. Each record's view is now computed a bounded number of times."""
-    from ckpttool import diff_match
-    from ckpttool.records import StorageRecord, TensorRecord
+    from ckpttool.commands.diff import match as diff_match
+    from ckpttool.model.records import StorageRecord, TensorRecord
 
     storage = StorageRecord("0", "float32", 4, "cpu", "archive/data/0", 16)
     many = {f"w{i}": TensorRecord(f"w{i}", "float32", (4,), (1,), 0, storage) for i in range(3000)}

@@ -210,7 +210,7 @@ def test_overflow_refusal_exits_2(tmp_path: Path) -> None:
 
 
 def test_verification_failure_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckpttool.convert as module
+    import ckpttool.commands.convert.run as module
 
     real = module.tensor_bytes
     calls = []
@@ -255,7 +255,7 @@ def test_bad_input_is_one_line_exit_2(
 def test_a_failing_write_is_one_line_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckpttool.convert as module
+    import ckpttool.commands.convert.run as module
 
     def full_disk(ckpt: Any, planned: Any) -> Any:
         raise OSError(28, "No space left on device")

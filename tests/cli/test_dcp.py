@@ -13,11 +13,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
-from ckpttool.formats.dcp import METADATA, DcpFiles, load_metadata
-from ckpttool.formats.dcp_metadata import BytesEntry
-from ckpttool.reader import open_checkpoint
-from ckpttool.records import ChunkedStorageRecord
+from ckpttool.formats.dcp.directory import METADATA, DcpFiles, load_metadata
+from ckpttool.formats.dcp.metadata import BytesEntry
+from ckpttool.model.records import ChunkedStorageRecord
 from tests.support.dcp_cases import (
     DCP,
     DCP_PTH,

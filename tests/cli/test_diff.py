@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
+from ckpttool.checkpoint import Checkpoint
 from ckpttool.cli import cli
-from ckpttool.reader import Checkpoint
 from tests.support.helpers import FIXTURES
 
 PAIRS = FIXTURES / "pairs"
@@ -225,15 +225,15 @@ def test_diff_does_not_import_torch() -> None:
 
 
 def test_progress_bar_goes_to_stderr_and_json_stays_clean(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckpttool.progress
+    import ckpttool.io.progress
 
-    class Eager(ckpttool.progress.Progress):
+    class Eager(ckpttool.io.progress.Progress):
         """A terminal that is always there and work that is always slow."""
 
         def __init__(self, total: int, label: str, **options: Any) -> None:
             super().__init__(total, label, enabled=True, delay=0.0)
 
-    monkeypatch.setattr(ckpttool.progress, "Progress", Eager)
+    monkeypatch.setattr(ckpttool.io.progress, "Progress", Eager)
     result = run(BASE, PAIRS / "base_fp16.pth", "--json")
     assert result.stderr.startswith("\rdiff [") and result.stderr.endswith("\n")
     assert json.loads(result.stdout)["equal"] is True

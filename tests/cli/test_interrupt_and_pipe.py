@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpttool.atomic import TMP_SUFFIX
 from ckpttool.errors import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED
+from ckpttool.io.atomic import TMP_SUFFIX
 from tests.support import timeouts
 from tests.support.helpers import FIXTURES
 from tests.support.range_server import RangeServer

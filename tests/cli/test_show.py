@@ -481,8 +481,8 @@ def test_stats_never_abort_the_report(tmp_path: Path) -> None:
 def test_stats_report_a_damaged_tensor_and_go_on(tmp_path: Path) -> None:
     path = tmp_path / "damaged.pth"
     torch.save({"a": torch.ones(4), "b": torch.full((4,), 2.0)}, path)
-    from ckpttool.reader import open_checkpoint
-    from ckpttool.show import build_report
+    from ckpttool.checkpoint import open_checkpoint
+    from ckpttool.commands.show import build_report
 
     with open_checkpoint(path) as ckpt:
         first = ckpt.tensors()[0]

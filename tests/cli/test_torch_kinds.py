@@ -275,7 +275,7 @@ def test_nested_tensor_is_refused_by_safetensors(tmp_path: Path) -> None:
 def test_verification_catches_a_changed_kept_tensor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckpttool import torch_kinds
+    from ckpttool.commands.convert import torch_kinds
 
     path = _save({"q": _quantized()}, tmp_path / "in.pt", False)
     out = tmp_path / "out.pth"

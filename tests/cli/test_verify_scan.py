@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from ckpttool.cli import cli
-from ckpttool.formats.torch_zip import member_span
+from ckpttool.formats.torch_zip.reader import member_span
 from tests.support import adversarial
 from tests.support.helpers import FIXTURES, fixture_files, fixture_id
 

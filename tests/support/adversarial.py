@@ -204,7 +204,7 @@ def zip_bomb_data_pkl(inflated: int = 256 << 20) -> bytes:
 def record_size_lie() -> bytes:
     """The central directory says data/0 holds 4 GiB (the file has 16 bytes); the pickle's
     storage agrees, so the sizes match each other and only the file's size exposes the lie."""
-    from ckpttool.formats.zip_writer import TorchZipWriter
+    from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter
 
     buffer = io.BytesIO()
     writer = TorchZipWriter(buffer)

@@ -235,11 +235,11 @@ def exercise(path: Path) -> None:
 
     Raises only :class:`CkptError`; any other exception is a bug the fuzzer reports.
     """
-    from ckpttool.reader import open_checkpoint
+    from ckpttool.checkpoint import open_checkpoint
+    from ckpttool.commands.show import build_report
+    from ckpttool.commands.verify import verify_file
     from ckpttool.render import show as show_render
     from ckpttool.render import show_tree
-    from ckpttool.show import build_report
-    from ckpttool.verify import verify_file
 
     for strict in (True, False):
         try:
@@ -255,6 +255,6 @@ def exercise(path: Path) -> None:
         verify_file(path, values=True)
     except CkptError:
         pass
-    from ckpttool.scan import scan_file
+    from ckpttool.commands.scan import scan_file
 
     scan_file(path)  # scan mode: its own walk of what the reader refuses, the linear names

@@ -116,21 +116,6 @@ def preload() -> None:
     import numpy  # noqa: F401
     import tabulate  # noqa: F401
 
-    import ckpttool.cli
-    import ckpttool.convert
-    import ckpttool.diff
-    import ckpttool.render.convert
-    import ckpttool.render.diff
-    import ckpttool.render.rescale
-    import ckpttool.render.scan
-    import ckpttool.render.show
-    import ckpttool.render.show_tree
-    import ckpttool.render.verify
-    import ckpttool.rescale
-    import ckpttool.scan
-    import ckpttool.show
-    import ckpttool.verify  # noqa: F401
-
 
 def main(argv: list[str]) -> None:
     command, corpus_dir, work_dir, good = argv

@@ -93,7 +93,7 @@ class Save(Operation):
 
 class Convert(Operation):
     def __init__(self, work: Path) -> None:
-        from ckpttool.convert import convert
+        from ckpttool.commands.convert.run import convert
 
         model, _ = _model_and_optimizer()
         self.source = work / "weights.pth"
@@ -145,15 +145,15 @@ def _fork_run(operation: Operation) -> int:
 
 
 def _temps(target: Path) -> list[str]:
-    from ckpttool.atomic import temp_name_pattern
+    from ckpttool.io.atomic import temp_name_pattern
 
     return sorted(str(p) for p in target.parent.glob(temp_name_pattern(target)))
 
 
 def _loadable(target: Path) -> tuple[bool, bool | None]:
     """(ckpttool's reader opens it, torch.load(weights_only=True) does; None for non-.pth)."""
+    from ckpttool.checkpoint import open_checkpoint
     from ckpttool.errors import CkptError
-    from ckpttool.reader import open_checkpoint
 
     try:
         open_checkpoint(target).close()
@@ -170,8 +170,8 @@ def _loadable(target: Path) -> tuple[bool, bool | None]:
 
 
 def main(argv: list[str]) -> None:
+    from ckpttool.commands.verify import verify_file
     from ckpttool.errors import CkptError
-    from ckpttool.verify import verify_file
 
     name, kills, work = argv[0], int(argv[1]), Path(argv[2])
     rng = random.Random(int(argv[3]) if len(argv) > 3 else 0)  # not the global RNG: saved

@@ -1,0 +1,649 @@
+"""The command line: a thin click layer over the library.
+
+Each command parses its options, calls one library function, renders the result, and turns a
+:class:`~ckpttool.errors.CkptError` into a one-line ``Error: ...`` and its exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+import click
+
+from ckpttool import __version__
+from ckpttool.cli.options import (
+    force_option,
+    json_option,
+    key_prefix_options,
+    remote_options,
+    section_option,
+)
+from ckpttool.errors import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_PIPE_CLOSED,
+    CkptError,
+    InputError,
+)
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+    0  success (diff: no differences; verify/scan: every path checked, nothing found)
+    1  diff: the checkpoints differ; verify/scan: a problem was found in any path;
+       convert, rescale-step: the written file failed verification (it was removed)
+    2  error: missing/unreadable/corrupt/unsafe input, bad usage; verify/scan: a path
+       could not be checked (or held no checkpoint) and nothing was found elsewhere
+  130  interrupted (Ctrl-C): files being written were removed, the inputs untouched
+  141  stdout was closed early (| head): the output stops there, with no message"""
+
+
+class CkptGroup(click.Group):
+    """A click group that turns library errors into one line on stderr and an exit code, and
+    Ctrl-C and a closed stdout into theirs (click's own handling would exit 1, "found")."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:  # fmt: skip
+        with _stopped_quietly():  # parsing, --help, --version
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> object:
+        with _stopped_quietly():
+            try:
+                return super().invoke(ctx)
+            except CkptError as error:
+                _fail(str(error), error.exit_code)
+            except MemoryError:
+                _fail("out of memory while reading the file", EXIT_ERROR)
+            except BrokenPipeError:  # stdout closed: _stopped_quietly's, not an error to print
+                raise
+            except OSError as error:  # a disk or permission problem the library did not expect
+                where = f": {error.filename}" if error.filename else ""
+                _fail(f"{error.strerror or error}{where}", EXIT_ERROR)
+
+
+@contextlib.contextmanager
+def _stopped_quietly() -> Iterator[None]:
+    """Ctrl-C ends the command with one line and :data:`EXIT_INTERRUPTED`; a closed stdout
+    with no line and :data:`EXIT_PIPE_CLOSED`, in every command and output mode.
+
+    Both arrive as exceptions, so the library's cleanup runs on the way (temp files removed,
+    the user's files untouched), and nothing is printed as a traceback. stdout is flushed here,
+    on a ``sys.exit`` too, so that a pipe closed after the last write is seen here, not by the
+    interpreter at exit (an "Exception ignored" message and exit 120).
+    """
+    try:
+        try:
+            yield
+        except SystemExit:
+            _flush_stdout(failure_reported=True)
+            raise
+        _flush_stdout(failure_reported=False)
+    except KeyboardInterrupt:
+        _interrupted()
+    except BrokenPipeError:
+        _pipe_closed()
+
+
+def _flush_stdout(*, failure_reported: bool) -> None:
+    """Flush stdout; if that fails (a full disk), drop what it holds, so that nothing tries
+    again at exit, and say so in one line unless the command has already failed (``click.echo``
+    flushes after each write: output still held means a write failed, and said so, before)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as error:
+        _stdout_to_devnull()
+        if not failure_reported:
+            _fail(f"writing the output failed: {error.strerror or error}", EXIT_ERROR)
+
+
+def _interrupted() -> NoReturn:
+    # a terminal shows "^C" where the cursor is: the line starts on a line of its own
+    lead = "\n" if sys.stderr.isatty() else ""
+    click.echo(f"{lead}Error: interrupted", err=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def _pipe_closed() -> NoReturn:
+    """Whatever read stdout is gone: stop quietly, as ``cat`` and ``git`` do under ``| head``.
+
+    stdout becomes /dev/null so that the interpreter's own flush at exit, of what is still
+    buffered, does not fail again (Python's documented way, "Note on SIGPIPE").
+    """
+    _stdout_to_devnull()
+    sys.exit(EXIT_PIPE_CLOSED)
+
+
+def _stdout_to_devnull() -> None:
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _fail(message: str, exit_code: int) -> NoReturn:
+    """One line on stderr, whatever the message holds, then the exit code."""
+    click.echo("Error: " + " ".join(message.split()), err=True)
+    sys.exit(exit_code)
+
+
+@click.group(
+    cls=CkptGroup,
+    help="Inspect, compare, convert and repair PyTorch checkpoints.\n\n" + EXIT_CODES_HELP,
+)
+@click.version_option(__version__, prog_name="ckpttool")
+def cli() -> None:
+    pass
+
+
+#: The collector's generation-0 threshold for a CLI run (Python's default is 700). A command
+#: reads a checkpoint into one tree that lives until it exits, so each collection traverses
+#: objects that cannot be garbage: at 100,000 tensors the default thresholds cost a quarter of
+#: `show --json`'s CPU time. Collections still run, so cycles are still freed.
+GC_THRESHOLD = (100_000, 50, 100)
+
+
+def main() -> None:
+    gc.set_threshold(*GC_THRESHOLD)
+    _stdout_writes_all()
+    with _stopped_quietly():  # the instants before click's main and after it
+        cli(prog_name="ckpttool")
+
+
+def _stdout_writes_all() -> None:
+    """Put a buffer under stdout where ``PYTHONUNBUFFERED`` (``-u``, common in containers)
+    took it away.
+
+    Without one, a write stdout's descriptor takes only in part (the reader of a pipe gone
+    mid-write, a full disk) loses the rest without an error: the command would exit 0 with its
+    output cut. A ``BufferedWriter`` writes everything or raises. ``click.echo`` flushes after
+    each write, so the output is as prompt as unbuffered.
+    """
+    stream = sys.stdout
+    raw = getattr(stream, "buffer", None)
+    if isinstance(stream, io.TextIOWrapper) and isinstance(raw, io.RawIOBase):
+        sys.stdout = io.TextIOWrapper(
+            io.BufferedWriter(raw), encoding=stream.encoding, errors=stream.errors,
+            write_through=True,
+        )  # fmt: skip
+
+
+def _input_bytes(path: str) -> int:
+    """Bytes a check reads: a file's size, or the files of a directory checkpoint (DCP)."""
+    if os.path.isdir(path):
+        return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+    return os.path.getsize(path) if os.path.isfile(path) else 0
+
+
+def _echo_json(data: object) -> None:
+    from ckpttool.render.json_text import chunks
+
+    for chunk in chunks(data):  # written as made: the whole text is never held at once
+        click.echo(chunk, nl=False)
+    click.echo()
+
+
+@cli.command()
+@click.argument("path", type=click.Path(path_type=str))
+@json_option("show")
+@click.option(
+    "--filter", "pattern", metavar="GLOB",
+    help="Only tensors whose key (as listed, e.g. model.layers.0.*) matches GLOB.",
+)  # fmt: skip
+@section_option()
+@click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")
+@click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
+@click.option("--depth", type=click.IntRange(min=0), help="Limit --tree to this depth.")
+@remote_options
+def show(
+    path: str,
+    as_json: bool,
+    pattern: str | None,
+    section: str | None,
+    stats: bool,
+    tree: bool,
+    depth: int | None,
+) -> None:
+    """Describe a checkpoint without loading it and without running its pickle.
+
+    Reads torch.save files (zip and legacy), safetensors, plain pickles and
+    torch.distributed.checkpoint directories (global shapes, chunks and their rank files).
+    Tensor bytes are read only with --stats.
+
+    \b
+    Examples:
+      ckpttool show checkpoints/pretrain_768_resume.pth
+      ckpttool show out/pretrain_768.pth --filter '*layers.0.*' --stats
+      ckpttool show ckpt.pth --section optimizer --json
+      ckpttool show ckpt.pth --tree --depth 2
+      ckpttool show checkpoints/step_1200/    # a DCP directory
+    """
+    from ckpttool.checkpoint import open_checkpoint
+    from ckpttool.commands.show import build_report
+    from ckpttool.errors import CheckpointCollectionError
+    from ckpttool.render import show as show_render
+    from ckpttool.render import show_tree
+
+    try:
+        ckpt = open_checkpoint(path)
+    except CheckpointCollectionError as collection:  # a Trainer output_dir: list what it holds
+        listing = show_render.collection_json(collection.layout)
+        if as_json:
+            _echo_json(listing)
+        else:
+            click.echo(show_render.collection_text(listing))
+        return
+    with ckpt:
+        if tree or depth is not None:
+            root = ckpt.section(section) if section else ckpt.root
+            if as_json:
+                _echo_json(show_tree.render_json(root))
+            else:
+                click.echo(show_tree.render_text(root, depth))
+            return
+        report = build_report(ckpt, section=section, pattern=pattern, stats=stats)
+    if as_json:
+        for chunk in show_render.json_chunks(report):  # each tensor's line made as written
+            click.echo(chunk, nl=False)
+        click.echo()
+        return
+    click.echo(show_render.render_text(report))
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+
+@cli.command("diff")
+@click.argument("path_a", metavar="A", type=click.Path(path_type=str))
+@click.argument("path_b", metavar="B", type=click.Path(path_type=str))
+@click.option(
+    "--rtol", type=click.FloatRange(min=0), default=1e-5, show_default=True,
+    help="Relative tolerance (as torch.allclose: |a-b| <= atol + rtol*|b|).",
+)  # fmt: skip
+@click.option(
+    "--atol", type=click.FloatRange(min=0), default=1e-8, show_default=True,
+    help="Absolute tolerance.",
+)  # fmt: skip
+@section_option()
+@click.option(
+    "--section-a", metavar="KEY",
+    help="Compare only the subtree KEY of A (overrides --section for A). A side that no "
+    "section option names is compared whole.",
+)  # fmt: skip
+@click.option(
+    "--section-b",
+    metavar="KEY",
+    help="Compare only the subtree KEY of B (overrides --section for B).",
+)
+@key_prefix_options
+@click.option(
+    "--rounded", is_flag=True,
+    help="Compare floats of different precision (float32 and float16, ...) after rounding the "
+    "wider side to the narrower dtype as tensor.to(dtype) does: is B exactly A rounded to B's "
+    "dtype (or A exactly B rounded to A's)?",
+)  # fmt: skip
+@click.option(
+    "--all", "show_all", is_flag=True,
+    help="List every tensor, identical (and equal after rounding) ones too.",
+)  # fmt: skip
+@click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
+@json_option("diff")
+@remote_options
+def diff_command(
+    path_a: str,
+    path_b: str,
+    rtol: float,
+    atol: float,
+    section: str | None,
+    section_a: str | None,
+    section_b: str | None,
+    strip: tuple[str, ...],
+    ignore_wrappers: bool,
+    rounded: bool,
+    show_all: bool,
+    quick: bool,
+    as_json: bool,
+) -> None:
+    """Compare two checkpoints: tensors, dtypes, shapes, values, and training fields.
+
+    Any two inputs ckpttool reads (torch zip, legacy, safetensors, DCP directories). A resume
+    file against a plain state dict compares the resume file's model. When the two sides share
+    no tensor key but one side's keys are the other's under one extra prefix (model.,
+    model_state_dict., module.), they are aligned there, with a note. Values are streamed one
+    tensor pair at a time. The table lists the tensors that differ (--all: every tensor).
+    Exits 0 when equal within tolerance, 1 when they differ, 2 on error.
+
+    \b
+    Examples:
+      ckpttool diff out/pretrain_768.pth checkpoints/pretrain_768_resume.pth --rounded
+      ckpttool diff run1/ckpt.pth run2/ckpt.pth --rtol 1e-3 --all
+      ckpttool diff ddp.pth model.safetensors --ignore-wrappers
+      ckpttool diff tutorial.pt model.pth --section-a model_state_dict
+      ckpttool diff a_resume.pth b_resume.pth --quick --json
+      ckpttool diff checkpoints/step_1200/ model.safetensors
+    """
+    from ckpttool.commands.diff.run import open_side, plan_diff, run_diff
+    from ckpttool.errors import EXIT_FOUND
+    from ckpttool.render import diff as diff_render
+
+    with open_side(path_a) as ckpt_a, open_side(path_b) as ckpt_b:
+        plan = plan_diff(
+            ckpt_a, ckpt_b, section=section, section_a=section_a, section_b=section_b,
+            strip=strip, ignore_wrappers=ignore_wrappers,
+        )  # fmt: skip
+        options: dict[str, Any] = {"rtol": rtol, "atol": atol, "rounded": rounded}
+        if quick:  # nothing to read, so no bar (and no import of its renderer)
+            report = run_diff(ckpt_a, ckpt_b, plan, quick=True, **options)
+        else:
+            from ckpttool.io.progress import Progress
+
+            with Progress(plan.value_bytes, "diff") as bar:
+                report = run_diff(ckpt_a, ckpt_b, plan, progress=bar.advance, **options)
+    if as_json:
+        _echo_json(diff_render.render_json(report))
+    else:
+        click.echo(diff_render.render_text(report, show_all=show_all))
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+    if not report.equal:
+        sys.exit(EXIT_FOUND)
+
+
+@cli.command("rescale-step")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option(
+    "--world-size", "world_size", type=click.IntRange(min=1), required=True, metavar="N",
+    help="Number of GPUs (ranks) the run will resume on.",
+)  # fmt: skip
+@click.option(
+    "--from-world-size", type=click.IntRange(min=1), metavar="M",
+    help="Number of GPUs the step was counted on, for files without (or with a wrong) world_size.",
+)  # fmt: skip
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), metavar="B",
+    help="Per-rank batch size, to report the repeated samples in samples.",
+)  # fmt: skip
+@click.option("--strict", is_flag=True, help="Refuse when the new step cannot be exact.")
+@click.option(
+    "--step-key", metavar="KEY",
+    help="Top-level field to rescale instead of 'step' (also allows non-resume layouts).",
+)  # fmt: skip
+@click.option("-o", "--output", metavar="OUT", help="Write to OUT instead of in place.")
+@force_option
+@click.option("--backup", is_flag=True, help="Keep the original as PATH.bak (never overwritten).")
+@click.option(
+    "--in-place", is_flag=True,
+    help="For a directory: replace it (default: write PATH.wsN, or -o OUT).",
+)  # fmt: skip
+@click.option(
+    "--keep-global-batch", is_flag=True,
+    help="DeepSpeed: the new run keeps the global batch (more accumulation); keep the counters.",
+)  # fmt: skip
+@click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@json_option("rescale-step")
+def rescale_step(
+    path: str,
+    world_size: int,
+    from_world_size: int | None,
+    batch_size: int | None,
+    strict: bool,
+    step_key: str | None,
+    output: str | None,
+    force: bool,
+    backup: bool,
+    in_place: bool,
+    keep_global_batch: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Repair a resume checkpoint's step for a different number of GPUs.
+
+    step counts batches per rank: new step = step x saved world_size // N, and world_size
+    becomes N. The file is rewritten atomically, tensors copied byte for byte (never loaded),
+    and the change is recorded in its 'rescaled_from' list.
+
+    A Trainer checkpoint-N/ or an accelerate save_state folder is rewritten as a whole to a new
+    directory (PATH.wsN; a Trainer OUTPUT_DIR/checkpoint-N goes to OUTPUT_DIR.wsN/checkpoint-M,
+    where Trainer resumes from it; or -o OUT; --in-place to replace it): global_step /
+    accelerate's step, the scheduler's counters and the per-rank RNG files
+    (docs/rescale-step.md).
+
+    A DeepSpeed ZeRO-1/2/3 save or tag directory is written, without DeepSpeed, as the
+    universal checkpoint DeepSpeed resumes from on N ranks ("load_universal": true):
+    global_steps and the scheduler rescaled like step (--keep-global-batch: kept).
+
+    \b
+    Examples:
+      ckpttool rescale-step checkpoints/pretrain_768_resume.pth --world-size 2 --dry-run
+      ckpttool rescale-step checkpoints/pretrain_768_resume.pth --world-size 2 --backup
+      ckpttool rescale-step old_resume.pth --world-size 4 --from-world-size 8 -o new_resume.pth
+      ckpttool rescale-step last.ckpt --world-size 2 --from-world-size 4 --step-key global_step
+      ckpttool rescale-step output/checkpoint-500 --world-size 4  # output.ws4/checkpoint-<step>
+      ckpttool rescale-step ds_checkpoints/ --world-size 4 -o ds_universal/
+    """
+    import os
+
+    from ckpttool.commands.rescale.run import rescale_step as run_rescale
+    from ckpttool.io.progress import Progress
+    from ckpttool.render import rescale as rescale_render
+
+    if os.path.isdir(path):
+        from ckpttool.commands.rescale.directory import rescale_directory
+
+        if backup or step_key:
+            raise InputError("--backup and --step-key apply to one checkpoint file")
+        directory_report = rescale_directory(
+            path, world_size, from_world_size=from_world_size, strict=strict, output=output,
+            in_place=in_place, overwrite=force, dry_run=dry_run, batch_size=batch_size,
+            keep_global_batch=keep_global_batch,
+        )  # fmt: skip
+        if as_json:
+            _echo_json(rescale_render.render_json(directory_report))
+        else:
+            click.echo(rescale_render.render_text(directory_report))
+        return
+    if in_place:
+        raise InputError(
+            "--in-place applies to a directory; a file is rewritten in place by default"
+        )
+    with Progress(os.path.getsize(path) if os.path.isfile(path) else 0, "rescale") as bar:
+        report = run_rescale(
+            path, world_size, from_world_size=from_world_size, step_key=step_key,
+            strict=strict, output=output, overwrite=force, backup=backup, dry_run=dry_run,
+            batch_size=batch_size, progress=bar.advance,
+        )  # fmt: skip
+    if as_json:
+        _echo_json(rescale_render.render_json(report))
+    else:
+        click.echo(rescale_render.render_text(report))
+
+
+@cli.command("convert")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", required=False, type=click.Path(path_type=str))
+@click.option(
+    "--to", "to", type=click.Choice(["safetensors", "pth"]),
+    help="Output format (default: from DST's suffix; safetensors without DST).",
+)  # fmt: skip
+@click.option(
+    "--dtype", type=click.Choice(["keep", "fp16", "bf16", "fp32"]), default="keep",
+    show_default=True, help="Cast floating tensors (integer tensors are never cast).",
+)  # fmt: skip
+@click.option("--allow-overflow", is_flag=True, help="Write values too large for --dtype as inf.")
+@section_option(default="the weights")
+@key_prefix_options
+@click.option(
+    "--filter", "pattern", metavar="GLOB",
+    help="Only tensors whose key (as show lists it) or written name matches GLOB.",
+)  # fmt: skip
+@click.option("--keep-shared", is_flag=True, help="Write tied tensors as separate copies.")
+@click.option("--densify", is_flag=True, help="Store sparse tensors as their dense values.")
+@click.option("--dequantize", is_flag=True, help="Store quantized tensors as their float32 values.")
+@click.option(
+    "--skip-missing-values", is_flag=True,
+    help="Leave out selected tensors the file has no values of (DTensor shards, meta tensors) "
+    "instead of refusing to convert.",
+)  # fmt: skip
+@click.option(
+    "--max-shard-size", metavar="SIZE",
+    help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
+)  # fmt: skip
+@click.option("--no-verify", is_flag=True, help="Skip reading the output back (not advised).")
+@force_option
+@json_option("convert")
+@remote_options
+def convert_command(
+    src: str,
+    dst: str | None,
+    to: str | None,
+    dtype: str,
+    allow_overflow: bool,
+    section: str | None,
+    strip: tuple[str, ...],
+    ignore_wrappers: bool,
+    pattern: str | None,
+    keep_shared: bool,
+    densify: bool,
+    dequantize: bool,
+    skip_missing_values: bool,
+    max_shard_size: str | None,
+    no_verify: bool,
+    force: bool,
+    as_json: bool,
+) -> None:
+    """Convert weights to safetensors (or a plain .pth) and verify the result bit for bit.
+
+    SRC may be a weights file, a resume checkpoint (its model), a Lightning .ckpt (its
+    state_dict), a legacy torch file, a safetensors file or a torch.distributed.checkpoint
+    directory (its shards assembled tensor by tensor), or a Hugging Face model directory or
+    Trainer checkpoint-N/ (its model); for these, a DST that is a directory (existing, ending
+    in /, or without a suffix) gets a model directory from_pretrained loads: model.safetensors
+    (or shards and model.safetensors.index.json), config.json and generation_config.json
+    copied byte for byte, written all or nothing. DST defaults to SRC with a
+    .safetensors suffix (.pth with --to pth), or NAME.converted.SUFFIX when that would be SRC
+    itself (c_ddp.pth --to pth writes c_ddp.converted.pth); a directory DST gets that name in
+    it. Tied tensors are stored once, their names kept in __metadata__. The output is written
+    atomically and read back before it replaces anything.
+
+    \b
+    Examples:
+      ckpttool convert out/pretrain_768.pth
+      ckpttool convert checkpoints/pretrain_768_resume.pth model.safetensors --dtype bf16
+      ckpttool convert model.safetensors model.pth
+      ckpttool convert ddp.pth --ignore-wrappers --filter 'model.layers.*'
+      ckpttool convert ddp.pth --strip-prefix module. --to pth   # ddp.converted.pth
+      ckpttool convert big.pth shards/ --max-shard-size 2GB
+      ckpttool convert checkpoints/step_1200/ model.safetensors
+      ckpttool convert output/checkpoint-500/ llama-500/   # a from_pretrained directory
+    """
+    from ckpttool.commands.convert.run import convert
+    from ckpttool.io.progress import Progress
+    from ckpttool.render import convert as convert_render
+
+    with Progress(0, "convert") as bar:
+        report = convert(
+            src, dst, to=to, dtype=dtype, section=section, strip=strip,
+            ignore_wrappers=ignore_wrappers, pattern=pattern, keep_shared=keep_shared,
+            max_shard_size=max_shard_size, allow_overflow=allow_overflow, densify=densify,
+            dequantize=dequantize, skip_missing_values=skip_missing_values, verify=not no_verify, force=force, progress=bar.advance, on_total=lambda n: setattr(bar, "total", max(n, 1)),
+        )  # fmt: skip
+    if as_json:
+        _echo_json(convert_render.render_json(report))
+    else:
+        click.echo(convert_render.render_text(report))
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+
+@cli.command("verify")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--values", is_flag=True, help="Also read every floating tensor: NaN/Inf.")
+@json_option("verify")
+@remote_options
+def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
+    """Check files' integrity without trusting them.
+
+    Zip structure (central directory vs local headers, CRC-32 of every record, duplicate
+    names, truncation), every storage's size against the pickle's claims, every tensor's
+    extent, safetensors header rules, legacy storage sizes; for a torch.distributed.checkpoint
+    directory, every rank file present and of the right size and every chunk's archive; temp
+    files left next to the file by an interrupted save.
+
+    Each path gets its own verdict and the run goes on: a path that cannot be checked at all
+    (missing, unreadable) gets an "Error: PATH: ..." line on stderr; a file that is there but
+    is no checkpoint (empty, torn, unrecognised) is a problem. A directory that is no
+    checkpoint layout is walked: each checkpoint in it gets its verdict. Exit 0 when every
+    path was checked and is clean, 1 when a problem (or a leftover temp file) was found in any
+    (this wins), 2 when some path could not be checked. --json always prints the JSON report.
+
+    \b
+    Examples:
+      ckpttool verify checkpoints/pretrain_768_resume.pth
+      ckpttool verify out/*.pth --values --json
+      ckpttool verify checkpoints/step_1200/
+    """
+    from ckpttool.commands.verify import verify, verify_exit_code
+    from ckpttool.io.progress import Progress
+    from ckpttool.render import verify as verify_render
+
+    total = sum(_input_bytes(p) for p in paths)
+    with Progress(total, "verify") as bar:
+        results = verify(paths, values=values, progress=bar.advance)
+    if as_json:
+        _echo_json(verify_render.render_json(results))
+    else:
+        report = verify_render.render_text(results)
+        if report:
+            click.echo(report)
+    for result in results:
+        if result.error is not None:
+            click.echo(f"Error: {result.path}: {' '.join(result.error.split())}", err=True)
+    sys.exit(verify_exit_code(results))
+
+
+@cli.command("scan")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option(
+    "--allow", multiple=True, metavar="MODULE.NAME",
+    help="Accept this global (e.g. a config class you trust); repeatable.",
+)  # fmt: skip
+@json_option("scan")
+@remote_options
+def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) -> None:
+    """List every global the pickles reference, classed safe / unknown / dangerous.
+
+    Runs nothing: the pickle is walked by ckpttool's own reader. Directories are scanned
+    recursively (only files that positively are not pickles, such as text, JSON or images,
+    are skipped). Each path is scanned on its own.
+    Exit 0 when only safe data constructs are referenced, 1 when something unknown or
+    dangerous is (this wins over 2), 2 when a path could not be scanned (missing, not a
+    checkpoint, unreadable) or a directory holds no checkpoint: scanning nothing is not clean.
+
+    \b
+    Examples:
+      ckpttool scan downloaded_model.pth
+      ckpttool scan checkpoints/ --allow mypackage.TrainConfig
+    """
+    from ckpttool.commands.scan import scan
+    from ckpttool.errors import EXIT_FOUND
+    from ckpttool.render import scan as scan_render
+
+    report = scan(paths, allow)
+    if as_json:
+        _echo_json(scan_render.render_json(report))
+    else:
+        click.echo(scan_render.render_text(report))
+    if report.found:
+        sys.exit(EXIT_FOUND)
+    if report.failed:
+        sys.exit(EXIT_ERROR)

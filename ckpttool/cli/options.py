@@ -1,0 +1,81 @@
+"""The options several commands share, declared once so that each has one wording everywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def json_option(schema: str) -> Callable[[F], F]:
+    """``--json``: print the report as one JSON object, whose schema is
+    ``docs/schemas/<schema>.schema.json``."""
+    return click.option(
+        "--json", "as_json", is_flag=True,
+        help=f"Print one JSON object (schema in docs/schemas/{schema}.schema.json).",
+    )  # fmt: skip
+
+
+def section_option(default: str | None = None) -> Callable[[F], F]:
+    """``--section KEY``: work on one subtree; ``default`` says what is used without it, where
+    that is not simply the whole file."""
+    note = f"; default: {default}" if default else ""
+    return click.option(
+        "--section", metavar="KEY",
+        help=f"Only the subtree at KEY (e.g. model, optimizer){note}.",
+    )  # fmt: skip
+
+
+def force_option(command: F) -> F:
+    """``--force``: replace outputs that exist (refused without it)."""
+    return click.option("--force", is_flag=True, help="Replace outputs that already exist.")(
+        command
+    )
+
+
+def key_prefix_options(command: F) -> F:
+    """``--strip-prefix`` and ``--ignore-wrappers``, shared by the commands that match keys."""
+    command = click.option(
+        "--ignore-wrappers", is_flag=True,
+        help="Remove DDP/torch.compile prefixes (module., _orig_mod.).",
+    )(command)  # fmt: skip
+    return click.option(
+        "--strip-prefix", "strip", multiple=True, metavar="PREFIX",
+        help="Remove PREFIX from the start of every tensor name that has it (repeatable).",
+    )(command)  # fmt: skip
+
+
+def remote_options(command: F) -> F:
+    """``--full-download`` and ``--verbose``, for the commands that read checkpoints (URLs
+    included): they set :data:`ckpttool.io.source.SETTINGS` for the library calls the command makes."""
+    import functools
+
+    @functools.wraps(command)
+    def run(*args: Any, full_download: bool, verbose: bool, **kwargs: Any) -> Any:
+        import sys
+
+        from ckpttool.io.source import SETTINGS
+
+        SETTINGS.full_download, SETTINGS.verbose = full_download, verbose
+        if "ckpttool.io.remote" in sys.modules:  # counts are per command (one process may run many)
+            sys.modules["ckpttool.io.remote"].reset_totals()
+        try:
+            return command(*args, **kwargs)
+        finally:
+            remote = sys.modules.get("ckpttool.io.remote")  # loaded only if a URL was opened
+            if verbose and remote is not None and remote.TOTALS.files:
+                click.echo(remote.totals_line(), err=True)
+
+    run = click.option(
+        "--verbose", "-v", is_flag=True,
+        help="For URLs: print the requests made and the bytes fetched (on stderr).",
+    )(run)  # fmt: skip
+    run = click.option(
+        "--full-download", is_flag=True,
+        help="For a URL whose server ignores Range requests: download the whole file into "
+        "memory instead of refusing it.",
+    )(run)  # fmt: skip
+    return run  # type: ignore[return-value]

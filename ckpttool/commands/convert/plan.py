@@ -1,0 +1,351 @@
+"""What ``convert`` will write, decided from the reader's records before any byte is written.
+
+Which tensors (section, prefixes, ``--filter``), under which names, in which dtype; which names
+are aliases of a stored tensor (tied weights); which non-tensor entries become ``__metadata__``
+fields and which are reported as left out. Pure functions over an open
+:class:`~ckpttool.checkpoint.Checkpoint`; nothing here reads tensor bytes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ckpttool.checkpoint import Checkpoint
+from ckpttool.commands.selection import (
+    ALIASES_KEY,
+    WRAPPER_PREFIXES,
+    declared_aliases,
+    select,
+    strip_prefixes,
+    wrapper_hint,
+)
+from ckpttool.errors import InputError
+from ckpttool.formats.writers import OutTensor
+from ckpttool.frameworks.deepspeed.consolidate import reported_layout
+from ckpttool.model.cast import CASTABLE, TARGETS
+from ckpttool.model.records import ITEMSIZE, TensorRecord, walk, without_values
+
+#: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
+#: Prefix of the ``__metadata__`` keys that keep a checkpoint's scalar fields (JSON values).
+FIELD_PREFIX = "ckpttool.field."
+SOURCE_KEY = "ckpttool.io.source"
+VERSION_KEY = "ckpttool.version"
+#: Keys convert computes itself; a safetensors source's values for them are not carried over.
+OWN_KEYS = frozenset({"format", SOURCE_KEY, VERSION_KEY, ALIASES_KEY})
+MAX_FIELD_CHARS = 1024  # longer strings are left out (listed in a note) rather than stored
+MAX_FIELDS_PER_ENTRY = 64  # an entry with more scalars (RNG state, loop counters) is left out
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """One tensor to store: its output name, its source record and its output dtype."""
+
+    name: str
+    record: TensorRecord
+    dtype: str
+    kept: bool = False  # a sparse, nested or quantized tensor a .pth keeps as it is
+
+    @property
+    def out(self) -> OutTensor:
+        return OutTensor(self.name, self.dtype, self.record.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.record.shape) * ITEMSIZE[self.dtype]  # self.out's, not built
+
+
+@dataclass
+class Plan:
+    layout: str
+    section: str | None
+    names: list[str]  # every output name (stored and aliases), in source order
+    stored: list[Planned]  # source order
+    aliases: dict[str, str]  # alias name -> stored name
+    fields: dict[str, str]  # FIELD_PREFIX + dotted key -> JSON value
+    carried: dict[str, str]  # a safetensors source's own __metadata__ entries, kept
+    left_out: list[str]  # entries not converted, described for a note
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what the output may not be as wanted
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(p.nbytes for p in self.stored)
+
+
+def build_plan(
+    ckpt: Checkpoint,
+    *,
+    section: str | None = None,
+    strip: Sequence[str] = (),
+    ignore_wrappers: bool = False,
+    pattern: str | None = None,
+    dtype: str = "keep",
+    keep_shared: bool = False,
+    densify: bool = False,
+    dequantize: bool = False,
+    keep_kinds: bool = False,
+    skip_missing_values: bool = False,
+) -> Plan:
+    """Decide names, dtypes, aliases and metadata fields for converting ``ckpt``.
+
+    Sparse and nested tensors are refused unless ``densify`` (then stored dense), quantized
+    ones unless ``dequantize`` (then stored as float32 values, or cast to ``dtype``); with
+    ``keep_kinds`` (a .pth output) those not densified or dequantized are kept as they are.
+    Tensors the file holds no values of (DTensor shards, meta tensors) are refused unless
+    ``skip_missing_values`` (then left out, with a note): an output never holds fewer tensors
+    than were selected without the user asking for it."""
+    if dtype != "keep" and dtype not in TARGETS:
+        raise InputError(f"--dtype must be one of keep, {', '.join(TARGETS)}; got {dtype!r}")
+    selection = select(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
+    selected_keys = {record.key for record in selection.tensors.values()}
+    named = dict(selection.tensors)
+    notes: list[str] = []
+    prefixes = [*strip, *(WRAPPER_PREFIXES if ignore_wrappers else ())]
+    alias_entries: set[str] = set()
+    if ckpt.format == "safetensors":
+        alias_entries = _add_recorded_aliases(ckpt, named, prefixes, notes)
+    if pattern is not None:
+        named = filtered(named, pattern)
+        if not named:
+            raise InputError(
+                f"{ckpt.name}: --filter {pattern!r} matches no tensor (it is matched against "
+                "each tensor's key as show prints it, and the name it would be written under)"
+            )
+    warnings = [] if ignore_wrappers else _wrapper_warning(named)
+    kept = {k for k, r in named.items() if keep_kinds and _keeps(r, densify, dequantize)}
+    _refuse_unwritable(
+        {k: r for k, r in named.items() if k not in kept}, densify=densify, dequantize=dequantize
+    )
+    for what, keys in (
+        ("densified", [k for k, r in named.items() if r.parts and k not in kept]),
+        ("dequantized", [k for k, r in named.items() if r.quant is not None and k not in kept]),
+        (KEPT_NOTE, [k for k in named if k in kept]),
+    ):
+        if keys:
+            notes.append(f"{what} {len(keys)} tensor(s): {_some(keys)}")
+    missing = [k for k, r in named.items() if r.is_meta]
+    if missing:
+        named = _leave_out_missing(ckpt.name, named, missing, skip_missing_values, notes)
+    if not named:
+        where = f" in section {selection.section!r}" if selection.section else ""
+        why = f": {notes[-1]}" if missing else ""
+        raise InputError(f"{ckpt.name}: no tensors to convert{where}{why}")
+    target = TARGETS.get(dtype)
+    uncastable = sorted(
+        {
+            r.dtype
+            for k, r in named.items()
+            if target and r.is_floating and r.dtype not in CASTABLE and k not in kept
+        }
+    )
+    if uncastable:
+        notes.append(f"{', '.join(uncastable)} tensors are kept as they are (not cast)")
+    if target and kept:
+        notes.append(f"sparse, nested and quantized tensors are not cast: {_some(sorted(kept))}")
+    aliases = {} if keep_shared else find_aliases(named)
+    stored = [
+        Planned(name, record, record.dtype, kept=True)
+        if name in kept
+        else Planned(name, record, _output_dtype(record, target))
+        for name, record in named.items()
+        if name not in aliases
+    ]
+    fields, left_out = collect_fields(ckpt.root, selection.section, selected_keys)
+    carried = {}
+    if ckpt.format == "safetensors":
+        # save_model-style alias entries are re-recorded under ckpttool.aliases
+        skip = OWN_KEYS | alias_entries
+        carried = {k: v for k, v in ckpt.metadata.items() if k not in skip}
+    return Plan(reported_layout(ckpt, selection.layout), selection.section, list(named), stored, aliases, fields,
+                carried, left_out, notes, warnings)  # fmt: skip
+
+
+def _wrapper_warning(named: dict[str, TensorRecord]) -> list[str]:
+    """Names that would be written with DDP/torch.compile prefixes: said, with the option."""
+    count, prefixes = wrapper_hint(named)
+    if not count:
+        return []
+    which = " and ".join(repr(p) for p in prefixes)
+    return [
+        f"{count} of the {len(named)} tensor names start with the DDP/torch.compile wrapper "
+        f"prefix {which} and are written with it; add --ignore-wrappers to remove it"
+    ]
+
+
+def filtered(named: dict[str, TensorRecord], pattern: str) -> dict[str, TensorRecord]:
+    """The tensors ``--filter`` keeps: those whose key in the file (as ``show`` prints it and
+    matches it: ``model.model.layers.0.mlp.up_proj.weight`` in a resume file) or whose output
+    name (below the section, prefixes removed: ``model.layers.0.mlp.up_proj.weight``) matches
+    ``pattern``, so that a pattern means the same in both commands."""
+    match = fnmatch.fnmatchcase
+    return {k: r for k, r in named.items() if match(r.key, pattern) or match(k, pattern)}
+
+
+def _leave_out_missing(
+    source: str,
+    named: dict[str, TensorRecord],
+    missing: list[str],
+    skip: bool,
+    notes: list[str],
+) -> dict[str, TensorRecord]:
+    """``named`` without the tensors that have no values, when ``skip``; else the error that
+    says why they have none and what to do."""
+    reasons = "; ".join(without_values([named[k] for k in missing]))
+    if not skip:
+        raise InputError(
+            f"{source}: {len(missing)} of the {len(named)} tensors selected "
+            f"{'has' if len(missing) == 1 else 'have'} no values in this file, so nothing was "
+            f"written: {reasons}. To write the other tensors without them, add "
+            "--skip-missing-values"
+        )
+    notes.append(
+        f"left out {len(missing)} tensor(s) without values (--skip-missing-values): "
+        f"{_some(missing)}; {reasons}"
+    )
+    left_out = set(missing)
+    return {k: r for k, r in named.items() if k not in left_out}
+
+
+def _output_dtype(record: TensorRecord, target: str | None) -> str:
+    """What a tensor is stored as: cast to ``target`` if floating, a quantized one as its
+    dequantized float32 values (or ``target``)."""
+    if record.quant is not None:
+        return target or "float32"
+    return target if target and record.dtype in CASTABLE else record.dtype
+
+
+KEPT_NOTE = "kept (sparse, nested or quantized, in torch's own form)"
+
+
+def _keeps(record: TensorRecord, densify: bool, dequantize: bool) -> bool:
+    """Whether a .pth output keeps ``record`` as it is: a nested tensor always (it has no
+    dense form), a sparse one unless ``densify``, a quantized one unless ``dequantize``."""
+    if record.layout == "nested":
+        return True
+    if record.parts:
+        return not densify
+    return record.quant is not None and not dequantize
+
+
+def _refuse_unwritable(named: dict[str, TensorRecord], *, densify: bool, dequantize: bool) -> None:
+    """Sparse, nested and quantized tensors in a safetensors output: it has no such layouts
+    or schemes; they are written dense (--densify) or dequantized (--dequantize) when asked,
+    never as anonymous parts. (A .pth output keeps them: ``_keeps``.)"""
+    for name, record in named.items():
+        if record.layout == "nested":
+            raise InputError(
+                f"{name}: a nested tensor; safetensors cannot hold its ragged values. Write a "
+                ".pth (--to pth keeps it), or leave it out with --filter"
+            )
+        if record.parts and not densify:
+            raise InputError(
+                f"{name}: a {record.layout} tensor; safetensors stores dense tensors only: add "
+                "--densify to store its dense values, --to pth to keep it as it is, or leave it "
+                "out with --filter"
+            )
+        if record.quant is not None and not dequantize:
+            raise InputError(
+                f"{name}: a quantized {record.dtype} tensor ({record.quant.describe()}); "
+                "safetensors stores no quantization: add --dequantize to store its float values, "
+                "--to pth to keep it as it is, or leave it out with --filter"
+            )
+
+
+def find_aliases(named: dict[str, TensorRecord]) -> dict[str, str]:
+    """Names that are the very same tensor as another (same storage, offset, shape, stride).
+
+    Which name is stored follows ``safetensors.torch._remove_duplicate_names``: the first in
+    sorted order (all names of a group cover the same elements, so all are equally complete).
+    ``safetensors.torch.load_model`` accepts whichever name a file kept. Tensors that share a
+    storage as *different* views are not aliases: each is stored with its own values.
+    """
+    groups: dict[Any, list[str]] = {}
+    for name, record in named.items():
+        if record.storage is None or record.inline_data is not None or record.numel == 0:
+            continue
+        view = (record.storage, record.dtype, record.storage_offset, record.shape, record.stride)
+        groups.setdefault(view, []).append(name)
+    aliases: dict[str, str] = {}
+    for names in groups.values():
+        keep, *others = sorted(names)
+        aliases.update({other: keep for other in others})
+    return aliases
+
+
+def recorded_aliases(
+    metadata: dict[str, str], stored: set[str], notes: list[str]
+) -> dict[str, str]:
+    """``{alias: stored}`` a safetensors file's ``__metadata__`` declares, as ``diff`` reads it.
+
+    Both conventions: ckpttool's ``ckpttool.aliases`` JSON object, and
+    ``safetensors.torch.save_model``'s one entry per alias (a key that is not a tensor whose
+    value is one).
+    """
+    declared, malformed = declared_aliases(metadata, stored, ignore=OWN_KEYS)
+    if malformed:
+        notes.append(f"ignored {ALIASES_KEY} in the source's metadata: not a JSON object")
+    return declared
+
+
+def _add_recorded_aliases(
+    ckpt: Checkpoint, named: dict[str, TensorRecord], prefixes: list[str], notes: list[str]
+) -> set[str]:
+    """Give back the names a tied-weights file stored once; return the metadata keys used."""
+    stored = {record.key: record for record in named.values()}
+    declared = recorded_aliases(ckpt.metadata, set(stored), notes)
+    for alias, target in declared.items():
+        name = strip_prefixes(alias, prefixes)
+        if name not in named:
+            named[name] = replace(stored[target], key=alias)
+    return {alias for alias in declared if alias in ckpt.metadata}
+
+
+def collect_fields(
+    root: Any, section: str | None, selected_keys: set[str]
+) -> tuple[dict[str, str], list[str]]:
+    """Scalar entries outside the weights as metadata fields; the rest described for a note.
+
+    Entries are judged as a whole (``epoch``, ``config``, ``optimizer``...): one made only of
+    scalars and short strings becomes ``ckpttool.field.<dotted key>`` fields with JSON values;
+    any other (optimizer state, RNG state, bytes) is listed as left out, never dropped silently.
+    """
+    groups: dict[str, list[tuple[str, Any]]] = {}
+    for key, leaf in walk(root):
+        if isinstance(leaf, TensorRecord) and key in selected_keys:
+            continue
+        groups.setdefault(_entry_name(key, section), []).append((key, leaf))
+    fields: dict[str, str] = {}
+    left_out: list[str] = []
+    for entry, leaves in groups.items():
+        if len(leaves) <= MAX_FIELDS_PER_ENTRY and all(_is_small_scalar(v) for _, v in leaves):
+            fields.update({FIELD_PREFIX + key: json.dumps(value) for key, value in leaves})
+            continue
+        count = sum(isinstance(v, TensorRecord) for _, v in leaves)
+        parts = [f"{count} tensor{'s' * (count != 1)}"] if count else []
+        others = len(leaves) - count
+        if others:
+            parts.append(f"{others} other value{'s' * (others != 1)}")
+        left_out.append(f"{entry or '(root)'} ({', '.join(parts)})")
+    return fields, left_out
+
+
+def _entry_name(key: str, section: str | None) -> str:
+    if section and key.startswith(section + "."):
+        return f"{section}.{key[len(section) + 1 :].split('.')[0]}"
+    return key.split(".")[0]
+
+
+def _is_small_scalar(value: Any) -> bool:
+    if isinstance(value, str):
+        return len(value) <= MAX_FIELD_CHARS
+    return value is None or isinstance(value, (bool, int, float))
+
+
+def _some(names: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")

@@ -1,0 +1,601 @@
+"""``convert``: weights to safetensors (or a plain ``.pth``) and back, verified by reading back.
+
+The conversion streams: the output's layout is decided from the reader's records
+(:mod:`ckpttool.commands.convert.plan`), its header is written first, then each tensor is read
+(``pread`` of just its bytes), cast if asked, written and freed. Peak memory is a few times the
+largest tensor, never the file. torch is not imported: NumPy casts (:mod:`ckpttool.model.cast`) and
+the ``.pth`` pickle is generated (:mod:`ckpttool.formats.writers`). The exception: a ``.pth`` that keeps
+sparse, quantized or nested tensors is built and saved by torch (:mod:`ckpttool.commands.convert.torch_kinds`).
+
+Every output is written to temp files next to its target (:func:`ckpttool.io.atomic.atomic_group`);
+before they replace anything, each is opened again through the reader and every tensor is
+compared bit for bit with the (cast) source, and its size with the expected size. A mismatch
+removes the temps and raises :class:`VerificationError` (exit code 1): a bad file never appears
+under the target's name and an existing target is left as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ckpttool.checkpoint import Checkpoint, open_checkpoint
+from ckpttool.commands.convert import torch_kinds
+from ckpttool.commands.convert.output import (
+    FORMATS,
+    OutFile,
+    check_targets,
+    parse_size,
+    plan_outputs,
+    writes_pth,
+)
+from ckpttool.commands.convert.plan import FIELD_PREFIX, Plan, Planned, build_plan
+from ckpttool.errors import (
+    CkptError,
+    InputError,
+    OverflowRefusedError,
+    VerificationError,
+)
+from ckpttool.formats.writers import PickledTensor, safetensors_header, write_pth
+from ckpttool.frameworks.deepspeed.consolidate import open_source, zero_note
+from ckpttool.frameworks.huggingface import model_dir
+from ckpttool.frameworks.huggingface.files import SAFE_WEIGHTS_NAME
+from ckpttool.io.atomic import atomic_group
+from ckpttool.io.progress import ProgressCallback
+from ckpttool.io.read_batch import BLOCK
+from ckpttool.io.source import is_url, local_path
+from ckpttool.io.values import dense_record, read_array
+from ckpttool.model.cast import CastCounts, cast_array, stored_dtype
+from ckpttool.model.records import TensorRecord
+
+Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
+Keep = Callable[["Planned"], Any]  # a kept (sparse, nested, quantized) tensor, as torch's
+
+
+@dataclass
+class ConvertReport:
+    """What a conversion wrote (``outputs``: shards first, index last)."""
+
+    source: Path | str | os.PathLike[str]  # a local path, or the URL read
+    outputs: list[Path]
+    format: str  # "safetensors" or "pth"
+    layout: str
+    section: str | None
+    tensors: int  # tensors stored (aliases not counted)
+    aliases: dict[str, str]  # alias -> stored name
+    tensor_bytes: int
+    file_bytes: int
+    dtype: str  # "keep", "fp16", "bf16", "fp32"
+    cast: dict[str, int]  # "float32->float16" -> number of tensors
+    underflow: dict[str, int]  # tensor -> values that became 0
+    overflow: dict[str, int]  # tensor -> values that became inf (only with allow_overflow)
+    fields: dict[str, str]  # __metadata__ entries kept from non-tensor entries
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. names kept with wrapper prefixes
+    verified: bool = False
+    directory: Path | None = None  # the model directory written, for a Hugging Face source
+    copied: list[str] = field(default_factory=list)  # its files copied byte for byte
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str] | None = None,
+    *,
+    to: str | None = None,
+    dtype: str = "keep",
+    section: str | None = None,
+    strip: Sequence[str] = (),
+    ignore_wrappers: bool = False,
+    pattern: str | None = None,
+    keep_shared: bool = False,
+    max_shard_size: str | int | None = None,
+    allow_overflow: bool = False,
+    densify: bool = False,
+    dequantize: bool = False,
+    skip_missing_values: bool = False,
+    verify: bool = True,
+    force: bool = False,
+    progress: ProgressCallback | None = None,
+    on_total: ProgressCallback | None = None,
+) -> ConvertReport:
+    """Convert the weights in ``src`` to safetensors (or ``to="pth"``); see the module doc.
+
+    ``progress`` is called with the bytes each tensor adds (written, then verified);
+    ``on_total`` once, before any is written, with the total it will add up to.
+    ``skip_missing_values``: leave out the selected tensors the file holds no values of
+    (DTensor shards of one rank, meta tensors), with a note; without it they are refused.
+
+    Raises :class:`~ckpttool.errors.OutputExistsError` if an output exists and not ``force``,
+    :class:`OverflowRefusedError` if a cast overflows and not ``allow_overflow``,
+    :class:`VerificationError` (exit code 1) if the output does not read back identical.
+    """
+    if to is not None and to not in FORMATS:
+        raise InputError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
+    shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
+    src_path = _local_name(src, dst)
+    with open_source(src) as ckpt:
+        plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
+                          pattern=pattern, dtype=dtype, keep_shared=keep_shared,
+                          densify=densify, dequantize=dequantize,
+                          keep_kinds=writes_pth(dst, to),
+                          skip_missing_values=skip_missing_values)  # fmt: skip
+        plan.notes[:0] = zero_note(ckpt)
+        if on_total is not None:
+            on_total(plan.tensor_bytes * (2 if verify else 1))
+
+        def write(plan: Plan, files: list[OutFile]) -> dict[str, CastCounts]:
+            return _write_outputs(ckpt, plan, files, allow_overflow=allow_overflow,
+                                  verify=verify, progress=progress or (lambda n: None))  # fmt: skip
+
+        if model_dir.wants_model_dir(ckpt, dst):
+            assert dst is not None
+            if to == "pth":
+                raise InputError(
+                    "a model directory is written as safetensors, as from_pretrained loads it; "
+                    "drop --to pth or name a .pth DST"
+                )
+            plan = model_dir.for_transformers(plan)
+            target = Path(dst)
+            source_dir = model_dir.source_directory(ckpt)
+            assert source_dir is not None
+            model_dir.check_target(source_dir, target, force)
+            with model_dir.staged_directory(target) as staging:
+                weights = staging / SAFE_WEIGHTS_NAME if shard_size is None else staging
+                files = plan_outputs(src_path, weights, None, shard_size, plan)
+                counts = write(plan, files)
+                copied = model_dir.copy_files(source_dir, staging)
+            files = model_dir.moved(files, target)
+            report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
+            _name_remote_source(report, src, verify)
+            report.directory = target
+            report.copied = copied
+            return report
+        files = plan_outputs(src_path, dst, to, shard_size, plan)
+        check_targets(src_path, files, force)
+        counts = write(plan, files)
+    report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
+    _name_remote_source(report, src, verify)
+    return report
+
+
+def _name_remote_source(report: ConvertReport, src: str | os.PathLike[str], verify: bool) -> None:
+    """A URL source is reported as given (not as a mangled path), with how it was verified."""
+    if not is_url(src):
+        return
+    report.source = src
+    if verify:
+        report.notes.append(
+            "verified against the CRC-32 of each tensor as fetched (the URL is not fetched twice)"
+        )
+
+
+def _local_name(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None) -> Path:
+    """``src`` as a path, for naming outputs: a URL's file name, in the current directory (as
+    a download would be). A URL destination is refused: the output is verified before it
+    replaces anything, which only a local rename guarantees."""
+    if dst is not None and is_url(dst):
+        raise InputError(
+            f"{dst}: convert writes to local paths only (an object store cannot take a file "
+            "atomically after it was verified); convert to a local file, then upload it"
+        )
+    if not is_url(src):
+        return Path(local_path(os.fspath(src)))
+    from urllib.parse import urlsplit
+
+    name = urlsplit(os.fspath(src)).path.rstrip("/").rsplit("/", 1)[-1]
+    if not name:
+        raise InputError(f"{src}: the URL names no file")
+    return Path(name)
+
+
+def _write_outputs(
+    ckpt: Checkpoint,
+    plan: Plan,
+    files: list[OutFile],
+    *,
+    allow_overflow: bool,
+    verify: bool,
+    progress: ProgressCallback,
+) -> dict[str, CastCounts]:
+    """Write ``files`` through one atomic group, each tensor read, cast and written in turn;
+    when ``verify``, read them back before they replace anything. Returns what each cast
+    tensor lost (overflow, underflow), by name."""
+    counts: dict[str, CastCounts] = {}
+    # A remote source is not fetched a second time to verify: the CRC-32 of each tensor's bytes
+    # is taken as they are written, and the output is read back against it. (SHA-256 was
+    # measured: on two cores it made a URL's convert slower than a download and a local one.)
+    remote_source = is_url(ckpt.name)
+    hashing = _Hashing() if verify and remote_source else None
+    # the order produce is called in (each file's tensors, files in turn): the next one is
+    # fetched while this one is written, when the source is remote
+    sequence = [p for f in files if f.kind != "index" for p in f.tensors if not p.kept]
+    following = dict(zip((p.name for p in sequence), sequence[1:])) if remote_source else {}
+    if remote_source:
+        ckpt.resolve_spans([p.record.storage for p in sequence if p.record.storage is not None])
+
+    def produce(planned: Planned) -> bytes | bytearray | memoryview:
+        data, cast = tensor_bytes(ckpt, planned)
+        upcoming = following.get(planned.name) if remote_source else None
+        if upcoming is not None:
+            ckpt.prefetch(upcoming.record)
+        if hashing is not None:
+            hashing.add(planned.name, data)
+        if cast is not None:
+            counts[planned.name] = cast
+            if cast.overflow and not allow_overflow:
+                raise OverflowRefusedError(_overflow_message(planned, cast))
+        progress(planned.nbytes)
+        return data
+
+    def keep(planned: Planned) -> Any:
+        tensor = torch_kinds.rebuild(ckpt, planned.record)
+        progress(planned.nbytes)
+        return tensor
+
+    def check(temps: list[Path]) -> None:
+        if verify:
+            digests = hashing.digests() if hashing is not None else None
+            verify_outputs(ckpt, list(zip(temps, files)), progress, digests)
+        ckpt.check_unchanged()  # a remote source replaced mid-read must not be committed
+
+    # a local source's small tensors are read in blocks of adjacent records (a remote one's
+    # are fetched ahead one by one, above)
+    blocks = [] if remote_source else _read_as_is(sequence)
+    try:
+        with (
+            atomic_group([f.target for f in files], check=check) as handles,
+            ckpt.expect_reads(blocks),  # left before the check reads the source again
+        ):
+            for handle, out_file in zip(handles, files):
+                _write(handle, out_file, plan.names, produce, keep)
+    except OSError as error:  # permissions, a full disk: one line, not a traceback
+        raise InputError(f"conversion failed, nothing was written: {error}") from error
+    finally:
+        if hashing is not None:
+            hashing.close()
+    return counts
+
+
+class _Hashing:
+    """The CRC-32 of each tensor written, computed on a thread of its own (zlib releases the
+    GIL) while the next tensor is fetched and this one written; at most two tensors wait, so
+    memory stays bounded by what the conversion holds anyway."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-crc32")
+        self._pending: list[tuple[str, Future[bytes]]] = []
+        self._done: dict[str, bytes] = {}
+
+    def add(self, name: str, data: bytes | bytearray | memoryview) -> None:
+        while len(self._pending) >= 2:
+            first, future = self._pending.pop(0)
+            self._done[first] = future.result()
+        self._pending.append((name, self._pool.submit(_digest, data)))
+
+    def digests(self) -> dict[str, bytes]:
+        for name, future in self._pending:
+            self._done[name] = future.result()
+        self._pending.clear()
+        return self._done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _build_report(
+    src_path: Path,
+    plan: Plan,
+    files: list[OutFile],
+    counts: dict[str, CastCounts],
+    *,
+    dtype: str,
+    verified: bool,
+) -> ConvertReport:
+    """What was written, from the plan, the files as they are now and the casts' losses."""
+    cast_summary: dict[str, int] = {}
+    for planned in plan.stored:
+        if planned.dtype != planned.record.dtype:
+            key = f"{planned.record.dtype}->{planned.dtype}"
+            cast_summary[key] = cast_summary.get(key, 0) + 1
+    output_format = "pth" if files[0].kind == "pth" else "safetensors"
+    underflow = {name: c.underflow for name, c in counts.items() if c.underflow}
+    return ConvertReport(
+        source=src_path,
+        outputs=[f.target for f in files],
+        format=output_format,
+        layout=plan.layout,
+        section=plan.section,
+        tensors=len(plan.stored),
+        aliases=dict(plan.aliases),
+        tensor_bytes=plan.tensor_bytes,
+        file_bytes=sum(f.target.stat().st_size for f in files),
+        dtype=dtype,
+        cast=cast_summary,
+        underflow=underflow,
+        overflow={name: c.overflow for name, c in counts.items() if c.overflow},
+        fields={k: v for k, v in files[0].metadata.items() if k in plan.fields},
+        notes=_notes(plan, output_format, underflow),
+        warnings=list(plan.warnings),
+        verified=verified,
+    )
+
+
+def _notes(plan: Plan, output_format: str, underflow: dict[str, int]) -> list[str]:
+    """What the user should know: entries left out, fields a .pth cannot hold, underflow."""
+    notes = list(plan.notes)
+    if plan.left_out:
+        notes.append(f"not converted (not weights): {', '.join(plan.left_out)}")
+    if output_format == "pth" and (plan.fields or plan.carried):
+        entries: dict[str, int] = {}
+        for key in [*plan.carried, *plan.fields]:
+            entry = (
+                key.removeprefix(FIELD_PREFIX).split(".")[0]
+                if key.startswith(FIELD_PREFIX)
+                else key
+            )
+            entries[entry] = entries.get(entry, 0) + 1
+        names = [f"{e} ({n} values)" if n > 1 else e for e, n in entries.items()]
+        notes.append(f"a .pth state dict holds tensors only; not written: {', '.join(names)}")
+    if underflow:
+        target = plan.stored[0].dtype
+        shown = ", ".join(f"{name} ({count:,})" for name, count in list(underflow.items())[:5])
+        more = f" (+{len(underflow) - 5} more tensors)" if len(underflow) > 5 else ""
+        notes.append(f"values that became 0 in {target} (underflow): {shown}{more}")
+    return notes
+
+
+def _as_is(planned: Planned, record: TensorRecord) -> bool:
+    """Whether ``planned`` is stored as the bytes ``record`` (its dense record) has in the file."""
+    return (
+        planned.dtype == record.dtype
+        and record.inline_data is None
+        and record.is_contiguous
+        and (record.storage is None or record.storage.byteorder == "little")
+    )
+
+
+def _read_as_is(sequence: list[Planned]) -> list[TensorRecord]:
+    """The records :func:`tensor_bytes` reads as they are, small ones, in ``sequence``'s order:
+    what is worth reading in blocks (:class:`~ckpttool.io.read_batch.InOrder`)."""
+    return [
+        p.record
+        for p in sequence
+        if not p.record.parts
+        and p.record.quant is None
+        and 0 < p.record.nbytes <= BLOCK
+        and _as_is(p, p.record)
+    ]
+
+
+def tensor_bytes(
+    ckpt: Checkpoint, planned: Planned
+) -> tuple[bytes | bytearray | memoryview, CastCounts | None]:
+    """The contiguous little-endian bytes ``planned`` is stored as, and what a cast lost.
+    A sparse tensor is stored dense, a quantized one dequantized (``dense_record``)."""
+    record = dense_record(ckpt, planned.record)
+    if _as_is(planned, record):  # the common case: the bytes as they are in the file
+        if record.numel == 0:
+            return b"", None
+        data, first = ckpt.read_bytes(record)
+        return memoryview(data)[first * record.itemsize :], None
+    values = np.ascontiguousarray(read_array(ckpt, record))
+    if values.dtype.byteorder == ">":
+        values = values.astype(values.dtype.newbyteorder("<"))
+    counts = None
+    if planned.dtype != record.dtype:
+        values, counts = cast_array(values.view(stored_dtype(record.dtype)), record.dtype,
+                                    planned.dtype)  # fmt: skip
+    return values.reshape(-1).view(np.uint8).data, counts
+
+
+# --- writing and reading back ---------------------------------------------------------------
+
+
+def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce, keep: Keep) -> None:
+    if out.kind == "index":
+        handle.write(out.content)
+        out.expected_size = len(out.content)
+    elif out.kind == "safetensors":
+        header = safetensors_header([p.out for p in out.tensors], out.metadata)
+        handle.write(header)
+        for planned in out.tensors:
+            handle.write(produce(planned))
+        out.expected_size = len(header) + sum(p.nbytes for p in out.tensors)
+    elif any(p.kept for p in out.tensors):
+        _write_with_torch(handle, out, names, produce, keep)
+    else:
+        keys = {p.name: str(i) for i, p in enumerate(out.tensors)}
+        by_name = {p.name: p for p in out.tensors}
+        entries = []
+        for name in names:  # source order; an alias names its stored tensor's storage
+            stored = by_name[out.aliases.get(name, name)]
+            entries.append(PickledTensor(name, keys[stored.name], replace(stored.out, name=name)))
+        write_pth(handle, entries, ((keys[p.name], produce(p)) for p in out.tensors))
+        out.expected_size = handle.tell()
+
+
+def _write_with_torch(
+    handle: BinaryIO, out: OutFile, names: list[str], produce: Produce, keep: Keep
+) -> None:
+    """A .pth holding sparse, nested or quantized tensors: built by torch and written by
+    ``torch.save`` (:mod:`ckpttool.commands.convert.torch_kinds`); plain tensors go in as their (cast) bytes."""
+    tensors = {
+        p.name: keep(p) if p.kept else torch_kinds.plain_tensor(produce(p), p.dtype, p.record.shape)
+        for p in out.tensors
+    }
+    state = {name: tensors[out.aliases.get(name, name)] for name in names}
+    torch_kinds.save(handle, state)
+    out.expected_size = handle.tell()
+
+
+def _digest(data: bytes | bytearray | memoryview) -> bytes:
+    import zlib
+
+    return zlib.crc32(data).to_bytes(4, "little")
+
+
+def verify_outputs(
+    ckpt: Checkpoint,
+    written: list[tuple[Path, OutFile]],
+    progress: ProgressCallback,
+    digests: dict[str, bytes] | None = None,
+) -> None:
+    """Read every written file back through the reader; raise if anything differs. With
+    ``digests`` (tensor name -> CRC-32 of the bytes written), plain tensors are compared with
+    them instead of being read from the source again."""
+    problems: list[str] = []
+    for temp, out in written:
+        size = temp.stat().st_size
+        if size != out.expected_size:
+            problems.append(f"{out.target.name} has {size:,} bytes, {out.expected_size:,} expected")
+        elif out.kind == "index":
+            if temp.read_bytes() != out.content:
+                problems.append(f"{out.target.name} does not hold the index written")
+        else:
+            problems += _verify_file(ckpt, temp, out, progress, digests)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise VerificationError(
+            f"the output did not read back identical to the source, so it was removed: "
+            f"{problems[0]}{more}"
+        )
+
+
+def _verify_file(
+    ckpt: Checkpoint,
+    temp: Path,
+    out: OutFile,
+    progress: ProgressCallback,
+    digests: dict[str, bytes] | None = None,
+) -> list[str]:
+    name = out.target.name
+    try:
+        written = open_checkpoint(temp)
+    except CkptError as error:
+        return [f"{name} cannot be read back ({error})"]
+    with written:
+        found = {record.key: record for record in written.tensors()}
+        expected = [p.name for p in out.tensors]
+        if out.kind == "pth":
+            expected += list(out.aliases)
+        if sorted(found) != sorted(expected):
+            return [f"{name} holds tensors {_diff_names(found, expected)}"]
+        if out.kind == "safetensors" and written.metadata != out.metadata:
+            return [f"{name}'s __metadata__ differs from what was written"]
+        return _compare_file(ckpt, written, out, found, progress, digests)
+
+
+def _compare_file(
+    ckpt: Checkpoint,
+    written: Checkpoint,
+    out: OutFile,
+    found: dict[str, TensorRecord],
+    progress: ProgressCallback,
+    digests: dict[str, bytes] | None,
+) -> list[str]:
+    """Each tensor of ``out`` as ``written`` holds it, against the source (or ``digests``: the
+    bytes read back are hashed on a thread of its own while the next tensor is read)."""
+    # both sides' small tensors read in blocks, in the order compared (a remote source is
+    # compared with the digests instead)
+    plain = [
+        p
+        for p in out.tensors
+        if (r := found[p.name]).dtype == p.dtype
+        and r.shape == p.record.shape
+        and not p.kept
+        and not torch_kinds.is_kept_kind(r)
+        and r.is_contiguous
+    ]
+    written_reads = [found[p.name] for p in plain if 0 < p.nbytes <= BLOCK]
+    source_reads = _read_as_is(plain) if not digests else []
+    with written.expect_reads(written_reads), ckpt.expect_reads(source_reads):
+        return _compare_tensors(ckpt, written, out, found, progress, digests)
+
+
+def _compare_tensors(
+    ckpt: Checkpoint,
+    written: Checkpoint,
+    out: OutFile,
+    found: dict[str, TensorRecord],
+    progress: ProgressCallback,
+    digests: dict[str, bytes] | None,
+) -> list[str]:
+    problems: list[str] = []
+    read_back = _Hashing() if digests is not None else None
+    try:
+        for planned in out.tensors:
+            record = found[planned.name]
+            if (record.dtype, record.shape) != (planned.dtype, planned.record.shape):
+                problems.append(f"{planned.name} reads back as {record.dtype}{list(record.shape)}")
+                continue
+            if planned.kept or torch_kinds.is_kept_kind(record):
+                want_tensor = torch_kinds.rebuild(ckpt, planned.record)
+                if not torch_kinds.same_tensor(want_tensor, torch_kinds.rebuild(written, record)):
+                    problems.append(f"{planned.name} does not read back as the same tensor")
+                progress(planned.nbytes)
+                continue
+            got = _stored_bytes(written, record)
+            if got is not None and read_back is not None and digests and planned.name in digests:
+                read_back.add(planned.name, got)  # compared below
+            elif got is None or not _same_bytes(tensor_bytes(ckpt, planned)[0], got):
+                problems.append(f"{planned.name} does not read back bit-for-bit equal")
+            progress(planned.nbytes)
+        if read_back is not None and digests is not None:
+            problems += [
+                f"{tensor} does not read back bit-for-bit equal"
+                for tensor, digest in read_back.digests().items()
+                if digest != digests[tensor]
+            ]
+    finally:
+        if read_back is not None:
+            read_back.close()
+    for alias, stored in out.aliases.items():
+        if out.kind == "pth" and not _same_view(found[alias], found[stored]):
+            problems.append(f"{alias} does not share {stored}'s storage")
+    return [f"{out.target.name}: {problem}" for problem in problems]
+
+
+def _stored_bytes(written: Checkpoint, record: TensorRecord) -> memoryview | None:
+    """A written tensor's bytes; None if it is not stored contiguously (it always should be)."""
+    if not record.is_contiguous:
+        return None
+    if record.numel == 0:
+        return memoryview(b"")
+    data, first = written.read_bytes(record)
+    start = first * record.itemsize
+    return memoryview(data)[start : start + record.nbytes]
+
+
+def _same_bytes(want: bytes | bytearray | memoryview, got: memoryview) -> bool:
+    if len(want) != len(got):
+        return False
+    if len(got) <= 4096:  # most of a checkpoint of many small tensors: no NumPy call
+        return bytes(want) == bytes(got)
+    return bool(np.array_equal(np.frombuffer(want, np.uint8), np.frombuffer(got, np.uint8)))
+
+
+def _same_view(a: TensorRecord, b: TensorRecord) -> bool:
+    return a.same_storage(b) and (a.storage_offset, a.shape, a.stride) == (
+        b.storage_offset, b.shape, b.stride
+    )  # fmt: skip
+
+
+def _diff_names(found: dict[str, TensorRecord], expected: list[str]) -> str:
+    extra = sorted(set(found) - set(expected))
+    missing = sorted(set(expected) - set(found))
+    return f"{extra[:3]} not written and lacks {missing[:3]}"
+
+
+def _overflow_message(planned: Planned, counts: CastCounts) -> str:
+    return (
+        f"{planned.name}: {counts.overflow:,} value(s) would overflow to inf in {planned.dtype} "
+        f"(max |x| = {counts.max_abs:.6g}); nothing was written. Keep the dtype, choose bf16, "
+        "or pass --allow-overflow to write them as inf"
+    )

@@ -1,0 +1,491 @@
+"""``diff``: compare two checkpoints' structure, training-state fields and tensor values.
+
+Both files are opened through :func:`ckpttool.checkpoint.open_checkpoint` and compared tensor by
+tensor; values are streamed (:mod:`ckpttool.commands.diff.values`), so memory does not grow with the file.
+The work is split in two so that a caller can size a progress bar before any byte is read:
+:func:`plan_diff` matches tensors and compares fields from metadata alone, :func:`run_diff`
+compares values. :func:`diff` does both for library users.
+
+Which part of each file is compared (named sections, the layout's weights, alignment under one
+extra key prefix) is :mod:`ckpttool.commands.diff.sections`'s job; how keys are matched (prefixes,
+aliases, tied tensors) is :mod:`ckpttool.commands.diff.match`'s.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+
+from ckpttool.checkpoint import Checkpoint
+from ckpttool.commands.diff import values as diff_values
+from ckpttool.commands.diff.match import (
+    ALIASES_KEY,
+    TYPE_CHANGED,
+    Alias,
+    FieldDiff,
+    TensorPair,
+    alias_note,
+    compare_fields,
+    described_metadata,
+    match_tensors,
+    merge_type_changes,
+    metadata_aliases,
+    wrapper_note,
+)
+from ckpttool.commands.diff.sections import Part, choose_parts
+from ckpttool.commands.diff.values import (
+    ValueDiff,
+    bitwise_equal_values,
+    compare_dtype,
+    compare_values,
+    narrower_dtype,
+    scalar_value,
+)
+from ckpttool.errors import CkptError
+from ckpttool.frameworks.deepspeed.consolidate import counters, open_source, reported_layout
+from ckpttool.io.progress import ProgressCallback
+from ckpttool.io.read_batch import BLOCK, read_many
+from ckpttool.io.values import dense_record
+from ckpttool.model.records import ELEMENTS_PER_BYTE, ITEMSIZE, TensorRecord, with_key
+
+IDENTICAL = "identical"
+WITHIN_TOLERANCE = "within_tolerance"
+DIFFER = "differ"
+ONLY_A = "only_a"
+ONLY_B = "only_b"
+EQUAL_AFTER_ROUNDING = "equal_after_rounding"  # rounded: the narrower side is the wider rounded
+STATUSES = (IDENTICAL, WITHIN_TOLERANCE, DIFFER, ONLY_A, ONLY_B, EQUAL_AFTER_ROUNDING)
+
+DEFAULT_RTOL = 1e-5  # torch.allclose's defaults
+DEFAULT_ATOL = 1e-8
+
+
+@dataclass(frozen=True)
+class Side:
+    """One input file and the part of it that was compared."""
+
+    path: str
+    format: str
+    layout: str
+    section: str | None  # subtree compared (None: the whole file)
+    auto_section: bool  # chosen, not named: the files are of different kinds, or keys aligned
+    num_tensors: int  # tensors compared on this side
+    prefix: str | None = None  # removed from this side's keys to align them with the other's
+    # a framework directory: the section its weights files fill, when the part compared holds
+    # its tensors; their records' keys (and, compared whole, their keys) are as the files
+    # store them, without the section's name
+    weights_section: str | None = None
+
+
+@dataclass(frozen=True, slots=True)  # one per tensor: 100,000 in a large diff
+class TensorDiff:
+    """The verdict on one key."""
+
+    key: str  # normalised key (relative to the section, prefixes removed)
+    status: str  # one of STATUSES
+    a: TensorRecord | None  # record.key is the key in file A
+    b: TensorRecord | None
+    alias: Alias | None = None
+    changes: tuple[str, ...] = ()  # "dtype float16 -> float32", "shape [2] -> [3]", ...
+    values: ValueDiff | None = None  # None: not compared (--quick, shape change, only one side)
+
+
+@dataclass
+class DiffPlan:
+    """What :func:`run_diff` will compare: matched tensors and field differences."""
+
+    a: Side
+    b: Side
+    pairs: list[TensorPair]
+    fields: list[FieldDiff]
+    notes: list[str]
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes read from both files when values are compared (for a progress bar)."""
+        return sum(
+            p.a.nbytes + p.b.nbytes
+            for p in self.pairs
+            if p.a is not None and p.b is not None and p.a.shape == p.b.shape
+        )
+
+
+@dataclass
+class DiffReport:
+    a: Side
+    b: Side
+    rtol: float
+    atol: float
+    quick: bool  # values were not read: "identical" means same dtype and shape
+    notes: list[str]
+    fields: list[FieldDiff]
+    tensors: list[TensorDiff]
+    rounded: bool = False  # floats of different precision compared in the narrower dtype
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(STATUSES, 0)
+        for entry in self.tensors:
+            out[entry.status] += 1
+        return out
+
+    @property
+    def equal(self) -> bool:
+        """True when nothing differs beyond tolerance (diff's exit status 0)."""
+        counts = self.counts()
+        return not self.fields and counts[DIFFER] + counts[ONLY_A] + counts[ONLY_B] == 0
+
+    def summary(self) -> str:
+        c = self.counts()
+        rounded = f"{c[EQUAL_AFTER_ROUNDING]} equal after rounding, " if self.rounded else ""
+        return (
+            f"{c[IDENTICAL]} identical, {rounded}{c[WITHIN_TOLERANCE]} differ within tolerance, "
+            f"{c[DIFFER]} differ, {c[ONLY_A]} only in A, {c[ONLY_B]} only in B"
+        )
+
+
+def open_side(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open one input; errors name the file, since a diff has two."""
+    try:
+        return open_source(path)  # a DeepSpeed ZeRO directory: its consolidated fp32 weights
+    except CkptError as error:
+        if str(path) in str(error):
+            raise
+        raise type(error)(f"{path}: {error}") from None
+
+
+def diff(
+    a: str | os.PathLike[str] | Checkpoint,
+    b: str | os.PathLike[str] | Checkpoint,
+    *,
+    section: str | None = None,
+    section_a: str | None = None,
+    section_b: str | None = None,
+    strip: Sequence[str] = (),
+    ignore_wrappers: bool = False,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+    quick: bool = False,
+    rounded: bool = False,
+    progress: ProgressCallback | None = None,
+) -> DiffReport:
+    """Compare checkpoint ``a`` with ``b`` (paths or open checkpoints). Never prints.
+
+    ``section`` names the subtree compared in both, ``section_a``/``section_b`` in one side.
+    ``rounded``: compare floats of different precision after rounding the wider to the
+    narrower dtype (is one exactly the other saved in its dtype?). ``progress`` is called with
+    the number of bytes read after each chunk of values.
+    """
+    with ExitStack() as stack:
+        ckpts = []
+        for item in (a, b):
+            if isinstance(item, Checkpoint):
+                ckpts.append(item)
+            else:
+                ckpts.append(stack.enter_context(open_side(item)))
+        ckpt_a, ckpt_b = ckpts
+        plan = plan_diff(
+            ckpt_a, ckpt_b, section=section, section_a=section_a, section_b=section_b,
+            strip=strip, ignore_wrappers=ignore_wrappers,
+        )  # fmt: skip
+        return run_diff(
+            ckpt_a, ckpt_b, plan, rtol=rtol, atol=atol, quick=quick, rounded=rounded,
+            progress=progress,
+        )  # fmt: skip
+
+
+def plan_diff(
+    ckpt_a: Checkpoint,
+    ckpt_b: Checkpoint,
+    *,
+    section: str | None = None,
+    section_a: str | None = None,
+    section_b: str | None = None,
+    strip: Sequence[str] = (),
+    ignore_wrappers: bool = False,
+) -> DiffPlan:
+    """Match tensors and compare fields, from metadata alone (no tensor bytes are read)."""
+    notes: list[str] = []
+    part_a, part_b = choose_parts(
+        ckpt_a, ckpt_b, section=section, section_a=section_a, section_b=section_b,
+        strip=strip, ignore_wrappers=ignore_wrappers, notes=notes,
+    )  # fmt: skip
+    sel_a, sel_b = part_a.selection, part_b.selection
+    aliases_a = metadata_aliases(ckpt_a, sel_a, part_a.prefixes, "A", notes)
+    aliases_b = metadata_aliases(ckpt_b, sel_b, part_b.prefixes, "B", notes)
+    pairs = match_tensors(sel_a.tensors, sel_b.tensors, aliases_a, aliases_b)
+    for pair in pairs:
+        if pair.alias is not None:
+            notes.append(alias_note(pair))
+    if not ignore_wrappers:
+        notes.extend(wrapper_note(pairs))
+    fields = compare_fields(
+        ckpt_a.section(sel_a.section) if sel_a.section else ckpt_a.root,
+        ckpt_b.section(sel_b.section) if sel_b.section else ckpt_b.root,
+    )
+    fields, pairs = merge_type_changes(fields, pairs, part_a.prefixes, part_b.prefixes)
+    if part_a.stored is not None or part_b.stored is not None:
+        pairs, fields = _as_stored(pairs, fields, part_a.stored, part_b.stored)
+    if ckpt_a.format == ckpt_b.format == "safetensors":
+        fields += compare_fields(described_metadata(ckpt_a), described_metadata(ckpt_b))
+    counters_a, counters_b = counters(ckpt_a), counters(ckpt_b)
+    if counters_a is not None and counters_b is not None:  # two DeepSpeed tags
+        fields += compare_fields(counters_a, counters_b)
+    return DiffPlan(
+        a=_side(ckpt_a, part_a),
+        b=_side(ckpt_b, part_b),
+        pairs=pairs,
+        fields=fields,
+        notes=notes,
+    )
+
+
+def run_diff(
+    ckpt_a: Checkpoint,
+    ckpt_b: Checkpoint,
+    plan: DiffPlan,
+    *,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+    quick: bool = False,
+    rounded: bool = False,
+    progress: ProgressCallback | None = None,
+) -> DiffReport:
+    """Compare the planned pairs' values, one pair at a time (``quick``: structure only;
+    ``rounded``: floats of different precision in the narrower dtype)."""
+    if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
+        raise ValueError("rtol and atol must be non-negative numbers")
+    tensors: list[TensorDiff] = []
+    for start in range(0, len(plan.pairs), WINDOW):
+        window = plan.pairs[start : start + WINDOW]
+        # pairs whose equal bytes settle the verdict: read in blocks, compared as bytes
+        settled = [not quick and _bytes_settle(pair) for pair in window]
+        plain = [pair for pair, flag in zip(window, settled) if flag]
+        bytes_a = read_many(ckpt_a, [pair.a for pair in plain if pair.a is not None])
+        bytes_b = read_many(ckpt_b, [pair.b for pair in plain if pair.b is not None])
+        for pair, flag in zip(window, settled):
+            if pair.a is None or pair.b is None:
+                status = ONLY_A if pair.b is None else ONLY_B
+                tensors.append(TensorDiff(pair.key, status, pair.a, pair.b, pair.alias))
+                continue
+            if flag:
+                data_a, data_b = next(bytes_a)[0], next(bytes_b)[0]
+                if data_a == data_b:
+                    if progress is not None:
+                        progress(len(data_a) + len(data_b))
+                    values = bitwise_equal_values(pair.a.dtype, pair.a.numel)
+                    entry = TensorDiff(pair.key, IDENTICAL, pair.a, pair.b, pair.alias, (), values)
+                    tensors.append(entry)
+                    continue
+            entry = _compare_pair(
+                ckpt_a, ckpt_b, pair, rtol, atol, quick=quick, rounded=rounded, progress=progress
+            )
+            tensors.append(entry)
+    notes = list(plan.notes)
+    if quick:
+        notes.append("--quick: values not read; 'identical' means the same dtype and shape")
+    elif not rounded:
+        notes.extend(_dtype_note(tensors))
+    fields = list(plan.fields)
+    if not quick:
+        fields = [_read_tensor_field(ckpt_a, ckpt_b, entry) for entry in fields]
+    return DiffReport(plan.a, plan.b, rtol, atol, quick, notes, fields, tensors, rounded=rounded)
+
+
+WINDOW = 256  # pairs whose small tensors are read together (ckpttool.io.read_batch)
+
+
+def _bytes_settle(pair: TensorPair) -> bool:
+    """Whether equal bytes make this pair bitwise equal, so that reading both as bytes and
+    comparing them is the whole comparison when they are equal (the usual case): one small,
+    contiguous, plain strided tensor of the same dtype, shape and byte order on both sides.
+    Anything else, or bytes that differ, goes through :func:`_compare_pair`."""
+    a, b = pair.a, pair.b
+    if a is None or b is None or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.storage is None or b.storage is None or a.storage.byteorder != b.storage.byteorder:
+        return False
+    return (
+        a.inline_data is None
+        and b.inline_data is None
+        and a.layout == b.layout == "strided"
+        and a.quant is None
+        and b.quant is None
+        and a.dtype in ITEMSIZE
+        and a.dtype not in ELEMENTS_PER_BYTE
+        and 0 < a.nbytes <= BLOCK
+        and a.numel <= diff_values.CHUNK  # what compare_values reads at once
+        and a.is_contiguous
+        and b.is_contiguous
+    )
+
+
+def _dtype_note(tensors: list[TensorDiff]) -> list[str]:
+    """Say when floats of different precision were compared by widening, and how to ask
+    whether one side is exactly the other rounded to its dtype."""
+    casts: dict[tuple[str, str], int] = {}
+    for entry in tensors:
+        a, b = entry.a, entry.b
+        if a is None or b is None or a.shape != b.shape:
+            continue  # values not compared: rounding would not change the verdict
+        if narrower_dtype(a.dtype, b.dtype) is not None:
+            casts[(a.dtype, b.dtype)] = casts.get((a.dtype, b.dtype), 0) + 1
+    if not casts:
+        return []
+    which = "; ".join(
+        f"{n} {'tensor is' if n == 1 else 'tensors are'} {a} in A and {b} in B"
+        for (a, b), n in casts.items()
+    )
+    return [
+        f"the dtypes differ: {which}, compared in the wider dtype. To check whether one side "
+        "is exactly the other rounded to its dtype, use --rounded"
+    ]
+
+
+def _read_tensor_field(ckpt_a: Checkpoint, ckpt_b: Checkpoint, entry: FieldDiff) -> FieldDiff:
+    """A type-changed field with its tensor side's value (when that tensor has one element)."""
+    if entry.status != TYPE_CHANGED:
+        return entry
+    if entry.a_tensor is not None:
+        return replace(entry, a=scalar_value(ckpt_a, entry.a_tensor))
+    if entry.b_tensor is not None:
+        return replace(entry, b=scalar_value(ckpt_b, entry.b_tensor))
+    return entry
+
+
+def _compare_pair(
+    ckpt_a: Checkpoint,
+    ckpt_b: Checkpoint,
+    pair: TensorPair,
+    rtol: float,
+    atol: float,
+    *,
+    quick: bool,
+    rounded: bool,
+    progress: ProgressCallback | None,
+) -> TensorDiff:
+    a, b = pair.a, pair.b
+    assert a is not None and b is not None
+    changes: list[str] = []
+    if a.shape != b.shape:
+        changes.append(f"shape {list(a.shape)} -> {list(b.shape)}")
+    if a.dtype != b.dtype:
+        changes.append(f"dtype {a.dtype} -> {b.dtype}" + _how(a, b, quick=quick, rounded=rounded))
+    if a.layout != b.layout:
+        changes.append(f"layout {a.layout} -> {b.layout} (values compared dense)")
+    quant_a, quant_b = (r.quant.describe() if r.quant else "none" for r in (a, b))
+    if quant_a != quant_b:
+        changes.append(f"quantization {quant_a} -> {quant_b} (values compared dequantized)")
+    if quick or a.shape != b.shape:
+        status = IDENTICAL if not changes else DIFFER
+        return TensorDiff(pair.key, status, a, b, pair.alias, tuple(changes))
+    value_a, value_b = a, b
+    moved = False  # DTensor pieces of different parts of the tensor
+    if a.dtensor is not None and b.dtensor is not None:
+        # two ranks' files (or one rank's twice): what each file holds is its piece; the pieces
+        # compare when they are the same part of the tensor (one side alone raises on reading)
+        moved = a.dtensor.placements != b.dtensor.placements
+        if moved:
+            changes.append(f"placements {a.dtensor.placements} -> {b.dtensor.placements}")
+        value_a, value_b = a.dtensor.local, b.dtensor.local
+        if value_a.shape != value_b.shape:
+            changes.append(f"local piece {list(value_a.shape)} -> {list(value_b.shape)}")
+            return TensorDiff(pair.key, DIFFER, a, b, pair.alias, tuple(changes))
+    # sparse and quantized tensors compare by their dense meaning, as torch.equal on to_dense()
+    dense_a, dense_b = dense_record(ckpt_a, value_a), dense_record(ckpt_b, value_b)
+    if dense_a.shape != dense_b.shape:  # nested tensors: buffers of different sizes
+        changes.append(f"values {list(dense_a.shape)} -> {list(dense_b.shape)}")
+        return TensorDiff(pair.key, DIFFER, a, b, pair.alias, tuple(changes))
+    values = compare_values(
+        ckpt_a, dense_a, ckpt_b, dense_b,
+        rtol=rtol, atol=atol, rounded=rounded, progress=progress,
+    )  # fmt: skip
+    if values is None:
+        changes.append(f"values not compared: {a.dtype} and {b.dtype} have no common dtype")
+        return TensorDiff(pair.key, DIFFER, a, b, pair.alias, tuple(changes))
+    if values.equal_after_rounding:
+        status = EQUAL_AFTER_ROUNDING
+    elif values.bitwise_equal:
+        status = IDENTICAL
+    else:
+        status = WITHIN_TOLERANCE if values.within_tolerance else DIFFER
+    if moved:
+        status = DIFFER  # the same bytes hold different parts of the tensor
+    if values.nan_positions_differ:
+        changes.append("NaN positions differ")
+    if values.inf_positions_differ:
+        changes.append("Inf positions differ")
+    return TensorDiff(pair.key, status, a, b, pair.alias, tuple(changes), values)
+
+
+def _how(a: TensorRecord, b: TensorRecord, *, quick: bool, rounded: bool) -> str:
+    """How a pair of different dtypes is compared, for its row's notes."""
+    if quick or a.shape != b.shape:
+        return ""  # values are not compared (and compare_dtype would import NumPy)
+    narrow = narrower_dtype(a.dtype, b.dtype) if rounded else None
+    if narrow is not None:
+        return f", compared after rounding to {narrow}"
+    common = compare_dtype(a.dtype, b.dtype)
+    if common is None:
+        return ""
+    if rounded and common not in (a.dtype, b.dtype):
+        return f", compared as {common} (neither rounds to the other)"
+    return f", compared as {common}"
+
+
+def _as_stored(
+    pairs: list[TensorPair],
+    fields: list[FieldDiff],
+    weights_a: str | None,
+    weights_b: str | None,
+) -> tuple[list[TensorPair], list[FieldDiff]]:
+    """Records under a directory's weights section re-keyed as its files store them (each
+    side's ``weights_*``, None: unchanged), so that a record's key is the key in its file."""
+
+    def stored(record: TensorRecord | None, weights: str | None) -> TensorRecord | None:
+        if record is None or weights is None or not record.key.startswith(weights + "."):
+            return record
+        return with_key(record, record.key[len(weights) + 1 :])
+
+    pairs = [
+        TensorPair(pair.key, stored(pair.a, weights_a), stored(pair.b, weights_b), pair.alias)
+        for pair in pairs
+    ]
+    fields = [
+        replace(
+            entry,
+            a_tensor=stored(entry.a_tensor, weights_a),
+            b_tensor=stored(entry.b_tensor, weights_b),
+        )
+        if entry.a_tensor is not None or entry.b_tensor is not None
+        else entry
+        for entry in fields
+    ]
+    return pairs, fields
+
+
+def _side(ckpt: Checkpoint, part: Part) -> Side:
+    section = part.selection.section
+    return Side(
+        ckpt.name, ckpt.format, reported_layout(ckpt, part.layout), section, part.auto and section is not None,
+        len(part.selection.tensors), part.aligned_prefix, part.stored,
+    )  # fmt: skip
+
+
+__all__ = [
+    "ALIASES_KEY",
+    "EQUAL_AFTER_ROUNDING",
+    "TYPE_CHANGED",
+    "Alias",
+    "DiffPlan",
+    "DiffReport",
+    "FieldDiff",
+    "Side",
+    "TensorDiff",
+    "ValueDiff",
+    "diff",
+    "plan_diff",
+    "run_diff",
+]

@@ -1,0 +1,164 @@
+"""Which tensors an operation works on, and under which names: sections and key prefixes.
+
+Shared by ``diff`` and ``convert``: a resume checkpoint's weights live under ``model``, a
+Lightning checkpoint's under ``state_dict``; DDP and ``torch.compile`` add ``module.`` and
+``_orig_mod.`` to every key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from ckpttool.checkpoint import Checkpoint
+from ckpttool.errors import InputError, SameKeyError
+from ckpttool.model.records import TensorRecord, paths_of, tensors
+from ckpttool.model.roles import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # diff and convert's door
+from ckpttool.model.roles import layout_of, model_section
+
+#: safetensors ``__metadata__`` key under which ``convert`` records ``{alias: stored name}``.
+ALIASES_KEY = "ckpttool.aliases"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The tensors of one checkpoint an operation uses, keyed relative to ``section``."""
+
+    layout: str
+    section: str | None  # "model", "state_dict", a user's --section, or None (whole file)
+    auto: bool  # True when the section was chosen from the layout, not by the user
+    tensors: dict[str, TensorRecord]  # normalised key -> record (record.key is the original)
+    # a framework directory compared whole: the section its weights files fill, whose name was
+    # taken off the keys under it (they are keyed as the files store them)
+    weights: str | None = None
+
+
+def strip_prefixes(key: str, prefixes: Sequence[str]) -> str:
+    """Remove any of ``prefixes`` from the start of ``key``, repeatedly (``module._orig_mod.x``)."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in prefixes:
+            if prefix and key.startswith(prefix):
+                key = key[len(prefix) :]
+                changed = True
+    return key
+
+
+def leading_wrappers(key: str) -> str:
+    """The DDP/``torch.compile`` prefixes that lead ``key`` (``"module._orig_mod."``), or ""."""
+    return key[: len(key) - len(strip_prefixes(key, WRAPPER_PREFIXES))]
+
+
+def wrapper_hint(keys: Iterable[str]) -> tuple[int, list[str]]:
+    """How many of ``keys`` start with wrapper prefixes, and which prefixes (first seen first)."""
+    count = 0
+    prefixes: dict[str, None] = {}
+    for key in keys:
+        if key.startswith(WRAPPER_PREFIXES):
+            count += 1
+            prefixes.setdefault(leading_wrappers(key))
+    return count, list(prefixes)
+
+
+def normalise(
+    records: Iterable[TensorRecord],
+    *,
+    section: str | None,
+    strip: Sequence[str] = (),
+    ignore_wrappers: bool = False,
+) -> dict[str, TensorRecord]:
+    """Key each record by its path below ``section`` with prefixes removed.
+
+    Raises :class:`InputError` when two tensors end up with the same name.
+    """
+    prefixes = list(strip) + (list(WRAPPER_PREFIXES) if ignore_wrappers else [])
+    out: dict[str, TensorRecord] = {}
+    for record in records:
+        key = record.key
+        if section and key.startswith(section + "."):
+            key = key[len(section) + 1 :]
+        key = strip_prefixes(key, prefixes)
+        if key in out:
+            if out[key].key == record.key:
+                raise SameKeyError(record.key)
+            raise InputError(
+                f"after removing prefixes, {out[key].key!r} and {record.key!r} are both {key!r}"
+            )
+        out[key] = record
+    return out
+
+
+def same_key_message(ckpt: Checkpoint, key: str) -> str:
+    """The error for :class:`SameKeyError`: the file, the key and both paths to it."""
+    paths = " and ".join(paths_of(ckpt.root, key)) or "two tensors"
+    return (
+        f"{ckpt.name}: two paths flatten to the same key {key!r}: {paths}; tensors are named "
+        "by their dotted path, which cannot tell them apart"
+    )
+
+
+def select(
+    ckpt: Checkpoint,
+    *,
+    section: str | None = None,
+    strip: Sequence[str] = (),
+    ignore_wrappers: bool = False,
+    auto_section: bool = True,
+    weights: str | None = None,
+) -> Selection:
+    """The weights of ``ckpt``: ``section`` if given, else the layout's model section.
+
+    ``weights``: with no section, the section a framework directory's weights files fill;
+    the keys under it lose its name (as the files store them).
+    """
+    layout = layout_of(ckpt)
+    auto = False
+    if section is None and auto_section:
+        section = model_section(layout, ckpt.root)
+        auto = section is not None
+    if section:
+        records, weights = tensors(ckpt.section(section), section), None
+    else:
+        records = ckpt.tensors()
+    try:
+        keyed = normalise(
+            records, section=section or weights, strip=strip, ignore_wrappers=ignore_wrappers
+        )
+    except SameKeyError as error:
+        raise InputError(same_key_message(ckpt, error.key)) from None
+    return Selection(layout, section, auto, keyed, weights)
+
+
+def rekey(record: TensorRecord, key: str) -> TensorRecord:
+    return replace(record, key=key)
+
+
+def declared_aliases(
+    metadata: Mapping[str, str], stored: Collection[str], ignore: Collection[str] = ()
+) -> tuple[dict[str, str], bool]:
+    """``{alias: stored name}`` that a safetensors file's ``__metadata__`` declares.
+
+    Both conventions: ckpttool's ``ckpttool.aliases`` JSON object, and
+    ``safetensors.torch.save_model``'s one entry per alias (a key that names no tensor, whose
+    value names one). Only aliases of tensors in ``stored`` are kept. The flag is True when
+    the ``ckpttool.aliases`` entry is there but is not a JSON object of names.
+    """
+    declared: dict[str, str] = {}
+    malformed = False
+    if ALIASES_KEY in metadata:
+        try:
+            parsed = json.loads(metadata[ALIASES_KEY])
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in parsed.items()
+        ):
+            declared.update(parsed)
+        else:
+            malformed = True
+    for name, target in metadata.items():
+        if name != ALIASES_KEY and name not in ignore and name not in stored and target in stored:
+            declared.setdefault(name, target)
+    return {alias: target for alias, target in declared.items() if target in stored}, malformed

@@ -1,0 +1,64 @@
+"""``verify`` of a framework's directory checkpoint: every member file, and the layout's rules.
+
+Each member that is a checkpoint file is verified as a file of its own (zip records and CRCs,
+safetensors rules, dangerous globals); its problems are reported under its name. The layout's
+completeness rules come from :mod:`ckpttool.frameworks.base` (an index naming a missing shard, a
+shard the index does not list, a tensor in two shards, a Trainer checkpoint without
+``trainer_state.json``, a rank without its RNG file...): each missing file is a problem,
+because the framework's own resume would fail on it or resume inexactly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ckpttool.errors import CkptError
+from ckpttool.io.progress import ProgressCallback
+from ckpttool.io.source import join
+
+if TYPE_CHECKING:
+    from ckpttool.checkpoint import Checkpoint
+
+#: Member roles that are not checkpoint files of their own (read as JSON, or not read).
+NOT_CHECKPOINTS = ("index", "trainer_state", "config", "other", "latest", "script")
+
+
+def check_directory(
+    ckpt: Checkpoint, progress: ProgressCallback | None
+) -> tuple[list[str], list[str]]:
+    """(problems, what was checked) for a directory opened by the reader."""
+    from ckpttool.commands.verify import verify_file
+
+    details = ckpt.details
+    directory = str(details.get("directory", ckpt.name))
+    problems: list[str] = []
+    # a member the layout already reported (an empty rank file) is not verified again
+    named = {problem.split(": ", 1)[0] for problem in ckpt.problems}
+    members = [
+        m
+        for m in details.get("members", [])
+        if m.get("role") not in NOT_CHECKPOINTS and m.get("name") not in named
+    ]
+    for member in members:
+        try:
+            result = verify_file(join(directory, member["name"]), progress=progress)
+        except CkptError as error:
+            problems.append(f"{member['name']}: {error}")
+            continue
+        problems += [f"{member['name']}: {problem}" for problem in result.problems]
+        problems += [f"{member['name']}: leftover temp file {left}" for left in result.leftovers]
+    problems += [
+        f"incomplete: {missing} is missing (written by the framework; its resume needs it)"
+        for missing in details.get("missing", [])
+    ]
+    title = details.get("layout_title", "directory")
+    checked = [
+        f"{len(members)} member file{'s' * (len(members) != 1)} verified one by one",
+        f"{title}: completeness rules",
+    ]
+    if "deepspeed" in details:
+        checked.append(
+            "DeepSpeed: latest names a tag; rank files against dp_world_size, partition_count "
+            "and zero_stage; partition sizes against param_shapes; module shapes"
+        )
+    return problems, checked

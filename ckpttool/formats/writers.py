@@ -1,0 +1,325 @@
+"""The byte layouts ``convert`` writes: a safetensors header and a torch.save zip.
+
+Both writers take the tensor *descriptions* first and the bytes afterwards, one tensor at a
+time, so a file of any size is written with one tensor in memory. The safetensors header is
+known before any data (every name, dtype and shape comes from the reader's records); the
+torch zip's ``data.pkl`` is generated here opcode by opcode, mirroring what ``torch.save``
+emits for a state dict, so neither writer needs torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from ckpttool.errors import InputError
+from ckpttool.formats.safetensors_file import CODES, MAX_HEADER
+from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter
+from ckpttool.model.records import ITEMSIZE
+
+#: safetensors pads its header with spaces so that the data starts 8-byte aligned.
+HEADER_ALIGNMENT = 8
+#: The zip folder of a written .pth (what torch.save uses when saving to a buffer).
+PTH_PREFIX = "archive"
+
+#: torch's typed storage class per dtype (``torch.storage._dtype_to_storage_type_map``); the
+#: other dtypes (uint16, float8...) are saved by torch as an UntypedStorage plus the dtype.
+STORAGE_CLASSES = {
+    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
+    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
+    "bool": "BoolStorage", "complex128": "ComplexDoubleStorage",
+    "complex64": "ComplexFloatStorage",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor as it will be written: contiguous, in its output dtype."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+# --- safetensors ----------------------------------------------------------------------------
+
+
+def safetensors_header(tensors: Sequence[OutTensor], metadata: dict[str, str]) -> bytes:
+    """Length field plus JSON header for ``tensors`` stored back to back in this order.
+
+    The text is what ``json.dumps(header, ensure_ascii=False, separators=(",", ":"))`` gives
+    for the header as a dict, made one entry at a time: at 100,000 tensors the dict of dicts
+    took 50 MB for a moment, for 7 MB of text.
+    """
+    dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+    parts = [f'"__metadata__":{dumps(dict(metadata))}'] if metadata else []
+    names = {"__metadata__"} if metadata else set()
+    offset = 0
+    for tensor in tensors:
+        code = CODES.get(tensor.dtype)
+        if code is None:
+            raise InputError(
+                f"{tensor.name}: safetensors cannot store {tensor.dtype} tensors; leave it out "
+                "with --filter or write a .pth (--to pth)"
+            )
+        if tensor.name in names:
+            raise InputError(f"{tensor.name!r} cannot be a tensor name in safetensors")
+        names.add(tensor.name)
+        end = offset + tensor.nbytes
+        shape = ",".join(map(str, tensor.shape))
+        parts.append(
+            f'{dumps(tensor.name)}:{{"dtype":"{code}","shape":[{shape}],'
+            f'"data_offsets":[{offset},{end}]}}'
+        )
+        offset = end
+    text = ("{" + ",".join(parts) + "}").encode("utf-8")
+    del parts, names
+    text += b" " * ((-len(text)) % HEADER_ALIGNMENT)
+    if len(text) > MAX_HEADER:
+        raise InputError(
+            f"the safetensors header would be {len(text):,} bytes (limit {MAX_HEADER:,}): "
+            "too many tensors or too much metadata for one file; shard with --max-shard-size"
+        )
+    return struct.pack("<Q", len(text)) + text
+
+
+def safetensors_size(tensors: Sequence[OutTensor], metadata: dict[str, str]) -> int:
+    """The exact size of the file :func:`safetensors_header` plus the data make."""
+    return len(safetensors_header(tensors, metadata)) + sum(t.nbytes for t in tensors)
+
+
+# --- torch.save's data.pkl ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PickledTensor:
+    """One state-dict entry: ``name`` is a view of the whole storage ``storage_key``."""
+
+    name: str
+    storage_key: str
+    tensor: OutTensor
+
+
+@dataclass(frozen=True)
+class _Global:
+    module: str
+    name: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    func: _Global
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class _PersistentId:
+    pid: tuple[Any, ...]
+
+
+_ORDERED_DICT = _Global("collections", "OrderedDict")
+
+
+def _encode(value: Any, out: bytearray) -> None:
+    """Append the protocol-2 opcodes that build ``value`` (no memo: every value is small)."""
+    if isinstance(value, bool):
+        out += b"\x88" if value else b"\x89"  # NEWTRUE / NEWFALSE
+    elif isinstance(value, int):
+        if 0 <= value < 0x100:
+            out += b"K" + bytes([value])  # BININT1
+        elif 0 <= value < 0x10000:
+            out += b"M" + struct.pack("<H", value)  # BININT2
+        elif -(2**31) <= value < 2**31:
+            out += b"J" + struct.pack("<i", value)  # BININT
+        else:
+            data = value.to_bytes((value.bit_length() >> 3) + 1, "little", signed=True)
+            out += b"\x8a" + bytes([len(data)]) + data  # LONG1
+    elif isinstance(value, str):
+        data = value.encode("utf-8")
+        out += b"X" + struct.pack("<I", len(data)) + data  # BINUNICODE
+    elif isinstance(value, tuple):
+        if not value:
+            out += b")"  # EMPTY_TUPLE
+            return
+        if len(value) > 3:
+            out += b"("  # MARK
+        for item in value:
+            _encode(item, out)
+        out += b"t" if len(value) > 3 else b"\x85\x86\x87"[len(value) - 1 : len(value)]
+    elif isinstance(value, _Global):
+        out += f"c{value.module}\n{value.name}\n".encode("ascii")  # GLOBAL
+    elif isinstance(value, _Call):
+        _encode(value.func, out)
+        _encode(value.args, out)
+        out += b"R"  # REDUCE
+    elif isinstance(value, _PersistentId):
+        _encode(value.pid, out)
+        out += b"Q"  # BINPERSID
+    else:  # pragma: no cover - only the types above are ever passed
+        raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def _rebuild_call(entry: PickledTensor) -> _Call:
+    tensor = entry.tensor
+    numel = math.prod(tensor.shape)
+    size, stride = tuple(tensor.shape), contiguous_stride(tensor.shape)
+    hooks = _Call(_ORDERED_DICT, ())
+    storage_class = STORAGE_CLASSES.get(tensor.dtype)
+    if storage_class is not None:
+        pid = ("storage", _Global("torch", storage_class), entry.storage_key, "cpu", numel)
+        args: tuple[Any, ...] = (_PersistentId(pid), 0, size, stride, False, hooks)
+        return _Call(_Global("torch._utils", "_rebuild_tensor_v2"), args)
+    if tensor.dtype.startswith(("q", "bits")):  # torch rebuilds these differently
+        raise InputError(f"{tensor.name}: cannot write {tensor.dtype} tensors to a .pth")
+    nbytes = numel * ITEMSIZE[tensor.dtype]
+    storage = _Global("torch.storage", "UntypedStorage")
+    pid = ("storage", storage, entry.storage_key, "cpu", nbytes)
+    args = (_PersistentId(pid), 0, size, stride, False, hooks, _Global("torch", tensor.dtype))
+    return _Call(_Global("torch._utils", "_rebuild_tensor_v3"), args)
+
+
+def state_dict_pickle(entries: Sequence[PickledTensor]) -> bytes:
+    """``data.pkl`` of ``torch.save(OrderedDict(entries))``: the same opcodes, minus the memo.
+
+    Entries that name the same ``storage_key`` share one storage when loaded (tied weights).
+    """
+    out = bytearray(b"\x80\x02")  # PROTO 2
+    _encode(_Call(_ORDERED_DICT, ()), out)
+    if entries:
+        out += b"("  # MARK
+        for entry in entries:
+            _encode(entry.name, out)
+            _encode(_rebuild_call(entry), out)
+        out += b"u"  # SETITEMS
+    out += b"."  # STOP
+    return bytes(out)
+
+
+def write_pth(
+    handle: BinaryIO,
+    entries: Sequence[PickledTensor],
+    storages: Iterable[tuple[str, bytes | bytearray | memoryview]],
+) -> None:
+    """Write a torch.save zip: ``data.pkl`` for ``entries``, then each storage as it arrives.
+
+    ``storages`` yields ``(key, bytes)`` one at a time (a generator), in the order the file
+    should hold them; only one is alive at once.
+    """
+    _write_archive(handle, state_dict_pickle(entries), storages)
+
+
+# --- any object tree (DeepSpeed's universal checkpoint files) --------------------------------
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor inside an object written by :func:`write_torch_object`: the whole of storage
+    ``storage_key``, contiguous."""
+
+    storage_key: str
+    tensor: OutTensor
+
+
+def object_pickle(value: Any) -> bytes:
+    """``data.pkl`` of ``torch.save(value)`` for a tree of plain values (None, bool, int,
+    float, str, tuple, list, dict), :class:`StoredTensor` s and objects read as
+    :class:`~ckpttool.model.records.OpaqueObject` (rebuilt by class name: ``cls(*args)``, or
+    ``cls.__new__(cls, *args)`` then its state). The class is named, never imported here."""
+    out = bytearray(b"\x80\x02")
+    _encode_object(value, out, 0)
+    return bytes(out + b".")
+
+
+def _encode_object(value: Any, out: bytearray, depth: int) -> None:
+    from ckpttool.model.records import OpaqueObject
+
+    if depth > 64:
+        raise InputError("the object nests too deeply to write")
+    if value is None:
+        out += b"N"
+    elif isinstance(value, float):
+        out += b"G" + struct.pack(">d", value)  # BINFLOAT
+    elif isinstance(value, (bool, int, str)):
+        _encode(value, out)
+    elif isinstance(value, tuple):
+        out += b"("
+        for item in value:
+            _encode_object(item, out, depth + 1)
+        out += b"t"  # TUPLE
+    elif isinstance(value, list):
+        out += b"]("
+        for item in value:
+            _encode_object(item, out, depth + 1)
+        out += b"e"  # APPENDS
+    elif isinstance(value, dict):
+        out += b"}("
+        for key, item in value.items():
+            _encode_object(key, out, depth + 1)
+            _encode_object(item, out, depth + 1)
+        out += b"u"  # SETITEMS
+    elif isinstance(value, StoredTensor):
+        _encode(_rebuild_call(PickledTensor("", value.storage_key, value.tensor)), out)
+    elif isinstance(value, OpaqueObject):
+        module, _, name = value.cls.rpartition(".")
+        if not module or "\n" in value.cls:
+            raise InputError(f"cannot write an object of class {value.cls!r}")
+        _encode(_Global(module, name), out)
+        _encode_object(tuple(value.args or ()), out, depth + 1)
+        if value.state is None and not value.dictitems and not value.listitems:
+            out += b"R"  # REDUCE: cls(*args), as an Enum member is pickled
+            return
+        out += b"\x81"  # NEWOBJ: cls.__new__(cls, *args)
+        if value.listitems:
+            out += b"("
+            for item in value.listitems:
+                _encode_object(item, out, depth + 1)
+            out += b"e"
+        if value.dictitems:
+            out += b"("
+            for key, item in value.dictitems.items():
+                _encode_object(key, out, depth + 1)
+                _encode_object(item, out, depth + 1)
+            out += b"u"
+        if value.state is not None:
+            _encode_object(value.state, out, depth + 1)
+            out += b"b"  # BUILD
+    else:
+        raise InputError(f"cannot write a {type(value).__name__} into a torch.save file")
+
+
+def write_torch_object(
+    handle: BinaryIO, value: Any, storages: Iterable[tuple[str, bytes | bytearray | memoryview]]
+) -> None:
+    """Write a torch.save zip of ``value`` (see :func:`object_pickle`); its storages' bytes
+    arrive one at a time from ``storages``."""
+    _write_archive(handle, object_pickle(value), storages)
+
+
+def _write_archive(
+    handle: BinaryIO,
+    data_pkl: bytes,
+    storages: Iterable[tuple[str, bytes | bytearray | memoryview]],
+) -> None:
+    """The records of a torch.save zip, in torch's order, around ``data.pkl``."""
+    name = f"{PTH_PREFIX}/"
+    with TorchZipWriter(handle) as writer:
+        writer.write(name + "data.pkl", data_pkl)
+        writer.write(name + ".format_version", b"1")
+        writer.write(name + ".storage_alignment", b"64")
+        writer.write(name + "byteorder", b"little")
+        for key, data in storages:
+            writer.write(f"{name}data/{key}", data)
+        writer.write(name + "version", b"3\n")
