@@ -1,14 +1,29 @@
-"""What every format reader returns to :mod:`ckpttool.checkpoint`."""
+"""What every format reader returns (:class:`Parsed`), and what every command reads: an opened :class:`Checkpoint`."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckpttool.model.records import StorageRecord
+from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
+from ckpttool.io.source import read_range, shown_name, source_of
+from ckpttool.model.records import (
+    ELEMENTS_PER_BYTE,
+    ITEMSIZE,
+    StorageRecord,
+    TensorRecord,
+    get_path,
+    tensors,
+)
 from ckpttool.pickle.interpreter import PickleResult
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ckpttool.io.read_batch import InOrder
 
 #: The file a torch.distributed.checkpoint directory is recognised by (written last by DCP).
 DCP_METADATA = ".metadata"
@@ -43,20 +58,219 @@ def no_span(storage: StorageRecord) -> tuple[int, int]:
     raise ValueError(f"storage {storage.key!r} has no bytes in this file")
 
 
-def read_at(fd: int, length: int, offset: int) -> bytearray:
-    """``length`` bytes at ``offset``, fewer only at the end of the file.
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: its object tree, format facts, and access to tensor bytes."""
 
-    One ``pread`` moves at most 2 GiB on Linux (a bf16 embedding of a large model is more), so
-    this loops until the bytes are there or the file ends.
-    """
-    data = bytearray(length)
-    view = memoryview(data)
-    done = 0
-    while done < length:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            break
-        done += got
-    view.release()
-    del data[done:]
-    return data
+    name: str  # the path it was opened from, as text (``path`` is the same as a Path)
+    format: str
+    root: Any
+    file_size: int
+    details: dict[str, Any]
+    metadata: dict[str, str]
+    problems: list[str]
+    pickle: PickleResult | None
+    _parsed: Parsed = field(repr=False)
+    _handle: BinaryIO | None = field(repr=False)  # None for a directory of several files
+    _all_tensors: list[TensorRecord] | None = field(default=None, repr=False)
+    _spans: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    _expected: InOrder | None = field(default=None, repr=False)  # see expect_reads
+
+    @property
+    def path(self) -> Path:
+        from pathlib import Path  # not at import: listing a file never needs pathlib
+
+        return Path(self.name)
+
+    def tensors(self, section: str | None = None) -> list[TensorRecord]:
+        """Every tensor with its dotted key, in file order (``section`` limits to a subtree)."""
+        if section:
+            return tensors(self.section(section), section)
+        if self._all_tensors is None:
+            self._all_tensors = tensors(self.root)
+        return list(self._all_tensors)
+
+    def section(self, name: str) -> Any:
+        try:
+            return get_path(self.root, name)
+        except KeyError:
+            raise InputError(f"{self.name}: no section {name!r} in this checkpoint") from None
+
+    def storage_span(self, storage: StorageRecord) -> tuple[int, int]:
+        """(absolute file offset, byte length) of a storage's bytes."""
+        known = self._spans.get(storage.key)
+        if known is not None:
+            return known
+        return self._parsed.span(storage)
+
+    def resolve_spans(self, storages: list[StorageRecord]) -> None:
+        """A hint: these storages will be read. A remote file locates them all at once (each
+        needs its zip local header: small reads, made concurrently); a local file ignores it."""
+        spread = getattr(self._handle, "map_concurrently", None)
+        if spread is None or self._parsed.read is not None or self.format != "torch-zip":
+            return
+        wanted = list({s.key: s for s in storages if s.key not in self._spans}.values())
+
+        def locate(storage: StorageRecord) -> tuple[int, int] | None:
+            try:
+                return self._parsed.span(storage)
+            except CkptError:
+                return None  # reported when the tensor is read
+
+        for storage, span in zip(wanted, spread(locate, wanted)):
+            if span is not None:
+                self._spans[storage.key] = span
+
+    def read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
+        """The bytes covering ``record``'s elements and the element offset of its first one.
+
+        Only the range from the tensor's first to its last element is read. Errors name the
+        file.
+        """
+        expected = self._expected
+        if expected is not None:
+            self._expected = None  # the block reads below call read_bytes themselves
+            try:
+                found = expected.take(record)
+            finally:
+                self._expected = expected
+            if found is not None:
+                return found
+        try:
+            return self._read_bytes(record)
+        except CkptError as error:
+            raise name_file(error, shown_name(self.name)) from None
+
+    @contextmanager
+    def expect_reads(self, records: list[TensorRecord]) -> Iterator[None]:
+        """A hint: :meth:`read_bytes` will be asked for ``records`` in this order (others may
+        come between): runs of small adjacent ones are then read in blocks
+        (:mod:`ckpttool.io.read_batch`). What each read gives, or raises, is the same."""
+        from ckpttool.io.read_batch import InOrder
+
+        previous, self._expected = self._expected, InOrder(self, records)
+        try:
+            yield
+        finally:
+            self._expected = previous
+
+    def _read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
+        if record.inline_data is not None:
+            return record.inline_data, record.storage_offset
+        if record.storage is None:
+            if record.dtensor is not None:
+                raise InputError(
+                    f"{record.key}: a DTensor shard ({record.dtensor.describe()}): this file "
+                    "holds one rank's piece, not the tensor's values"
+                )
+            raise InputError(f"{record.key}: a meta tensor has no values")
+        itemsize = record.itemsize
+        first = record.storage_offset * itemsize // ELEMENTS_PER_BYTE.get(record.dtype, 1)
+        stop = record.stored_extent_bytes
+        return self.read_storage(record.storage, first, stop, record.key), 0
+
+    def file_span(self, record: TensorRecord) -> tuple[int, int] | None:
+        """(absolute offset, length) of the bytes :meth:`read_bytes` reads for ``record`` when
+        they are one range of this checkpoint's one file, else None (inline bytes, a meta
+        tensor, a packed dtype, storages the format assembles, a range past its storage: those
+        are left to :meth:`read_bytes`, which reads them or raises). For reading many small
+        tensors at once (:mod:`ckpttool.io.read_batch`)."""
+        storage = record.storage
+        if (
+            storage is None
+            or record.inline_data is not None
+            or self._parsed.read is not None
+            or self._handle is None
+            or record.dtype in ELEMENTS_PER_BYTE
+        ):
+            return None
+        try:
+            offset, length = self._spans.get(storage.key) or self._parsed.span(storage)
+        except CkptError:
+            return None  # read_bytes raises it, naming the file
+        # record.storage_offset * itemsize and record.stored_extent_bytes, without the
+        # properties' calls (this runs once per tensor of a 100,000-tensor diff or convert)
+        itemsize = ITEMSIZE.get(record.dtype, 1)
+        first = last = record.storage_offset
+        for size, step in zip(record.shape, record.stride):
+            if size == 0:
+                return (offset + first * itemsize, 0) if first * itemsize <= length else None
+            last += (size - 1) * step
+        first *= itemsize
+        stop = (last + 1) * itemsize
+        if stop > length or first > stop:
+            return None
+        return offset + first, stop - first
+
+    def read_file(self, offset: int, length: int) -> bytearray:
+        """``length`` bytes at ``offset`` of this checkpoint's one file (fewer only at its end):
+        the raw read under :meth:`file_span`."""
+        assert self._handle is not None
+        return read_range(source_of(self._handle), length, offset)
+
+    def prefetch(self, record: TensorRecord) -> None:
+        """A hint: ``record``'s bytes will be read next. A remote file starts fetching them
+        (convert writes one tensor while the next arrives); a local file ignores it."""
+        ahead = getattr(self._handle, "prefetch", None)
+        if ahead is None or record.storage is None or record.inline_data is not None:
+            return
+        if self._parsed.read is not None:
+            return
+        try:
+            offset, length = self.storage_span(record.storage)
+        except CkptError:
+            return  # reported when the tensor is read
+        first = record.storage_offset * record.itemsize // ELEMENTS_PER_BYTE.get(record.dtype, 1)
+        stop = record.stored_extent_bytes
+        if stop <= length:
+            ahead(offset + first, stop - first)
+
+    def read_storage(
+        self, storage: StorageRecord, start: int, stop: int, key: str = ""
+    ) -> bytearray:
+        """Bytes ``[start, stop)`` of one of this checkpoint's storages (``key`` names what they
+        are for in errors). The one place storage bytes are read: from one span of the file, or
+        assembled by the format (DCP's chunks, a directory's member files)."""
+        what = key or repr(storage.key)
+        if self._parsed.read is not None:  # not one span of one file
+            if stop > storage.nbytes:
+                raise CorruptCheckpointError(f"{what}: extends past its storage's bytes")
+            return self._parsed.read(storage, start, stop)
+        offset, length = self.storage_span(storage)
+        if stop > length:
+            raise CorruptCheckpointError(f"{what}: extends past its storage's bytes")
+        assert self._handle is not None  # a directory's storages are read through _parsed.read
+        data = read_range(source_of(self._handle), stop - start, offset + start)
+        if len(data) != stop - start:
+            raise CorruptCheckpointError(f"{what}: file ends inside its data (truncated)")
+        return data
+
+    @property
+    def index(self) -> Any:
+        """The format's own index of the checkpoint, as parsed on open (DCP: its
+        :class:`~ckpttool.formats.dcp.metadata.DcpMetadata`); None for other formats."""
+        return self._parsed.index
+
+    def check_unchanged(self) -> None:
+        """Raise if a remote source is no longer the object that was opened (a store whose
+        ranged reads cannot carry that check on each request is asked once more here)."""
+        if self._parsed.unchanged is not None:  # its member files check themselves
+            self._parsed.unchanged()
+        check = getattr(self._handle, "check_unchanged", None)
+        if check is not None:
+            try:
+                check()
+            except CkptError as error:
+                raise name_file(error, shown_name(self.name)) from None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        if self._parsed.close is not None:
+            self._parsed.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

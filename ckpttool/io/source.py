@@ -81,8 +81,6 @@ def source_size(handle: Any) -> int:
 def read_range(source: int | RangeReader, length: int, offset: int) -> bytearray:
     """``length`` bytes at ``offset`` of a descriptor or remote object, fewer only at its end."""
     if isinstance(source, int):
-        from ckpttool.formats.base import read_at
-
         return read_at(source, length, offset)
     return source.read_range(offset, length)
 
@@ -201,3 +199,31 @@ def read_head(path: str, limit: int) -> bytes:
             return bytes(handle.read_range(0, limit))
     with open(path, "rb") as handle:
         return handle.read(limit)
+
+
+def shown_name(name: str) -> str:
+    """How errors name ``name``: a URL without credentials or a presigned query."""
+    if is_url(name):
+        from ckpttool.io.remote import display_url
+
+        return display_url(name)
+    return name
+
+
+def read_at(fd: int, length: int, offset: int) -> bytearray:
+    """``length`` bytes at ``offset``, fewer only at the end of the file.
+
+    One ``pread`` moves at most 2 GiB on Linux (a bf16 embedding of a large model is more), so
+    this loops until the bytes are there or the file ends.
+    """
+    data = bytearray(length)
+    view = memoryview(data)
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    view.release()
+    del data[done:]
+    return data
