@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO, TypeAlias
 
-from ckpttool.render.text import human_size
+from ckpttool.model.text import human_size
 
 #: What library functions take as ``progress``: called with the bytes each step has just read
 #: or written. ``Progress.advance`` is one; the library never draws anything itself.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.render.text import human_count, short
+from ckpttool.model.text import human_count, short
 
 
 def deepspeed_lines(details: dict[str, Any]) -> list[str]:
