@@ -1,3 +1,5 @@
+"""``python -m ckpttool``: the command line."""
+
 from ckpttool.cli import main
 
 main()

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import pytest
 
-from tools import cli_reference
+from tools import cli_reference, module_map
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -24,6 +24,30 @@ def test_cli_md_is_current() -> None:
         f"docs/cli.md is out of date with the commands' --help: run `{cli_reference.REGENERATE}` "
         "from the repository root and commit docs/cli.md"
     )
+
+
+def test_module_map_is_current() -> None:
+    """docs/development.md's map is what tools/module_map.py writes from the docstrings, floor by
+    floor in the order of the layers contract."""
+    page = module_map.PAGE.read_text()
+    assert module_map.rewritten(page) == page, (
+        "docs/development.md's module map is out of date: run `python -m tools.module_map` "
+        "from the repository root and commit docs/development.md"
+    )
+
+
+def test_module_map_follows_the_layers_contract() -> None:
+    """Every top-level module and package of ckpttool is on a floor of the contract (or is the
+    package's own ``__init__``/``__main__``), and the map lists them in the contract's order."""
+    floors = module_map.floors()
+    tops = {
+        p.stem for p in module_map.PACKAGE.iterdir()
+        if (p.suffix == ".py" or (p / "__init__.py").is_file()) and p.name != "__pycache__"
+    }  # fmt: skip
+    assert tops - set(floors) == {"__init__", "__main__"}
+    lines = module_map.module_map().splitlines()
+    rows = [next(i for i, line in enumerate(lines) if line.startswith(f"  {floor}")) for floor in floors]
+    assert rows == sorted(rows)
 
 
 def test_every_command_has_a_page_linked_from_readme_and_the_docs_index() -> None:

@@ -1,0 +1,1 @@
+"""Bytes: where they come from (a local file or a URL), how they are written durably, progress."""

@@ -1,0 +1,1 @@
+"""``diff``: two checkpoints compared: which tensors pair up, their sections, their values."""

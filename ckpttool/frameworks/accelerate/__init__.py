@@ -1,0 +1,1 @@
+"""accelerate's ``Accelerator.save_state`` folders."""

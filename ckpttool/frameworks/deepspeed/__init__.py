@@ -1,0 +1,1 @@
+"""DeepSpeed ZeRO: its files and checks, the fp32 master weights, the universal checkpoint, its lines in show."""

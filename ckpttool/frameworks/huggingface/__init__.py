@@ -1,0 +1,1 @@
+"""Hugging Face transformers: model directories, Trainer checkpoints, and convert's model-directory output."""
