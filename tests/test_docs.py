@@ -46,7 +46,9 @@ def test_module_map_follows_the_layers_contract() -> None:
     }  # fmt: skip
     assert tops - set(floors) == {"__init__", "__main__"}
     lines = module_map.module_map().splitlines()
-    rows = [next(i for i, line in enumerate(lines) if line.startswith(f"  {floor}")) for floor in floors]
+    rows = [
+        next(i for i, line in enumerate(lines) if line.startswith(f"  {floor}")) for floor in floors
+    ]
     assert rows == sorted(rows)
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,12 +30,17 @@ NAME_COLUMN = 26
 
 def floors() -> list[str]:
     """The top-level modules and packages in the layers contract's order, top floor first."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    for contract in config["tool"]["importlinter"]["contracts"]:
-        if contract["type"] == "layers":
-            names = [part.strip() for layer in contract["layers"] for part in layer.split("|")]
-            return [name.removeprefix("ckpttool.") for name in names]
-    raise SystemExit("pyproject.toml: no layers contract under [tool.importlinter]")
+    # read with a pattern, not tomllib: the package supports Python 3.10, which has none
+    found = re.search(
+        r'^type = "layers"\nlayers = \[\n(.*?)^\]',
+        (ROOT / "pyproject.toml").read_text(),
+        re.M | re.S,
+    )
+    if found is None:
+        raise SystemExit("pyproject.toml: no layers contract under [tool.importlinter]")
+    layers = re.findall(r'"([^"]+)"', found.group(1))
+    names = [part.strip() for layer in layers for part in layer.split("|")]
+    return [name.removeprefix("ckpttool.") for name in names]
 
 
 def summary(path: Path) -> str:
@@ -115,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     new = rewritten(page)
     if args.check:
         if new != page:
-            print("docs/development.md: the module map is out of date; run python -m tools.module_map")
+            print(
+                "docs/development.md: the module map is out of date; run python -m tools.module_map"
+            )
             return 1
         return 0
     PAGE.write_text(new)
