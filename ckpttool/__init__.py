@@ -26,11 +26,24 @@ _LAZY = {
     "Checkpoint": "ckpttool.checkpoint",
     "TensorRecord": "ckpttool.model.records",
     "rescale_step": "ckpttool.commands.rescale.run",
+    "rescale_fields": "ckpttool.commands.rescale.run",
+    # the commands as library functions (docs/: each command's page, "From Python")
+    "show": "ckpttool.commands.show",
+    "diff": "ckpttool.commands.diff.run",
+    "convert": "ckpttool.commands.convert.run",
+    "ConvertReport": "ckpttool.commands.convert.run",
+    "verify": "ckpttool.commands.verify",
+    "scan": "ckpttool.commands.scan",
 }
 
 if TYPE_CHECKING:
     from ckpttool.checkpoint import Checkpoint, open_checkpoint
-    from ckpttool.commands.rescale.run import rescale_step
+    from ckpttool.commands.convert.run import ConvertReport, convert
+    from ckpttool.commands.diff.run import diff
+    from ckpttool.commands.rescale.run import rescale_fields, rescale_step
+    from ckpttool.commands.scan import scan
+    from ckpttool.commands.show import show
+    from ckpttool.commands.verify import verify
     from ckpttool.io.atomic import atomic_write
     from ckpttool.model.records import TensorRecord
     from ckpttool.train import (
@@ -61,16 +74,23 @@ def __dir__() -> list[str]:
 __all__ = [
     "Checkpoint",
     "CkptError",
+    "ConvertReport",
     "SkipBatchSampler",
     "TensorRecord",
     "__version__",
     "atomic_write",
     "capture_rng_state",
     "checkpoint_paths",
+    "convert",
+    "diff",
     "load_checkpoint",
     "open_checkpoint",
+    "rescale_fields",
     "rescale_step",
     "restore_rng_state",
     "resume_training",
     "save_checkpoint",
+    "scan",
+    "show",
+    "verify",
 ]
