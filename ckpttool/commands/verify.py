@@ -202,7 +202,8 @@ def _checkpoints_under(directory: Path) -> list[Path]:
     framework directory is one input, not its files); hidden files are left out (an
     interrupted save's temp files are reported beside the checkpoint they were meant for)."""
     from ckpttool.formats.base import is_dcp_directory
-    from ckpttool.frameworks.base import COLLECTION, detect_directory
+    from ckpttool.frameworks.base import COLLECTION
+    from ckpttool.frameworks.registry import detect_directory
 
     found = []
     for root, subdirectories, names in os.walk(directory):

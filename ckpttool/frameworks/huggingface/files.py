@@ -12,16 +12,14 @@ holds, so a save that died part-way makes the resume crash: a folder without
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
-from ckpttool.errors import CorruptCheckpointError, InputError
+from ckpttool.errors import CorruptCheckpointError
 from ckpttool.frameworks.base import (
     COLLECTION,
     CONFIG,
     INDEX,
-    MAX_JSON_BYTES,
     OPTIMIZER,
     OTHER,
     RNG,
@@ -34,8 +32,9 @@ from ckpttool.frameworks.base import (
     Member,
     inside,
     list_files,
+    read_json,
 )
-from ckpttool.io.source import is_dir, is_file, is_url, join, read_small
+from ckpttool.io.source import is_dir, is_file, is_url, join
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -64,20 +63,6 @@ TRAINER_FILES = (TRAINER_STATE_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_AR
 HF_MODEL = "hf_model"
 HF_TRAINER = "hf_trainer"
 HF_TRAINER_OUTPUT = COLLECTION
-
-
-def read_json(path: str) -> object:
-    """A small JSON file, bounded in size; a broken one is a corrupt checkpoint."""
-    try:
-        data = read_small(path, MAX_JSON_BYTES)
-    except ValueError as error:  # over the limit
-        raise CorruptCheckpointError(f"{path}: {error}") from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror})") from None
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as error:
-        raise CorruptCheckpointError(f"{path}: not valid JSON ({error})") from None
 
 
 def weight_map(index: object, path: str) -> dict[str, str]:
