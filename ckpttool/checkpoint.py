@@ -44,10 +44,10 @@ from ckpttool.model.records import (
 )
 
 if TYPE_CHECKING:
-    from ckpttool.frameworks.base import DirectoryLayout
+    from ckpttool.frameworks.base import FrameworkDirectory
 
 #: What the frameworks answered for one path during one open (framework name -> layout).
-Known = dict[str, "DirectoryLayout | None"]
+Known = dict[str, "FrameworkDirectory | None"]
 
 
 def open_checkpoint(
@@ -181,7 +181,7 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
             "model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed save or tag "
             f"directory, a DCP directory); {_files_seen(name)}"
         )
-    if layout.layout == COLLECTION:
+    if layout.kind == COLLECTION:
         raise CheckpointCollectionError(layout, describe_collection(layout))
     parsed, size = read_directory(
         layout, framework, strict=strict, refuse_dangerous=refuse_dangerous

@@ -211,7 +211,7 @@ def _checkpoints_under(directory: Path) -> list[Path]:
         if here != directory:
             try:
                 layout = detect_directory(str(here))  # a Trainer output_dir: its checkpoints
-                known = layout is not None and layout.layout != COLLECTION
+                known = layout is not None and layout.kind != COLLECTION
             except CkptError:  # a framework's layout, damaged: verify says what is wrong
                 known = True
             if known or is_dcp_directory(here):

@@ -10,7 +10,7 @@ The order of calls (like ``torch.distributed.checkpoint``'s planner, documented 
 
 1. :meth:`Framework.detect` ``(path)``: the door (:func:`ckpttool.checkpoint.open_checkpoint`)
    asks each framework in registry order; the first that knows the directory returns a
-   :class:`DirectoryLayout`: its members with their roles and where their content goes in the
+   :class:`FrameworkDirectory`: its members with their roles and where their content goes in the
    merged tree, the files it would have written that are not there (completeness), the
    problems between them, and what the directory is called.
 2. :meth:`Framework.open_view` ``(layout, view)``: when a command asks for a view by name
@@ -78,10 +78,11 @@ class Member:
 
 
 @dataclass
-class DirectoryLayout:
-    """What a framework says a directory holds."""
+class FrameworkDirectory:
+    """What a framework says a directory holds (its ``kind`` is what outputs call the
+    checkpoint's ``layout``)."""
 
-    layout: str  # "hf_model", "hf_trainer", "hf_trainer_output", "accelerate"
+    kind: str  # "hf_model", "hf_trainer", "hf_trainer_output", "accelerate", "deepspeed"
     title: str  # "Hugging Face Trainer checkpoint"
     directory: str
     members: list[Member]
@@ -135,7 +136,7 @@ def inside(directory: str, name: str) -> str:
 
 def describe_collection(layout: object) -> str:
     """One line for a directory of several checkpoints: each with its step and completeness."""
-    assert isinstance(layout, DirectoryLayout)
+    assert isinstance(layout, FrameworkDirectory)
     listed = layout.details.get("checkpoints", [])
     assert isinstance(listed, list)
     parts = [
@@ -235,7 +236,7 @@ class Framework:
 
     #: The framework's name ("deepspeed").
     name: str = ""
-    #: ``DirectoryLayout.layout`` values :meth:`detect` returns (how a command finds the
+    #: ``FrameworkDirectory.kind`` values :meth:`detect` returns (how a command finds the
     #: framework of an open checkpoint from ``details["layout"]``).
     layouts: tuple[str, ...] = ()
     #: Views :meth:`open_view` offers besides the default (the merged tree).
@@ -244,13 +245,13 @@ class Framework:
     #: before the detection order (a DeepSpeed save inside a Trainer ``checkpoint-N/``).
     rescales_itself: bool = False
 
-    def detect(self, path: str) -> DirectoryLayout | None:
+    def detect(self, path: str) -> FrameworkDirectory | None:
         """1. The layout of ``path`` (a directory, or an ``*.index.json`` file) when this
         framework wrote it, with members, missing files and problems; None otherwise. Reads
         names, sizes and small JSON files only."""
         raise NotImplementedError
 
-    def open_view(self, layout: DirectoryLayout, view: str) -> Checkpoint | None:
+    def open_view(self, layout: FrameworkDirectory, view: str) -> Checkpoint | None:
         """2. ``view`` (one of :attr:`views`) of the directory ``layout`` describes, as a
         Checkpoint whose ``details["view"]`` holds its :class:`ViewFacts`; None when this
         directory has no such view (DeepSpeed ZeRO-0: nothing partitioned), and the door opens
@@ -259,7 +260,7 @@ class Framework:
 
     def check_tree(
         self,
-        layout: DirectoryLayout,
+        layout: FrameworkDirectory,
         root: dict[str, Any],
         details: dict[str, Any],
         shard_of: dict[str, str],
@@ -278,20 +279,25 @@ class Framework:
         the framework knows the real parameters better than the stored tensors; [] otherwise."""
         return []
 
+    def num_parameters(self, details: dict[str, Any]) -> int | None:
+        """4. The model's real parameter count when the framework knows it better than the
+        stored tensors tell (ZeRO-3 stores placeholders and flat partitions); None otherwise."""
+        return None
+
     def model_directory(self, details: dict[str, Any]) -> ModelDirectoryOutput | None:
         """4. How ``convert`` writes this checkpoint as the framework's model directory (None:
         it writes none)."""
         return None
 
     def rescale_plan(
-        self, path: Path, layout: DirectoryLayout, request: RescaleRequest
+        self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
     ) -> DirectoryPlan | None:
         """4. What ``rescale-step`` does to each file of the directory, without writing (the
         command writes the directory all-or-nothing); None: this layout is not rescaled."""
         return None
 
     def rescale(
-        self, path: Path, layout: DirectoryLayout, request: RescaleRequest
+        self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
     ) -> DirectoryRescaleReport:
         """4. For :attr:`rescales_itself`: rescale and write the directory."""
         raise NotImplementedError

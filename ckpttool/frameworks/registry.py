@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ckpttool.formats.base import Parsed
-    from ckpttool.frameworks.base import DirectoryLayout, Framework
+    from ckpttool.frameworks.base import Framework, FrameworkDirectory
 
 #: (import string, the layouts it detects), in detection order.
 FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -55,8 +55,8 @@ def framework_of(layout: object) -> Framework | None:
 
 
 def detect_directory(
-    path: str, known: dict[str, DirectoryLayout | None] | None = None
-) -> DirectoryLayout | None:
+    path: str, known: dict[str, FrameworkDirectory | None] | None = None
+) -> FrameworkDirectory | None:
     """The layout of ``path`` (a directory, or an ``*.index.json`` file) by the first framework
     that knows it, or None. ``known`` holds what frameworks already answered for ``path`` (by
     name), so that one open asks each framework once."""
@@ -68,8 +68,8 @@ def detect_directory(
 
 
 def detect_once(
-    framework: Framework, path: str, known: dict[str, DirectoryLayout | None] | None
-) -> DirectoryLayout | None:
+    framework: Framework, path: str, known: dict[str, FrameworkDirectory | None] | None
+) -> FrameworkDirectory | None:
     """``framework.detect(path)``, remembered in ``known``."""
     if known is None:
         return framework.detect(path)
@@ -79,7 +79,7 @@ def detect_once(
 
 
 def read_directory(
-    layout: DirectoryLayout, framework: Framework, *, strict: bool, refuse_dangerous: bool
+    layout: FrameworkDirectory, framework: Framework, *, strict: bool, refuse_dangerous: bool
 ) -> tuple[Parsed, int]:
     """The directory ``framework`` detected as ``layout``, its members read and merged into
     one tree (:mod:`ckpttool.frameworks.tree`), and its size on disk."""

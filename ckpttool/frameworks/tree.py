@@ -26,7 +26,7 @@ from ckpttool.errors import (
     name_file,
 )
 from ckpttool.formats.base import Parsed, no_span
-from ckpttool.frameworks.base import DirectoryLayout, Framework, Member, inside, open_member
+from ckpttool.frameworks.base import Framework, FrameworkDirectory, Member, inside, open_member
 from ckpttool.model.records import OpaqueObject, StorageRecord, TensorRecord
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class MemberStorageRecord(StorageRecord):
 
 
 def read_directory(
-    layout: DirectoryLayout, framework: Framework, *, strict: bool, refuse_dangerous: bool
+    layout: FrameworkDirectory, framework: Framework, *, strict: bool, refuse_dangerous: bool
 ) -> Parsed:
     """Open every member of ``layout`` (which ``framework`` detected) and merge their trees
     (see the module docstring)."""
@@ -115,10 +115,10 @@ def read_directory(
     )
 
 
-def layout_details(layout: DirectoryLayout) -> dict[str, Any]:
+def layout_details(layout: FrameworkDirectory) -> dict[str, Any]:
     """What ``show`` prints about the directory: layout, files with roles and sizes, gaps."""
     return {
-        "layout": layout.layout,
+        "layout": layout.kind,
         "layout_title": layout.title,
         "directory": layout.directory,
         "members": [
@@ -146,7 +146,7 @@ def _recorded_counters(root: dict[str, Any]) -> dict[str, Any]:
     return counters
 
 
-def directory_size(layout: DirectoryLayout) -> int:
+def directory_size(layout: FrameworkDirectory) -> int:
     return sum(member.size for member in layout.members)
 
 

@@ -409,7 +409,7 @@ def collection_json(layout: Any) -> dict[str, Any]:
     return {
         "file": layout.directory,
         "format": "directory",
-        "layout": layout.layout,
+        "layout": layout.kind,
         "layout_title": layout.title,
         "checkpoints": plain(layout.details.get("checkpoints", [])),
     }

@@ -44,7 +44,7 @@ from ckpttool.checkpoint import open_checkpoint
 from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError, name_file
 from ckpttool.formats.base import is_dcp_directory
 from ckpttool.formats.torch_zip.rewrite import FieldRewrite, verify_rewrite
-from ckpttool.frameworks.base import COLLECTION, DirectoryLayout, Framework
+from ckpttool.frameworks.base import COLLECTION, Framework, FrameworkDirectory
 from ckpttool.frameworks.registry import detect_once, frameworks
 from ckpttool.io.atomic import fsync_dir, staged_directory
 from ckpttool.model.rescaling import (
@@ -106,7 +106,7 @@ def rescale_directory(
 
 
 def _rescale_directory(path: Path, request: RescaleRequest) -> DirectoryRescaleReport:
-    known: dict[str, DirectoryLayout | None] = {}
+    known: dict[str, FrameworkDirectory | None] = {}
     for framework in frameworks():
         if framework.rescales_itself:
             found = detect_once(framework, str(path), known)
@@ -164,7 +164,7 @@ def plan_directory(
 
 
 def _plan(
-    path: Path, request: RescaleRequest, known: dict[str, DirectoryLayout | None]
+    path: Path, request: RescaleRequest, known: dict[str, FrameworkDirectory | None]
 ) -> DirectoryPlan:
     if is_dcp_directory(path):
         raise LayoutError(
@@ -172,10 +172,10 @@ def _plan(
             "checkpoint file or a Trainer/accelerate folder (DCP keeps step inside one rank's "
             "data file), so it is not supported"
         )
-    found: tuple[Framework, DirectoryLayout] | None = None
+    found: tuple[Framework, FrameworkDirectory] | None = None
     for framework in frameworks():
         layout = detect_once(framework, str(path), known)
-        if layout is not None and layout.layout != COLLECTION:
+        if layout is not None and layout.kind != COLLECTION:
             found = (framework, layout)
             break
     if found is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpttool.frameworks.accelerate import files
-from ckpttool.frameworks.base import DirectoryLayout, Framework
+from ckpttool.frameworks.base import Framework, FrameworkDirectory
 
 if TYPE_CHECKING:
     from ckpttool.model.rescaling import DirectoryPlan, RescaleRequest
@@ -17,11 +17,11 @@ class Accelerate(Framework):
     name = "accelerate"
     layouts = (files.ACCELERATE,)
 
-    def detect(self, path: str) -> DirectoryLayout | None:
+    def detect(self, path: str) -> FrameworkDirectory | None:
         return files.detect(path)
 
     def rescale_plan(
-        self, path: Path, layout: DirectoryLayout, request: RescaleRequest
+        self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
     ) -> DirectoryPlan | None:
         from ckpttool.frameworks.accelerate.rescale import plan_accelerate
 

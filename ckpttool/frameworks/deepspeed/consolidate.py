@@ -72,7 +72,7 @@ def find_tag(path: str | os.PathLike[str], found: object = None) -> ZeroTag:
     ``latest``, or a tag directory), found by :func:`ckpttool.frameworks.deepspeed.files.zero_files`.
     Raises :class:`NotZeroError` when ``path`` is not DeepSpeed's or holds no ZeRO partitions,
     :class:`~ckpttool.errors.InputError` when the tag is incomplete (naming what is missing).
-    ``found``: what detection found (``DirectoryLayout.found``): the directory is DeepSpeed's,
+    ``found``: what detection found (``FrameworkDirectory.found``): the directory is DeepSpeed's,
     and is not listed again."""
     from ckpttool.frameworks.deepspeed.files import zero_files
 

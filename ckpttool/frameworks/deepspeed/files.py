@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError
-from ckpttool.frameworks.base import OTHER, DirectoryLayout, Member, list_files
+from ckpttool.frameworks.base import OTHER, FrameworkDirectory, Member, list_files
 from ckpttool.io.source import (
     can_list,
     is_dir,
@@ -288,12 +288,12 @@ def zero_files(path: str | os.PathLike[str], found: object = None) -> ZeroFiles:
 # ------------------------------------------------------------------------------- the layout
 
 
-def detect(path: str) -> DirectoryLayout | None:
-    """A DeepSpeed save directory or tag directory as a :class:`DirectoryLayout`, or None."""
+def detect(path: str) -> FrameworkDirectory | None:
+    """A DeepSpeed save directory or tag directory as a :class:`FrameworkDirectory`, or None."""
     scan = _scan(path)
     if scan is None:
         return None
-    layout = DirectoryLayout(layout=DEEPSPEED, title=TITLE, directory=path, members=[], found=scan)
+    layout = FrameworkDirectory(kind=DEEPSPEED, title=TITLE, directory=path, members=[], found=scan)
     layout.problems += scan.problems
     layout.missing += scan.missing
     files = scan.files

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import InputError, NotZeroError
-from ckpttool.frameworks.base import WEIGHTS_VIEW, DirectoryLayout, Framework
+from ckpttool.frameworks.base import WEIGHTS_VIEW, Framework, FrameworkDirectory
 from ckpttool.frameworks.deepspeed import files
 from ckpttool.model.roles import DEEPSPEED
 
@@ -24,10 +24,10 @@ class DeepSpeed(Framework):
     views = (WEIGHTS_VIEW,)
     rescales_itself = True
 
-    def detect(self, path: str) -> DirectoryLayout | None:
+    def detect(self, path: str) -> FrameworkDirectory | None:
         return files.detect(path)
 
-    def open_view(self, layout: DirectoryLayout, view: str) -> Checkpoint | None:
+    def open_view(self, layout: FrameworkDirectory, view: str) -> Checkpoint | None:
         """The fp32 master weights, consolidated from every rank's optimizer states; None for
         ZeRO-0 (nothing is partitioned: the default view reads the weights as they are)."""
         from ckpttool.frameworks.deepspeed.consolidate import find_tag, open_zero_weights
@@ -40,7 +40,7 @@ class DeepSpeed(Framework):
 
     def check_tree(
         self,
-        layout: DirectoryLayout,
+        layout: FrameworkDirectory,
         root: dict[str, Any],
         details: dict[str, Any],
         shard_of: dict[str, str],
@@ -61,8 +61,13 @@ class DeepSpeed(Framework):
 
         return parameter_table(details)
 
+    def num_parameters(self, details: dict[str, Any]) -> int | None:
+        """From ``param_shapes``: the real parameters, not the stored placeholders."""
+        summary = details.get(DEEPSPEED)
+        return summary.get("num_parameters") if isinstance(summary, dict) else None
+
     def rescale(
-        self, path: Path, layout: DirectoryLayout, request: RescaleRequest
+        self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
     ) -> DirectoryRescaleReport:
         from ckpttool.frameworks.deepspeed.universal import rescale_zero
 

@@ -50,7 +50,7 @@ from ckpttool.errors import (
     VerificationError,
 )
 from ckpttool.formats.writers import OutTensor, StoredTensor, write_torch_object
-from ckpttool.frameworks.base import DirectoryLayout, open_member
+from ckpttool.frameworks.base import FrameworkDirectory, open_member
 from ckpttool.frameworks.deepspeed.consolidate import (
     ZeroWeights,
     find_tag,
@@ -102,7 +102,7 @@ def rescale_zero(
     overwrite: bool = False,
     dry_run: bool = False,
     batch_size: int | None = None,
-    layout: DirectoryLayout | None = None,
+    layout: FrameworkDirectory | None = None,
 ) -> DirectoryRescaleReport:
     """Write the ZeRO checkpoint at ``path`` as a universal checkpoint for ``world_size``
     processes into the new save directory ``output`` (default ``PATH.ws<N>``), built beside it

@@ -28,7 +28,7 @@ from ckpttool.frameworks.base import (
     TRAINER_STATE,
     TRAINING_ARGS,
     WEIGHTS,
-    DirectoryLayout,
+    FrameworkDirectory,
     Member,
     inside,
     list_files,
@@ -75,7 +75,7 @@ def weight_map(index: object, path: str) -> dict[str, str]:
     return mapping
 
 
-def detect(path: str) -> DirectoryLayout | None:
+def detect(path: str) -> FrameworkDirectory | None:
     """A model directory or a Trainer ``checkpoint-N/`` (or an index file inside one)."""
     index_path = path if path.endswith(".index.json") and is_file(path) else None
     directory = (os.path.dirname(path) or ".") if index_path else path
@@ -98,8 +98,8 @@ def detect(path: str) -> DirectoryLayout | None:
     members += [
         Member(name, OTHER, None, size) for name, size in files.items() if name not in known
     ]
-    result = DirectoryLayout(
-        layout=layout,
+    result = FrameworkDirectory(
+        kind=layout,
         title="Hugging Face Trainer checkpoint" if trainer else "Hugging Face model directory",
         directory=directory,
         members=members,
@@ -189,7 +189,7 @@ def _trainer_members(files: dict[str, int]) -> list[Member]:
     return members
 
 
-def _check_trainer(layout: DirectoryLayout, files: dict[str, int]) -> None:
+def _check_trainer(layout: FrameworkDirectory, files: dict[str, int]) -> None:
     """What a resumable Trainer checkpoint must hold, and the counters it records."""
     if not any(m.role == WEIGHTS for m in layout.members):
         layout.missing.append("the model weights (model.safetensors or pytorch_model.bin)")
@@ -220,7 +220,7 @@ def _check_trainer(layout: DirectoryLayout, files: dict[str, int]) -> None:
     layout.complete = not layout.missing and not layout.problems
 
 
-def detect_output_dir(path: str) -> DirectoryLayout | None:
+def detect_output_dir(path: str) -> FrameworkDirectory | None:
     """A Trainer ``output_dir`` holding ``checkpoint-N/`` folders: each listed with its step and
     whether it is complete; Trainer checkpoints under other ``checkpoint-*`` names too (e.g. a
     ``checkpoint-4.ws2``), with ``resumable`` False: rotation counts them, auto-resume never
@@ -239,7 +239,7 @@ def detect_output_dir(path: str) -> DirectoryLayout | None:
         if not rotated or not os.path.isdir(os.path.join(path, name)):
             continue
         layout = detect(os.path.join(path, name))
-        if not match and (layout is None or layout.layout != HF_TRAINER):
+        if not match and (layout is None or layout.kind != HF_TRAINER):
             continue  # another folder the glob happens to match: not listed
         complete = layout is not None and layout.complete
         missing = layout.missing if layout is not None else ["every file"]
@@ -248,8 +248,8 @@ def detect_output_dir(path: str) -> DirectoryLayout | None:
     if not checkpoints:
         return None
     checkpoints.sort()
-    result = DirectoryLayout(
-        layout=HF_TRAINER_OUTPUT,
+    result = FrameworkDirectory(
+        kind=HF_TRAINER_OUTPUT,
         title="Hugging Face Trainer output directory",
         directory=path,
         members=[],

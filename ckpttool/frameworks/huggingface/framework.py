@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.frameworks.base import DirectoryLayout, Framework, ModelDirectoryOutput
+from ckpttool.frameworks.base import Framework, FrameworkDirectory, ModelDirectoryOutput
 from ckpttool.frameworks.huggingface import files
 from ckpttool.frameworks.huggingface.files import (
     BIN_SHARD,
@@ -53,7 +53,7 @@ class HuggingFace(Framework):
     name = "huggingface"
     layouts = (HF_MODEL, HF_TRAINER, HF_TRAINER_OUTPUT)
 
-    def detect(self, path: str) -> DirectoryLayout | None:
+    def detect(self, path: str) -> FrameworkDirectory | None:
         """A model directory or Trainer checkpoint (or an index file in one), else a Trainer
         ``output_dir`` of several checkpoints."""
         layout = files.detect(path)
@@ -61,7 +61,7 @@ class HuggingFace(Framework):
 
     def check_tree(
         self,
-        layout: DirectoryLayout,
+        layout: FrameworkDirectory,
         root: dict[str, Any],
         details: dict[str, Any],
         shard_of: dict[str, str],
@@ -84,9 +84,9 @@ class HuggingFace(Framework):
         )
 
     def rescale_plan(
-        self, path: Path, layout: DirectoryLayout, request: RescaleRequest
+        self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
     ) -> DirectoryPlan | None:
-        if layout.layout != HF_TRAINER:
+        if layout.kind != HF_TRAINER:
             return None
         from ckpttool.frameworks.huggingface.rescale import plan_trainer
 
@@ -96,7 +96,7 @@ class HuggingFace(Framework):
 FRAMEWORK = HuggingFace()
 
 
-def _check_index(layout: DirectoryLayout, weights: Any, shard_of: dict[str, str]) -> list[str]:
+def _check_index(layout: FrameworkDirectory, weights: Any, shard_of: dict[str, str]) -> list[str]:
     """Every tensor the index lists is in the shard it names, and every stored one is listed."""
     assert layout.index is not None
     path = join(layout.directory, layout.index)
