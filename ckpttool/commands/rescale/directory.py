@@ -1,35 +1,18 @@
-"""``rescale-step`` for framework directories: a Trainer ``checkpoint-N/`` and an accelerate
-``save_state`` folder, rewritten all-or-nothing for a new number of processes.
+"""``rescale-step`` for framework directories, rewritten all-or-nothing for a new number of
+processes.
 
-The rules, from the frameworks' own source (transformers 5.23, accelerate 1.15), assuming the
-per-device batch size stays the same (docs/rescale-step.md explains each):
-
-* Trainer (``trainer.py``): ``global_step`` counts optimizer steps, each of which consumed
-  ``per_device_batch x gradient_accumulation x world_size`` samples. On resume
-  ``_init_training_state`` derives ``epochs_trained = global_step // num_update_steps_per_epoch``
-  and ``steps_trained_in_current_epoch = global_step % num_update_steps_per_epoch x
-  gradient_accumulation``, and ``skip_first_batches`` skips that many *per-rank* batches. So
-  ``global_step`` is rescaled like MiniMind's step: ``global_step x saved // new``. ``epoch``
-  (the fraction of the data seen) is kept, scaled by the floor's loss when inexact. The
-  scheduler (``scheduler.pt``, stepped once per optimizer step, not wrapped by accelerate's
-  ``AcceleratedScheduler``) has ``last_epoch == global_step``: ``last_epoch`` and
-  ``_step_count`` move by the same amount. RNG files: ``_load_rng_state`` reads
-  ``rng_state.pth`` on one process, else ``rng_state_{process_index}.pth``, and carries on
-  without a file (a log line). Ranks that remain keep their own file; ranks that disappear are
-  dropped; new ranks get none (a copy of another rank's would give two ranks one random stream).
-* accelerate (``checkpointing.py``, ``scheduler.py``): ``random_states_{rank}.pkl`` holds
-  ``accelerator.step``, the per-rank count of batches seen through ``accumulate`` since the
-  dataloader last ended: rescaled by ``saved // new``. ``AcceleratedScheduler.step`` steps the
-  wrapped scheduler ``num_processes`` times per optimizer step (unless ``split_batches``), so
-  ``last_epoch`` counts per-rank batches over all ranks, ``optimizer_steps x saved``: after the
-  rescale it is ``(optimizer_steps x saved // new) x new``, unchanged when exact. A rank
-  without its file loads no ``step`` (stays 0, so ranks would disagree on when gradient
-  accumulation syncs): new ranks get a copy of rank 0's file.
+The framework of the directory (:mod:`ckpttool.frameworks.registry`) plans what happens to each
+file (:meth:`~ckpttool.frameworks.base.Framework.rescale_plan`: a Trainer ``checkpoint-N/`` in
+:mod:`ckpttool.frameworks.huggingface.rescale`, an accelerate ``save_state`` folder in
+:mod:`ckpttool.frameworks.accelerate.rescale`, each with its rules from the framework's own
+source), or writes its own output (:attr:`~ckpttool.frameworks.base.Framework.rescales_itself`:
+DeepSpeed's universal checkpoint). Here the plan is carried out, naming no framework.
 
 Unchanged files are copied byte for byte; changed pickled files are spliced
 (:class:`~ckpttool.formats.torch_zip.rewrite.FieldRewrite`, never loaded or re-pickled) and read back;
-``trainer_state.json`` is rewritten with its key order. The new directory is built as a temp
-directory beside the target, fsynced, then renamed into place.
+JSON files (``trainer_state.json``) are rewritten with their key order. The new directory is
+built as a temp directory beside the target, fsynced, then renamed into place
+(:func:`ckpttool.io.atomic.staged_directory`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,18 @@
 """``rescale-step`` of an accelerate ``save_state`` folder: the per-rank ``step``, the
 schedulers' counters and the random-state files, planned file by file (the command writes the
-directory)."""
+directory).
+
+The rules, from accelerate's own source (1.15, ``checkpointing.py``, ``scheduler.py``), assuming
+the per-device batch size stays the same (docs/rescale-step.md explains each):
+``random_states_{rank}.pkl`` holds
+``accelerator.step``, the per-rank count of batches seen through ``accumulate`` since the
+dataloader last ended: rescaled by ``saved // new``. ``AcceleratedScheduler.step`` steps the
+wrapped scheduler ``num_processes`` times per optimizer step (unless ``split_batches``), so
+``last_epoch`` counts per-rank batches over all ranks, ``optimizer_steps x saved``: after the
+rescale it is ``(optimizer_steps x saved // new) x new``, unchanged when exact. A rank
+without its file loads no ``step`` (stays 0, so ranks would disagree on when gradient
+accumulation syncs): new ranks get a copy of rank 0's file.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +36,7 @@ from ckpttool.model.rescaling import (
 
 def plan_accelerate(path: Path, request: RescaleRequest) -> DirectoryPlan:
     """What ``rescale-step`` does to each file of a ``save_state`` folder (the module
-    docstring of :mod:`ckpttool.commands.rescale.directory` gives the rules)."""
+    docstring gives the rules)."""
     files = list_files(str(path))
     world_size, from_world_size, strict = (
         request.world_size,

@@ -1,6 +1,23 @@
 """``rescale-step`` of a Trainer ``checkpoint-N/``: ``global_step``, ``epoch``, the scheduler's
 counters and the per-rank RNG files, planned file by file (the command writes the directory),
-and where the output goes so that Trainer resumes from it."""
+and where the output goes so that Trainer resumes from it.
+
+The rules, from transformers' own source (5.23, ``trainer.py``), assuming the per-device batch
+size stays the same (docs/rescale-step.md explains each): ``global_step`` counts optimizer
+steps, each of which consumed
+``per_device_batch x gradient_accumulation x world_size`` samples. On resume
+``_init_training_state`` derives ``epochs_trained = global_step // num_update_steps_per_epoch``
+and ``steps_trained_in_current_epoch = global_step % num_update_steps_per_epoch x
+gradient_accumulation``, and ``skip_first_batches`` skips that many *per-rank* batches. So
+``global_step`` is rescaled like MiniMind's step: ``global_step x saved // new``. ``epoch``
+(the fraction of the data seen) is kept, scaled by the floor's loss when inexact. The
+scheduler (``scheduler.pt``, stepped once per optimizer step, not wrapped by accelerate's
+``AcceleratedScheduler``) has ``last_epoch == global_step``: ``last_epoch`` and
+``_step_count`` move by the same amount. RNG files: ``_load_rng_state`` reads
+``rng_state.pth`` on one process, else ``rng_state_{process_index}.pth``, and carries on
+without a file (a log line). Ranks that remain keep their own file; ranks that disappear are
+dropped; new ranks get none (a copy of another rank's would give two ranks one random stream).
+"""
 
 from __future__ import annotations
 
@@ -36,7 +53,7 @@ from ckpttool.model.rescaling import (
 
 def plan_trainer(path: Path, request: RescaleRequest) -> DirectoryPlan:
     """What ``rescale-step`` does to each file of a Trainer ``checkpoint-N/`` (the module
-    docstring of :mod:`ckpttool.commands.rescale.directory` gives the rules)."""
+    docstring gives the rules)."""
     files = list_files(str(path))
     world_size, from_world_size, strict = (
         request.world_size,
