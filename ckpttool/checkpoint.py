@@ -87,7 +87,9 @@ def open_checkpoint(
             return _open_remote_directory(name, strict, refuse_dangerous, known)
         handle = open_source(name)
         return open_file(name, handle, strict, refuse_dangerous, track_spans, allow_ambiguous)
-    name = local_path(name)
+    if local_path(name) != name:  # file:///x: what was detected was asked of another name
+        name = local_path(name)
+        known.clear()
     if not is_dcp_directory(name) and is_framework_path(name):
         return _open_directory(name, strict, refuse_dangerous, known)
     if not is_dcp_directory(name):

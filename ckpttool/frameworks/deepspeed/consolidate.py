@@ -41,7 +41,7 @@ from ckpttool.model.records import ITEMSIZE, OpaqueObject, StorageRecord, Tensor
 from ckpttool.model.roles import DEEPSPEED
 
 #: The consolidated view's ``details["layout"]`` (its tree is a flat state dict; outputs name it
-#: by :func:`reported_layout`).
+#: by :func:`ckpttool.frameworks.base.reported_layout` from its view facts).
 ZERO_FP32 = "deepspeed_zero_fp32"
 
 
