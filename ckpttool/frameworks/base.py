@@ -20,11 +20,14 @@ The order of calls (like ``torch.distributed.checkpoint``'s planner, documented 
    format registry, merges their trees and calls :meth:`Framework.check_tree` for what the
    framework reads out of the merged tree (details for ``show``, problems between files).
 4. Commands then ask the framework of ``details["layout"]`` (:func:`registry.framework_of`)
-   for what they need: :meth:`Framework.show_lines` / :meth:`Framework.show_table` (``show``,
-   as data the renderer formats), :meth:`Framework.model_directory` (``convert`` into a model
-   directory), :meth:`Framework.rescale_plan` or :meth:`Framework.rescale` (``rescale-step``).
+   for what they need: :meth:`Framework.show_lines` / :meth:`Framework.show_table` /
+   :meth:`Framework.num_parameters` (``show``, as data the renderer formats),
+   :meth:`Framework.model_directory` (``convert`` into a model directory). ``rescale-step``
+   detects the directory itself (frameworks that :attr:`~Framework.rescales_itself` first) and
+   calls :meth:`Framework.rescale`, or :meth:`Framework.rescale_plan` and writes the plan.
 
-Nothing here reads a checkpoint's bytes: only names, sizes and the small JSON index files.
+Detection reads names, sizes and the small JSON files only; member files are opened with
+:func:`open_member` (the format registry), never through the door above this floor.
 """
 
 from __future__ import annotations
