@@ -9,6 +9,13 @@ object tree with tensors as :class:`~ckpttool.model.records.TensorRecord` s. No 
 A torch.distributed.checkpoint directory (``.metadata`` plus one data file per rank) opens the
 same way, as one checkpoint: :mod:`ckpttool.formats.dcp.directory` gives each tensor its global shape and
 assembles its bytes from the chunks on read.
+
+Any other directory is a framework's: the frameworks of :mod:`ckpttool.frameworks.registry`
+are asked in order (each once per open) which knows it, and that one's members are read as one
+tree. ``view=`` asks for another view of it than the merged tree, by name
+(:data:`~ckpttool.frameworks.base.WEIGHTS_VIEW`: the model's weights as the framework
+consolidates them, DeepSpeed ZeRO's fp32 master weights); a checkpoint without that view opens
+as by default. No command names a framework.
 """
 
 from __future__ import annotations
@@ -37,7 +44,10 @@ from ckpttool.model.records import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from ckpttool.frameworks.base import FrameworkDirectory
+
+#: What the frameworks answered for one path during one open (framework name -> layout).
+Known = dict[str, "FrameworkDirectory | None"]
 
 
 def open_checkpoint(
@@ -47,6 +57,7 @@ def open_checkpoint(
     refuse_dangerous: bool = True,
     track_spans: bool = False,
     allow_ambiguous: bool = False,
+    view: str | None = None,
 ) -> Checkpoint:
     """Open ``path`` safely and lazily. Raises a :class:`~ckpttool.errors.CkptError` subclass
     whose message names the file (whatever part of it the error concerns).
@@ -57,27 +68,56 @@ def open_checkpoint(
     differentials") raises :class:`~ckpttool.errors.AmbiguousFileError`; with
     ``allow_ambiguous`` (``scan``) it is read as ``torch.load`` reads it (a file not named
     ``*.safetensors``) and ``details["ambiguous"]`` says what else it is.
+
+    ``view`` names a view a framework offers of its directories (module docstring); the
+    opened view's ``details["view"]`` holds its :class:`~ckpttool.frameworks.base.ViewFacts`.
     """
     name = os.fspath(path)
+    known: Known = {}
+    if view is not None:
+        opened = _open_view(name, view, known)
+        if opened is not None:
+            return opened
     if is_url(name):
         from ckpttool.io.remote import is_directory
 
         if name.endswith(".index.json"):
-            return _open_directory(name, strict, refuse_dangerous)
+            return _open_directory(name, strict, refuse_dangerous, known)
         if is_directory(name):
-            return _open_remote_directory(name, strict, refuse_dangerous)
+            return _open_remote_directory(name, strict, refuse_dangerous, known)
         handle = open_source(name)
         return open_file(name, handle, strict, refuse_dangerous, track_spans, allow_ambiguous)
-    name = local_path(name)
+    if local_path(name) != name:  # file:///x: what was detected was asked of another name
+        name = local_path(name)
+        known.clear()
     if not is_dcp_directory(name) and is_framework_path(name):
-        return _open_directory(name, strict, refuse_dangerous)
+        return _open_directory(name, strict, refuse_dangerous, known)
     if not is_dcp_directory(name):
         handle = open_local(name)
         return open_file(name, handle, strict, refuse_dangerous, track_spans, allow_ambiguous)
     return _open_dcp(name, open_local(os.path.join(name, DCP_METADATA)), strict, refuse_dangerous)
 
 
-def _open_remote_directory(url: str, strict: bool, refuse_dangerous: bool) -> Checkpoint:
+def _open_view(name: str, view: str, known: Known) -> Checkpoint | None:
+    """``view`` of the directory ``name`` from the first framework that offers it and knows the
+    directory (asked before the detection order: a DeepSpeed save inside a Trainer
+    ``checkpoint-N/`` is read as DeepSpeed's); None: the default view."""
+    from ckpttool.frameworks.registry import detect_once, frameworks
+    from ckpttool.io.source import is_dir
+
+    if not is_dir(name):
+        return None
+    for framework in frameworks():
+        if view in framework.views:
+            layout = detect_once(framework, name, known)
+            if layout is not None:
+                return framework.open_view(layout, view)
+    return None
+
+
+def _open_remote_directory(
+    url: str, strict: bool, refuse_dangerous: bool, known: Known
+) -> Checkpoint:
     """A directory under a URL: DCP when it has a ``.metadata``, else a framework's layout
     (which needs a store that lists: HTTP cannot)."""
     from ckpttool.io.remote import display_url, url_scheme
@@ -95,7 +135,7 @@ def _open_remote_directory(url: str, strict: bool, refuse_dangerous: bool) -> Ch
             "directory, so of directory checkpoints only torch.distributed.checkpoint ones are "
             "read from http(s):// and hf:// URLs (name a checkpoint file in it)"
         )
-    return _open_directory(url, strict, refuse_dangerous)
+    return _open_directory(url, strict, refuse_dangerous, known)
 
 
 def _open_dcp(name: str, handle: Any, strict: bool, refuse_dangerous: bool) -> Checkpoint:
@@ -125,13 +165,17 @@ def is_framework_path(path: str) -> bool:
     return os.path.isdir(path) or (path.endswith(".index.json") and os.path.isfile(path))
 
 
-def _open_directory(name: str, strict: bool, refuse_dangerous: bool) -> Checkpoint:
-    """A framework's directory (Hugging Face, Trainer, accelerate) as one checkpoint."""
-    from ckpttool.frameworks.base import COLLECTION, describe_collection, detect_directory
-    from ckpttool.frameworks.tree import directory_size, read_directory
+def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Known) -> Checkpoint:
+    """A framework's directory as one checkpoint: its members' trees merged."""
+    from ckpttool.frameworks.base import COLLECTION, describe_collection
+    from ckpttool.frameworks.registry import detect_once, frameworks, read_directory
 
-    layout = detect_directory(name)
-    if layout is None:
+    layout = framework = None
+    for framework in frameworks():
+        layout = detect_once(framework, name, known)
+        if layout is not None:
+            break
+    if layout is None or framework is None:
         if os.path.isdir(name) and has_dcp_shards(name):
             open_local(name)  # raises the DCP-specific message
         raise NotADirectoryCheckpointError(
@@ -139,14 +183,16 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool) -> Checkpoi
             "model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed save or tag "
             f"directory, a DCP directory); {_files_seen(name)}"
         )
-    if layout.layout == COLLECTION:
+    if layout.kind == COLLECTION:
         raise CheckpointCollectionError(layout, describe_collection(layout))
-    parsed = read_directory(layout, strict=strict, refuse_dangerous=refuse_dangerous)
+    parsed, size = read_directory(
+        layout, framework, strict=strict, refuse_dangerous=refuse_dangerous
+    )
     return Checkpoint(
         name=name,
         format=parsed.format,
         root=parsed.root,
-        file_size=directory_size(layout),
+        file_size=size,
         details=parsed.details,
         metadata=parsed.metadata,
         problems=list(parsed.problems),

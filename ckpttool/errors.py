@@ -79,7 +79,7 @@ class OutputExistsError(CkptError):
 class CheckpointCollectionError(InputError):
     """The path holds several checkpoints (a Trainer ``output_dir``): name one of them.
 
-    ``layout`` (a :class:`ckpttool.frameworks.base.DirectoryLayout`) lists them, for ``show``;
+    ``layout`` (a :class:`ckpttool.frameworks.base.FrameworkDirectory`) lists them, for ``show``;
     ``message`` describes them (``frameworks.describe_collection``).
     """
 

@@ -17,9 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from ckpttool.cli import cli
+from ckpttool.commands.convert import model_dir as convert_model_dir
 from ckpttool.commands.convert.run import convert
 from ckpttool.errors import InputError, OutputExistsError
-from ckpttool.frameworks.huggingface import model_dir as convert_model_dir
 
 FRAMEWORKS = Path(__file__).resolve().parent / "fixtures" / "frameworks"
 TRAINER_CHECKPOINT = "trainer_1proc/output/checkpoint-8"

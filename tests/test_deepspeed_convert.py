@@ -108,6 +108,51 @@ def test_convert_casts_and_shards_like_convert_does(tmp_path: Path) -> None:
         assert as_bytes(tensor.to(torch.bfloat16)) == as_bytes(got[name]), name
 
 
+def test_the_door_opens_the_weights_view() -> None:
+    """``open_checkpoint(path, view=...)`` is the one door: a ZeRO directory's weights view is
+    its consolidated fp32 weights; without the view, or where there is none (ZeRO-0), the
+    directory's merged tree."""
+    from ckpttool.frameworks.base import WEIGHTS_VIEW, view_facts
+
+    case = save_dir("stage2_fp32_2proc")
+    with open_checkpoint(case, view=WEIGHTS_VIEW) as view, open_zero_weights(case) as direct:
+        assert list(view.root) == list(direct.root)
+        facts = view_facts(view)
+        assert facts is not None and facts.layout == "deepspeed"
+        assert facts.counters is not None and facts.counters["global_steps"] == 4
+    with open_checkpoint(case) as merged:
+        assert view_facts(merged) is None and merged.details["layout"] == "deepspeed"
+    with open_checkpoint(save_dir("stage0_fp32_2proc"), view=WEIGHTS_VIEW) as stage0:
+        assert view_facts(stage0) is None and stage0.details["layout"] == "deepspeed"
+
+
+def _count_scans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths DeepSpeed's detection lists (each call of ``files._scan``), from now on."""
+    from ckpttool.frameworks.deepspeed import files
+
+    scans: list[str] = []
+    original = files._scan
+
+    def counted(path: str) -> Any:
+        scans.append(path)
+        return original(path)
+
+    monkeypatch.setattr(files, "_scan", counted)
+    return scans
+
+
+def test_convert_and_diff_probe_a_deepspeed_directory_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Detection happens once, in the door: the view is opened from what it found."""
+    scans = _count_scans(monkeypatch)
+    convert(save_dir("stage2_fp32_2proc"), tmp_path / "out.safetensors")
+    assert scans == [str(save_dir("stage2_fp32_2proc"))]
+    scans.clear()
+    diff(save_dir("stage2_fp32_2proc"), save_dir("stage3_fp32_2proc"))
+    assert scans == [str(save_dir("stage2_fp32_2proc")), str(save_dir("stage3_fp32_2proc"))]
+
+
 def _moment_storages(path: Path) -> set[str]:
     """Storage keys of every Adam moment in one optimizer-state file."""
     keys = set()

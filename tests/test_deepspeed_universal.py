@@ -99,6 +99,22 @@ def test_universal_equals_ds_to_universal(case: str, tmp_path: Path) -> None:
         assert (ours / model_file.name).read_bytes() == model_file.read_bytes()
 
 
+def test_rescale_probes_the_directory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rescale is opened from what detection found, not probed again."""
+    from ckpttool.frameworks.deepspeed import files
+
+    scans: list[str] = []
+    original = files._scan
+
+    def counted(path: str) -> Any:
+        scans.append(path)
+        return original(path)
+
+    monkeypatch.setattr(files, "_scan", counted)
+    rescale_directory(tag_dir("stage2_bf16_2proc"), 1, output=tmp_path / "out", dry_run=True)
+    assert scans == [str(tag_dir("stage2_bf16_2proc"))]
+
+
 @pytest.mark.parametrize(("case", "world"), [("stage2_bf16_2proc", 1), ("stage3_fp32_1proc", 2)])
 def test_counters_rescaled_by_minimind_rule(case: str, world: int, tmp_path: Path) -> None:
     saved = MANIFEST["cases"][case]["processes"]

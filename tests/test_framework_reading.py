@@ -510,7 +510,7 @@ def test_opening_a_directory_reads_each_json_file_once(
 ) -> None:
     """Detection reads the index and trainer_state.json; reading the directory uses what it
     parsed instead of reading them again."""
-    from ckpttool.frameworks.huggingface import files as huggingface
+    from ckpttool.frameworks import base as huggingface  # read_json reads through base
 
     reads: list[str] = []
     original = huggingface.read_small

@@ -53,7 +53,7 @@ def refused_or_collection(path: Path) -> bool:
 def checkpoint_directories() -> list[Path]:
     """Every directory some command reads as one checkpoint: DCP, framework layouts, the
     folders holding DeepSpeed's ``latest``."""
-    from ckpttool.frameworks.base import detect_directory
+    from ckpttool.frameworks.registry import detect_directory
 
     found = []
     for path in sorted(p for p in FIXTURES.rglob("*") if p.is_dir()):

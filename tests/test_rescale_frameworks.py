@@ -132,7 +132,7 @@ def test_crash_leaves_old_checkpoint_and_no_output(
         raise OSError("simulated crash")
 
     monkeypatch.setattr(os, "rename", crash)
-    monkeypatch.setattr("ckpttool.commands.rescale.directory._exchange", lambda a, b: False)
+    monkeypatch.setattr("ckpttool.io.atomic._exchange", lambda a, b: False)
     with pytest.raises(OSError, match="simulated"):
         rescale_directory(source, 1, in_place=in_place)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no output, no temp dir left

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.show_settings import part_settings, settings_of
 from ckpttool.errors import CkptError
+from ckpttool.frameworks.registry import framework_of
 from ckpttool.model.records import (
     ChunkedStorageRecord,
     TensorRecord,
@@ -260,10 +261,12 @@ def build_report(
             num_parameters = selected_elements if records else None
         elif selected_model:
             num_parameters = count_parameters(selected_model)
-    deepspeed = ckpt.details.get("deepspeed")
-    if isinstance(deepspeed, dict) and not (section or pattern):
-        # the real parameters (param_shapes): ZeRO-3 files hold placeholders and flat partitions
-        num_parameters = deepspeed.get("num_parameters")
+    framework = framework_of(ckpt.details.get("layout"))
+    real = framework.num_parameters(ckpt.details) if framework is not None else None
+    if real is not None and not (section or pattern):
+        # the real parameters as the framework knows them (DeepSpeed: param_shapes; ZeRO-3
+        # files hold placeholders and flat partitions)
+        num_parameters = real
     optimizer = None
     if optimizer_key is not None:
         optimizer = summarize_optimizer(

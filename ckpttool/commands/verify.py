@@ -202,7 +202,8 @@ def _checkpoints_under(directory: Path) -> list[Path]:
     framework directory is one input, not its files); hidden files are left out (an
     interrupted save's temp files are reported beside the checkpoint they were meant for)."""
     from ckpttool.formats.base import is_dcp_directory
-    from ckpttool.frameworks.base import COLLECTION, detect_directory
+    from ckpttool.frameworks.base import COLLECTION
+    from ckpttool.frameworks.registry import detect_directory
 
     found = []
     for root, subdirectories, names in os.walk(directory):
@@ -210,7 +211,7 @@ def _checkpoints_under(directory: Path) -> list[Path]:
         if here != directory:
             try:
                 layout = detect_directory(str(here))  # a Trainer output_dir: its checkpoints
-                known = layout is not None and layout.layout != COLLECTION
+                known = layout is not None and layout.kind != COLLECTION
             except CkptError:  # a framework's layout, damaged: verify says what is wrong
                 known = True
             if known or is_dcp_directory(here):

@@ -1,23 +1,50 @@
-"""Checkpoints that frameworks write as several files: what each file is, and which are missing.
+"""The framework protocol: what a framework that writes checkpoints as several files tells.
 
-One module per framework keeps that framework's file names, keys and completeness rules
-(``huggingface``: ``save_pretrained`` model directories and ``Trainer`` ``checkpoint-N/``
-folders; ``accelerate``: ``save_state`` folders; ``deepspeed``: ZeRO save and tag directories). :func:`detect_directory` lists a directory,
-asks each framework whether it knows the layout, and returns a :class:`DirectoryLayout`:
-the member files with their roles and where their content goes in the merged tree, the files
-the framework would have written that are not there, and what the directory is called.
+One folder per framework (``huggingface``: ``save_pretrained`` model directories and
+``Trainer`` ``checkpoint-N/`` folders; ``accelerate``: ``save_state`` folders; ``deepspeed``:
+ZeRO save and tag directories) keeps that framework's file names, keys and rules, and exposes
+them as one :class:`Framework` object, listed by import string in
+:mod:`ckpttool.frameworks.registry` in detection order. Nothing here names a framework.
 
-Nothing here reads a checkpoint's bytes: only names, sizes and the small JSON index files.
-:mod:`ckpttool.frameworks.tree` reads the members through the one safe reader.
+The order of calls (like ``torch.distributed.checkpoint``'s planner, documented on each method):
+
+1. :meth:`Framework.detect` ``(path)``: the door (:func:`ckpttool.checkpoint.open_checkpoint`)
+   asks each framework in registry order; the first that knows the directory returns a
+   :class:`FrameworkDirectory`: its members with their roles and where their content goes in the
+   merged tree, the files it would have written that are not there (completeness), the
+   problems between them, and what the directory is called.
+2. :meth:`Framework.open_view` ``(layout, view)``: when a command asks for a view by name
+   (``open_checkpoint(path, view=WEIGHTS_VIEW)``), the frameworks that declare it in
+   :attr:`Framework.views` are asked first; one returns the view as a Checkpoint.
+3. Otherwise :func:`ckpttool.frameworks.tree.read_directory` opens the members through the
+   format registry, merges their trees and calls :meth:`Framework.check_tree` for what the
+   framework reads out of the merged tree (details for ``show``, problems between files).
+4. Commands then ask the framework of ``details["layout"]`` (:func:`registry.framework_of`)
+   for what they need: :meth:`Framework.show_lines` / :meth:`Framework.show_table` /
+   :meth:`Framework.num_parameters` (``show``, as data the renderer formats),
+   :meth:`Framework.model_directory` (``convert`` into a model directory). ``rescale-step``
+   detects the directory itself (frameworks that :attr:`~Framework.rescales_itself` first) and
+   calls :meth:`Framework.rescale`, or :meth:`Framework.rescale_plan` and writes the plan.
+
+Detection reads names, sizes and the small JSON files only; member files are opened with
+:func:`open_member` (the format registry), never through the door above this floor.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import InputError
-from ckpttool.io.source import is_url, join
+from ckpttool.errors import CorruptCheckpointError, InputError
+from ckpttool.io.source import is_url, join, read_small
+
+if TYPE_CHECKING:
+    from ckpttool.formats.base import Checkpoint
+    from ckpttool.model.rescaling import DirectoryPlan, DirectoryRescaleReport, RescaleRequest
 
 # Roles a member file can have.
 WEIGHTS = "weights"  # a whole weights file, or one shard of them
@@ -54,10 +81,11 @@ class Member:
 
 
 @dataclass
-class DirectoryLayout:
-    """What a framework says a directory holds."""
+class FrameworkDirectory:
+    """What a framework says a directory holds (its ``kind`` is what outputs call the
+    checkpoint's ``layout``)."""
 
-    layout: str  # "hf_model", "hf_trainer", "hf_trainer_output", "accelerate"
+    kind: str  # "hf_model", "hf_trainer", "hf_trainer_output", "accelerate", "deepspeed"
     title: str  # "Hugging Face Trainer checkpoint"
     directory: str
     members: list[Member]
@@ -69,12 +97,13 @@ class DirectoryLayout:
     # JSON members already parsed (by name): detection reads an index or trainer_state.json,
     # and reading the directory uses what it found rather than reading the file again
     parsed_json: dict[str, object] = field(default_factory=dict, repr=False)
+    # what the framework found while detecting (its own type), so that opening a view or a
+    # rescale does not probe the directory again
+    found: object = field(default=None, repr=False, compare=False)
 
     def read_json(self, name: str) -> object:
         """The JSON member ``name``, parsed once."""
         if name not in self.parsed_json:
-            from ckpttool.frameworks.huggingface.files import read_json
-
             self.parsed_json[name] = read_json(inside(self.directory, name))
         return self.parsed_json[name]
 
@@ -101,23 +130,6 @@ def list_files(directory: str) -> dict[str, int]:
     return dict(sorted(files.items()))
 
 
-def detect_directory(path: str) -> DirectoryLayout | None:
-    """The framework layout of ``path`` (a directory, or an ``*.index.json`` file), or None."""
-    from ckpttool.frameworks.accelerate import files as accelerate
-    from ckpttool.frameworks.deepspeed import files as deepspeed
-    from ckpttool.frameworks.huggingface import files as huggingface
-
-    # accelerate first: its folders hold a model.safetensors like a model directory does;
-    # DeepSpeed last: a Trainer checkpoint-N/ of a DeepSpeed run holds a global_stepN/ too
-    detectors = (accelerate.detect, huggingface.detect, huggingface.detect_output_dir,
-                 deepspeed.detect)  # fmt: skip
-    for detect in detectors:
-        layout = detect(path)
-        if layout is not None:
-            return layout
-    return None
-
-
 def inside(directory: str, name: str) -> str:
     """``directory/name``, refusing a name that would leave the directory."""
     if not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
@@ -127,7 +139,7 @@ def inside(directory: str, name: str) -> str:
 
 def describe_collection(layout: object) -> str:
     """One line for a directory of several checkpoints: each with its step and completeness."""
-    assert isinstance(layout, DirectoryLayout)
+    assert isinstance(layout, FrameworkDirectory)
     listed = layout.details.get("checkpoints", [])
     assert isinstance(listed, list)
     parts = [
@@ -144,3 +156,151 @@ def describe_collection(layout: object) -> str:
         f"{layout.directory}: a {layout.title} with {len(listed)} checkpoints "
         f"({'; '.join(parts)}): {hint}"
     )
+
+
+def read_json(path: str) -> object:
+    """A small JSON file, bounded in size; a broken one is a corrupt checkpoint."""
+    try:
+        data = read_small(path, MAX_JSON_BYTES)
+    except ValueError as error:  # over the limit
+        raise CorruptCheckpointError(f"{path}: {error}") from None
+    except OSError as error:
+        raise InputError(f"{path}: cannot read ({error.strerror})") from None
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as error:
+        raise CorruptCheckpointError(f"{path}: not valid JSON ({error})") from None
+
+
+def open_member(
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    refuse_dangerous: bool = True,
+    track_spans: bool = False,
+) -> Checkpoint:
+    """One member file of a framework's directory (local or a URL), opened through the format
+    registry (a framework opens files, never the door above it)."""
+    from ckpttool.formats.registry import open_file, open_local, open_source
+    from ckpttool.io.source import local_path
+
+    name = os.fspath(path)
+    if is_url(name):
+        return open_file(name, open_source(name), strict, refuse_dangerous, track_spans)
+    name = local_path(name)
+    return open_file(name, open_local(name), strict, refuse_dangerous, track_spans)
+
+
+#: The view ``convert`` and ``diff`` ask for: the model's weights as the framework consolidates
+#: them (DeepSpeed ZeRO: the fp32 master weights); a checkpoint without such a view opens as usual.
+WEIGHTS_VIEW = "weights"
+
+
+@dataclass(frozen=True)
+class ViewFacts:
+    """What a view says about itself in ``details["view"]`` (for the commands' reports)."""
+
+    name: str  # the view (WEIGHTS_VIEW)
+    layout: str  # the layout outputs report for it ("deepspeed")
+    counters: dict[str, Any] | None = None  # training counters ``diff`` compares
+    notes: tuple[str, ...] = ()  # for convert's report: what was consolidated from what
+
+
+def view_facts(ckpt: Any) -> ViewFacts | None:
+    """The facts of the view ``ckpt`` was opened as (None: the default view)."""
+    facts = ckpt.details.get("view")
+    return facts if isinstance(facts, ViewFacts) else None
+
+
+def reported_layout(ckpt: Any, layout: str) -> str:
+    """The layout ``diff`` and ``convert`` report for ``ckpt``: a view's own (a ZeRO directory
+    read as its fp32 weights is the DeepSpeed checkpoint ``show`` names), else ``layout``."""
+    facts = view_facts(ckpt)
+    return facts.layout if facts is not None else layout
+
+
+@dataclass(frozen=True)
+class ModelDirectoryOutput:
+    """What a framework's model directory holds, for ``convert SRC DST/`` (the command writes
+    it: :mod:`ckpttool.commands.convert.model_dir`)."""
+
+    directory: Path | str  # the source directory (a URL as a str)
+    weights_name: str  # the one weights file ("model.safetensors")
+    copied_files: tuple[str, ...]  # copied byte for byte from the source when it has them
+    tied_output_names: tuple[str, ...]  # stored as aliases of the input embedding
+    config_entries: tuple[str, ...]  # top-level entries the copied files already hold
+    owns: Callable[[str], bool]  # a file name such a directory holds (--force replaces only those)
+
+
+class Framework:
+    """One framework's directory checkpoints. Subclass it in the framework's folder, and list
+    the instance in :mod:`ckpttool.frameworks.registry`. Every hook but :meth:`detect` has a
+    default that means "nothing of that kind"."""
+
+    #: The framework's name ("deepspeed").
+    name: str = ""
+    #: ``FrameworkDirectory.kind`` values :meth:`detect` returns (how a command finds the
+    #: framework of an open checkpoint from ``details["layout"]``).
+    layouts: tuple[str, ...] = ()
+    #: Views :meth:`open_view` offers besides the default (the merged tree).
+    views: tuple[str, ...] = ()
+    #: True when :meth:`rescale` writes the rescaled directory itself; such a framework is asked
+    #: before the detection order (a DeepSpeed save inside a Trainer ``checkpoint-N/``).
+    rescales_itself: bool = False
+
+    def detect(self, path: str) -> FrameworkDirectory | None:
+        """1. The layout of ``path`` (a directory, or an ``*.index.json`` file) when this
+        framework wrote it, with members, missing files and problems; None otherwise. Reads
+        names, sizes and small JSON files only."""
+        raise NotImplementedError
+
+    def open_view(self, layout: FrameworkDirectory, view: str) -> Checkpoint | None:
+        """2. ``view`` (one of :attr:`views`) of the directory ``layout`` describes, as a
+        Checkpoint whose ``details["view"]`` holds its :class:`ViewFacts`; None when this
+        directory has no such view (DeepSpeed ZeRO-0: nothing partitioned), and the door opens
+        the default."""
+        return None
+
+    def check_tree(
+        self,
+        layout: FrameworkDirectory,
+        root: dict[str, Any],
+        details: dict[str, Any],
+        shard_of: dict[str, str],
+    ) -> list[str]:
+        """3. After the members are merged into ``root`` (``shard_of``: tensor key -> the shard
+        file it was found in): add what ``show`` prints to ``details`` and return the problems
+        between the files (an index naming the wrong shard, ranks that disagree)."""
+        return []
+
+    def show_lines(self, details: dict[str, Any]) -> list[str]:
+        """4. Lines ``show`` prints under the header, from the checkpoint's ``details``."""
+        return []
+
+    def show_table(self, details: dict[str, Any]) -> list[list[Any]]:
+        """4. Rows (name, shape, dtype...) ``show`` prints instead of the tree's tensors, when
+        the framework knows the real parameters better than the stored tensors; [] otherwise."""
+        return []
+
+    def num_parameters(self, details: dict[str, Any]) -> int | None:
+        """4. The model's real parameter count when the framework knows it better than the
+        stored tensors tell (ZeRO-3 stores placeholders and flat partitions); None otherwise."""
+        return None
+
+    def model_directory(self, details: dict[str, Any]) -> ModelDirectoryOutput | None:
+        """4. How ``convert`` writes this checkpoint as the framework's model directory (None:
+        it writes none)."""
+        return None
+
+    def rescale_plan(
+        self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
+    ) -> DirectoryPlan | None:
+        """4. What ``rescale-step`` does to each file of the directory, without writing (the
+        command writes the directory all-or-nothing); None: this layout is not rescaled."""
+        return None
+
+    def rescale(
+        self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
+    ) -> DirectoryRescaleReport:
+        """4. For :attr:`rescales_itself`: rescale and write the directory."""
+        raise NotImplementedError

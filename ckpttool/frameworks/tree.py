@@ -1,11 +1,12 @@
 """Several files, one checkpoint: a framework's directory read as one tree.
 
-:func:`ckpttool.frameworks.base.detect_directory` says which files a directory holds and where each
-goes (``model``, ``optimizer``, ``rng.rank1``...). Each member is opened through the same safe,
-lazy reader as a single file (``open_checkpoint``), JSON members are parsed as bounded JSON,
+:func:`ckpttool.frameworks.registry.detect_directory` says which files a directory holds and where
+each goes (``model``, ``optimizer``, ``rng.rank1``...). Each member is opened through the same
+safe, lazy reader as a single file (the format registry), JSON members are parsed as bounded JSON,
 and their trees are placed into one dict; the shards of a sharded model are merged into one
 flat ``model`` dict in the order the files list them, a tensor found in two shards being a
-problem. Every storage is re-labelled with the member it lives in
+problem; then the framework's :meth:`~ckpttool.frameworks.base.Framework.check_tree` reads
+what it knows out of the merged tree. Every storage is re-labelled with the member it lives in
 (:class:`MemberStorageRecord`), so storages of different files never compare equal (``.bin``
 shards all number theirs from "0") and reading a tensor's bytes goes to the right file.
 
@@ -25,12 +26,11 @@ from ckpttool.errors import (
     name_file,
 )
 from ckpttool.formats.base import Parsed, no_span
-from ckpttool.frameworks.base import DirectoryLayout, Member, inside
-from ckpttool.io.source import join
+from ckpttool.frameworks.base import Framework, FrameworkDirectory, Member, inside, open_member
 from ckpttool.model.records import OpaqueObject, StorageRecord, TensorRecord
 
 if TYPE_CHECKING:
-    from ckpttool.checkpoint import Checkpoint
+    from ckpttool.formats.base import Checkpoint
 
 DIRECTORY = "directory"
 
@@ -42,10 +42,11 @@ class MemberStorageRecord(StorageRecord):
     member: str = ""  # the member file, relative to the checkpoint directory
 
 
-def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: bool) -> Parsed:
-    """Open every member of ``layout`` and merge their trees (see the module docstring)."""
-    from ckpttool.checkpoint import open_checkpoint
-
+def read_directory(
+    layout: FrameworkDirectory, framework: Framework, *, strict: bool, refuse_dangerous: bool
+) -> Parsed:
+    """Open every member of ``layout`` (which ``framework`` detected) and merge their trees
+    (see the module docstring)."""
     opened: list[Checkpoint] = []
     owners: dict[MemberStorageRecord, tuple[Checkpoint, StorageRecord]] = {}
     root: dict[str, Any] = {}
@@ -60,7 +61,7 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
                 value = layout.read_json(member.name)
             else:
                 try:
-                    ckpt = open_checkpoint(path, strict=strict, refuse_dangerous=refuse_dangerous)
+                    ckpt = open_member(path, strict=strict, refuse_dangerous=refuse_dangerous)
                 except (CorruptCheckpointError, InputError, NotACheckpointError) as error:
                     if strict:
                         raise
@@ -75,10 +76,8 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
                 problems += _merge_shard(root, member, value, shard_of)
             else:
                 _place(root, member.section, value)
-        if layout.index is not None:
-            problems += _check_index(layout, root.get("model", {}), shard_of)
         details = layout_details(layout)
-        problems += _framework_details(layout, root, details)
+        problems += framework.check_tree(layout, root, details, shard_of)
         if problems and strict:
             raise CorruptCheckpointError(problems[0])
     except BaseException as error:
@@ -116,10 +115,10 @@ def read_directory(layout: DirectoryLayout, *, strict: bool, refuse_dangerous: b
     )
 
 
-def layout_details(layout: DirectoryLayout) -> dict[str, Any]:
+def layout_details(layout: FrameworkDirectory) -> dict[str, Any]:
     """What ``show`` prints about the directory: layout, files with roles and sizes, gaps."""
     return {
-        "layout": layout.layout,
+        "layout": layout.kind,
         "layout_title": layout.title,
         "directory": layout.directory,
         "members": [
@@ -131,21 +130,6 @@ def layout_details(layout: DirectoryLayout) -> dict[str, Any]:
         **({"index": layout.index} if layout.index else {}),
         **layout.details,
     }
-
-
-def _framework_details(
-    layout: DirectoryLayout, root: dict[str, Any], details: dict[str, Any]
-) -> list[str]:
-    """What a framework reads out of the merged tree for ``show`` (DeepSpeed: stage, ranks,
-    counters, real parameter shapes), and the problems between its files."""
-    from ckpttool.frameworks.deepspeed.checks import summarize
-    from ckpttool.frameworks.deepspeed.files import DEEPSPEED
-
-    if layout.layout != DEEPSPEED:
-        return []
-    summary, problems = summarize(root, details)
-    details[DEEPSPEED] = summary
-    return problems
 
 
 def _recorded_counters(root: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +146,7 @@ def _recorded_counters(root: dict[str, Any]) -> dict[str, Any]:
     return counters
 
 
-def directory_size(layout: DirectoryLayout) -> int:
+def directory_size(layout: FrameworkDirectory) -> int:
     return sum(member.size for member in layout.members)
 
 
@@ -180,31 +164,6 @@ def _merge_shard(
             continue
         merged[key] = record
         shard_of[key] = member.name
-    return problems
-
-
-def _check_index(layout: DirectoryLayout, weights: Any, shard_of: dict[str, str]) -> list[str]:
-    """Every tensor the index lists is in the shard it names, and every stored one is listed."""
-    from ckpttool.frameworks.huggingface.files import weight_map
-
-    assert layout.index is not None
-    path = join(layout.directory, layout.index)
-    mapping = weight_map(layout.read_json(layout.index), path)
-    present = {member.name for member in layout.members}
-    problems = []
-    for key, shard in mapping.items():
-        found = shard_of.get(key)
-        if found is None and shard not in present:
-            continue  # the missing shard is reported once, by the layout
-        if found is None:
-            problems.append(f"{key}: listed in {layout.index} (in {shard}) but in no shard")
-        elif found != shard:
-            problems.append(f"{key}: {layout.index} says {shard}, but it is stored in {found}")
-    problems += [
-        f"{key}: stored in {shard} but not listed in {layout.index}"
-        for key, shard in shard_of.items()
-        if key not in mapping
-    ]
     return problems
 
 

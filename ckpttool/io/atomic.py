@@ -1,20 +1,30 @@
-"""The one durable, atomic file writer.
+"""The one durable, atomic file writer, and the one atomic directory replacement.
 
 A crash at any moment leaves the target either as it was or complete: the bytes go to a temp
 file in the target's directory (a rename across file systems would be a copy), which is
 flushed and fsynced, then ``os.replace``-d over the target, and the directory is fsynced so the
 rename itself survives a power loss. On any exception the temp file is removed and the target
 is untouched.
+
+A directory (:func:`staged_directory`) is built the same way: a temp directory beside the
+target, every file and directory in it fsynced, renamed over the target (an existing one swapped
+out atomically with ``renameat2(RENAME_EXCHANGE)`` where the kernel has it, else moved aside
+first and put back if the second rename fails), and the parent fsynced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from ckpttool.errors import OutputExistsError
 
 #: Temp files are named ``.<target name>.<random>.ckpttool-tmp`` so that ``verify`` can find
 #: leftovers of interrupted writes next to a checkpoint.
@@ -92,3 +102,83 @@ def atomic_group(
         raise
     for directory in {target.parent for _, target in temps}:
         fsync_dir(directory if str(directory) else Path("."))
+
+
+@contextlib.contextmanager
+def staged_directory(
+    target: Path, *, replace_existing: bool, parent: Path | None = None
+) -> Iterator[Path]:
+    """A temp directory beside ``target`` (in ``parent``, default its parent) that becomes
+    ``target`` on a clean exit: its files and directories are fsynced, it gets the permissions
+    of a new directory, it is renamed into place (:func:`replace_directory`) and the parent is
+    fsynced. Any exception removes it and leaves ``target`` as it was."""
+    if parent is None:
+        parent = target.parent if str(target.parent) else Path(".")
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=parent))
+    try:
+        yield staging
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)
+        _fsync_tree(staging)
+        replace_directory(staging, target, replace_existing)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _fsync_tree(top: Path) -> None:
+    """fsync every file under ``top``, then every directory, deepest first."""
+    directories = [top]
+    for root, dirs, files in os.walk(top):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        directories += [Path(root, name) for name in dirs]
+    for directory in sorted(directories, key=lambda d: len(d.parts), reverse=True):
+        fsync_dir(directory)
+
+
+def replace_directory(temp: Path, target: Path, replace_existing: bool) -> None:
+    """Rename the finished ``temp`` to ``target`` and fsync the parent; an existing ``target``
+    (only with ``replace_existing``) is swapped out atomically where the kernel can
+    (``renameat2(RENAME_EXCHANGE)``), else moved aside first, and removed once the new one is
+    in place."""
+    parent = temp.parent
+    if not os.path.lexists(target):
+        os.rename(temp, target)
+        fsync_dir(parent)
+        return
+    if not replace_existing:
+        raise OutputExistsError(f"{target} appeared while writing; it was kept")
+    if _exchange(temp, target):
+        fsync_dir(parent)
+        shutil.rmtree(temp)  # now holds the old directory
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", suffix=TMP_SUFFIX, dir=parent))
+    os.rmdir(aside)
+    os.rename(target, aside)
+    try:
+        os.rename(temp, target)
+    except BaseException:
+        os.rename(aside, target)
+        raise
+    fsync_dir(parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2``). False where unavailable."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(name, use_errno=True)
+        renameat2 = libc.renameat2
+        at_fdcwd, rename_exchange = -100, 2
+        if renameat2(at_fdcwd, bytes(a), at_fdcwd, bytes(b), rename_exchange) == 0:
+            return True
+    return False

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.commands.rescale.directory import DROP, DirectoryRescaleReport
-from ckpttool.commands.rescale.run import RescalePlan, describe_repeats
+from ckpttool.model.rescaling import DROP, DirectoryRescaleReport, RescalePlan, describe_repeats
 from ckpttool.render.text import plural
 
 __all__ = ["render_json", "render_text"]

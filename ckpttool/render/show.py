@@ -9,7 +9,7 @@ from math import prod
 from typing import Any
 
 from ckpttool.commands.show import ShowReport
-from ckpttool.frameworks.deepspeed.show import deepspeed_lines, parameter_table
+from ckpttool.frameworks.registry import framework_of
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
     ITEMSIZE,
@@ -197,7 +197,7 @@ def render_text(report: ShowReport) -> str:
         *_data_files_line(report.details),
         f"layout:     {report.layout_title}{_parts_note(report)}",
         *_member_lines(report.details),
-        *deepspeed_lines(report.details),
+        *_framework_lines(report.details),
         *_count_lines(report),
     ]
     top = {k: v for k, v in report.fields.items() if "." not in k}
@@ -212,7 +212,8 @@ def render_text(report: ShowReport) -> str:
         lines.append("rng:        " + ", ".join(report.rng))
     if report.optimizer is not None:
         lines.extend(_optimizer_lines(report))
-    parameters = parameter_table(report.details)
+    framework = framework_of(report.details.get("layout"))
+    parameters = framework.show_table(report.details) if framework is not None else []
     if parameters:
         lines.append("")
         headers = ["parameter", "shape", "numel", "kind"]
@@ -294,6 +295,12 @@ def _count_lines(report: ShowReport) -> list[str]:
             f"tied:       {storages} shared by {keys} keys, counted once ({example}{more})"
         )
     return lines
+
+
+def _framework_lines(details: dict[str, Any]) -> list[str]:
+    """The lines a framework adds under the header (DeepSpeed: stage, ranks, tag, counters)."""
+    framework = framework_of(details.get("layout"))
+    return framework.show_lines(details) if framework is not None else []
 
 
 def _data_files_line(details: dict[str, Any]) -> list[str]:
@@ -402,7 +409,7 @@ def collection_json(layout: Any) -> dict[str, Any]:
     return {
         "file": layout.directory,
         "format": "directory",
-        "layout": layout.layout,
+        "layout": layout.kind,
         "layout_title": layout.title,
         "checkpoints": plain(layout.details.get("checkpoints", [])),
     }

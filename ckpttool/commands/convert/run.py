@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
-from ckpttool.commands.convert import torch_kinds
+from ckpttool.commands.convert import model_dir, torch_kinds
 from ckpttool.commands.convert.output import (
     FORMATS,
     OutFile,
@@ -42,9 +42,7 @@ from ckpttool.errors import (
     VerificationError,
 )
 from ckpttool.formats.writers import PickledTensor, safetensors_header, write_pth
-from ckpttool.frameworks.deepspeed.consolidate import open_source, zero_note
-from ckpttool.frameworks.huggingface import model_dir
-from ckpttool.frameworks.huggingface.files import SAFE_WEIGHTS_NAME
+from ckpttool.frameworks.base import WEIGHTS_VIEW, view_facts
 from ckpttool.io.atomic import atomic_group
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK
@@ -118,13 +116,14 @@ def convert(
         raise InputError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     src_path = _local_name(src, dst)
-    with open_source(src) as ckpt:
+    with open_checkpoint(src, view=WEIGHTS_VIEW) as ckpt:
         plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
                           pattern=pattern, dtype=dtype, keep_shared=keep_shared,
                           densify=densify, dequantize=dequantize,
                           keep_kinds=writes_pth(dst, to),
                           skip_missing_values=skip_missing_values)  # fmt: skip
-        plan.notes[:0] = zero_note(ckpt)
+        facts = view_facts(ckpt)
+        plan.notes[:0] = list(facts.notes) if facts is not None else []
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
 
@@ -132,23 +131,23 @@ def convert(
             return _write_outputs(ckpt, plan, files, allow_overflow=allow_overflow,
                                   verify=verify, progress=progress or (lambda n: None))  # fmt: skip
 
-        if model_dir.wants_model_dir(ckpt, dst):
+        output = model_dir.model_directory(ckpt)
+        if model_dir.wants_model_dir(output, dst):
             assert dst is not None
             if to == "pth":
                 raise InputError(
                     "a model directory is written as safetensors, as from_pretrained loads it; "
                     "drop --to pth or name a .pth DST"
                 )
-            plan = model_dir.for_transformers(plan)
+            assert output is not None
+            plan = model_dir.for_transformers(plan, output)
             target = Path(dst)
-            source_dir = model_dir.source_directory(ckpt)
-            assert source_dir is not None
-            model_dir.check_target(source_dir, target, force)
+            model_dir.check_target(output, target, force)
             with model_dir.staged_directory(target) as staging:
-                weights = staging / SAFE_WEIGHTS_NAME if shard_size is None else staging
+                weights = staging / output.weights_name if shard_size is None else staging
                 files = plan_outputs(src_path, weights, None, shard_size, plan)
                 counts = write(plan, files)
-                copied = model_dir.copy_files(source_dir, staging)
+                copied = model_dir.copy_files(output, staging)
             files = model_dir.moved(files, target)
             report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
             _name_remote_source(report, src, verify)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
-from ckpttool.checkpoint import Checkpoint
+from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.diff import values as diff_values
 from ckpttool.commands.diff.match import (
     ALIASES_KEY,
@@ -45,7 +45,7 @@ from ckpttool.commands.diff.values import (
     scalar_value,
 )
 from ckpttool.errors import CkptError
-from ckpttool.frameworks.deepspeed.consolidate import counters, open_source, reported_layout
+from ckpttool.frameworks.base import WEIGHTS_VIEW, reported_layout, view_facts
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK, read_many
 from ckpttool.io.values import dense_record
@@ -146,10 +146,17 @@ class DiffReport:
         )
 
 
+def _counters(ckpt: Checkpoint) -> dict[str, object] | None:
+    """The training counters a view compares (None: the default view has none)."""
+    facts = view_facts(ckpt)
+    return facts.counters if facts is not None else None
+
+
 def open_side(path: str | os.PathLike[str]) -> Checkpoint:
     """Open one input; errors name the file, since a diff has two."""
     try:
-        return open_source(path)  # a DeepSpeed ZeRO directory: its consolidated fp32 weights
+        # a framework's weights where it consolidates them (DeepSpeed ZeRO: the fp32 ones)
+        return open_checkpoint(path, view=WEIGHTS_VIEW)
     except CkptError as error:
         if str(path) in str(error):
             raise
@@ -230,7 +237,7 @@ def plan_diff(
         pairs, fields = _as_stored(pairs, fields, part_a.stored, part_b.stored)
     if ckpt_a.format == ckpt_b.format == "safetensors":
         fields += compare_fields(described_metadata(ckpt_a), described_metadata(ckpt_b))
-    counters_a, counters_b = counters(ckpt_a), counters(ckpt_b)
+    counters_a, counters_b = _counters(ckpt_a), _counters(ckpt_b)
     if counters_a is not None and counters_b is not None:  # two DeepSpeed tags
         fields += compare_fields(counters_a, counters_b)
     return DiffPlan(

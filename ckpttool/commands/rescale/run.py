@@ -23,12 +23,10 @@ no sample is skipped.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ from ckpttool.formats.torch_zip.rewrite import FieldRewrite, verify_rewrite
 from ckpttool.io.atomic import atomic_group
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model.lr_schedule import rescale_scheduler
+from ckpttool.model.rescaling import RescalePlan, describe_repeats
 from ckpttool.model.roles import LAYOUT_TITLES, LIGHTNING, TRAINING, is_resume, layout_of
 from ckpttool.pickle.edit import emit
 
@@ -67,56 +66,6 @@ HISTORY_KEY = "rescaled_from"
 WORLD_SIZE_KEY = "world_size"
 #: Where save_checkpoint (and training dicts of its kind) keep the LR scheduler's state dict.
 SCHEDULER_KEY = "scheduler"
-
-
-@dataclass(frozen=True)
-class RescalePlan:
-    """What a rescale does: old and new step and world size, and the cost of the floor."""
-
-    step_key: str
-    old_step: int
-    new_step: int
-    from_world_size: int  # the world size the old step was counted under
-    file_world_size: Any  # what the file's world_size field holds (None when absent)
-    world_size: int  # the new one
-    history: tuple[dict[str, Any], ...]  # rescaled_from after the change
-    # the LR scheduler saved under SCHEDULER_KEY: what moved, (key, old, new), or why it did not
-    scheduler_changes: tuple[tuple[str, Any, Any], ...] = ()
-    scheduler_note: str = ""
-
-    @property
-    def global_batches(self) -> int:
-        """Batches the saved run had consumed over all its ranks."""
-        return self.old_step * self.from_world_size
-
-    @property
-    def repeated_batches(self) -> int:
-        """Global batches the resumed run trains again because of the floor (< world_size)."""
-        return self.global_batches - self.new_step * self.world_size
-
-    @property
-    def exact(self) -> bool:
-        return self.repeated_batches == 0
-
-    @property
-    def repeated_per_rank(self) -> Fraction:
-        """Repeated batches per rank on average: always below one."""
-        return Fraction(self.repeated_batches, self.world_size)
-
-    def repeated_samples(self, batch_size: int) -> int:
-        """Samples trained twice over all ranks, with ``batch_size`` samples per rank-batch."""
-        return self.repeated_batches * batch_size
-
-    def max_repeated_samples_per_rank(self, batch_size: int) -> int:
-        return math.ceil(self.repeated_samples(batch_size) / self.world_size)
-
-    @property
-    def world_size_from_option(self) -> bool:
-        return self.file_world_size != self.from_world_size
-
-    @property
-    def changed(self) -> bool:
-        return self.new_step != self.old_step or self.file_world_size != self.world_size
 
 
 def _positive(value: Any, name: str) -> int:
@@ -200,20 +149,6 @@ def rescale_fields(
             new_fields[SCHEDULER_KEY] = moved.state
         plan = replace(plan, scheduler_changes=moved.changes, scheduler_note=moved.note)
     return new_fields, plan
-
-
-def describe_repeats(plan: RescalePlan, batch_size: int | None = None) -> str:
-    text = (
-        f"{plan.repeated_batches} global batch{'es' if plan.repeated_batches != 1 else ''} "
-        f"({plan.repeated_per_rank} of a batch per rank) will be trained twice"
-    )
-    if batch_size:
-        samples = plan.repeated_samples(batch_size)
-        text += (
-            f": {samples} sample{'s' * (samples != 1)} at batch size {batch_size}, at most "
-            f"{plan.max_repeated_samples_per_rank(batch_size)} on any rank"
-        )
-    return text
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from ckpttool.frameworks.base import (
     SCALER,
     SCHEDULER,
     WEIGHTS,
-    DirectoryLayout,
+    FrameworkDirectory,
     Member,
     list_files,
 )
@@ -50,7 +50,7 @@ SCALER_NAME = "scaler.pt"
 MARKERS = (RANDOM_STATES, NUMBERED[2][0], NUMBERED[3][0], NUMBERED[4][0])
 
 
-def detect(path: str) -> DirectoryLayout | None:
+def detect(path: str) -> FrameworkDirectory | None:
     if not is_dir(path):
         return None
     files = list_files(path)
@@ -60,8 +60,8 @@ def detect(path: str) -> DirectoryLayout | None:
     for name, size in files.items():
         member = _member(name, size, files)
         members.append(member if member is not None else Member(name, OTHER, None, size))
-    layout = DirectoryLayout(
-        layout=ACCELERATE, title="accelerate save_state folder", directory=path, members=members
+    layout = FrameworkDirectory(
+        kind=ACCELERATE, title="accelerate save_state folder", directory=path, members=members
     )
     if not any(m.role == WEIGHTS for m in members):
         layout.missing.append("the model weights (model.safetensors or pytorch_model.bin)")

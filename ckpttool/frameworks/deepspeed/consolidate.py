@@ -34,13 +34,14 @@ import numpy as np
 
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, NotZeroError, name_file
 from ckpttool.formats.base import Parsed, no_span
+from ckpttool.frameworks.base import WEIGHTS_VIEW, ViewFacts, open_member
 from ckpttool.frameworks.tree import DIRECTORY
 from ckpttool.model.cast import stored_dtype, widen
 from ckpttool.model.records import ITEMSIZE, OpaqueObject, StorageRecord, TensorRecord
 from ckpttool.model.roles import DEEPSPEED
 
 #: The consolidated view's ``details["layout"]`` (its tree is a flat state dict; outputs name it
-#: by :func:`reported_layout`).
+#: by :func:`ckpttool.frameworks.base.reported_layout` from its view facts).
 ZERO_FP32 = "deepspeed_zero_fp32"
 
 
@@ -58,15 +59,6 @@ class ZeroTag:
         return self.directory.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
 
 
-def is_zero_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """A DeepSpeed save directory (with ``latest``) or tag directory holding optimizer states."""
-    try:
-        find_tag(path)
-    except InputError:
-        return False
-    return True
-
-
 def is_deepspeed_directory(path: str | os.PathLike[str]) -> bool:
     """A DeepSpeed save or tag directory of any ZeRO stage (0 included), complete or not."""
     from ckpttool.frameworks.deepspeed.files import detect
@@ -75,16 +67,18 @@ def is_deepspeed_directory(path: str | os.PathLike[str]) -> bool:
     return is_dir(os.fspath(path)) and detect(os.fspath(path)) is not None
 
 
-def find_tag(path: str | os.PathLike[str]) -> ZeroTag:
+def find_tag(path: str | os.PathLike[str], found: object = None) -> ZeroTag:
     """The optimizer-state and model-state files of the tag ``path`` names (a save directory's
     ``latest``, or a tag directory), found by :func:`ckpttool.frameworks.deepspeed.files.zero_files`.
     Raises :class:`NotZeroError` when ``path`` is not DeepSpeed's or holds no ZeRO partitions,
-    :class:`~ckpttool.errors.InputError` when the tag is incomplete (naming what is missing)."""
+    :class:`~ckpttool.errors.InputError` when the tag is incomplete (naming what is missing).
+    ``found``: what detection found (``FrameworkDirectory.found``): the directory is DeepSpeed's,
+    and is not listed again."""
     from ckpttool.frameworks.deepspeed.files import zero_files
 
-    if not is_deepspeed_directory(path):
+    if found is None and not is_deepspeed_directory(path):
         raise NotZeroError(f"{path}: not a DeepSpeed checkpoint directory")
-    files = zero_files(path)
+    files = zero_files(path, found)
     directory = files.tag_dir
     other_mp = sorted({mp for mp, _ in [*files.optim_states, *files.model_states]} - {0})
     if other_mp:
@@ -154,70 +148,42 @@ def stage_of(value: Any) -> int:
     return value
 
 
-def open_source(path: str | os.PathLike[str]) -> Any:
-    """What convert and diff read: a DeepSpeed ZeRO directory as its consolidated fp32 weights,
-    anything else through the reader (:func:`ckpttool.checkpoint.open_checkpoint`)."""
-    from ckpttool.checkpoint import open_checkpoint
-    from ckpttool.io.source import is_dir
-
-    if is_dir(os.fspath(path)):
-        try:
-            tag = find_tag(path)
-        except NotZeroError:  # not DeepSpeed, or ZeRO-0: the reader's view
-            return open_checkpoint(path)
-        return open_zero_weights(path, tag)
-    return open_checkpoint(path)
-
-
 #: The training counters of a tag that ``diff`` compares (``model_states`` keys).
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")
 
 
-def counters(ckpt: Any) -> dict[str, Any] | None:
-    """A consolidated view's training counters (None for any other checkpoint)."""
-    weights = ckpt.details.get("zero")
-    if not isinstance(weights, ZeroWeights):
-        return None
-    return {key: weights.model_state[key] for key in COUNTERS if key in weights.model_state}
-
-
-def reported_layout(ckpt: Any, layout: str) -> str:
-    """The layout ``diff`` and ``convert`` report for ``ckpt``: a ZeRO directory read as its
-    fp32 weights is the DeepSpeed checkpoint ``show`` names (ckpttool/model/vocabulary.py), though
-    its tree is read as a state dict."""
-    return DEEPSPEED if ckpt.details.get("layout") == ZERO_FP32 else layout
-
-
-def zero_note(ckpt: Any) -> list[str]:
-    """For convert's report: what was consolidated from what."""
-    weights = ckpt.details.get("zero")
-    if not isinstance(weights, ZeroWeights):
-        return []
+def _view_facts(weights: ZeroWeights) -> ViewFacts:
+    """What the consolidated view says of itself: the layout outputs report (the DeepSpeed
+    checkpoint ``show`` names, ckpttool/model/vocabulary.py, though its tree is read as a state
+    dict), the counters ``diff`` compares, and convert's note on what was consolidated."""
+    counters = {key: weights.model_state[key] for key in COUNTERS if key in weights.model_state}
     ranks = weights.dp_world_size
     parts = [f"{len(weights.trainable)} trained parameters (fp32 master weights)"]
     if weights.frozen:
         parts.append(f"{len(weights.frozen)} frozen")
     if weights.buffers:
         parts.append(f"{len(weights.buffers)} buffers")
-    return [
+    note = (
         f"DeepSpeed ZeRO-{weights.stage} tag {weights.tag.name}, {ranks} data-parallel "
         f"rank{'s' if ranks != 1 else ''}: consolidated {', '.join(parts)}"
-    ]
+    )
+    return ViewFacts(WEIGHTS_VIEW, DEEPSPEED, counters, (note,))
 
 
 def open_zero_weights(path: str | os.PathLike[str], tag: ZeroTag | None = None) -> Any:
     """The consolidated fp32 state dict of the ZeRO checkpoint at ``path`` (whose files
     :func:`find_tag` found, when ``tag`` is given), as a Checkpoint.
 
-    ``details["zero"]`` holds the :class:`ZeroWeights`. Errors name the file concerned."""
-    from ckpttool.checkpoint import Checkpoint, open_checkpoint
+    ``details["zero"]`` holds the :class:`ZeroWeights`, ``details["view"]`` the view's
+    :class:`~ckpttool.frameworks.base.ViewFacts`. Errors name the file concerned."""
+    from ckpttool.formats.base import Checkpoint
 
     if tag is None:
         tag = find_tag(path)
     opened: list[Any] = []
     try:
         for file in [*tag.optim_files, *tag.model_files]:
-            opened.append(open_checkpoint(file))
+            opened.append(open_member(file))
         weights = _consolidate(tag, opened)
     except BaseException as error:
         for ckpt in opened:
@@ -240,7 +206,7 @@ def open_zero_weights(path: str | os.PathLike[str], tag: ZeroTag | None = None) 
 
     parsed = Parsed(format=DIRECTORY, root=dict(weights.tensors), span=no_span,
                     read=read, close=close, unchanged=unchanged)  # fmt: skip
-    parsed.details.update({"layout": ZERO_FP32, "zero": weights})
+    parsed.details.update({"layout": ZERO_FP32, "zero": weights, "view": _view_facts(weights)})
     size = sum(ckpt.file_size for ckpt in opened)
     return Checkpoint(
         name=os.fspath(path), format=parsed.format, root=parsed.root, file_size=size,

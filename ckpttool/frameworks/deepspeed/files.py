@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError
-from ckpttool.frameworks.base import OTHER, DirectoryLayout, Member, list_files
+from ckpttool.frameworks.base import OTHER, FrameworkDirectory, Member, list_files
 from ckpttool.io.source import (
     can_list,
     is_dir,
@@ -254,13 +254,14 @@ def _tag_files(
     )
 
 
-def zero_files(path: str | os.PathLike[str]) -> ZeroFiles:
+def zero_files(path: str | os.PathLike[str], found: object = None) -> ZeroFiles:
     """The files of the DeepSpeed checkpoint at ``path``: a save directory (the tag its
     ``latest`` names) or one tag directory. Raises :class:`~ckpttool.errors.InputError` with a
     message naming what to do when ``path`` is neither, ``latest`` is missing or names no tag,
-    or the tag has no model-states file."""
+    or the tag has no model-states file. ``found``: what :func:`detect` found (``layout.found``),
+    so that the directory is not listed again."""
     path = os.fspath(path)
-    scan = _scan(path)
+    scan = found if isinstance(found, _Scan) else _scan(path)
     if scan is None:
         raise InputError(
             f"{path}: not a DeepSpeed checkpoint (no 'latest' file, no global_step*/ directory, "
@@ -287,12 +288,12 @@ def zero_files(path: str | os.PathLike[str]) -> ZeroFiles:
 # ------------------------------------------------------------------------------- the layout
 
 
-def detect(path: str) -> DirectoryLayout | None:
-    """A DeepSpeed save directory or tag directory as a :class:`DirectoryLayout`, or None."""
+def detect(path: str) -> FrameworkDirectory | None:
+    """A DeepSpeed save directory or tag directory as a :class:`FrameworkDirectory`, or None."""
     scan = _scan(path)
     if scan is None:
         return None
-    layout = DirectoryLayout(layout=DEEPSPEED, title=TITLE, directory=path, members=[])
+    layout = FrameworkDirectory(kind=DEEPSPEED, title=TITLE, directory=path, members=[], found=scan)
     layout.problems += scan.problems
     layout.missing += scan.missing
     files = scan.files

@@ -37,34 +37,40 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.commands.rescale.directory import (
-    COPY,
-    REWRITE,
-    DirectoryRescaleReport,
-    FileAction,
-    ValueChange,
-    counter_plan,
-    move_into_place,
+from ckpttool.errors import (
+    CkptError,
+    InputError,
+    LayoutError,
+    OutputExistsError,
+    VerificationError,
 )
-from ckpttool.commands.rescale.run import RescalePlan
-from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError
 from ckpttool.formats.writers import OutTensor, StoredTensor, write_torch_object
+from ckpttool.frameworks.base import FrameworkDirectory, open_member
 from ckpttool.frameworks.deepspeed.consolidate import (
     ZeroWeights,
+    find_tag,
     open_zero_weights,
     pieced_record,
     slice_piece,
     span_pieces,
 )
-from ckpttool.io.atomic import TMP_SUFFIX, fsync_dir
+from ckpttool.io.atomic import staged_directory
 from ckpttool.model.lr_schedule import STEP_COUNTERS, moved_counters
 from ckpttool.model.records import OpaqueObject, TensorRecord
+from ckpttool.model.rescaling import (
+    COPY,
+    REWRITE,
+    DirectoryRescaleReport,
+    FileAction,
+    RescalePlan,
+    ValueChange,
+    counter_plan,
+)
 from ckpttool.model.roles import DEEPSPEED
 
 ZERO_LAYOUT = DEEPSPEED  # the name show gives the directory (ckpttool/model/vocabulary.py)
@@ -96,17 +102,20 @@ def rescale_zero(
     overwrite: bool = False,
     dry_run: bool = False,
     batch_size: int | None = None,
+    layout: FrameworkDirectory | None = None,
 ) -> DirectoryRescaleReport:
     """Write the ZeRO checkpoint at ``path`` as a universal checkpoint for ``world_size``
     processes into the new save directory ``output`` (default ``PATH.ws<N>``), built beside it
-    and renamed into place; every tensor is read back and compared before it appears."""
+    and renamed into place; every tensor is read back and compared before it appears.
+    ``layout``: the directory as detection found it (not probed again)."""
     source = Path(path)
     target = Path(output or f"{source}.ws{world_size}")
     if target.resolve() == source.resolve():
         raise InputError(f"{target} is the checkpoint itself; name a new directory with -o")
     if os.path.lexists(target) and not overwrite:
         raise OutputExistsError(f"{target} already exists (pass --force to replace it)")
-    with open_zero_weights(source) as ckpt:
+    zero_tag = find_tag(source, layout.found if layout is not None else None)
+    with open_zero_weights(source, zero_tag) as ckpt:
         weights: ZeroWeights = ckpt.details["zero"]
         saved = weights.dp_world_size
         if from_world_size is not None and from_world_size != saved:
@@ -370,44 +379,37 @@ def _write(
     target: Path,
     overwrite: bool,
 ) -> None:
-    from ckpttool.checkpoint import open_checkpoint
     from ckpttool.formats.torch_zip.rewrite import FieldRewrite, verify_rewrite
 
     parent = target.resolve().parent
-    temp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=parent))
     try:
-        tag_dir = temp / tag
-        tag_dir.mkdir()
-        for source in map(Path, weights.tag.model_files):
-            destination = tag_dir / source.name
-            with open(destination, "xb") as out:
+        with staged_directory(target, replace_existing=overwrite, parent=parent) as temp:
+            tag_dir = temp / tag
+            tag_dir.mkdir()
+            for source in map(Path, weights.tag.model_files):
+                destination = tag_dir / source.name
+                with open(destination, "xb") as out:
+                    if model_changes:
+                        with (
+                            open_member(source, track_spans=True) as member,
+                            FieldRewrite(member, model_changes) as rewrite,
+                        ):
+                            rewrite.write(out)
+                    else:
+                        with open(source, "rb") as src:
+                            shutil.copyfileobj(src, out, 8 << 20)
+                    out.flush()
+                    os.fsync(out.fileno())
                 if model_changes:
-                    with (
-                        open_checkpoint(source, track_spans=True) as member,
-                        FieldRewrite(member, model_changes) as rewrite,
-                    ):
-                        rewrite.write(out)
-                else:
-                    with open(source, "rb") as src:
-                        shutil.copyfileobj(src, out, 8 << 20)
-                out.flush()
-                os.fsync(out.fileno())
-            if model_changes:
-                with open_checkpoint(source) as member:
-                    verify_rewrite(member, destination, model_changes)
-        for out_file in files:
-            path = tag_dir / out_file.name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            digests = _write_file(path, out_file)
-            _verify_file(path, out_file, digests)
-        for directory in sorted({p for p in tag_dir.rglob("*") if p.is_dir()}, reverse=True):
-            fsync_dir(directory)
-        (temp / LATEST_UNIVERSAL).write_text(tag)
-        fsync_dir(tag_dir)
-        fsync_dir(temp)
-        move_into_place(temp, target, overwrite)
+                    with open_member(source) as member:
+                        verify_rewrite(member, destination, model_changes)
+            for out_file in files:
+                path = tag_dir / out_file.name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                digests = _write_file(path, out_file)
+                _verify_file(path, out_file, digests)
+            (temp / LATEST_UNIVERSAL).write_text(tag)
     except BaseException as error:
-        shutil.rmtree(temp, ignore_errors=True)
         if isinstance(error, OSError) and not isinstance(error, CkptError):
             raise InputError(f"writing {target} failed, nothing was written: {error}") from error
         raise
@@ -431,10 +433,7 @@ def _write_file(path: Path, out_file: OutFile) -> dict[str, bytes]:
 
 def _verify_file(path: Path, out_file: OutFile, digests: dict[str, bytes]) -> None:
     """Read the written file back through the reader: the same tensors, bit for bit."""
-    from ckpttool.checkpoint import open_checkpoint
-    from ckpttool.commands.convert.run import VerificationError
-
-    with open_checkpoint(path) as written:
+    with open_member(path) as written:
         found = {r.storage.key: r for r in written.tensors() if r.storage is not None}
         if sorted(found) != sorted(digests):
             raise VerificationError(f"{path.name} does not hold the tensors written; removed")

@@ -12,16 +12,14 @@ holds, so a save that died part-way makes the resume crash: a folder without
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
-from ckpttool.errors import CorruptCheckpointError, InputError
+from ckpttool.errors import CorruptCheckpointError
 from ckpttool.frameworks.base import (
     COLLECTION,
     CONFIG,
     INDEX,
-    MAX_JSON_BYTES,
     OPTIMIZER,
     OTHER,
     RNG,
@@ -30,12 +28,13 @@ from ckpttool.frameworks.base import (
     TRAINER_STATE,
     TRAINING_ARGS,
     WEIGHTS,
-    DirectoryLayout,
+    FrameworkDirectory,
     Member,
     inside,
     list_files,
+    read_json,
 )
-from ckpttool.io.source import is_dir, is_file, is_url, join, read_small
+from ckpttool.io.source import is_dir, is_file, is_url, join
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -66,20 +65,6 @@ HF_TRAINER = "hf_trainer"
 HF_TRAINER_OUTPUT = COLLECTION
 
 
-def read_json(path: str) -> object:
-    """A small JSON file, bounded in size; a broken one is a corrupt checkpoint."""
-    try:
-        data = read_small(path, MAX_JSON_BYTES)
-    except ValueError as error:  # over the limit
-        raise CorruptCheckpointError(f"{path}: {error}") from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror})") from None
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as error:
-        raise CorruptCheckpointError(f"{path}: not valid JSON ({error})") from None
-
-
 def weight_map(index: object, path: str) -> dict[str, str]:
     """The ``weight_map`` of an index file: tensor name -> shard file name."""
     mapping = index.get("weight_map") if isinstance(index, dict) else None
@@ -90,7 +75,7 @@ def weight_map(index: object, path: str) -> dict[str, str]:
     return mapping
 
 
-def detect(path: str) -> DirectoryLayout | None:
+def detect(path: str) -> FrameworkDirectory | None:
     """A model directory or a Trainer ``checkpoint-N/`` (or an index file inside one)."""
     index_path = path if path.endswith(".index.json") and is_file(path) else None
     directory = (os.path.dirname(path) or ".") if index_path else path
@@ -113,8 +98,8 @@ def detect(path: str) -> DirectoryLayout | None:
     members += [
         Member(name, OTHER, None, size) for name, size in files.items() if name not in known
     ]
-    result = DirectoryLayout(
-        layout=layout,
+    result = FrameworkDirectory(
+        kind=layout,
         title="Hugging Face Trainer checkpoint" if trainer else "Hugging Face model directory",
         directory=directory,
         members=members,
@@ -204,7 +189,7 @@ def _trainer_members(files: dict[str, int]) -> list[Member]:
     return members
 
 
-def _check_trainer(layout: DirectoryLayout, files: dict[str, int]) -> None:
+def _check_trainer(layout: FrameworkDirectory, files: dict[str, int]) -> None:
     """What a resumable Trainer checkpoint must hold, and the counters it records."""
     if not any(m.role == WEIGHTS for m in layout.members):
         layout.missing.append("the model weights (model.safetensors or pytorch_model.bin)")
@@ -235,7 +220,7 @@ def _check_trainer(layout: DirectoryLayout, files: dict[str, int]) -> None:
     layout.complete = not layout.missing and not layout.problems
 
 
-def detect_output_dir(path: str) -> DirectoryLayout | None:
+def detect_output_dir(path: str) -> FrameworkDirectory | None:
     """A Trainer ``output_dir`` holding ``checkpoint-N/`` folders: each listed with its step and
     whether it is complete; Trainer checkpoints under other ``checkpoint-*`` names too (e.g. a
     ``checkpoint-4.ws2``), with ``resumable`` False: rotation counts them, auto-resume never
@@ -254,7 +239,7 @@ def detect_output_dir(path: str) -> DirectoryLayout | None:
         if not rotated or not os.path.isdir(os.path.join(path, name)):
             continue
         layout = detect(os.path.join(path, name))
-        if not match and (layout is None or layout.layout != HF_TRAINER):
+        if not match and (layout is None or layout.kind != HF_TRAINER):
             continue  # another folder the glob happens to match: not listed
         complete = layout is not None and layout.complete
         missing = layout.missing if layout is not None else ["every file"]
@@ -263,8 +248,8 @@ def detect_output_dir(path: str) -> DirectoryLayout | None:
     if not checkpoints:
         return None
     checkpoints.sort()
-    result = DirectoryLayout(
-        layout=HF_TRAINER_OUTPUT,
+    result = FrameworkDirectory(
+        kind=HF_TRAINER_OUTPUT,
         title="Hugging Face Trainer output directory",
         directory=path,
         members=[],

@@ -1,0 +1,87 @@
+"""DeepSpeed as a :class:`~ckpttool.frameworks.base.Framework`: ZeRO save and tag directories
+(files.py), what ``show`` reads out of them (checks.py, show.py), their consolidated fp32
+weights as the ``weights`` view (consolidate.py), and ``rescale-step`` as a universal
+checkpoint (universal.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.errors import InputError, NotZeroError
+from ckpttool.frameworks.base import WEIGHTS_VIEW, Framework, FrameworkDirectory
+from ckpttool.frameworks.deepspeed import files
+from ckpttool.model.roles import DEEPSPEED
+
+if TYPE_CHECKING:
+    from ckpttool.formats.base import Checkpoint
+    from ckpttool.model.rescaling import DirectoryRescaleReport, RescaleRequest
+
+
+class DeepSpeed(Framework):
+    name = DEEPSPEED
+    layouts = (DEEPSPEED,)
+    views = (WEIGHTS_VIEW,)
+    rescales_itself = True
+
+    def detect(self, path: str) -> FrameworkDirectory | None:
+        return files.detect(path)
+
+    def open_view(self, layout: FrameworkDirectory, view: str) -> Checkpoint | None:
+        """The fp32 master weights, consolidated from every rank's optimizer states; None for
+        ZeRO-0 (nothing is partitioned: the default view reads the weights as they are)."""
+        from ckpttool.frameworks.deepspeed.consolidate import find_tag, open_zero_weights
+
+        try:
+            tag = find_tag(layout.directory, layout.found)
+        except NotZeroError:
+            return None
+        return open_zero_weights(layout.directory, tag)
+
+    def check_tree(
+        self,
+        layout: FrameworkDirectory,
+        root: dict[str, Any],
+        details: dict[str, Any],
+        shard_of: dict[str, str],
+    ) -> list[str]:
+        from ckpttool.frameworks.deepspeed.checks import summarize
+
+        summary, problems = summarize(root, details)
+        details[DEEPSPEED] = summary
+        return problems
+
+    def show_lines(self, details: dict[str, Any]) -> list[str]:
+        from ckpttool.frameworks.deepspeed.show import deepspeed_lines
+
+        return deepspeed_lines(details)
+
+    def show_table(self, details: dict[str, Any]) -> list[list[Any]]:
+        from ckpttool.frameworks.deepspeed.show import parameter_table
+
+        return parameter_table(details)
+
+    def num_parameters(self, details: dict[str, Any]) -> int | None:
+        """From ``param_shapes``: the real parameters, not the stored placeholders."""
+        summary = details.get(DEEPSPEED)
+        return summary.get("num_parameters") if isinstance(summary, dict) else None
+
+    def rescale(
+        self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
+    ) -> DirectoryRescaleReport:
+        from ckpttool.frameworks.deepspeed.universal import rescale_zero
+
+        if request.in_place:
+            raise InputError(
+                f"{path}: a DeepSpeed checkpoint is written as a new universal checkpoint "
+                "directory (-o OUT, default PATH.wsN); --in-place does not apply"
+            )
+        return rescale_zero(
+            path, request.world_size, from_world_size=request.from_world_size,
+            strict=request.strict, output=request.output, overwrite=request.overwrite,
+            dry_run=request.dry_run, batch_size=request.batch_size,
+            keep_global_batch=request.keep_global_batch, layout=layout,
+        )  # fmt: skip
+
+
+FRAMEWORK = DeepSpeed()

@@ -1,0 +1,91 @@
+"""The frameworks ckpttool knows, in detection order, as import strings.
+
+Each line names a :class:`~ckpttool.frameworks.base.Framework` instance (``module:NAME``) and
+the ``details["layout"]`` values it answers for, so that finding the framework of an open
+checkpoint imports that framework alone, and start-up imports none. Adding a framework is one
+line here (see docs/development.md, "How to add a framework").
+
+Order matters: accelerate first (its folders hold a ``model.safetensors`` like a model
+directory does); DeepSpeed last (a Trainer ``checkpoint-N/`` of a DeepSpeed run holds a
+``global_stepN/`` too).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckpttool.formats.base import Parsed
+    from ckpttool.frameworks.base import Framework, FrameworkDirectory
+
+#: (import string, the layouts it detects), in detection order.
+FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ckpttool.frameworks.accelerate.framework:FRAMEWORK", ("accelerate",)),
+    ("ckpttool.frameworks.huggingface.framework:FRAMEWORK", ("hf_model", "hf_trainer", "hf_trainer_output")),
+    ("ckpttool.frameworks.deepspeed.framework:FRAMEWORK", ("deepspeed",)),
+)  # fmt: skip
+
+_loaded: dict[str, Framework] = {}
+
+
+def load(spec: str) -> Framework:
+    """The framework an import string names (imported once)."""
+    found = _loaded.get(spec)
+    if found is None:
+        module, _, name = spec.partition(":")
+        found = _loaded[spec] = getattr(importlib.import_module(module), name)
+    return found
+
+
+def frameworks() -> Iterator[Framework]:
+    """Every framework, in detection order (each imported when reached)."""
+    for spec, _ in FRAMEWORKS:
+        yield load(spec)
+
+
+def framework_of(layout: object) -> Framework | None:
+    """The framework whose directories have ``details["layout"] == layout`` (None for any
+    other checkpoint: nothing is imported then)."""
+    for spec, layouts in FRAMEWORKS:
+        if layout in layouts:
+            return load(spec)
+    return None
+
+
+def detect_directory(
+    path: str, known: dict[str, FrameworkDirectory | None] | None = None
+) -> FrameworkDirectory | None:
+    """The layout of ``path`` (a directory, or an ``*.index.json`` file) by the first framework
+    that knows it, or None. ``known`` holds what frameworks already answered for ``path`` (by
+    name), so that one open asks each framework once."""
+    for framework in frameworks():
+        layout = detect_once(framework, path, known)
+        if layout is not None:
+            return layout
+    return None
+
+
+def detect_once(
+    framework: Framework, path: str, known: dict[str, FrameworkDirectory | None] | None
+) -> FrameworkDirectory | None:
+    """``framework.detect(path)``, remembered in ``known``."""
+    if known is None:
+        return framework.detect(path)
+    if framework.name not in known:
+        known[framework.name] = framework.detect(path)
+    return known[framework.name]
+
+
+def read_directory(
+    layout: FrameworkDirectory, framework: Framework, *, strict: bool, refuse_dangerous: bool
+) -> tuple[Parsed, int]:
+    """The directory ``framework`` detected as ``layout``, its members read and merged into
+    one tree (:mod:`ckpttool.frameworks.tree`), and its size on disk."""
+    from ckpttool.frameworks import tree
+
+    parsed = tree.read_directory(
+        layout, framework, strict=strict, refuse_dangerous=refuse_dangerous
+    )
+    return parsed, tree.directory_size(layout)
