@@ -57,13 +57,7 @@ def fuzz_with_atheris(argv: list[str]) -> None:
     import atheris
 
     with atheris.instrument_imports(include=["ckpttool"]):
-        import ckpttool.cli  # instrument every module exercise() reaches
-        import ckpttool.checkpoint
-        import ckpttool.render.show
-        import ckpttool.render.show_tree
-        import ckpttool.commands.scan
-        import ckpttool.commands.show
-        import ckpttool.commands.verify  # noqa: F401
+        pass
 
     def custom_mutator(data: bytes, max_size: int, seed: int) -> bytes:
         if seed % 4 == 0:  # a quarter of the time, libFuzzer's own byte-level mutators
