@@ -46,7 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.checkpoint import open_checkpoint
-from ckpttool.commands.rescale.run import InexactRescaleError, RescalePlan, describe_repeats
+from ckpttool.commands.rescale.run import (
+    InexactRescaleError,
+    RescalePlan,
+    RescaleTarget,
+    describe_repeats,
+)
 from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError, name_file
 from ckpttool.formats.base import is_dcp_directory
 from ckpttool.formats.torch_zip.rewrite import FieldRewrite, verify_rewrite
@@ -62,6 +67,7 @@ __all__ = [
     "ValueChange",
     "plan_directory",
     "rescale_directory",
+    "rescale_directory_to",
 ]
 
 COPY, REWRITE, DROP = "copy", "rewrite", "drop"
@@ -382,33 +388,52 @@ def rescale_directory(
     ``overwrite``), or with ``in_place`` replaces ``path``; either way the result is built as a
     temp directory beside it and renamed into place, so a crash leaves the old checkpoint or
     the complete new one. ``dry_run`` plans and checks everything and writes nothing.
+    (:func:`rescale_directory_to` with the :class:`RescaleTarget` made of the keywords.)
     """
+    target = RescaleTarget(
+        world_size, from_world_size=from_world_size, batch_size=batch_size, strict=strict,
+        keep_global_batch=keep_global_batch,
+    )  # fmt: skip
+    return rescale_directory_to(path, target, output=output, in_place=in_place,
+                                overwrite=overwrite, dry_run=dry_run)  # fmt: skip
+
+
+def rescale_directory_to(
+    path: str | os.PathLike[str],
+    target: RescaleTarget,
+    *,
+    output: str | os.PathLike[str] | None = None,
+    in_place: bool = False,
+    overwrite: bool = False,
+    dry_run: bool = False,
+) -> DirectoryRescaleReport:
+    """Rescale the framework checkpoint directory ``path`` for ``target``; the rest as
+    :func:`rescale_directory`."""
     path = Path(path)
     if in_place and output is not None:
         raise InputError("--in-place and -o/--output exclude each other")
     try:
-        return _rescale_directory(
-            path, world_size, from_world_size=from_world_size, strict=strict, output=output,
-            in_place=in_place, overwrite=overwrite, dry_run=dry_run, batch_size=batch_size,
-            keep_global_batch=keep_global_batch,
-        )  # fmt: skip
+        return _rescale_directory(path, target, output=output, in_place=in_place,
+                                  overwrite=overwrite, dry_run=dry_run)  # fmt: skip
     except CkptError as error:
         raise name_file(error, str(path)) from None  # every error says which checkpoint
 
 
 def _rescale_directory(
     path: Path,
-    world_size: int,
+    rescale: RescaleTarget,
     *,
-    from_world_size: int | None,
-    strict: bool,
     output: str | os.PathLike[str] | None,
     in_place: bool,
     overwrite: bool,
     dry_run: bool,
-    batch_size: int | None,
-    keep_global_batch: bool,
 ) -> DirectoryRescaleReport:
+    world_size, from_world_size, strict = (
+        rescale.world_size,
+        rescale.from_world_size,
+        rescale.strict,
+    )
+    batch_size, keep_global_batch = rescale.batch_size, rescale.keep_global_batch
     from ckpttool.frameworks.deepspeed.consolidate import is_deepspeed_directory
 
     if is_deepspeed_directory(path):
