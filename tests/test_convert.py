@@ -271,7 +271,7 @@ def test_resume_converts_its_model_and_keeps_fields_as_metadata(tmp_path: Path) 
     assert set(st.load_file(report.outputs[0])) == set(expected_tensors(MINIMIND))
     meta = metadata(report.outputs[0])
     assert meta["format"] == "pt"
-    assert meta["ckpttool.io.source"] == "pretrain_32_resume.pth"
+    assert meta["ckpttool.source"] == "pretrain_32_resume.pth"
     assert meta["ckpttool.version"] == __version__
     fields = {k: json.loads(v) for k, v in meta.items() if k.startswith("ckpttool.field.")}
     assert fields == {

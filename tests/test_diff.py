@@ -570,10 +570,10 @@ def test_safetensors_metadata_is_compared_but_not_aliases_or_provenance(tmp_path
     assert diff(PAIRS / "base.safetensors", PAIRS / "base_aliases.safetensors").equal
     tensors = {"w": torch.ones(2)}
     save_file(
-        tensors, tmp_path / "a.safetensors", metadata={"ckpttool.io.source": "a.pth", "note": "x"}
+        tensors, tmp_path / "a.safetensors", metadata={"ckpttool.source": "a.pth", "note": "x"}
     )
     save_file(
-        tensors, tmp_path / "b.safetensors", metadata={"ckpttool.io.source": "b.pth", "note": "y"}
+        tensors, tmp_path / "b.safetensors", metadata={"ckpttool.source": "b.pth", "note": "y"}
     )
     report = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
     assert report.fields == [FieldDiff("__metadata__.note", "changed", "x", "y")]

@@ -34,7 +34,7 @@ from ckpttool.model.records import ITEMSIZE, TensorRecord, walk, without_values
 #: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
 #: Prefix of the ``__metadata__`` keys that keep a checkpoint's scalar fields (JSON values).
 FIELD_PREFIX = "ckpttool.field."
-SOURCE_KEY = "ckpttool.io.source"
+SOURCE_KEY = "ckpttool.source"
 VERSION_KEY = "ckpttool.version"
 #: Keys convert computes itself; a safetensors source's values for them are not carried over.
 OWN_KEYS = frozenset({"format", SOURCE_KEY, VERSION_KEY, ALIASES_KEY})

@@ -38,7 +38,7 @@ from ckpttool.model.records import TensorRecord
 from ckpttool.model.roles import scalar_fields
 
 #: safetensors ``__metadata__`` keys where ``convert`` records provenance (not compared).
-PROVENANCE_KEYS = ("ckpttool.io.source", "ckpttool.version")
+PROVENANCE_KEYS = ("ckpttool.source", "ckpttool.version")
 
 
 @dataclass(frozen=True, slots=True)
