@@ -26,12 +26,11 @@ from ckpttool.formats.registry import (
     as_checkpoint,
     checked,
     close_on_error,
+    dcp_without_metadata,
     has_dcp_shards,
     open_file,
-    open_local,
-    open_source,
 )
-from ckpttool.io.source import is_url, join, local_path, source_size
+from ckpttool.io.source import is_url, join, local_path, open_local, open_source, source_size
 from ckpttool.model.records import (
     tensors,
 )
@@ -133,7 +132,7 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool) -> Checkpoi
     layout = detect_directory(name)
     if layout is None:
         if os.path.isdir(name) and has_dcp_shards(name):
-            open_local(name)  # raises the DCP-specific message
+            raise dcp_without_metadata(name)
         raise NotADirectoryCheckpointError(
             f"{name}: is a directory, but not a checkpoint layout ckpttool knows (a Hugging Face "
             "model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed save or tag "

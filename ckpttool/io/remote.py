@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from ckpttool.errors import ChangedError, CkptError, InputError
+from ckpttool.errors import ChangedError, CkptError, EmptyFileError, InputError
 from ckpttool.io.source import url_scheme
 
 BLOCK = 16 << 10  # cache granularity: a zip directory or a pickle is read in a few blocks
@@ -422,3 +422,58 @@ def member_listing(directory: str) -> dict[str, int]:
     if url_scheme(directory) in ("http", "https", "hf"):
         return {}
     return dict(sorted(_listing(directory).items()))
+
+
+# -- the Location of a URL ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """A URL: the :class:`~ckpttool.io.source.Location` read by ranged requests (and listed,
+    where its store can list). Errors are :class:`~ckpttool.errors.CkptError` s naming it."""
+
+    name: str
+
+    def shown(self) -> str:
+        return display_url(self.name)
+
+    def open(self) -> RemoteFile:
+        handle = open_remote(self.name)
+        if handle.size == 0:
+            handle.close()
+            raise EmptyFileError(f"{self.shown()}: the file is empty (an interrupted save?)")
+        return handle
+
+    def is_dir(self) -> bool:
+        return is_directory(self.name)
+
+    def is_file(self) -> bool:
+        return not self.is_dir()
+
+    def read_small(self, limit: int) -> bytes:
+        with self.open() as handle:
+            if handle.size > limit:
+                raise ValueError(f"{handle.size} bytes of JSON, more than any index needs")
+            return bytes(handle.read())
+
+    def read_head(self, limit: int) -> bytes:
+        with open_remote(self.name) as handle:
+            return bytes(handle.read_range(0, limit))
+
+    def join(self, member: str) -> str:
+        return self.name.rstrip("/") + "/" + member
+
+    def member_sizes(self, names: list[str]) -> dict[str, int]:
+        return member_sizes(self.name, names)
+
+    def can_list(self) -> bool:
+        return url_scheme(self.name) not in ("http", "https", "hf")
+
+    def list_names(self) -> list[str]:
+        return list_names(self.name)
+
+    def list_dirs(self) -> list[str]:
+        return list_directories(self.name)
+
+    def open_member(self, member: str) -> RemoteFile:
+        return open_remote(self.join(member))
