@@ -79,7 +79,7 @@ def open_checkpoint(
 def _open_remote_directory(url: str, strict: bool, refuse_dangerous: bool) -> Checkpoint:
     """A directory under a URL: DCP when it has a ``.metadata``, else a framework's layout
     (which needs a store that lists: HTTP cannot)."""
-    from ckpttool.io.remote import display_url, url_scheme
+    from ckpttool.io.urls import display_url, url_scheme
 
     try:
         metadata = open_source(join(url, DCP_METADATA))

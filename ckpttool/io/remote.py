@@ -30,10 +30,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from ckpttool.errors import ChangedError, CkptError, EmptyFileError, InputError
-from ckpttool.io.source import url_scheme
+from ckpttool.io.remote_backends import TransientError
+from ckpttool.io.urls import display_url, url_scheme
 
 BLOCK = 16 << 10  # cache granularity: a zip directory or a pickle is read in a few blocks
 CACHE_BLOCKS = 64  # 1 MiB of cache: the metadata of the largest files, never their values
@@ -45,21 +45,6 @@ MAX_IN_FLIGHT = 4  # requests in flight at once for one file
 MAX_PREFETCH = 4 << 20
 MAX_TRIES = 4  # attempts per request before a network fault is reported
 BACKOFF = 0.25  # seconds before the second attempt, doubled before each further one
-TIMEOUT = 30.0  # seconds a request may wait for the server before it counts as a fault
-MAX_REDIRECTS = 5
-MAX_FULL_DOWNLOAD = 8 << 30  # --full-download keeps the file in memory: refuse beyond this
-
-
-class TransientError(Exception):
-    """A fault worth another attempt (dropped connection, 5xx, short body, timeout).
-
-    ``received``: the body bytes the failed attempt brought before it failed (a dropped
-    connection's first half): fetched, so counted in ``--verbose``, though not used.
-    """
-
-    def __init__(self, message: str, received: int = 0) -> None:
-        super().__init__(message)
-        self.received = received
 
 
 @dataclass
@@ -88,15 +73,6 @@ def reset_totals() -> None:
     with _TOTALS_LOCK:
         TOTALS.requests = TOTALS.bytes_fetched = 0
         TOTALS.sizes.clear()
-
-
-def display_url(url: str) -> str:
-    """``url`` as messages show it: no user:password, no query (a presigned URL's signature)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
-    return f"{parts.scheme}://{host}{parts.path}" if parts.scheme else url
 
 
 # -- the file ---------------------------------------------------------------------------------

@@ -12,33 +12,16 @@ either a local descriptor or a remote file.
 from __future__ import annotations
 
 import os
-import re
 import stat
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
 from ckpttool.errors import EmptyFileError, InputError
-
-# scheme://... (s3, gs, az, abfs, hf, http, https, and any other fsspec protocol). A Windows
-# drive ("C:\\x") has no "//" after the colon; "file://" is a URL to fsspec but read locally.
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def url_scheme(name: str | os.PathLike[str]) -> str | None:
-    """The protocol of ``name`` if it is a URL (``"s3"``, ``"https"``...), else None."""
-    match = _URL.match(os.fspath(name)) if isinstance(name, str) else None
-    return match.group(1).lower() if match else None
-
-
-def is_url(name: str | os.PathLike[str]) -> bool:
-    """Whether ``name`` is read over the network (a ``file://`` URL is a local path)."""
-    scheme = url_scheme(name)
-    return scheme is not None and scheme != "file"
-
-
-def local_path(name: str) -> str:
-    """``file:///x`` -> ``/x``; any other name unchanged."""
-    return name[len("file://") :] if url_scheme(name) == "file" else name
+from ckpttool.io.urls import SETTINGS as SETTINGS
+from ckpttool.io.urls import RemoteSettings as RemoteSettings
+from ckpttool.io.urls import is_url as is_url
+from ckpttool.io.urls import local_path as local_path
+from ckpttool.io.urls import url_scheme as url_scheme
 
 
 class RangeReader(Protocol):
@@ -51,18 +34,6 @@ class RangeReader(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-@dataclass
-class RemoteSettings:
-    """What the CLI's remote options set for the library calls of one command."""
-
-    full_download: bool = False  # a server that ignores Range: download the file into memory
-    verbose: bool = False
-
-
-#: The settings :mod:`ckpttool.io.remote` reads when it opens a URL (the CLI sets them).
-SETTINGS = RemoteSettings()
 
 
 # These run once per tensor read: an attribute test, not isinstance() on a runtime-checkable
