@@ -161,7 +161,8 @@ def test_verbose_counts_are_what_the_server_received_and_sent(
     gave up on (the server stays silent until the client hangs up): each failed attempt is
     counted, with the bytes it brought before it failed."""
     if "stall" in faults:
-        monkeypatch.setattr(remote_backends, "TIMEOUT", scaled(2.0))  # how long the stalled one waits
+        # how long the stalled one waits
+        monkeypatch.setattr(remote_backends, "TIMEOUT", scaled(2.0))
     data = RESUME.read_bytes()
     url = server.add("resume.pth", data)
     server.faults.extend(["ok", *faults])  # the open's request passes; each fault is retried
