@@ -33,12 +33,11 @@ from ckpttool.formats.registry import (
     as_checkpoint,
     checked,
     close_on_error,
+    dcp_without_metadata,
     has_dcp_shards,
     open_file,
-    open_local,
-    open_source,
 )
-from ckpttool.io.source import is_url, join, local_path, source_size
+from ckpttool.io.source import is_url, join, local_path, open_local, open_source, source_size
 from ckpttool.model.records import (
     tensors,
 )
@@ -120,7 +119,7 @@ def _open_remote_directory(
 ) -> Checkpoint:
     """A directory under a URL: DCP when it has a ``.metadata``, else a framework's layout
     (which needs a store that lists: HTTP cannot)."""
-    from ckpttool.io.remote import display_url, url_scheme
+    from ckpttool.io.urls import display_url, url_scheme
 
     try:
         metadata = open_source(join(url, DCP_METADATA))
@@ -177,7 +176,7 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
             break
     if layout is None or framework is None:
         if os.path.isdir(name) and has_dcp_shards(name):
-            open_local(name)  # raises the DCP-specific message
+            raise dcp_without_metadata(name)
         raise NotADirectoryCheckpointError(
             f"{name}: is a directory, but not a checkpoint layout ckpttool knows (a Hugging Face "
             "model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed save or tag "

@@ -22,7 +22,7 @@ from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
 from ckpttool.commands.convert.run import convert
 from ckpttool.errors import InputError
-from ckpttool.io import remote
+from ckpttool.io import remote, remote_backends
 from tests.support.helpers import FIXTURES
 from tests.support.range_server import RangeServer
 from tests.support.timeouts import scaled
@@ -51,7 +51,7 @@ def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     timeout stays the product's: on the loopback a request is answered at once or hangs, and a
     shorter one would turn a busy machine's slow answer into an unplanned retry."""
     monkeypatch.setattr(remote, "BACKOFF", 0.01)
-    monkeypatch.setattr(remote, "TIMEOUT", scaled(30.0))
+    monkeypatch.setattr(remote_backends, "TIMEOUT", scaled(30.0))
 
 
 def show_json(target: str | Path, *extra: str) -> dict[str, Any]:
@@ -161,7 +161,8 @@ def test_verbose_counts_are_what_the_server_received_and_sent(
     gave up on (the server stays silent until the client hangs up): each failed attempt is
     counted, with the bytes it brought before it failed."""
     if "stall" in faults:
-        monkeypatch.setattr(remote, "TIMEOUT", scaled(2.0))  # how long the stalled one waits
+        # how long the stalled one waits
+        monkeypatch.setattr(remote_backends, "TIMEOUT", scaled(2.0))
     data = RESUME.read_bytes()
     url = server.add("resume.pth", data)
     server.faults.extend(["ok", *faults])  # the open's request passes; each fault is retried
@@ -247,7 +248,7 @@ def test_a_transient_fault_is_retried(
 ) -> None:
     # the stalled requests wait for the client to give up: this long (each other request is
     # answered at once, well within it)
-    monkeypatch.setattr(remote, "TIMEOUT", scaled(2.0))
+    monkeypatch.setattr(remote_backends, "TIMEOUT", scaled(2.0))
     url = server.add("resume.pth", RESUME.read_bytes())
     server.faults.extend(["ok", fault, fault])  # the open's request passes; two faults follow
     assert show_json(url, "--stats") == show_json(RESUME, "--stats")

@@ -331,14 +331,13 @@ def diff_command(
       ckpttool diff checkpoints/step_1200/ model.safetensors
     """
     from ckpttool.commands.diff.run import open_side, plan_diff, run_diff
+    from ckpttool.commands.selection import Selection
     from ckpttool.errors import EXIT_FOUND
     from ckpttool.render import diff as diff_render
 
+    selection = Selection(section, strip, ignore_wrappers)
     with open_side(path_a) as ckpt_a, open_side(path_b) as ckpt_b:
-        plan = plan_diff(
-            ckpt_a, ckpt_b, section=section, section_a=section_a, section_b=section_b,
-            strip=strip, ignore_wrappers=ignore_wrappers,
-        )  # fmt: skip
+        plan = plan_diff(ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b)
         options: dict[str, Any] = {"rtol": rtol, "atol": atol, "rounded": rounded}
         if quick:  # nothing to read, so no bar (and no import of its renderer)
             report = run_diff(ckpt_a, ckpt_b, plan, quick=True, **options)
@@ -431,20 +430,22 @@ def rescale_step(
     """
     import os
 
-    from ckpttool.commands.rescale.run import rescale_step as run_rescale
+    from ckpttool.commands.rescale.run import RescaleTarget, rescale_file
     from ckpttool.io.progress import Progress
     from ckpttool.render import rescale as rescale_render
 
+    target = RescaleTarget(
+        world_size, from_world_size=from_world_size, batch_size=batch_size, strict=strict,
+        step_key=step_key, keep_global_batch=keep_global_batch,
+    )  # fmt: skip
     if os.path.isdir(path):
-        from ckpttool.commands.rescale.directory import rescale_directory
+        from ckpttool.commands.rescale.directory import rescale_directory_to
 
         if backup or step_key:
             raise InputError("--backup and --step-key apply to one checkpoint file")
-        directory_report = rescale_directory(
-            path, world_size, from_world_size=from_world_size, strict=strict, output=output,
-            in_place=in_place, overwrite=force, dry_run=dry_run, batch_size=batch_size,
-            keep_global_batch=keep_global_batch,
-        )  # fmt: skip
+        directory_report = rescale_directory_to(
+            path, target, output=output, in_place=in_place, overwrite=force, dry_run=dry_run
+        )
         if as_json:
             _echo_json(rescale_render.render_json(directory_report))
         else:
@@ -455,10 +456,9 @@ def rescale_step(
             "--in-place applies to a directory; a file is rewritten in place by default"
         )
     with Progress(os.path.getsize(path) if os.path.isfile(path) else 0, "rescale") as bar:
-        report = run_rescale(
-            path, world_size, from_world_size=from_world_size, step_key=step_key,
-            strict=strict, output=output, overwrite=force, backup=backup, dry_run=dry_run,
-            batch_size=batch_size, progress=bar.advance,
+        report = rescale_file(
+            path, target, output=output, overwrite=force, backup=backup, dry_run=dry_run,
+            progress=bar.advance,
         )  # fmt: skip
     if as_json:
         _echo_json(rescale_render.render_json(report))
@@ -544,16 +544,22 @@ def convert_command(
       ckpttool convert checkpoints/step_1200/ model.safetensors
       ckpttool convert output/checkpoint-500/ llama-500/   # a from_pretrained directory
     """
-    from ckpttool.commands.convert.run import convert
+    from ckpttool.commands.convert.options import ConversionOptions
+    from ckpttool.commands.convert.run import convert_with
+    from ckpttool.commands.selection import Selection
     from ckpttool.io.progress import Progress
     from ckpttool.render import convert as convert_render
 
+    selection = Selection(section, strip, ignore_wrappers, pattern)
+    options = ConversionOptions(
+        to=to, dtype=dtype, allow_overflow=allow_overflow, keep_shared=keep_shared,
+        densify=densify, dequantize=dequantize, skip_missing_values=skip_missing_values,
+        max_shard_size=max_shard_size, verify=not no_verify,
+    )  # fmt: skip
     with Progress(0, "convert") as bar:
-        report = convert(
-            src, dst, to=to, dtype=dtype, section=section, strip=strip,
-            ignore_wrappers=ignore_wrappers, pattern=pattern, keep_shared=keep_shared,
-            max_shard_size=max_shard_size, allow_overflow=allow_overflow, densify=densify,
-            dequantize=dequantize, skip_missing_values=skip_missing_values, verify=not no_verify, force=force, progress=bar.advance, on_total=lambda n: setattr(bar, "total", max(n, 1)),
+        report = convert_with(
+            src, dst, selection, options, force=force, progress=bar.advance,
+            on_total=lambda n: setattr(bar, "total", max(n, 1)),
         )  # fmt: skip
     if as_json:
         _echo_json(convert_render.render_json(report))

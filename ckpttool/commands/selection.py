@@ -23,6 +23,23 @@ ALIASES_KEY = "ckpttool.aliases"
 
 @dataclass(frozen=True)
 class Selection:
+    """Which tensors a command works on, and under which names: the options ``--section``,
+    ``--strip-prefix``, ``--ignore-wrappers`` and ``--filter``, as ``diff`` and ``convert``
+    take them (built once by the command line, or from a library call's keywords)."""
+
+    section: str | None = None  # the subtree used (None: the layout's model section, or all)
+    strip: tuple[str, ...] = ()  # prefixes removed from every key (--strip-prefix)
+    ignore_wrappers: bool = False  # remove DDP/torch.compile prefixes too (--ignore-wrappers)
+    pattern: str | None = None  # --filter GLOB (convert); None: every tensor
+
+    @property
+    def prefixes(self) -> list[str]:
+        """Every prefix removed from keys: ``strip``, then the wrappers' if ignored."""
+        return [*self.strip, *(WRAPPER_PREFIXES if self.ignore_wrappers else ())]
+
+
+@dataclass(frozen=True)
+class Selected:
     """The tensors of one checkpoint an operation uses, keyed relative to ``section``."""
 
     layout: str
@@ -107,7 +124,7 @@ def select(
     ignore_wrappers: bool = False,
     auto_section: bool = True,
     weights: str | None = None,
-) -> Selection:
+) -> Selected:
     """The weights of ``ckpt``: ``section`` if given, else the layout's model section.
 
     ``weights``: with no section, the section a framework directory's weights files fill;
@@ -128,7 +145,7 @@ def select(
         )
     except SameKeyError as error:
         raise InputError(same_key_message(ckpt, error.key)) from None
-    return Selection(layout, section, auto, keyed, weights)
+    return Selected(layout, section, auto, keyed, weights)
 
 
 def rekey(record: TensorRecord, key: str) -> TensorRecord:

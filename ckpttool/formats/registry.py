@@ -8,15 +8,12 @@ Directories are the door's (:mod:`ckpttool.checkpoint`).
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any, BinaryIO
 
 from ckpttool.errors import (
     AmbiguousFileError,
     CkptError,
     CorruptCheckpointError,
-    EmptyFileError,
-    InputError,
     NotACheckpointError,
     name_file,
 )
@@ -25,7 +22,7 @@ from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safet
 from ckpttool.formats.torch_legacy import read_pickle_stream
 from ckpttool.formats.torch_tar import TAR_REFUSAL, is_torch_tar
 from ckpttool.formats.torch_zip.reader import read_torch_zip
-from ckpttool.io.source import is_url, local_path, shown_name, source_size
+from ckpttool.io.source import shown_name, source_size
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
     ITEMSIZE,
@@ -101,19 +98,6 @@ def close_on_error(error: BaseException, name: str, handle: Any, parsed: Parsed 
         name_file(error, shown_name(name))
 
 
-def open_source(name: str) -> Any:
-    """``name`` opened for reading: a local file, or a remote one read by ranges (a URL)."""
-    if is_url(name):
-        from ckpttool.io.remote import open_remote  # fsspec and friends only for URLs
-
-        handle = open_remote(name)
-        if handle.size == 0:
-            handle.close()
-            raise EmptyFileError(f"{shown_name(name)}: the file is empty (an interrupted save?)")
-        return handle
-    return open_local(local_path(name))
-
-
 def _read_pickled_module(parsed: Parsed) -> None:
     """``torch.save(model)`` pickles the module object; every command wants what
     ``model.state_dict()`` would give, under its names: make that the tree."""
@@ -126,30 +110,13 @@ def _read_pickled_module(parsed: Parsed) -> None:
         parsed.root = state_dict
 
 
-def open_local(path: str) -> BinaryIO:
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot access ({error.strerror})") from None
-    if stat.S_ISDIR(mode):
-        if has_dcp_shards(path):
-            raise CorruptCheckpointError(
-                f"{path}: a torch.distributed.checkpoint directory without its {DCP_METADATA} file "
-                "(DCP writes it last: the save did not finish); use the previous checkpoint"
-            )
-        raise InputError(f"{path}: is a directory, not a checkpoint file")
-    if not stat.S_ISREG(mode):
-        raise InputError(f"{path}: not a regular file")
-    try:
-        handle = open(path, "rb")  # noqa: SIM115 - owned by the returned Checkpoint
-    except OSError as error:
-        raise InputError(f"{path}: cannot open ({error.strerror})") from None
-    if os.fstat(handle.fileno()).st_size == 0:
-        handle.close()
-        raise EmptyFileError(f"{path}: the file is empty (an interrupted save?)")
-    return handle
+def dcp_without_metadata(path: str) -> CorruptCheckpointError:
+    """The refusal of a directory of DCP shards without its ``.metadata`` (where the door
+    would otherwise say "is a directory": :func:`ckpttool.io.source.open_local`'s wording)."""
+    return CorruptCheckpointError(
+        f"{path}: a torch.distributed.checkpoint directory without its {DCP_METADATA} file "
+        "(DCP writes it last: the save did not finish); use the previous checkpoint"
+    )
 
 
 #: First bytes of the pickles torch.save writes (protocols 0 to 5: its magic number is a LONG,

@@ -181,8 +181,8 @@ def open_member(
 ) -> Checkpoint:
     """One member file of a framework's directory (local or a URL), opened through the format
     registry (a framework opens files, never the door above it)."""
-    from ckpttool.formats.registry import open_file, open_local, open_source
-    from ckpttool.io.source import local_path
+    from ckpttool.formats.registry import open_file
+    from ckpttool.io.source import local_path, open_local, open_source
 
     name = os.fspath(path)
     if is_url(name):

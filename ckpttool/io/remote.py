@@ -30,10 +30,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
-from ckpttool.errors import ChangedError, CkptError, InputError
-from ckpttool.io.source import url_scheme
+from ckpttool.errors import ChangedError, CkptError, EmptyFileError, InputError
+from ckpttool.io.remote_backends import TransientError
+from ckpttool.io.urls import display_url, url_scheme
 
 BLOCK = 16 << 10  # cache granularity: a zip directory or a pickle is read in a few blocks
 CACHE_BLOCKS = 64  # 1 MiB of cache: the metadata of the largest files, never their values
@@ -45,21 +45,6 @@ MAX_IN_FLIGHT = 4  # requests in flight at once for one file
 MAX_PREFETCH = 4 << 20
 MAX_TRIES = 4  # attempts per request before a network fault is reported
 BACKOFF = 0.25  # seconds before the second attempt, doubled before each further one
-TIMEOUT = 30.0  # seconds a request may wait for the server before it counts as a fault
-MAX_REDIRECTS = 5
-MAX_FULL_DOWNLOAD = 8 << 30  # --full-download keeps the file in memory: refuse beyond this
-
-
-class TransientError(Exception):
-    """A fault worth another attempt (dropped connection, 5xx, short body, timeout).
-
-    ``received``: the body bytes the failed attempt brought before it failed (a dropped
-    connection's first half): fetched, so counted in ``--verbose``, though not used.
-    """
-
-    def __init__(self, message: str, received: int = 0) -> None:
-        super().__init__(message)
-        self.received = received
 
 
 @dataclass
@@ -88,15 +73,6 @@ def reset_totals() -> None:
     with _TOTALS_LOCK:
         TOTALS.requests = TOTALS.bytes_fetched = 0
         TOTALS.sizes.clear()
-
-
-def display_url(url: str) -> str:
-    """``url`` as messages show it: no user:password, no query (a presigned URL's signature)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
-    return f"{parts.scheme}://{host}{parts.path}" if parts.scheme else url
 
 
 # -- the file ---------------------------------------------------------------------------------
@@ -422,3 +398,58 @@ def member_listing(directory: str) -> dict[str, int]:
     if url_scheme(directory) in ("http", "https", "hf"):
         return {}
     return dict(sorted(_listing(directory).items()))
+
+
+# -- the Location of a URL ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """A URL: the :class:`~ckpttool.io.source.Location` read by ranged requests (and listed,
+    where its store can list). Errors are :class:`~ckpttool.errors.CkptError` s naming it."""
+
+    name: str
+
+    def shown(self) -> str:
+        return display_url(self.name)
+
+    def open(self) -> RemoteFile:
+        handle = open_remote(self.name)
+        if handle.size == 0:
+            handle.close()
+            raise EmptyFileError(f"{self.shown()}: the file is empty (an interrupted save?)")
+        return handle
+
+    def is_dir(self) -> bool:
+        return is_directory(self.name)
+
+    def is_file(self) -> bool:
+        return not self.is_dir()
+
+    def read_small(self, limit: int) -> bytes:
+        with self.open() as handle:
+            if handle.size > limit:
+                raise ValueError(f"{handle.size} bytes of JSON, more than any index needs")
+            return bytes(handle.read())
+
+    def read_head(self, limit: int) -> bytes:
+        with open_remote(self.name) as handle:
+            return bytes(handle.read_range(0, limit))
+
+    def join(self, member: str) -> str:
+        return self.name.rstrip("/") + "/" + member
+
+    def member_sizes(self, names: list[str]) -> dict[str, int]:
+        return member_sizes(self.name, names)
+
+    def can_list(self) -> bool:
+        return url_scheme(self.name) not in ("http", "https", "hf")
+
+    def list_names(self) -> list[str]:
+        return list_names(self.name)
+
+    def list_dirs(self) -> list[str]:
+        return list_directories(self.name)
+
+    def open_member(self, member: str) -> RemoteFile:
+        return open_remote(self.join(member))

@@ -6,7 +6,7 @@ open, the body's length), ``FsspecBackend`` (every other protocol, through fsspe
 protocol's package), ``MemoryBackend`` (a file a server sent whole, ``--full-download``), and
 how ``hf://`` URLs become the hub's resolve URLs with the token the hub's own client would send.
 Each backend has ``stat()`` and ``fetch(start, stop)``; faults worth another attempt raise
-:class:`~ckpttool.io.remote.TransientError`, and :class:`~ckpttool.io.remote.RemoteFile` retries.
+:class:`TransientError`, and :class:`~ckpttool.io.remote.RemoteFile` retries.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-from ckpttool.errors import InputError
-from ckpttool.io import remote
-from ckpttool.io.remote import ChangedError, TransientError, display_url
-from ckpttool.io.source import SETTINGS, url_scheme
+from ckpttool.errors import ChangedError, InputError
+from ckpttool.io.urls import SETTINGS, display_url, url_scheme
+
+TIMEOUT = 30.0  # seconds a request may wait for the server before it counts as a fault
+MAX_REDIRECTS = 5
+MAX_FULL_DOWNLOAD = 8 << 30  # --full-download keeps the file in memory: refuse beyond this
 
 # Protocols fsspec reads through a package of their own: named in the message when it is missing.
 PROTOCOL_PACKAGES = {
@@ -30,6 +32,18 @@ PROTOCOL_PACKAGES = {
     "abfss": "adlfs", "adl": "adlfs", "oci": "ocifs", "webdav": "webdav4", "sftp": "paramiko",
     "ssh": "paramiko", "smb": "smbprotocol",
 }  # fmt: skip
+
+
+class TransientError(Exception):
+    """A fault worth another attempt (dropped connection, 5xx, short body, timeout).
+
+    ``received``: the body bytes the failed attempt brought before it failed (a dropped
+    connection's first half): fetched, so counted in ``--verbose``, though not used.
+    """
+
+    def __init__(self, message: str, received: int = 0) -> None:
+        super().__init__(message)
+        self.received = received
 
 
 # -- backends: one request for one range ------------------------------------------------------
@@ -56,7 +70,7 @@ class HttpBackend:
         if cached is not None:
             cached[1].close()
         cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        connection = cls(parts.hostname or "", parts.port, timeout=remote.TIMEOUT)
+        connection = cls(parts.hostname or "", parts.port, timeout=TIMEOUT)
         self._local.connection = (key, connection)
         with self._lock:
             self._connections.append(connection)
@@ -72,7 +86,7 @@ class HttpBackend:
         """The response to a GET of the file, redirects followed (credentials kept on one host)."""
         url = self.url
         sent = {**self.headers, **headers}
-        for _ in range(remote.MAX_REDIRECTS + 1):
+        for _ in range(MAX_REDIRECTS + 1):
             parts = urlsplit(url)
             target = parts.path or "/"
             if parts.query:
@@ -95,7 +109,7 @@ class HttpBackend:
                 url = new_url
                 continue
             return response, url
-        raise InputError(f"{display_url(self.url)}: more than {remote.MAX_REDIRECTS} redirects")
+        raise InputError(f"{display_url(self.url)}: more than {MAX_REDIRECTS} redirects")
 
     def _check_status(self, response: http.client.HTTPResponse) -> None:
         status = response.status
@@ -134,11 +148,11 @@ class HttpBackend:
                     f"{display_url(self.url)}: the server does not honour Range requests (it "
                     "sends the whole file); pass --full-download to download it into memory"
                 )
-            if length is not None and int(length) > remote.MAX_FULL_DOWNLOAD:
+            if length is not None and int(length) > MAX_FULL_DOWNLOAD:
                 self._discard(response)
                 raise InputError(
                     f"{display_url(self.url)}: --full-download keeps the file in memory, and it "
-                    f"has {int(length):,} bytes (limit {remote.MAX_FULL_DOWNLOAD:,})"
+                    f"has {int(length):,} bytes (limit {MAX_FULL_DOWNLOAD:,})"
                 )
             try:
                 body = response.read()

@@ -1,38 +1,27 @@
 """Where checkpoint bytes come from: a local file (``pread``) or a URL (ranged reads).
 
-The reader and the format modules read through two calls, :func:`read_range` and
-:func:`source_size`, on either an open local file or a remote file (:mod:`ckpttool.io.remote`,
-imported only when a URL is opened). Which names are URLs is decided here, in one place
-(:func:`is_url`); plain local use imports nothing more than this module.
+A name is a :class:`Location` with one small set of verbs (open, list, join, read a small
+file...), implemented twice: :class:`LocalSource` here, and
+:class:`~ckpttool.io.remote.RemoteSource` for a URL. :func:`location` chooses once, from the
+name (:func:`is_url`); no verb asks again, and plain local use imports nothing more than this
+module (:mod:`ckpttool.io.remote` is imported only for a URL). The reader and the format
+modules read an open file through two calls, :func:`read_range` and :func:`source_size`, on
+either a local descriptor or a remote file.
 """
 
 from __future__ import annotations
 
 import os
-import re
+import stat
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
-# scheme://... (s3, gs, az, abfs, hf, http, https, and any other fsspec protocol). A Windows
-# drive ("C:\\x") has no "//" after the colon; "file://" is a URL to fsspec but read locally.
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def url_scheme(name: str | os.PathLike[str]) -> str | None:
-    """The protocol of ``name`` if it is a URL (``"s3"``, ``"https"``...), else None."""
-    match = _URL.match(os.fspath(name)) if isinstance(name, str) else None
-    return match.group(1).lower() if match else None
-
-
-def is_url(name: str | os.PathLike[str]) -> bool:
-    """Whether ``name`` is read over the network (a ``file://`` URL is a local path)."""
-    scheme = url_scheme(name)
-    return scheme is not None and scheme != "file"
-
-
-def local_path(name: str) -> str:
-    """``file:///x`` -> ``/x``; any other name unchanged."""
-    return name[len("file://") :] if url_scheme(name) == "file" else name
+from ckpttool.errors import EmptyFileError, InputError
+from ckpttool.io.urls import SETTINGS as SETTINGS
+from ckpttool.io.urls import RemoteSettings as RemoteSettings
+from ckpttool.io.urls import is_url as is_url
+from ckpttool.io.urls import local_path as local_path
+from ckpttool.io.urls import url_scheme as url_scheme
 
 
 class RangeReader(Protocol):
@@ -45,18 +34,6 @@ class RangeReader(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-@dataclass
-class RemoteSettings:
-    """What the CLI's remote options set for the library calls of one command."""
-
-    full_download: bool = False  # a server that ignores Range: download the file into memory
-    verbose: bool = False
-
-
-#: The settings :mod:`ckpttool.io.remote` reads when it opens a URL (the CLI sets them).
-SETTINGS = RemoteSettings()
 
 
 # These run once per tensor read: an attribute test, not isinstance() on a runtime-checkable
@@ -85,64 +62,194 @@ def read_range(source: int | RangeReader, length: int, offset: int) -> bytearray
     return source.read_range(offset, length)
 
 
-# -- directories: a DCP checkpoint's members, local or under a URL ----------------------------
+# -- where the bytes are: a local path or a URL, one protocol -----------------------------------
+
+
+class Location(Protocol):
+    """A name checkpoint bytes are read under, as a file or as a directory of members: a local
+    path (:class:`LocalSource`) or a URL (:class:`ckpttool.io.remote.RemoteSource`).
+
+    :func:`location` picks the implementation once, from the name; the functions below are
+    its verbs for callers that hold a name. Errors: OSError for a local path,
+    :class:`~ckpttool.errors.CkptError` naming the URL for a remote one (except the opening
+    verbs, which raise :class:`~ckpttool.errors.CkptError` for both).
+    """
+
+    @property
+    def name(self) -> str:
+        """The name as given (a path, or the URL)."""
+        ...
+
+    def shown(self) -> str:
+        """How errors name it (a URL without credentials or a presigned query)."""
+        ...
+
+    def open(self) -> Any:
+        """The file opened for reading: a local binary file, or a remote one read by ranges.
+        :class:`~ckpttool.errors.InputError` if it is missing, a directory, not a regular
+        file or unreadable; :class:`~ckpttool.errors.EmptyFileError` if empty."""
+        ...
+
+    def is_dir(self) -> bool: ...
+
+    def is_file(self) -> bool: ...
+
+    def read_small(self, limit: int) -> bytes:
+        """The whole file (an index, a JSON state); ``ValueError`` if over ``limit``."""
+        ...
+
+    def read_head(self, limit: int) -> bytes:
+        """The first ``limit`` bytes (a marker file such as DeepSpeed's ``latest``)."""
+        ...
+
+    def join(self, member: str) -> str:
+        """The name of ``member`` in this directory."""
+        ...
+
+    def member_sizes(self, names: list[str]) -> dict[str, int]:
+        """Sizes of the regular files among ``names`` in this directory (absent ones left out)."""
+        ...
+
+    def can_list(self) -> bool:
+        """Whether this directory's files can be listed (HTTP cannot)."""
+        ...
+
+    def list_names(self) -> list[str]: ...
+
+    def list_dirs(self) -> list[str]: ...
+
+    def open_member(self, member: str) -> int | RangeReader:
+        """``member`` of this directory opened for :func:`read_range`."""
+        ...
+
+
+def location(name: str | os.PathLike[str]) -> Location:
+    """``name``'s :class:`Location`: a URL's (:mod:`ckpttool.io.remote`, imported only here,
+    only for a URL) or a local path's."""
+    if is_url(name):
+        from ckpttool.io.remote import RemoteSource  # fsspec and friends only for URLs
+
+        return RemoteSource(os.fspath(name))
+    return LocalSource(os.fspath(name))
+
+
+@dataclass(frozen=True)
+class LocalSource:
+    """A local path (a ``file://`` URL opens as its path): the :class:`Location` on disk."""
+
+    name: str
+
+    def shown(self) -> str:
+        return self.name
+
+    def open(self) -> BinaryIO:
+        return open_local(local_path(self.name))
+
+    def is_dir(self) -> bool:
+        return os.path.isdir(self.name)
+
+    def is_file(self) -> bool:
+        return os.path.isfile(self.name)
+
+    def read_small(self, limit: int) -> bytes:
+        size = os.path.getsize(self.name)
+        if size > limit:
+            raise ValueError(f"{size} bytes of JSON, more than any index needs")
+        with open(self.name, "rb") as handle:
+            return handle.read()
+
+    def read_head(self, limit: int) -> bytes:
+        with open(self.name, "rb") as handle:
+            return handle.read(limit)
+
+    def join(self, member: str) -> str:
+        return os.path.join(self.name, member)
+
+    def member_sizes(self, names: list[str]) -> dict[str, int]:
+        sizes = {}
+        for member in names:
+            path = os.path.join(self.name, member)
+            if os.path.isfile(path):
+                sizes[member] = os.stat(path).st_size
+        return sizes
+
+    def can_list(self) -> bool:
+        return True
+
+    def list_names(self) -> list[str]:
+        return sorted(entry.name for entry in os.scandir(self.name) if entry.is_file())
+
+    def list_dirs(self) -> list[str]:
+        return sorted(e.name for e in os.scandir(self.name) if e.is_dir(follow_symlinks=False))
+
+    def open_member(self, member: str) -> int:
+        return os.open(os.path.join(self.name, member), os.O_RDONLY)
+
+
+def open_local(path: str) -> BinaryIO:
+    """The local file ``path`` opened for reading, after the checks every command wants: it
+    exists, is a regular file (a directory is refused with a generic message: the door words
+    the kinds of directory it knows), and is not empty."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except OSError as error:
+        raise InputError(f"{path}: cannot access ({error.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise InputError(f"{path}: is a directory, not a checkpoint file")
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{path}: not a regular file")
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - owned by the caller
+    except OSError as error:
+        raise InputError(f"{path}: cannot open ({error.strerror})") from None
+    if os.fstat(handle.fileno()).st_size == 0:
+        handle.close()
+        raise EmptyFileError(f"{path}: the file is empty (an interrupted save?)")
+    return handle
+
+
+# -- the verbs, for callers that hold a name -------------------------------------------------
+
+
+def open_source(name: str) -> Any:
+    """``name`` opened for reading: a local file, or a remote one read by ranges (a URL)."""
+    return location(name).open()
 
 
 def join(directory: str, name: str) -> str:
     """``directory/name`` for a local directory or a URL."""
-    if is_url(directory):
-        return directory.rstrip("/") + "/" + name
-    return os.path.join(directory, name)
+    return location(directory).join(name)
 
 
 def member_sizes(directory: str, names: list[str]) -> dict[str, int]:
     """Sizes of the regular files among ``names`` in ``directory`` (absent ones left out)."""
-    if is_url(directory):
-        from ckpttool.io.remote import member_sizes as remote_sizes
-
-        return remote_sizes(directory, names)
-    sizes = {}
-    for name in names:
-        path = os.path.join(directory, name)
-        if os.path.isfile(path):
-            sizes[name] = os.stat(path).st_size
-    return sizes
+    return location(directory).member_sizes(names)
 
 
 def can_list(directory: str) -> bool:
     """Whether ``directory``'s files can be listed: a local one, or a URL of an object store
     (not ``http(s)://`` or ``hf://``: HTTP has no listing)."""
-    return url_scheme(directory) not in ("http", "https", "hf")
+    return location(directory).can_list()
 
 
 def list_names(directory: str) -> list[str]:
     """Names of the files directly in ``directory`` (a URL's, where its protocol can list)."""
-    if is_url(directory):
-        from ckpttool.io.remote import list_names as remote_names
-
-        return remote_names(directory)
-    return sorted(entry.name for entry in os.scandir(directory) if entry.is_file())
+    return location(directory).list_names()
 
 
 def list_dirs(directory: str) -> list[str]:
     """Names of the subdirectories directly in ``directory`` (local: not symlinks; a URL's: the
     prefixes its store lists, none over HTTP). OSError (local) or
     :class:`~ckpttool.errors.CkptError` (URL) if it cannot be listed."""
-    if is_url(directory):
-        from ckpttool.io.remote import list_directories
-
-        return list_directories(directory)
-    return sorted(e.name for e in os.scandir(directory) if e.is_dir(follow_symlinks=False))
+    return location(directory).list_dirs()
 
 
 def open_member(directory: str, name: str) -> int | RangeReader:
     """A member file of ``directory`` opened for :func:`read_range`: a descriptor, or a remote
     file. Raises OSError for a local file that cannot be opened."""
-    if is_url(directory):
-        from ckpttool.io.remote import open_remote
-
-        return open_remote(join(directory, name))
-    return os.open(os.path.join(directory, name), os.O_RDONLY)
+    return location(directory).open_member(name)
 
 
 def close_member(source: int | RangeReader) -> None:
@@ -152,62 +259,32 @@ def close_member(source: int | RangeReader) -> None:
         source.close()
 
 
-# -- framework directories (Hugging Face, Trainer, accelerate): listing and small files ------
-
-
 def is_dir(path: str) -> bool:
     """``os.path.isdir`` for a local path; for a URL, whether its store lists it as a directory."""
-    if is_url(path):
-        from ckpttool.io.remote import is_directory
-
-        return is_directory(path)
-    return os.path.isdir(path)
+    return location(path).is_dir()
 
 
 def is_file(path: str) -> bool:
     """``os.path.isfile`` for a local path; for a URL, whether it is not a directory (a missing
     one is reported when it is read)."""
-    if is_url(path):
-        return not is_dir(path)
-    return os.path.isfile(path)
+    return location(path).is_file()
 
 
 def read_small(path: str, limit: int) -> bytes:
     """A small file's bytes (an index, a JSON state); ``ValueError`` if over ``limit``, OSError
     (local) or :class:`~ckpttool.errors.CkptError` (URL) if unreadable."""
-    if is_url(path):
-        from ckpttool.checkpoint import open_source
-
-        with open_source(path) as handle:
-            if handle.size > limit:
-                raise ValueError(f"{handle.size} bytes of JSON, more than any index needs")
-            return bytes(handle.read())
-    size = os.path.getsize(path)
-    if size > limit:
-        raise ValueError(f"{size} bytes of JSON, more than any index needs")
-    with open(path, "rb") as handle:
-        return handle.read()
+    return location(path).read_small(limit)
 
 
 def read_head(path: str, limit: int) -> bytes:
     """The first ``limit`` bytes of a file (a marker file such as DeepSpeed's ``latest``);
     OSError (local) or :class:`~ckpttool.errors.CkptError` naming the URL if unreadable."""
-    if is_url(path):
-        from ckpttool.io.remote import open_remote
-
-        with open_remote(path) as handle:
-            return bytes(handle.read_range(0, limit))
-    with open(path, "rb") as handle:
-        return handle.read(limit)
+    return location(path).read_head(limit)
 
 
 def shown_name(name: str) -> str:
     """How errors name ``name``: a URL without credentials or a presigned query."""
-    if is_url(name):
-        from ckpttool.io.remote import display_url
-
-        return display_url(name)
-    return name
+    return location(name).shown()
 
 
 def read_at(fd: int, length: int, offset: int) -> bytearray:

@@ -136,6 +136,23 @@ def counter_plan(key: str, old: int, saved: int, new_world: int, strict: bool) -
 
 
 @dataclass(frozen=True)
+class RescaleTarget:
+    """What ``rescale-step`` rescales for: the new number of ranks and how the step counts.
+
+    Built once, by the command line from its flags or by :func:`~ckpttool.commands.rescale.run.rescale_step` (and
+    :func:`~ckpttool.commands.rescale.directory.rescale_directory`) from a library call's
+    keywords, and handed down whole to a file's and a directory's rescale.
+    """
+
+    world_size: int  # the number of ranks the run resumes on
+    from_world_size: int | None = None  # the saved one, for files without (or with a wrong) one
+    batch_size: int | None = None  # per-rank batch size: repeated samples reported in samples
+    strict: bool = False  # refuse when the new step cannot be exact
+    step_key: str | None = None  # the top-level field rescaled instead of "step" (one file)
+    keep_global_batch: bool = False  # DeepSpeed: keep the global batch and its counters
+
+
+@dataclass(frozen=True)
 class RescaleRequest:
     """What the user asked of ``rescale-step`` on a directory."""
 

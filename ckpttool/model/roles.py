@@ -1,4 +1,13 @@
-"""What kind of checkpoint an object tree is, and what its training state says.
+"""Roles: what kind of checkpoint an object tree is, and what each of its parts is for.
+
+A *role* is what a tree, or a part of it, is for in training, whatever the script called it:
+the whole tree is a plain state dict, a resume checkpoint, a Lightning checkpoint, a bare
+optimizer state...; its parts are the model, the optimizer, the EMA weights, the counters, the
+RNG state. The role of a whole tree is the value every ``--json`` output reports under the key
+``"layout"`` (:data:`LAYOUT_TITLES`: the JSON key and its values keep that name; here and in
+the code that asks, "role" and "layout" name the same thing). It is not how the bytes are
+stored (a checkpoint's ``format``: :mod:`ckpttool.formats`), nor how a framework lays out a
+directory (:mod:`ckpttool.frameworks`), nor a tensor's strides.
 
 Pure functions over the reader's tree: no file access, no torch. ``diff``, ``convert`` and
 ``rescale-step`` use :func:`detect_layout` and :func:`model_section` to find the weights.
@@ -11,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpttool.model.data_records import is_data_record
 from ckpttool.model.records import (
     OpaqueObject,
     TensorRecord,
@@ -21,7 +31,6 @@ from ckpttool.model.records import (
     tensors,
     walk,
 )
-from ckpttool.pickle.policy import is_data_record
 
 STATE_DICT = "state_dict"
 MINIMIND_RESUME = "minimind_resume"

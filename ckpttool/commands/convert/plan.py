@@ -16,9 +16,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckpttool.checkpoint import Checkpoint
+from ckpttool.commands.convert.options import ConversionOptions
 from ckpttool.commands.selection import (
     ALIASES_KEY,
-    WRAPPER_PREFIXES,
+    Selection,
     declared_aliases,
     select,
     strip_prefixes,
@@ -79,17 +80,10 @@ class Plan:
 
 def build_plan(
     ckpt: Checkpoint,
+    choice: Selection,
+    options: ConversionOptions,
     *,
-    section: str | None = None,
-    strip: Sequence[str] = (),
-    ignore_wrappers: bool = False,
-    pattern: str | None = None,
-    dtype: str = "keep",
-    keep_shared: bool = False,
-    densify: bool = False,
-    dequantize: bool = False,
     keep_kinds: bool = False,
-    skip_missing_values: bool = False,
 ) -> Plan:
     """Decide names, dtypes, aliases and metadata fields for converting ``ckpt``.
 
@@ -99,13 +93,20 @@ def build_plan(
     Tensors the file holds no values of (DTensor shards, meta tensors) are refused unless
     ``skip_missing_values`` (then left out, with a note): an output never holds fewer tensors
     than were selected without the user asking for it."""
+    section, strip, ignore_wrappers, pattern = (
+        choice.section, choice.strip, choice.ignore_wrappers, choice.pattern
+    )  # fmt: skip
+    dtype, keep_shared, densify, dequantize, skip_missing_values = (
+        options.dtype, options.keep_shared, options.densify, options.dequantize,
+        options.skip_missing_values,
+    )  # fmt: skip
     if dtype != "keep" and dtype not in TARGETS:
         raise InputError(f"--dtype must be one of keep, {', '.join(TARGETS)}; got {dtype!r}")
     selection = select(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
     selected_keys = {record.key for record in selection.tensors.values()}
     named = dict(selection.tensors)
     notes: list[str] = []
-    prefixes = [*strip, *(WRAPPER_PREFIXES if ignore_wrappers else ())]
+    prefixes = choice.prefixes
     alias_entries: set[str] = set()
     if ckpt.format == "safetensors":
         alias_entries = _add_recorded_aliases(ckpt, named, prefixes, notes)

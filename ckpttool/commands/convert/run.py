@@ -26,6 +26,7 @@ import numpy as np
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.convert import model_dir, torch_kinds
+from ckpttool.commands.convert.options import ConversionOptions
 from ckpttool.commands.convert.output import (
     FORMATS,
     OutFile,
@@ -35,6 +36,7 @@ from ckpttool.commands.convert.output import (
     writes_pth,
 )
 from ckpttool.commands.convert.plan import FIELD_PREFIX, Plan, Planned, build_plan
+from ckpttool.commands.selection import Selection
 from ckpttool.errors import (
     CkptError,
     InputError,
@@ -101,34 +103,54 @@ def convert(
     progress: ProgressCallback | None = None,
     on_total: ProgressCallback | None = None,
 ) -> ConvertReport:
-    """Convert the weights in ``src`` to safetensors (or ``to="pth"``); see the module doc.
+    """:func:`convert_with` for a library call: the option groups from keywords."""
+    choice = Selection(section, tuple(strip), ignore_wrappers, pattern)
+    options = ConversionOptions(
+        to=to, dtype=dtype, allow_overflow=allow_overflow, keep_shared=keep_shared,
+        densify=densify, dequantize=dequantize, skip_missing_values=skip_missing_values,
+        max_shard_size=max_shard_size, verify=verify,
+    )  # fmt: skip
+    return convert_with(src, dst, choice, options, force=force, progress=progress,
+                        on_total=on_total)  # fmt: skip
+
+
+def convert_with(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str] | None,
+    choice: Selection,
+    options: ConversionOptions,
+    *,
+    force: bool = False,
+    progress: ProgressCallback | None = None,
+    on_total: ProgressCallback | None = None,
+) -> ConvertReport:
+    """Convert the weights in ``src`` (those ``choice`` selects) to safetensors (or
+    ``options.to="pth"``); see the module doc.
 
     ``progress`` is called with the bytes each tensor adds (written, then verified);
     ``on_total`` once, before any is written, with the total it will add up to.
-    ``skip_missing_values``: leave out the selected tensors the file holds no values of
+    ``options.skip_missing_values``: leave out the selected tensors the file holds no values of
     (DTensor shards of one rank, meta tensors), with a note; without it they are refused.
 
     Raises :class:`~ckpttool.errors.OutputExistsError` if an output exists and not ``force``,
-    :class:`OverflowRefusedError` if a cast overflows and not ``allow_overflow``,
+    :class:`OverflowRefusedError` if a cast overflows and not ``options.allow_overflow``,
     :class:`VerificationError` (exit code 1) if the output does not read back identical.
     """
+    to, dtype, verify = options.to, options.dtype, options.verify
     if to is not None and to not in FORMATS:
         raise InputError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
+    max_shard_size = options.max_shard_size
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     src_path = _local_name(src, dst)
     with open_checkpoint(src, view=WEIGHTS_VIEW) as ckpt:
-        plan = build_plan(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers,
-                          pattern=pattern, dtype=dtype, keep_shared=keep_shared,
-                          densify=densify, dequantize=dequantize,
-                          keep_kinds=writes_pth(dst, to),
-                          skip_missing_values=skip_missing_values)  # fmt: skip
+        plan = build_plan(ckpt, choice, options, keep_kinds=writes_pth(dst, to))
         facts = view_facts(ckpt)
         plan.notes[:0] = list(facts.notes) if facts is not None else []
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
 
         def write(plan: Plan, files: list[OutFile]) -> dict[str, CastCounts]:
-            return _write_outputs(ckpt, plan, files, allow_overflow=allow_overflow,
+            return _write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
                                   verify=verify, progress=progress or (lambda n: None))  # fmt: skip
 
         output = model_dir.model_directory(ckpt)

@@ -29,7 +29,7 @@ from ckpttool.checkpoint import Checkpoint
 from ckpttool.commands.selection import (
     ALIASES_KEY,
     WRAPPER_PREFIXES,
-    Selection,
+    Selected,
     declared_aliases,
     strip_prefixes,
     wrapper_hint,
@@ -94,7 +94,7 @@ def _normalised(key: str, section: str | None, prefixes: Sequence[str]) -> str:
 
 
 def metadata_aliases(
-    ckpt: Checkpoint, selection: Selection, prefixes: Sequence[str], label: str, notes: list[str]
+    ckpt: Checkpoint, selection: Selected, prefixes: Sequence[str], label: str, notes: list[str]
 ) -> dict[str, str]:
     """alias -> stored key, both as compared, from a safetensors file's ``__metadata__``."""
     stored = {record.key for record in selection.tensors.values()}

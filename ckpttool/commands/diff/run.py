@@ -44,6 +44,7 @@ from ckpttool.commands.diff.values import (
     narrower_dtype,
     scalar_value,
 )
+from ckpttool.commands.selection import Selection
 from ckpttool.errors import CkptError
 from ckpttool.frameworks.base import WEIGHTS_VIEW, reported_layout, view_facts
 from ckpttool.io.progress import ProgressCallback
@@ -193,10 +194,8 @@ def diff(
             else:
                 ckpts.append(stack.enter_context(open_side(item)))
         ckpt_a, ckpt_b = ckpts
-        plan = plan_diff(
-            ckpt_a, ckpt_b, section=section, section_a=section_a, section_b=section_b,
-            strip=strip, ignore_wrappers=ignore_wrappers,
-        )  # fmt: skip
+        selection = Selection(section, tuple(strip), ignore_wrappers)
+        plan = plan_diff(ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b)
         return run_diff(
             ckpt_a, ckpt_b, plan, rtol=rtol, atol=atol, quick=quick, rounded=rounded,
             progress=progress,
@@ -206,19 +205,18 @@ def diff(
 def plan_diff(
     ckpt_a: Checkpoint,
     ckpt_b: Checkpoint,
+    selection: Selection | None = None,
     *,
-    section: str | None = None,
     section_a: str | None = None,
     section_b: str | None = None,
-    strip: Sequence[str] = (),
-    ignore_wrappers: bool = False,
 ) -> DiffPlan:
-    """Match tensors and compare fields, from metadata alone (no tensor bytes are read)."""
+    """Match tensors and compare fields, from metadata alone (no tensor bytes are read).
+    ``section_a``/``section_b`` override ``selection.section`` for one side."""
+    selection = selection or Selection()
     notes: list[str] = []
     part_a, part_b = choose_parts(
-        ckpt_a, ckpt_b, section=section, section_a=section_a, section_b=section_b,
-        strip=strip, ignore_wrappers=ignore_wrappers, notes=notes,
-    )  # fmt: skip
+        ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b, notes=notes
+    )
     sel_a, sel_b = part_a.selection, part_b.selection
     aliases_a = metadata_aliases(ckpt_a, sel_a, part_a.prefixes, "A", notes)
     aliases_b = metadata_aliases(ckpt_b, sel_b, part_b.prefixes, "B", notes)
@@ -226,7 +224,7 @@ def plan_diff(
     for pair in pairs:
         if pair.alias is not None:
             notes.append(alias_note(pair))
-    if not ignore_wrappers:
+    if not selection.ignore_wrappers:
         notes.extend(wrapper_note(pairs))
     fields = compare_fields(
         ckpt_a.section(sel_a.section) if sel_a.section else ckpt_a.root,

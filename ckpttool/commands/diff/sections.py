@@ -24,13 +24,12 @@ under a directory's weights section carries the key its file stores (:attr:`Part
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.commands.diff.match import extra_prefixes, metadata_aliases
-from ckpttool.commands.selection import WRAPPER_PREFIXES, Selection, select
+from ckpttool.commands.selection import Selected, Selection, select
 from ckpttool.commands.show import weights_section
 from ckpttool.errors import InputError
 from ckpttool.model.records import tensors
@@ -42,7 +41,7 @@ class Part:
     """The tensors of one side that are compared, and how they were chosen."""
 
     layout: str
-    selection: Selection  # .section: the subtree compared (None: the whole file)
+    selection: Selected  # .section: the subtree compared (None: the whole file)
     auto: bool  # the section was chosen (layouts of different kinds, or alignment), not named
     prefixes: tuple[str, ...]  # removed from keys: --strip-prefix, wrappers, aligned prefix
     aligned_prefix: str | None  # the extra prefix removed to align this side's keys
@@ -54,15 +53,15 @@ class Part:
 def choose_parts(
     ckpt_a: Checkpoint,
     ckpt_b: Checkpoint,
+    selection: Selection,
     *,
-    section: str | None,
     section_a: str | None,
     section_b: str | None,
-    strip: Sequence[str],
-    ignore_wrappers: bool,
     notes: list[str],
 ) -> tuple[Part, Part]:
-    """Apply the rules of the module docstring; notes say what was chosen and why."""
+    """Apply the rules of the module docstring; notes say what was chosen and why.
+    ``section_a``/``section_b`` override ``selection.section`` for one side."""
+    section = selection.section
     layout_a = layout_of(ckpt_a)
     layout_b = layout_of(ckpt_b)
     auto = False
@@ -84,12 +83,14 @@ def choose_parts(
                 f"{_part('A', section_a)} with {_part('B', section_b)} "
                 "(use --section-a/--section-b to choose)"
             )
-    options: dict[str, Any] = {"strip": strip, "ignore_wrappers": ignore_wrappers}
+    options: dict[str, Any] = {
+        "strip": selection.strip, "ignore_wrappers": selection.ignore_wrappers
+    }  # fmt: skip
     sel_a = select(ckpt_a, section=section_a, auto_section=False, **options)
     sel_b = select(ckpt_b, section=section_b, auto_section=False, **options)
     if section_a is None and section_b is None:
         sel_a, sel_b = _weights_as_stored(ckpt_a, sel_a, ckpt_b, sel_b, options, notes)
-    prefixes = [*strip, *(WRAPPER_PREFIXES if ignore_wrappers else ())]
+    prefixes = selection.prefixes
     aliases_a = metadata_aliases(ckpt_a, sel_a, prefixes, "A", [])  # notes: once, by the caller
     aliases_b = metadata_aliases(ckpt_b, sel_b, prefixes, "B", [])
     sel_a, sel_b, prefix_a, prefix_b = _align(
@@ -109,12 +110,12 @@ def choose_parts(
 
 def _weights_as_stored(
     ckpt_a: Checkpoint,
-    sel_a: Selection,
+    sel_a: Selected,
     ckpt_b: Checkpoint,
-    sel_b: Selection,
+    sel_b: Selected,
     options: dict[str, Any],
     notes: list[str],
-) -> tuple[Selection, Selection]:
+) -> tuple[Selected, Selected]:
     """Both whole selections keyed with the weights as their files store them, when A and B
     are framework directories whose weights fill the same section (see the module
     docstring); else both unchanged."""
@@ -145,7 +146,7 @@ def stored_section(ckpt: Checkpoint) -> str | None:
     return weights if len(keys) == len(records) else None
 
 
-def _stored_in(ckpt: Checkpoint, selection: Selection) -> str | None:
+def _stored_in(ckpt: Checkpoint, selection: Selected) -> str | None:
     """:attr:`Part.stored` for a side: its weights section when the part compared holds it or
     lies in it."""
     if selection.weights is not None:
@@ -198,14 +199,14 @@ def _has_section(ckpt: Checkpoint, name: str) -> bool:
 
 def _align(
     ckpt_a: Checkpoint,
-    sel_a: Selection,
+    sel_a: Selected,
     aliases_a: dict[str, str],
     ckpt_b: Checkpoint,
-    sel_b: Selection,
+    sel_b: Selected,
     aliases_b: dict[str, str],
     options: dict[str, Any],
     notes: list[str],
-) -> tuple[Selection, Selection, list[str], list[str]]:
+) -> tuple[Selected, Selected, list[str], list[str]]:
     """Align two selections that share no key when one side's keys are the other's under one
     extra prefix (see the module docstring). Returns both selections and each side's removed
     prefix (an empty list, or the prefix)."""
@@ -227,7 +228,7 @@ def _align(
     subtree = _subtree(ckpt, own, prefix)
     if subtree is not None:
         chosen = select(ckpt, section=subtree, auto_section=False, **options)
-        chosen = Selection(chosen.layout, chosen.section, True, chosen.tensors)
+        chosen = Selected(chosen.layout, chosen.section, True, chosen.tensors)
         sections = {"A": sel_a.section, "B": sel_b.section, label: subtree}
         notes.append(
             f"{other_label}'s tensor keys are {label}'s under {prefix!r}: comparing "
@@ -237,7 +238,7 @@ def _align(
         removed: list[str] = []
     elif all(key.startswith(prefix) for key in own.tensors):
         rekeyed = {key[len(prefix) :]: record for key, record in own.tensors.items()}
-        chosen = Selection(own.layout, own.section, own.auto, rekeyed, own.weights)
+        chosen = Selected(own.layout, own.section, own.auto, rekeyed, own.weights)
         notes.append(
             f"{label}'s tensor keys are {other_label}'s with the prefix {prefix!r}: "
             "compared without it"
@@ -250,7 +251,7 @@ def _align(
     return sel_a, chosen, [], removed
 
 
-def _subtree(ckpt: Checkpoint, selection: Selection, prefix: str) -> str | None:
+def _subtree(ckpt: Checkpoint, selection: Selected, prefix: str) -> str | None:
     """The section path of the subtree that holds exactly ``selection``'s keys under ``prefix``
     (None: they are not one subtree, e.g. flat keys that merely share ``module.``; nor when
     the weights' keys are as their files store them, which are not paths of the tree)."""

@@ -38,6 +38,7 @@ from ckpttool.model.rescaling import (
     DirectoryRescaleReport,
     FileAction,
     RescaleRequest,
+    RescaleTarget,
     ValueChange,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "ValueChange",
     "plan_directory",
     "rescale_directory",
+    "rescale_directory_to",
 ]
 
 
@@ -74,13 +76,33 @@ def rescale_directory(
     ``overwrite``), or with ``in_place`` replaces ``path``; either way the result is built as a
     temp directory beside it and renamed into place, so a crash leaves the old checkpoint or
     the complete new one. ``dry_run`` plans and checks everything and writes nothing.
+    (:func:`rescale_directory_to` with the :class:`RescaleTarget` made of the keywords.)
     """
+    target = RescaleTarget(
+        world_size, from_world_size=from_world_size, batch_size=batch_size, strict=strict,
+        keep_global_batch=keep_global_batch,
+    )  # fmt: skip
+    return rescale_directory_to(path, target, output=output, in_place=in_place,
+                                overwrite=overwrite, dry_run=dry_run)  # fmt: skip
+
+
+def rescale_directory_to(
+    path: str | os.PathLike[str],
+    target: RescaleTarget,
+    *,
+    output: str | os.PathLike[str] | None = None,
+    in_place: bool = False,
+    overwrite: bool = False,
+    dry_run: bool = False,
+) -> DirectoryRescaleReport:
+    """Rescale the framework checkpoint directory ``path`` for ``target``; the rest as
+    :func:`rescale_directory`."""
     path = Path(path)
     if in_place and output is not None:
         raise InputError("--in-place and -o/--output exclude each other")
     request = RescaleRequest(
-        world_size, from_world_size, strict, output, in_place, overwrite, dry_run, batch_size,
-        keep_global_batch,
+        target.world_size, target.from_world_size, target.strict, output, in_place, overwrite,
+        dry_run, target.batch_size, target.keep_global_batch,
     )  # fmt: skip
     try:
         return _rescale_directory(path, request)

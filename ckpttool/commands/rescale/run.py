@@ -44,7 +44,7 @@ from ckpttool.formats.torch_zip.rewrite import FieldRewrite, verify_rewrite
 from ckpttool.io.atomic import atomic_group
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model.lr_schedule import rescale_scheduler
-from ckpttool.model.rescaling import RescalePlan, describe_repeats
+from ckpttool.model.rescaling import RescalePlan, RescaleTarget, describe_repeats
 from ckpttool.model.roles import LAYOUT_TITLES, LIGHTNING, TRAINING, is_resume, layout_of
 from ckpttool.pickle.edit import emit
 
@@ -54,8 +54,10 @@ __all__ = [
     "InexactRescaleError",
     "RescalePlan",
     "RescaleReport",
+    "RescaleTarget",
     "describe_repeats",
     "rescale_fields",
+    "rescale_file",
     "rescale_step",
 ]
 
@@ -185,7 +187,28 @@ def rescale_step(
     ``PATH.bak`` (refused if that exists). ``dry_run`` plans and checks everything but writes
     nothing. ``step_key`` names the field to rescale; when not given, the file must be a
     resume checkpoint and ``step`` is used. Raises a :class:`~ckpttool.errors.CkptError`.
+    (:func:`rescale_file` with the :class:`RescaleTarget` made of the keywords.)
     """
+    target = RescaleTarget(
+        world_size, from_world_size=from_world_size, batch_size=batch_size, strict=strict,
+        step_key=step_key,
+    )  # fmt: skip
+    return rescale_file(path, target, output=output, overwrite=overwrite, backup=backup,
+                        dry_run=dry_run, progress=progress)  # fmt: skip
+
+
+def rescale_file(
+    path: str | os.PathLike[str],
+    target: RescaleTarget,
+    *,
+    output: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+    backup: bool = False,
+    dry_run: bool = False,
+    progress: ProgressCallback | None = None,
+) -> RescaleReport:
+    """Rescale the step of the resume checkpoint at ``path`` for ``target``; the rest as
+    :func:`rescale_step`."""
     from ckpttool.io.source import is_url
 
     if is_url(path) or (output is not None and is_url(output)):
@@ -194,35 +217,29 @@ def rescale_step(
             "rewrites a local file (atomically, with a rename); download the checkpoint first"
         )
     path = Path(path)
-    target = Path(output) if output is not None else path
-    in_place = _same_file(path, target)
+    written_to = Path(output) if output is not None else path
+    in_place = _same_file(path, written_to)
     backup_path = path.with_name(path.name + ".bak") if backup else None
-    _check_request(path, target, in_place=in_place, backup_path=backup_path,
-                   overwrite=overwrite, batch_size=batch_size)  # fmt: skip
+    _check_request(path, written_to, in_place=in_place, backup_path=backup_path,
+                   overwrite=overwrite, batch_size=target.batch_size)  # fmt: skip
     try:
-        return _rescale_file(
-            path, target, world_size, from_world_size=from_world_size, step_key=step_key,
-            strict=strict, in_place=in_place, backup_path=backup_path, dry_run=dry_run,
-            batch_size=batch_size, progress=progress,
-        )  # fmt: skip
+        return _rescale_file(path, written_to, target, in_place=in_place,
+                             backup_path=backup_path, dry_run=dry_run, progress=progress)  # fmt: skip
     except CkptError as error:
         raise name_file(error, str(path)) from None  # every error says which file
 
 
 def _rescale_file(
     path: Path,
-    target: Path,
-    world_size: int,
+    written_to: Path,
+    target: RescaleTarget,
     *,
-    from_world_size: int | None,
-    step_key: str | None,
-    strict: bool,
     in_place: bool,
     backup_path: Path | None,
     dry_run: bool,
-    batch_size: int | None,
     progress: ProgressCallback | None,
 ) -> RescaleReport:
+    step_key = target.step_key
     with open_checkpoint(path, track_spans=True) as ckpt:
         layout = layout_of(ckpt)
         if step_key is None and layout == TRAINING and isinstance(ckpt.root, dict):
@@ -230,13 +247,13 @@ def _rescale_file(
         _check_layout(path, ckpt.format, layout, ckpt.root, step_key)
         new_fields, plan = rescale_fields(
             ckpt.root,
-            world_size,
-            from_world_size=from_world_size,
+            target.world_size,
+            from_world_size=target.from_world_size,
             step_key=step_key or "step",
-            strict=strict,
+            strict=target.strict,
         )
         report = RescaleReport(
-            path, target, ckpt.format, layout, plan, batch_size, dry_run, False, None
+            path, written_to, ckpt.format, layout, plan, target.batch_size, dry_run, False, None
         )
         if not plan.changed:
             return report
@@ -255,7 +272,7 @@ def _rescale_file(
         with FieldRewrite(ckpt, changes) as rewrite:
             if dry_run:
                 return report
-            made_backup = _rewrite_file(rewrite, path, target, in_place, backup_path, progress)
+            made_backup = _rewrite_file(rewrite, path, written_to, in_place, backup_path, progress)
     return replace(report, written=True, backup=made_backup)
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping, Sequence
 
-from ckpttool.checkpoint import Checkpoint, open_source
+from ckpttool.formats.base import Checkpoint
 from ckpttool.formats.torch_zip.reader import open_zip
 from ckpttool.formats.torch_zip.zip_index import BadZipError, ZipIndex, ZipMember, fold
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK, GAP
-from ckpttool.io.source import RangeReader, read_range, source_of
+from ckpttool.io.source import RangeReader, open_source, read_range, source_of
 from ckpttool.model.records import stored_records
 
 CHUNK = 8 << 20
