@@ -9,10 +9,11 @@ runs) and dangerous globals in them reported. Data files nothing refers to are n
 
 from __future__ import annotations
 
-from ckpttool.checkpoint import Checkpoint, open_source
 from ckpttool.errors import CkptError
+from ckpttool.formats.base import Checkpoint
 from ckpttool.formats.dcp.directory import METADATA, DcpFiles, load_metadata, present, tensor_record
 from ckpttool.formats.dcp.metadata import StorageSpan, TensorEntry, span_of
+from ckpttool.formats.registry import open_source
 from ckpttool.formats.torch_zip.verify import check_archive
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import join, list_names

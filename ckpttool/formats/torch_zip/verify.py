@@ -12,7 +12,8 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping, Sequence
 
-from ckpttool.checkpoint import Checkpoint, open_source
+from ckpttool.formats.base import Checkpoint
+from ckpttool.formats.registry import open_source
 from ckpttool.formats.torch_zip.reader import open_zip
 from ckpttool.formats.torch_zip.zip_index import BadZipError, ZipIndex, ZipMember, fold
 from ckpttool.io.progress import ProgressCallback
@@ -37,6 +38,26 @@ def check_torch_zip(
     prefix = ckpt.details.get("prefix", "")
     data_prefix = fold(f"{prefix}/data/" if prefix else "data/")  # torch's lookup ignores case
     return problems, [n for n in names if fold(n).startswith(data_prefix) and n not in used]
+
+
+def verify_torch_zip(
+    ckpt: Checkpoint, progress: ProgressCallback | None = None
+) -> tuple[list[str], list[str]]:
+    """(problems, what was checked): ``verify``'s checks of a torch zip file."""
+    problems, spare = check_torch_zip(ckpt, progress)
+    checked = []
+    if ckpt.details.get("crc32") == "not computed":
+        checked.append(
+            "zip directory vs local headers; note: the CRC-32s were not computed (every "
+            "CRC field is 0: torch.serialization.config.save.compute_crc32 = False), so "
+            "the records' bytes cannot be checked"
+        )
+    else:
+        checked.append("zip directory vs local headers, CRC-32 of every record")
+    if spare:
+        records = f"{len(spare)} storage record{'s' * (len(spare) != 1)}"
+        checked.append(f"note: {records} no tensor uses")
+    return problems, checked
 
 
 def record_owners(ckpt: Checkpoint) -> dict[str, list[str]]:

@@ -54,7 +54,8 @@ from ckpttool.commands.rescale.directory import (
 )
 from ckpttool.commands.rescale.run import RescalePlan
 from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError
-from ckpttool.formats.writers import OutTensor, StoredTensor, write_torch_object
+from ckpttool.formats.base import OutTensor
+from ckpttool.formats.torch_zip.writer import StoredTensor, write_torch_object
 from ckpttool.frameworks.deepspeed.consolidate import (
     ZeroWeights,
     open_zero_weights,
