@@ -110,7 +110,7 @@ def _format_checks(
     if ckpt.format == "directory":
         from ckpttool.commands.verify_directory import check_directory
 
-        return check_directory(ckpt, progress)
+        return check_directory(ckpt, progress, verify_file)
     return [], []
 
 

@@ -284,6 +284,8 @@ def open_local(path: str) -> BinaryIO:
 def _parse(
     handle: BinaryIO, file_size: int, strict: bool, refuse_dangerous: bool, track_spans: bool
 ) -> Parsed:
+    """The file's bytes, read by the first format that recognises them (in torch.load's order);
+    a gzip or tar archive, or anything else, is refused."""
     head = handle.read(512)  # a tar header's "ustar" is at byte 257
     handle.seek(0)
     formats = list(FILE_FORMATS)
@@ -291,8 +293,9 @@ def _parse(
         fmt: FileFormat = _load(spec)
         if not fmt.recognises(head, file_size, handle):
             continue
-        if fmt.read_two_ways:
-            other = _other_reading(formats[index + 1 :], handle, file_size)
+        other = (
+            _other_reading(formats[index + 1 :], handle, file_size) if fmt.read_two_ways else None
+        )
         parsed = fmt.open(
             handle,
             file_size,
@@ -300,7 +303,7 @@ def _parse(
             refuse_dangerous=refuse_dangerous,
             track_spans=track_spans,
         )
-        if fmt.read_two_ways and other is not None:
+        if other is not None:
             parsed.details["ambiguous"] = (
                 f"a {fmt.id} file that is also {other[0]}: torch.load reads it as {fmt.id} "
                 f"under a *.{fmt.id} name and unpickles it under any other"
