@@ -190,7 +190,7 @@ def _checkpoints_under(directory: Path) -> list[Path]:
     """Files under ``directory``, recursively, and the checkpoint directories in it (a DCP or
     framework directory is one input, not its files); hidden files are left out (an
     interrupted save's temp files are reported beside the checkpoint they were meant for)."""
-    from ckpttool.formats.base import is_dcp_directory
+    from ckpttool.formats.registry import directory_format_of
     from ckpttool.frameworks.base import COLLECTION, detect_directory
 
     found = []
@@ -202,7 +202,7 @@ def _checkpoints_under(directory: Path) -> list[Path]:
                 known = layout is not None and layout.layout != COLLECTION
             except CkptError:  # a framework's layout, damaged: verify says what is wrong
                 known = True
-            if known or is_dcp_directory(here):
+            if known or directory_format_of(here) is not None:  # DCP
                 found.append(here)
                 subdirectories.clear()
                 continue

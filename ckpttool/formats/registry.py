@@ -19,8 +19,8 @@ from __future__ import annotations
 import importlib
 import os
 import stat
-from collections.abc import Iterator
-from typing import Any, BinaryIO
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.errors import (
     AmbiguousFileError,
@@ -51,8 +51,14 @@ FILE_FORMATS = (
 )
 #: Directory formats (one checkpoint in several files, recognised by an index file).
 DIRECTORY_FORMATS = ("ckpttool.formats.dcp.format:FORMAT",)
+#: How a checkpoint file's top-level fields are rewritten, its pickle spliced and every other
+#: byte copied (``rescale-step``): a torch zip's records, or a legacy stream's bytes around it.
+FIELD_REWRITE = "ckpttool.formats.torch_zip.rewrite"
 #: ``scan``'s walk of a file every reader refused: the pickles ``torch.load`` would still run.
 SALVAGE = "ckpttool.formats.torch_legacy.salvage:salvage_pickles"
+
+if TYPE_CHECKING:
+    from ckpttool.formats.torch_zip.rewrite import FieldRewrite
 
 _loaded: dict[str, Any] = {}
 
@@ -146,6 +152,20 @@ def open_file(
         close_on_error(error, name, handle, parsed)
         raise
     return as_checkpoint(name, parsed, handle, file_size, records, problems)
+
+
+def field_rewrite(ckpt: Checkpoint, changes: Mapping[str, Any]) -> FieldRewrite:
+    """The planned rewrite of ``ckpt``'s file with ``changes`` set on its top-level dict
+    (:data:`FIELD_REWRITE`; raises :class:`~ckpttool.errors.LayoutError` when it cannot be)."""
+    rewrite: FieldRewrite = _load(f"{FIELD_REWRITE}:FieldRewrite")(ckpt, changes)
+    return rewrite
+
+
+def verify_rewrite(
+    old: Checkpoint, new_path: str | os.PathLike[str], changes: Mapping[str, Any]
+) -> None:
+    """Reopen ``new_path`` and check it is ``old`` with exactly ``changes`` applied."""
+    _load(f"{FIELD_REWRITE}:verify_rewrite")(old, new_path, changes)
 
 
 def open_path(

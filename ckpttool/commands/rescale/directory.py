@@ -27,7 +27,7 @@ per-device batch size stays the same (docs/rescale-step.md explains each):
   accumulation syncs): new ranks get a copy of rank 0's file.
 
 Unchanged files are copied byte for byte; changed pickled files are spliced
-(:class:`~ckpttool.formats.torch_zip.rewrite.FieldRewrite`, never loaded or re-pickled) and read back;
+(:func:`~ckpttool.formats.registry.field_rewrite`, never loaded or re-pickled) and read back;
 ``trainer_state.json`` is rewritten with its key order. The new directory is built as a temp
 directory beside the target, fsynced, then renamed into place.
 """
@@ -49,7 +49,7 @@ from ckpttool.checkpoint import open_checkpoint
 from ckpttool.commands.rescale.run import InexactRescaleError, RescalePlan, describe_repeats
 from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError, name_file
 from ckpttool.formats.base import is_dcp_directory
-from ckpttool.formats.torch_zip.rewrite import FieldRewrite, verify_rewrite
+from ckpttool.formats.registry import field_rewrite, verify_rewrite
 from ckpttool.frameworks.accelerate import files as accelerate
 from ckpttool.frameworks.base import list_files
 from ckpttool.frameworks.huggingface import files as huggingface
@@ -503,7 +503,7 @@ def _check_rewrites(path: Path, actions: list[FileAction]) -> None:
     for action in actions:
         if action.action == REWRITE and not action.source.endswith(".json"):
             with open_checkpoint(path / action.source, track_spans=True) as ckpt:
-                FieldRewrite(ckpt, action.changes).close()
+                field_rewrite(ckpt, action.changes).close()
 
 
 def _write_directory(
@@ -542,7 +542,7 @@ def _write_member(source: Path, destination: Path, action: FileAction) -> None:
         else:
             with (
                 open_checkpoint(source, track_spans=True) as ckpt,
-                FieldRewrite(ckpt, action.changes) as rewrite,
+                field_rewrite(ckpt, action.changes) as rewrite,
             ):
                 rewrite.write(out)
         out.flush()
