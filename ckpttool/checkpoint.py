@@ -7,8 +7,9 @@ object tree with tensors as :class:`~ckpttool.model.records.TensorRecord` s. No 
 ``pread`` on the open file (never the whole file). torch is not imported.
 
 A torch.distributed.checkpoint directory (``.metadata`` plus one data file per rank) opens the
-same way, as one checkpoint: :mod:`ckpttool.formats.dcp.directory` gives each tensor its global shape and
-assembles its bytes from the chunks on read.
+same way, as one checkpoint: its format (:mod:`ckpttool.formats.dcp`, found through
+:mod:`ckpttool.formats.registry`) gives each tensor its global shape and assembles its bytes
+from the chunks on read.
 
 Any other directory is a framework's: the frameworks of :mod:`ckpttool.frameworks.registry`
 are asked in order (each once per open) which knows it, and that one's members are read as one
@@ -28,16 +29,15 @@ from ckpttool.errors import (
     InputError,
     NotADirectoryCheckpointError,
 )
-from ckpttool.formats.base import DCP_METADATA, Checkpoint, Parsed, is_dcp_directory
+from ckpttool.formats.base import DCP_METADATA, Checkpoint, is_dcp_directory
 from ckpttool.formats.registry import (
-    as_checkpoint,
-    checked,
-    close_on_error,
     dcp_without_metadata,
+    format_by_id,
     has_dcp_shards,
+    open_directory_format,
     open_file,
 )
-from ckpttool.io.source import is_url, join, local_path, open_local, open_source, source_size
+from ckpttool.io.source import is_url, join, local_path, open_local, open_source
 from ckpttool.model.records import (
     tensors,
 )
@@ -138,25 +138,10 @@ def _open_remote_directory(
 
 
 def _open_dcp(name: str, handle: Any, strict: bool, refuse_dangerous: bool) -> Checkpoint:
-    """A torch.distributed.checkpoint directory (local, or a URL) whose ``.metadata`` is open."""
-    parsed: Parsed | None = None
-    try:
-        # imported here: listing a single file should not pay for the DCP reader
-        from ckpttool.formats.dcp.directory import read_dcp
-
-        directory: Any = name
-        if not is_url(name):
-            from pathlib import Path
-
-            directory = Path(name)
-        parsed = read_dcp(directory, handle, strict=strict, refuse_dangerous=refuse_dangerous)
-        files = parsed.details.get("files", {})
-        file_size = source_size(handle) + sum(size for size in files.values() if size)
-        records, problems = checked(parsed, strict)
-    except BaseException as error:
-        close_on_error(error, name, handle, parsed)
-        raise
-    return as_checkpoint(name, parsed, handle, file_size, records, problems)
+    """A torch.distributed.checkpoint directory (local, or a URL) whose ``.metadata`` is open
+    (its reader imported only now: listing a single file should not pay for it)."""
+    dcp = format_by_id("dcp")
+    return open_directory_format(dcp, name, handle, strict, refuse_dangerous)
 
 
 def is_framework_path(path: str) -> bool:

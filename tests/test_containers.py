@@ -151,7 +151,7 @@ def test_globals_of_every_legacy_pickle_are_reported() -> None:
     for index in (0, 1, 2, 4):
         data = containers.legacy_payload_in(index)(Path("/nonexistent/marker"))
         with io.BytesIO(data) as handle:
-            from ckpttool.formats.torch_legacy import read_pickle_stream
+            from ckpttool.formats.torch_legacy.reader import read_pickle_stream
 
             parsed = read_pickle_stream(
                 handle, len(data), refuse_dangerous=False, track_spans=False

@@ -31,7 +31,7 @@ from ckpttool.commands.convert.run import (
 )
 from ckpttool.commands.selection import select
 from ckpttool.errors import EXIT_FOUND, InputError, NotACheckpointError, OutputExistsError
-from ckpttool.formats.writers import _encode
+from ckpttool.formats.torch_zip.writer import _encode
 from tests.support.helpers import FIXTURES, fixture_files, fixture_id, flatten_loaded
 from tests.support.minimind import MiniMindForCausalLM
 

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 from ckpttool.errors import CkptError
 from ckpttool.formats.dcp import pickle_layout as dcp_layout
 from ckpttool.formats.dcp.metadata import parse_metadata
+from ckpttool.formats.dcp.pickle_call import DCP_CALL
 from ckpttool.pickle import interpreter
 from ckpttool.pickle.interpreter import SafeUnpickler
 from tests.support.dcp_cases import DCP
@@ -48,7 +49,7 @@ def _walk(data: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str,
         return tree, total, reused
 
     monkeypatch.setattr(interpreter, "_finalize", counted)
-    unpickler = SafeUnpickler(data, fast_path=fast, compact=True)
+    unpickler = SafeUnpickler(data, fast_path=fast, compact=DCP_CALL)
     try:
         result = unpickler.load()
         try:
@@ -203,9 +204,9 @@ def test_records_of_one_kind_are_read_with_one_layout(monkeypatch: pytest.Monkey
     # loop, and one a FRAME opcode (every 64 KiB) cuts
     frames = sum(op.name == "FRAME" for op, _, _ in pickletools.genops(data))
     assert 400 + 2 * 500 - 3 - frames <= _same(data, monkeypatch)["records"] <= 400 + 2 * 500 - 3
-    unpickler = SafeUnpickler(data, compact=True)
+    unpickler = SafeUnpickler(data, compact=DCP_CALL)
     unpickler.load()
-    made = {name: (kind.made, kind.hits) for name, kind in unpickler.dcp_layouts.items()}
+    made = {name: (kind.made, kind.hits) for name, kind in unpickler.call_state.items()}
     # a layout per kind of tensor entry and of storage record (offsets of 1-, 2-, 4-byte ints)
     assert made["TensorStorageMetadata"] == (4, 400 - 1 - 4)
     assert made["_StorageInfo"][0] <= 6 and made["_StorageInfo"][1] > 480
@@ -312,14 +313,14 @@ def test_a_redo_keeps_the_walks_time_budget(monkeypatch: pytest.MonkeyPatch) -> 
     readings = {}
     for fast in (True, False):
         calls[0] = 0
-        SafeUnpickler(plain, fast_path=fast, compact=True).load()
+        SafeUnpickler(plain, fast_path=fast, compact=DCP_CALL).load()
         readings[fast] = calls[0]
     # enough for either walk alone, not for both
     monkeypatch.setattr(interpreter, "MAX_SECONDS", float(max(readings.values()) + 10))
     with pytest.raises(CkptError, match="to walk"):
-        SafeUnpickler(data, compact=True).load()
+        SafeUnpickler(data, compact=DCP_CALL).load()
     monkeypatch.setattr(interpreter, "MAX_SECONDS", float(sum(readings.values()) + 10))
-    assert SafeUnpickler(data, compact=True).load().root is not None
+    assert SafeUnpickler(data, compact=DCP_CALL).load().root is not None
 
 
 def test_a_size_equal_to_a_checked_one_is_still_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,7 +337,7 @@ def test_only_a_dcp_metadata_walk_makes_records() -> None:
     """Any other pickle naming these classes (a hostile data.pkl) gets the general loop's
     objects: other readers do not know the records."""
     data = pickle.dumps(LAYOUTS["plain"])
-    asked = SafeUnpickler(data, compact=True)
+    asked = SafeUnpickler(data, compact=DCP_CALL)
     asked.load()
     unpickler = SafeUnpickler(data)
     state = unpickler.load().root.state

@@ -8,8 +8,8 @@ import struct
 import pytest
 
 from ckpttool.errors import InputError
-from ckpttool.formats.safetensors_file import CODES
-from ckpttool.formats.writers import HEADER_ALIGNMENT, OutTensor, safetensors_header
+from ckpttool.formats.base import OutTensor
+from ckpttool.formats.safetensors_file import CODES, HEADER_ALIGNMENT, safetensors_header
 
 # names JSON must escape, or that UTF-8 encodes in several bytes
 NAMES = ["w", 'q"uote', "back\\slash", "new\nline", "nul\x00", "é", "\u2028sep", "𝔘nicode", ""]

@@ -1,10 +1,11 @@
 """``verify``: a full integrity check of a checkpoint file, trusting nothing in it.
 
 Opening a file through the reader already checks the pickle, every storage's size against the
-bytes present and every tensor's extent. ``verify`` adds what costs a full read, per format:
-a zip's central directory against each local header, the CRC-32 of every record (streamed,
-bounded memory) and records nothing refers to (``verify_zip``), every item of a DCP directory
-(``verify_dcp``); optionally NaN/Inf in every floating tensor. It also reports temp files
+bytes present and every tensor's extent. ``verify`` adds what costs a full read, per format,
+through the format's own hook (:meth:`ckpttool.formats.base.FileFormat.verify`: a zip's central
+directory against each local header and the CRC-32 of every record, every item of a DCP
+directory, a legacy file's trailing bytes), and a framework directory's member files
+(:mod:`.verify_directory`); optionally NaN/Inf in every floating tensor. It also reports temp files
 that interrupted saves left next to the file. Problems are collected, not
 raised, so one run lists all of them; with several paths, one that cannot be checked at all
 (missing, unreadable) gets its own verdict and the others are still checked. A file that is
@@ -30,7 +31,7 @@ from ckpttool.errors import (
     NotACheckpointError,
     NotADirectoryCheckpointError,
 )
-from ckpttool.formats.torch_zip.verify import check_torch_zip
+from ckpttool.formats.registry import find_format
 from ckpttool.io.atomic import temp_name_pattern
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import is_url
@@ -88,41 +89,29 @@ def verify_file(
         dangerous = {f"{m}.{n}" for m, n, v in _globals(ckpt) if v is Verdict.DANGEROUS}
         if dangerous:
             result.problems.append(never_load_problem("the pickle calls", dangerous))
-        if ckpt.format == "torch-zip":
-            zip_problems, spare = check_torch_zip(ckpt, progress)
-            result.problems.extend(zip_problems)
-            if ckpt.details.get("crc32") == "not computed":
-                result.checked.append(
-                    "zip directory vs local headers; note: the CRC-32s were not computed (every "
-                    "CRC field is 0: torch.serialization.config.save.compute_crc32 = False), so "
-                    "the records' bytes cannot be checked"
-                )
-            else:
-                result.checked.append("zip directory vs local headers, CRC-32 of every record")
-            if spare:
-                records = f"{len(spare)} storage record{'s' * (len(spare) != 1)}"
-                result.checked.append(f"note: {records} no tensor uses")
-        if ckpt.format == "dcp":
-            from ckpttool.formats.dcp.verify import check_dcp
-
-            dcp_problems, dcp_checked = check_dcp(ckpt, progress)
-            result.problems.extend(dcp_problems)
-            result.checked.extend(dcp_checked)
-        if ckpt.format == "directory":
-            from ckpttool.commands.verify_directory import check_directory
-
-            member_problems, member_checked = check_directory(ckpt, progress)
-            result.problems.extend(member_problems)
-            result.checked.extend(member_checked)
-        if ckpt.format == "torch-legacy" and ckpt.details.get("trailing_bytes"):
-            result.problems.append(
-                f"{ckpt.details['trailing_bytes']:,} bytes after the last storage"
-            )
+        format_problems, format_checked = _format_checks(ckpt, progress)
+        result.problems.extend(format_problems)
+        result.checked.extend(format_checked)
         if values and not result.problems:
             result.problems.extend(_non_finite(ckpt))
             result.checked.append("values: NaN/Inf in floating tensors")
         ckpt.check_unchanged()  # a remote file replaced while it was checked: no verdict
     return result
+
+
+def _format_checks(
+    ckpt: Checkpoint, progress: ProgressCallback | None
+) -> tuple[list[str], list[str]]:
+    """(problems, what was checked) by the checkpoint's format's own hook (a zip's records,
+    DCP's items...), or, for a framework's directory, of its member files."""
+    fmt = find_format(ckpt.format)
+    if fmt is not None:
+        return fmt.verify(ckpt, progress)
+    if ckpt.format == "directory":
+        from ckpttool.commands.verify_directory import check_directory
+
+        return check_directory(ckpt, progress, verify_file)
+    return [], []
 
 
 def _leftovers(path: str | Path) -> list[str]:
@@ -201,7 +190,7 @@ def _checkpoints_under(directory: Path) -> list[Path]:
     """Files under ``directory``, recursively, and the checkpoint directories in it (a DCP or
     framework directory is one input, not its files); hidden files are left out (an
     interrupted save's temp files are reported beside the checkpoint they were meant for)."""
-    from ckpttool.formats.base import is_dcp_directory
+    from ckpttool.formats.registry import directory_format_of
     from ckpttool.frameworks.base import COLLECTION
     from ckpttool.frameworks.registry import detect_directory
 
@@ -214,7 +203,7 @@ def _checkpoints_under(directory: Path) -> list[Path]:
                 known = layout is not None and layout.kind != COLLECTION
             except CkptError:  # a framework's layout, damaged: verify says what is wrong
                 known = True
-            if known or is_dcp_directory(here):
+            if known or directory_format_of(here) is not None:  # DCP
                 found.append(here)
                 subdirectories.clear()
                 continue

@@ -10,7 +10,8 @@ because the framework's own resume would fail on it or resume inexactly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import CkptError
 from ckpttool.io.progress import ProgressCallback
@@ -24,11 +25,10 @@ NOT_CHECKPOINTS = ("index", "trainer_state", "config", "other", "latest", "scrip
 
 
 def check_directory(
-    ckpt: Checkpoint, progress: ProgressCallback | None
+    ckpt: Checkpoint, progress: ProgressCallback | None, verify_file: Callable[..., Any]
 ) -> tuple[list[str], list[str]]:
-    """(problems, what was checked) for a directory opened by the reader."""
-    from ckpttool.commands.verify import verify_file
-
+    """(problems, what was checked) for a directory opened by the reader; each member file is
+    checked by ``verify_file`` (``verify``'s own, handed in: this module is below it)."""
     details = ckpt.details
     directory = str(details.get("directory", ckpt.name))
     problems: list[str] = []

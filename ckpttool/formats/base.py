@@ -1,12 +1,20 @@
-"""What every format reader returns (:class:`Parsed`), and what every command reads: an opened :class:`Checkpoint`."""
+"""The protocol every format implements (:class:`FileFormat`), what its reader returns
+(:class:`Parsed`), and what every command reads: an opened :class:`Checkpoint`.
+
+A format is one module or folder under ``formats/`` with one :class:`FileFormat` object,
+listed by an import string in :mod:`ckpttool.formats.registry`; nothing above ``formats/``
+imports a format by name.
+"""
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
 from ckpttool.io.source import read_range, shown_name, source_of
@@ -23,7 +31,9 @@ from ckpttool.pickle.interpreter import PickleResult
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from ckpttool.io.progress import ProgressCallback
     from ckpttool.io.read_batch import InOrder
+    from ckpttool.pickle.scan import Counts, Written
 
 #: The file a torch.distributed.checkpoint directory is recognised by (written last by DCP).
 DCP_METADATA = ".metadata"
@@ -52,6 +62,114 @@ class Parsed:
     unchanged: Callable[[], None] | None = None
     # The format's own index, parsed (DCP: its DcpMetadata), for verify not to parse it again.
     index: Any = None
+
+
+@dataclass
+class Findings:
+    """What ``scan`` found in one checkpoint, walked by its format's own :meth:`FileFormat.scan`."""
+
+    format: str  # the vocabulary name reported ("torchscript" for a zip that carries code)
+    counts: Counts = field(default_factory=Counter)
+    written: Written = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # attacks, ambiguity: "dangerous"
+    problems: list[str] = field(default_factory=list)  # where a walk had to stop
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor as a writer writes it: contiguous, in its output dtype."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+class FileFormat:
+    """One checkpoint format: the protocol :mod:`ckpttool.formats.registry` drives.
+
+    Each format module or folder defines one instance, named by an import string in the
+    registry's list. The registry calls, in this order:
+
+    1. :meth:`recognises` (files) or :meth:`recognises_directory` (directories), format by
+       format in the registry's order (``torch.load``'s), until one says yes. It must be cheap:
+       the first bytes and the size, touching the handle only where the format needs to (a tar
+       archive's checksum); it leaves the handle at offset 0 and imports no heavy reader.
+    2. :meth:`open` (or :meth:`open_directory`): the file's bytes parsed into a
+       :class:`Parsed`, or a :class:`~ckpttool.errors.CkptError` (a format may refuse here:
+       torch's tar format). When :attr:`read_two_ways` is set, the registry then asks the later
+       formats' :meth:`also_reads_as` whether ``torch.load`` would read the file another way.
+    3. Optional hooks, each found by the checkpoint's format id (:attr:`ids`):
+       :meth:`verify` (``verify``'s checks beyond opening, given the opened
+       :class:`Checkpoint`), :meth:`scan` (``scan``'s own walk of every pickle ``torch.load``
+       would run, instead of opening the file; ``None``: open it as usual) and :meth:`write`
+       (``convert``'s output in this format).
+    """
+
+    #: The vocabulary name (:data:`ckpttool.model.vocabulary.FORMATS`) of what it opens.
+    id: ClassVar[str] = ""
+    #: Every format id its reader may give a :class:`Parsed` (a bare pickle is "pickle").
+    ids: ClassVar[tuple[str, ...]] = ()
+    #: Whether the file may read two ways: the later formats are asked :meth:`also_reads_as`.
+    read_two_ways: ClassVar[bool] = False
+
+    def recognises(self, head: bytes, file_size: int, handle: BinaryIO) -> bool:
+        """Whether this file is this format (``head``: its first 512 bytes)."""
+        return False
+
+    def open(
+        self,
+        handle: BinaryIO,
+        file_size: int,
+        *,
+        strict: bool,
+        refuse_dangerous: bool,
+        track_spans: bool,
+    ) -> Parsed:
+        raise NotImplementedError
+
+    def recognises_directory(self, path: str | os.PathLike[str]) -> bool:
+        """Whether a local directory is one checkpoint of this format."""
+        return False
+
+    def open_directory(
+        self, directory: Any, index: BinaryIO, *, strict: bool, refuse_dangerous: bool
+    ) -> Parsed:
+        """A directory checkpoint whose index file (DCP: ``.metadata``) is open as ``index``."""
+        raise NotImplementedError
+
+    def also_reads_as(self, handle: BinaryIO, file_size: int) -> tuple[str, list[Any]] | None:
+        """What ``torch.load`` would read a file another format opened as, when it is also this
+        format (a description, and the globals its pickles name); None when it is not."""
+        return None
+
+    def verify(
+        self, ckpt: Checkpoint, progress: ProgressCallback | None
+    ) -> tuple[list[str], list[str]]:
+        """(problems, what was checked) beyond what opening checked."""
+        return [], []
+
+    def scan(self, path: Any, opener: Callable[[Any], BinaryIO]) -> Findings | None:
+        """Every global the pickles ``torch.load`` would run name (``opener(path)`` opens the
+        file, local or remote); None to leave the file to the reader."""
+        return None
+
+    def write(
+        self,
+        handle: BinaryIO,
+        tensors: Sequence[OutTensor],
+        data: Iterable[bytes | bytearray | memoryview],
+        names: Sequence[str],
+        aliases: Mapping[str, str],
+        metadata: Mapping[str, str],
+    ) -> int:
+        """Write a state dict of plain tensors (``convert``'s output): ``tensors`` in storage
+        order with their bytes, in that order, in ``data``; ``names`` every output name in source
+        order, ``aliases`` alias name -> stored name. Returns the size the file must have."""
+        raise NotImplementedError(f"ckpttool does not write {self.id} files")
 
 
 def no_span(storage: StorageRecord) -> tuple[int, int]:

@@ -1,14 +1,25 @@
-"""One checkpoint file opened: its format recognised from its first bytes, parsed, checked.
+"""The formats, in the order ``torch.load`` tries them, and one checkpoint file opened through them.
 
-The formats are tried in the order ``torch.load`` tries them (a zip, then, under any name, what it
-would unpickle); a file that reads two ways is refused unless the caller asks (``scan``).
-Directories are the door's (:mod:`ckpttool.checkpoint`).
+Each format is one module or folder under ``formats/`` with a
+:class:`~ckpttool.formats.base.FileFormat` object, listed here by an import string: a format is
+imported only when the sniffing reaches it (opening a zip imports no other reader) or when a
+command asks for it by id (``verify``'s and ``scan``'s hooks, ``convert``'s writer). Adding a
+format is its module, one line in :data:`FILE_FORMATS` (or :data:`DIRECTORY_FORMATS`), its
+tests.
+
+The order is ``torch.load``'s: a zip, then safetensors (which ``torch.load`` reads only under a
+``*.safetensors`` name: a file that is also a tar or a pickle reads two ways, refused unless the
+caller asks, as ``scan`` does), then torch's tar format (refused by name; ``torch.load`` tries it
+before a pickle stream), then a pickle stream (legacy or bare). A gzip or tar archive, or
+anything else, is no checkpoint. Directories are the door's (:mod:`ckpttool.checkpoint`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Any, BinaryIO
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.errors import (
     AmbiguousFileError,
@@ -17,21 +28,71 @@ from ckpttool.errors import (
     NotACheckpointError,
     name_file,
 )
-from ckpttool.formats.base import DCP_METADATA, Checkpoint, Parsed
-from ckpttool.formats.safetensors_file import looks_like_safetensors, read_safetensors
-from ckpttool.formats.torch_legacy import read_pickle_stream
-from ckpttool.formats.torch_tar import TAR_REFUSAL, is_torch_tar
-from ckpttool.formats.torch_zip.reader import read_torch_zip
-from ckpttool.io.source import shown_name, source_size
+from ckpttool.formats.base import DCP_METADATA, Checkpoint, FileFormat, Findings, Parsed
+from ckpttool.io.source import is_url, local_path, open_local, open_source, shown_name, source_size
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
     ITEMSIZE,
-    StorageRecord,
     TensorRecord,
     stored_records,
     tensors,
 )
-from ckpttool.pickle.interpreter import SafeUnpickler
+
+#: Single-file formats, in sniffing order (``torch.load``'s): ``module:attribute`` of each
+#: format's :class:`~ckpttool.formats.base.FileFormat`.
+FILE_FORMATS = (
+    "ckpttool.formats.torch_zip.format:FORMAT",
+    "ckpttool.formats.safetensors_file:FORMAT",
+    "ckpttool.formats.torch_tar:FORMAT",  # before a pickle stream, as torch.load tries them
+    "ckpttool.formats.torch_legacy.format:FORMAT",
+)
+#: Directory formats (one checkpoint in several files, recognised by an index file).
+DIRECTORY_FORMATS = ("ckpttool.formats.dcp.format:FORMAT",)
+#: How a checkpoint file's top-level fields are rewritten, its pickle spliced and every other
+#: byte copied (``rescale-step``): a torch zip's records, or a legacy stream's bytes around it.
+FIELD_REWRITE = "ckpttool.formats.torch_zip.rewrite"
+#: ``scan``'s walk of a file every reader refused: the pickles ``torch.load`` would still run.
+SALVAGE = "ckpttool.formats.torch_legacy.salvage:salvage_pickles"
+
+if TYPE_CHECKING:
+    from ckpttool.formats.torch_zip.rewrite import FieldRewrite
+
+_loaded: dict[str, Any] = {}
+
+
+def _load(spec: str) -> Any:
+    found = _loaded.get(spec)
+    if found is None:
+        module, _, attribute = spec.partition(":")
+        found = _loaded[spec] = getattr(importlib.import_module(module), attribute)
+    return found
+
+
+def file_formats() -> Iterator[FileFormat]:
+    """The single-file formats in sniffing order, each imported when reached."""
+    return (_load(spec) for spec in FILE_FORMATS)
+
+
+def directory_formats() -> Iterator[FileFormat]:
+    return (_load(spec) for spec in DIRECTORY_FORMATS)
+
+
+def format_by_id(format_id: str) -> FileFormat:
+    """The format whose reader gives checkpoints of ``format_id`` (a vocabulary name)."""
+    found = find_format(format_id)
+    if found is None:
+        raise KeyError(format_id)
+    return found
+
+
+def find_format(format_id: str) -> FileFormat | None:
+    """:func:`format_by_id`, or None for a checkpoint no format module opened (a framework's
+    directory)."""
+    for spec in (*FILE_FORMATS, *DIRECTORY_FORMATS):
+        fmt: FileFormat = _load(spec)
+        if format_id in fmt.ids:
+            return fmt
+    return None
 
 
 def as_checkpoint(
@@ -90,6 +151,94 @@ def open_file(
     return as_checkpoint(name, parsed, handle, file_size, records, problems)
 
 
+def field_rewrite(ckpt: Checkpoint, changes: Mapping[str, Any]) -> FieldRewrite:
+    """The planned rewrite of ``ckpt``'s file with ``changes`` set on its top-level dict
+    (:data:`FIELD_REWRITE`; raises :class:`~ckpttool.errors.LayoutError` when it cannot be)."""
+    rewrite: FieldRewrite = _load(f"{FIELD_REWRITE}:FieldRewrite")(ckpt, changes)
+    return rewrite
+
+
+def verify_rewrite(
+    old: Checkpoint, new_path: str | os.PathLike[str], changes: Mapping[str, Any]
+) -> None:
+    """Reopen ``new_path`` and check it is ``old`` with exactly ``changes`` applied."""
+    _load(f"{FIELD_REWRITE}:verify_rewrite")(old, new_path, changes)
+
+
+def open_path(
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    refuse_dangerous: bool = True,
+    track_spans: bool = False,
+) -> Checkpoint:
+    """One local checkpoint file opened by its path (a written file read back, for instance)."""
+    name = local_path(os.fspath(path))
+    return open_file(name, open_local(name), strict, refuse_dangerous, track_spans)
+
+
+def open_directory_format(
+    fmt: FileFormat, name: str, index: BinaryIO, strict: bool, refuse_dangerous: bool
+) -> Checkpoint:
+    """A directory checkpoint of ``fmt`` (local, or a URL) whose index file is open."""
+    parsed: Parsed | None = None
+    try:
+        directory: Any = name
+        if not is_url(name):
+            from pathlib import Path
+
+            directory = Path(name)
+        parsed = fmt.open_directory(
+            directory, index, strict=strict, refuse_dangerous=refuse_dangerous
+        )
+        files = parsed.details.get("files", {})
+        file_size = source_size(index) + sum(size for size in files.values() if size)
+        records, problems = checked(parsed, strict)
+    except BaseException as error:
+        close_on_error(error, name, index, parsed)
+        raise
+    return as_checkpoint(name, parsed, index, file_size, records, problems)
+
+
+def directory_format_of(path: str | os.PathLike[str]) -> FileFormat | None:
+    """The directory format of a local directory (None: none recognises it)."""
+    for fmt in directory_formats():
+        if fmt.recognises_directory(path):
+            return fmt
+    return None
+
+
+def scan_findings(path: Any, directory: bool) -> Findings | None:
+    """``scan``'s own walk of ``path`` by its format's scan hook (``directory``: a directory
+    checkpoint; a URL's directory is DCP's, the one directory format read from URLs); None
+    when no format walks it itself (the file is then opened as usual)."""
+    if directory:
+        fmt = next(directory_formats()) if is_url(os.fspath(path)) else directory_format_of(path)
+        return fmt.scan(path, open_any) if fmt is not None else None
+    for fmt in file_formats():
+        found = fmt.scan(path, open_any)
+        if found is not None:
+            return found
+    return None
+
+
+def salvage(path: Any, error: CkptError) -> tuple[str, Any, list[str], list[str]] | None:
+    """``scan``'s walk of a file every reader refused (``error``): (format, globals, notes,
+    problems), or None when the file is positively something else (the error stands)."""
+
+    def other_format(head: bytes, size: int) -> bool:  # a zip, or safetensors: no pickle
+        safetensors = format_by_id("safetensors")
+        return head.startswith(b"PK") or safetensors.recognises(head, size, None)  # type: ignore[arg-type]
+
+    salvage_pickles = _load(SALVAGE)
+    return salvage_pickles(path, error, other_format)
+
+
+def open_any(path: Any) -> Any:
+    """A local file, or a URL's remote file (read by ranges): what a scan hook reads."""
+    return open_source(path) if isinstance(path, str) and is_url(path) else open(path, "rb")
+
+
 def close_on_error(error: BaseException, name: str, handle: Any, parsed: Parsed | None) -> None:
     handle.close()
     if parsed is not None and parsed.close is not None:
@@ -119,35 +268,35 @@ def dcp_without_metadata(path: str) -> CorruptCheckpointError:
     )
 
 
-#: First bytes of the pickles torch.save writes (protocols 0 to 5: its magic number is a LONG,
-#: a LONG1 or a PROTO) and of plain pickled dicts, lists and globals.
-PICKLE_STARTS = (b"\x80", b"(", b"}", b"]", b"c", b"L", b"\x8a")
-#: How far the safetensors reading of a file looks for a pickle reading too (a benign
-#: safetensors file's first bytes may read as a pickle opcode claiming a long argument), and
-#: what it reads first (the walk of a benign file's bytes fails within a few opcodes).
-MAX_PICKLE_PROBE = 64 << 20
-FIRST_PICKLE_PROBE = 64 << 10
-#: Opcodes whose argument's length is the next 8 bytes (FRAME, BINUNICODE8, BINBYTES8,
-#: BYTEARRAY8): as a safetensors file's first byte, their length is the header length's other
-#: bytes and its "{", over 2**56: no file holds that, so no pickle reading is looked for.
-_LONG8_OPCODES = (0x95, 0x8D, 0x8E, 0x96)
-
-
 def _parse(
     handle: BinaryIO, file_size: int, strict: bool, refuse_dangerous: bool, track_spans: bool
 ) -> Parsed:
+    """The file's bytes, read by the first format that recognises them (in torch.load's order);
+    a gzip or tar archive, or anything else, is refused."""
     head = handle.read(512)  # a tar header's "ustar" is at byte 257
     handle.seek(0)
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
-        return read_torch_zip(handle, refuse_dangerous=refuse_dangerous, track_spans=track_spans)
-    if looks_like_safetensors(head, file_size):
-        return _read_safetensors(handle, file_size, strict, refuse_dangerous, track_spans)
-    if is_torch_tar(handle):  # before a pickle stream, as torch.load tries them
-        raise NotACheckpointError(TAR_REFUSAL)
-    if head[:1] in PICKLE_STARTS:
-        return read_pickle_stream(
-            handle, file_size, refuse_dangerous=refuse_dangerous, track_spans=track_spans
+    formats = list(FILE_FORMATS)
+    for index, spec in enumerate(formats):
+        fmt: FileFormat = _load(spec)
+        if not fmt.recognises(head, file_size, handle):
+            continue
+        other = (
+            _other_reading(formats[index + 1 :], handle, file_size) if fmt.read_two_ways else None
         )
+        parsed = fmt.open(
+            handle,
+            file_size,
+            strict=strict,
+            refuse_dangerous=refuse_dangerous,
+            track_spans=track_spans,
+        )
+        if other is not None:
+            parsed.details["ambiguous"] = (
+                f"a {fmt.id} file that is also {other[0]}: torch.load reads it as {fmt.id} "
+                f"under a *.{fmt.id} name and unpickles it under any other"
+            )
+            parsed.details["pickle_globals"] = other[1]  # what scan reports
+        return parsed
     if head.startswith(b"\x1f\x8b") or head[257:262] == b"ustar":
         raise NotACheckpointError("a compressed or tar archive, not a checkpoint")
     raise NotACheckpointError(
@@ -156,66 +305,18 @@ def _parse(
     )
 
 
-def _read_safetensors(
-    handle: BinaryIO, file_size: int, strict: bool, refuse_dangerous: bool, track_spans: bool
-) -> Parsed:
-    """A safetensors file; one that is also a tar or a pickle stream reads two ways:
-    ``torch.load`` reads safetensors only under a ``*.safetensors`` name, and unpickles any
-    other (its first pickle runs before anything checks it)."""
-    other: str | None = None
-    found: list[Any] = []
-    if is_torch_tar(handle):
-        other = "a tar archive (torch's pre-0.4 format)"
-    else:
-        other, found = _pickle_probe(handle, file_size)
-    parsed = read_safetensors(handle, file_size, strict=strict)
-    if other is not None:
-        parsed.details["ambiguous"] = (
-            f"a safetensors file that is also {other}: torch.load reads it as safetensors "
-            "under a *.safetensors name and unpickles it under any other"
-        )
-        parsed.details["pickle_globals"] = found  # what scan reports
-    return parsed
-
-
-def _pickle_probe(handle: BinaryIO, file_size: int) -> tuple[str | None, list[Any]]:
-    """What the file is as a pickle stream, if ``torch.load`` would run or read anything of
-    it (a legacy stream, or a pickle that names a global, even one that fails after), and the
-    globals it names; (None, []) for bytes that are no such pickle."""
-    handle.seek(0)
-    head = handle.read(9)
-    handle.seek(0)
-    if head[0] in _LONG8_OPCODES and int.from_bytes(head[1:9], "little") > file_size:
-        return None, []  # pickle.load fails on its first opcode too, having run nothing
-    try:
-        stream = read_pickle_stream(
-            handle,
-            file_size,
-            refuse_dangerous=False,
-            track_spans=False,
-            limit=MAX_PICKLE_PROBE,
-            first=FIRST_PICKLE_PROBE,
-        )
-    except CkptError:
-        pass
-    else:
-        assert stream.pickle is not None
-        if stream.format != "pickle":
-            return "a pickle stream (torch's legacy format)", stream.pickle.globals_seen
-        if stream.pickle.globals_seen:
-            return "a pickle", stream.pickle.globals_seen
-        return None, []
-    handle.seek(0)
-    data = handle.read(min(file_size, FIRST_PICKLE_PROBE))
-    handle.seek(0)
-    placeholder = StorageRecord("?", "uint8", 0, "cpu", "", 0)
-    unpickler = SafeUnpickler(data, persistent_load=lambda pid: placeholder, refuse_dangerous=False)
-    try:
-        unpickler.load()
-    except CkptError:
-        pass  # what it named before it failed, torch.load calls before it fails
-    found = unpickler.result.globals_seen
-    return ("a pickle" if found else None), found
+def _other_reading(
+    later: list[str], handle: BinaryIO, file_size: int
+) -> tuple[str, list[Any]] | None:
+    """What ``torch.load`` would read the file as, under a name not its format's own: the
+    first later format that also reads it (its description and the globals it names)."""
+    for spec in later:
+        fmt: FileFormat = _load(spec)
+        other = fmt.also_reads_as(handle, file_size)
+        handle.seek(0)
+        if other is not None:
+            return other
+    return None
 
 
 def check_extents(parsed: Parsed, records: list[TensorRecord]) -> list[str]:

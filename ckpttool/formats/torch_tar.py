@@ -15,9 +15,13 @@ valid pickle too. ``torch.load`` reads such a file as a tar; ``scan`` says it re
 from __future__ import annotations
 
 import struct
+from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckpttool.errors import CkptError, UnsafePickleError
+from ckpttool.errors import CkptError, NotACheckpointError, UnsafePickleError
+from ckpttool.formats.base import FileFormat, Findings, Parsed
+from ckpttool.io.source import source_size
 from ckpttool.model.records import ITEMSIZE, GlobalRef, StorageRecord
 from ckpttool.pickle.emulation import STORAGE_DTYPES
 from ckpttool.pickle.interpreter import SafeUnpickler, TruncatedPickleError
@@ -184,3 +188,63 @@ def _itemsize(args: Any) -> int:
     if isinstance(storage_type, GlobalRef) and storage_type.name in STORAGE_DTYPES:
         return ITEMSIZE.get(STORAGE_DTYPES[storage_type.name], 1)
     raise CkptError(f"storage entry {args!r:.60} names no storage type (torch.load fails here)")
+
+
+class TorchTarFormat(FileFormat):
+    """Refused on open (by name); scanned pickle by pickle."""
+
+    id = "torch-tar"
+    ids = ("torch-tar",)
+
+    def recognises(self, head: bytes, file_size: int, handle: BinaryIO) -> bool:
+        return is_torch_tar(handle)
+
+    def open(
+        self,
+        handle: BinaryIO,
+        file_size: int,
+        *,
+        strict: bool,
+        refuse_dangerous: bool,
+        track_spans: bool,
+    ) -> Parsed:
+        raise NotACheckpointError(TAR_REFUSAL)
+
+    def also_reads_as(self, handle: BinaryIO, file_size: int) -> tuple[str, list[Any]] | None:
+        return ("a tar archive (torch's pre-0.4 format)", []) if is_torch_tar(handle) else None
+
+    def scan(self, path: Any, opener: Callable[[Any], BinaryIO]) -> Findings | None:
+        """Every pickle torch.load unpickles from the tar; and, if the file reads as a pickle
+        stream or as safetensors too, that reading's globals and a note saying so. None for a
+        file that is no tar."""
+        from ckpttool.formats.registry import format_by_id  # the other formats, by id
+
+        with opener(path) as handle:
+            if not is_torch_tar(handle):
+                return None
+            found, notes, problems = scan_tar(handle)
+            counts = Counter(found)
+            handle.seek(0)
+            head = handle.read(64)
+        safetensors = format_by_id("safetensors")
+        other = "safetensors" if safetensors.recognises(head, len(head), handle) else None
+        with opener(path) as handle:
+            size = source_size(handle)
+            try:
+                stream: Parsed | None = format_by_id("torch-legacy").open(
+                    handle, size, strict=True, refuse_dangerous=False, track_spans=False
+                )
+            except CkptError:
+                stream = None
+        if stream is not None and stream.pickle is not None:
+            counts.update(stream.pickle.globals_seen)
+            other = "a pickle stream"
+        if other is not None:
+            notes.append(
+                f"ambiguous: a tar archive (torch.load reads it as torch's pre-0.4 tar format) "
+                f"that is also {other}"
+            )
+        return Findings("torch-tar", counts, notes=notes, problems=problems)
+
+
+FORMAT = TorchTarFormat()

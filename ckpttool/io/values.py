@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import InputError
+from ckpttool.model.dtypes import NUMPY_CODES
 from ckpttool.model.records import ITEMSIZE, StorageRecord, TensorRecord, with_key
 
 if TYPE_CHECKING:
@@ -23,11 +24,7 @@ if TYPE_CHECKING:
     from ckpttool.checkpoint import Checkpoint
 
 # dtypes NumPy has natively; the others are read as raw integers of the same width.
-_NUMPY_NATIVE = {
-    "float64": "f8", "float32": "f4", "float16": "f2", "complex128": "c16", "complex64": "c8",
-    "int64": "i8", "int32": "i4", "int16": "i2", "int8": "i1",
-    "uint64": "u8", "uint32": "u4", "uint16": "u2", "uint8": "u1", "bool": "b1",
-}  # fmt: skip
+_NUMPY_NATIVE = NUMPY_CODES  # the one dtype table's (model/dtypes.py)
 _RAW_WIDTH = {1: "u1", 2: "u2", 4: "u4", 8: "u8"}
 CHUNK = 1 << 20  # elements per step when reducing a large tensor
 

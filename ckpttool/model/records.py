@@ -19,47 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
-#: Bytes per element, by torch dtype name (without ``torch.``).
-ITEMSIZE: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "complex128": 16,
-    "complex64": 8,
-    "complex32": 4,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint64": 8,
-    "uint32": 4,
-    "uint16": 2,
-    "uint8": 1,
-    "bool": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
-    "float4_e2m1fn_x2": 1,
-    "qint8": 1,
-    "quint8": 1,
-    "qint32": 4,
-    "quint4x2": 1,
-    "quint2x4": 1,
-    "bits8": 1,
-    "bits16": 2,
-    "bits1x8": 1,
-    "bits2x4": 1,
-    "bits4x2": 1,
-    # sub-byte integers: torch stores each element in one byte (no packing)
-    **{f"{sign}int{bits}": 1 for sign in ("", "u") for bits in range(1, 8)},
-}
-
-#: Packed dtypes: elements per stored byte (a quint4x2 storage holds ceil(numel / 2) bytes).
-ELEMENTS_PER_BYTE: dict[str, int] = {"quint4x2": 2, "quint2x4": 4}
-
+# the dtype facts are the one table's (model/dtypes.py): these names stay for their many users
+from ckpttool.model.dtypes import ELEMENTS_PER_BYTE, FLOATING_DTYPES, ITEMSIZE
 
 #: torch counts elements, sizes, strides and offsets in int64; a file claiming more is broken
 #: (and a number with thousands of digits could not even be printed).
@@ -87,11 +48,6 @@ def numel_fits_int64(shape: tuple[int, ...] | list[int]) -> bool:
         if product > INT64_MAX:
             return False
     return True
-
-
-FLOATING_DTYPES = frozenset(
-    {"float64", "float32", "float16", "bfloat16"} | {d for d in ITEMSIZE if d.startswith("float8")}
-)
 
 
 @dataclass(frozen=True, slots=True)

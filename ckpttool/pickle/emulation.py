@@ -21,6 +21,7 @@ from itertools import repeat
 from typing import Any
 
 from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
+from ckpttool.model import dtypes
 from ckpttool.model.records import (
     ITEMSIZE,
     PART_NAMES,
@@ -48,64 +49,27 @@ __all__ = [
     "global_value",
     "is_emulated",
     "set_state",
+    "storage_class_dtype",
 ]
 
 #: How an emulated call has the interpreter emulate a call nested in its arguments:
 #: ``call(func, args)`` (``torch._tensor._rebuild_from_type_v2`` carries its inner rebuild).
 NestedCall = Callable[[Any, Any], Any]
 
-STORAGE_DTYPES = {
-    "FloatStorage": "float32",
-    "DoubleStorage": "float64",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-    "QInt8Storage": "qint8",
-    "QInt32Storage": "qint32",
-    "QUInt8Storage": "quint8",
-    "QUInt4x2Storage": "quint4x2",
-    "QUInt2x4Storage": "quint2x4",
-    "UntypedStorage": "uint8",
-}
+#: torch's typed storage class -> dtype (the one dtype table's, :mod:`ckpttool.model.dtypes`)
+STORAGE_DTYPES = dtypes.STORAGE_DTYPES
 
-# NumPy type codes (without byte order) -> torch dtype names.
-_NUMPY_DTYPES = {
-    "f8": "float64",
-    "f4": "float32",
-    "f2": "float16",
-    "i8": "int64",
-    "i4": "int32",
-    "i2": "int16",
-    "i1": "int8",
-    "u8": "uint64",
-    "u4": "uint32",
-    "u2": "uint16",
-    "u1": "uint8",
-    "b1": "bool",
-    "c16": "complex128",
-    "c8": "complex64",
-}
-_STRUCT_CODES = {
-    "f8": "d",
-    "f4": "f",
-    "f2": "e",
-    "i8": "q",
-    "i4": "i",
-    "i2": "h",
-    "i1": "b",
-    "u8": "Q",
-    "u4": "I",
-    "u2": "H",
-    "u1": "B",
-    "b1": "?",
-}
+
+def storage_class_dtype(storage_type: Any) -> str:
+    """The dtype of a storage class a torch pickle names (``torch.FloatStorage``: "float32")."""
+    if isinstance(storage_type, GlobalRef) and storage_type.name in STORAGE_DTYPES:
+        return STORAGE_DTYPES[storage_type.name]
+    raise CorruptCheckpointError(f"unknown storage type {storage_type!s} in the pickle")
+
+
+# NumPy type codes (without byte order) -> torch dtype names, and -> struct codes
+_NUMPY_DTYPES = dtypes.NUMPY_DTYPES
+_STRUCT_CODES = dtypes.STRUCT_CODES
 
 
 _SAFE_BUILTIN_NAMES = frozenset(
@@ -131,17 +95,7 @@ class TorchDtype:
         return f"torch.{self.name}"
 
 
-_TORCH_DTYPE_GLOBALS = {
-    f"torch.{name}": TorchDtype(name)
-    for name in [
-        "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
-        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-        "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8",
-        "bits16", "bits1x8", "bits2x4", "bits4x2",
-        *(f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8)),
-    ]
-}  # fmt: skip
+_TORCH_DTYPE_GLOBALS = {f"torch.{name}": TorchDtype(name) for name in dtypes.ITEMSIZE}
 
 #: Quantization schemes a pickle names as values (``torch.per_tensor_affine``).
 QSCHEMES = frozenset(

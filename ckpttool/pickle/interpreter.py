@@ -35,10 +35,6 @@ from ckpttool.errors import (
     TruncatedPickleError,
     UnsafePickleError,
 )
-from ckpttool.formats.dcp.pickle_call import MODULES as DCP_MODULES
-from ckpttool.formats.dcp.pickle_call import OPCODES as DCP_CALL_OPCODES
-from ckpttool.formats.dcp.pickle_call import dcp_call
-from ckpttool.formats.dcp.pickle_records import COMPACT, ELIDED, Redo
 from ckpttool.model.records import (
     BackReference,
     GlobalRef,
@@ -57,6 +53,7 @@ from ckpttool.pickle.emulation import (
     set_state,
 )
 from ckpttool.pickle.frames import ambiguous, check_frame, ends_an_opcode
+from ckpttool.pickle.hooks import ELIDED, CompactCall, Redo
 from ckpttool.pickle.policy import Verdict, classify_global, python3_name
 from ckpttool.pickle.tensor_call import OPCODES as TENSOR_CALL_OPCODES
 from ckpttool.pickle.tensor_call import tensor_call
@@ -75,8 +72,8 @@ MAX_SECONDS = 60.0  # wall-clock budget for one pickle
 MAX_STACK = 1_000_000  # items on the stack (checked every CHECK_EVERY opcodes)
 MAX_MARKS = MAX_DEPTH * 10  # MARKs open at once
 CHECK_EVERY = 16_384  # opcodes between checks of the clock and the stack's size
-#: Whether walkers read tensor calls with ``tensor_call`` and DCP ``.metadata`` entries with
-#: ``dcp_call`` unless told (the differential tests turn it off to compare every reader's output
+#: Whether walkers read tensor calls with ``tensor_call`` and a format's objects with the
+#: :class:`~ckpttool.pickle.hooks.CompactCall` it hands them unless told (the differential tests turn it off to compare every reader's output
 #: with and without them).
 FAST_PATH = True
 
@@ -151,7 +148,7 @@ class SafeUnpickler:
         refuse_dangerous: bool = True,
         track_spans: bool = False,
         fast_path: bool | None = None,
-        compact: bool = False,
+        compact: CompactCall | None = None,
     ) -> None:
         self.data = memoryview(data)
         # text opcodes search for their newline in the bytes themselves (memoryview has no
@@ -161,22 +158,22 @@ class SafeUnpickler:
         self.persistent_load = persistent_load
         self.refuse_dangerous = refuse_dangerous
         self.track_spans = track_spans
-        # tensors read by ``tensor_call``, DCP entries by ``dcp_call`` (off: every opcode
+        # tensors read by ``tensor_call``, a format's objects by its ``compact`` hook (off: every opcode
         # through the general loop; the differential tests compare both; span tracking needs
         # the general loop)
         self.fast_path = FAST_PATH if fast_path is None else fast_path
-        # ``dcp_call``: only where asked (a DCP .metadata, whose reader knows its records: in
-        # any other tree they would stand where readers expect the general loop's objects);
-        # off for a redo
-        self.compact = compact and self.fast_path and not track_spans
+        # ``compact`` (:mod:`ckpttool.pickle.hooks`): only where a format hands one (DCP's
+        # .metadata, whose reader knows its records: in any other tree they would stand where
+        # readers expect the general loop's objects); off for a redo
+        self.compact = compact if self.fast_path and not track_spans else None
         self._reset()
 
     def _reset(self) -> None:
-        """The walk's state, fresh (``__init__``, and a walk done again without ``dcp_call``)."""
+        """The walk's state, fresh (``__init__``, and a walk done again without ``compact``)."""
         self.pos = self.start
         self.protocol = 0  # as the last PROTO opcode said (none: 0), for ``python3_name``
-        self.compacts = 0  # records ``dcp_call`` made
-        self.dcp_layouts: dict[str, Any] = {}  # its ``Layouts``, by class name
+        self.compacts = 0  # records the ``compact`` hook made
+        self.call_state: dict[str, Any] = {}  # the hook's own state for this walk
         self.overwrites = 0  # PUTs onto a memo index already PUT (layouts check it)
         self.layouts: list[Any] = []  # ``tensor_call``'s layouts for this pickle
         self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # and its shared shapes
@@ -264,7 +261,7 @@ class SafeUnpickler:
             raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
         if not isinstance(args, tuple):
             raise _bad(self.pos, "call arguments are not a tuple")
-        if self.compacts and _holds_compact(args):
+        if self.compacts and _holds_compact(args, self._records()):
             raise Redo  # the emulation would have seen the objects a record replaced
         if self.contextual.refs:
             resolved = self.contextual.call(func, args, _verdict_of)
@@ -276,6 +273,10 @@ class SafeUnpickler:
         if isinstance(result, _MUTABLE):  # what BUILD may then touch
             self.created.add(id(result))
         return result
+
+    def _records(self) -> tuple[type, ...]:
+        """The record types the ``compact`` hook makes (none without one)."""
+        return self.compact.records if self.compact is not None else ()
 
     def _frame_passed(self, op_pos: int, pos: int) -> int:
         """The walk reached the open frame's end (``pos``), or stepped past it from the opcode
@@ -303,8 +304,8 @@ class SafeUnpickler:
     def load(self) -> PickleResult:
         """Interpret opcodes until STOP; finalize the tree.
 
-        A walk in which ``dcp_call`` made records and that then fails (any error, or a
-        :class:`~ckpttool.formats.dcp.pickle_records.Redo`: a record met where the objects it replaced
+        A walk in which the ``compact`` hook made records and that then fails (any error, or a
+        :class:`~ckpttool.pickle.hooks.Redo`: a record met where the objects it replaced
         would not have been left alone) is done again without it, within the same time budget:
         the result, or the error, is the general loop's.
         """
@@ -315,7 +316,7 @@ class SafeUnpickler:
             except (CkptError, Redo):
                 if not self.compacts:
                     raise
-            self.compact = False
+            self.compact = None
             self._reset()
             return self._load(deadline)
         except CkptError:
@@ -349,6 +350,7 @@ class SafeUnpickler:
         raw = self.raw
         fast = self.fast_path and not track
         compact = self.compact
+        compact_modules = compact.modules if compact is not None else frozenset()
         limit = self.limit
         try:
             while True:
@@ -411,14 +413,14 @@ class SafeUnpickler:
                                 pos, value = made
                                 ops += TENSOR_CALL_OPCODES
                         elif (
-                            compact
-                            and value.module in DCP_MODULES
+                            compact is not None
+                            and value.module in compact_modules
                             and len(metastack) + 3 <= MAX_MARKS
-                        ):  # a DCP metadata entry, as one compact record (``dcp_call``)
-                            made = dcp_call(self, raw, pos, value)
+                        ):  # a format's object, as one compact record (pickle/hooks.py)
+                            made = compact.call(self, raw, pos, value)
                             if made is not None:
                                 pos, value = made
-                                ops += DCP_CALL_OPCODES
+                                ops += compact.opcodes
                     elif value is ELIDED:
                         raise Redo  # an object a compact record replaced
                     stack.append(value)
@@ -556,7 +558,9 @@ class SafeUnpickler:
         created.clear()
         try:
             reuse = REUSE_BASE + (self.pos - self.start) // REUSE_BYTES
-            self.result.root = finalize(self.result.root, max_reuse=reuse, compacts=self.compacts)
+            self.result.root = finalize(
+                self.result.root, max_reuse=reuse, compacts=self.compacts, records=self._records()
+            )
         except (TypeError, ValueError, RecursionError) as error:
             raise _bad(self.pos, f"{type(error).__name__}: {error}") from None
         self.result.end = self.pos
@@ -972,37 +976,46 @@ def _weight(leaf: Any) -> int:
     return 1 + len(leaf) // 64 if isinstance(leaf, (str, bytes, bytearray)) else 1
 
 
-def _holds_compact(value: Any) -> bool:
-    """Whether a call's arguments hold a ``dcp_call`` record, at any depth."""
-    if isinstance(value, COMPACT):
+def _holds_compact(value: Any, records: tuple[type, ...]) -> bool:
+    """Whether a call's arguments hold a ``compact`` hook's record, at any depth."""
+    if isinstance(value, records):
         return True
     if isinstance(value, (tuple, list, set, frozenset)):
-        return any(_holds_compact(v) for v in value)
+        return any(_holds_compact(v, records) for v in value)
     if isinstance(value, dict):
-        return any(_holds_compact(k) or _holds_compact(v) for k, v in value.items())
+        return any(
+            _holds_compact(k, records) or _holds_compact(v, records) for k, v in value.items()
+        )
     if isinstance(value, OpaqueObject):
         return any(
-            _holds_compact(part)
+            _holds_compact(part, records)
             for part in (value.args, value.state, value.dictitems, value.listitems)
         )
     return False
 
 
 def finalize(
-    root: Any, max_nodes: int = MAX_NODES, max_reuse: int = MAX_NODES, compacts: int = 0
+    root: Any,
+    max_nodes: int = MAX_NODES,
+    max_reuse: int = MAX_NODES,
+    compacts: int = 0,
+    records: tuple[type, ...] = (),
 ) -> Any:
     """The tree with the walk's placeholders replaced, checked for depth and size, and each
     reference to a container that holds it (a cycle: a parent link) made a
     :class:`~ckpttool.model.records.BackReference` leaf of weight one.
 
-    A ``dcp_call`` record (only where ``compacts`` were made) counts as the objects it replaced:
-    its ``nodes``, its ``depth``, and a visit of what it shares; reaching one twice raises
-    :class:`~ckpttool.formats.dcp.pickle_records.Redo` (the walk is then done without them).
+    A ``compact`` hook's record (one of ``records``, only where ``compacts`` were made) counts as
+    the objects it replaced: its ``nodes``, its ``depth``, and a visit of what it shares;
+    reaching one twice raises :class:`~ckpttool.pickle.hooks.Redo` (the walk is then done
+    without them).
     """
-    return _finalize(root, max_nodes, max_reuse, compacts)[0]
+    return _finalize(root, max_nodes, max_reuse, compacts, records)[0]
 
 
-def _finalize(root: Any, max_nodes: int, max_reuse: int, compacts: int) -> tuple[Any, int, int]:
+def _finalize(
+    root: Any, max_nodes: int, max_reuse: int, compacts: int, records: tuple[type, ...] = ()
+) -> tuple[Any, int, int]:
     """``finalize``, and the tree's expanded size and its reused weight (for the tests)."""
     done: dict[int, Any] = {}
     sizes: dict[int, int] = {}
@@ -1039,7 +1052,7 @@ def _finalize(root: Any, max_nodes: int, max_reuse: int, compacts: int) -> tuple
                 reuse(1)
             leaves_seen.add(id(node))
             return node, 1
-        if compacts and cls in COMPACT:
+        if compacts and cls in records:
             return compact(node, depth)
         if isinstance(node, NdarrayBuilder):
             node = node.record
@@ -1151,7 +1164,7 @@ def load_pickle(
     refuse_dangerous: bool = True,
     track_spans: bool = False,
     fast_path: bool | None = None,
-    compact: bool = False,
+    compact: CompactCall | None = None,
 ) -> PickleResult:
     """Read one pickle safely; see :class:`SafeUnpickler`.
 

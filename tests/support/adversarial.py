@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpttool.formats.torch_legacy import MAGIC_NUMBER, PROTOCOL_VERSION
+from ckpttool.formats.torch_legacy.reader import MAGIC_NUMBER, PROTOCOL_VERSION
 from tests.support.helpers import FIXTURES
 
 

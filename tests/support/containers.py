@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckpttool.formats.torch_legacy import MAGIC_NUMBER, PROTOCOL_VERSION
+from ckpttool.formats.torch_legacy.reader import MAGIC_NUMBER, PROTOCOL_VERSION
 
 SYS_INFO = {"protocol_version": PROTOCOL_VERSION, "little_endian": True, "type_sizes": {}}
 

@@ -26,7 +26,7 @@ from ckpttool.commands.selection import (
     wrapper_hint,
 )
 from ckpttool.errors import InputError
-from ckpttool.formats.writers import OutTensor
+from ckpttool.formats.base import OutTensor
 from ckpttool.frameworks.base import reported_layout
 from ckpttool.model.cast import CASTABLE, TARGETS
 from ckpttool.model.records import ITEMSIZE, TensorRecord, walk, without_values

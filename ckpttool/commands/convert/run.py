@@ -4,7 +4,8 @@ The conversion streams: the output's layout is decided from the reader's records
 (:mod:`ckpttool.commands.convert.plan`), its header is written first, then each tensor is read
 (``pread`` of just its bytes), cast if asked, written and freed. Peak memory is a few times the
 largest tensor, never the file. torch is not imported: NumPy casts (:mod:`ckpttool.model.cast`) and
-the ``.pth`` pickle is generated (:mod:`ckpttool.formats.writers`). The exception: a ``.pth`` that keeps
+the ``.pth`` pickle is generated (each output format's writer, found through
+:mod:`ckpttool.formats.registry`). The exception: a ``.pth`` that keeps
 sparse, quantized or nested tensors is built and saved by torch (:mod:`ckpttool.commands.convert.torch_kinds`).
 
 Every output is written to temp files next to its target (:func:`ckpttool.io.atomic.atomic_group`);
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -43,7 +44,7 @@ from ckpttool.errors import (
     OverflowRefusedError,
     VerificationError,
 )
-from ckpttool.formats.writers import PickledTensor, safetensors_header, write_pth
+from ckpttool.formats.registry import format_by_id
 from ckpttool.frameworks.base import WEIGHTS_VIEW, view_facts
 from ckpttool.io.atomic import atomic_group
 from ckpttool.io.progress import ProgressCallback
@@ -418,28 +419,26 @@ def tensor_bytes(
 
 # --- writing and reading back ---------------------------------------------------------------
 
+#: The format (its vocabulary id, :mod:`ckpttool.formats.registry`) that writes each output kind.
+WRITERS = {"safetensors": "safetensors", "pth": "torch-zip"}
+
 
 def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce, keep: Keep) -> None:
     if out.kind == "index":
         handle.write(out.content)
         out.expected_size = len(out.content)
-    elif out.kind == "safetensors":
-        header = safetensors_header([p.out for p in out.tensors], out.metadata)
-        handle.write(header)
-        for planned in out.tensors:
-            handle.write(produce(planned))
-        out.expected_size = len(header) + sum(p.nbytes for p in out.tensors)
     elif any(p.kept for p in out.tensors):
         _write_with_torch(handle, out, names, produce, keep)
-    else:
-        keys = {p.name: str(i) for i, p in enumerate(out.tensors)}
-        by_name = {p.name: p for p in out.tensors}
-        entries = []
-        for name in names:  # source order; an alias names its stored tensor's storage
-            stored = by_name[out.aliases.get(name, name)]
-            entries.append(PickledTensor(name, keys[stored.name], replace(stored.out, name=name)))
-        write_pth(handle, entries, ((keys[p.name], produce(p)) for p in out.tensors))
-        out.expected_size = handle.tell()
+    else:  # plain tensors, by the output format's writer
+        writer = format_by_id(WRITERS[out.kind])
+        out.expected_size = writer.write(
+            handle,
+            [p.out for p in out.tensors],
+            (produce(p) for p in out.tensors),
+            names,
+            out.aliases,
+            out.metadata,
+        )
 
 
 def _write_with_torch(

@@ -1,6 +1,6 @@
 """Sparse, quantized and nested tensors kept as they are by ``convert --to pth``.
 
-convert's own ``.pth`` writer (:mod:`ckpttool.formats.writers`) stores plain tensors, one storage
+convert's own ``.pth`` writer (:mod:`ckpttool.formats.torch_zip.writer`) stores plain tensors, one storage
 each. These kinds are pickled by torch through its own rebuild functions
 (``_rebuild_sparse_tensor``, ``_rebuild_qtensor``, ``_rebuild_nested_tensor``), so a file
 holding one is built by torch (each tensor rebuilt by :func:`ckpttool.io.values.read_tensor`)

@@ -9,7 +9,7 @@ source), or writes its own output (:attr:`~ckpttool.frameworks.base.Framework.re
 DeepSpeed's universal checkpoint). Here the plan is carried out, naming no framework.
 
 Unchanged files are copied byte for byte; changed pickled files are spliced
-(:class:`~ckpttool.formats.torch_zip.rewrite.FieldRewrite`, never loaded or re-pickled) and read back;
+(:func:`~ckpttool.formats.registry.field_rewrite`, never loaded or re-pickled) and read back;
 JSON files (``trainer_state.json``) are rewritten with their key order. The new directory is
 built as a temp directory beside the target, fsynced, then renamed into place
 (:func:`ckpttool.io.atomic.staged_directory`).
@@ -26,7 +26,7 @@ from pathlib import Path
 from ckpttool.checkpoint import open_checkpoint
 from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError, name_file
 from ckpttool.formats.base import is_dcp_directory
-from ckpttool.formats.torch_zip.rewrite import FieldRewrite, verify_rewrite
+from ckpttool.formats.registry import field_rewrite, verify_rewrite
 from ckpttool.frameworks.base import COLLECTION, Framework, FrameworkDirectory
 from ckpttool.frameworks.registry import detect_once, frameworks
 from ckpttool.io.atomic import fsync_dir, staged_directory
@@ -198,7 +198,7 @@ def _check_rewrites(path: Path, actions: list[FileAction]) -> None:
     for action in actions:
         if action.action == REWRITE and not action.source.endswith(".json"):
             with open_checkpoint(path / action.source, track_spans=True) as ckpt:
-                FieldRewrite(ckpt, action.changes).close()
+                field_rewrite(ckpt, action.changes).close()
 
 
 def _write_directory(
@@ -231,7 +231,7 @@ def _write_member(source: Path, destination: Path, action: FileAction) -> None:
         else:
             with (
                 open_checkpoint(source, track_spans=True) as ckpt,
-                FieldRewrite(ckpt, action.changes) as rewrite,
+                field_rewrite(ckpt, action.changes) as rewrite,
             ):
                 rewrite.write(out)
         out.flush()

@@ -7,7 +7,7 @@ skip 4800 batches, not 1200. MiniMind patches this silently at load time
 file, recorded in the file itself (``rescaled_from``).
 
 :func:`rescale_fields` is the repair as a pure ``dict -> dict`` function; :func:`rescale_step`
-applies it to a file by splicing the pickle (:mod:`ckpttool.formats.torch_zip.rewrite`): tensors are copied byte
+applies it to a file by splicing the pickle (:func:`ckpttool.formats.registry.field_rewrite`): tensors are copied byte
 for byte, never loaded, torch is never imported, and the result replaces the file atomically
 after it has been read back and checked.
 
@@ -28,7 +28,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpttool.checkpoint import open_checkpoint
 from ckpttool.errors import (
@@ -40,13 +40,16 @@ from ckpttool.errors import (
     name_file,
 )
 from ckpttool.formats.base import is_dcp_directory
-from ckpttool.formats.torch_zip.rewrite import FieldRewrite, verify_rewrite
+from ckpttool.formats.registry import field_rewrite, verify_rewrite
 from ckpttool.io.atomic import atomic_group
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model.lr_schedule import rescale_scheduler
 from ckpttool.model.rescaling import RescalePlan, RescaleTarget, describe_repeats
 from ckpttool.model.roles import LAYOUT_TITLES, LIGHTNING, TRAINING, is_resume, layout_of
 from ckpttool.pickle.edit import emit
+
+if TYPE_CHECKING:
+    from ckpttool.formats.torch_zip.rewrite import FieldRewrite
 
 __all__ = [
     "HISTORY_KEY",
@@ -269,7 +272,7 @@ def _rescale_file(
         if plan.scheduler_changes:
             keys.append(SCHEDULER_KEY)  # the whole value is re-emitted (plain data only)
         changes = {key: new_fields[key] for key in keys}
-        with FieldRewrite(ckpt, changes) as rewrite:
+        with field_rewrite(ckpt, changes) as rewrite:
             if dry_run:
                 return report
             made_backup = _rewrite_file(rewrite, path, written_to, in_place, backup_path, progress)

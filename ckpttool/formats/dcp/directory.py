@@ -31,6 +31,7 @@ from ckpttool.formats.dcp.metadata import (
     nested_tree,
     parse_metadata,
 )
+from ckpttool.formats.dcp.pickle_call import DCP_CALL
 from ckpttool.io.source import member_sizes, source_size
 from ckpttool.model.records import (
     ITEMSIZE,
@@ -52,7 +53,7 @@ def load_metadata(handle: BinaryIO, *, refuse_dangerous: bool) -> tuple[PickleRe
     if size > MAX_METADATA:
         raise ResourceLimitError(f".metadata has {size:,} bytes")
     # compact: its entries as dcp_call's records, which parse_metadata reads
-    result = load_pickle(handle.read(), refuse_dangerous=refuse_dangerous, compact=True)
+    result = load_pickle(handle.read(), refuse_dangerous=refuse_dangerous, compact=DCP_CALL)
     meta = parse_metadata(result.root)
     result.root = None  # the walked tree: 70 MB at 100,000 entries, and read only here
     return result, meta

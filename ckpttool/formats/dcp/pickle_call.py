@@ -42,9 +42,10 @@ from ckpttool.formats.dcp.pickle_layout import (
     replay,
     tensor_layout,
 )
-from ckpttool.formats.dcp.pickle_records import ELIDED, IndexMeta, InfoMeta, TensorMeta
+from ckpttool.formats.dcp.pickle_records import COMPACT, ELIDED, IndexMeta, InfoMeta, TensorMeta
 from ckpttool.model.records import GlobalRef
 from ckpttool.pickle.emulation import TorchDtype, TorchLayout
+from ckpttool.pickle.hooks import CompactCall
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -442,9 +443,9 @@ def dcp_call(u: Any, raw: bytes, pos: int, cls: GlobalRef) -> tuple[int, Any] | 
     read: Any = _RECORDS.get((cls.module, cls.name))
     if read is None or u.memo:  # sparse memo indices: MEMOIZE numbering is the general loop's
         return None
-    kind = u.dcp_layouts.get(cls.name)
+    kind = u.call_state.get(cls.name)
     if kind is None:
-        kind = u.dcp_layouts[cls.name] = Layouts()
+        kind = u.call_state[cls.name] = Layouts()
     trace = kind.worth_it
     if trace and kind.layouts:
         made = replay(kind, u, raw, pos)
@@ -466,4 +467,8 @@ def dcp_call(u: Any, raw: bytes, pos: int, cls: GlobalRef) -> tuple[int, Any] | 
     return r.pos, record
 
 
-__all__ = ["MODULES", "OPCODES", "dcp_call"]
+#: What the DCP reader hands the walker for a ``.metadata`` (:mod:`ckpttool.pickle.hooks`).
+DCP_CALL = CompactCall(MODULES, OPCODES, COMPACT, dcp_call)
+
+
+__all__ = ["DCP_CALL", "MODULES", "OPCODES", "dcp_call"]

@@ -1,5 +1,6 @@
 """The compact records the walker's DCP fast path (:mod:`ckpttool.formats.dcp.pickle_call`) makes of a
-``.metadata`` pickle's entries, and what stands in the memo for the objects they replace.
+``.metadata`` pickle's entries (what stands in the memo for the objects they replace, and the
+``Redo`` signal, are the walker's: :mod:`ckpttool.pickle.hooks`).
 
 They hold what :mod:`ckpttool.formats.dcp.metadata` reads of each entry, and what ``finalize``
 would have counted for the objects they replace (``nodes``, ``depth``, ``shared``).
@@ -9,20 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-class Redo(Exception):
-    """A compact record cannot stand for the objects it replaced: walk again without them."""
-
-
-class _Elided:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<elided>"
-
-
-#: What the memo holds for an object a compact record replaced (a GET of it means ``Redo``).
-ELIDED = _Elided()
+from ckpttool.pickle.hooks import ELIDED, Redo
 
 
 class TensorMeta:

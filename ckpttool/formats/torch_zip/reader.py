@@ -32,8 +32,8 @@ from ckpttool.formats.torch_zip.zip_index import (
     read_local_header,
 )  # fmt: skip
 from ckpttool.io.source import source_size
-from ckpttool.model.records import GlobalRef, StorageRecord, fits_int64
-from ckpttool.pickle.emulation import STORAGE_DTYPES
+from ckpttool.model.records import StorageRecord, fits_int64
+from ckpttool.pickle.emulation import storage_class_dtype
 from ckpttool.pickle.interpreter import PersistentLoad, PickleResult, load_pickle
 
 MAX_DATA_PKL = 1 << 30  # 1 GiB of pickle: far beyond any real checkpoint's object tree
@@ -127,12 +127,6 @@ class PickleCache:
         return result
 
 
-def storage_dtype(storage_type: Any) -> str:
-    if isinstance(storage_type, GlobalRef) and storage_type.name in STORAGE_DTYPES:
-        return STORAGE_DTYPES[storage_type.name]
-    raise CorruptCheckpointError(f"unknown storage type {storage_type!s} in the pickle")
-
-
 def is_torchscript(names: list[str]) -> bool:
     return any(n.endswith("constants.pkl") or "/code/" in n or n.startswith("code/") for n in names)
 
@@ -224,7 +218,7 @@ def read_torch_zip(
                 "the file (truncated or tampered file)"
             )
         storage = StorageRecord(  # the member's own name: ``record`` is a copy (8 MB at 100,000)
-            key, storage_dtype(storage_type), numel, str(location), member.filename,
+            key, storage_class_dtype(storage_type), numel, str(location), member.filename,
             member.file_size, byteorder,
         )  # fmt: skip
         storages[key] = storage

@@ -19,12 +19,13 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
-from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.errors import (
     CorruptCheckpointError,
     LayoutError,
     RewriteCheckError,
 )
+from ckpttool.formats.base import Checkpoint
+from ckpttool.formats.registry import open_path
 from ckpttool.formats.torch_zip.reader import find_data_pkl, member_span, open_zip
 from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter, copy_range
 from ckpttool.io.progress import ProgressCallback
@@ -136,7 +137,7 @@ def verify_rewrite(
     equal to ``changes``; every other value (tensor records included: dtype, shape, stride,
     offset, storage name and size) equal to the old one. Raises :class:`RewriteCheckError`.
     """
-    with open_checkpoint(new_path) as new:
+    with open_path(new_path) as new:
         problem = _first_difference(old, new, changes)
     if problem:
         raise RewriteCheckError(

@@ -39,6 +39,26 @@ def check_torch_zip(
     return problems, [n for n in names if fold(n).startswith(data_prefix) and n not in used]
 
 
+def verify_torch_zip(
+    ckpt: Checkpoint, progress: ProgressCallback | None = None
+) -> tuple[list[str], list[str]]:
+    """(problems, what was checked): ``verify``'s checks of a torch zip file."""
+    problems, spare = check_torch_zip(ckpt, progress)
+    checked = []
+    if ckpt.details.get("crc32") == "not computed":
+        checked.append(
+            "zip directory vs local headers; note: the CRC-32s were not computed (every "
+            "CRC field is 0: torch.serialization.config.save.compute_crc32 = False), so "
+            "the records' bytes cannot be checked"
+        )
+    else:
+        checked.append("zip directory vs local headers, CRC-32 of every record")
+    if spare:
+        records = f"{len(spare)} storage record{'s' * (len(spare) != 1)}"
+        checked.append(f"note: {records} no tensor uses")
+    return problems, checked
+
+
 def record_owners(ckpt: Checkpoint) -> dict[str, list[str]]:
     """Zip record name -> the keys of the tensors stored in it (several when they share it)."""
     owners: dict[str, list[str]] = {}

@@ -49,7 +49,8 @@ from ckpttool.errors import (
     OutputExistsError,
     VerificationError,
 )
-from ckpttool.formats.writers import OutTensor, StoredTensor, write_torch_object
+from ckpttool.formats.base import OutTensor
+from ckpttool.formats.torch_zip.writer import StoredTensor, write_torch_object
 from ckpttool.frameworks.base import FrameworkDirectory, open_member
 from ckpttool.frameworks.deepspeed.consolidate import (
     ZeroWeights,

@@ -1,15 +1,14 @@
-"""The byte layouts ``convert`` writes: a safetensors header and a torch.save zip.
+"""The torch.save zip ``convert`` (and DeepSpeed's universal checkpoint) write.
 
-Both writers take the tensor *descriptions* first and the bytes afterwards, one tensor at a
-time, so a file of any size is written with one tensor in memory. The safetensors header is
-known before any data (every name, dtype and shape comes from the reader's records); the
-torch zip's ``data.pkl`` is generated here opcode by opcode, mirroring what ``torch.save``
-emits for a state dict, so neither writer needs torch.
+The writer takes the tensor *descriptions* first and the bytes afterwards, one tensor at a
+time, so a file of any size is written with one tensor in memory. The zip's ``data.pkl`` is
+generated here opcode by opcode, mirroring what ``torch.save`` emits for a state dict, so the
+writer needs no torch. (safetensors' writer is beside its reader:
+:mod:`ckpttool.formats.safetensors_file`.)
 """
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from collections.abc import Iterable, Sequence
@@ -17,88 +16,22 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckpttool.errors import InputError
-from ckpttool.formats.safetensors_file import CODES, MAX_HEADER
+from ckpttool.formats.base import OutTensor
 from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter
+from ckpttool.model import dtypes
 from ckpttool.model.records import ITEMSIZE
 
-#: safetensors pads its header with spaces so that the data starts 8-byte aligned.
-HEADER_ALIGNMENT = 8
 #: The zip folder of a written .pth (what torch.save uses when saving to a buffer).
 PTH_PREFIX = "archive"
 
 #: torch's typed storage class per dtype (``torch.storage._dtype_to_storage_type_map``); the
-#: other dtypes (uint16, float8...) are saved by torch as an UntypedStorage plus the dtype.
-STORAGE_CLASSES = {
-    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
-    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
-    "bool": "BoolStorage", "complex128": "ComplexDoubleStorage",
-    "complex64": "ComplexFloatStorage",
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class OutTensor:
-    """One tensor as it will be written: contiguous, in its output dtype."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+#: other dtypes (uint16, float8...) are saved by torch as an UntypedStorage plus the dtype
+#: (the one dtype table's, :mod:`ckpttool.model.dtypes`).
+STORAGE_CLASSES = dtypes.STORAGE_CLASSES
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-
-
-# --- safetensors ----------------------------------------------------------------------------
-
-
-def safetensors_header(tensors: Sequence[OutTensor], metadata: dict[str, str]) -> bytes:
-    """Length field plus JSON header for ``tensors`` stored back to back in this order.
-
-    The text is what ``json.dumps(header, ensure_ascii=False, separators=(",", ":"))`` gives
-    for the header as a dict, made one entry at a time: at 100,000 tensors the dict of dicts
-    took 50 MB for a moment, for 7 MB of text.
-    """
-    dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-    parts = [f'"__metadata__":{dumps(dict(metadata))}'] if metadata else []
-    names = {"__metadata__"} if metadata else set()
-    offset = 0
-    for tensor in tensors:
-        code = CODES.get(tensor.dtype)
-        if code is None:
-            raise InputError(
-                f"{tensor.name}: safetensors cannot store {tensor.dtype} tensors; leave it out "
-                "with --filter or write a .pth (--to pth)"
-            )
-        if tensor.name in names:
-            raise InputError(f"{tensor.name!r} cannot be a tensor name in safetensors")
-        names.add(tensor.name)
-        end = offset + tensor.nbytes
-        shape = ",".join(map(str, tensor.shape))
-        parts.append(
-            f'{dumps(tensor.name)}:{{"dtype":"{code}","shape":[{shape}],'
-            f'"data_offsets":[{offset},{end}]}}'
-        )
-        offset = end
-    text = ("{" + ",".join(parts) + "}").encode("utf-8")
-    del parts, names
-    text += b" " * ((-len(text)) % HEADER_ALIGNMENT)
-    if len(text) > MAX_HEADER:
-        raise InputError(
-            f"the safetensors header would be {len(text):,} bytes (limit {MAX_HEADER:,}): "
-            "too many tensors or too much metadata for one file; shard with --max-shard-size"
-        )
-    return struct.pack("<Q", len(text)) + text
-
-
-def safetensors_size(tensors: Sequence[OutTensor], metadata: dict[str, str]) -> int:
-    """The exact size of the file :func:`safetensors_header` plus the data make."""
-    return len(safetensors_header(tensors, metadata)) + sum(t.nbytes for t in tensors)
 
 
 # --- torch.save's data.pkl ------------------------------------------------------------------

@@ -19,9 +19,9 @@ from typing import Any, BinaryIO, TypeVar
 
 from ckpttool.errors import CorruptCheckpointError
 from ckpttool.formats.base import Parsed
-from ckpttool.formats.torch_zip.reader import storage_dtype
 from ckpttool.io.source import read_range, source_of
 from ckpttool.model.records import ITEMSIZE, StorageRecord, fits_int64
+from ckpttool.pickle.emulation import storage_class_dtype
 from ckpttool.pickle.interpreter import PickleResult, TruncatedPickleError, load_pickle
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -210,4 +210,4 @@ def _parse_pid(pid: Any) -> tuple[str, str, str, int]:
         )
     if not isinstance(numel, int) or numel < 0 or not fits_int64(numel):
         raise CorruptCheckpointError(f"legacy storage {key!r:.80} has a bad size {numel!r:.40}")
-    return str(key), storage_dtype(storage_type), str(location), numel
+    return str(key), storage_class_dtype(storage_type), str(location), numel

@@ -2,7 +2,7 @@
 
 ``torch.load`` reads any file that is not a zip as a legacy stream of pickles, and the first one
 runs whatever it names before torch looks at the magic number it should hold. So when
-:func:`ckpttool.checkpoint.open_checkpoint` refuses a file -- a first opcode it does not expect
+the reader (:func:`ckpttool.formats.registry.open_file`) refuses a file -- a first opcode it does not expect
 (protocol 0's ``V``, ``S``, ``N``, ``I``..., a ``FRAME``), a pickle it cannot finish, a legacy
 stream broken after its object -- ``scan`` walks the pickles itself, in scan mode, and reports
 every global they named up to where the walk stopped; a walk error is then "could not scan"
@@ -15,9 +15,9 @@ non-pickle format, or it is text whose walk fails where the C unpickler fails to
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ckpttool.errors import (
     CkptError,
@@ -25,13 +25,11 @@ from ckpttool.errors import (
     ResourceLimitError,
     UnsafePickleError,
 )
-from ckpttool.formats.safetensors_file import looks_like_safetensors
-from ckpttool.formats.torch_legacy import MAGIC_NUMBER
+from ckpttool.formats.torch_legacy.reader import MAGIC_NUMBER
 from ckpttool.io.source import is_url
-from ckpttool.model.records import StorageRecord
 from ckpttool.pickle.interpreter import SafeUnpickler, TruncatedPickleError
-from ckpttool.pickle.names import linear_globals
-from ckpttool.pickle.policy import Verdict, classify_global, python3_name
+from ckpttool.pickle.policy import Verdict
+from ckpttool.pickle.scan import add_linear_globals, persistent_placeholder
 
 #: A legacy stream's pickles: magic number, protocol, system info, the object, storage keys.
 LEGACY_PICKLES = 5
@@ -64,18 +62,6 @@ class StreamWalk:
     problem: str | None = None  # why the walk stopped early
     error: CkptError | None = None  # the walk's own error, if any
     pickles: int = 0  # pickles read to their STOP
-
-
-_STORAGE = StorageRecord("?", "uint8", 0, "cpu", "", 0)  # storages are not read here
-
-
-def persistent_placeholder(pid: Any) -> Any:
-    """What a persistent id stands for in a scan: a storage, or, for a legacy file's
-    ``('module', class, source file, source)``, the class (torch.load returns it; the pickle
-    then calls it, and its name is already among the globals)."""
-    if isinstance(pid, tuple) and len(pid) > 1 and pid[0] == "module":
-        return pid[1]
-    return _STORAGE
 
 
 class _NeedMore(Exception):
@@ -114,34 +100,19 @@ def walk_stream(data: bytes, whole: bool) -> StreamWalk:
     return walk
 
 
-def add_linear_globals(counts: _Counts, data: bytes, start: int) -> None:
-    """Add to ``counts`` the globals a linear read of the pickle at ``start`` finds that the
-    walk, stopped early, did not (:func:`ckpttool.pickle.names.linear_globals`)."""
-    known = {(module, name) for module, name, _ in counts}
-    # the protocol its PROTO opcode declares (0 without one): it decides Python 2's names
-    protocol = (
-        data[start + 1] if data[start : start + 1] == b"\x80" and len(data) > start + 1 else 0
-    )
-    for written_module, written_name in linear_globals(data, start):
-        module, name = python3_name(written_module, written_name, protocol)
-        if (module, name) not in known:
-            known.add((module, name))
-            counts[(module, name, classify_global(module, name))] += 1
-
-
 def salvage_pickles(
-    path: Path | str, reader_error: CkptError
+    path: Path | str, reader_error: CkptError, other_format: Callable[[bytes, int], bool]
 ) -> tuple[str, _Counts, list[str], list[str]] | None:
     """(format, globals, notes, problems) of the file's pickles after the reader refused it with
-    ``reader_error``; None when the file is positively not a pickle (or remote, or safetensors:
-    the reader's verdict stands)."""
+    ``reader_error``; None when the file is positively not a pickle (or remote, or another
+    format by ``other_format(first 64 bytes, size)``: the reader's verdict stands)."""
     if isinstance(path, str) and is_url(path):
         return None
     with open(path, "rb") as handle:
         size = handle.seek(0, 2)
         handle.seek(0)
         head = handle.read(64)
-        if not head or looks_like_safetensors(head, size) or head.startswith(b"PK"):
+        if not head or other_format(head, size):
             return None
         window = min(FIRST_WINDOW, size)
         while True:
@@ -185,4 +156,4 @@ def _is_text(head: bytes) -> bool:
     return not _TEXT_CONTROLS.intersection(head)
 
 
-__all__ = ["add_linear_globals", "persistent_placeholder", "salvage_pickles", "walk_stream"]
+__all__ = ["salvage_pickles", "walk_stream"]

@@ -1,0 +1,48 @@
+"""torch.distributed.checkpoint directories as a :class:`~ckpttool.formats.base.FileFormat`.
+
+A directory format: recognised by its ``.metadata`` (:func:`~ckpttool.formats.base.is_dcp_directory`),
+opened by :mod:`.directory` (whose ``.metadata`` walk hands the walker its fast path,
+:mod:`.pickle_call`), verified item by item (:mod:`.verify`), scanned pickle by pickle
+(:mod:`.scan`). Each is imported only when used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from ckpttool.formats.base import Checkpoint, FileFormat, Findings, Parsed, is_dcp_directory
+
+if TYPE_CHECKING:
+    from ckpttool.io.progress import ProgressCallback
+
+
+class DcpFormat(FileFormat):
+    id = "dcp"
+    ids = ("dcp",)
+
+    def recognises_directory(self, path: str | os.PathLike[str]) -> bool:
+        return is_dcp_directory(path)
+
+    def open_directory(
+        self, directory: Any, index: BinaryIO, *, strict: bool, refuse_dangerous: bool
+    ) -> Parsed:
+        from ckpttool.formats.dcp.directory import read_dcp
+
+        return read_dcp(directory, index, strict=strict, refuse_dangerous=refuse_dangerous)
+
+    def verify(
+        self, ckpt: Checkpoint, progress: ProgressCallback | None
+    ) -> tuple[list[str], list[str]]:
+        from ckpttool.formats.dcp.verify import check_dcp
+
+        return check_dcp(ckpt, progress)
+
+    def scan(self, path: Any, opener: Callable[[Any], BinaryIO]) -> Findings | None:
+        from ckpttool.formats.dcp.scan import scan_dcp
+
+        return scan_dcp(path, opener)
+
+
+FORMAT = DcpFormat()

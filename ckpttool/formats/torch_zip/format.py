@@ -1,0 +1,75 @@
+"""torch.save's zip archive (torch >= 1.6) as a :class:`~ckpttool.formats.base.FileFormat`.
+
+Recognised by a zip's first record or empty directory; opened by :mod:`.reader`; verified
+record by record (:mod:`.verify`); scanned pickle by pickle (:mod:`.scan`); written by
+:mod:`.writer` (``convert``'s ``.pth``). Each is imported only when used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from ckpttool.formats.base import Checkpoint, FileFormat, Findings, OutTensor, Parsed
+
+if TYPE_CHECKING:
+    from ckpttool.io.progress import ProgressCallback
+
+
+class TorchZipFormat(FileFormat):
+    id = "torch-zip"
+    ids = ("torch-zip",)
+
+    def recognises(self, head: bytes, file_size: int, handle: BinaryIO) -> bool:
+        return head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06")
+
+    def open(
+        self,
+        handle: BinaryIO,
+        file_size: int,
+        *,
+        strict: bool,
+        refuse_dangerous: bool,
+        track_spans: bool,
+    ) -> Parsed:
+        from ckpttool.formats.torch_zip.reader import read_torch_zip
+
+        return read_torch_zip(handle, refuse_dangerous=refuse_dangerous, track_spans=track_spans)
+
+    def verify(
+        self, ckpt: Checkpoint, progress: ProgressCallback | None
+    ) -> tuple[list[str], list[str]]:
+        from ckpttool.formats.torch_zip.verify import verify_torch_zip
+
+        return verify_torch_zip(ckpt, progress)
+
+    def scan(self, path: Any, opener: Callable[[Any], BinaryIO]) -> Findings | None:
+        from ckpttool.formats.torch_zip.scan import scan_zip
+
+        return scan_zip(path, opener)
+
+    def write(
+        self,
+        handle: BinaryIO,
+        tensors: Sequence[OutTensor],
+        data: Iterable[bytes | bytearray | memoryview],
+        names: Sequence[str],
+        aliases: Mapping[str, str],
+        metadata: Mapping[str, str],
+    ) -> int:
+        """A state dict of plain tensors, one storage each (an alias names its stored tensor's
+        storage), entries in source order; ``metadata`` has no place in a .pth."""
+        from ckpttool.formats.torch_zip.writer import PickledTensor, write_pth
+
+        keys = {t.name: str(i) for i, t in enumerate(tensors)}
+        by_name = {t.name: t for t in tensors}
+        entries = []
+        for name in names:
+            stored = by_name[aliases.get(name, name)]
+            entries.append(PickledTensor(name, keys[stored.name], replace(stored, name=name)))
+        write_pth(handle, entries, zip(keys.values(), data))
+        return handle.tell()
+
+
+FORMAT = TorchZipFormat()
