@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import CkptError
+from ckpttool.frameworks.registry import framework_of
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import join
 
@@ -56,9 +57,7 @@ def check_directory(
         f"{len(members)} member file{'s' * (len(members) != 1)} verified one by one",
         f"{title}: completeness rules",
     ]
-    if "deepspeed" in details:
-        checked.append(
-            "DeepSpeed: latest names a tag; rank files against dp_world_size, partition_count "
-            "and zero_stage; partition sizes against param_shapes; module shapes"
-        )
+    framework = framework_of(details.get("layout"))
+    if framework is not None:
+        checked += framework.verify_checks(details)
     return problems, checked

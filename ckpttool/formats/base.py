@@ -115,6 +115,11 @@ class FileFormat:
     ids: ClassVar[tuple[str, ...]] = ()
     #: Whether the file may read two ways: the later formats are asked :meth:`also_reads_as`.
     read_two_ways: ClassVar[bool] = False
+    #: Whether its files carry a table of string metadata (``Checkpoint.metadata``: safetensors'
+    #: ``__metadata__``): ``convert`` carries it over, ``diff`` compares it.
+    string_metadata: ClassVar[bool] = False
+    #: Whether it holds tensors only, never training state (``rescale-step`` refuses it).
+    weights_only: ClassVar[bool] = False
 
     def recognises(self, head: bytes, file_size: int, handle: BinaryIO) -> bool:
         """Whether this file is this format (``head``: its first 512 bytes)."""

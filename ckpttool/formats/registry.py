@@ -95,6 +95,18 @@ def find_format(format_id: str) -> FileFormat | None:
     return None
 
 
+def carries_metadata(format_id: str) -> bool:
+    """Whether checkpoints of ``format_id`` carry string metadata (:attr:`FileFormat.string_metadata`)."""
+    found = find_format(format_id)
+    return found is not None and found.string_metadata
+
+
+def holds_weights_only(format_id: str) -> bool:
+    """Whether checkpoints of ``format_id`` hold tensors only (:attr:`FileFormat.weights_only`)."""
+    found = find_format(format_id)
+    return found is not None and found.weights_only
+
+
 def as_checkpoint(
     name: str,
     parsed: Parsed,

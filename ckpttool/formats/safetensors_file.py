@@ -246,6 +246,8 @@ class SafetensorsFormat(FileFormat):
     id = "safetensors"
     ids = ("safetensors",)
     read_two_ways = True  # torch.load unpickles it under any name but *.safetensors
+    string_metadata = True  # __metadata__
+    weights_only = True
 
     def recognises(self, head: bytes, file_size: int, handle: BinaryIO) -> bool:
         return looks_like_safetensors(head, file_size)

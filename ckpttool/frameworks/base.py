@@ -287,6 +287,11 @@ class Framework:
         stored tensors tell (ZeRO-3 stores placeholders and flat partitions); None otherwise."""
         return None
 
+    def verify_checks(self, details: dict[str, Any]) -> list[str]:
+        """4. What ``verify`` checked of the directory beyond its members and completeness, as
+        the lines its report lists (the rules :meth:`check_tree` applied)."""
+        return []
+
     def model_directory(self, details: dict[str, Any]) -> ModelDirectoryOutput | None:
         """4. How ``convert`` writes this checkpoint as the framework's model directory (None:
         it writes none)."""

@@ -27,6 +27,7 @@ from ckpttool.commands.selection import (
 )
 from ckpttool.errors import InputError
 from ckpttool.formats.base import OutTensor
+from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import reported_layout
 from ckpttool.model.cast import CASTABLE, TARGETS
 from ckpttool.model.records import ITEMSIZE, TensorRecord, walk, without_values
@@ -108,7 +109,7 @@ def build_plan(
     notes: list[str] = []
     prefixes = choice.prefixes
     alias_entries: set[str] = set()
-    if ckpt.format == "safetensors":
+    if carries_metadata(ckpt.format):
         alias_entries = _add_recorded_aliases(ckpt, named, prefixes, notes)
     if pattern is not None:
         named = filtered(named, pattern)
@@ -158,8 +159,9 @@ def build_plan(
     ]
     fields, left_out = collect_fields(ckpt.root, selection.section, selected_keys)
     carried = {}
-    if ckpt.format == "safetensors":
-        # save_model-style alias entries are re-recorded under ckpttool.aliases
+    if carries_metadata(ckpt.format):
+        # the file's string metadata travels with it (safetensors: save_model-style alias
+        # entries are re-recorded under ckpttool.aliases)
         skip = OWN_KEYS | alias_entries
         carried = {k: v for k, v in ckpt.metadata.items() if k not in skip}
     return Plan(reported_layout(ckpt, selection.layout), selection.section, list(named), stored, aliases, fields,

@@ -46,6 +46,7 @@ from ckpttool.commands.diff.values import (
 )
 from ckpttool.commands.selection import Selection
 from ckpttool.errors import CkptError
+from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import WEIGHTS_VIEW, reported_layout, view_facts
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK, read_many
@@ -233,7 +234,7 @@ def plan_diff(
     fields, pairs = merge_type_changes(fields, pairs, part_a.prefixes, part_b.prefixes)
     if part_a.stored is not None or part_b.stored is not None:
         pairs, fields = _as_stored(pairs, fields, part_a.stored, part_b.stored)
-    if ckpt_a.format == ckpt_b.format == "safetensors":
+    if carries_metadata(ckpt_a.format) and carries_metadata(ckpt_b.format):
         fields += compare_fields(described_metadata(ckpt_a), described_metadata(ckpt_b))
     counters_a, counters_b = _counters(ckpt_a), _counters(ckpt_b)
     if counters_a is not None and counters_b is not None:  # two DeepSpeed tags

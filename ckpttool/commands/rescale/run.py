@@ -40,7 +40,7 @@ from ckpttool.errors import (
     name_file,
 )
 from ckpttool.formats.base import is_dcp_directory
-from ckpttool.formats.registry import field_rewrite, verify_rewrite
+from ckpttool.formats.registry import field_rewrite, holds_weights_only, verify_rewrite
 from ckpttool.io.atomic import atomic_group
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model.lr_schedule import rescale_scheduler
@@ -422,9 +422,9 @@ def training_counter(root: Mapping[str, Any]) -> str | None:
 def _check_layout(
     path: Path, file_format: str, layout: str, root: Any, step_key: str | None
 ) -> None:
-    if file_format == "safetensors":
+    if holds_weights_only(file_format):
         raise LayoutError(
-            f"{path}: a safetensors file holds weights only; there is no training step to rescale"
+            f"{path}: a {file_format} file holds weights only; there is no training step to rescale"
         )
     if not isinstance(root, dict):
         raise LayoutError(

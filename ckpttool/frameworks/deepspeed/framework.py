@@ -61,6 +61,14 @@ class DeepSpeed(Framework):
 
         return parameter_table(details)
 
+    def verify_checks(self, details: dict[str, Any]) -> list[str]:
+        if DEEPSPEED not in details:  # check_tree did not run
+            return []
+        return [
+            "DeepSpeed: latest names a tag; rank files against dp_world_size, partition_count "
+            "and zero_stage; partition sizes against param_shapes; module shapes"
+        ]
+
     def num_parameters(self, details: dict[str, Any]) -> int | None:
         """From ``param_shapes``: the real parameters, not the stored placeholders."""
         summary = details.get(DEEPSPEED)
