@@ -22,18 +22,18 @@ as by default. No command names a framework.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ckpttool.errors import (
     CheckpointCollectionError,
     InputError,
     NotADirectoryCheckpointError,
 )
-from ckpttool.formats.base import DCP_METADATA, Checkpoint, is_dcp_directory
+from ckpttool.formats.base import Checkpoint
 from ckpttool.formats.registry import (
-    dcp_without_metadata,
-    format_by_id,
-    has_dcp_shards,
+    directory_format_of,
+    directory_formats,
+    incomplete_directory,
     open_directory_format,
     open_file,
 )
@@ -89,12 +89,14 @@ def open_checkpoint(
     if local_path(name) != name:  # file:///x: what was detected was asked of another name
         name = local_path(name)
         known.clear()
-    if not is_dcp_directory(name) and is_framework_path(name):
+    directory_format = directory_format_of(name) if os.path.isdir(name) else None
+    if directory_format is not None:  # DCP: its index file names every other
+        index = open_local(os.path.join(name, directory_format.index_name))
+        return open_directory_format(directory_format, name, index, strict, refuse_dangerous)
+    if is_framework_path(name):
         return _open_directory(name, strict, refuse_dangerous, known)
-    if not is_dcp_directory(name):
-        handle = open_local(name)
-        return open_file(name, handle, strict, refuse_dangerous, track_spans, allow_ambiguous)
-    return _open_dcp(name, open_local(os.path.join(name, DCP_METADATA)), strict, refuse_dangerous)
+    handle = open_local(name)
+    return open_file(name, handle, strict, refuse_dangerous, track_spans, allow_ambiguous)
 
 
 def _open_view(name: str, view: str, known: Known) -> Checkpoint | None:
@@ -117,31 +119,29 @@ def _open_view(name: str, view: str, known: Known) -> Checkpoint | None:
 def _open_remote_directory(
     url: str, strict: bool, refuse_dangerous: bool, known: Known
 ) -> Checkpoint:
-    """A directory under a URL: DCP when it has a ``.metadata``, else a framework's layout
-    (which needs a store that lists: HTTP cannot)."""
+    """A directory under a URL: a directory format's when it has that format's index file
+    (DCP: ``.metadata``), else a framework's layout (which needs a store that lists: HTTP
+    cannot)."""
     from ckpttool.io.urls import display_url, url_scheme
 
-    try:
-        metadata = open_source(join(url, DCP_METADATA))
-    except InputError as error:
-        if "no such file" not in str(error):
-            raise
-    else:
-        return _open_dcp(url, metadata, strict, refuse_dangerous)
+    formats = list(directory_formats())
+    for fmt in formats:
+        try:
+            index = open_source(join(url, fmt.index_name))
+        except InputError as error:
+            if "no such file" not in str(error):
+                raise
+        else:
+            return open_directory_format(fmt, url, index, strict, refuse_dangerous)
     if url_scheme(url) in ("http", "https", "hf"):
+        names = " or ".join(fmt.index_name for fmt in formats)
+        titles = " and ".join(fmt.directory_title for fmt in formats)
         raise InputError(
-            f"{display_url(url)}: a directory without a {DCP_METADATA} file; HTTP cannot list a "
-            "directory, so of directory checkpoints only torch.distributed.checkpoint ones are "
+            f"{display_url(url)}: a directory without a {names} file; HTTP cannot list a "
+            f"directory, so of directory checkpoints only {titles} ones are "
             "read from http(s):// and hf:// URLs (name a checkpoint file in it)"
         )
     return _open_directory(url, strict, refuse_dangerous, known)
-
-
-def _open_dcp(name: str, handle: Any, strict: bool, refuse_dangerous: bool) -> Checkpoint:
-    """A torch.distributed.checkpoint directory (local, or a URL) whose ``.metadata`` is open
-    (its reader imported only now: listing a single file should not pay for it)."""
-    dcp = format_by_id("dcp")
-    return open_directory_format(dcp, name, handle, strict, refuse_dangerous)
 
 
 def is_framework_path(path: str) -> bool:
@@ -160,8 +160,9 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
         if layout is not None:
             break
     if layout is None or framework is None:
-        if os.path.isdir(name) and has_dcp_shards(name):
-            raise dcp_without_metadata(name)
+        incomplete = incomplete_directory(name)
+        if incomplete is not None:
+            raise incomplete
         raise NotADirectoryCheckpointError(
             f"{name}: is a directory, but not a checkpoint layout ckpttool knows (a Hugging Face "
             "model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed save or tag "

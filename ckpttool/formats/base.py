@@ -35,14 +35,6 @@ if TYPE_CHECKING:
     from ckpttool.io.read_batch import InOrder
     from ckpttool.pickle.scan import Counts, Written
 
-#: The file a torch.distributed.checkpoint directory is recognised by (written last by DCP).
-DCP_METADATA = ".metadata"
-
-
-def is_dcp_directory(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a DCP checkpoint directory (checked without importing its reader)."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))
-
 
 @dataclass
 class Parsed:
@@ -136,9 +128,21 @@ class FileFormat:
     ) -> Parsed:
         raise NotImplementedError
 
+    #: A directory format: the file it is recognised by and opened from (DCP: ``.metadata``),
+    #: what the directory is called, and why ``rescale-step`` cannot rewrite it.
+    index_name: ClassVar[str] = ""
+    directory_title: ClassVar[str] = ""
+    no_rescale_why: ClassVar[str] = ""
+
     def recognises_directory(self, path: str | os.PathLike[str]) -> bool:
         """Whether a local directory is one checkpoint of this format."""
         return False
+
+    def incomplete_directory(self, path: str) -> CkptError | None:
+        """The refusal of a local directory that is this format's but cannot be read (DCP: data
+        files without their ``.metadata``), where the door would otherwise say it knows no such
+        directory; None when it is not."""
+        return None
 
     def open_directory(
         self, directory: Any, index: BinaryIO, *, strict: bool, refuse_dangerous: bool

@@ -28,7 +28,7 @@ from ckpttool.errors import (
     NotACheckpointError,
     name_file,
 )
-from ckpttool.formats.base import DCP_METADATA, Checkpoint, FileFormat, Findings, Parsed
+from ckpttool.formats.base import Checkpoint, FileFormat, Findings, Parsed
 from ckpttool.io.source import is_url, local_path, open_local, open_source, shown_name, source_size
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
@@ -220,6 +220,18 @@ def directory_format_of(path: str | os.PathLike[str]) -> FileFormat | None:
     return None
 
 
+def incomplete_directory(path: str) -> CkptError | None:
+    """The refusal of a local directory a directory format would read but cannot (DCP: data
+    files without their ``.metadata``); None when no format claims it."""
+    if not os.path.isdir(path):
+        return None
+    for fmt in directory_formats():
+        refusal = fmt.incomplete_directory(path)
+        if refusal is not None:
+            return refusal
+    return None
+
+
 def scan_findings(path: Any, directory: bool) -> Findings | None:
     """``scan``'s own walk of ``path`` by its format's scan hook (``directory``: a directory
     checkpoint; a URL's directory is DCP's, the one directory format read from URLs); None
@@ -269,15 +281,6 @@ def _read_pickled_module(parsed: Parsed) -> None:
         parsed.details["layout"] = PICKLED_MODULE
         parsed.details["module_class"] = parsed.root.cls
         parsed.root = state_dict
-
-
-def dcp_without_metadata(path: str) -> CorruptCheckpointError:
-    """The refusal of a directory of DCP shards without its ``.metadata`` (where the door
-    would otherwise say "is a directory": :func:`ckpttool.io.source.open_local`'s wording)."""
-    return CorruptCheckpointError(
-        f"{path}: a torch.distributed.checkpoint directory without its {DCP_METADATA} file "
-        "(DCP writes it last: the save did not finish); use the previous checkpoint"
-    )
 
 
 def _parse(
@@ -368,11 +371,3 @@ def check_extents(parsed: Parsed, records: list[TensorRecord]) -> list[str]:
                 f"{needed:,} of its storage, which has {viewed.nbytes:,}"
             )
     return problems
-
-
-def has_dcp_shards(directory: str) -> bool:
-    try:
-        with os.scandir(directory) as entries:
-            return any(entry.name.endswith(".distcp") for entry in entries)
-    except OSError:  # unreadable: say "a directory", as for any other
-        return False

@@ -25,8 +25,7 @@ from pathlib import Path
 
 from ckpttool.checkpoint import open_checkpoint
 from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError, name_file
-from ckpttool.formats.base import is_dcp_directory
-from ckpttool.formats.registry import field_rewrite, verify_rewrite
+from ckpttool.formats.registry import directory_format_of, field_rewrite, verify_rewrite
 from ckpttool.frameworks.base import COLLECTION, Framework, FrameworkDirectory
 from ckpttool.frameworks.registry import detect_once, frameworks
 from ckpttool.io.atomic import fsync_dir, staged_directory
@@ -171,11 +170,12 @@ def plan_directory(
 def _plan(
     path: Path, request: RescaleRequest, known: dict[str, FrameworkDirectory | None]
 ) -> DirectoryPlan:
-    if is_dcp_directory(path):
+    directory_format = directory_format_of(path) if path.is_dir() else None
+    if directory_format is not None:
         raise LayoutError(
-            f"{path}: a torch.distributed.checkpoint directory; rescale-step rewrites one "
-            "checkpoint file or a Trainer/accelerate folder (DCP keeps step inside one rank's "
-            "data file), so it is not supported"
+            f"{path}: a {directory_format.directory_title} directory; rescale-step rewrites one "
+            "checkpoint file or a Trainer/accelerate folder "
+            f"({directory_format.no_rescale_why}), so it is not supported"
         )
     found: tuple[Framework, FrameworkDirectory] | None = None
     for framework in frameworks():

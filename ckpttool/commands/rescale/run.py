@@ -39,8 +39,12 @@ from ckpttool.errors import (
     OutputExistsError,
     name_file,
 )
-from ckpttool.formats.base import is_dcp_directory
-from ckpttool.formats.registry import field_rewrite, holds_weights_only, verify_rewrite
+from ckpttool.formats.registry import (
+    directory_format_of,
+    field_rewrite,
+    holds_weights_only,
+    verify_rewrite,
+)
 from ckpttool.io.atomic import atomic_group
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model.lr_schedule import rescale_scheduler
@@ -305,10 +309,11 @@ def _check_request(
         )
     if not in_place and os.path.lexists(target) and not overwrite:
         raise OutputExistsError(f"{target} already exists (pass --force to replace it)")
-    if is_dcp_directory(path):
+    directory_format = directory_format_of(path) if path.is_dir() else None
+    if directory_format is not None:
         raise LayoutError(
-            f"{path}: a torch.distributed.checkpoint directory; rescale-step rewrites one "
-            "checkpoint file (DCP keeps step inside one rank's data file), so it is not supported"
+            f"{path}: a {directory_format.directory_title} directory; rescale-step rewrites one "
+            f"checkpoint file ({directory_format.no_rescale_why}), so it is not supported"
         )
     if target.is_dir():
         raise InputError(f"{target} is a directory; -o takes the output file's path")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
-from ckpttool.formats.base import DCP_METADATA, Parsed, is_dcp_directory
+from ckpttool.formats.base import Parsed
 from ckpttool.formats.dcp.files import DcpFiles, contiguous_stride, present
 from ckpttool.formats.dcp.metadata import (
     BytesEntry,
@@ -31,6 +31,7 @@ from ckpttool.formats.dcp.metadata import (
     nested_tree,
     parse_metadata,
 )
+from ckpttool.formats.dcp.names import DCP_METADATA, is_dcp_directory
 from ckpttool.formats.dcp.pickle_call import DCP_CALL
 from ckpttool.io.source import member_sizes, source_size
 from ckpttool.model.records import (

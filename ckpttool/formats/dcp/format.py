@@ -1,6 +1,6 @@
 """torch.distributed.checkpoint directories as a :class:`~ckpttool.formats.base.FileFormat`.
 
-A directory format: recognised by its ``.metadata`` (:func:`~ckpttool.formats.base.is_dcp_directory`),
+A directory format: recognised by its ``.metadata`` (:func:`is_dcp_directory`),
 opened by :mod:`.directory` (whose ``.metadata`` walk hands the walker its fast path,
 :mod:`.pickle_call`), verified item by item (:mod:`.verify`), scanned pickle by pickle
 (:mod:`.scan`). Each is imported only when used.
@@ -12,7 +12,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckpttool.formats.base import Checkpoint, FileFormat, Findings, Parsed, is_dcp_directory
+from ckpttool.errors import CkptError, CorruptCheckpointError
+from ckpttool.formats.base import Checkpoint, FileFormat, Findings, Parsed
+from ckpttool.formats.dcp.names import DCP_METADATA, has_dcp_shards, is_dcp_directory
 
 if TYPE_CHECKING:
     from ckpttool.io.progress import ProgressCallback
@@ -21,9 +23,20 @@ if TYPE_CHECKING:
 class DcpFormat(FileFormat):
     id = "dcp"
     ids = ("dcp",)
+    index_name = DCP_METADATA
+    directory_title = "torch.distributed.checkpoint"
+    no_rescale_why = "DCP keeps step inside one rank's data file"
 
     def recognises_directory(self, path: str | os.PathLike[str]) -> bool:
         return is_dcp_directory(path)
+
+    def incomplete_directory(self, path: str) -> CkptError | None:
+        if not (os.path.isdir(path) and has_dcp_shards(path)):
+            return None
+        return CorruptCheckpointError(
+            f"{path}: a torch.distributed.checkpoint directory without its {DCP_METADATA} file "
+            "(DCP writes it last: the save did not finish); use the previous checkpoint"
+        )
 
     def open_directory(
         self, directory: Any, index: BinaryIO, *, strict: bool, refuse_dangerous: bool
