@@ -64,6 +64,15 @@ class AmbiguousFileError(CkptError):
         self.reason = reason
 
 
+class UnrecoverableError(CorruptCheckpointError):
+    """A damaged file that nothing can be rebuilt from (a torch zip whose ``data.pkl`` is lost
+    or unreadable): ``intact`` lists the records whose bytes still check out."""
+
+    def __init__(self, message: str, intact: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.intact = list(intact or [])
+
+
 class ResourceLimitError(CkptError):
     """A pickle asks for more memory, nesting or time than any real checkpoint needs."""
 

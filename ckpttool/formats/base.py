@@ -67,6 +67,25 @@ class Findings:
     problems: list[str] = field(default_factory=list)  # where a walk had to stop
 
 
+@dataclass
+class Recovered:
+    """What a damaged file still holds (:meth:`FileFormat.recover`).
+
+    ``root`` is the object tree as the file's index (a zip's ``data.pkl``, a safetensors
+    header) describes it, every tensor included; ``intact`` gives, by storage key, where the
+    bytes of each storage that checks out lie in the file (a tensor whose storage key is not
+    there is lost). ``write(handle, root, read)`` writes a tree of the same kind (``root`` with
+    entries left out) as a file of this format, ``read(storage_key)`` giving a storage's bytes.
+    """
+
+    format: str
+    root: Any
+    intact: dict[str, tuple[int, int]]  # storage key -> (file offset, byte length)
+    damage: list[str]  # what is wrong with the file, one line each
+    write: Callable[[BinaryIO, Any, Callable[[str], bytes]], None]
+    metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
+
+
 @dataclass(frozen=True)
 class OutTensor:
     """One tensor as a writer writes it: contiguous, in its output dtype."""
@@ -97,8 +116,9 @@ class FileFormat:
     3. Optional hooks, each found by the checkpoint's format id (:attr:`ids`):
        :meth:`verify` (``verify``'s checks beyond opening, given the opened
        :class:`Checkpoint`), :meth:`scan` (``scan``'s own walk of every pickle ``torch.load``
-       would run, instead of opening the file; ``None``: open it as usual) and :meth:`write`
-       (``convert``'s output in this format).
+       would run, instead of opening the file; ``None``: open it as usual), :meth:`write`
+       (``convert``'s output in this format) and :meth:`recover` (what a damaged file still
+       holds, found without the parts that may be lost; ``None``: it cannot recover).
     """
 
     #: The vocabulary name (:data:`ckpttool.model.vocabulary.FORMATS`) of what it opens.
@@ -164,6 +184,13 @@ class FileFormat:
     def scan(self, path: Any, opener: Callable[[Any], BinaryIO]) -> Findings | None:
         """Every global the pickles ``torch.load`` would run name (``opener(path)`` opens the
         file, local or remote); None to leave the file to the reader."""
+        return None
+
+    def recover(self, handle: BinaryIO, file_size: int) -> Recovered | None:
+        """What a damaged (cut short, torn) file of this format still holds, read from what
+        survives: the tree, and which storages' bytes check out (a
+        :class:`~ckpttool.errors.CkptError` when nothing can be rebuilt); None when this format
+        cannot recover files. Called after :meth:`recognises` said yes; the handle is local."""
         return None
 
     def write(

@@ -28,7 +28,7 @@ from ckpttool.errors import (
     NotACheckpointError,
     name_file,
 )
-from ckpttool.formats.base import Checkpoint, FileFormat, Findings, Parsed
+from ckpttool.formats.base import Checkpoint, FileFormat, Findings, Parsed, Recovered
 from ckpttool.io.source import is_url, local_path, open_local, open_source, shown_name, source_size
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
@@ -243,6 +243,19 @@ def scan_findings(path: Any, directory: bool) -> Findings | None:
         found = fmt.scan(path, open_any)
         if found is not None:
             return found
+    return None
+
+
+def recover_file(handle: BinaryIO, file_size: int) -> Recovered | None:
+    """What a damaged local checkpoint file still holds, by the recover hook of the first
+    format that recognises it (:meth:`FileFormat.recover`); None when no format recognises it
+    or the one that does cannot recover."""
+    head = handle.read(512)
+    handle.seek(0)
+    for fmt in file_formats():
+        if fmt.recognises(head, file_size, handle):
+            handle.seek(0)
+            return fmt.recover(handle, file_size)
     return None
 
 

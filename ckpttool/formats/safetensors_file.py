@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError, InputError
-from ckpttool.formats.base import FileFormat, OutTensor, Parsed
+from ckpttool.formats.base import FileFormat, OutTensor, Parsed, Recovered
 from ckpttool.model.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES
 from ckpttool.model.records import (
     ITEMSIZE,
@@ -262,6 +262,27 @@ class SafetensorsFormat(FileFormat):
         track_spans: bool,
     ) -> Parsed:
         return read_safetensors(handle, file_size, strict=strict)
+
+    def recover(self, handle: BinaryIO, file_size: int) -> Recovered | None:
+        """Every tensor whose bytes lie inside the file (trailing bytes dropped, a tensor cut
+        short lost); a header that is cut or broken leaves nothing to recover (its error)."""
+        parsed = read_safetensors(handle, file_size, strict=False)
+        intact = {}
+        for record in parsed.root.values():
+            storage = record.storage
+            offset, length = parsed.span(storage)
+            if length == record.nbytes and offset + length <= file_size:
+                intact[storage.key] = (offset, length)
+        metadata = dict(parsed.metadata)
+
+        def write(out: BinaryIO, root: Any, read: Callable[[str], bytes]) -> None:
+            records = list(root.values())
+            out_tensors = [OutTensor(name, r.dtype, tuple(r.shape)) for name, r in root.items()]
+            out.write(safetensors_header(out_tensors, metadata))
+            for record in records:
+                out.write(read(record.storage.key)[: record.nbytes])
+
+        return Recovered("safetensors", parsed.root, intact, list(parsed.problems), write, metadata)
 
     def write(
         self,

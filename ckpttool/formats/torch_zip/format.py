@@ -1,7 +1,7 @@
 """torch.save's zip archive (torch >= 1.6) as a :class:`~ckpttool.formats.base.FileFormat`.
 
 Recognised by a zip's first record or empty directory; opened by :mod:`.reader`; verified
-record by record (:mod:`.verify`); scanned pickle by pickle (:mod:`.scan`); written by
+record by record (:mod:`.verify`); recovered when damaged (:mod:`.recover`); scanned pickle by pickle (:mod:`.scan`); written by
 :mod:`.writer` (``convert``'s ``.pth``). Each is imported only when used.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckpttool.formats.base import Checkpoint, FileFormat, Findings, OutTensor, Parsed
+from ckpttool.formats.base import Checkpoint, FileFormat, Findings, OutTensor, Parsed, Recovered
 
 if TYPE_CHECKING:
     from ckpttool.io.progress import ProgressCallback
@@ -48,6 +48,11 @@ class TorchZipFormat(FileFormat):
         from ckpttool.formats.torch_zip.scan import scan_zip
 
         return scan_zip(path, opener)
+
+    def recover(self, handle: BinaryIO, file_size: int) -> Recovered | None:
+        from ckpttool.formats.torch_zip.recover import recover_torch_zip
+
+        return recover_torch_zip(handle, file_size)
 
     def write(
         self,
