@@ -1,0 +1,260 @@
+"""``repair``'s library side, for single files: what a damaged checkpoint still holds, written
+out as a checkpoint of the same format.
+
+The file's format finds what survives (:meth:`~ckpttool.formats.base.FileFormat.recover`,
+through :func:`ckpttool.formats.registry.recover_file`): the tree and the storages whose bytes
+check out. A tensor whose bytes are lost is left out with the dict entry that held it (a state
+dict key; in an optimizer's ``state``, the whole per-parameter entry, which the optimizer then
+starts afresh) and listed; every other value, tensors and plain fields (epoch, step,
+hyper-parameters), is kept. The output is written atomically beside the source (never over it),
+then read back through :func:`ckpttool.checkpoint.open_checkpoint` and every salvaged tensor
+compared byte for byte with the source's: an output that differs is removed and
+:class:`~ckpttool.errors.ReadBackError` raised.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import (
+    CkptError,
+    EmptyFileError,
+    InputError,
+    NotACheckpointError,
+    OutputExistsError,
+    ReadBackError,
+    UnrecoverableError,
+    name_file,
+)
+from ckpttool.formats.base import Recovered
+from ckpttool.formats.registry import recover_file
+from ckpttool.io.atomic import atomic_group
+from ckpttool.model.records import OpaqueObject, TensorRecord, join_key, walk
+
+
+@dataclass(frozen=True)
+class LostTensor:
+    """A tensor whose bytes are lost: left out of the repaired file."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RepairReport:
+    """What ``repair_file`` found and did."""
+
+    source: str
+    format: str
+    damage: tuple[str, ...]  # what is wrong with the source, one line each
+    recovered: int  # tensors in the repaired file
+    lost: tuple[LostTensor, ...]  # tensors whose bytes are lost
+    dropped: tuple[str, ...]  # intact tensors left out with a lost one (same optimizer entry)
+    output: str
+    written: bool
+
+    @property
+    def damaged(self) -> bool:
+        return bool(self.damage or self.lost)
+
+
+def default_output(src: Path) -> Path:
+    """``NAME.repaired.EXT`` beside ``src`` (never ``src`` itself)."""
+    return src.with_name(f"{src.stem}.repaired{src.suffix}")
+
+
+def repair_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str] | None = None,
+    *,
+    dry_run: bool = False,
+    overwrite: bool = False,
+) -> RepairReport:
+    """Salvage what the checkpoint file ``src`` still holds into ``dst`` (default
+    :func:`default_output`), of the same format; ``dry_run``: report only, write nothing.
+    ``src`` is never changed. Raises a :class:`~ckpttool.errors.CkptError` naming ``src``
+    when nothing can be rebuilt (:class:`~ckpttool.errors.UnrecoverableError`)."""
+    source = Path(src)
+    output = Path(dst) if dst is not None else default_output(source)
+    try:
+        if not source.is_file():
+            raise InputError("no such file" if not source.exists() else "not a file")
+        if output.exists() and os.path.samefile(output, source):
+            raise InputError(f"the output {output} is the source: repair never writes over it")
+        if not dry_run and output.exists() and not overwrite:
+            raise OutputExistsError(f"{output} exists")
+        with open(source, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size == 0:
+                raise EmptyFileError("the file is empty: nothing to recover")
+            found = recover_file(handle, size)
+            if found is None:
+                raise NotACheckpointError("no format ckpttool can recover")
+            pruned = _Pruned(found)
+            root = pruned.prune(found.root, "")
+            if root is _DROP:
+                raise UnrecoverableError("every value of the file is lost")
+
+            def read(storage_key: str) -> bytes:
+                offset, length = found.intact[storage_key]
+                handle.seek(offset)
+                data = handle.read(length)
+                if len(data) != length:
+                    raise ReadBackError(f"storage {storage_key!r} changed while read")
+                return data
+
+            kept = [(key, record) for key, record in walk(root) if isinstance(record, TensorRecord)]
+            if not dry_run:
+                with atomic_group(
+                    [output], check=lambda temps: _read_back(temps[0], kept, read)
+                ) as (out,):
+                    found.write(out, root, read)
+    except CkptError as error:
+        raise name_file(error, str(source)) from None
+    return RepairReport(
+        source=str(source),
+        format=found.format,
+        damage=tuple(found.damage),
+        recovered=len(kept),
+        lost=tuple(pruned.lost.values()),
+        dropped=tuple(pruned.dropped),
+        output=str(output),
+        written=not dry_run,
+    )
+
+
+_DROP: Any = object()  # what pruning a node gives when its whole entry must go
+
+
+class _Pruned:
+    """The tree without the entries that hold lost tensors; what was lost and left out."""
+
+    def __init__(self, found: Recovered) -> None:
+        self.intact = found.intact
+        self.lost: dict[str, LostTensor] = {}
+        self.dropped: dict[str, None] = {}
+
+    def is_lost(self, record: TensorRecord) -> bool:
+        parts = record.parts or (record,)
+        for part in parts:
+            storage = part.storage
+            if storage is None:
+                continue
+            span = self.intact.get(storage.key)
+            if span is None or part.stored_extent_bytes > span[1]:
+                return True
+        return False
+
+    def prune(self, node: Any, key: str) -> Any:
+        if isinstance(node, TensorRecord):
+            if self.is_lost(node):
+                self.lose(node, key)
+                return _DROP
+            return node
+        if isinstance(node, dict):
+            optimizer = "param_groups" in node and isinstance(node.get("state"), dict)
+            out = {}
+            for name, value in node.items():
+                child_key = join_key(key, str(name))
+                if optimizer and name == "state":
+                    out[name] = self.prune_entries(value, child_key)
+                    continue
+                child = self.prune(value, child_key)
+                if child is _DROP:
+                    self.drop(value, child_key)
+                else:
+                    out[name] = child
+            return out
+        if isinstance(node, (list, tuple)):
+            items = [self.prune(value, join_key(key, str(i))) for i, value in enumerate(node)]
+            if any(item is _DROP for item in items):
+                self.drop(node, key)
+                return _DROP
+            return type(node)(items) if isinstance(node, list) else tuple(items)
+        if isinstance(node, OpaqueObject):
+            state = node.state
+            new_state = self.prune(state, key) if isinstance(state, dict) else state
+            items = self.prune(node.dictitems, key)
+            if any(_holds(self, value) for value in (node.args, node.listitems)) or (
+                not isinstance(state, dict) and _holds(self, state)
+            ):
+                for k, record in walk(node, key):
+                    if isinstance(record, TensorRecord) and self.is_lost(record):
+                        self.lose(record, k)
+                self.drop(node, key)
+                return _DROP
+            rebuilt = OpaqueObject(node.cls, node.args, new_state)
+            rebuilt.dictitems = items
+            rebuilt.listitems = node.listitems
+            return rebuilt
+        return node
+
+    def prune_entries(self, state: dict[Any, Any], key: str) -> dict[Any, Any]:
+        """An optimizer's per-parameter state: an entry with a lost tensor goes whole."""
+        out = {}
+        for name, entry in state.items():
+            entry_key = join_key(key, str(name))
+            lost = [
+                (k, r)
+                for k, r in walk(entry, entry_key)
+                if isinstance(r, TensorRecord) and self.is_lost(r)
+            ]
+            if not lost:
+                out[name] = entry
+                continue
+            for k, record in lost:
+                self.lose(record, k)
+            self.drop(entry, entry_key)
+        return out
+
+    def lose(self, record: TensorRecord, key: str) -> None:
+        self.lost.setdefault(key, LostTensor(key, record.dtype, tuple(record.shape), record.nbytes))
+
+    def drop(self, node: Any, key: str) -> None:
+        """Note the intact tensors under ``node`` (left out with a lost one)."""
+        for k, record in walk(node, key):
+            if isinstance(record, TensorRecord) and k not in self.lost:
+                self.dropped[k] = None
+
+
+def _holds(pruned: _Pruned, node: Any) -> bool:
+    return any(
+        isinstance(record, TensorRecord) and pruned.is_lost(record) for _, record in walk(node)
+    )
+
+
+def _read_back(
+    path: Path, kept: list[tuple[str, TensorRecord]], read: Callable[[str], bytes]
+) -> None:
+    """The written file opens, and holds every salvaged tensor with the source's bytes."""
+    from ckpttool.checkpoint import open_checkpoint
+
+    try:
+        with open_checkpoint(path) as written:
+            records = {record.key: record for record in written.tensors()}
+            if set(records) != {key for key, _ in kept}:
+                missing = sorted({key for key, _ in kept} - set(records))
+                extra = sorted(set(records) - {key for key, _ in kept})
+                raise ReadBackError(
+                    f"the repaired file's tensors differ (missing {missing[:3]}, extra {extra[:3]})"
+                )
+            for key, record in kept:
+                storage = record.storage
+                if storage is None:
+                    continue
+                first = record.storage_offset * record.itemsize
+                expected = read(storage.key)[first : first + record.nbytes]
+                data, offset = written.read_bytes(records[key])
+                start = offset * record.itemsize
+                if bytes(data[start : start + record.nbytes]) != expected:
+                    raise ReadBackError(f"tensor {key!r} does not read back as salvaged")
+    except ReadBackError:
+        raise
+    except CkptError as error:
+        raise ReadBackError(f"the repaired file does not read back: {error}") from None
