@@ -16,7 +16,13 @@ import torch
 from ckpttool.checkpoint import open_checkpoint
 from ckpttool.commands.repair import RepairReport, repair_file
 from ckpttool.commands.verify import verify
-from ckpttool.errors import NotACheckpointError, ReadBackError, UnrecoverableError
+from ckpttool.errors import (
+    InputError,
+    NotACheckpointError,
+    OutputExistsError,
+    ReadBackError,
+    UnrecoverableError,
+)
 from ckpttool.formats import registry
 from tests.support.helpers import FIXTURES
 
@@ -272,3 +278,24 @@ def test_an_output_that_does_not_read_back_is_removed(
     with pytest.raises(ReadBackError, match="does not read back as salvaged"):
         repair_file(src, tmp_path / "out.pth")
     assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
+
+
+def test_the_source_is_never_the_output_and_an_output_is_not_overwritten(tmp_path: Path) -> None:
+    src = _cut(STATE_DICT, tmp_path, STATE_DICT.stat().st_size - 200)
+    before = src.read_bytes()
+    with pytest.raises(InputError, match="is the source"):
+        repair_file(src, src)
+    (tmp_path / "taken.pth").write_bytes(b"x")
+    with pytest.raises(OutputExistsError):
+        repair_file(src, tmp_path / "taken.pth")
+    assert (tmp_path / "taken.pth").read_bytes() == b"x"
+    repair_file(src, tmp_path / "taken.pth", overwrite=True)
+    assert src.read_bytes() == before
+
+
+def test_a_format_without_recovery_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "legacy.pt"
+    torch.save({"a": torch.zeros(2)}, src, _use_new_zipfile_serialization=False)
+    with pytest.raises(NotACheckpointError, match=r"legacy\.pt: not a file ckpttool can recover"):
+        repair_file(src)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy.pt"]

@@ -95,7 +95,10 @@ def repair_file(
                 raise EmptyFileError("the file is empty: nothing to recover")
             found = recover_file(handle, size)
             if found is None:
-                raise NotACheckpointError("no format ckpttool can recover")
+                raise NotACheckpointError(
+                    "not a file ckpttool can recover (it recovers torch.save zip archives and "
+                    "safetensors files)"
+                )
             pruned = _Pruned(found)
             root = pruned.prune(found.root, "")
             if root is _DROP:

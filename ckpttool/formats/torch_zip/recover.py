@@ -172,12 +172,14 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise UnrecoverableError(f"data.pkl: unexpected persistent id {pid!r:.80}")
         _, storage_type, key, location, numel = pid
+        if not isinstance(numel, int) or numel < 0:
+            raise UnrecoverableError(f"data.pkl: storage {key!r:.40} has a bad size {numel!r:.40}")
         key = str(key)
         found = storages.get(key)
         if found is None:
             span = intact.get(key)
             found = storages[key] = StorageRecord(
-                key, storage_class_dtype(storage_type), int(numel), str(location),
+                key, storage_class_dtype(storage_type), numel, str(location),
                 data_prefix + key, span[1] if span else 0, "little",
             )  # fmt: skip
         return found
