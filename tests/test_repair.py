@@ -299,3 +299,23 @@ def test_a_format_without_recovery_is_refused(tmp_path: Path) -> None:
     with pytest.raises(NotACheckpointError, match=r"legacy\.pt: not a file ckpttool can recover"):
         repair_file(src)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy.pt"]
+
+
+def test_an_archive_without_data_descriptors_is_walked_by_its_local_headers(
+    tmp_path: Path,
+) -> None:
+    # ckpttool's own writer puts each record's CRC-32 and size in its local header
+    whole = repair_file(STATE_DICT, tmp_path / "whole.pth").output
+    original = Path(whole)
+    with zipfile.ZipFile(original) as archive:
+        assert not any(info.flag_bits & 0x8 for info in archive.infolist())
+    ends = _record_ends(original)
+    records = _storage_keys(original)
+    pkl_end = next(end for name, (_, end) in ends.items() if name.endswith("/data.pkl"))
+    for length in _cuts(ends, original.stat().st_size):
+        if length < pkl_end:
+            continue
+        src = _cut(original, tmp_path, length, "cut.pth")
+        report = repair_file(src, tmp_path / "out.pth", overwrite=True)
+        lost = {key for key, record in records.items() if ends[record][1] > length}
+        _check_output(report, original, lost)
