@@ -106,10 +106,13 @@ def _descriptor(view: Any, data_start: int, file_size: int) -> tuple[int, int, i
         size = pos - data_start
         if pos + _DESCRIPTOR32.size <= file_size:
             _, crc, compressed, inflated = _DESCRIPTOR32.unpack(view[pos : pos + 16])
-            if compressed == inflated == size & 0xFFFFFFFF and (
-                size < 0xFFFFFFFF or pos + _DESCRIPTOR64.size > file_size
+            end = pos + _DESCRIPTOR32.size
+            # a zip64 archive's descriptors have 8-byte sizes: the 16-byte reading of an empty
+            # record's fits too, but no record (or the directory) follows it
+            if compressed == inflated == size and (
+                end == file_size or view[end : end + 2] == b"PK" or pos + 24 > file_size
             ):
-                return crc, size, pos + _DESCRIPTOR32.size
+                return crc, size, end
         if pos + _DESCRIPTOR64.size <= file_size:
             _, crc, compressed, inflated = _DESCRIPTOR64.unpack(view[pos : pos + 24])
             if compressed == inflated == size:
