@@ -31,6 +31,7 @@ from ckpttool.errors import (
 )
 from ckpttool.formats.base import Checkpoint
 from ckpttool.formats.registry import (
+    as_checkpoint,
     directory_format_of,
     directory_formats,
     incomplete_directory,
@@ -173,19 +174,7 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
     parsed, size = read_directory(
         layout, framework, strict=strict, refuse_dangerous=refuse_dangerous
     )
-    return Checkpoint(
-        name=name,
-        format=parsed.format,
-        root=parsed.root,
-        file_size=size,
-        details=parsed.details,
-        metadata=parsed.metadata,
-        problems=list(parsed.problems),
-        pickle=None,
-        _parsed=parsed,
-        _handle=None,
-        _all_tensors=tensors(parsed.root),
-    )
+    return as_checkpoint(name, parsed, None, size, tensors(parsed.root))
 
 
 #: Names of files that are usually checkpoints (what ``show DIR`` lists of a plain directory).

@@ -112,9 +112,12 @@ def as_checkpoint(
     parsed: Parsed,
     handle: Any,
     file_size: int,
-    records: list[TensorRecord],
-    problems: list[str],
+    records: list[TensorRecord] | None = None,
+    problems: list[str] | None = None,
 ) -> Checkpoint:
+    """The :class:`Checkpoint` of a parsed file or directory (``handle`` None: several files,
+    read through ``parsed.read``); ``records`` None: listed from the tree when first asked;
+    ``problems`` None: the parse's own."""
     return Checkpoint(
         name=name,
         format=parsed.format,
@@ -122,7 +125,7 @@ def as_checkpoint(
         file_size=file_size,
         details=parsed.details,
         metadata=parsed.metadata,
-        problems=problems,
+        problems=list(parsed.problems) if problems is None else problems,
         pickle=parsed.pickle,
         _parsed=parsed,
         _handle=handle,

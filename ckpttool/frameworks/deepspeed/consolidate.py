@@ -34,6 +34,7 @@ import numpy as np
 
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, NotZeroError, name_file
 from ckpttool.formats.base import Parsed, no_span
+from ckpttool.formats.registry import as_checkpoint
 from ckpttool.frameworks.base import WEIGHTS_VIEW, ViewFacts, open_member
 from ckpttool.frameworks.tree import DIRECTORY
 from ckpttool.model.cast import stored_dtype, widen
@@ -176,7 +177,6 @@ def open_zero_weights(path: str | os.PathLike[str], tag: ZeroTag | None = None) 
 
     ``details["zero"]`` holds the :class:`ZeroWeights`, ``details["view"]`` the view's
     :class:`~ckpttool.frameworks.base.ViewFacts`. Errors name the file concerned."""
-    from ckpttool.formats.base import Checkpoint
 
     if tag is None:
         tag = find_tag(path)
@@ -208,11 +208,7 @@ def open_zero_weights(path: str | os.PathLike[str], tag: ZeroTag | None = None) 
                     read=read, close=close, unchanged=unchanged)  # fmt: skip
     parsed.details.update({"layout": ZERO_FP32, "zero": weights, "view": _view_facts(weights)})
     size = sum(ckpt.file_size for ckpt in opened)
-    return Checkpoint(
-        name=os.fspath(path), format=parsed.format, root=parsed.root, file_size=size,
-        details=parsed.details, metadata={}, problems=[], pickle=None, _parsed=parsed,
-        _handle=None,
-    )  # fmt: skip
+    return as_checkpoint(os.fspath(path), parsed, None, size)
 
 
 def read_pieces(
