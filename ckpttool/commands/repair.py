@@ -88,7 +88,7 @@ def repair_file(
         if output.exists() and os.path.samefile(output, source):
             raise InputError(f"the output {output} is the source: repair never writes over it")
         if not dry_run and output.exists() and not overwrite:
-            raise OutputExistsError(f"{output} exists")
+            raise OutputExistsError(f"{output} already exists (pass overwrite=True to replace it)")
         with open(source, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
             if size == 0:
@@ -102,7 +102,9 @@ def repair_file(
             pruned = _Pruned(found)
             root = pruned.prune(found.root, "")
             if root is _DROP:
-                raise UnrecoverableError("every value of the file is lost")
+                raise UnrecoverableError(
+                    "every value of the file is lost; resume from the previous checkpoint"
+                )
 
             def read(storage_key: str) -> bytes:
                 offset, length = found.intact[storage_key]

@@ -146,7 +146,8 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
         if pkl is None or not pkl.intact:
             why = "lost" if pkl is None else "torn (its CRC-32 does not check)"
             raise UnrecoverableError(
-                f"data.pkl is {why}: nothing to rebuild the tree from; intact records: "
+                f"data.pkl is {why}: nothing to rebuild the tree from (resume from the previous "
+                "checkpoint); intact records: "
                 + (", ".join(intact_names) if intact_names else "none"),
                 intact_names,
             )
