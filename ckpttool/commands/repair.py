@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpttool.commands.repair_directory import repair_directory
+from ckpttool.commands.repair_report import LostTensor, RepairReport
 from ckpttool.errors import (
     CkptError,
     EmptyFileError,
@@ -36,32 +37,31 @@ from ckpttool.io.atomic import atomic_group
 from ckpttool.model.records import OpaqueObject, TensorRecord, join_key, walk
 
 
-@dataclass(frozen=True)
-class LostTensor:
-    """A tensor whose bytes are lost: left out of the repaired file."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class RepairReport:
-    """What ``repair_file`` found and did."""
-
-    source: str
-    format: str
-    damage: tuple[str, ...]  # what is wrong with the source, one line each
-    recovered: int  # tensors in the repaired file
-    lost: tuple[LostTensor, ...]  # tensors whose bytes are lost
-    dropped: tuple[str, ...]  # intact tensors left out with a lost one (same optimizer entry)
-    output: str
-    written: bool
-
-    @property
-    def damaged(self) -> bool:
-        return bool(self.damage or self.lost)
+def repair(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str] | None = None,
+    *,
+    fill_from: str | os.PathLike[str] | None = None,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    quarantine: bool = False,
+    clean: bool = False,
+) -> RepairReport:
+    """Repair the checkpoint file or directory ``src``: a file through :func:`repair_file`
+    (``dst``, ``fill_from``, ``overwrite``), a directory through
+    :func:`ckpttool.commands.repair_directory.repair_directory` (``quarantine``, ``clean``)."""
+    if Path(src).is_dir():
+        if dst is not None or fill_from is not None:
+            raise name_file(
+                InputError("an output path and fill_from apply to files, not directories"),
+                str(src),
+            )
+        return repair_directory(src, dry_run=dry_run, quarantine=quarantine, clean=clean)
+    if quarantine or clean:
+        raise name_file(
+            InputError("quarantine and clean apply to run directories, not files"), str(src)
+        )
+    return repair_file(src, dst, dry_run=dry_run, overwrite=overwrite)
 
 
 def default_output(src: Path) -> Path:
@@ -124,6 +124,7 @@ def repair_file(
         raise name_file(error, str(source)) from None
     return RepairReport(
         source=str(source),
+        kind="file",
         format=found.format,
         damage=tuple(found.damage),
         recovered=len(kept),
