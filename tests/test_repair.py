@@ -5,6 +5,7 @@ after its last tensors. Each output is checked against ``torch.load`` of the und
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zipfile
 from pathlib import Path
@@ -261,19 +262,18 @@ def test_recover_is_reached_through_the_registry() -> None:
 def test_an_output_that_does_not_read_back_is_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckpttool.commands import repair
 
-    def recover_badly(handle: Any, size: int) -> Any:
-        found = registry.recover_file(handle, size)
-        write = found.write
+    from ckpttool.formats.torch_zip import zip_writer
 
-        def flipped(read: Any) -> Any:
-            return lambda key: bytes([read(key)[0] ^ 1]) + read(key)[1:]
+    copy_range = zip_writer.copy_range
 
-        found.write = lambda out, root, read: write(out, root, flipped(read))
-        return found
+    def copy_flipped(source: int, offset: int, dest: int, at: int, size: int, *rest: Any) -> None:
+        """Each storage copied, then its first byte flipped in the output."""
+        copy_range(source, offset, dest, at, size, *rest)
+        if size:
+            os.pwrite(dest, bytes([os.pread(source, 1, offset)[0] ^ 1]), at)
 
-    monkeypatch.setattr(repair, "recover_file", recover_badly)
+    monkeypatch.setattr(zip_writer, "copy_range", copy_flipped)
     src = _cut(STATE_DICT, tmp_path, STATE_DICT.stat().st_size - 200)
     with pytest.raises(ReadBackError, match="does not read back as salvaged"):
         repair_file(src, tmp_path / "out.pth")

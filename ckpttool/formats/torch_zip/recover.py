@@ -16,13 +16,18 @@ from __future__ import annotations
 import mmap
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpttool.errors import LayoutError, NotACheckpointError, UnrecoverableError
 from ckpttool.formats.base import OutTensor, Recovered
 from ckpttool.formats.torch_zip.reader import ZIP_ERRORS, find_data_pkl
-from ckpttool.formats.torch_zip.writer import StoredTensor, write_torch_object
+from ckpttool.formats.torch_zip.writer import (
+    CopiedStorage,
+    StorageBytes,
+    StoredTensor,
+    write_torch_object,
+)
 from ckpttool.formats.torch_zip.zip_index import LOCAL_HEADER, ZIP_STORED, ZipIndex, fold
 from ckpttool.model.records import ITEMSIZE, OpaqueObject, StorageRecord, TensorRecord
 from ckpttool.pickle.emulation import storage_class_dtype
@@ -34,7 +39,7 @@ _DESCRIPTOR = b"PK\x07\x08"
 _DESCRIPTOR32 = struct.Struct("<4sLLL")  # signature, CRC-32, compressed and file size
 _DESCRIPTOR64 = struct.Struct("<4sLQQ")  # the same with zip64 sizes
 _HAS_DESCRIPTOR = 0x8
-_CRC_CHUNK = 16 << 20
+_WINDOW = 4 << 20  # bytes of the file searched or checked at a time, then given back
 
 
 class LocalRecord(NamedTuple):
@@ -44,6 +49,7 @@ class LocalRecord(NamedTuple):
     data_start: int
     size: int
     intact: bool  # bytes whole and CRC-32 checked
+    crc: int = 0  # the CRC-32 its bytes have (when intact)
 
 
 def walk_records(view: Any, file_size: int) -> tuple[list[LocalRecord], list[str]]:
@@ -79,7 +85,7 @@ def walk_records(view: Any, file_size: int) -> tuple[list[LocalRecord], list[str
         intact = _crc(view, data_start, size) == crc
         if not intact:
             damage.append(f"record {name!r}: its bytes do not match its CRC-32 (torn record)")
-        records.append(LocalRecord(name, data_start, size, intact))
+        records.append(LocalRecord(name, data_start, size, intact, crc))
         at = end
     if at < file_size and view[at : at + 4] != _CENTRAL_SIGNATURE:
         damage.append(f"{file_size - at:,} bytes from byte {at:,} are no whole record")
@@ -100,7 +106,10 @@ def _directory_damage(handle: BinaryIO) -> str | None:
 def _descriptor(view: Any, data_start: int, file_size: int) -> tuple[int, int, int] | None:
     """(CRC-32, size, end) of the record whose bytes start at ``data_start``, from the first
     data descriptor after them whose sizes fit; None when the file ends before one."""
-    find = view.find
+
+    def find(signature: bytes, start: int) -> int:
+        return _find(view, signature, start, file_size)
+
     pos = find(_DESCRIPTOR, data_start)
     while pos >= 0:
         size = pos - data_start
@@ -121,11 +130,37 @@ def _descriptor(view: Any, data_start: int, file_size: int) -> tuple[int, int, i
     return None
 
 
+def _find(view: Any, signature: bytes, start: int, file_size: int) -> int:
+    """``view.find(signature, start)``, a window at a time, each window's pages given back
+    after it is searched: memory stays bounded however far the next match is."""
+    overlap = len(signature) - 1
+    at = start
+    while at < file_size:
+        end = min(at + _WINDOW, file_size)
+        pos = view.find(signature, at, min(end + overlap, file_size))
+        _release(view, at, end)
+        if pos >= 0:
+            return int(pos)
+        at = end
+    return -1
+
+
 def _crc(view: Any, start: int, size: int) -> int:
     crc = 0
-    for at in range(start, start + size, _CRC_CHUNK):
-        crc = zlib.crc32(view[at : min(at + _CRC_CHUNK, start + size)], crc)
+    for at in range(start, start + size, _WINDOW):
+        end = min(at + _WINDOW, start + size)
+        crc = zlib.crc32(view[at:end], crc)
+        _release(view, at, end)
     return crc
+
+
+def _release(view: Any, start: int, end: int) -> None:
+    """Give back the mapped pages wholly inside ``[start, end)`` (they stay in the page cache):
+    a walk over a file of any size keeps only a window of it resident."""
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first and hasattr(view, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        view.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
@@ -189,19 +224,46 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
         return found
 
     result = load_pickle(pickle_bytes, persistent_load=persistent_load, refuse_dangerous=True)
+    copies = {
+        record.name[len(data_prefix) :]: CopiedStorage(
+            handle.fileno(), record.data_start, record.size, record.crc
+        )
+        for record in records
+        if record.intact and record.name.startswith(data_prefix)
+    }
     return Recovered(
-        format="torch-zip", root=result.root, intact=intact, damage=damage, write=write_tree
-    )
+        format="torch-zip", root=result.root, intact=intact, damage=damage,
+        write=_tree_writer(copies),
+    )  # fmt: skip
 
 
-def write_tree(handle: BinaryIO, root: Any, read: Callable[[str], bytes]) -> None:
-    """``root`` written as a torch.save archive: each tensor a contiguous view of a storage
-    (tensors viewing the same bytes of one storage share it), non-tensor values as they are."""
-    keys: dict[tuple[str, int, int], str] = {}
+def _tree_writer(copies: dict[str, CopiedStorage]) -> Callable[..., None]:
+    """:func:`write_tree` with the storages that checked out (``copies``, by storage key)
+    copied from the source file in the kernel; other storages (taken from elsewhere) come from
+    ``read``."""
+
+    def write(handle: BinaryIO, root: Any, read: Callable[[str], bytes]) -> None:
+        write_tree(handle, root, read, copies=copies)
+
+    return write
+
+
+def write_tree(
+    handle: BinaryIO,
+    root: Any,
+    read: Callable[[str], bytes],
+    *,
+    copies: dict[str, CopiedStorage] | None = None,
+) -> None:
+    """``root`` written as a torch.save archive, every tensor the same view (offset, shape,
+    stride) of the same storage as in the source, each storage whole (tensors that shared one
+    share it again); non-tensor values as they are. A storage's bytes are ``copies[key]``
+    (a range of the source, copied in the kernel) where given, else ``read(key)``."""
+    used: dict[str, None] = {}
 
     def convert(node: Any) -> Any:
         if isinstance(node, TensorRecord):
-            return _stored(node, keys)
+            return _stored(node, used)
         if isinstance(node, dict):
             return {key: convert(value) for key, value in node.items()}
         if isinstance(node, list):
@@ -216,15 +278,17 @@ def write_tree(handle: BinaryIO, root: Any, read: Callable[[str], bytes]) -> Non
         return node
 
     value = convert(root)
+    copies = copies or {}
 
-    def storages() -> Any:
-        for (key, first, nbytes), new_key in keys.items():
-            yield new_key, read(key)[first : first + nbytes]
+    def storages() -> Iterator[tuple[str, StorageBytes]]:
+        for key in used:
+            copy = copies.get(key)
+            yield key, copy if copy is not None else read(key)
 
     write_torch_object(handle, value, storages())
 
 
-def _stored(record: TensorRecord, keys: dict[tuple[str, int, int], str]) -> StoredTensor:
+def _stored(record: TensorRecord, used: dict[str, None]) -> StoredTensor:
     storage = record.storage
     if (
         storage is None
@@ -234,10 +298,13 @@ def _stored(record: TensorRecord, keys: dict[tuple[str, int, int], str]) -> Stor
         or record.dtensor is not None
         or record.layout != "strided"
         or record.dtype not in ITEMSIZE
-        or not record.is_contiguous
     ):
         raise LayoutError(f"{record.key}: cannot rebuild a {record.dtype} {record.layout} tensor")
-    first = record.storage_offset * record.itemsize
-    region = (storage.key, first, record.nbytes)
-    new_key = keys.setdefault(region, str(len(keys)))
-    return StoredTensor(new_key, OutTensor(record.key, record.dtype, tuple(record.shape)))
+    used.setdefault(storage.key, None)
+    return StoredTensor(
+        storage.key,
+        OutTensor(record.key, record.dtype, tuple(record.shape)),
+        storage_offset=record.storage_offset,
+        stride=tuple(record.stride),
+        storage_numel=storage.nbytes // ITEMSIZE[record.dtype],
+    )

@@ -105,22 +105,31 @@ def _encode(value: Any, out: bytearray) -> None:
         raise TypeError(f"cannot encode {type(value).__name__}")
 
 
-def _rebuild_call(entry: PickledTensor) -> _Call:
+def _rebuild_call(
+    entry: PickledTensor,
+    storage_offset: int = 0,
+    stride: tuple[int, ...] | None = None,
+    storage_numel: int | None = None,
+) -> _Call:
+    """The call that rebuilds ``entry``: by default the whole of its storage, contiguous; else
+    a view of a storage of ``storage_numel`` elements at ``storage_offset`` with ``stride``."""
     tensor = entry.tensor
-    numel = math.prod(tensor.shape)
-    size, stride = tuple(tensor.shape), contiguous_stride(tensor.shape)
+    numel = math.prod(tensor.shape) if storage_numel is None else storage_numel
+    size = tuple(tensor.shape)
+    stride = contiguous_stride(tensor.shape) if stride is None else tuple(stride)
     hooks = _Call(_ORDERED_DICT, ())
     storage_class = STORAGE_CLASSES.get(tensor.dtype)
     if storage_class is not None:
         pid = ("storage", _Global("torch", storage_class), entry.storage_key, "cpu", numel)
-        args: tuple[Any, ...] = (_PersistentId(pid), 0, size, stride, False, hooks)
+        args: tuple[Any, ...] = (_PersistentId(pid), storage_offset, size, stride, False, hooks)
         return _Call(_Global("torch._utils", "_rebuild_tensor_v2"), args)
     if tensor.dtype.startswith(("q", "bits")):  # torch rebuilds these differently
         raise InputError(f"{tensor.name}: cannot write {tensor.dtype} tensors to a .pth")
     nbytes = numel * ITEMSIZE[tensor.dtype]
     storage = _Global("torch.storage", "UntypedStorage")
     pid = ("storage", storage, entry.storage_key, "cpu", nbytes)
-    args = (_PersistentId(pid), 0, size, stride, False, hooks, _Global("torch", tensor.dtype))
+    args = (_PersistentId(pid), storage_offset, size, stride, False, hooks,
+            _Global("torch", tensor.dtype))  # fmt: skip
     return _Call(_Global("torch._utils", "_rebuild_tensor_v3"), args)
 
 
@@ -159,11 +168,30 @@ def write_pth(
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """A tensor inside an object written by :func:`write_torch_object`: the whole of storage
-    ``storage_key``, contiguous."""
+    """A tensor inside an object written by :func:`write_torch_object`: by default the whole of
+    storage ``storage_key``, contiguous; else (``storage_numel`` given) a view of that storage of
+    ``storage_numel`` elements at ``storage_offset`` with ``stride``, as ``torch.save`` keeps
+    views (several tensors may view one storage)."""
 
     storage_key: str
     tensor: OutTensor
+    storage_offset: int = 0
+    stride: tuple[int, ...] | None = None
+    storage_numel: int | None = None
+
+
+@dataclass(frozen=True)
+class CopiedStorage:
+    """A storage's bytes as a range of another file, copied in the kernel, its CRC-32 known."""
+
+    fd: int
+    offset: int
+    size: int
+    crc: int
+
+
+#: A storage's bytes for :func:`write_torch_object`: in memory, or a range of a file to copy.
+StorageBytes = bytes | bytearray | memoryview | CopiedStorage
 
 
 def object_pickle(value: Any) -> bytes:
@@ -204,7 +232,8 @@ def _encode_object(value: Any, out: bytearray, depth: int) -> None:
             _encode_object(item, out, depth + 1)
         out += b"u"  # SETITEMS
     elif isinstance(value, StoredTensor):
-        _encode(_rebuild_call(PickledTensor("", value.storage_key, value.tensor)), out)
+        entry = PickledTensor("", value.storage_key, value.tensor)
+        _encode(_rebuild_call(entry, value.storage_offset, value.stride, value.storage_numel), out)
     elif isinstance(value, OpaqueObject):
         module, _, name = value.cls.rpartition(".")
         if not module or "\n" in value.cls:
@@ -234,7 +263,7 @@ def _encode_object(value: Any, out: bytearray, depth: int) -> None:
 
 
 def write_torch_object(
-    handle: BinaryIO, value: Any, storages: Iterable[tuple[str, bytes | bytearray | memoryview]]
+    handle: BinaryIO, value: Any, storages: Iterable[tuple[str, StorageBytes]]
 ) -> None:
     """Write a torch.save zip of ``value`` (see :func:`object_pickle`); its storages' bytes
     arrive one at a time from ``storages``."""
@@ -244,7 +273,7 @@ def write_torch_object(
 def _write_archive(
     handle: BinaryIO,
     data_pkl: bytes,
-    storages: Iterable[tuple[str, bytes | bytearray | memoryview]],
+    storages: Iterable[tuple[str, StorageBytes]],
 ) -> None:
     """The records of a torch.save zip, in torch's order, around ``data.pkl``."""
     name = f"{PTH_PREFIX}/"
@@ -254,5 +283,8 @@ def _write_archive(
         writer.write(name + ".storage_alignment", b"64")
         writer.write(name + "byteorder", b"little")
         for key, data in storages:
-            writer.write(f"{name}data/{key}", data)
+            if isinstance(data, CopiedStorage):
+                writer.write_copy(f"{name}data/{key}", data.fd, data.offset, data.size, data.crc)
+            else:
+                writer.write(f"{name}data/{key}", data)
         writer.write(name + "version", b"3\n")

@@ -1,0 +1,40 @@
+"""``repair`` keeps what ``torch.save`` kept: a transposed (non-contiguous) tensor, a view into
+part of a storage, and tensors sharing one storage come back as the same views of one storage,
+and every storage that checked out is copied whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ckpttool.commands.repair import repair_file
+
+
+def _saved(tmp_path: Path) -> Path:
+    base = torch.arange(24, dtype=torch.float32)
+    matrix = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    path = tmp_path / "views.pth"
+    torch.save({"base": base, "window": base[5:11], "transposed": matrix.t(), "epoch": 3}, path)
+    return path
+
+
+def test_views_strides_and_shared_storages_survive_a_repair(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    cut = tmp_path / "cut.pth"
+    cut.write_bytes(path.read_bytes()[:-200])  # the central directory is gone, no storage
+    report = repair_file(cut, tmp_path / "out.pth")
+    assert report.lost == () and report.recovered == 3
+    original = torch.load(path, weights_only=True)
+    repaired = torch.load(tmp_path / "out.pth", weights_only=True)
+    assert repaired["epoch"] == 3
+    for key in ("base", "window", "transposed"):
+        assert repaired[key].equal(original[key]), key
+        assert repaired[key].stride() == original[key].stride(), key
+        assert repaired[key].storage_offset() == original[key].storage_offset(), key
+    assert not repaired["transposed"].is_contiguous()
+    # the window still views the base's storage: one storage, as torch.save wrote it
+    assert (
+        repaired["window"].untyped_storage().data_ptr()
+        == repaired["base"].untyped_storage().data_ptr()
+    )
