@@ -13,7 +13,7 @@ does not check out is lost, with every tensor that views it.
 
 from __future__ import annotations
 
-import mmap
+import os
 import struct
 import zlib
 from collections.abc import Callable, Iterator
@@ -39,7 +39,7 @@ _DESCRIPTOR = b"PK\x07\x08"
 _DESCRIPTOR32 = struct.Struct("<4sLLL")  # signature, CRC-32, compressed and file size
 _DESCRIPTOR64 = struct.Struct("<4sLQQ")  # the same with zip64 sizes
 _HAS_DESCRIPTOR = 0x8
-_WINDOW = 4 << 20  # bytes of the file searched or checked at a time, then given back
+_WINDOW = 4 << 20  # bytes of the file read, searched and checked at a time
 
 
 class LocalRecord(NamedTuple):
@@ -52,42 +52,47 @@ class LocalRecord(NamedTuple):
     crc: int = 0  # the CRC-32 its bytes have (when intact)
 
 
-def walk_records(view: Any, file_size: int) -> tuple[list[LocalRecord], list[str]]:
-    """Every record from the start of the file whose end can be found, and what is wrong."""
+def walk_records(fd: int, file_size: int) -> tuple[list[LocalRecord], list[str]]:
+    """Every record from the start of the file whose end can be found, and what is wrong.
+
+    One pass over the bytes, read a window at a time (nothing mapped, memory bounded): a
+    record's CRC-32 is computed as its bytes are searched for the data descriptor that ends it.
+    """
     records: list[LocalRecord] = []
     damage: list[str] = []
     at = 0
-    while at + LOCAL_HEADER.size <= file_size and view[at : at + 4] == _LOCAL_SIGNATURE:
+    while at + LOCAL_HEADER.size <= file_size and os.pread(fd, 4, at) == _LOCAL_SIGNATURE:
         (_, _, flags, method, _, _, crc, compressed, _, name_len,
-         extra_len) = LOCAL_HEADER.unpack(view[at : at + LOCAL_HEADER.size])  # fmt: skip
+         extra_len) = LOCAL_HEADER.unpack(os.pread(fd, LOCAL_HEADER.size, at))  # fmt: skip
         data_start = at + LOCAL_HEADER.size + name_len + extra_len
         if data_start > file_size:
             damage.append(f"the local header at byte {at:,} is cut off")
             return records, damage
-        raw = bytes(view[at + LOCAL_HEADER.size : at + LOCAL_HEADER.size + name_len])
+        raw = os.pread(fd, name_len, at + LOCAL_HEADER.size)
         name = raw.decode("utf-8" if flags & 0x800 else "cp437", "replace")
         if method != ZIP_STORED:
             damage.append(f"record {name!r} is compressed (torch never writes that): walk stops")
             return records, damage
         if flags & _HAS_DESCRIPTOR:
-            found = _descriptor(view, data_start, file_size)
+            found = _scan(fd, data_start, file_size)
             if found is None:
                 damage.append(
                     f"record {name!r} (from byte {at:,}) is cut short: the file ends before its end"
                 )
                 return records, damage
-            crc, size, end = found
+            crc, size, end, computed = found
         else:
             size, end = compressed, data_start + compressed
             if end > file_size:
                 damage.append(f"record {name!r} (from byte {at:,}) is cut short")
                 return records, damage
-        intact = _crc(view, data_start, size) == crc
+            computed = _crc(fd, data_start, size)
+        intact = computed == crc
         if not intact:
             damage.append(f"record {name!r}: its bytes do not match its CRC-32 (torn record)")
         records.append(LocalRecord(name, data_start, size, intact, crc))
         at = end
-    if at < file_size and view[at : at + 4] != _CENTRAL_SIGNATURE:
+    if at < file_size and os.pread(fd, 4, at) != _CENTRAL_SIGNATURE:
         damage.append(f"{file_size - at:,} bytes from byte {at:,} are no whole record")
     elif at >= file_size:
         damage.append("the central directory and end records are missing (file cut short)")
@@ -103,100 +108,95 @@ def _directory_damage(handle: BinaryIO) -> str | None:
     return None
 
 
-def _descriptor(view: Any, data_start: int, file_size: int) -> tuple[int, int, int] | None:
-    """(CRC-32, size, end) of the record whose bytes start at ``data_start``, from the first
-    data descriptor after them whose sizes fit; None when the file ends before one."""
-
-    def find(signature: bytes, start: int) -> int:
-        return _find(view, signature, start, file_size)
-
-    pos = find(_DESCRIPTOR, data_start)
-    while pos >= 0:
-        size = pos - data_start
-        if pos + _DESCRIPTOR32.size <= file_size:
-            _, crc, compressed, inflated = _DESCRIPTOR32.unpack(view[pos : pos + 16])
-            end = pos + _DESCRIPTOR32.size
-            # a zip64 archive's descriptors have 8-byte sizes: the 16-byte reading of an empty
-            # record's fits too, but no record (or the directory) follows it
-            if compressed == inflated == size and (
-                end == file_size or view[end : end + 2] == b"PK" or pos + 24 > file_size
-            ):
-                return crc, size, end
-        if pos + _DESCRIPTOR64.size <= file_size:
-            _, crc, compressed, inflated = _DESCRIPTOR64.unpack(view[pos : pos + 24])
-            if compressed == inflated == size:
-                return crc, size, pos + _DESCRIPTOR64.size
-        pos = find(_DESCRIPTOR, pos + 1)
+def _scan(fd: int, data_start: int, file_size: int) -> tuple[int, int, int, int] | None:
+    """(stored CRC-32, size, end, CRC-32 of the bytes) of the record whose bytes start at
+    ``data_start``, ended by the first data descriptor after them whose sizes fit; None when
+    the file ends before one. The bytes are read once, a window at a time: searched for the
+    descriptor's signature and folded into the CRC as they go."""
+    running, at = 0, data_start  # CRC-32 of the bytes in [data_start, at)
+    buffer = bytearray(_WINDOW + len(_DESCRIPTOR) - 1)
+    while at < file_size:
+        want = min(len(buffer), file_size - at)
+        view = memoryview(buffer)[:want]
+        got = os.preadv(fd, [view], at)
+        if got <= 0:
+            return None
+        view = view[:got]
+        step = min(_WINDOW, got)  # a signature may start in the window and end after it
+        pos = buffer.find(_DESCRIPTOR, 0, got)
+        while 0 <= pos < step:
+            found = _descriptor_at(fd, at + pos, data_start, file_size)
+            if found is not None:
+                crc, end = found
+                return crc, at + pos - data_start, end, zlib.crc32(view[:pos], running)
+            pos = buffer.find(_DESCRIPTOR, pos + 1, got)
+        running = zlib.crc32(view[:step], running)
+        at += step
     return None
 
 
-def _find(view: Any, signature: bytes, start: int, file_size: int) -> int:
-    """``view.find(signature, start)``, a window at a time, each window's pages given back
-    after it is searched: memory stays bounded however far the next match is."""
-    overlap = len(signature) - 1
-    at = start
-    while at < file_size:
-        end = min(at + _WINDOW, file_size)
-        pos = view.find(signature, at, min(end + overlap, file_size))
-        _release(view, at, end)
-        if pos >= 0:
-            return int(pos)
-        at = end
-    return -1
+def _descriptor_at(fd: int, pos: int, data_start: int, file_size: int) -> tuple[int, int] | None:
+    """(stored CRC-32, end) when a data descriptor whose sizes fit the record's bytes
+    ``[data_start, pos)`` starts at ``pos``, else None."""
+    size = pos - data_start
+    raw = os.pread(fd, _DESCRIPTOR64.size + 2, pos)
+    if len(raw) >= _DESCRIPTOR32.size:
+        _, crc, compressed, inflated = _DESCRIPTOR32.unpack(raw[: _DESCRIPTOR32.size])
+        end = pos + _DESCRIPTOR32.size
+        # a zip64 archive's descriptors have 8-byte sizes: the 16-byte reading of an empty
+        # record's fits too, but no record (or the directory) follows it
+        if compressed == inflated == size and (
+            end == file_size or raw[16:18] == b"PK" or pos + 24 > file_size
+        ):
+            return crc, end
+    if len(raw) >= _DESCRIPTOR64.size:
+        _, crc, compressed, inflated = _DESCRIPTOR64.unpack(raw[: _DESCRIPTOR64.size])
+        if compressed == inflated == size:
+            return crc, pos + _DESCRIPTOR64.size
+    return None
 
 
-def _crc(view: Any, start: int, size: int) -> int:
-    crc = 0
+def _crc(fd: int, start: int, size: int) -> int:
+    """CRC-32 of ``size`` bytes of the file from ``start``, read a window at a time."""
+    crc, buffer = 0, bytearray(min(_WINDOW, size))
     for at in range(start, start + size, _WINDOW):
-        end = min(at + _WINDOW, start + size)
-        crc = zlib.crc32(view[at:end], crc)
-        _release(view, at, end)
+        view = memoryview(buffer)[: min(_WINDOW, start + size - at)]
+        got = os.preadv(fd, [view], at)
+        crc = zlib.crc32(view[:got], crc)
     return crc
-
-
-def _release(view: Any, start: int, end: int) -> None:
-    """Give back the mapped pages wholly inside ``[start, end)`` (they stay in the page cache):
-    a walk over a file of any size keeps only a window of it resident."""
-    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-    last = end // mmap.PAGESIZE * mmap.PAGESIZE
-    if last > first and hasattr(view, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-        view.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
     """The tree of a damaged torch.save archive and the storages whose bytes check out."""
-    with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
-        records, damage = walk_records(view, file_size)
-        if not damage:
-            broken = _directory_damage(handle)
-            if broken is not None:
-                damage.append(broken)
-        by_name = {record.name: record for record in records}
-        intact_names = [record.name for record in records if record.intact]
-        try:
-            pkl_name = find_data_pkl(list(by_name))
-        except NotACheckpointError:
-            pkl_name = ""
-        pkl = by_name.get(pkl_name)
-        if pkl is None or not pkl.intact:
-            why = "lost" if pkl is None else "torn (its CRC-32 does not check)"
-            raise UnrecoverableError(
-                f"data.pkl is {why}: nothing to rebuild the tree from (resume from the previous "
-                "checkpoint); intact records: "
-                + (", ".join(intact_names) if intact_names else "none"),
-                intact_names,
-            )
-        prefix = pkl_name[: -len("data.pkl")]
-        pickle_bytes = bytes(view[pkl.data_start : pkl.data_start + pkl.size])
-        byteorder_record = next(
-            (r for r in records if fold(r.name) == fold(prefix + "byteorder")), None
+    fd = handle.fileno()
+    records, damage = walk_records(fd, file_size)
+    if not damage:
+        broken = _directory_damage(handle)
+        if broken is not None:
+            damage.append(broken)
+    by_name = {record.name: record for record in records}
+    intact_names = [record.name for record in records if record.intact]
+    try:
+        pkl_name = find_data_pkl(list(by_name))
+    except NotACheckpointError:
+        pkl_name = ""
+    pkl = by_name.get(pkl_name)
+    if pkl is None or not pkl.intact:
+        why = "lost" if pkl is None else "torn (its CRC-32 does not check)"
+        raise UnrecoverableError(
+            f"data.pkl is {why}: nothing to rebuild the tree from (resume from the previous "
+            "checkpoint); intact records: " + (", ".join(intact_names) if intact_names else "none"),
+            intact_names,
         )
-        byteorder = "little"
-        if byteorder_record is not None and byteorder_record.intact:
-            start = byteorder_record.data_start
-            byteorder = bytes(view[start : start + byteorder_record.size]).decode(
-                "ascii", "replace"
-            )
+    prefix = pkl_name[: -len("data.pkl")]
+    pickle_bytes = os.pread(fd, pkl.size, pkl.data_start)
+    byteorder_record = next(
+        (r for r in records if fold(r.name) == fold(prefix + "byteorder")), None
+    )
+    byteorder = "little"
+    if byteorder_record is not None and byteorder_record.intact:
+        start = byteorder_record.data_start
+        byteorder = os.pread(fd, byteorder_record.size, start).decode("ascii", "replace")
     if byteorder.strip() != "little":
         raise LayoutError(f"byteorder record says {byteorder!r:.40}: only little-endian is rebuilt")
     data_prefix = prefix + "data/"
