@@ -26,7 +26,7 @@ from tests.support.helpers import FIXTURES, copy_fixture
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCHEMAS = DOCS / "schemas"
-COMMANDS = ["show", "diff", "convert", "rescale-step", "verify", "scan"]
+COMMANDS = ["show", "diff", "convert", "rescale-step", "verify", "scan", "repair"]
 PAIRS = FIXTURES / "pairs"
 DCP = FIXTURES / "dcp" / "checkpoint"
 FRAMEWORKS = FIXTURES / "frameworks"
@@ -483,6 +483,40 @@ def test_rescale_step_json_to_another_output(tmp_path: Path) -> None:
     ]
 
 
+# --- repair ----------------------------------------------------------------------------------
+
+
+def _cut_resume(tmp_path: Path, fraction: float = 0.6) -> Path:
+    """MiniMind's resume fixture cut short at ``fraction`` of its bytes."""
+    data = RESUME.read_bytes()
+    path = tmp_path / "cut_resume.pth"
+    path.write_bytes(data[: int(len(data) * fraction)])
+    return path
+
+
+def test_repair_json_of_a_cut_file_matches_its_schema(tmp_path: Path) -> None:
+    cut = _cut_resume(tmp_path)
+    before = cut.read_bytes()
+    planned = run_json("repair", cut, "--dry-run", exit_code=1)  # tensors lost
+    assert_valid("repair", planned)
+    assert planned["dry_run"] and not planned["written"] and planned["damaged"]
+    assert not Path(planned["output"]).exists()
+    done = run_json("repair", cut, "-o", tmp_path / "fixed.pth", exit_code=1)
+    assert_valid("repair", done)
+    assert done["written"] and done["output"] == str(tmp_path / "fixed.pth")
+    assert done["lost"] and done["recovered"] == planned["recovered"] > 0
+    assert (tmp_path / "fixed.pth").is_file() and cut.read_bytes() == before
+
+
+def test_repair_json_of_a_file_that_lost_only_its_tail_exits_0(tmp_path: Path) -> None:
+    data = RESUME.read_bytes()
+    cut = tmp_path / "tail.pth"
+    cut.write_bytes(data[:-100])  # the end records only: every tensor is there
+    out = run_json("repair", cut, "-o", tmp_path / "fixed.pth")
+    assert_valid("repair", out)
+    assert out["damaged"] and out["written"] and out["lost"] == [] and out["dropped"] == []
+
+
 # --- the schemas are strict enough to catch a renamed field -----------------------------------
 
 
@@ -503,6 +537,7 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         ),
         "verify": lambda: run_json("verify", RESUME),
         "scan": lambda: run_json("scan", RESUME),
+        "repair": lambda: run_json("repair", _cut_resume(tmp_path), "--dry-run", exit_code=1),
     }
     data = outputs[command]()
     assert_valid(command, data)
@@ -517,6 +552,7 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "rescale-step": lambda d: d["from"],
         "verify": lambda d: d["files"][0],
         "scan": lambda d: d["files"][0]["globals"][0],
+        "repair": lambda d: d["lost"][0],
     }[command]
     if inner is not None:
         nested = json.loads(json.dumps(data))

@@ -31,6 +31,7 @@ PAGES = {
     "convert": "convert.md",
     "rescale-step": "rescale-step.md",
     "verify": "verify.md",
+    "repair": "repair.md",
     "scan": "scan.md",
 }
 REGENERATE = "python -m tools.cli_reference"

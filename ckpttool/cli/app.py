@@ -36,7 +36,8 @@ EXIT_CODES_HELP = """\b
 Exit codes:
     0  success (diff: no differences; verify/scan: every path checked, nothing found)
     1  diff: the checkpoints differ; verify/scan: a problem was found in any path;
-       convert, rescale-step: the written file failed verification (it was removed)
+       convert, rescale-step: the written file failed verification (it was removed);
+       repair: something stays lost or damaged
     2  error: missing/unreadable/corrupt/unsafe input, bad usage; verify/scan: a path
        could not be checked (or held no checkpoint) and nothing was found elsewhere
   130  interrupted (Ctrl-C): files being written were removed, the inputs untouched
@@ -569,6 +570,79 @@ def convert_command(
         click.echo(f"note: {note}", err=True)
     for warning in report.warnings:
         click.echo(f"warning: {warning}", err=True)
+
+
+@cli.command("repair")
+@click.argument("src", type=click.Path(path_type=str))
+@click.option(
+    "-o", "--output", "dst", metavar="DST", type=click.Path(path_type=str),
+    help="Where a file's repaired copy goes (default: NAME.repaired.EXT beside SRC).",
+)  # fmt: skip
+@click.option(
+    "--fill-from", metavar="OTHER", type=click.Path(path_type=str),
+    help="Take the lost tensors from OTHER (the run's previous checkpoint) where their dtype "
+    "and shape match.",
+)  # fmt: skip
+@click.option(
+    "--dry-run", is_flag=True, help="Report what is damaged and recoverable; write nothing."
+)
+@click.option(
+    "--quarantine", is_flag=True,
+    help="Run directory: move incomplete checkpoints aside (NAME.incomplete) so resuming "
+    "picks the newest complete one.",
+)  # fmt: skip
+@click.option(
+    "--clean", is_flag=True, help="Remove temp files left by interrupted saves (always listed)."
+)
+@force_option
+@json_option("repair")
+def repair_command(
+    src: str,
+    dst: str | None,
+    fill_from: str | None,
+    dry_run: bool,
+    quarantine: bool,
+    clean: bool,
+    force: bool,
+    as_json: bool,
+) -> None:
+    """Recover what a damaged checkpoint still holds.
+
+    A file cut short (preempted job, full disk, interrupted download) or with a torn record:
+    every tensor whose bytes are present and check out (CRC-32 in a torch zip, extents always)
+    is written, with the non-tensor fields, to a checkpoint of the same format beside SRC
+    (SRC is never changed), read back and compared with SRC's bytes. A lost tensor is listed
+    by key, dtype and shape; --fill-from takes it from another checkpoint.
+
+    A directory: a Hugging Face model directory gets its *.index.json rebuilt from the shards;
+    a run directory (Trainer output_dir, DeepSpeed save dir, resume files) gets its newest
+    complete checkpoint named and DeepSpeed's `latest` pointed at it (--quarantine moves
+    incomplete ones aside); leftover temp files are listed (--clean removes them).
+
+    Exit 0 when nothing is lost (SRC intact, or all of it recovered), 1 when something stays
+    lost or damaged (tensors lost, --dry-run, damage left as it is, or the output failed its
+    read-back and was removed), 2 on an error (nothing recoverable, bad input: nothing written).
+
+    \b
+    Examples:
+      ckpttool repair checkpoints/pretrain_768_resume.pth --dry-run
+      ckpttool repair checkpoints/pretrain_768_resume.pth -o resume_fixed.pth
+      ckpttool repair cut.pth --fill-from checkpoints/previous_resume.pth
+      ckpttool repair llama-7b/                 # rebuild model.safetensors.index.json
+      ckpttool repair output/ --quarantine      # resume from the newest complete checkpoint
+    """
+    from ckpttool.commands.repair import repair
+    from ckpttool.render import repair as repair_render
+
+    report = repair(
+        src, dst, fill_from=fill_from, dry_run=dry_run, overwrite=force,
+        quarantine=quarantine, clean=clean,
+    )  # fmt: skip
+    if as_json:
+        _echo_json(repair_render.render_json(report, dry_run=dry_run))
+    else:
+        click.echo(repair_render.render_text(report, dry_run=dry_run))
+    sys.exit(report.exit_code)
 
 
 @cli.command("verify")

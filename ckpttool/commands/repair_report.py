@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckpttool.errors import EXIT_FOUND
+
 
 @dataclass(frozen=True)
 class LostTensor:
@@ -14,6 +16,7 @@ class LostTensor:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    reason: str = ""  # why it stays lost, where there is more to say than "its bytes are gone"
 
 
 @dataclass(frozen=True)
@@ -63,3 +66,12 @@ class RepairReport:
     @property
     def damaged(self) -> bool:
         return bool(self.damage or self.lost)
+
+    @property
+    def exit_code(self) -> int:
+        """0: nothing is lost (the source was intact, or all of it was recovered and written);
+        1 (:data:`~ckpttool.errors.EXIT_FOUND`): something stays lost or damaged (tensors lost
+        or left out, a dry run, damage no action fixed)."""
+        if self.lost or self.dropped or (self.damaged and not self.written):
+            return EXIT_FOUND
+        return 0
