@@ -14,6 +14,7 @@ class LostTensor:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    reason: str = ""  # why it could not be taken from ``fill_from`` (or left out with another)
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,6 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
             if broken is not None:
                 damage.append(broken)
         by_name = {record.name: record for record in records}
-        intact_names = [record.name for record in records if record.intact]
         try:
             pkl_name = find_data_pkl(list(by_name))
         except NotACheckpointError:
@@ -145,12 +144,7 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
         pkl = by_name.get(pkl_name)
         if pkl is None or not pkl.intact:
             why = "lost" if pkl is None else "torn (its CRC-32 does not check)"
-            raise UnrecoverableError(
-                f"data.pkl is {why}: nothing to rebuild the tree from (resume from the previous "
-                "checkpoint); intact records: "
-                + (", ".join(intact_names) if intact_names else "none"),
-                intact_names,
-            )
+            raise _no_tree(f"data.pkl is {why}", records)
         prefix = pkl_name[: -len("data.pkl")]
         pickle_bytes = bytes(view[pkl.data_start : pkl.data_start + pkl.size])
         byteorder_record = next(
@@ -191,6 +185,29 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
     result = load_pickle(pickle_bytes, persistent_load=persistent_load, refuse_dangerous=True)
     return Recovered(
         format="torch-zip", root=result.root, intact=intact, damage=damage, write=write_tree
+    )
+
+
+_LISTED = 3  # intact storage records named in the message (all are in the error's ``intact``)
+
+
+def _no_tree(what: str, records: list[LocalRecord]) -> UnrecoverableError:
+    """The error of an archive whose ``data.pkl`` is gone: how many storage records are intact,
+    the first few by name and size (what the bytes were), all of them in ``intact``."""
+    stored = [r for r in records if r.intact and "/data/" in f"/{r.name}"]
+    if stored:
+        named = ", ".join(f"{r.name} ({r.size:,} bytes)" for r in stored[:_LISTED])
+        more = f" and {len(stored) - _LISTED:,} more" if len(stored) > _LISTED else ""
+        count = (
+            "1 storage record is" if len(stored) == 1 else f"{len(stored):,} storage records are"
+        )
+        intact = f"{count} intact: {named}{more}"
+    else:
+        intact = "no storage record is intact"
+    return UnrecoverableError(
+        f"{what}: nothing to rebuild the tree from (resume from the previous checkpoint); "
+        + intact,
+        [r.name for r in stored],
     )
 
 
