@@ -9,13 +9,14 @@ import io
 import pickle
 import pickletools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from ckpttool.checkpoint import open_checkpoint
 from ckpttool.commands.repair import repair_file
-from ckpttool.errors import UnrecoverableError
+from ckpttool.errors import ReadBackError, UnrecoverableError
 from ckpttool.formats.torch_legacy.writer import HEADER, write_legacy
 from tests.support.helpers import FIXTURES
 from tests.test_repair import _check_output, _cut, _same_bits
@@ -186,4 +187,23 @@ def test_an_intact_bare_pickle_is_not_written(tmp_path: Path) -> None:
     report = repair_file(src, tmp_path / "out.pkl")
     assert report.format == "pickle" and not report.damaged
     assert report.output is None and not report.written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pkl"]
+
+
+def test_an_output_of_another_format_does_not_pass_the_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpttool.commands import repair as repair_module
+    from ckpttool.formats import registry
+
+    def recover_as_legacy(handle: Any, size: int) -> Any:
+        found = registry.recover_file(handle, size)
+        found.write = write_legacy  # the pickle's values, but as a legacy file
+        return found
+
+    monkeypatch.setattr(repair_module, "recover_file", recover_as_legacy)
+    src = tmp_path / "state.pkl"
+    src.write_bytes(pickle.dumps(BARE, protocol=2) + b"\0")
+    with pytest.raises(ReadBackError, match="reads as torch-legacy, not pickle"):
+        repair_file(src, tmp_path / "out.pkl")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pkl"]

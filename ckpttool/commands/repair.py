@@ -142,7 +142,7 @@ def repair_file(
                 )
             if write:
                 with atomic_group(
-                    [output], check=lambda temps: _read_back(temps[0], kept, read)
+                    [output], check=lambda temps: _read_back(temps[0], found.format, kept, read)
                 ) as (out,):
                     found.write(out, root, read)
         except CkptError as error:
@@ -358,13 +358,16 @@ def _holds(pruned: _Pruned, node: Any) -> bool:
 
 
 def _read_back(
-    path: Path, kept: list[tuple[str, TensorRecord]], read: Callable[[str], bytes]
+    path: Path, fmt: str, kept: list[tuple[str, TensorRecord]], read: Callable[[str], bytes]
 ) -> None:
-    """The written file opens, and holds every salvaged tensor with the source's bytes."""
+    """The written file opens as a file of format ``fmt``, and holds every salvaged (or
+    filled) tensor with the bytes it was written from, and no other tensor."""
     from ckpttool.checkpoint import open_checkpoint
 
     try:
         with open_checkpoint(path) as written:
+            if written.format != fmt:
+                raise ReadBackError(f"the repaired file reads as {written.format}, not {fmt}")
             records = {record.key: record for record in written.tensors()}
             if set(records) != {key for key, _ in kept}:
                 missing = sorted({key for key, _ in kept} - set(records))

@@ -19,7 +19,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from ckpttool.errors import CkptError, LayoutError, UnrecoverableError
+from ckpttool.errors import CorruptCheckpointError, LayoutError, UnrecoverableError
 from ckpttool.formats.base import Recovered
 from ckpttool.formats.torch_legacy.reader import (
     PROTOCOL_VERSION,
@@ -76,9 +76,7 @@ def recover_pickle_stream(handle: BinaryIO, file_size: int) -> Recovered:
             f"{what} is cut before its end: nothing to rebuild the tree from (resume from the "
             "previous checkpoint)"
         ) from None
-    except LayoutError:
-        raise
-    except CkptError as error:
+    except CorruptCheckpointError as error:  # a refused (unsafe) pickle is refused as it is
         what = _PICKLES[reached[0]] if len(_PICKLES) > reached[0] > 0 else "the pickle"
         raise UnrecoverableError(
             f"{what} is unreadable ({error}): nothing to rebuild the tree from"
