@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import tarfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -153,10 +154,15 @@ def test_a_torch_archive_cut_at_every_record_boundary(fixture: Path, tmp_path: P
         assert src.read_bytes() == before
 
 
-def test_an_undamaged_archive_is_copied_whole(tmp_path: Path) -> None:
-    report = repair_file(RESUME, tmp_path / "out.pth")
-    assert report.damage == () and report.lost == () and report.dropped == ()
-    _check_output(report, RESUME, set())
+def test_an_intact_file_is_not_written(tmp_path: Path) -> None:
+    out = tmp_path / "out.pth"
+    for fixture in (RESUME, STATE_DICT, SAFETENSORS):
+        report = repair_file(fixture, out)
+        assert not report.damaged and report.damage == () and report.lost == ()
+        assert report.dropped == () and report.filled == ()
+        assert report.output is None and not report.written
+        assert report.recovered == len(_storage_keys(fixture))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_flipped_byte_in_one_storage_loses_that_tensor_alone(tmp_path: Path) -> None:
@@ -192,6 +198,7 @@ def test_a_lost_data_pkl_is_a_clear_error_and_nothing_is_written(tmp_path: Path)
     with pytest.raises(UnrecoverableError, match=r"cut3000\.pth: data\.pkl is lost") as caught:
         repair_file(src)
     assert caught.value.intact == []
+    assert str(caught.value).endswith("no storage record is intact")
     assert not (tmp_path / "cut3000.repaired.pth").exists()
     assert src.read_bytes() == RESUME.read_bytes()[:3000]
 
@@ -203,8 +210,15 @@ def test_a_torn_data_pkl_lists_the_intact_storages(tmp_path: Path) -> None:
     src.write_bytes(bytes(data))
     with pytest.raises(UnrecoverableError, match=r"data\.pkl is torn") as caught:
         repair_file(src, dry_run=True)
-    assert "pretrain_32_resume.pth/data/0" in caught.value.intact
-    assert "pretrain_32_resume.pth/data/0" in str(caught.value)
+    with zipfile.ZipFile(RESUME) as archive:
+        stored = [i for i in archive.infolist() if "/data/" in i.filename]
+    assert caught.value.intact == [info.filename for info in stored]
+    first = ", ".join(f"{i.filename} ({i.file_size:,} bytes)" for i in stored[:3])
+    message = str(caught.value)
+    assert "\n" not in message and caught.value.exit_code == 2
+    assert message.endswith(
+        f"{len(stored)} storage records are intact: {first} and {len(stored) - 3} more"
+    )
     assert not (tmp_path / "torn.repaired.pth").exists()
 
 
@@ -253,7 +267,7 @@ def test_a_safetensors_file_with_trailing_bytes_keeps_every_tensor(tmp_path: Pat
 
 
 def test_recover_is_reached_through_the_registry() -> None:
-    assert registry.format_by_id("torch-legacy").recover(None, 0) is None  # type: ignore[arg-type]
+    assert registry.format_by_id("torch-tar").recover(None, 0) is None  # type: ignore[arg-type]
     with open(RESUME, "rb") as handle:
         found = registry.recover_file(handle, RESUME.stat().st_size)
     assert found is not None and found.format == "torch-zip" and found.damage == []
@@ -294,18 +308,22 @@ def test_the_source_is_never_the_output_and_an_output_is_not_overwritten(tmp_pat
 
 
 def test_a_format_without_recovery_is_refused(tmp_path: Path) -> None:
-    src = tmp_path / "legacy.pt"
-    torch.save({"a": torch.zeros(2)}, src, _use_new_zipfile_serialization=False)
-    with pytest.raises(NotACheckpointError, match=r"legacy\.pt: not a file ckpttool can recover"):
+    src = tmp_path / "old.tar"
+    with tarfile.open(src, "w") as tar:  # torch's tar format: recognised, never recovered
+        tar.add(RESUME, arcname="tensors")
+    with pytest.raises(NotACheckpointError, match=r"old\.tar: not a file ckpttool can recover"):
         repair_file(src)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.tar"]
 
 
 def test_an_archive_without_data_descriptors_is_walked_by_its_local_headers(
     tmp_path: Path,
 ) -> None:
-    # ckpttool's own writer puts each record's CRC-32 and size in its local header
-    whole = repair_file(STATE_DICT, tmp_path / "whole.pth").output
+    # ckpttool's own writer puts each record's CRC-32 and size in its local header (a file cut
+    # inside its central directory keeps every record, written out again by that writer)
+    cut = _cut(STATE_DICT, tmp_path, STATE_DICT.stat().st_size - 30, "tail.pth")
+    whole = repair_file(cut, tmp_path / "whole.pth").output
+    assert whole is not None
     original = Path(whole)
     with zipfile.ZipFile(original) as archive:
         assert not any(info.flag_bits & 0x8 for info in archive.infolist())

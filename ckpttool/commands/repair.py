@@ -6,21 +6,26 @@ through :func:`ckpttool.formats.registry.recover_file`): the tree and the storag
 check out. A tensor whose bytes are lost is left out with the dict entry that held it (a state
 dict key; in an optimizer's ``state``, the whole per-parameter entry, which the optimizer then
 starts afresh) and listed; every other value, tensors and plain fields (epoch, step,
-hyper-parameters), is kept. The output is written atomically beside the source (never over it),
-then read back through :func:`ckpttool.checkpoint.open_checkpoint` and every salvaged tensor
-compared byte for byte with the source's: an output that differs is removed and
-:class:`~ckpttool.errors.ReadBackError` raised.
+hyper-parameters), is kept. With ``fill_from``, a lost tensor is taken instead from another
+checkpoint that holds one of the same key, dtype and shape (an optimizer entry whose every lost
+tensor is so taken is kept whole); one it cannot take stays lost, with the reason. A file with
+no damage is not written: there is nothing to repair. The output is written atomically beside
+the source (never over it), then read back through :func:`ckpttool.checkpoint.open_checkpoint`
+and every tensor in it compared byte for byte with the source's (a filled one with
+``fill_from``'s): an output that differs is removed and :class:`~ckpttool.errors.ReadBackError`
+raised.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from ckpttool.commands.repair_directory import repair_directory
-from ckpttool.commands.repair_report import LostTensor, RepairReport
+from ckpttool.commands.repair_report import FilledTensor, LostTensor, RepairReport
 from ckpttool.errors import (
     CkptError,
     EmptyFileError,
@@ -31,10 +36,19 @@ from ckpttool.errors import (
     UnrecoverableError,
     name_file,
 )
-from ckpttool.formats.base import Recovered
+from ckpttool.formats.base import Checkpoint, Recovered
 from ckpttool.formats.registry import recover_file
 from ckpttool.io.atomic import atomic_group
-from ckpttool.model.records import OpaqueObject, TensorRecord, join_key, walk
+from ckpttool.model.records import (
+    ELEMENTS_PER_BYTE,
+    ITEMSIZE,
+    OpaqueObject,
+    StorageRecord,
+    TensorRecord,
+    join_key,
+    walk,
+    with_fields,
+)
 
 
 def repair(
@@ -61,7 +75,7 @@ def repair(
         raise name_file(
             InputError("quarantine and clean apply to run directories, not files"), str(src)
         )
-    return repair_file(src, dst, dry_run=dry_run, overwrite=overwrite)
+    return repair_file(src, dst, dry_run=dry_run, overwrite=overwrite, fill_from=fill_from)
 
 
 def default_output(src: Path) -> Path:
@@ -75,31 +89,34 @@ def repair_file(
     *,
     dry_run: bool = False,
     overwrite: bool = False,
+    fill_from: str | os.PathLike[str] | None = None,
 ) -> RepairReport:
     """Salvage what the checkpoint file ``src`` still holds into ``dst`` (default
     :func:`default_output`), of the same format; ``dry_run``: report only, write nothing.
-    ``src`` is never changed. Raises a :class:`~ckpttool.errors.CkptError` naming ``src``
-    when nothing can be rebuilt (:class:`~ckpttool.errors.UnrecoverableError`)."""
+    ``fill_from``: another checkpoint (any ckpttool opens) whose tensors of the same key, dtype
+    and shape stand in for the lost ones. ``src`` is never changed; a file with no damage is
+    not written (the report's ``output`` None). Raises a :class:`~ckpttool.errors.CkptError`
+    naming ``src`` when nothing can be rebuilt (:class:`~ckpttool.errors.UnrecoverableError`)."""
     source = Path(src)
     output = Path(dst) if dst is not None else default_output(source)
-    try:
-        if not source.is_file():
-            raise InputError("no such file" if not source.exists() else "not a file")
-        if output.exists() and os.path.samefile(output, source):
-            raise InputError(f"the output {output} is the source: repair never writes over it")
-        if not dry_run and output.exists() and not overwrite:
-            raise OutputExistsError(f"{output} already exists (pass overwrite=True to replace it)")
-        with open(source, "rb") as handle:
+    with ExitStack() as stack:
+        fill = _open_fill(stack, fill_from)
+        try:
+            if not source.is_file():
+                raise InputError("no such file" if not source.exists() else "not a file")
+            if output.exists() and os.path.samefile(output, source):
+                raise InputError(f"the output {output} is the source: repair never writes over it")
+            handle = stack.enter_context(open(source, "rb"))
             size = os.fstat(handle.fileno()).st_size
             if size == 0:
                 raise EmptyFileError("the file is empty: nothing to recover")
             found = recover_file(handle, size)
             if found is None:
                 raise NotACheckpointError(
-                    "not a file ckpttool can recover (it recovers torch.save zip archives and "
-                    "safetensors files)"
+                    "not a file ckpttool can recover (it recovers torch.save files, zip and "
+                    "legacy, safetensors files and pickles)"
                 )
-            pruned = _Pruned(found)
+            pruned = _Pruned(found, fill)
             root = pruned.prune(found.root, "")
             if root is _DROP:
                 raise UnrecoverableError(
@@ -107,6 +124,8 @@ def repair_file(
                 )
 
             def read(storage_key: str) -> bytes:
+                if fill is not None and storage_key.startswith(_FILLED):
+                    return fill.read(storage_key)
                 offset, length = found.intact[storage_key]
                 handle.seek(offset)
                 data = handle.read(length)
@@ -115,13 +134,19 @@ def repair_file(
                 return data
 
             kept = [(key, record) for key, record in walk(root) if isinstance(record, TensorRecord)]
-            if not dry_run:
+            damaged = bool(found.damage or pruned.lost or pruned.dropped or pruned.filled)
+            write = damaged and not dry_run
+            if write and output.exists() and not overwrite:
+                raise OutputExistsError(
+                    f"{output} already exists (pass overwrite=True to replace it)"
+                )
+            if write:
                 with atomic_group(
-                    [output], check=lambda temps: _read_back(temps[0], kept, read)
+                    [output], check=lambda temps: _read_back(temps[0], found.format, kept, read)
                 ) as (out,):
                     found.write(out, root, read)
-    except CkptError as error:
-        raise name_file(error, str(source)) from None
+        except CkptError as error:
+            raise name_file(error, str(source)) from None
     return RepairReport(
         source=str(source),
         kind="file",
@@ -130,21 +155,92 @@ def repair_file(
         recovered=len(kept),
         lost=tuple(pruned.lost.values()),
         dropped=tuple(pruned.dropped),
-        output=str(output),
-        written=not dry_run,
+        output=str(output) if damaged else None,
+        written=write,
+        filled=tuple(pruned.filled.values()),
     )
 
 
 _DROP: Any = object()  # what pruning a node gives when its whole entry must go
+_FILLED = "\0filled\0"  # storage keys of the tensors taken from fill_from (no file's own)
+
+
+class _Fill:
+    """The checkpoint lost tensors are taken from (``fill_from``), read by key."""
+
+    def __init__(self, name: str, ckpt: Checkpoint) -> None:
+        self.name = name
+        self.ckpt = ckpt
+        self.records = {record.key: record for record in ckpt.tensors()}
+        self.taken: dict[str, TensorRecord] = {}  # filled storage key -> the record read
+
+    def take(self, record: TensorRecord, key: str) -> TensorRecord | str:
+        """A record standing for ``record`` whose bytes are this checkpoint's tensor ``key``,
+        or why there is none."""
+        theirs = self.records.get(key)
+        mine = f"{record.dtype}{list(record.shape)}"
+        if theirs is None:
+            return f"{self.name} has no tensor {key!r}"
+        if theirs.dtype != record.dtype or tuple(theirs.shape) != tuple(record.shape):
+            return f"{self.name} holds it as {theirs.dtype}{list(theirs.shape)}, not {mine}"
+        if (
+            theirs.storage is None
+            or theirs.layout != "strided"
+            or theirs.parts
+            or theirs.quant is not None
+            or theirs.dtensor is not None
+            or theirs.dtype not in ITEMSIZE
+            or theirs.dtype in ELEMENTS_PER_BYTE
+            or not theirs.is_contiguous
+            or record.layout != "strided"
+            or record.parts
+            or record.quant is not None
+        ):
+            return f"{self.name} holds it in a layout repair cannot copy"
+        storage_key = _FILLED + key
+        self.taken[storage_key] = theirs
+        stride = []
+        step = 1
+        for size in reversed(record.shape):
+            stride.append(step)
+            step *= size
+        storage = StorageRecord(
+            storage_key, record.dtype, record.numel, "cpu", "fill_from", record.nbytes
+        )
+        return with_fields(
+            record, stride=tuple(reversed(stride)), storage_offset=0, storage=storage
+        )
+
+    def read(self, storage_key: str) -> bytes:
+        theirs = self.taken[storage_key]
+        data, first = self.ckpt.read_bytes(theirs)
+        start = first * theirs.itemsize
+        out = bytes(data[start : start + theirs.nbytes])
+        if len(out) != theirs.nbytes:
+            raise ReadBackError(f"{self.name}: tensor {theirs.key!r} is shorter than its shape")
+        return out
+
+
+def _open_fill(stack: ExitStack, fill_from: str | os.PathLike[str] | None) -> _Fill | None:
+    if fill_from is None:
+        return None
+    from ckpttool.checkpoint import open_checkpoint
+
+    name = str(fill_from)
+    return _Fill(name, stack.enter_context(open_checkpoint(name)))
 
 
 class _Pruned:
-    """The tree without the entries that hold lost tensors; what was lost and left out."""
+    """The tree without the entries that hold lost tensors (or with them taken from
+    ``fill_from``); what was lost and left out, and what was filled."""
 
-    def __init__(self, found: Recovered) -> None:
+    def __init__(self, found: Recovered, fill: _Fill | None = None) -> None:
         self.intact = found.intact
+        self.fill = fill
         self.lost: dict[str, LostTensor] = {}
         self.dropped: dict[str, None] = {}
+        self.filled: dict[str, FilledTensor] = {}
+        self._fills: dict[str, TensorRecord | str] = {}
 
     def is_lost(self, record: TensorRecord) -> bool:
         parts = record.parts or (record,)
@@ -157,10 +253,25 @@ class _Pruned:
                 return True
         return False
 
+    def filler(self, record: TensorRecord, key: str) -> TensorRecord | str:
+        """The record that stands for the lost ``record`` (taken from ``fill_from``), or why
+        there is none (empty without ``fill_from``)."""
+        if self.fill is None:
+            return ""
+        found = self._fills.get(key)
+        if found is None:
+            found = self._fills[key] = self.fill.take(record, key)
+        return found
+
     def prune(self, node: Any, key: str) -> Any:
         if isinstance(node, TensorRecord):
             if self.is_lost(node):
-                self.lose(node, key)
+                filler = self.filler(node, key)
+                if isinstance(filler, TensorRecord):
+                    assert self.fill is not None
+                    self.filled[key] = FilledTensor(key, self.fill.name)
+                    return filler
+                self.lose(node, key, filler)
                 return _DROP
             return node
         if isinstance(node, dict):
@@ -185,16 +296,17 @@ class _Pruned:
             return type(node)(items) if isinstance(node, list) else tuple(items)
         if isinstance(node, OpaqueObject):
             state = node.state
-            new_state = self.prune(state, key) if isinstance(state, dict) else state
-            items = self.prune(node.dictitems, key)
+            # a lost tensor among its arguments or items (not its dict state) takes it whole
             if any(_holds(self, value) for value in (node.args, node.listitems)) or (
                 not isinstance(state, dict) and _holds(self, state)
             ):
                 for k, record in walk(node, key):
                     if isinstance(record, TensorRecord) and self.is_lost(record):
-                        self.lose(record, k)
+                        self.lose(record, k, "left out with the object that held it")
                 self.drop(node, key)
                 return _DROP
+            new_state = self.prune(state, key) if isinstance(state, dict) else state
+            items = self.prune(node.dictitems, key)
             rebuilt = OpaqueObject(node.cls, node.args, new_state)
             rebuilt.dictitems = items
             rebuilt.listitems = node.listitems
@@ -202,7 +314,8 @@ class _Pruned:
         return node
 
     def prune_entries(self, state: dict[Any, Any], key: str) -> dict[Any, Any]:
-        """An optimizer's per-parameter state: an entry with a lost tensor goes whole."""
+        """An optimizer's per-parameter state: an entry with a lost tensor goes whole, unless
+        every lost tensor of it is taken from ``fill_from``."""
         out = {}
         for name, entry in state.items():
             entry_key = join_key(key, str(name))
@@ -214,13 +327,22 @@ class _Pruned:
             if not lost:
                 out[name] = entry
                 continue
-            for k, record in lost:
-                self.lose(record, k)
+            fillers = [self.filler(r, k) for k, r in lost]
+            if all(isinstance(filler, TensorRecord) for filler in fillers):
+                out[name] = self.prune(entry, entry_key)
+                continue
+            unfilled = [k for (k, _), f in zip(lost, fillers) if not isinstance(f, TensorRecord)]
+            for (k, record), filler in zip(lost, fillers):
+                if isinstance(filler, TensorRecord):
+                    filler = f"left out with its optimizer entry ({unfilled[0]} is lost)"
+                self.lose(record, k, filler)
             self.drop(entry, entry_key)
         return out
 
-    def lose(self, record: TensorRecord, key: str) -> None:
-        self.lost.setdefault(key, LostTensor(key, record.dtype, tuple(record.shape), record.nbytes))
+    def lose(self, record: TensorRecord, key: str, reason: str = "") -> None:
+        self.lost.setdefault(
+            key, LostTensor(key, record.dtype, tuple(record.shape), record.nbytes, reason)
+        )
 
     def drop(self, node: Any, key: str) -> None:
         """Note the intact tensors under ``node`` (left out with a lost one)."""
@@ -236,13 +358,16 @@ def _holds(pruned: _Pruned, node: Any) -> bool:
 
 
 def _read_back(
-    path: Path, kept: list[tuple[str, TensorRecord]], read: Callable[[str], bytes]
+    path: Path, fmt: str, kept: list[tuple[str, TensorRecord]], read: Callable[[str], bytes]
 ) -> None:
-    """The written file opens, and holds every salvaged tensor with the source's bytes."""
+    """The written file opens as a file of format ``fmt``, and holds every salvaged (or
+    filled) tensor with the bytes it was written from, and no other tensor."""
     from ckpttool.checkpoint import open_checkpoint
 
     try:
         with open_checkpoint(path) as written:
+            if written.format != fmt:
+                raise ReadBackError(f"the repaired file reads as {written.format}, not {fmt}")
             records = {record.key: record for record in written.tensors()}
             if set(records) != {key for key, _ in kept}:
                 missing = sorted({key for key, _ in kept} - set(records))

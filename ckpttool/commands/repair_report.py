@@ -16,7 +16,7 @@ class LostTensor:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    reason: str = ""  # why it stays lost, where there is more to say than "its bytes are gone"
+    reason: str = ""  # why it could not be taken from ``fill_from`` (or left out with another)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The legacy stream of pickles (and a bare pickle) as a :class:`~ckpttool.formats.base.FileFormat`.
 
 Recognised by a first byte that can begin the pickles torch.save writes; opened by
-:mod:`.reader`; verified for bytes after the last storage; probed by the registry when another
+:mod:`.reader`; verified for bytes after the last storage; recovered by :mod:`.recover`; probed by the registry when another
 format's file may also be unpickled by ``torch.load`` (:meth:`LegacyFormat.also_reads_as`). The
 walk of a file the reader gave up on, for ``scan``, is :mod:`.salvage`.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.errors import CkptError
-from ckpttool.formats.base import Checkpoint, FileFormat, Parsed
+from ckpttool.formats.base import Checkpoint, FileFormat, Parsed, Recovered
 
 if TYPE_CHECKING:
     from ckpttool.io.progress import ProgressCallback
@@ -96,6 +96,13 @@ class LegacyFormat(FileFormat):
             pass  # what it named before it failed, torch.load calls before it fails
         found = unpickler.result.globals_seen
         return ("a pickle", found) if found else None
+
+    def recover(self, handle: BinaryIO, file_size: int) -> Recovered | None:
+        """A legacy file's storages that are whole (its pickles must be), written out again as
+        a legacy file; a bare pickle up to its STOP opcode (:mod:`.recover`)."""
+        from ckpttool.formats.torch_legacy.recover import recover_pickle_stream
+
+        return recover_pickle_stream(handle, file_size)
 
     def verify(
         self, ckpt: Checkpoint, progress: ProgressCallback | None

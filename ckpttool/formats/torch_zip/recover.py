@@ -175,7 +175,6 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
         if broken is not None:
             damage.append(broken)
     by_name = {record.name: record for record in records}
-    intact_names = [record.name for record in records if record.intact]
     try:
         pkl_name = find_data_pkl(list(by_name))
     except NotACheckpointError:
@@ -183,11 +182,7 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
     pkl = by_name.get(pkl_name)
     if pkl is None or not pkl.intact:
         why = "lost" if pkl is None else "torn (its CRC-32 does not check)"
-        raise UnrecoverableError(
-            f"data.pkl is {why}: nothing to rebuild the tree from (resume from the previous "
-            "checkpoint); intact records: " + (", ".join(intact_names) if intact_names else "none"),
-            intact_names,
-        )
+        raise _no_tree(f"data.pkl is {why}", records)
     prefix = pkl_name[: -len("data.pkl")]
     pickle_bytes = os.pread(fd, pkl.size, pkl.data_start)
     byteorder_record = next(
@@ -237,6 +232,29 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
     )  # fmt: skip
 
 
+_LISTED = 3  # intact storage records named in the message (all are in the error's ``intact``)
+
+
+def _no_tree(what: str, records: list[LocalRecord]) -> UnrecoverableError:
+    """The error of an archive whose ``data.pkl`` is gone: how many storage records are intact,
+    the first few by name and size (what the bytes were), all of them in ``intact``."""
+    stored = [r for r in records if r.intact and "/data/" in f"/{r.name}"]
+    if stored:
+        named = ", ".join(f"{r.name} ({r.size:,} bytes)" for r in stored[:_LISTED])
+        more = f" and {len(stored) - _LISTED:,} more" if len(stored) > _LISTED else ""
+        count = (
+            "1 storage record is" if len(stored) == 1 else f"{len(stored):,} storage records are"
+        )
+        intact = f"{count} intact: {named}{more}"
+    else:
+        intact = "no storage record is intact"
+    return UnrecoverableError(
+        f"{what}: nothing to rebuild the tree from (resume from the previous checkpoint); "
+        + intact,
+        [r.name for r in stored],
+    )
+
+
 def _tree_writer(copies: dict[str, CopiedStorage]) -> Callable[..., None]:
     """:func:`write_tree` with the storages that checked out (``copies``, by storage key)
     copied from the source file in the kernel; other storages (taken from elsewhere) come from
@@ -259,7 +277,7 @@ def write_tree(
     stride) of the same storage as in the source, each storage whole (tensors that shared one
     share it again); non-tensor values as they are. A storage's bytes are ``copies[key]``
     (a range of the source, copied in the kernel) where given, else ``read(key)``."""
-    used: dict[str, None] = {}
+    used: dict[str, str] = {}  # storage key -> its key in the output ("0", "1"... as torch)
 
     def convert(node: Any) -> Any:
         if isinstance(node, TensorRecord):
@@ -281,14 +299,14 @@ def write_tree(
     copies = copies or {}
 
     def storages() -> Iterator[tuple[str, StorageBytes]]:
-        for key in used:
+        for key, new_key in used.items():
             copy = copies.get(key)
-            yield key, copy if copy is not None else read(key)
+            yield new_key, copy if copy is not None else read(key)
 
     write_torch_object(handle, value, storages())
 
 
-def _stored(record: TensorRecord, used: dict[str, None]) -> StoredTensor:
+def _stored(record: TensorRecord, used: dict[str, str]) -> StoredTensor:
     storage = record.storage
     if (
         storage is None
@@ -300,9 +318,8 @@ def _stored(record: TensorRecord, used: dict[str, None]) -> StoredTensor:
         or record.dtype not in ITEMSIZE
     ):
         raise LayoutError(f"{record.key}: cannot rebuild a {record.dtype} {record.layout} tensor")
-    used.setdefault(storage.key, None)
     return StoredTensor(
-        storage.key,
+        used.setdefault(storage.key, str(len(used))),
         OutTensor(record.key, record.dtype, tuple(record.shape)),
         storage_offset=record.storage_offset,
         stride=tuple(record.stride),

@@ -1,0 +1,175 @@
+"""A tree written as torch.save's legacy stream (``repair``'s output for a legacy file).
+
+The layout of ``torch.save(obj, f, _use_new_zipfile_serialization=False)``: the magic number,
+protocol version and system info pickles (the very bytes torch writes on a little-endian
+machine), the object pickle, the sorted list of storage keys, then each storage as an 8-byte
+little-endian element count and its bytes, in that list's order. The object pickle is protocol
+2 generated opcode by opcode (no memo), each tensor a ``_rebuild_tensor_v2`` call on a
+persistent id ``("storage", torch.<Type>Storage, key, "cpu", numel, None)``, as torch's legacy
+pickler writes it; ``torch.load(weights_only=True)`` reads it. The writer needs no torch.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+from ckpttool.errors import LayoutError
+from ckpttool.model.dtypes import STORAGE_CLASSES
+from ckpttool.model.records import ITEMSIZE, OpaqueObject, TensorRecord
+from ckpttool.pickle.edit import emit
+
+#: The first three pickles of a legacy file as torch.save writes them (protocol 2, little-endian):
+#: the magic number, the protocol version (1001) and the system info dict.
+HEADER = (
+    b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+    b"\x80\x02M\xe9\x03."
+    b"\x80\x02}q\x00(X\x10\x00\x00\x00protocol_versionq\x01M\xe9\x03"
+    b"X\r\x00\x00\x00little_endianq\x02\x88X\n\x00\x00\x00type_sizesq\x03}q\x04("
+    b"X\x05\x00\x00\x00shortq\x05K\x02X\x03\x00\x00\x00intq\x06K\x04"
+    b"X\x04\x00\x00\x00longq\x07K\x04uu."
+)
+
+_MAX_DEPTH = 64
+_Region = tuple[str, int, int]  # (source storage key, first byte, byte length)
+
+
+def write_legacy(handle: BinaryIO, root: Any, read: Callable[[str], bytes]) -> None:
+    """Write ``root`` as a legacy torch.save file: each tensor a contiguous view of a storage of
+    its own (tensors viewing the same bytes of one storage share it); ``read(key)`` gives a
+    source storage's bytes, read once per storage written."""
+    regions: dict[_Region, tuple[str, str]] = {}  # -> (new key, dtype)
+    body = bytearray(b"\x80\x02")
+    _encode(root, body, regions, 0)
+    body += b"."
+    keys = sorted(key for key, _ in regions.values())  # torch sorts its keys (as strings)
+    listed = bytearray(b"\x80\x02]")
+    if keys:
+        listed += b"("
+        for key in keys:
+            listed += emit(key)
+        listed += b"e"
+    listed += b"."
+    handle.write(HEADER)
+    handle.write(bytes(body))
+    handle.write(bytes(listed))
+    by_key = {key: (region, dtype) for region, (key, dtype) in regions.items()}
+    for key in keys:
+        (source, first, nbytes), dtype = by_key[key]
+        data = read(source)[first : first + nbytes]
+        if len(data) != nbytes:
+            raise LayoutError(f"storage {source!r} holds fewer bytes than its tensors need")
+        handle.write(struct.pack("<q", nbytes // ITEMSIZE[dtype]))
+        handle.write(data)
+
+
+def _encode(
+    value: Any, out: bytearray, regions: dict[_Region, tuple[str, str]], depth: int
+) -> None:
+    if depth > _MAX_DEPTH:
+        raise LayoutError("the object nests too deeply to write")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        out += emit(value)
+    elif isinstance(value, TensorRecord):
+        _encode_tensor(value, out, regions)
+    elif isinstance(value, tuple):
+        if not value:
+            out += b")"  # EMPTY_TUPLE
+            return
+        out += b"("
+        for item in value:
+            _encode(item, out, regions, depth + 1)
+        out += b"t"  # TUPLE
+    elif isinstance(value, list):
+        out += b"]"
+        if value:
+            out += b"("
+            for item in value:
+                _encode(item, out, regions, depth + 1)
+            out += b"e"  # APPENDS
+    elif isinstance(value, dict):
+        out += b"}"
+        if value:
+            _items(value, out, regions, depth)
+    elif isinstance(value, OpaqueObject):
+        _encode_object(value, out, regions, depth)
+    else:
+        raise LayoutError(f"cannot write a {type(value).__name__} into a legacy torch.save file")
+
+
+def _items(value: dict[Any, Any], out: bytearray, regions: dict[_Region, tuple[str, str]],
+           depth: int) -> None:  # fmt: skip
+    out += b"("
+    for key, item in value.items():
+        _encode(key, out, regions, depth + 1)
+        _encode(item, out, regions, depth + 1)
+    out += b"u"  # SETITEMS
+
+
+def _global(module: str, name: str) -> bytes:
+    return f"c{module}\n{name}\n".encode("ascii")
+
+
+def _encode_object(value: OpaqueObject, out: bytearray, regions: dict[_Region, tuple[str, str]],
+                   depth: int) -> None:  # fmt: skip
+    """An object read as opaque, rebuilt by class name: ``cls(*args)``, or
+    ``cls.__new__(cls, *args)`` then its items and state (the class is named, never imported)."""
+    module, _, name = value.cls.rpartition(".")
+    if not module or "\n" in value.cls or not value.cls.isascii():
+        raise LayoutError(f"cannot write an object of class {value.cls!r}")
+    out += _global(module, name)
+    _encode(tuple(value.args or ()), out, regions, depth + 1)
+    if value.state is None and not value.dictitems and not value.listitems:
+        out += b"R"  # REDUCE
+        return
+    out += b"\x81"  # NEWOBJ
+    if value.listitems:
+        out += b"("
+        for item in value.listitems:
+            _encode(item, out, regions, depth + 1)
+        out += b"e"
+    if value.dictitems:
+        _items(value.dictitems, out, regions, depth)
+    if value.state is not None:
+        _encode(value.state, out, regions, depth + 1)
+        out += b"b"  # BUILD
+
+
+def _encode_tensor(
+    record: TensorRecord, out: bytearray, regions: dict[_Region, tuple[str, str]]
+) -> None:
+    storage = record.storage
+    storage_class = STORAGE_CLASSES.get(record.dtype)
+    if (
+        storage is None
+        or storage_class is None
+        or record.inline_data is not None
+        or record.parts
+        or record.quant is not None
+        or record.dtensor is not None
+        or record.layout != "strided"
+        or record.dtype not in ITEMSIZE
+        or not record.is_contiguous
+    ):
+        raise LayoutError(f"{record.key}: cannot rebuild a {record.dtype} {record.layout} tensor")
+    first = record.storage_offset * record.itemsize
+    region = (storage.key, first, record.nbytes)
+    key, _ = regions.setdefault(region, (str(len(regions)), record.dtype))
+    shape = tuple(record.shape)
+    stride = []
+    step = 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    out += _global("torch._utils", "_rebuild_tensor_v2")
+    out += b"("  # the call's arguments
+    out += b"(" + emit("storage") + _global("torch", storage_class) + emit(key) + emit("cpu")
+    out += emit(record.numel) + b"Nt"  # ... view_metadata None, TUPLE
+    out += b"Q"  # BINPERSID
+    out += emit(0)  # storage offset
+    _encode(shape, out, regions, 0)
+    _encode(tuple(reversed(stride)), out, regions, 0)
+    out += emit(bool(record.requires_grad))
+    out += _global("collections", "OrderedDict") + b")R"  # backward hooks: OrderedDict()
+    out += b"tR"  # TUPLE, REDUCE
