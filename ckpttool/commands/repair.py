@@ -123,15 +123,20 @@ def repair_file(
                     "every value of the file is lost; resume from the previous checkpoint"
                 )
 
-            def read(storage_key: str) -> bytes:
+            def read_range(storage_key: str, start: int, length: int) -> bytes:
+                """``length`` bytes from ``start`` of a salvaged (or filled) storage."""
                 if fill is not None and storage_key.startswith(_FILLED):
-                    return fill.read(storage_key)
-                offset, length = found.intact[storage_key]
-                handle.seek(offset)
-                data = handle.read(length)
+                    return fill.read(storage_key)[start : start + length]
+                offset, size = found.intact[storage_key]
+                data = os.pread(handle.fileno(), min(length, size - start), offset + start)
                 if len(data) != length:
                     raise ReadBackError(f"storage {storage_key!r} changed while read")
                 return data
+
+            def read(storage_key: str) -> bytes:
+                if fill is not None and storage_key.startswith(_FILLED):
+                    return fill.read(storage_key)
+                return read_range(storage_key, 0, found.intact[storage_key][1])
 
             kept = [(key, record) for key, record in walk(root) if isinstance(record, TensorRecord)]
             damaged = bool(found.damage or pruned.lost or pruned.dropped or pruned.filled)
@@ -142,7 +147,8 @@ def repair_file(
                 )
             if write:
                 with atomic_group(
-                    [output], check=lambda temps: _read_back(temps[0], found.format, kept, read)
+                    [output],
+                    check=lambda temps: _read_back(temps[0], found.format, kept, read_range),
                 ) as (out,):
                     found.write(out, root, read)
         except CkptError as error:
@@ -358,10 +364,14 @@ def _holds(pruned: _Pruned, node: Any) -> bool:
 
 
 def _read_back(
-    path: Path, fmt: str, kept: list[tuple[str, TensorRecord]], read: Callable[[str], bytes]
+    path: Path,
+    fmt: str,
+    kept: list[tuple[str, TensorRecord]],
+    read_range: Callable[[str, int, int], bytes],
 ) -> None:
     """The written file opens as a file of format ``fmt``, and holds every salvaged (or
-    filled) tensor with the bytes it was written from, and no other tensor."""
+    filled) tensor, as the same view of its storage, with the bytes it was written from, and
+    no other tensor. Compared a window at a time: memory stays bounded."""
     from ckpttool.checkpoint import open_checkpoint
 
     try:
@@ -379,13 +389,41 @@ def _read_back(
                 storage = record.storage
                 if storage is None:
                     continue
-                first = record.storage_offset * record.itemsize
-                expected = read(storage.key)[first : first + record.nbytes]
-                data, offset = written.read_bytes(records[key])
-                start = offset * record.itemsize
-                if bytes(data[start : start + record.nbytes]) != expected:
+                theirs = records[key]
+                if (theirs.dtype, theirs.shape) != (record.dtype, record.shape):
+                    raise ReadBackError(f"tensor {key!r} does not read back as salvaged")
+                if not _same_bytes(written, theirs, record, read_range):
                     raise ReadBackError(f"tensor {key!r} does not read back as salvaged")
     except ReadBackError:
         raise
     except CkptError as error:
         raise ReadBackError(f"the repaired file does not read back: {error}") from None
+
+
+_COMPARED = 4 << 20  # bytes of each side compared at a time
+
+
+def _same_bytes(
+    written: Checkpoint,
+    theirs: TensorRecord,
+    record: TensorRecord,
+    read_range: Callable[[str, int, int], bytes],
+) -> bool:
+    """The written tensor ``theirs`` holds the bytes the source's ``record`` was salvaged with:
+    from its first element to past its last (a view's whole span), a window at a time where
+    the written bytes are one range of the file."""
+    assert record.storage is not None
+    first = record.storage_offset * record.itemsize
+    length = max(record.stored_extent_bytes - first, 0)
+    span = written.file_span(theirs) if theirs.stride == record.stride else None
+    if span is None or span[1] != length:  # read whole (a format that assembles its bytes)
+        data, offset = written.read_bytes(theirs)
+        start = offset * theirs.itemsize
+        ours = bytes(data[start : start + theirs.nbytes])
+        return ours == read_range(record.storage.key, first, len(ours))
+    offset, _ = span
+    for at in range(0, length, _COMPARED):
+        n = min(_COMPARED, length - at)
+        if written.read_file(offset + at, n) != read_range(record.storage.key, first + at, n):
+            return False
+    return True

@@ -52,16 +52,24 @@ class LocalRecord(NamedTuple):
     crc: int = 0  # the CRC-32 its bytes have (when intact)
 
 
-def walk_records(fd: int, file_size: int) -> tuple[list[LocalRecord], list[str]]:
-    """Every record from the start of the file whose end can be found, and what is wrong.
+def walk_records(
+    fd: int, file_size: int, expected: dict[str, int] | None = None, *, stop_after: int = -1
+) -> tuple[list[LocalRecord], list[str]]:
+    """Every record from the start of the file whose end can be found, and what is wrong
+    (``stop_after``: only that many records).
 
-    One pass over the bytes, read a window at a time (nothing mapped, memory bounded): a
-    record's CRC-32 is computed as its bytes are searched for the data descriptor that ends it.
+    One pass over the bytes, read a window at a time (nothing mapped, memory bounded). A
+    record whose size ``expected`` gives (a storage, from ``data.pkl``) is checked for its data
+    descriptor right after that many bytes; any other record's bytes are searched for the
+    descriptor that ends it, its CRC-32 computed as they go.
     """
+    expected = expected or {}
     records: list[LocalRecord] = []
     damage: list[str] = []
     at = 0
     while at + LOCAL_HEADER.size <= file_size and os.pread(fd, 4, at) == _LOCAL_SIGNATURE:
+        if len(records) == stop_after:
+            return records, damage
         (_, _, flags, method, _, _, crc, compressed, _, name_len,
          extra_len) = LOCAL_HEADER.unpack(os.pread(fd, LOCAL_HEADER.size, at))  # fmt: skip
         data_start = at + LOCAL_HEADER.size + name_len + extra_len
@@ -74,7 +82,9 @@ def walk_records(fd: int, file_size: int) -> tuple[list[LocalRecord], list[str]]
             damage.append(f"record {name!r} is compressed (torch never writes that): walk stops")
             return records, damage
         if flags & _HAS_DESCRIPTOR:
-            found = _scan(fd, data_start, file_size)
+            found = _at_expected_size(fd, data_start, expected.get(name), file_size)
+            if found is None:
+                found = _scan(fd, data_start, file_size)
             if found is None:
                 damage.append(
                     f"record {name!r} (from byte {at:,}) is cut short: the file ends before its end"
@@ -135,6 +145,20 @@ def _scan(fd: int, data_start: int, file_size: int) -> tuple[int, int, int, int]
     return None
 
 
+def _at_expected_size(
+    fd: int, data_start: int, size: int | None, file_size: int
+) -> tuple[int, int, int, int] | None:
+    """What :func:`_scan` finds, when the record's data descriptor is right after ``size``
+    bytes (no search); None when it is not (the caller searches)."""
+    if size is None or data_start + size > file_size:
+        return None
+    found = _descriptor_at(fd, data_start + size, data_start, file_size)
+    if found is None:
+        return None
+    crc, end = found
+    return crc, size, end, _crc(fd, data_start, size)
+
+
 def _descriptor_at(fd: int, pos: int, data_start: int, file_size: int) -> tuple[int, int] | None:
     """(stored CRC-32, end) when a data descriptor whose sizes fit the record's bytes
     ``[data_start, pos)`` starts at ``pos``, else None."""
@@ -169,7 +193,11 @@ def _crc(fd: int, start: int, size: int) -> int:
 def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
     """The tree of a damaged torch.save archive and the storages whose bytes check out."""
     fd = handle.fileno()
-    records, damage = walk_records(fd, file_size)
+    first, _ = walk_records(fd, file_size, stop_after=1)
+    tree = None
+    if first and first[0].intact and _is_data_pkl(first[0].name):  # as torch writes it
+        tree = _Tree(os.pread(fd, first[0].size, first[0].data_start), first[0].name)
+    records, damage = walk_records(fd, file_size, tree.expected if tree else None)
     if not damage:
         broken = _directory_damage(handle)
         if broken is not None:
@@ -200,25 +228,8 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
         for record in records
         if record.intact and record.name.startswith(data_prefix)
     }
-    storages: dict[str, StorageRecord] = {}
-
-    def persistent_load(pid: Any) -> StorageRecord:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise UnrecoverableError(f"data.pkl: unexpected persistent id {pid!r:.80}")
-        _, storage_type, key, location, numel = pid
-        if not isinstance(numel, int) or numel < 0:
-            raise UnrecoverableError(f"data.pkl: storage {key!r:.40} has a bad size {numel!r:.40}")
-        key = str(key)
-        found = storages.get(key)
-        if found is None:
-            span = intact.get(key)
-            found = storages[key] = StorageRecord(
-                key, storage_class_dtype(storage_type), numel, str(location),
-                data_prefix + key, span[1] if span else 0, "little",
-            )  # fmt: skip
-        return found
-
-    result = load_pickle(pickle_bytes, persistent_load=persistent_load, refuse_dangerous=True)
+    if tree is None or tree.name != pkl_name:
+        tree = _Tree(pickle_bytes, pkl_name)
     copies = {
         record.name[len(data_prefix) :]: CopiedStorage(
             handle.fileno(), record.data_start, record.size, record.crc
@@ -227,7 +238,7 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
         if record.intact and record.name.startswith(data_prefix)
     }
     return Recovered(
-        format="torch-zip", root=result.root, intact=intact, damage=damage,
+        format="torch-zip", root=tree.root, intact=intact, damage=damage,
         write=_tree_writer(copies),
     )  # fmt: skip
 
@@ -253,6 +264,43 @@ def _no_tree(what: str, records: list[LocalRecord]) -> UnrecoverableError:
         + intact,
         [r.name for r in stored],
     )
+
+
+def _is_data_pkl(name: str) -> bool:
+    prefix, _, base = name.rpartition("/")
+    return base == "data.pkl" and "/" not in prefix
+
+
+class _Tree:
+    """``data.pkl`` read by the safe walker: the tree (every storage as ``data.pkl`` claims
+    it), and each storage record's size by record name (``expected``)."""
+
+    def __init__(self, pickle_bytes: bytes, name: str) -> None:
+        self.name = name
+        data_prefix = name[: -len("data.pkl")] + "data/"
+        storages: dict[str, StorageRecord] = {}
+
+        def persistent_load(pid: Any) -> StorageRecord:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+                raise UnrecoverableError(f"data.pkl: unexpected persistent id {pid!r:.80}")
+            _, storage_type, key, location, numel = pid
+            if not isinstance(numel, int) or numel < 0:
+                raise UnrecoverableError(
+                    f"data.pkl: storage {key!r:.40} has a bad size {numel!r:.40}"
+                )
+            key = str(key)
+            found = storages.get(key)
+            if found is None:
+                dtype = storage_class_dtype(storage_type)
+                nbytes = numel * ITEMSIZE.get(dtype, 1)
+                found = storages[key] = StorageRecord(
+                    key, dtype, numel, str(location), data_prefix + key, nbytes, "little"
+                )
+            return found
+
+        result = load_pickle(pickle_bytes, persistent_load=persistent_load, refuse_dangerous=True)
+        self.root = result.root
+        self.expected = {record.record: record.nbytes for record in storages.values()}
 
 
 def _tree_writer(copies: dict[str, CopiedStorage]) -> Callable[..., None]:
