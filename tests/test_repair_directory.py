@@ -135,6 +135,44 @@ def test_a_shard_that_is_gone_loses_its_tensors_and_says_so(tmp_path: Path) -> N
     )
 
 
+def test_an_index_listing_a_key_in_the_wrong_shard_and_missing_one_is_rebuilt(
+    tmp_path: Path,
+) -> None:
+    model = _copy(FRAMEWORKS / "hf_sharded", tmp_path)
+    original = json.loads((model / SAFE_INDEX).read_text())
+    edited = json.loads(json.dumps(original))
+    weight_map = edited["weight_map"]
+    wrong = next(k for k, v in weight_map.items() if v == "model-00001-of-00003.safetensors")
+    weight_map[wrong] = "model-00003-of-00003.safetensors"
+    dropped = next(k for k, v in weight_map.items() if v == "model-00002-of-00003.safetensors")
+    del weight_map[dropped]
+    (model / SAFE_INDEX).write_text(json.dumps(edited))
+    report = repair(model)
+    assert report.damage == (
+        f"{SAFE_INDEX}: 1 tensor named in the wrong shard (e.g. {wrong}: it says "
+        "model-00003-of-00003.safetensors, stored in model-00001-of-00003.safetensors)",
+        f"{SAFE_INDEX}: 1 tensor stored but not listed ({dropped})",
+    )
+    assert "1 moved to the shard that holds them, 1 added, 0 removed" in report.actions[0].detail
+    assert json.loads((model / SAFE_INDEX).read_text()) == original
+
+
+def test_an_unreadable_shard_leaves_the_index_as_it_is(tmp_path: Path) -> None:
+    """Its tensors may still be salvaged (``repair FILE``): an index without them would lose
+    them for good."""
+    model = _copy(FRAMEWORKS / "hf_sharded", tmp_path)
+    shard = model / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    (model / SAFE_INDEX).unlink()
+    before = _snapshot(model)
+    report = repair(model)
+    assert len(report.damage) == 2 and report.damage[1].startswith(
+        "model-00002-of-00003.safetensors: unreadable ("
+    )
+    assert "the index is not rebuilt until it is repaired" in report.damage[1]
+    assert report.actions == () and _snapshot(model) == before
+
+
 def _duplicate(model: Path, key: str, *, change: bool = False) -> None:
     """A fourth shard holding ``key`` again (the index does not list it)."""
     from safetensors.torch import load_file, save_file
@@ -418,6 +456,8 @@ def _with_leftovers(tmp_path: Path) -> Path:
     staged = run / ".out.a8b9.ckpttool-tmp"  # an interrupted staged directory
     staged.mkdir()
     (staged / "model.safetensors").write_bytes(b"partial")
+    (run / "logs.tmp").mkdir()  # a directory named like a temp file is the user's: kept
+    (run / "logs.tmp" / "events").write_bytes(b"")
     return run
 
 
@@ -440,7 +480,8 @@ def test_clean_removes_the_leftover_temp_files(tmp_path: Path) -> None:
     )
     assert {a.action for a in report.actions} == {"remove"} and report.written
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()) == [
-        "pretrain_32_resume.pth"
+        "logs.tmp/events",
+        "pretrain_32_resume.pth",
     ]
 
 

@@ -23,6 +23,7 @@ import fnmatch
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,8 @@ TEMP_FILES = (
     # torch DCP's FileSystemWriter (.metadata.tmp), MiniMind's torch.save(NAME.tmp) + replace
     ("*.tmp", "a save interrupted before it renamed its temp file"),
 )
+#: Temp directories: ckpttool's staged directories (io/atomic.py), named like its temp files.
+TEMP_DIRECTORIES = ((f".*{TMP_SUFFIX}", "an interrupted ckpttool write"),)
 #: A plain directory of checkpoint files: an incomplete one is renamed NAME.incomplete.
 ASIDE_SUFFIX = ".incomplete"
 FILES_TITLE = "directory of checkpoint files"
@@ -255,25 +258,30 @@ def _free(target: Path, taken: set[Path]) -> Path:
 def _leftovers(found: _Found, directory: Path, *, clean: bool) -> None:
     """Temp files of interrupted writes anywhere under ``directory``: listed; ``clean``:
     removed. A temp directory (ckpttool's staged directory) is one leftover."""
-    by_name = list(TEMP_FILES)
     by_path = [rule for framework in frameworks() for rule in framework.temp_files]
     for root, subdirectories, names in os.walk(directory):
         here = Path(root)
         for name in sorted([*subdirectories, *names]):
             relative = (here / name).relative_to(directory).as_posix()
-            what = next(
-                (w for pattern, w in by_name if fnmatch.fnmatchcase(name, pattern)), None
-            ) or next((w for pattern, w in by_path if fnmatch.fnmatchcase(relative, pattern)), None)
+            if name in subdirectories:
+                what = _matching(TEMP_DIRECTORIES, name)
+                if what is not None:
+                    subdirectories.remove(name)  # one leftover, not its files
+            else:
+                what = _matching(TEMP_FILES, name) or _matching(by_path, relative)
             if what is None:
                 continue
-            if name in subdirectories:
-                subdirectories.remove(name)
             found.damage.append(f"{relative}: leftover temp file of {what}")
             if clean:
                 found.removals.append(here / name)
                 found.actions.append(
                     RepairAction("remove", str(here / name), f"leftover temp file of {what}")
                 )
+
+
+def _matching(rules: Sequence[tuple[str, str]], name: str) -> str | None:
+    """What left the temp file ``name``, by the first rule whose glob it matches."""
+    return next((what for pattern, what in rules if fnmatch.fnmatchcase(name, pattern)), None)
 
 
 def _apply(found: _Found) -> None:
