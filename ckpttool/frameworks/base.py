@@ -25,6 +25,9 @@ The order of calls (like ``torch.distributed.checkpoint``'s planner, documented 
    :meth:`Framework.model_directory` (``convert`` into a model directory). ``rescale-step``
    detects the directory itself (frameworks that :attr:`~Framework.rescales_itself` first) and
    calls :meth:`Framework.rescale`, or :meth:`Framework.rescale_plan` and writes the plan.
+   ``repair`` of a directory asks every framework, without detecting first, for
+   :meth:`Framework.rebuild_index` and :meth:`Framework.run_layout` (what it would change) and
+   for :attr:`Framework.temp_files`; it writes the changes itself.
 
 Detection reads names, sizes and the small JSON files only; member files are opened with
 :func:`open_member` (the format registry), never through the door above this floor.
@@ -232,6 +235,35 @@ class ModelDirectoryOutput:
     owns: Callable[[str], bool]  # a file name such a directory holds (--force replaces only those)
 
 
+@dataclass(frozen=True)
+class IndexRepair:
+    """A sharded model directory's weights index as its shards' headers say it should be
+    (``repair``): what is wrong with it, and the index to write in its place."""
+
+    index: str  # the index file's name in the directory ("model.safetensors.index.json")
+    damage: tuple[str, ...]  # what is wrong with the index or the shards, one line each
+    content: bytes | None  # the rebuilt index; None when the index is right as it is
+    changes: str = ""  # one line: what the rebuilt index changes
+    lost: tuple[str, ...] = ()  # tensors the old index names that no shard holds any more
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """A run directory's checkpoints as the framework's resume chooses among them
+    (``repair``)."""
+
+    title: str  # "Hugging Face Trainer output directory"
+    checkpoints: tuple[str, ...]  # names inside the run directory, oldest first
+    #: The file naming the checkpoint resume loads (DeepSpeed's ``latest``; it holds the name
+    #: and nothing else); None: resume takes the newest by name, and no file says so.
+    pointer: str | None = None
+    pointed: str | None = None  # what the pointer names now (None: no pointer, or unreadable)
+    pointer_problem: str = ""  # why the pointer could not be read, when it is there
+    #: The name an incomplete checkpoint is moved to so that resume never picks it (None: it
+    #: stays: the pointer decides what resume loads).
+    aside: Callable[[str], str] | None = None
+
+
 class Framework:
     """One framework's directory checkpoints. Subclass it in the framework's folder, and list
     the instance in :mod:`ckpttool.frameworks.registry`. Every hook but :meth:`detect` has a
@@ -247,6 +279,9 @@ class Framework:
     #: True when :meth:`rescale` writes the rescaled directory itself; such a framework is asked
     #: before the detection order (a DeepSpeed save inside a Trainer ``checkpoint-N/``).
     rescales_itself: bool = False
+    #: Temp files the framework's own writes leave when interrupted, as (glob on the path
+    #: relative to a checkpoint or run directory, what left it), for ``repair`` to list.
+    temp_files: tuple[tuple[str, str], ...] = ()
 
     def detect(self, path: str) -> FrameworkDirectory | None:
         """1. The layout of ``path`` (a directory, or an ``*.index.json`` file) when this
@@ -309,3 +344,17 @@ class Framework:
     ) -> DirectoryRescaleReport:
         """4. For :attr:`rescales_itself`: rescale and write the directory."""
         raise NotImplementedError
+
+    def rebuild_index(self, directory: str) -> IndexRepair | None:
+        """``repair``: the weights index of ``directory`` rebuilt from its shards' headers, when
+        it holds this framework's sharded weights (with or without an index); None otherwise.
+        Raises a :class:`~ckpttool.errors.CkptError` when the shards cannot be reconciled (one
+        tensor stored twice with different bytes). Writes nothing."""
+        return None
+
+    def run_layout(self, directory: str) -> RunLayout | None:
+        """``repair``: the checkpoints of the run directory ``directory`` (a Trainer
+        ``output_dir``, a DeepSpeed save directory) in the order resume sees them, and its
+        pointer; None when ``directory`` is no run directory of this framework. Writes
+        nothing."""
+        return None

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError
-from ckpttool.frameworks.base import OTHER, FrameworkDirectory, Member, list_files
+from ckpttool.frameworks.base import OTHER, FrameworkDirectory, Member, RunLayout, list_files
 from ckpttool.io.source import (
     can_list,
     is_dir,
@@ -283,6 +283,33 @@ def zero_files(path: str | os.PathLike[str], found: object = None) -> ZeroFiles:
             "ckpttool verify lists what is missing"
         )
     return files
+
+
+def run_layout(path: str) -> RunLayout | None:
+    """A local save directory (``latest`` and/or tag directories; not one tag directory) as
+    ``repair`` sees it: the tags oldest first, and what ``latest`` names. ``load_checkpoint``
+    with ``tag=None`` loads the tag ``latest`` names and nothing else, so nothing is moved
+    aside: ``latest`` is what repair rewrites."""
+    if is_url(path) or not os.path.isdir(path) or _is_tag_dir(path):
+        return None
+    has_latest = os.path.isfile(join(path, LATEST))
+    tags = _tags(path)
+    if not has_latest and not tags:
+        return None
+    pointed: str | None = None
+    problem = ""
+    if has_latest:
+        try:
+            pointed = read_latest(path)
+        except InputError as error:
+            problem = str(error).removeprefix(f"{join(path, LATEST)}: ")
+    return RunLayout(
+        title=f"{TITLE} save directory",
+        checkpoints=tuple(tags),
+        pointer=LATEST,
+        pointed=pointed,
+        pointer_problem=problem,
+    )
 
 
 # ------------------------------------------------------------------------------- the layout

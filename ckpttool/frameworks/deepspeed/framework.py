@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import InputError, NotZeroError
-from ckpttool.frameworks.base import WEIGHTS_VIEW, Framework, FrameworkDirectory
+from ckpttool.frameworks.base import WEIGHTS_VIEW, Framework, FrameworkDirectory, RunLayout
 from ckpttool.frameworks.deepspeed import files
 from ckpttool.model.roles import DEEPSPEED
 
@@ -73,6 +73,11 @@ class DeepSpeed(Framework):
         """From ``param_shapes``: the real parameters, not the stored placeholders."""
         summary = details.get(DEEPSPEED)
         return summary.get("num_parameters") if isinstance(summary, dict) else None
+
+    def run_layout(self, directory: str) -> RunLayout | None:
+        """A save directory: its tags by step, and the tag ``latest`` names (what
+        ``engine.load_checkpoint(dir)`` loads)."""
+        return files.run_layout(directory)
 
     def rescale(
         self, path: Path, layout: FrameworkDirectory, request: RescaleRequest

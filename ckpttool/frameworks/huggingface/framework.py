@@ -8,7 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.frameworks.base import Framework, FrameworkDirectory, ModelDirectoryOutput
+from ckpttool.frameworks.base import (
+    Framework,
+    FrameworkDirectory,
+    IndexRepair,
+    ModelDirectoryOutput,
+    RunLayout,
+)
 from ckpttool.frameworks.huggingface import files
 from ckpttool.frameworks.huggingface.files import (
     BIN_SHARD,
@@ -52,6 +58,11 @@ def model_dir_file(name: str) -> bool:
 class HuggingFace(Framework):
     name = "huggingface"
     layouts = (HF_MODEL, HF_TRAINER, HF_TRAINER_OUTPUT)
+    #: huggingface_hub's ``download --local-dir`` streams each file into
+    #: ``.cache/huggingface/download/<name>.<hash>.<etag>.incomplete`` and renames it when done.
+    temp_files = (
+        (".cache/huggingface/download/*.incomplete", "an interrupted huggingface_hub download"),
+    )
 
     def detect(self, path: str) -> FrameworkDirectory | None:
         """A model directory or Trainer checkpoint (or an index file in one), else a Trainer
@@ -82,6 +93,16 @@ class HuggingFace(Framework):
             config_entries=CONFIG_ENTRIES,
             owns=model_dir_file,
         )
+
+    def rebuild_index(self, directory: str) -> IndexRepair | None:
+        from ckpttool.frameworks.huggingface.repair import rebuild_index
+
+        return rebuild_index(directory)
+
+    def run_layout(self, directory: str) -> RunLayout | None:
+        from ckpttool.frameworks.huggingface.repair import run_layout
+
+        return run_layout(directory)
 
     def rescale_plan(
         self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
