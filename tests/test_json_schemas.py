@@ -517,6 +517,34 @@ def test_repair_json_of_a_file_that_lost_only_its_tail_exits_0(tmp_path: Path) -
     assert out["damaged"] and out["written"] and out["lost"] == [] and out["dropped"] == []
 
 
+def test_repair_json_of_a_model_directory_without_its_index(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(FRAMEWORKS / "hf_sharded", model)
+    (model / "model.safetensors.index.json").unlink()
+    planned = run_json("repair", model, "--dry-run", exit_code=1)
+    assert_valid("repair", planned)
+    assert planned["kind"] == "directory" and planned["format"] == "directory"
+    assert [a["action"] for a in planned["actions"]] == ["rewrite index"]
+    assert not (model / "model.safetensors.index.json").exists()
+    done = run_json("repair", model)
+    assert_valid("repair", done)
+    assert done["written"] and (model / "model.safetensors.index.json").is_file()
+    assert run_json("repair", model)["damaged"] is False
+
+
+def test_repair_json_of_a_trainer_run_with_an_incomplete_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "output"
+    shutil.copytree(FRAMEWORKS / "trainer_1proc" / "half_written", run)
+    planned = run_json("repair", run, "--dry-run", "--quarantine", exit_code=1)
+    assert_valid("repair", planned)
+    assert [c["complete"] for c in planned["checkpoints"]] == [True, False]
+    assert planned["newest_complete"] == str(run / "checkpoint-4")
+    done = run_json("repair", run, "--quarantine")
+    assert_valid("repair", done)
+    assert [a["action"] for a in done["actions"]] == ["quarantine"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4", "incomplete-checkpoint-8"]
+
+
 # --- the schemas are strict enough to catch a renamed field -----------------------------------
 
 

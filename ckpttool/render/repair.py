@@ -15,7 +15,7 @@ SHOWN = 20
 def render_text(report: RepairReport, *, dry_run: bool = False) -> str:
     """The verdict line, then the damage, each lost / left out / filled tensor, a run
     directory's checkpoints, and what was (or, with ``dry_run``, would be) written or changed."""
-    kind = f"{report.format} directory" if report.kind == "directory" else report.format
+    kind = report.format
     if not report.damaged:
         return f"{report.source}: INTACT ({kind}): nothing to repair"
     lines = [f"{report.source}: DAMAGED ({kind})"]
@@ -40,7 +40,7 @@ def render_text(report: RepairReport, *, dry_run: bool = False) -> str:
     for action in report.actions:
         detail = f": {action.detail}" if action.detail else ""
         lines.append(f"  {will}{action.action}: {action.path}{detail}")
-    if report.output is not None:
+    if report.output is not None and report.kind == "file":
         if report.written:
             lines.append(f"  wrote: {report.output}")
         elif dry_run:

@@ -3,7 +3,9 @@
 ``python -m tests.workers.crash_worker OPERATION KILLS WORK_DIR [SEED]`` prints one JSON object:
 ``{"operation", "seconds_uninterrupted", "trials": [...]}``. OPERATION is ``save``
 (``save_checkpoint``: a weights file and a resume file), ``convert`` (``ckpttool convert SRC
-TARGET --force``) or ``rescale`` (``ckpttool rescale-step TARGET --world-size 2``, in place).
+TARGET --force``), ``rescale`` (``ckpttool rescale-step TARGET --world-size 2``, in place) or
+``repair`` (``ckpttool repair CUT -o TARGET --force`` of a resume file cut short; the cut file
+itself must come out untouched: ``"untouched"`` in the report).
 
 The worker imports torch once, builds the inputs, writes the *old* target(s), and produces the
 *new* ones with one uninterrupted run (the outputs are deterministic, so every complete write
@@ -59,6 +61,7 @@ class Operation:
 
     targets: list[Path]
     old: dict[Path, bytes]
+    untouched: tuple[Path, ...] = ()  # inputs that must keep their bytes through every kill
 
     def run(self) -> None:  # in the forked child
         raise NotImplementedError
@@ -122,10 +125,43 @@ class Rescale(Operation):
         cli.main(["rescale-step", str(self.targets[0]), "--world-size", "2"], "ckpttool")
 
 
+class Repair(Operation):
+    def __init__(self, work: Path) -> None:
+        from ckpttool.commands.repair import repair
+
+        model, optimizer = _model_and_optimizer()
+        whole = work / "resume.pth"
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "epoch": 1, "step": 20}, whole)  # fmt: skip
+        data = whole.read_bytes()
+        self.source = work / "cut.pth"
+        self.source.write_bytes(data[: len(data) * 6 // 10])
+        older = work / "older_cut.pth"  # the old target: what a repair of a longer cut wrote
+        older.write_bytes(data[: len(data) * 8 // 10])
+        target = work / "repaired.pth"
+        repair(older, target)
+        self.targets = [target]
+        self.old = {target: target.read_bytes()}
+        self.untouched = (self.source,)
+
+    def run(self) -> None:
+        from ckpttool.cli import cli
+
+        try:
+            cli.main(
+                ["repair", str(self.source), "-o", str(self.targets[0]), "--force"], "ckpttool"
+            )
+        except SystemExit as exit_:
+            if exit_.code != 1:  # 1: tensors are lost, as they are from this cut
+                raise
+            raise SystemExit(0) from None
+
+
 OPERATIONS: dict[str, Callable[[Path], Operation]] = {
     "save": Save,
     "convert": Convert,
     "rescale": Rescale,
+    "repair": Repair,
 }
 
 
@@ -177,6 +213,7 @@ def main(argv: list[str]) -> None:
     rng = random.Random(int(argv[3]) if len(argv) > 3 else 0)  # not the global RNG: saved
     work.mkdir(parents=True, exist_ok=True)
     operation = OPERATIONS[name](work)
+    inputs = {path: _digest(path) for path in operation.untouched}
     durations = []
     for _ in range(3):  # uninterrupted runs: the new bytes, and how long a write takes
         operation.restore()
@@ -225,8 +262,9 @@ def main(argv: list[str]) -> None:
             for temp in temps:
                 os.unlink(temp)
         trials.append(trial)
-    json.dump({"operation": name, "seconds_uninterrupted": round(window, 3), "trials": trials},
-              sys.stdout)  # fmt: skip
+    untouched = all(_digest(path) == digest for path, digest in inputs.items())
+    json.dump({"operation": name, "seconds_uninterrupted": round(window, 3), "trials": trials,
+               "untouched": untouched}, sys.stdout)  # fmt: skip
 
 
 if __name__ == "__main__":
