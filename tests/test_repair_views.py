@@ -38,3 +38,39 @@ def test_views_strides_and_shared_storages_survive_a_repair(tmp_path: Path) -> N
         repaired["window"].untyped_storage().data_ptr()
         == repaired["base"].untyped_storage().data_ptr()
     )
+
+
+def test_numpy_arrays_in_the_pickle_come_back_as_numpy_arrays(tmp_path: Path) -> None:
+    """NumPy arrays keep their bytes inside data.pkl (a Trainer's rng_state.pth holds numpy's
+    RNG state): never lost by a cut, written back as NumPy pickles them, every kind intact."""
+    import numpy as np
+
+    arrays = {
+        "state": ("MT19937", np.arange(624, dtype=np.uint32), 7, 0, 0.0),
+        "fortran": np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4)),
+        "big_endian": np.arange(5, dtype=">i4"),
+        "flags": np.array([True, False, True]),
+        "bytes": np.frombuffer(b"\x00\x80\xff", dtype=np.uint8).copy(),
+        "scalar": np.array(2.5, dtype=np.float32),
+        "weight": torch.ones(4, 4),
+    }
+    path = tmp_path / "rng.pth"
+    torch.save(arrays, path)
+    cut = tmp_path / "cut.pth"
+    cut.write_bytes(path.read_bytes()[:-120])
+    report = repair_file(cut, tmp_path / "out.pth")
+    assert report.lost == () and report.recovered == 7
+    # a file this test wrote: its NumPy globals are trusted
+    original = torch.load(path, weights_only=False)
+    repaired = torch.load(tmp_path / "out.pth", weights_only=False)
+    assert repaired["state"][0] == "MT19937" and repaired["state"][2:] == (7, 0, 0.0)
+    pairs = [(original["state"][1], repaired["state"][1])]
+    pairs += [
+        (original[k], repaired[k]) for k in ("fortran", "big_endian", "flags", "bytes", "scalar")
+    ]
+    for want, got in pairs:
+        assert isinstance(got, np.ndarray)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+        assert got.flags["F_CONTIGUOUS"] == want.flags["F_CONTIGUOUS"]
+    assert repaired["weight"].equal(original["weight"])

@@ -252,7 +252,7 @@ class _Pruned:
         parts = record.parts or (record,)
         for part in parts:
             storage = part.storage
-            if storage is None:
+            if storage is None or part.inline_data is not None:  # no bytes, or in the pickle
                 continue
             span = self.intact.get(storage.key)
             if span is None or part.stored_extent_bytes > span[1]:
@@ -413,6 +413,8 @@ def _same_bytes(
     from its first element to past its last (a view's whole span), a window at a time where
     the written bytes are one range of the file."""
     assert record.storage is not None
+    if record.inline_data is not None:  # a NumPy array's bytes, inside the pickle
+        return theirs.inline_data == record.inline_data and theirs.stride == record.stride
     first = record.storage_offset * record.itemsize
     length = max(record.stored_extent_bytes - first, 0)
     span = written.file_span(theirs) if theirs.stride == record.stride else None

@@ -21,9 +21,10 @@ from typing import Any, BinaryIO, NamedTuple
 
 from ckpttool.errors import LayoutError, NotACheckpointError, UnrecoverableError
 from ckpttool.formats.base import OutTensor, Recovered
-from ckpttool.formats.torch_zip.reader import ZIP_ERRORS, find_data_pkl
+from ckpttool.formats.torch_zip.reader import ZIP_ERRORS, find_data_pkl, is_torchscript
 from ckpttool.formats.torch_zip.writer import (
     CopiedStorage,
+    NumpyArray,
     StorageBytes,
     StoredTensor,
     write_torch_object,
@@ -78,6 +79,8 @@ def walk_records(
             return records, damage
         raw = os.pread(fd, name_len, at + LOCAL_HEADER.size)
         name = raw.decode("utf-8" if flags & 0x800 else "cp437", "replace")
+        if is_torchscript([name]):
+            find_data_pkl([name])  # raises the reader's refusal of a TorchScript archive
         if method != ZIP_STORED:
             damage.append(f"record {name!r} is compressed (torch never writes that): walk stops")
             return records, damage
@@ -329,6 +332,8 @@ def write_tree(
 
     def convert(node: Any) -> Any:
         if isinstance(node, TensorRecord):
+            if node.kind == "ndarray" and node.inline_data is not None:  # bytes in data.pkl
+                return _numpy(node)
             return _stored(node, used)
         if isinstance(node, dict):
             return {key: convert(value) for key, value in node.items()}
@@ -352,6 +357,13 @@ def write_tree(
             yield new_key, copy if copy is not None else read(key)
 
     write_torch_object(handle, value, storages())
+
+
+def _numpy(record: TensorRecord) -> NumpyArray:
+    assert record.inline_data is not None and record.storage is not None
+    fortran = len(record.shape) > 1 and not record.is_contiguous
+    little = record.storage.byteorder != "big"
+    return NumpyArray(record.dtype, little, tuple(record.shape), fortran, record.inline_data)
 
 
 def _stored(record: TensorRecord, used: dict[str, str]) -> StoredTensor:

@@ -190,6 +190,18 @@ class CopiedStorage:
     crc: int
 
 
+@dataclass(frozen=True)
+class NumpyArray:
+    """A NumPy array inside an object written by :func:`write_torch_object`, pickled as NumPy
+    pickles it (its bytes inside ``data.pkl``, as ``torch.save`` keeps them)."""
+
+    dtype: str  # the dtype's name ("uint32": ckpttool.model.dtypes)
+    little_endian: bool
+    shape: tuple[int, ...]
+    fortran: bool  # column-major bytes
+    data: bytes
+
+
 #: A storage's bytes for :func:`write_torch_object`: in memory, or a range of a file to copy.
 StorageBytes = bytes | bytearray | memoryview | CopiedStorage
 
@@ -231,6 +243,8 @@ def _encode_object(value: Any, out: bytearray, depth: int) -> None:
             _encode_object(key, out, depth + 1)
             _encode_object(item, out, depth + 1)
         out += b"u"  # SETITEMS
+    elif isinstance(value, NumpyArray):
+        _encode_numpy(value, out)
     elif isinstance(value, StoredTensor):
         entry = PickledTensor("", value.storage_key, value.tensor)
         _encode(_rebuild_call(entry, value.storage_offset, value.stride, value.storage_numel), out)
@@ -260,6 +274,31 @@ def _encode_object(value: Any, out: bytearray, depth: int) -> None:
             out += b"b"  # BUILD
     else:
         raise InputError(f"cannot write a {type(value).__name__} into a torch.save file")
+
+
+def _encode_numpy(array: NumpyArray, out: bytearray) -> None:
+    """``numpy.core.multiarray._reconstruct(numpy.ndarray, (0,), b"b")`` then its state
+    ``(1, shape, dtype, is_fortran, raw bytes)``: what NumPy's ``__reduce__`` gives."""
+    code = dtypes.NUMPY_CODES.get(array.dtype)
+    if code is None:
+        raise InputError(f"cannot write a NumPy array of {array.dtype}")
+    _encode(_Global("numpy.core.multiarray", "_reconstruct"), out)
+    _encode((_Global("numpy", "ndarray"), (0,), _latin1(b"b")), out)
+    out += b"R("  # REDUCE; MARK: the state tuple
+    _encode(1, out)
+    _encode(array.shape, out)
+    _encode(_Call(_Global("numpy", "dtype"), (code, False, True)), out)
+    order = "|" if ITEMSIZE.get(array.dtype, 1) == 1 else "<" if array.little_endian else ">"
+    _encode_object((3, order, None, None, None, -1, -1, 0), out, 0)
+    out += b"b"  # BUILD: the dtype's state
+    _encode(array.fortran, out)
+    _encode(_latin1(array.data), out)
+    out += b"tb"  # TUPLE from the MARK; BUILD: the array's state
+
+
+def _latin1(data: bytes) -> _Call:
+    """Bytes as protocol 2 pickles them: ``_codecs.encode(text, "latin1")``."""
+    return _Call(_Global("_codecs", "encode"), (data.decode("latin1"), "latin1"))
 
 
 def write_torch_object(
