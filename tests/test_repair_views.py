@@ -6,23 +6,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from ckpttool.commands.repair import repair_file
 
+#: How each format is damaged without losing a tensor: a zip loses its central directory, a
+#: legacy file (which has none) gets trailing bytes.
+DAMAGE = {"zip": lambda data: data[:-200], "legacy": lambda data: data + b"\0" * 100}
 
-def _saved(tmp_path: Path) -> Path:
+
+def _saved(tmp_path: Path, legacy: bool = False) -> Path:
     base = torch.arange(24, dtype=torch.float32)
     matrix = torch.arange(12, dtype=torch.int64).reshape(3, 4)
     path = tmp_path / "views.pth"
-    torch.save({"base": base, "window": base[5:11], "transposed": matrix.t(), "epoch": 3}, path)
+    value = {"base": base, "window": base[5:11], "transposed": matrix.t(), "epoch": 3}
+    torch.save(value, path, _use_new_zipfile_serialization=not legacy)
     return path
 
 
-def test_views_strides_and_shared_storages_survive_a_repair(tmp_path: Path) -> None:
-    path = _saved(tmp_path)
+@pytest.mark.parametrize("kind", ["zip", "legacy"])
+def test_views_strides_and_shared_storages_survive_a_repair(tmp_path: Path, kind: str) -> None:
+    path = _saved(tmp_path, legacy=kind == "legacy")
     cut = tmp_path / "cut.pth"
-    cut.write_bytes(path.read_bytes()[:-200])  # the central directory is gone, no storage
+    cut.write_bytes(DAMAGE[kind](path.read_bytes()))
     report = repair_file(cut, tmp_path / "out.pth")
     assert report.lost == () and report.recovered == 3
     original = torch.load(path, weights_only=True)
@@ -40,7 +47,8 @@ def test_views_strides_and_shared_storages_survive_a_repair(tmp_path: Path) -> N
     )
 
 
-def test_numpy_arrays_in_the_pickle_come_back_as_numpy_arrays(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["zip", "legacy"])
+def test_numpy_arrays_in_the_pickle_come_back_as_numpy_arrays(tmp_path: Path, kind: str) -> None:
     """NumPy arrays keep their bytes inside data.pkl (a Trainer's rng_state.pth holds numpy's
     RNG state): never lost by a cut, written back as NumPy pickles them, every kind intact."""
     import numpy as np
@@ -55,9 +63,9 @@ def test_numpy_arrays_in_the_pickle_come_back_as_numpy_arrays(tmp_path: Path) ->
         "weight": torch.ones(4, 4),
     }
     path = tmp_path / "rng.pth"
-    torch.save(arrays, path)
+    torch.save(arrays, path, _use_new_zipfile_serialization=kind == "zip")
     cut = tmp_path / "cut.pth"
-    cut.write_bytes(path.read_bytes()[:-120])
+    cut.write_bytes(DAMAGE[kind](path.read_bytes()))
     report = repair_file(cut, tmp_path / "out.pth")
     assert report.lost == () and report.recovered == 7
     # a file this test wrote: its NumPy globals are trusted

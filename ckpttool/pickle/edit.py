@@ -55,6 +55,26 @@ def emit(value: Any) -> bytes:
     return bytes(out)
 
 
+def emit_ndarray(
+    code: str, order: str, shape: tuple[int, ...], fortran: bool, data: bytes
+) -> bytes:
+    """Protocol-2 opcodes that push a NumPy array as NumPy's ``__reduce__`` gives it:
+    ``numpy.core.multiarray._reconstruct(numpy.ndarray, (0,), b"b")``, then BUILD with
+    ``(1, shape, numpy.dtype(code, False, True), fortran, data)``, the dtype BUILT with its
+    byte ``order`` ("<", ">" or "|"). Bytes as protocol 2 writes them (``_codecs.encode``)."""
+    out = bytearray(b"cnumpy.core.multiarray\n_reconstruct\n")
+    out += b"cnumpy\nndarray\n" + emit(0) + b"\x85" + _emit_bytes(b"b") + b"\x87R"
+    out += _MARK + emit(1) + _MARK + b"".join(emit(n) for n in shape) + b"t"
+    out += b"cnumpy\ndtype\n" + emit(code) + emit(False) + emit(True) + b"\x87R"
+    out += _MARK + emit(3) + emit(order) + b"NNN" + emit(-1) + emit(-1) + emit(0) + b"tb"
+    out += emit(fortran) + _emit_bytes(data) + b"tb"
+    return bytes(out)
+
+
+def _emit_bytes(data: bytes) -> bytes:
+    return b"c_codecs\nencode\n" + emit(data.decode("latin1")) + emit("latin1") + b"\x86R"
+
+
 def _emit(value: Any, out: bytearray, depth: int) -> None:
     if depth > 32:
         raise TypeError("value nests too deeply to re-emit")

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ckpttool.errors import LayoutError
-from ckpttool.model.dtypes import STORAGE_CLASSES
+from ckpttool.model.dtypes import NUMPY_CODES, STORAGE_CLASSES
 from ckpttool.model.records import ITEMSIZE, OpaqueObject, TensorRecord
-from ckpttool.pickle.edit import emit
+from ckpttool.pickle.edit import emit, emit_ndarray
 
 #: The first three pickles of a legacy file as torch.save writes them (protocol 2, little-endian):
 #: the magic number, the protocol version (1001) and the system info dict.
@@ -36,9 +36,10 @@ _Region = tuple[str, int, int]  # (source storage key, first byte, byte length)
 
 
 def write_legacy(handle: BinaryIO, root: Any, read: Callable[[str], bytes]) -> None:
-    """Write ``root`` as a legacy torch.save file: each tensor a contiguous view of a storage of
-    its own (tensors viewing the same bytes of one storage share it); ``read(key)`` gives a
-    source storage's bytes, read once per storage written."""
+    """Write ``root`` as a legacy torch.save file: each tensor the same view (offset, shape,
+    strides) of the same whole storage as in the source (tensors that shared one share it
+    again); NumPy arrays in the pickle, as NumPy pickles them. ``read(key)`` gives a source
+    storage's bytes, read once per storage written."""
     regions: dict[_Region, tuple[str, str]] = {}  # -> (new key, dtype)
     body = bytearray(b"\x80\x02")
     _encode(root, body, regions, 0)
@@ -141,6 +142,14 @@ def _encode_tensor(
 ) -> None:
     storage = record.storage
     storage_class = STORAGE_CLASSES.get(record.dtype)
+    if record.kind == "ndarray" and record.inline_data is not None and storage is not None:
+        code = NUMPY_CODES.get(record.dtype)  # a NumPy array: its bytes are in the pickle
+        if code is None:
+            raise LayoutError(f"{record.key}: cannot write a NumPy array of {record.dtype}")
+        fortran = len(record.shape) > 1 and not record.is_contiguous
+        order = "|" if ITEMSIZE[record.dtype] == 1 else ">" if storage.byteorder == "big" else "<"
+        out += emit_ndarray(code, order, tuple(record.shape), fortran, record.inline_data)
+        return
     if (
         storage is None
         or storage_class is None
@@ -150,26 +159,19 @@ def _encode_tensor(
         or record.dtensor is not None
         or record.layout != "strided"
         or record.dtype not in ITEMSIZE
-        or not record.is_contiguous
     ):
         raise LayoutError(f"{record.key}: cannot rebuild a {record.dtype} {record.layout} tensor")
-    first = record.storage_offset * record.itemsize
-    region = (storage.key, first, record.nbytes)
+    # the whole storage, and the tensor as the same view of it (offset, strides) as torch kept
+    region = (storage.key, 0, storage.nbytes)
     key, _ = regions.setdefault(region, (str(len(regions)), record.dtype))
-    shape = tuple(record.shape)
-    stride = []
-    step = 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
     out += _global("torch._utils", "_rebuild_tensor_v2")
     out += b"("  # the call's arguments
     out += b"(" + emit("storage") + _global("torch", storage_class) + emit(key) + emit("cpu")
-    out += emit(record.numel) + b"Nt"  # ... view_metadata None, TUPLE
+    out += emit(storage.nbytes // ITEMSIZE[record.dtype]) + b"Nt"  # view_metadata None, TUPLE
     out += b"Q"  # BINPERSID
-    out += emit(0)  # storage offset
-    _encode(shape, out, regions, 0)
-    _encode(tuple(reversed(stride)), out, regions, 0)
+    out += emit(record.storage_offset)
+    _encode(tuple(record.shape), out, regions, 0)
+    _encode(tuple(record.stride), out, regions, 0)
     out += emit(bool(record.requires_grad))
     out += _global("collections", "OrderedDict") + b")R"  # backward hooks: OrderedDict()
     out += b"tR"  # TUPLE, REDUCE

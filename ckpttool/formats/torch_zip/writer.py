@@ -20,6 +20,7 @@ from ckpttool.formats.base import OutTensor
 from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter
 from ckpttool.model import dtypes
 from ckpttool.model.records import ITEMSIZE
+from ckpttool.pickle.edit import emit_ndarray
 
 #: The zip folder of a written .pth (what torch.save uses when saving to a buffer).
 PTH_PREFIX = "archive"
@@ -277,28 +278,11 @@ def _encode_object(value: Any, out: bytearray, depth: int) -> None:
 
 
 def _encode_numpy(array: NumpyArray, out: bytearray) -> None:
-    """``numpy.core.multiarray._reconstruct(numpy.ndarray, (0,), b"b")`` then its state
-    ``(1, shape, dtype, is_fortran, raw bytes)``: what NumPy's ``__reduce__`` gives."""
     code = dtypes.NUMPY_CODES.get(array.dtype)
     if code is None:
         raise InputError(f"cannot write a NumPy array of {array.dtype}")
-    _encode(_Global("numpy.core.multiarray", "_reconstruct"), out)
-    _encode((_Global("numpy", "ndarray"), (0,), _latin1(b"b")), out)
-    out += b"R("  # REDUCE; MARK: the state tuple
-    _encode(1, out)
-    _encode(array.shape, out)
-    _encode(_Call(_Global("numpy", "dtype"), (code, False, True)), out)
     order = "|" if ITEMSIZE.get(array.dtype, 1) == 1 else "<" if array.little_endian else ">"
-    _encode_object((3, order, None, None, None, -1, -1, 0), out, 0)
-    out += b"b"  # BUILD: the dtype's state
-    _encode(array.fortran, out)
-    _encode(_latin1(array.data), out)
-    out += b"tb"  # TUPLE from the MARK; BUILD: the array's state
-
-
-def _latin1(data: bytes) -> _Call:
-    """Bytes as protocol 2 pickles them: ``_codecs.encode(text, "latin1")``."""
-    return _Call(_Global("_codecs", "encode"), (data.decode("latin1"), "latin1"))
+    out += emit_ndarray(code, order, array.shape, array.fortran, array.data)
 
 
 def write_torch_object(
