@@ -39,6 +39,7 @@ from ckpttool.errors import (
 from ckpttool.formats.base import Checkpoint, Recovered
 from ckpttool.formats.registry import recover_file
 from ckpttool.io.atomic import atomic_group
+from ckpttool.io.crc import crc32
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
     ITEMSIZE,
@@ -148,7 +149,9 @@ def repair_file(
             if write:
                 with atomic_group(
                     [output],
-                    check=lambda temps: _read_back(temps[0], found.format, kept, read_range),
+                    check=lambda temps: _read_back(
+                        temps[0], found.format, kept, read_range, found.crcs
+                    ),
                 ) as (out,):
                     found.write(out, root, read)
         except CkptError as error:
@@ -368,10 +371,14 @@ def _read_back(
     fmt: str,
     kept: list[tuple[str, TensorRecord]],
     read_range: Callable[[str, int, int], bytes],
+    crcs: dict[str, int],
 ) -> None:
     """The written file opens as a file of format ``fmt``, and holds every salvaged (or
     filled) tensor, as the same view of its storage, with the bytes it was written from, and
-    no other tensor. Compared a window at a time: memory stays bounded."""
+    no other tensor. A storage copied whole from the source is read back once and checked
+    against the CRC-32 its source bytes were checked with (``crcs``, by source storage key);
+    other tensors are compared with the source's bytes. A window at a time: memory stays
+    bounded."""
     from ckpttool.checkpoint import open_checkpoint
 
     try:
@@ -385,14 +392,28 @@ def _read_back(
                 raise ReadBackError(
                     f"the repaired file's tensors differ (missing {missing[:3]}, extra {extra[:3]})"
                 )
+            copied: dict[str, tuple[StorageRecord, str, str]] = {}  # written storage -> source
             for key, record in kept:
                 storage = record.storage
                 if storage is None:
                     continue
                 theirs = records[key]
+                same_view = (theirs.dtype, theirs.shape, theirs.stride, theirs.storage_offset) == (
+                    record.dtype, record.shape, record.stride, record.storage_offset
+                )  # fmt: skip
                 if (theirs.dtype, theirs.shape) != (record.dtype, record.shape):
                     raise ReadBackError(f"tensor {key!r} does not read back as salvaged")
-                if not _same_bytes(written, theirs, record, read_range):
+                if storage.key in crcs and same_view and theirs.storage is not None:
+                    source = copied.setdefault(
+                        theirs.storage.key, (theirs.storage, storage.key, key)
+                    )
+                    if source[1] != storage.key:  # two source storages written as one
+                        raise ReadBackError(f"tensor {key!r} does not read back as salvaged")
+                elif not _same_bytes(written, theirs, record, read_range):
+                    raise ReadBackError(f"tensor {key!r} does not read back as salvaged")
+            for storage, source_key, key in copied.values():
+                offset, length = written.storage_span(storage)
+                if length != storage.nbytes or _crc_of(written, offset, length) != crcs[source_key]:
                     raise ReadBackError(f"tensor {key!r} does not read back as salvaged")
     except ReadBackError:
         raise
@@ -401,6 +422,14 @@ def _read_back(
 
 
 _COMPARED = 4 << 20  # bytes of each side compared at a time
+
+
+def _crc_of(written: Checkpoint, offset: int, length: int) -> int:
+    """CRC-32 of ``length`` bytes of the written file from ``offset``, a window at a time."""
+    crc = 0
+    for at in range(0, length, _COMPARED):
+        crc = crc32(written.read_file(offset + at, min(_COMPARED, length - at)), crc)
+    return crc
 
 
 def _same_bytes(

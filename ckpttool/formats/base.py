@@ -84,6 +84,9 @@ class Recovered:
     damage: list[str]  # what is wrong with the file, one line each
     write: Callable[[BinaryIO, Any, Callable[[str], bytes]], None]
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
+    # storage key -> the CRC-32 its intact bytes were checked with, where the format keeps one
+    # (a torch zip): the repaired file's read-back checks its copy against it
+    crcs: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

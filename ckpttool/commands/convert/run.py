@@ -47,6 +47,7 @@ from ckpttool.errors import (
 from ckpttool.formats.registry import format_by_id
 from ckpttool.frameworks.base import WEIGHTS_VIEW, view_facts
 from ckpttool.io.atomic import atomic_group
+from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK
 from ckpttool.io.source import is_url, local_path
@@ -456,9 +457,7 @@ def _write_with_torch(
 
 
 def _digest(data: bytes | bytearray | memoryview) -> bytes:
-    import zlib
-
-    return zlib.crc32(data).to_bytes(4, "little")
+    return crc32(data).to_bytes(4, "little")
 
 
 def verify_outputs(

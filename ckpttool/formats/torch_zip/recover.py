@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, NamedTuple
 
@@ -30,6 +29,7 @@ from ckpttool.formats.torch_zip.writer import (
     write_torch_object,
 )
 from ckpttool.formats.torch_zip.zip_index import LOCAL_HEADER, ZIP_STORED, ZipIndex, fold
+from ckpttool.io.crc import crc32
 from ckpttool.model.records import ITEMSIZE, OpaqueObject, StorageRecord, TensorRecord
 from ckpttool.pickle.emulation import storage_class_dtype
 from ckpttool.pickle.interpreter import load_pickle
@@ -141,9 +141,9 @@ def _scan(fd: int, data_start: int, file_size: int) -> tuple[int, int, int, int]
             found = _descriptor_at(fd, at + pos, data_start, file_size)
             if found is not None:
                 crc, end = found
-                return crc, at + pos - data_start, end, zlib.crc32(view[:pos], running)
+                return crc, at + pos - data_start, end, crc32(view[:pos], running)
             pos = buffer.find(_DESCRIPTOR, pos + 1, got)
-        running = zlib.crc32(view[:step], running)
+        running = crc32(view[:step], running)
         at += step
     return None
 
@@ -189,7 +189,7 @@ def _crc(fd: int, start: int, size: int) -> int:
     for at in range(start, start + size, _WINDOW):
         view = memoryview(buffer)[: min(_WINDOW, start + size - at)]
         got = os.preadv(fd, [view], at)
-        crc = zlib.crc32(view[:got], crc)
+        crc = crc32(view[:got], crc)
     return crc
 
 
@@ -242,7 +242,7 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
     }
     return Recovered(
         format="torch-zip", root=tree.root, intact=intact, damage=damage,
-        write=_tree_writer(copies),
+        write=_tree_writer(copies), crcs={key: copy.crc for key, copy in copies.items()},
     )  # fmt: skip
 
 

@@ -9,12 +9,12 @@ zip file and for each archive inside a DCP data file (``verify_dcp``).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping, Sequence
 
 from ckpttool.formats.base import Checkpoint
 from ckpttool.formats.torch_zip.reader import open_zip
 from ckpttool.formats.torch_zip.zip_index import BadZipError, ZipIndex, ZipMember, fold
+from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK, GAP
 from ckpttool.io.source import RangeReader, open_source, read_range, source_of
@@ -183,7 +183,7 @@ def _crcs_of(
             crcs: list[int | None] = []
             for info, _, start in run:
                 at = start - first
-                crcs.append(zlib.crc32(block[at : at + info.file_size]))
+                crcs.append(crc32(block[at : at + info.file_size]))
                 if progress is not None and info.file_size:
                     progress(info.file_size)
             return crcs
@@ -199,7 +199,7 @@ def _crc_of(
         chunk = read_range(fd, min(CHUNK, size - done), start + done)
         if not chunk:
             return None
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         done += len(chunk)
         if progress is not None:
             progress(len(chunk))

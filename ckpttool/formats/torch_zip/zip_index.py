@@ -27,6 +27,8 @@ import struct
 import zlib
 from typing import BinaryIO, NamedTuple
 
+from ckpttool.io.crc import crc32
+
 ZIP_STORED = 0
 ZIP_DEFLATED = 8
 
@@ -303,7 +305,7 @@ class ZipIndex:
             raise BadZipError(
                 f"{member.filename}: compression method {member.compress_type} is not supported"
             )
-        if self.crc_computed and zlib.crc32(data) != member.CRC:
+        if self.crc_computed and crc32(data) != member.CRC:
             raise BadZipError(f"Bad CRC-32 for file {member.filename!r}")
         return data
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 
 ALIGNMENT = 64
@@ -57,7 +57,7 @@ class TorchZipWriter:
         encoded, offset = self._begin(name)
         crc, size = 0, 0
         for chunk in chunks:
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             size += len(chunk)
             self.handle.write(chunk)
         self._finish(encoded, offset, crc, size)
