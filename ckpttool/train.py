@@ -435,6 +435,12 @@ def resume_training(
     same dropout stream, so pass ``restore_rng=(rank == 0)`` there if that matters.
     """
     missing = [key for key in ("model", "optimizer", "epoch") if key not in ckpt]
+    if missing == ["optimizer"]:
+        raise LayoutError(
+            "this checkpoint has no 'optimizer': it was made for inference (its training state "
+            "dropped, as `ckpttool edit --for-inference` does); resume from a full resume "
+            "checkpoint, or load only its 'model'"
+        )
     if missing:
         raise LayoutError(
             f"not a resume checkpoint: no {', '.join(map(repr, missing))} key "

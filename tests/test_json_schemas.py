@@ -26,7 +26,7 @@ from tests.support.helpers import FIXTURES, copy_fixture
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCHEMAS = DOCS / "schemas"
-COMMANDS = ["show", "diff", "convert", "rescale-step", "verify", "scan", "repair"]
+COMMANDS = ["show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "edit"]
 PAIRS = FIXTURES / "pairs"
 DCP = FIXTURES / "dcp" / "checkpoint"
 FRAMEWORKS = FIXTURES / "frameworks"
@@ -545,6 +545,21 @@ def test_repair_json_of_a_trainer_run_with_an_incomplete_checkpoint(tmp_path: Pa
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4", "incomplete-checkpoint-8"]
 
 
+# --- edit ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["--for-inference"], ["--drop", "optimizer.*", "--keep", "model.*"], ["--rename", "layers=blocks"],
+     ["--drop", "no.such.key"]],
+    ids=["for-inference", "drop-keep", "rename", "nothing"],
+)  # fmt: skip
+def test_edit_json_matches_its_schema(tmp_path: Path, options: list[str]) -> None:
+    data = run_json("edit", RESUME, *options, "-o", tmp_path / "out.pth")
+    assert_valid("edit", data)
+    assert data["written"] is data["changed"] is (tmp_path / "out.pth").exists()
+
+
 # --- the schemas are strict enough to catch a renamed field -----------------------------------
 
 
@@ -566,6 +581,9 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "verify": lambda: run_json("verify", RESUME),
         "scan": lambda: run_json("scan", RESUME),
         "repair": lambda: run_json("repair", _cut_resume(tmp_path), "--dry-run", exit_code=1),
+        "edit": lambda: run_json(
+            "edit", RESUME, "--for-inference", "--rename", "^model\\.=model.m.", "--dry-run"
+        ),
     }
     data = outputs[command]()
     assert_valid(command, data)
@@ -581,6 +599,7 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "verify": lambda d: d["files"][0],
         "scan": lambda d: d["files"][0]["globals"][0],
         "repair": lambda d: d["lost"][0],
+        "edit": lambda d: d["renamed"][0],
     }[command]
     if inner is not None:
         nested = json.loads(json.dumps(data))

@@ -32,6 +32,7 @@ PAGES = {
     "rescale-step": "rescale-step.md",
     "verify": "verify.md",
     "repair": "repair.md",
+    "edit": "edit.md",
     "scan": "scan.md",
 }
 REGENERATE = "python -m tools.cli_reference"

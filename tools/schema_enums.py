@@ -24,7 +24,7 @@ SCHEMAS = ROOT / "docs" / "schemas"
 REGENERATE = "python -m tools.schema_enums"
 #: The schemas that name a checkpoint's format or layout (convert's own ``format`` is the
 #: output's, safetensors or pth, and stays in its schema).
-NAMED = ("show", "diff", "convert", "rescale-step", "verify", "scan", "repair")
+NAMED = ("show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "edit")
 
 
 def definitions() -> dict[str, Any]:

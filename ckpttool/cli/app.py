@@ -645,6 +645,77 @@ def repair_command(
     sys.exit(report.exit_code)
 
 
+@cli.command("edit")
+@click.argument("src", type=click.Path(path_type=str))
+@click.option(
+    "-o", "--output", "dst", metavar="DST", type=click.Path(path_type=str),
+    help="Where the edited file goes (default: NAME.edited.EXT beside SRC).",
+)  # fmt: skip
+@click.option("--in-place", is_flag=True, help="Replace SRC itself, atomically.")
+@click.option("--backup", is_flag=True, help="With --in-place: keep the original as SRC.bak.")
+@click.option(
+    "--drop", multiple=True, metavar="PATTERN",
+    help="Leave out the entries whose key matches (a glob: 'optimizer', 'model.lm_head.*'); "
+    "repeatable.",
+)  # fmt: skip
+@click.option(
+    "--keep", multiple=True, metavar="PATTERN",
+    help="Keep only the tensors whose key matches one of these globs (other values stay).",
+)  # fmt: skip
+@click.option(
+    "--rename", multiple=True, metavar="REGEX=REPLACEMENT",
+    help="Rename tensors whose key matches (re.sub, \\1 for groups); repeatable, in order.",
+)  # fmt: skip
+@click.option(
+    "--for-inference", is_flag=True,
+    help="Drop what only resuming training needs (the optimizer, scaler, scheduler, RNG "
+    "states; a Lightning .ckpt's optimizer_states and lr_schedulers).",
+)  # fmt: skip
+@click.option("--dry-run", is_flag=True, help="Print what would change; write nothing.")
+@force_option
+@json_option("edit")
+def edit_command(
+    src: str,
+    dst: str | None,
+    in_place: bool,
+    backup: bool,
+    drop: tuple[str, ...],
+    keep: tuple[str, ...],
+    rename: tuple[str, ...],
+    for_inference: bool,
+    dry_run: bool,
+    force: bool,
+    as_json: bool,
+) -> None:
+    """Rewrite a checkpoint file in its own format with entries dropped, kept or renamed.
+
+    The edits run in this order: --for-inference, --drop, --keep, --rename. The result keeps
+    SRC's format and layout (a resume file stays a resume file, a Lightning .ckpt stays
+    loadable by Lightning), every tensor the same view of the same bytes; storages are copied
+    whole (in the kernel for a torch zip), those no kept tensor views are not written. It is
+    written atomically and read back before it replaces anything. A damaged file is refused
+    (ckpttool repair is for it).
+
+    \b
+    Examples:
+      ckpttool edit checkpoints/pretrain_768_resume.pth --for-inference -o pretrain_768_inf.pth
+      ckpttool edit last.ckpt --for-inference --in-place --backup
+      ckpttool edit model.pth --drop 'lm_head.*' --rename '^model\\.=' --dry-run
+      ckpttool edit ddp.pth --rename '^module\\.=' -o plain.pth
+    """
+    from ckpttool.commands.edit import edit_file
+    from ckpttool.render import edit as edit_render
+
+    report = edit_file(
+        src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
+        in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
+    )  # fmt: skip
+    if as_json:
+        _echo_json(edit_render.render_json(report, dry_run=dry_run))
+    else:
+        click.echo(edit_render.render_text(report, dry_run=dry_run))
+
+
 @cli.command("verify")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--values", is_flag=True, help="Also read every floating tensor: NaN/Inf.")

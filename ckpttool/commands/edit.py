@@ -1,0 +1,180 @@
+"""``edit``: rewrite a checkpoint file in its own format with entries dropped, kept or renamed
+(issue 30; this first part: single files, the operations ``--drop``, ``--keep``, ``--rename``
+and ``--for-inference``).
+
+The file's format reads its tree and where each storage lies
+(:meth:`~ckpttool.formats.base.FileFormat.recover`, which also checks every record: a damaged
+file is refused, ``repair`` is for it). The edits (:mod:`ckpttool.model.edits`) run on the tree,
+in a stated order: ``--for-inference``, ``--drop``, ``--keep``, ``--rename``. The result is
+written by :func:`ckpttool.commands.rewrite.write_checked`: storages copied whole from the source
+(in the kernel for a torch zip), every tensor the same view of them, read back before it
+replaces anything; a storage no kept tensor views is not written.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttool.commands.rewrite import write_checked
+from ckpttool.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    EmptyFileError,
+    InputError,
+    NotACheckpointError,
+    OutputExistsError,
+    name_file,
+)
+from ckpttool.formats.registry import recover_file
+from ckpttool.model import edits
+from ckpttool.model.records import TensorRecord, walk
+from ckpttool.model.roles import detect_layout
+
+
+@dataclass(frozen=True)
+class EditReport:
+    """What ``edit_file`` changed (or, with ``dry_run``, would change)."""
+
+    source: str
+    output: str
+    format: str
+    layout: str
+    dropped: tuple[str, ...]  # keys of the entries left out, in order
+    renamed: tuple[tuple[str, str], ...]  # (old key, new key)
+    rules: tuple[tuple[str, int], ...]  # each --rename rule and how many keys it matched
+    tensors_before: int
+    tensors_after: int
+    bytes_before: int  # bytes of the storages the tensors view
+    bytes_after: int
+    written: bool
+    backup: str | None = None
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.dropped or self.renamed)
+
+
+def default_output(src: Path) -> Path:
+    """``NAME.edited.EXT`` beside ``src``."""
+    return src.with_name(f"{src.stem}.edited{src.suffix}")
+
+
+def edit_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str] | None = None,
+    *,
+    drop: list[str] | tuple[str, ...] = (),
+    keep: list[str] | tuple[str, ...] = (),
+    rename: list[str] | tuple[str, ...] = (),
+    for_inference: bool = False,
+    in_place: bool = False,
+    backup: bool = False,
+    dry_run: bool = False,
+    overwrite: bool = False,
+) -> EditReport:
+    """Rewrite the checkpoint file ``src`` with the edits applied, in its own format, to ``dst``
+    (default :func:`default_output`; ``in_place``: ``src`` itself, replaced atomically, kept as
+    ``SRC.bak`` with ``backup``). Nothing is written when nothing changes or with ``dry_run``.
+    Raises a :class:`~ckpttool.errors.CkptError` naming ``src``."""
+    source = Path(src)
+    if in_place and dst is not None:
+        raise InputError("give an output or in_place, not both")
+    output = source if in_place else Path(dst) if dst is not None else default_output(source)
+    backup_path = source.with_name(source.name + ".bak") if backup else None
+    try:
+        if not source.is_file():
+            raise InputError("no such file" if not source.exists() else "not a file")
+        if backup and not in_place:
+            raise InputError(
+                "backup applies to in-place edits; with an output the original is kept"
+            )
+        if not in_place and output.exists() and os.path.samefile(output, source):
+            raise InputError(f"the output {output} is the source: pass in_place to edit it")
+        with open(source, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size == 0:
+                raise EmptyFileError("the file is empty")
+            found = recover_file(handle, size)
+            if found is None:
+                raise NotACheckpointError(
+                    "edit rewrites torch.save files (zip and legacy), safetensors files and "
+                    "pickles; not this file"
+                )
+            before = _tensors(found.root)
+            if found.damage or any(
+                r.storage is not None
+                and r.inline_data is None
+                and r.storage.key not in found.intact
+                for _, r in before
+            ):
+                why = "; ".join(found.damage[:2]) or "a storage's bytes are missing"
+                raise CorruptCheckpointError(
+                    f"the file is damaged ({why}): `ckpttool repair` it first"
+                )
+            layout = detect_layout(found.root, found.format)
+            log = edits.EditLog()
+            root = found.root
+            if for_inference:
+                root = edits.drop(root, edits.inference_drops(root, layout), log)
+            root = edits.drop(root, list(drop), log)
+            root = edits.keep(root, list(keep), log)
+            root = edits.rename(root, list(rename), log)
+            after = _tensors(root)
+            changed = bool(log.dropped or log.renamed)
+            write = changed and not dry_run
+            if write and not in_place and output.exists() and not overwrite:
+                raise OutputExistsError(
+                    f"{output} already exists (pass overwrite=True to replace it)"
+                )
+            if write and backup_path is not None and os.path.lexists(backup_path):
+                raise OutputExistsError(f"{backup_path} already exists: move it away first")
+
+            def read_range(storage_key: str, start: int, length: int) -> bytes:
+                offset, stored = found.intact[storage_key]
+                return os.pread(handle.fileno(), min(length, stored - start), offset + start)
+
+            def read(storage_key: str) -> bytes:
+                return read_range(storage_key, 0, found.intact[storage_key][1])
+
+            if write:
+                if backup_path is not None:
+                    os.link(source, backup_path)  # the original's inode, kept under a new name
+                try:
+                    write_checked(found, root, output, read_range, read)
+                except BaseException:
+                    if backup_path is not None:
+                        backup_path.unlink(missing_ok=True)
+                    raise
+    except CkptError as error:
+        raise name_file(error, str(source)) from None
+    return EditReport(
+        source=str(source),
+        output=str(output),
+        format=found.format,
+        layout=layout,
+        dropped=tuple(log.dropped),
+        renamed=tuple(log.renamed),
+        rules=tuple(zip(rename, log.rule_counts)),
+        tensors_before=len(before),
+        tensors_after=len(after),
+        bytes_before=_stored_bytes(before),
+        bytes_after=_stored_bytes(after),
+        written=write,
+        backup=str(backup_path) if write and backup_path is not None else None,
+    )
+
+
+def _tensors(root: Any) -> list[tuple[str, TensorRecord]]:
+    return [(key, record) for key, record in walk(root) if isinstance(record, TensorRecord)]
+
+
+def _stored_bytes(tensors: list[tuple[str, TensorRecord]]) -> int:
+    """Bytes of the distinct storages the tensors view (what the file stores for them)."""
+    storages = {}
+    for _, record in tensors:
+        if record.storage is not None and record.inline_data is None:
+            storages[record.storage.key] = record.storage.nbytes
+    return sum(storages.values())

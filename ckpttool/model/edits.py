@@ -1,0 +1,172 @@
+"""Edits of a checkpoint's object tree (``ckpttool edit``): drop, keep, rename, and what a
+layout drops for inference. Pure functions over the reader's tree: no file access, no torch.
+
+Keys are the dotted paths ``show`` lists (``optimizer.state.3.exp_avg``). An entry is dropped
+from the dict that holds it, never from a list or tuple (the indices after it would shift):
+a pattern that reaches inside one drops the nearest dict entry around it, and says so by its
+key. A rename changes a tensor's name inside the dict that holds it (a state dict's keys);
+it never moves a tensor to another dict.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+from ckpttool.errors import InputError
+from ckpttool.model.records import OpaqueObject, TensorRecord, join_key, walk
+from ckpttool.model.roles import LIGHTNING, OPTIMIZER_PART_KEYS, TRAINING, is_resume
+
+#: What a resume checkpoint holds only to go on training: its optimizer is found by role.
+TRAINING_ONLY_KEYS = (
+    "scaler", "grad_scaler", "scheduler", "lr_scheduler", "lr_schedulers", "rng", "rng_state",
+    "rng_states", "sampler", "dataloader",
+)  # fmt: skip
+#: What a Lightning ``.ckpt`` holds only for ``Trainer.fit(ckpt_path=...)``: without them,
+#: ``LightningModule.load_from_checkpoint`` still loads it.
+LIGHTNING_TRAINING_KEYS = ("optimizer_states", "lr_schedulers")
+
+
+@dataclass
+class EditLog:
+    """What the edits did, in order."""
+
+    dropped: list[str] = field(default_factory=list)  # keys of the entries left out
+    renamed: list[tuple[str, str]] = field(default_factory=list)  # (old key, new key)
+    rule_counts: list[int] = field(default_factory=list)  # keys each rename rule matched
+
+
+def inference_drops(root: Any, layout: str) -> list[str]:
+    """The top-level keys ``--for-inference`` drops from a checkpoint of ``layout``: what only
+    resuming training needs. Empty for weights alone (nothing to drop); an error for a file
+    with no model."""
+    if not isinstance(root, dict):
+        raise InputError("--for-inference: the checkpoint is not a dict of parts")
+    if layout == LIGHTNING:
+        return [key for key in LIGHTNING_TRAINING_KEYS if key in root]
+    if is_resume(layout) or layout == TRAINING:
+        names = (*OPTIMIZER_PART_KEYS, *TRAINING_ONLY_KEYS)
+        return [key for key in root if isinstance(key, str) and key in names]
+    if any(isinstance(node, TensorRecord) for node in root.values()):
+        return []  # a state dict: weights only already
+    raise InputError(
+        f"--for-inference knows what training-only parts a {layout} holds only for resume "
+        "checkpoints, Lightning .ckpt files and state dicts: name them with --drop"
+    )
+
+
+def drop(root: Any, patterns: list[str], log: EditLog) -> Any:
+    """``root`` without the dict entries whose key matches a pattern (``fnmatch``, ``*``
+    crossing dots)."""
+    if not patterns:
+        return root
+    return _filter(root, "", lambda key, _: any(fnmatchcase(key, p) for p in patterns), log)
+
+
+def keep(root: Any, patterns: list[str], log: EditLog) -> Any:
+    """``root`` without the tensors whose key matches no pattern; other values stay."""
+    if not patterns:
+        return root
+
+    def unwanted(key: str, node: Any) -> bool:
+        return isinstance(node, TensorRecord) and not any(fnmatchcase(key, p) for p in patterns)
+
+    return _filter(root, "", unwanted, log)
+
+
+def _filter(node: Any, key: str, unwanted: Any, log: EditLog) -> Any:
+    if isinstance(node, dict):
+        out = {}
+        for name, value in node.items():
+            child = join_key(key, str(name))
+            if unwanted(child, value) or _holds_unwanted_in_sequence(value, child, unwanted):
+                log.dropped.append(child)
+                continue
+            out[name] = _filter(value, child, unwanted, log)
+        return out
+    if isinstance(node, OpaqueObject):
+        rebuilt = OpaqueObject(node.cls, node.args, _filter(node.state, key, unwanted, log))
+        rebuilt.dictitems = _filter(node.dictitems, key, unwanted, log)
+        rebuilt.listitems = node.listitems
+        return rebuilt
+    return node
+
+
+def _holds_unwanted_in_sequence(node: Any, key: str, unwanted: Any) -> bool:
+    """Whether a list or tuple under ``node`` holds an element that must go: then the whole
+    dict entry goes (a sequence cannot lose an element without shifting the rest)."""
+    if isinstance(node, (list, tuple)):
+        for i, item in enumerate(node):
+            child = join_key(key, str(i))
+            if unwanted(child, item):
+                return True
+            if isinstance(item, (list, tuple, dict)) and any(
+                unwanted(k, v) for k, v in walk(item, child) if isinstance(v, TensorRecord)
+            ):
+                return True
+    return False
+
+
+def rename(root: Any, rules: list[str], log: EditLog) -> Any:
+    """Rename tensors by ``REGEX=REPLACEMENT`` rules, applied in order to each tensor's key
+    (``re.sub``, groups as ``\\1``); the new key must stay in the dict that holds the tensor,
+    and two tensors must not end with one name."""
+    if not rules:
+        return root
+    compiled = []
+    for rule in rules:
+        pattern, sep, replacement = rule.partition("=")
+        if not sep or not pattern:
+            raise InputError(f"--rename {rule!r}: expected REGEX=REPLACEMENT")
+        try:
+            compiled.append((re.compile(pattern), replacement))
+        except re.error as error:
+            raise InputError(f"--rename {rule!r}: {error}") from None
+    log.rule_counts = [0] * len(compiled)
+    return _rename(root, "", compiled, log)
+
+
+def _rename(node: Any, key: str, rules: list[tuple[re.Pattern[str], str]], log: EditLog) -> Any:
+    if isinstance(node, OpaqueObject):
+        rebuilt = OpaqueObject(node.cls, node.args, _rename(node.state, key, rules, log))
+        rebuilt.dictitems = _rename(node.dictitems, key, rules, log)
+        rebuilt.listitems = node.listitems
+        return rebuilt
+    if not isinstance(node, dict):
+        return node
+    out: dict[Any, Any] = {}
+    origin: dict[Any, str] = {}
+    for name, value in node.items():
+        child = join_key(key, str(name))
+        new_name: Any = name
+        if isinstance(value, TensorRecord) and isinstance(name, str):
+            new_key = child
+            for i, (pattern, replacement) in enumerate(rules):
+                try:
+                    renamed = pattern.sub(replacement, new_key)
+                except (re.error, IndexError) as error:
+                    raise InputError(f"--rename {pattern.pattern!r}: {error}") from None
+                if renamed != new_key:
+                    log.rule_counts[i] += 1
+                    new_key = renamed
+            if new_key != child:
+                prefix = f"{key}." if key else ""
+                if not new_key.startswith(prefix) or len(new_key) == len(prefix):
+                    raise InputError(
+                        f"--rename would move {child!r} to {new_key!r}, out of {key or 'the top'}"
+                        " (a rename changes a name inside the dict that holds it)"
+                    )
+                new_name = new_key[len(prefix) :]
+                log.renamed.append((child, new_key))
+        else:
+            value = _rename(value, child, rules, log)
+        if new_name in out:
+            raise InputError(
+                f"--rename: {origin[new_name]!r} and {child!r} would both be named "
+                f"{join_key(key, str(new_name))!r}"
+            )
+        out[new_name] = value
+        origin[new_name] = child
+    return out

@@ -1,0 +1,58 @@
+"""``edit``'s report: what was dropped and renamed, sizes before and after; JSON for scripts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpttool.commands.edit import EditReport
+from ckpttool.model.roles import LAYOUT_TITLES
+from ckpttool.model.text import human_size
+
+#: Text lists longer than this are cut, with a count of the rest (``--json`` lists all).
+SHOWN = 20
+
+
+def render_text(report: EditReport, *, dry_run: bool = False) -> str:
+    title = LAYOUT_TITLES.get(report.layout, report.layout)
+    lines = [f"{report.source}: {report.format}, {title}"]
+    dropped = [f"  drop: {key}" for key in report.dropped]
+    renamed = [f"  rename: {old} -> {new}" for old, new in report.renamed]
+    for lines_of in (dropped, renamed):
+        lines += lines_of[:SHOWN]
+        if len(lines_of) > SHOWN:
+            lines.append(f"  ... and {len(lines_of) - SHOWN} more (--json lists all)")
+    lines += [f"  rule {rule!r}: {count} key(s)" for rule, count in report.rules]
+    lines.append(
+        f"  tensors: {report.tensors_before} -> {report.tensors_after}; stored: "
+        f"{human_size(report.bytes_before)} -> {human_size(report.bytes_after)}"
+    )
+    if not report.changed:
+        lines.append("  nothing to change: nothing written")
+    elif report.written:
+        lines.append(f"  wrote: {report.output}")
+        if report.backup:
+            lines.append(f"  backup: {report.backup}")
+    elif dry_run:
+        lines.append(f"  would write: {report.output}")
+    return "\n".join(lines)
+
+
+def render_json(report: EditReport, *, dry_run: bool = False) -> dict[str, Any]:
+    """``edit --json``: docs/schemas/edit.schema.json."""
+    return {
+        "source": report.source,
+        "output": report.output,
+        "format": report.format,
+        "layout": report.layout,
+        "dropped": list(report.dropped),
+        "renamed": [{"from": old, "to": new} for old, new in report.renamed],
+        "rules": [{"rule": rule, "matched": count} for rule, count in report.rules],
+        "tensors_before": report.tensors_before,
+        "tensors_after": report.tensors_after,
+        "bytes_before": report.bytes_before,
+        "bytes_after": report.bytes_after,
+        "changed": report.changed,
+        "written": report.written,
+        "backup": report.backup,
+        "dry_run": dry_run,
+    }

@@ -1,0 +1,173 @@
+"""``ckpttool edit`` (issue 30, first part): drop, keep, rename and --for-inference on single
+files, in their own format, checked with the loaders that read them (torch.load, Lightning's
+load_from_checkpoint, ckpttool's own resume_training)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpttool import load_checkpoint, resume_training
+from ckpttool.cli import cli
+from ckpttool.commands.edit import edit_file
+from ckpttool.errors import CorruptCheckpointError, InputError, LayoutError, OutputExistsError
+from tests.support.helpers import FIXTURES
+
+RESUME = FIXTURES / "ckpttool" / "pretrain_32_resume.pth"
+MINIMIND = FIXTURES / "minimind" / "pretrain_32_resume.pth"
+WEIGHTS = FIXTURES / "ckpttool" / "pretrain_32.pth"
+LIGHTNING = FIXTURES / "frameworks" / "lightning" / "checkpoints" / "epoch=1-step=6.ckpt"
+SAFETENSORS = FIXTURES / "safetensors" / "model.safetensors"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.view(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8))
+    )
+
+
+@pytest.mark.parametrize("source", [RESUME, MINIMIND], ids=["ckpttool", "minimind"])
+def test_for_inference_keeps_the_model_and_counters_of_a_resume_file(
+    tmp_path: Path, source: Path
+) -> None:
+    out = tmp_path / "inference.pth"
+    report = edit_file(source, out, for_inference=True)
+    original = torch.load(source, weights_only=True)
+    edited = torch.load(out, weights_only=True)
+    assert "optimizer" in report.dropped and "optimizer" not in edited
+    assert set(edited) == set(original) - set(report.dropped)
+    assert edited["step"] == original["step"] and edited["epoch"] == original["epoch"]
+    assert all(_same(edited["model"][k], v) for k, v in original["model"].items())
+    assert report.bytes_after < report.bytes_before and out.stat().st_size < source.stat().st_size
+
+
+def test_a_resume_made_for_inference_is_refused_by_resume_training_for_its_optimizer(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "pretrain_32_resume.pth"
+    edit_file(RESUME, out, for_inference=True)
+    ckpt = load_checkpoint(tmp_path, "pretrain", 32)
+    assert ckpt is not None
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(LayoutError, match="no 'optimizer': it was made for inference"):
+        resume_training(ckpt, model, torch.optim.AdamW(model.parameters()))
+
+
+def test_a_lightning_checkpoint_for_inference_still_loads_in_lightning(tmp_path: Path) -> None:
+    from tests.fixtures.frameworks.lit import TinyLitModule
+
+    out = tmp_path / "inference.ckpt"
+    report = edit_file(LIGHTNING, out, for_inference=True)
+    assert set(report.dropped) == {"optimizer_states", "lr_schedulers"}
+    module = TinyLitModule.load_from_checkpoint(out, map_location="cpu")
+    original = TinyLitModule.load_from_checkpoint(LIGHTNING, map_location="cpu")
+    for (name, a), (_, b) in zip(module.state_dict().items(), original.state_dict().items()):
+        assert _same(a, b), name
+    assert "optimizer_states" not in torch.load(out, weights_only=False)
+
+
+def test_drop_keep_and_rename_on_a_state_dict(tmp_path: Path) -> None:
+    out = tmp_path / "edited.pth"
+    report = edit_file(
+        WEIGHTS, out, drop=["model.layers.1.*"], keep=["model.*"],
+        rename=[r"^model\.layers\.(\d+)=model.blocks.\1", r"^model\.="],
+    )  # fmt: skip
+    original = torch.load(WEIGHTS, weights_only=True)
+    edited = torch.load(out, weights_only=True)
+    expected = {}
+    for key, value in original.items():
+        if key.startswith("model.layers.1.") or not key.startswith("model."):
+            continue
+        new = key.replace("model.layers.", "model.blocks.", 1).removeprefix("model.")
+        expected[new] = value
+    assert list(edited) == list(expected)
+    assert all(_same(edited[k], v) for k, v in expected.items())
+    layers = [k for k in original if k.startswith("model.layers.") and ".layers.1." not in k]
+    assert [count for _, count in report.rules] == [len(layers), len(expected)]
+
+
+def test_views_survive_an_edit(tmp_path: Path) -> None:
+    base = torch.arange(24.0)
+    source = tmp_path / "views.pth"
+    torch.save(
+        {
+            "base": base,
+            "window": base[4:9],
+            "t": torch.arange(6).reshape(2, 3).t(),
+            "x": torch.ones(2),
+        },
+        source,
+    )
+    out = tmp_path / "out.pth"
+    edit_file(source, out, drop=["x"])
+    edited = torch.load(out, weights_only=True)
+    assert set(edited) == {"base", "window", "t"}
+    assert edited["window"].equal(base[4:9]) and edited["t"].stride() == (1, 3)
+    assert (
+        edited["window"].untyped_storage().data_ptr() == edited["base"].untyped_storage().data_ptr()
+    )
+
+
+@pytest.mark.parametrize(
+    "source", [SAFETENSORS, FIXTURES / "legacy" / "state_dict.pth"], ids=["safetensors", "legacy"]
+)
+def test_other_formats_stay_their_format(tmp_path: Path, source: Path) -> None:
+    from ckpttool.checkpoint import open_checkpoint
+
+    out = tmp_path / f"out{source.suffix}"
+    with open_checkpoint(source) as ckpt:
+        fmt = ckpt.format
+        keys = [r.key for r in ckpt.tensors()]
+    report = edit_file(source, out, rename=[r"^=renamed."])
+    assert report.written and report.format == fmt
+    with open_checkpoint(out) as ckpt:
+        assert ckpt.format == fmt
+        assert [r.key for r in ckpt.tensors()] == [f"renamed.{k}" for k in keys]
+
+
+def test_in_place_with_a_backup(tmp_path: Path) -> None:
+    source = shutil.copy(WEIGHTS, tmp_path / "w.pth")
+    before = Path(source).read_bytes()
+    report = edit_file(source, drop=["lm_head.*"], in_place=True, backup=True)
+    assert report.written and report.backup == str(tmp_path / "w.pth.bak")
+    assert (tmp_path / "w.pth.bak").read_bytes() == before
+    assert "lm_head.weight" not in torch.load(source, weights_only=True)
+    with pytest.raises(OutputExistsError, match="bak already exists"):
+        edit_file(source, drop=["model.norm.*"], in_place=True, backup=True)
+
+
+def test_refusals_write_nothing(tmp_path: Path) -> None:
+    cut = tmp_path / "cut.pth"
+    cut.write_bytes(RESUME.read_bytes()[:-100])
+    with pytest.raises(CorruptCheckpointError, match="repair"):
+        edit_file(cut, tmp_path / "o.pth", drop=["optimizer"])
+    with pytest.raises(InputError, match="would both be named"):
+        edit_file(WEIGHTS, tmp_path / "o.pth", rename=[r"layers\.\d+=same"])
+    with pytest.raises(InputError, match="would move"):
+        edit_file(RESUME, tmp_path / "o.pth", rename=[r"^model\.=x."])
+    with pytest.raises(InputError, match="REGEX=REPLACEMENT"):
+        edit_file(WEIGHTS, tmp_path / "o.pth", rename=["no-equals-sign"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.pth"]
+    report = edit_file(WEIGHTS, tmp_path / "o.pth", drop=["nothing.matches"])
+    assert not report.changed and not report.written and not (tmp_path / "o.pth").exists()
+
+
+def test_the_cli_reports_and_exits(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(cli, ["edit", str(RESUME), "--for-inference", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["dry_run"] and not data["written"] and "optimizer" in data["dropped"]
+    result = runner.invoke(cli, ["edit", str(RESUME), "--rename", "bad"])
+    assert (
+        result.exit_code == 2
+        and result.stderr.startswith("Error: ")
+        and "Traceback" not in result.stderr
+    )
