@@ -171,3 +171,22 @@ def test_the_cli_reports_and_exits(tmp_path: Path) -> None:
         and result.stderr.startswith("Error: ")
         and "Traceback" not in result.stderr
     )
+
+
+def test_compact_keeps_only_the_bytes_the_views_use(tmp_path: Path) -> None:
+    """torch.save(big[:10]) stores all of big; --compact cuts it to the view's bytes, shared
+    storages stay shared, the values load equal."""
+    big = torch.arange(100_000, dtype=torch.float32)
+    source = tmp_path / "big.pth"
+    torch.save({"head": big[:10], "mid": big[50:60].view(2, 5).t(), "step": 3}, source)
+    out = tmp_path / "small.pth"
+    report = edit_file(source, out, compact=True)
+    assert sorted(report.compacted) == ["head", "mid"]
+    assert report.bytes_before == 400_000 and report.bytes_after == 60 * 4
+    assert out.stat().st_size < 4_000 < source.stat().st_size
+    original, edited = torch.load(source, weights_only=True), torch.load(out, weights_only=True)
+    for key in ("head", "mid"):
+        assert edited[key].equal(original[key]) and edited[key].stride() == original[key].stride()
+    assert edited["head"].untyped_storage().nbytes() == 240
+    assert edited["head"].untyped_storage().data_ptr() == edited["mid"].untyped_storage().data_ptr()
+    assert not edit_file(out, tmp_path / "again.pth", compact=True).changed  # already compact

@@ -671,6 +671,11 @@ def repair_command(
     help="Drop what only resuming training needs (the optimizer, scaler, scheduler, RNG "
     "states; a Lightning .ckpt's optimizer_states and lr_schedulers).",
 )  # fmt: skip
+@click.option(
+    "--compact", is_flag=True,
+    help="Cut every storage to the bytes its tensors view (a view saved whole keeps only its "
+    "own bytes).",
+)  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Print what would change; write nothing.")
 @force_option
 @json_option("edit")
@@ -683,13 +688,15 @@ def edit_command(
     keep: tuple[str, ...],
     rename: tuple[str, ...],
     for_inference: bool,
+    compact: bool,
     dry_run: bool,
     force: bool,
     as_json: bool,
 ) -> None:
     """Rewrite a checkpoint file in its own format with entries dropped, kept or renamed.
 
-    The edits run in this order: --for-inference, --drop, --keep, --rename. The result keeps
+    The edits run in this order: --for-inference, --drop, --keep, --rename, --compact. The
+    result keeps
     SRC's format and layout (a resume file stays a resume file, a Lightning .ckpt stays
     loadable by Lightning), every tensor the same view of the same bytes; storages are copied
     whole (in the kernel for a torch zip), those no kept tensor views are not written. It is
@@ -702,13 +709,14 @@ def edit_command(
       ckpttool edit last.ckpt --for-inference --in-place --backup
       ckpttool edit model.pth --drop 'lm_head.*' --rename '^model\\.=' --dry-run
       ckpttool edit ddp.pth --rename '^module\\.=' -o plain.pth
+      ckpttool edit sliced.pth --compact -o small.pth
     """
     from ckpttool.commands.edit import edit_file
     from ckpttool.render import edit as edit_render
 
     report = edit_file(
         src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
-        in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
+        compact=compact, in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
     )  # fmt: skip
     if as_json:
         _echo_json(edit_render.render_json(report, dry_run=dry_run))

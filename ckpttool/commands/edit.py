@@ -1,11 +1,11 @@
 """``edit``: rewrite a checkpoint file in its own format with entries dropped, kept or renamed
-(issue 30; this first part: single files, the operations ``--drop``, ``--keep``, ``--rename``
-and ``--for-inference``).
+(issue 30; this first part: single files, the operations ``--for-inference``, ``--drop``,
+``--keep``, ``--rename`` and ``--compact``).
 
 The file's format reads its tree and where each storage lies
 (:meth:`~ckpttool.formats.base.FileFormat.recover`, which also checks every record: a damaged
 file is refused, ``repair`` is for it). The edits (:mod:`ckpttool.model.edits`) run on the tree,
-in a stated order: ``--for-inference``, ``--drop``, ``--keep``, ``--rename``. The result is
+in a stated order: ``--for-inference``, ``--drop``, ``--keep``, ``--rename``, ``--compact``. The result is
 written by :func:`ckpttool.commands.rewrite.write_checked`: storages copied whole from the source
 (in the kernel for a torch zip), every tensor the same view of them, read back before it
 replaces anything; a storage no kept tensor views is not written.
@@ -51,10 +51,11 @@ class EditReport:
     bytes_after: int
     written: bool
     backup: str | None = None
+    compacted: tuple[str, ...] = ()  # tensors whose storage was cut to the bytes they view
 
     @property
     def changed(self) -> bool:
-        return bool(self.dropped or self.renamed)
+        return bool(self.dropped or self.renamed or self.compacted)
 
 
 def default_output(src: Path) -> Path:
@@ -70,6 +71,7 @@ def edit_file(
     keep: list[str] | tuple[str, ...] = (),
     rename: list[str] | tuple[str, ...] = (),
     for_inference: bool = False,
+    compact: bool = False,
     in_place: bool = False,
     backup: bool = False,
     dry_run: bool = False,
@@ -122,8 +124,11 @@ def edit_file(
             root = edits.drop(root, list(drop), log)
             root = edits.keep(root, list(keep), log)
             root = edits.rename(root, list(rename), log)
+            regions: dict[str, tuple[str, int, int]] = {}
+            if compact:
+                root, regions = edits.compact(root, log)
             after = _tensors(root)
-            changed = bool(log.dropped or log.renamed)
+            changed = bool(log.dropped or log.renamed or log.compacted)
             write = changed and not dry_run
             if write and not in_place and output.exists() and not overwrite:
                 raise OutputExistsError(
@@ -133,10 +138,20 @@ def edit_file(
                 raise OutputExistsError(f"{backup_path} already exists: move it away first")
 
             def read_range(storage_key: str, start: int, length: int) -> bytes:
+                if storage_key in regions:  # a storage cut to its views' bytes
+                    storage_key, first, end = regions[storage_key]
+                    start, stored_end = start + first, end
+                    offset = found.intact[storage_key][0]
+                    return os.pread(
+                        handle.fileno(), min(length, stored_end - start), offset + start
+                    )
                 offset, stored = found.intact[storage_key]
                 return os.pread(handle.fileno(), min(length, stored - start), offset + start)
 
             def read(storage_key: str) -> bytes:
+                if storage_key in regions:
+                    _, first, end = regions[storage_key]
+                    return read_range(storage_key, 0, end - first)
                 return read_range(storage_key, 0, found.intact[storage_key][1])
 
             if write:
@@ -158,6 +173,7 @@ def edit_file(
         dropped=tuple(log.dropped),
         renamed=tuple(log.renamed),
         rules=tuple(zip(rename, log.rule_counts)),
+        compacted=tuple(log.compacted),
         tensors_before=len(before),
         tensors_after=len(after),
         bytes_before=_stored_bytes(before),

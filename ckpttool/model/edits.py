@@ -16,7 +16,15 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from ckpttool.errors import InputError
-from ckpttool.model.records import OpaqueObject, TensorRecord, join_key, walk
+from ckpttool.model.records import (
+    ITEMSIZE,
+    OpaqueObject,
+    StorageRecord,
+    TensorRecord,
+    join_key,
+    walk,
+    with_fields,
+)
 from ckpttool.model.roles import LIGHTNING, OPTIMIZER_PART_KEYS, TRAINING, is_resume
 
 #: What a resume checkpoint holds only to go on training: its optimizer is found by role.
@@ -36,6 +44,7 @@ class EditLog:
     dropped: list[str] = field(default_factory=list)  # keys of the entries left out
     renamed: list[tuple[str, str]] = field(default_factory=list)  # (old key, new key)
     rule_counts: list[int] = field(default_factory=list)  # keys each rename rule matched
+    compacted: list[str] = field(default_factory=list)  # keys of tensors whose storage shrank
 
 
 def inference_drops(root: Any, layout: str) -> list[str]:
@@ -170,3 +179,77 @@ def _rename(node: Any, key: str, rules: list[tuple[re.Pattern[str], str]], log: 
         out[new_name] = value
         origin[new_name] = child
     return out
+
+
+#: Storage keys :func:`compact` makes: a source storage's ``[first, end)`` bytes.
+COMPACT_PREFIX = "\0compact\0"
+
+
+def compact(root: Any, log: EditLog) -> tuple[Any, dict[str, tuple[str, int, int]]]:
+    """``root`` with every storage cut to the bytes its tensors view (a view saved whole, such
+    as ``torch.save(big[:10])``, keeps only its own bytes; tensors sharing a storage still share
+    it); and, for each cut storage's new key, ``(source storage key, first byte, end byte)``.
+    A storage viewed with two element sizes is left whole."""
+    spans: dict[str, list[Any]] = {}  # storage key -> [first, end, itemsizes, storage]
+    for _, record in walk(root):
+        if not isinstance(record, TensorRecord) or not _plain(record):
+            continue
+        assert record.storage is not None
+        first = record.storage_offset * record.itemsize
+        end = max(record.stored_extent_bytes, first)
+        span = spans.setdefault(record.storage.key, [first, end, set(), record.storage])
+        span[0], span[1] = min(span[0], first), max(span[1], end)
+        span[2].add(record.itemsize)
+    cut: dict[str, tuple[StorageRecord, int]] = {}  # source key -> (new storage, first byte)
+    regions: dict[str, tuple[str, int, int]] = {}
+    for key, (first, end, sizes, storage) in spans.items():
+        if len(sizes) != 1 or storage.dtype not in ITEMSIZE:
+            continue
+        unit = max(next(iter(sizes)), ITEMSIZE[storage.dtype])
+        first, end = first // unit * unit, -(-end // unit) * unit
+        if (first, end) == (0, storage.nbytes) or end > storage.nbytes:
+            continue
+        new_key = COMPACT_PREFIX + key
+        numel = (end - first) // ITEMSIZE[storage.dtype]
+        cut[key] = (
+            StorageRecord(new_key, storage.dtype, numel, storage.location, new_key, end - first,
+                          storage.byteorder),
+            first,
+        )  # fmt: skip
+        regions[new_key] = (key, first, end)
+
+    def shrink(record: TensorRecord, key: str) -> TensorRecord:
+        if record.storage is None or record.storage.key not in cut or not _plain(record):
+            return record
+        storage, first = cut[record.storage.key]
+        log.compacted.append(key)
+        offset = record.storage_offset - first // record.itemsize
+        return with_fields(record, storage=storage, storage_offset=offset)
+
+    return _map_tensors(root, "", shrink), regions
+
+
+def _plain(record: TensorRecord) -> bool:
+    return (
+        record.storage is not None
+        and record.inline_data is None
+        and not record.parts
+        and record.layout == "strided"
+        and record.dtype in ITEMSIZE
+    )
+
+
+def _map_tensors(node: Any, key: str, change: Any) -> Any:
+    if isinstance(node, TensorRecord):
+        return change(node, key)
+    if isinstance(node, dict):
+        return {name: _map_tensors(v, join_key(key, str(name)), change) for name, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        items = [_map_tensors(v, join_key(key, str(i)), change) for i, v in enumerate(node)]
+        return items if isinstance(node, list) else tuple(items)
+    if isinstance(node, OpaqueObject):
+        rebuilt = OpaqueObject(node.cls, node.args, _map_tensors(node.state, key, change))
+        rebuilt.dictitems = _map_tensors(node.dictitems, key, change)
+        rebuilt.listitems = node.listitems
+        return rebuilt
+    return node

@@ -22,6 +22,8 @@ def render_text(report: EditReport, *, dry_run: bool = False) -> str:
         if len(lines_of) > SHOWN:
             lines.append(f"  ... and {len(lines_of) - SHOWN} more (--json lists all)")
     lines += [f"  rule {rule!r}: {count} key(s)" for rule, count in report.rules]
+    if report.compacted:
+        lines.append(f"  compact: {len(report.compacted)} tensor(s) kept only the bytes they view")
     lines.append(
         f"  tensors: {report.tensors_before} -> {report.tensors_after}; stored: "
         f"{human_size(report.bytes_before)} -> {human_size(report.bytes_after)}"
@@ -47,6 +49,7 @@ def render_json(report: EditReport, *, dry_run: bool = False) -> dict[str, Any]:
         "dropped": list(report.dropped),
         "renamed": [{"from": old, "to": new} for old, new in report.renamed],
         "rules": [{"rule": rule, "matched": count} for rule, count in report.rules],
+        "compacted": list(report.compacted),
         "tensors_before": report.tensors_before,
         "tensors_after": report.tensors_after,
         "bytes_before": report.bytes_before,
