@@ -26,7 +26,9 @@ from tests.support.helpers import FIXTURES, copy_fixture
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCHEMAS = DOCS / "schemas"
-COMMANDS = ["show", "diff", "convert", "rescale-step", "verify", "scan", "repair"]
+COMMANDS = ["show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "lora-merge"]
+#: The page that documents a command's --json, where it is not ``<command>.md``.
+PAGE = {"lora-merge": "lora.md"}
 PAIRS = FIXTURES / "pairs"
 DCP = FIXTURES / "dcp" / "checkpoint"
 FRAMEWORKS = FIXTURES / "frameworks"
@@ -93,10 +95,12 @@ def code_words(markdown: str) -> set[str]:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_schema_field_is_documented_on_the_command_page(command: str) -> None:
     schema = json.loads((SCHEMAS / f"{command}.schema.json").read_text())
-    page = (DOCS / f"{command}.md").read_text()
+    page = (DOCS / PAGE.get(command, f"{command}.md")).read_text()
     assert f"schemas/{command}.schema.json" in page  # the page links its schema
     missing = property_names(schema) - code_words(page)
-    assert not missing, f"docs/{command}.md does not mention {sorted(missing)}"
+    assert not missing, (
+        f"docs/{PAGE.get(command, command + '.md')} does not mention {sorted(missing)}"
+    )
 
 
 # --- show ------------------------------------------------------------------------------------
@@ -541,6 +545,14 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "verify": lambda: run_json("verify", RESUME),
         "scan": lambda: run_json("scan", RESUME),
         "repair": lambda: run_json("repair", _cut_resume(tmp_path), "--dry-run", exit_code=1),
+        "lora-merge": lambda: run_json(
+            "lora",
+            "merge",
+            FRAMEWORKS / "peft/base",
+            FRAMEWORKS / "peft/lora",
+            "-o",
+            tmp_path / "m",
+        ),
     }
     data = outputs[command]()
     assert_valid(command, data)
@@ -556,6 +568,7 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "verify": lambda d: d["files"][0],
         "scan": lambda d: d["files"][0]["globals"][0],
         "repair": lambda d: d["lost"][0],
+        "lora-merge": lambda d: d["merged"][0],
     }[command]
     if inner is not None:
         nested = json.loads(json.dumps(data))

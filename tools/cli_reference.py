@@ -33,6 +33,8 @@ PAGES = {
     "verify": "verify.md",
     "repair": "repair.md",
     "scan": "scan.md",
+    "lora": "lora.md",  # a group: its commands share its page
+    "lora merge": "lora.md",
 }
 REGENERATE = "python -m tools.cli_reference"
 

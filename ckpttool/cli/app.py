@@ -572,6 +572,64 @@ def convert_command(
         click.echo(f"warning: {warning}", err=True)
 
 
+@cli.group("lora", cls=CkptGroup)
+def lora_group() -> None:
+    """LoRA adapters: merge a PEFT adapter into its base model.
+
+    \b
+    Examples:
+      ckpttool lora merge llama-7b/ output/checkpoint-500/ -o llama-7b-tuned/
+    """
+
+
+@lora_group.command("merge")
+@click.argument("base", type=click.Path(path_type=str))
+@click.argument("adapter", type=click.Path(path_type=str))
+@click.option(
+    "-o", "--output", "output", metavar="OUT", required=True, type=click.Path(path_type=str),
+    help="Where the merged model goes: a model directory for a model directory BASE, else a "
+    "file of BASE's format.",
+)  # fmt: skip
+@click.option("--no-verify", is_flag=True, help="Skip reading the output back (not advised).")
+@force_option
+@json_option("lora-merge")
+def lora_merge_command(
+    base: str, adapter: str, output: str, no_verify: bool, force: bool, as_json: bool
+) -> None:
+    """Merge a LoRA adapter into its base: W + scaling * B @ A, one tensor at a time.
+
+    ADAPTER is a PEFT adapter directory (adapter_config.json and adapter_model.safetensors or
+    .bin, or a Trainer checkpoint-N/ holding them); BASE is the model it was trained on: a
+    Hugging Face model directory, a safetensors file or a .pth state dict. Each adapted weight
+    is computed in float32 and rounded back to its dtype once (fan_in_fan_out, rsLoRA,
+    rank/alpha patterns and DoRA as PEFT merges them); modules_to_save copies replace the
+    base's tensors; every other tensor is copied as stored. No model class, no GPU: memory
+    holds a few tensors at a time. OUT keeps BASE's layout (a model directory gets its
+    config.json and generation_config.json copied) and is written atomically and read back
+    before it appears. A target BASE does not hold, a tied weight the adapter changes, or
+    factors whose ranks do not fit are refused (exit 2, nothing written).
+
+    \b
+    Examples:
+      ckpttool lora merge llama-7b/ output/checkpoint-500/ -o llama-7b-tuned/
+      ckpttool lora merge model.safetensors my-adapter/ -o merged.safetensors
+    """
+    from ckpttool.commands.lora.merge import merge_adapter
+    from ckpttool.io.progress import Progress
+    from ckpttool.render import lora as lora_render
+
+    with Progress(0, "merge") as bar:
+        report = merge_adapter(
+            base, adapter, output, force=force, verify=not no_verify, progress=bar.advance
+        )
+    if as_json:
+        _echo_json(lora_render.render_json(report))
+    else:
+        click.echo(lora_render.render_text(report))
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+
+
 @cli.command("repair")
 @click.argument("src", type=click.Path(path_type=str))
 @click.option(

@@ -86,8 +86,8 @@ def adapter_lines(summary: dict[str, Any]) -> list[str]:
                          f"{len(names)} modules ({_clip(', '.join(names), 80)})")  # fmt: skip
     saved = summary.get("saved") or []
     if summary.get("modules_to_save") or saved:
-        names = ", ".join(s["module"] for s in saved) or "none saved"
-        lines.append(f"saved:      {_clip(names, 100)} (full copies that replace the base's)")
+        copies = ", ".join(s["module"] for s in saved) or "none saved"
+        lines.append(f"saved:      {_clip(copies, 100)} (full copies that replace the base's)")
     if summary.get("use_dora"):
         count = sum(1 for m in modules if m.get("magnitude"))
         lines.append(f"DoRA:       magnitude vectors of {count} modules")
