@@ -53,6 +53,7 @@ def assert_close(a: Path, b: Path, *, rtol: float = RTOL, atol: float = ATOL) ->
         ("base", "rslora", 8),  # alpha / sqrt(r)
         ("gpt2_base", "gpt2_lora", 6),  # fan_in_fan_out: Conv1D weights [in, out]
         ("base", "dora", 4),  # magnitude vectors
+        ("base", "embedding", 3),  # lora_embedding_A/B, on the saved embed_tokens.base_layer
     ],
 )
 def test_the_merge_is_what_merge_and_unload_gives(
@@ -95,6 +96,27 @@ def test_transformers_loads_the_merged_directory(tmp_path: Path) -> None:
     ids = torch.tensor([[1, 5, 9, 33, 60, 2]])
     with torch.no_grad():
         assert torch.allclose(ours(ids).logits, theirs(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_an_embedding_lora_is_applied_to_the_saved_base_layer(tmp_path: Path) -> None:
+    report = merge_adapter(PEFT / "base", PEFT / "embedding", tmp_path / "merged")
+    how = {m.name: m.how for m in report.merged}
+    assert how["model.embed_tokens.weight"] == "replaced+lora"
+
+
+def test_a_tied_tensor_in_a_pth_is_refused(tmp_path: Path) -> None:
+    """lm_head.weight and model.embed_tokens.weight as one storage (``torch.save`` of a tied
+    model's state dict): replacing lm_head would change the embedding too."""
+    from safetensors.torch import load_file
+
+    weights = load_file(PEFT / "base/model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    base = tmp_path / "tied.pth"
+    torch.save(weights, base)
+    result = run("lora", "merge", base, PEFT / "lora", "-o", tmp_path / "out.pth", exit_code=2)
+    assert result.stderr.startswith(f"Error: {base}: lm_head.weight is tied to ")
+    assert "model.embed_tokens.weight" in result.stderr and "untie them first" in result.stderr
+    assert not (tmp_path / "out.pth").exists()
 
 
 def test_an_adapter_in_a_trainer_checkpoint_merges(tmp_path: Path) -> None:
