@@ -119,6 +119,17 @@ def test_a_tied_tensor_in_a_pth_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "out.pth").exists()
 
 
+def test_max_shard_size_writes_a_sharded_model_directory(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "merged"
+    run("lora", "merge", PEFT / "base", PEFT / "lora", "-o", out, "--max-shard-size", "40000")
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in names and "model-00001-of-00003.safetensors" in names
+    assert_close(out, PEFT / "lora_merged")
+    AutoModelForCausalLM.from_pretrained(out)  # loads the shards through the index
+
+
 def test_an_adapter_in_a_trainer_checkpoint_merges(tmp_path: Path) -> None:
     report = merge_adapter(PEFT / "base", PEFT / "trainer/checkpoint-2", tmp_path / "merged")
     assert len(report.merged) == 4  # q_proj and v_proj of 2 layers

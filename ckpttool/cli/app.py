@@ -590,11 +590,21 @@ def lora_group() -> None:
     help="Where the merged model goes: a model directory for a model directory BASE, else a "
     "file of BASE's format.",
 )  # fmt: skip
+@click.option(
+    "--max-shard-size", metavar="SIZE",
+    help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
+)  # fmt: skip
 @click.option("--no-verify", is_flag=True, help="Skip reading the output back (not advised).")
 @force_option
 @json_option("lora-merge")
 def lora_merge_command(
-    base: str, adapter: str, output: str, no_verify: bool, force: bool, as_json: bool
+    base: str,
+    adapter: str,
+    output: str,
+    max_shard_size: str | None,
+    no_verify: bool,
+    force: bool,
+    as_json: bool,
 ) -> None:
     """Merge a LoRA adapter into its base: W + scaling * B @ A, one tensor at a time.
 
@@ -613,6 +623,7 @@ def lora_merge_command(
     Examples:
       ckpttool lora merge llama-7b/ output/checkpoint-500/ -o llama-7b-tuned/
       ckpttool lora merge model.safetensors my-adapter/ -o merged.safetensors
+      ckpttool lora merge llama-70b/ my-adapter/ -o merged/ --max-shard-size 5GB
     """
     from ckpttool.commands.lora.merge import merge_adapter
     from ckpttool.io.progress import Progress
@@ -620,8 +631,10 @@ def lora_merge_command(
 
     with Progress(0, "merge") as bar:
         report = merge_adapter(
-            base, adapter, output, force=force, verify=not no_verify, progress=bar.advance
-        )
+            base, adapter, output, force=force, verify=not no_verify,
+            max_shard_size=max_shard_size, progress=bar.advance,
+            on_total=lambda n: setattr(bar, "total", max(n, 1)),
+        )  # fmt: skip
     if as_json:
         _echo_json(lora_render.render_json(report))
     else:

@@ -33,7 +33,7 @@ import numpy as np
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.convert import model_dir
 from ckpttool.commands.convert.options import ConversionOptions
-from ckpttool.commands.convert.output import check_targets, plan_outputs
+from ckpttool.commands.convert.output import check_targets, parse_size, plan_outputs
 from ckpttool.commands.convert.plan import Plan, build_plan
 from ckpttool.commands.convert.run import write_outputs
 from ckpttool.commands.selection import Selection
@@ -100,13 +100,19 @@ def merge_adapter(
     *,
     force: bool = False,
     verify: bool = True,
+    max_shard_size: str | int | None = None,
     progress: ProgressCallback | None = None,
+    on_total: ProgressCallback | None = None,
 ) -> MergeReport:
     """Merge the LoRA ``adapter`` (a PEFT adapter directory) into ``base`` and write the result
-    to ``output`` in ``base``'s layout (see the module doc). Raises :class:`InputError` (exit 2,
-    nothing written) for an adapter it cannot merge or whose targets ``base`` does not hold,
-    :class:`~ckpttool.errors.VerificationError` (exit 1) if the output does not read back."""
+    to ``output`` in ``base``'s layout (see the module doc); ``max_shard_size``: shards of at
+    most that size plus an index, as ``convert`` writes them. ``progress`` is called with the
+    bytes each tensor adds (written, then verified), ``on_total`` once with their total.
+    Raises :class:`InputError` (exit 2, nothing written) for an adapter it cannot merge or whose
+    targets ``base`` does not hold, :class:`~ckpttool.errors.VerificationError` (exit 1) if the
+    output does not read back."""
     base_name, adapter_name = os.fspath(base), os.fspath(adapter)
+    shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     factors, copies, notes = _read_adapter(adapter_name)
     with open_checkpoint(base, view=WEIGHTS_VIEW) as ckpt:
         if isinstance(ckpt.details.get(ADAPTER), dict):
@@ -123,7 +129,9 @@ def merge_adapter(
         stored = {p.name: p.record for p in plan.stored}
         resolve = _Resolver(base_name, adapter_name, stored, plan.aliases, untied)
         replaced, merged = _plan_merge(ckpt, resolve, factors, copies)
-        report = _write(ckpt, plan, base_name, Path(output), directory, replaced,
+        if on_total is not None:
+            on_total(plan.tensor_bytes * (2 if verify else 1))
+        report = _write(ckpt, plan, base_name, Path(output), directory, replaced, shard_size,
                         force=force, verify=verify, progress=progress)  # fmt: skip
     report.adapter, report.merged, report.directory = adapter_name, merged, as_directory
     report.notes = notes + report.notes
@@ -365,6 +373,7 @@ def _write(
     target: Path,
     directory: ModelDirectoryOutput | None,
     replaced: dict[str, Callable[[], bytes | bytearray | memoryview]],
+    shard_size: int | None,
     *,
     force: bool,
     verify: bool,
@@ -383,7 +392,8 @@ def _write(
     if directory is not None:
         model_dir.check_target(directory, target, force)
         with model_dir.staged_directory(target) as staging:
-            files = plan_outputs(source, staging / directory.weights_name, None, None, plan)
+            weights = staging / directory.weights_name if shard_size is None else staging
+            files = plan_outputs(source, weights, None, shard_size, plan)
             write(files)
             copied = model_dir.copy_files(directory, staging)
         files = model_dir.moved(files, target)
@@ -394,7 +404,7 @@ def _write(
                 f"{target}: the base is {'safetensors' if to == 'safetensors' else 'a .pth'}; "
                 f"the merged output keeps its format: name a .{'safetensors' if to == 'safetensors' else 'pth'} file"
             )
-        files = plan_outputs(source, target, to, None, plan)
+        files = plan_outputs(source, target, to, shard_size, plan)
         check_targets(source, files, force)
         write(files)
     return MergeReport(
