@@ -213,10 +213,13 @@ def unreadable_config(tmp_path: Path) -> Path:
         (lambda t: (PEFT / "lora", PEFT / "lora"), "base", "is an adapter, not a base model"),
         (lambda t: (PEFT / "tied_base", PEFT / "tied_lm_head"), "base",
          "tied to the input embedding (tie_word_embeddings), so merging would change both"),
+        (lambda t: (PEFT / "tied_base", PEFT / "embedding"), "base",
+         "the adapter changes model.embed_tokens.weight, the input embedding, which the model "
+         "directory ties lm_head.weight to"),
         (lambda t: (PEFT / "base", PEFT / "base"), "adapter", "not an adapter directory"),
     ],
     ids=["target-not-in-base", "rank-mismatch", "unreadable-config", "adapter-as-base", "tied",
-         "base-as-adapter"],
+         "tied-input-embedding", "base-as-adapter"],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_nothing_written(
     tmp_path: Path, make: Any, where: str, message: str

@@ -125,9 +125,14 @@ def merge_adapter(
         as_directory = directory is not None
         if directory is not None:
             plan = model_dir.for_transformers(plan, directory)
-        untied = directory.tied_output_names if directory is not None else ()
         stored = {p.name: p.record for p in plan.stored}
-        resolve = _Resolver(base_name, adapter_name, stored, plan.aliases, untied)
+        untied: tuple[str, ...] = ()
+        tied_inputs: tuple[str, ...] = ()
+        if directory is not None and not any(
+            name in stored or name in plan.aliases for name in directory.tied_output_names
+        ):  # the loader ties the output embedding to the input one, which alone is stored
+            untied, tied_inputs = directory.tied_output_names, directory.tied_input_endings
+        resolve = _Resolver(base_name, adapter_name, stored, plan.aliases, untied, tied_inputs)
         replaced, merged = _plan_merge(ckpt, resolve, factors, copies)
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
@@ -222,6 +227,7 @@ class _Resolver:
     stored: dict[str, TensorRecord]
     aliases: dict[str, str]  # alias -> stored name
     untied: tuple[str, ...]  # names a model directory leaves out, tied to the input embedding
+    tied_inputs: tuple[str, ...]  # endings of that input embedding's name
 
     def __call__(self, name: str) -> str:
         names = [*self.stored, *self.aliases]
@@ -244,6 +250,14 @@ class _Resolver:
                 f"adapter's base model?); nothing was written"
             )
         match = found[0]
+        if any(match == ending or match.endswith("." + ending) for ending in self.tied_inputs):
+            raise InputError(
+                f"{self.base}: the adapter changes {match}, the input embedding, which the "
+                f"model directory ties {', '.join(self.untied)} to (tie_word_embeddings; it is "
+                "not stored): merging would change the output layer too; untie them first "
+                "(store the output embedding and set tie_word_embeddings to false in "
+                "config.json), then merge"
+            )
         tied = self._tied_with(match)
         if tied:
             raise InputError(
