@@ -99,6 +99,13 @@ def test_an_adapter_in_a_trainer_checkpoint_is_the_adapter_with_the_trainer_file
     assert len(details["adapter"]["modules"]) == 4
 
 
+def test_rescale_step_still_rescales_the_trainer_checkpoint_around_an_adapter() -> None:
+    """The adapter's plug-in comes first in detection but rescales nothing: the Trainer's files
+    are rescaled as the Hugging Face plug-in plans it."""
+    result = run("rescale-step", PEFT / "trainer/checkpoint-2", "--world-size", "2", "--dry-run")
+    assert "trainer_state.json: global_step 2 -> 1" in result.stdout
+
+
 def test_verify_scan_and_diff_take_an_adapter_as_one_checkpoint() -> None:
     assert "OK (directory)" in run("verify", PEFT / "lora").stdout
     run("scan", PEFT / "lora")

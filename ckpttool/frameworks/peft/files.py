@@ -10,6 +10,8 @@ Trainer checkpoint's completeness is the Hugging Face plug-in's question).
 
 from __future__ import annotations
 
+import re
+
 from ckpttool.frameworks.base import (
     CONFIG,
     OPTIMIZER,
@@ -44,6 +46,7 @@ TRAINER_FILES = (
     ("rng_state.pth", RNG, "rng", False),
     ("training_args.bin", TRAINING_ARGS, "training_args", False),
 )
+RNG_STATE_RANK = re.compile(r"^rng_state_(\d+)\.pth$")
 
 
 def detect(path: str) -> FrameworkDirectory | None:
@@ -65,13 +68,19 @@ def detect(path: str) -> FrameworkDirectory | None:
         Member(name, role, section, files[name], json=is_json)
         for name, role, section, is_json in trainer
     ]
+    for name, size in files.items():
+        match = RNG_STATE_RANK.match(name)
+        if match:  # one per process of a multi-process run
+            rank = int(match.group(1))
+            members.append(Member(name, RNG, f"rng.rank{rank}", size, rank=rank))
+    ranks = [member.rank for member in members if member.rank is not None]
     known = {member.name for member in members}
     members += [
         Member(name, OTHER, None, size) for name, size in files.items() if name not in known
     ]
     layout = FrameworkDirectory(
         kind=PEFT_ADAPTER,
-        title="PEFT adapter in a Trainer checkpoint" if trainer else "PEFT adapter",
+        title="PEFT adapter in a Trainer checkpoint" if trainer or ranks else "PEFT adapter",
         directory=path,
         members=members,
         missing=missing,
