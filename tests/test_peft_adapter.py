@@ -99,6 +99,13 @@ def test_an_adapter_in_a_trainer_checkpoint_is_the_adapter_with_the_trainer_file
     assert len(details["adapter"]["modules"]) == 4
 
 
+def test_a_trainer_output_dir_counts_a_checkpoint_holding_an_adapter_as_complete() -> None:
+    data = json.loads(run("show", PEFT / "trainer", "--json").stdout)
+    assert [(c["name"], c["complete"], c["missing"]) for c in data["checkpoints"]] == [
+        ("checkpoint-2", True, [])
+    ]
+
+
 def test_rescale_step_still_rescales_the_trainer_checkpoint_around_an_adapter() -> None:
     """The adapter's plug-in comes first in detection but rescales nothing: the Trainer's files
     are rescaled as the Hugging Face plug-in plans it."""
