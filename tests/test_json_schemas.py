@@ -26,9 +26,12 @@ from tests.support.helpers import FIXTURES, copy_fixture
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCHEMAS = DOCS / "schemas"
-COMMANDS = ["show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "lora-merge"]
+COMMANDS = [
+    "show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "lora-merge",
+    "lora-extract",
+]  # fmt: skip
 #: The page that documents a command's --json, where it is not ``<command>.md``.
-PAGE = {"lora-merge": "lora.md"}
+PAGE = {"lora-merge": "lora.md", "lora-extract": "lora.md"}
 PAIRS = FIXTURES / "pairs"
 DCP = FIXTURES / "dcp" / "checkpoint"
 FRAMEWORKS = FIXTURES / "frameworks"
@@ -553,6 +556,16 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
             "-o",
             tmp_path / "m",
         ),
+        "lora-extract": lambda: run_json(
+            "lora",
+            "extract",
+            FRAMEWORKS / "peft/base",
+            FRAMEWORKS / "peft/lora_merged",
+            "--rank",
+            "2",
+            "-o",
+            tmp_path / "x",
+        ),
     }
     data = outputs[command]()
     assert_valid(command, data)
@@ -569,6 +582,7 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "scan": lambda d: d["files"][0]["globals"][0],
         "repair": lambda d: d["lost"][0],
         "lora-merge": lambda d: d["merged"][0],
+        "lora-extract": lambda d: d["extracted"][0],
     }[command]
     if inner is not None:
         nested = json.loads(json.dumps(data))

@@ -35,6 +35,7 @@ PAGES = {
     "scan": "scan.md",
     "lora": "lora.md",  # a group: its commands share its page
     "lora merge": "lora.md",
+    "lora extract": "lora.md",
 }
 REGENERATE = "python -m tools.cli_reference"
 

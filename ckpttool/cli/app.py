@@ -574,11 +574,12 @@ def convert_command(
 
 @cli.group("lora", cls=CkptGroup)
 def lora_group() -> None:
-    """LoRA adapters: merge a PEFT adapter into its base model.
+    """LoRA adapters: merge a PEFT adapter into its base model, or extract one from a fine-tune.
 
     \b
     Examples:
       ckpttool lora merge llama-7b/ output/checkpoint-500/ -o llama-7b-tuned/
+      ckpttool lora extract llama-7b/ llama-7b-tuned/ --rank 16 -o my-adapter/
     """
 
 
@@ -641,6 +642,46 @@ def lora_merge_command(
         click.echo(lora_render.render_text(report))
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
+
+
+@lora_group.command("extract")
+@click.argument("base", type=click.Path(path_type=str))
+@click.argument("tuned", type=click.Path(path_type=str))
+@click.option("--rank", "rank", type=int, required=True, help="The rank R of each LoRA factor.")
+@click.option(
+    "-o", "--output", "output", metavar="ADAPTER_DIR", required=True,
+    type=click.Path(path_type=str), help="The PEFT adapter directory to write.",
+)  # fmt: skip
+@click.option(
+    "--strict", is_flag=True,
+    help="Refuse a difference no LoRA holds (a bias, a norm) instead of saving its module whole.",
+)  # fmt: skip
+@force_option
+@json_option("lora-extract")
+def lora_extract_command(
+    base: str, tuned: str, rank: int, output: str, strict: bool, force: bool, as_json: bool
+) -> None:
+    """Extract a LoRA adapter from a fine-tune: TUNED - BASE at rank R, by truncated SVD.
+
+    For each 2-D weight that differs, the difference is factorised (torch.linalg.svd, or
+    svd_lowrank for large matrices) into lora_B [out, R] and lora_A [R, in] with scale 1, and
+    the fraction of its energy (squared singular values) the rank keeps is reported. A differing
+    tensor that is not a 2-D weight (a bias, a norm) puts its module in modules_to_save, saved
+    whole from TUNED (--strict refuses it). ADAPTER_DIR is a PEFT adapter directory that
+    PeftModel.from_pretrained loads and lora merge merges back, written all or nothing.
+
+    \b
+    Examples:
+      ckpttool lora extract llama-7b/ llama-7b-tuned/ --rank 16 -o my-adapter/
+    """
+    from ckpttool.commands.lora.extract import extract_adapter
+    from ckpttool.render import lora as lora_render
+
+    report = extract_adapter(base, tuned, output, rank=rank, strict=strict, force=force)
+    if as_json:
+        _echo_json(lora_render.render_extract_json(report))
+    else:
+        click.echo(lora_render.render_extract_text(report))
 
 
 @cli.command("repair")
