@@ -167,6 +167,14 @@ def test_a_file_base_gives_a_file_of_its_format(tmp_path: Path) -> None:
         assert torch.allclose(merged[key.removeprefix("model.")], value, rtol=RTOL, atol=ATOL)
 
 
+def test_a_file_keeps_its_format(tmp_path: Path) -> None:
+    safetensors = tmp_path / "base.safetensors"
+    shutil.copy(PEFT / "base/model.safetensors", safetensors)
+    result = run("lora", "merge", safetensors, PEFT / "lora", "-o", tmp_path / "m.pth", exit_code=2)
+    assert "the base is a .safetensors file and the merged output keeps its format" in result.stderr
+    assert not (tmp_path / "m.pth").exists()
+
+
 def test_the_cli_prints_what_changed_and_json(tmp_path: Path) -> None:
     text = run("lora", "merge", PEFT / "base", PEFT / "lora", "-o", tmp_path / "a").stdout
     assert "wrote model directory" in text and "lora: model.layers.0.mlp.down_proj.weight" in text

@@ -165,3 +165,21 @@ def test_an_unreadable_adapter_config_is_one_line(tmp_path: Path) -> None:
     result = run("show", copy, exit_code=2)
     assert result.stderr.startswith(f"Error: {copy / 'adapter_config.json'}: not valid JSON")
     assert "not valid JSON" in run("verify", copy, exit_code=1).stdout
+
+
+def test_another_peft_type_is_shown_by_type_and_not_merged(tmp_path: Path) -> None:
+    """An IA3 adapter (written here by PEFT): its scaling vectors are not LoRA modules or saved
+    copies, and lora merge refuses it."""
+    from peft import IA3Config, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(PEFT / "base")
+    config = IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
+    get_peft_model(model, config).save_pretrained(tmp_path / "ia3")
+    summary = adapter_of(tmp_path / "ia3")
+    assert (summary["peft_type"], summary["modules"], summary["saved"]) == ("IA3", [], [])
+    assert run("show", tmp_path / "ia3").stdout.count("adapter:    IA3\n") == 1
+    result = run(
+        "lora", "merge", PEFT / "base", tmp_path / "ia3", "-o", tmp_path / "m", exit_code=2
+    )
+    assert "peft_type is IA3; only LoRA merges" in result.stderr

@@ -157,7 +157,9 @@ def _read_adapter(adapter: str) -> tuple[list[_Factors], dict[str, np.ndarray], 
                 "adapter_model.safetensors or adapter_model.bin)"
             )
         if summary.get("peft_type") != "LORA":
-            raise InputError(f"{adapter}: a {summary.get('peft_type')} adapter; only LoRA merges")
+            raise InputError(
+                f"{adapter}: the adapter's peft_type is {summary.get('peft_type')}; only LoRA merges"
+            )
         if summary.get("unrecognised"):
             raise InputError(
                 f"{adapter}: holds tensors a LoRA merge does not know how to apply "
@@ -412,11 +414,13 @@ def _write(
             copied = model_dir.copy_files(directory, staging)
         files = model_dir.moved(files, target)
     else:
-        to = "safetensors" if ckpt.format == "safetensors" else "pth"
-        if target.suffix and _kind_of(target) not in (None, to):
+        # a file keeps its format; another directory (DCP, DeepSpeed) goes by OUT's suffix
+        to = None if ckpt.format == "directory" else _kind_of_format(ckpt.format)
+        if to is not None and target.suffix and _kind_of(target) not in (None, to):
+            suffix = "safetensors" if to == "safetensors" else "pth"
             raise InputError(
-                f"{target}: the base is {'safetensors' if to == 'safetensors' else 'a .pth'}; "
-                f"the merged output keeps its format: name a .{'safetensors' if to == 'safetensors' else 'pth'} file"
+                f"{target}: the base is a .{suffix} file and the merged output keeps its "
+                f"format: name a .{suffix} file"
             )
         files = plan_outputs(source, target, to, shard_size, plan)
         check_targets(source, files, force)
@@ -435,6 +439,11 @@ def _write(
         verified=verify,
         notes=list(plan.notes),
     )
+
+
+def _kind_of_format(file_format: str) -> str:
+    """The output kind that keeps a file's format (every torch format is written as a .pth)."""
+    return "safetensors" if file_format == "safetensors" else "pth"
 
 
 def _kind_of(path: Path) -> str | None:

@@ -100,6 +100,8 @@ def summarize(config: Any, weights: Any) -> tuple[dict[str, Any], list[str]]:
         elif scaling is None:
             problems.append(f"adapter_config.json: lora_alpha is {config.get('lora_alpha')!r}")
     records = {key: leaf for key, leaf in walk(weights) if isinstance(leaf, TensorRecord)}
+    if config["peft_type"] != "LORA":  # IA3, prompt tuning...: shown by type, not grouped
+        records = {}
     modules, saved, unknown = _group(records)
     summary["modules"] = [
         _module(config, name, parts, problems) for name, parts in sorted(modules.items())
