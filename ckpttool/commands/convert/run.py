@@ -151,7 +151,7 @@ def convert_with(
             on_total(plan.tensor_bytes * (2 if verify else 1))
 
         def write(plan: Plan, files: list[OutFile]) -> dict[str, CastCounts]:
-            return _write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
+            return write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
                                   verify=verify, progress=progress or (lambda n: None))  # fmt: skip
 
         output = model_dir.model_directory(ckpt)
@@ -215,7 +215,7 @@ def _local_name(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None)
     return Path(name)
 
 
-def _write_outputs(
+def write_outputs(
     ckpt: Checkpoint,
     plan: Plan,
     files: list[OutFile],
@@ -292,10 +292,6 @@ def _write_outputs(
         if hashing is not None:
             hashing.close()
     return counts
-
-
-#: What ``lora merge`` writes through: convert's writer with computed tensors (``replaced``).
-write_outputs = _write_outputs
 
 
 class _Hashing:
