@@ -240,3 +240,25 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(
     assert result.stderr.startswith(f"Error: {path}: ")
     assert message in result.stderr and result.stderr.count("\n") == 1
     assert list(out_dir.iterdir()) == []  # no output, no temp files
+
+
+def test_a_merged_tensor_that_does_not_read_back_removes_the_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read-back compares each merged tensor with the CRC-32 of the bytes computed: a
+    mismatch (simulated: every digest after the 7 taken while writing is wrong) is exit 1 and
+    leaves no output."""
+    from ckpttool.commands.convert import run as convert_run
+
+    real = convert_run._digest
+    calls = {"n": 0}
+
+    def digest(data: Any) -> bytes:
+        calls["n"] += 1
+        return real(data) if calls["n"] <= 7 else b"\0\0\0\0"
+
+    monkeypatch.setattr(convert_run, "_digest", digest)
+    out = tmp_path / "merged"
+    result = run("lora", "merge", PEFT / "base", PEFT / "lora", "-o", out, exit_code=1)
+    assert "does not read back bit-for-bit equal" in result.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
