@@ -29,6 +29,7 @@ PACKAGES = {
     "transformers": "transformers",
     "accelerate": "accelerate",
     "pytorch_lightning": "pytorch-lightning",
+    "peft": "peft",
 }
 
 

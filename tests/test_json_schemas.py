@@ -26,7 +26,12 @@ from tests.support.helpers import FIXTURES, copy_fixture
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCHEMAS = DOCS / "schemas"
-COMMANDS = ["show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "edit"]
+COMMANDS = [
+    "show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "edit", "lora-merge",
+    "lora-extract",
+]  # fmt: skip
+#: The page that documents a command's --json, where it is not ``<command>.md``.
+PAGE = {"lora-merge": "lora.md", "lora-extract": "lora.md"}
 PAIRS = FIXTURES / "pairs"
 DCP = FIXTURES / "dcp" / "checkpoint"
 FRAMEWORKS = FIXTURES / "frameworks"
@@ -93,10 +98,12 @@ def code_words(markdown: str) -> set[str]:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_schema_field_is_documented_on_the_command_page(command: str) -> None:
     schema = json.loads((SCHEMAS / f"{command}.schema.json").read_text())
-    page = (DOCS / f"{command}.md").read_text()
+    page = (DOCS / PAGE.get(command, f"{command}.md")).read_text()
     assert f"schemas/{command}.schema.json" in page  # the page links its schema
     missing = property_names(schema) - code_words(page)
-    assert not missing, f"docs/{command}.md does not mention {sorted(missing)}"
+    assert not missing, (
+        f"docs/{PAGE.get(command, command + '.md')} does not mention {sorted(missing)}"
+    )
 
 
 # --- show ------------------------------------------------------------------------------------
@@ -128,6 +135,9 @@ def test_every_schema_field_is_documented_on_the_command_page(command: str) -> N
         [FRAMEWORKS / "tutorial/whole_model.pt"],  # a pickled module
         [FRAMEWORKS / "trainer_1proc/output/checkpoint-4/optimizer.pt"],  # a bare optimizer
         [FRAMEWORKS / "fsdp2_2proc/model_world_size_2_rank_0.pt"],  # DTensor shards
+        [FRAMEWORKS / "peft/lora"],  # a PEFT adapter: patterns, modules_to_save
+        [FRAMEWORKS / "peft/dora"],
+        [FRAMEWORKS / "peft/trainer/checkpoint-2"],  # the adapter in a Trainer checkpoint
     ],
     ids=lambda args: "-".join(str(a).rsplit("/", 1)[-1] for a in args),
 )
@@ -584,6 +594,24 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "edit": lambda: run_json(
             "edit", RESUME, "--for-inference", "--rename", "^model\\.=model.m.", "--dry-run"
         ),
+        "lora-merge": lambda: run_json(
+            "lora",
+            "merge",
+            FRAMEWORKS / "peft/base",
+            FRAMEWORKS / "peft/lora",
+            "-o",
+            tmp_path / "m",
+        ),
+        "lora-extract": lambda: run_json(
+            "lora",
+            "extract",
+            FRAMEWORKS / "peft/base",
+            FRAMEWORKS / "peft/lora_merged",
+            "--rank",
+            "2",
+            "-o",
+            tmp_path / "x",
+        ),
     }
     data = outputs[command]()
     assert_valid(command, data)
@@ -600,6 +628,8 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "scan": lambda d: d["files"][0]["globals"][0],
         "repair": lambda d: d["lost"][0],
         "edit": lambda d: d["renamed"][0],
+        "lora-merge": lambda d: d["merged"][0],
+        "lora-extract": lambda d: d["extracted"][0],
     }[command]
     if inner is not None:
         nested = json.loads(json.dumps(data))

@@ -34,6 +34,9 @@ PAGES = {
     "repair": "repair.md",
     "edit": "edit.md",
     "scan": "scan.md",
+    "lora": "lora.md",  # a group: its commands share its page
+    "lora merge": "lora.md",
+    "lora extract": "lora.md",
 }
 REGENERATE = "python -m tools.cli_reference"
 

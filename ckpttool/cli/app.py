@@ -572,6 +572,118 @@ def convert_command(
         click.echo(f"warning: {warning}", err=True)
 
 
+@cli.group("lora", cls=CkptGroup)
+def lora_group() -> None:
+    """LoRA adapters: merge a PEFT adapter into its base model, or extract one from a fine-tune.
+
+    \b
+    Examples:
+      ckpttool lora merge llama-7b/ output/checkpoint-500/ -o llama-7b-tuned/
+      ckpttool lora extract llama-7b/ llama-7b-tuned/ --rank 16 -o my-adapter/
+    """
+
+
+@lora_group.command("merge")
+@click.argument("base", type=click.Path(path_type=str))
+@click.argument("adapter", type=click.Path(path_type=str))
+@click.option(
+    "-o", "--output", "output", metavar="OUT", required=True, type=click.Path(path_type=str),
+    help="Where the merged model goes: a model directory for a model directory BASE, else a "
+    "file of BASE's format.",
+)  # fmt: skip
+@click.option(
+    "--max-shard-size", metavar="SIZE",
+    help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
+)  # fmt: skip
+@click.option("--no-verify", is_flag=True, help="Skip reading the output back (not advised).")
+@force_option
+@json_option("lora-merge")
+def lora_merge_command(
+    base: str,
+    adapter: str,
+    output: str,
+    max_shard_size: str | None,
+    no_verify: bool,
+    force: bool,
+    as_json: bool,
+) -> None:
+    """Merge a LoRA adapter into its base: W + scaling * B @ A, one tensor at a time.
+
+    ADAPTER is a PEFT adapter directory (adapter_config.json and adapter_model.safetensors or
+    .bin, or a Trainer checkpoint-N/ holding them); BASE is the model it was trained on: a
+    Hugging Face model directory, a safetensors file or a .pth state dict. Each adapted weight
+    is computed in float32 and rounded back to its dtype once (fan_in_fan_out, rsLoRA,
+    rank/alpha patterns and DoRA as PEFT merges them); modules_to_save copies replace the
+    base's tensors; every other tensor is copied as stored. No model class, no GPU: memory
+    holds a few tensors at a time. OUT keeps BASE's layout (a model directory gets its
+    config.json and generation_config.json copied) and is written atomically and read back
+    before it appears. A target BASE does not hold, a tied weight the adapter changes, or
+    factors whose ranks do not fit are refused (exit 2, nothing written).
+
+    \b
+    Examples:
+      ckpttool lora merge llama-7b/ output/checkpoint-500/ -o llama-7b-tuned/
+      ckpttool lora merge model.safetensors my-adapter/ -o merged.safetensors
+      ckpttool lora merge llama-70b/ my-adapter/ -o merged/ --max-shard-size 5GB
+    """
+    from ckpttool.commands.lora.merge import merge_adapter
+    from ckpttool.io.progress import Progress
+    from ckpttool.render import lora as lora_render
+
+    with Progress(0, "merge") as bar:
+        report = merge_adapter(
+            base, adapter, output, force=force, verify=not no_verify,
+            max_shard_size=max_shard_size, progress=bar.advance,
+            on_total=lambda n: setattr(bar, "total", max(n, 1)),
+        )  # fmt: skip
+    if as_json:
+        _echo_json(lora_render.render_json(report))
+    else:
+        click.echo(lora_render.render_text(report))
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+
+
+@lora_group.command("extract")
+@click.argument("base", type=click.Path(path_type=str))
+@click.argument("tuned", type=click.Path(path_type=str))
+@click.option("--rank", "rank", type=int, required=True, help="The rank R of each LoRA factor.")
+@click.option(
+    "-o", "--output", "output", metavar="ADAPTER_DIR", required=True,
+    type=click.Path(path_type=str), help="The PEFT adapter directory to write.",
+)  # fmt: skip
+@click.option(
+    "--strict", is_flag=True,
+    help="Refuse a difference no LoRA holds (a bias, a norm) instead of saving its module whole.",
+)  # fmt: skip
+@force_option
+@json_option("lora-extract")
+def lora_extract_command(
+    base: str, tuned: str, rank: int, output: str, strict: bool, force: bool, as_json: bool
+) -> None:
+    """Extract a LoRA adapter from a fine-tune: TUNED - BASE at rank R, by truncated SVD.
+
+    For each 2-D weight that differs, the difference is factorised (torch.linalg.svd, or
+    svd_lowrank for large matrices) into lora_B [out, R] and lora_A [R, in] with scale 1, and
+    the fraction of its energy (squared singular values) the rank keeps is reported. A differing
+    tensor that is not a 2-D weight (a bias, a norm) puts its module in modules_to_save, saved
+    whole from TUNED (--strict refuses it). ADAPTER_DIR is a PEFT adapter directory that
+    PeftModel.from_pretrained loads and lora merge merges back, written all or nothing.
+
+    \b
+    Examples:
+      ckpttool lora extract llama-7b/ llama-7b-tuned/ --rank 16 -o my-adapter/
+    """
+    from ckpttool.commands.lora.extract import extract_adapter
+    from ckpttool.render import lora as lora_render
+
+    report = extract_adapter(base, tuned, output, rank=rank, strict=strict, force=force)
+    if as_json:
+        _echo_json(lora_render.render_extract_json(report))
+    else:
+        click.echo(lora_render.render_extract_text(report))
+
+
 @cli.command("repair")
 @click.argument("src", type=click.Path(path_type=str))
 @click.option(

@@ -233,6 +233,9 @@ class ModelDirectoryOutput:
     tied_output_names: tuple[str, ...]  # stored as aliases of the input embedding
     config_entries: tuple[str, ...]  # top-level entries the copied files already hold
     owns: Callable[[str], bool]  # a file name such a directory holds (--force replaces only those)
+    # endings of the input embedding's name that the loader ties the output embedding to when
+    # the directory does not store one of ``tied_output_names`` ("embed_tokens.weight")
+    tied_input_endings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ the ``details["layout"]`` values it answers for, so that finding the framework o
 checkpoint imports that framework alone, and start-up imports none. Adding a framework is one
 line here (see docs/development.md, "How to add a framework").
 
-Order matters: accelerate first (its folders hold a ``model.safetensors`` like a model
+Order matters: PEFT first (a Trainer ``checkpoint-N/`` of a PEFT model holds the adapter
+instead of the weights); accelerate next (its folders hold a ``model.safetensors`` like a model
 directory does); DeepSpeed last (a Trainer ``checkpoint-N/`` of a DeepSpeed run holds a
 ``global_stepN/`` too).
 """
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 #: (import string, the layouts it detects), in detection order.
 FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ckpttool.frameworks.peft.framework:FRAMEWORK", ("peft_adapter",)),
     ("ckpttool.frameworks.accelerate.framework:FRAMEWORK", ("accelerate",)),
     ("ckpttool.frameworks.huggingface.framework:FRAMEWORK", ("hf_model", "hf_trainer", "hf_trainer_output")),
     ("ckpttool.frameworks.deepspeed.framework:FRAMEWORK", ("deepspeed",)),

@@ -51,7 +51,8 @@ HF_MODEL = "hf_model"
 HF_TRAINER = "hf_trainer"
 ACCELERATE = "accelerate"
 DEEPSPEED = "deepspeed"  # a ZeRO save dir or tag dir: ckpttool.frameworks.deepspeed.files
-DECLARED_LAYOUTS = (HF_MODEL, HF_TRAINER, ACCELERATE, DEEPSPEED, PICKLED_MODULE)
+PEFT_ADAPTER = "peft_adapter"  # adapter_config.json + adapter_model.*: ckpttool.frameworks.peft
+DECLARED_LAYOUTS = (HF_MODEL, HF_TRAINER, ACCELERATE, DEEPSPEED, PEFT_ADAPTER, PICKLED_MODULE)
 
 LAYOUT_TITLES = {
     STATE_DICT: "plain state dict",
@@ -71,6 +72,7 @@ LAYOUT_TITLES = {
     HF_TRAINER: "Hugging Face Trainer checkpoint",
     ACCELERATE: "accelerate save_state folder",
     DEEPSPEED: "DeepSpeed checkpoint",
+    PEFT_ADAPTER: "PEFT adapter",
 }
 
 RESUME_KEYS = ("model", "optimizer", "epoch", "step")
@@ -161,7 +163,7 @@ def is_resume(layout: str) -> bool:
 def model_section(layout: str, root: Any = None) -> str | None:
     """The key of the model weights inside a layout (None: the whole file is the weights, or
     no part of it is; :func:`model_part` tells those apart)."""
-    if is_resume(layout) or layout in (HF_MODEL, HF_TRAINER, ACCELERATE):
+    if is_resume(layout) or layout in (HF_MODEL, HF_TRAINER, ACCELERATE, PEFT_ADAPTER):
         return "model"
     if layout == LIGHTNING:
         return "state_dict"

@@ -18,7 +18,7 @@ under the target's name and an existing target is left as it was.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -152,7 +152,7 @@ def convert_with(
             on_total(plan.tensor_bytes * (2 if verify else 1))
 
         def write(plan: Plan, files: list[OutFile]) -> dict[str, CastCounts]:
-            return _write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
+            return write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
                                   verify=verify, progress=progress or (lambda n: None))  # fmt: skip
 
         output = model_dir.model_directory(ckpt)
@@ -216,7 +216,7 @@ def _local_name(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None)
     return Path(name)
 
 
-def _write_outputs(
+def write_outputs(
     ckpt: Checkpoint,
     plan: Plan,
     files: list[OutFile],
@@ -224,16 +224,20 @@ def _write_outputs(
     allow_overflow: bool,
     verify: bool,
     progress: ProgressCallback,
+    replaced: Mapping[str, Callable[[], bytes | bytearray | memoryview]] | None = None,
 ) -> dict[str, CastCounts]:
     """Write ``files`` through one atomic group, each tensor read, cast and written in turn;
     when ``verify``, read them back before they replace anything. Returns what each cast
-    tensor lost (overflow, underflow), by name."""
+    tensor lost (overflow, underflow), by name. ``replaced``: tensors whose bytes are not the
+    source's but what the given function computes (``lora merge``), each called once, when
+    its tensor is written, and verified against the CRC-32 of what it returned."""
     counts: dict[str, CastCounts] = {}
+    replaced = replaced or {}
     # A remote source is not fetched a second time to verify: the CRC-32 of each tensor's bytes
     # is taken as they are written, and the output is read back against it. (SHA-256 was
     # measured: on two cores it made a URL's convert slower than a download and a local one.)
     remote_source = is_url(ckpt.name)
-    hashing = _Hashing() if verify and remote_source else None
+    hashing = _Hashing() if verify and (remote_source or replaced) else None
     # the order produce is called in (each file's tensors, files in turn): the next one is
     # fetched while this one is written, when the source is remote
     sequence = [p for f in files if f.kind != "index" for p in f.tensors if not p.kept]
@@ -242,11 +246,18 @@ def _write_outputs(
         ckpt.resolve_spans([p.record.storage for p in sequence if p.record.storage is not None])
 
     def produce(planned: Planned) -> bytes | bytearray | memoryview:
+        compute = replaced.get(planned.name)
+        if compute is not None:
+            data = compute()
+            if hashing is not None:
+                hashing.add(planned.name, data)
+            progress(planned.nbytes)
+            return data
         data, cast = tensor_bytes(ckpt, planned)
         upcoming = following.get(planned.name) if remote_source else None
         if upcoming is not None:
             ckpt.prefetch(upcoming.record)
-        if hashing is not None:
+        if hashing is not None and remote_source:
             hashing.add(planned.name, data)
         if cast is not None:
             counts[planned.name] = cast
@@ -268,7 +279,7 @@ def _write_outputs(
 
     # a local source's small tensors are read in blocks of adjacent records (a remote one's
     # are fetched ahead one by one, above)
-    blocks = [] if remote_source else _read_as_is(sequence)
+    blocks = [] if remote_source else _read_as_is([p for p in sequence if p.name not in replaced])
     try:
         with (
             atomic_group([f.target for f in files], check=check) as handles,

@@ -178,15 +178,15 @@ def _plan(
             f"({directory_format.no_rescale_why}), so it is not supported"
         )
     found: tuple[Framework, FrameworkDirectory] | None = None
+    # the first framework that knows the directory and rescales it: a Trainer checkpoint-N/ of
+    # a PEFT model is a PEFT adapter to show, and a Trainer checkpoint to rescale
     for framework in frameworks():
         layout = detect_once(framework, str(path), known)
         if layout is not None and layout.kind != COLLECTION:
-            found = (framework, layout)
-            break
-    if found is not None:
-        planned = found[0].rescale_plan(path, found[1], request)
-        if planned is not None:
-            return planned
+            found = found or (framework, layout)
+            planned = framework.rescale_plan(path, layout, request)
+            if planned is not None:
+                return planned
     what = found[1].title if found is not None else "not a framework checkpoint directory"
     raise LayoutError(
         f"{path}: {what}; rescale-step rewrites a Trainer checkpoint-N/ or an accelerate "

@@ -45,6 +45,10 @@ WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 SAFE_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 BIN_SHARD = re.compile(r"^pytorch_model-\d{5}-of-\d{5}\.bin$")
 
+#: A PEFT model's weights, which Trainer saves in their place (transformers.utils'
+#: ``ADAPTER_SAFE_WEIGHTS_NAME``, ``ADAPTER_WEIGHTS_NAME``; the PEFT plug-in reads such a folder).
+ADAPTER_WEIGHTS_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
+
 TRAINER_STATE_NAME = "trainer_state.json"
 TRAINING_ARGS_NAME = "training_args.bin"
 OPTIMIZER_NAME = "optimizer.pt"
@@ -191,7 +195,8 @@ def _trainer_members(files: dict[str, int]) -> list[Member]:
 
 def _check_trainer(layout: FrameworkDirectory, files: dict[str, int]) -> None:
     """What a resumable Trainer checkpoint must hold, and the counters it records."""
-    if not any(m.role == WEIGHTS for m in layout.members):
+    adapter = any(name in files for name in ADAPTER_WEIGHTS_NAMES)
+    if not adapter and not any(m.role == WEIGHTS for m in layout.members):
         layout.missing.append("the model weights (model.safetensors or pytorch_model.bin)")
     for name in (OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME):
         if name not in files:

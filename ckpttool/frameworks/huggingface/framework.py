@@ -42,6 +42,12 @@ COPIED_FILES = (CONFIG_NAME, GENERATION_CONFIG_NAME)
 #: Output embeddings transformers drops when ``tie_word_embeddings`` ties them to the input
 #: embedding (``_tied_weights_keys`` of the ``*ForCausalLM`` classes).
 TIED_OUTPUT_NAMES = ("lm_head.weight",)
+#: The input embeddings those are tied to (``get_input_embeddings()`` of the common model
+#: families: Llama/Mistral/Qwen, GPT-2, BERT/BLOOM, GPT-NeoX, Meta's Llama, T5).
+TIED_INPUT_ENDINGS = (
+    "embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight",
+    "tok_embeddings.weight", "shared.weight",
+)  # fmt: skip
 #: What ``save_pretrained`` writes besides shards (``--force`` replaces only such a directory).
 MODEL_DIR_FILES = frozenset(
     {*COPIED_FILES, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME}
@@ -92,6 +98,7 @@ class HuggingFace(Framework):
             tied_output_names=TIED_OUTPUT_NAMES,
             config_entries=CONFIG_ENTRIES,
             owns=model_dir_file,
+            tied_input_endings=TIED_INPUT_ENDINGS,
         )
 
     def rebuild_index(self, directory: str) -> IndexRepair | None:

@@ -1,0 +1,1 @@
+"""``ckpttool lora``: LoRA adapters and their bases (merge)."""

@@ -1,0 +1,293 @@
+"""``lora extract``: a LoRA adapter that turns BASE into (approximately) TUNED, by truncated SVD.
+
+For each 2-D ``*.weight`` that differs between the two, the difference ``D = T - W`` (float32,
+float64 kept) is factorised as ``U S V^T`` and cut to rank ``R``: ``lora_B = U_R sqrt(S_R)``
+``[out, R]``, ``lora_A = sqrt(S_R) V_R^T`` ``[R, in]``, with ``lora_alpha = R`` so that PEFT's scale
+``alpha / r`` is 1 (a matrix smaller than ``R`` gets its own rank in ``rank_pattern`` and
+``alpha_pattern``). ``torch.linalg.svd`` for matrices up to :data:`FULL_SVD_MAX` on their short
+side, ``torch.svd_lowrank`` above. Each tensor's report says the fraction of ``||D||^2`` the rank
+keeps (1.0: the difference has rank <= R). An input embedding's difference is stored as PEFT's
+``lora_embedding_A`` ``[R, vocab]`` / ``lora_embedding_B`` ``[dim, R]`` (``D = (B A)^T``).
+
+A tensor that differs but is not a 2-D weight (a bias, a norm's scale) cannot be a LoRA: its
+module goes to ``modules_to_save``, saved whole from TUNED (all of that module's tensors, and no
+LoRA of it), unless ``strict``, which refuses it. The adapter directory (``adapter_config.json``,
+``adapter_model.safetensors``) is what ``PeftModel.from_pretrained`` loads; it appears
+all-or-nothing and is read back before it does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckpttool.checkpoint import Checkpoint, open_checkpoint
+from ckpttool.commands.convert import model_dir
+from ckpttool.commands.convert.options import ConversionOptions
+from ckpttool.commands.convert.plan import Plan, build_plan
+from ckpttool.commands.selection import Selection
+from ckpttool.errors import InputError, OutputExistsError, VerificationError
+from ckpttool.formats.base import OutTensor
+from ckpttool.formats.registry import format_by_id
+from ckpttool.frameworks.base import WEIGHTS_VIEW
+from ckpttool.io.atomic import staged_directory
+from ckpttool.io.values import dense_record, read_array
+from ckpttool.model.cast import stored_dtype, widen
+from ckpttool.model.records import TensorRecord
+
+#: A full SVD up to this many rows or columns on the short side; a randomised one above.
+FULL_SVD_MAX = 2048
+FLOATS = ("float32", "float16", "bfloat16", "float64")
+PREFIX = "base_model.model."
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+#: Input embeddings (PEFT wraps them as ``lora.Embedding``): names ending so.
+EMBEDDING_ENDINGS = (
+    "embed_tokens", "wte", "wpe", "word_embeddings", "embed_in", "tok_embeddings", "shared",
+    "embed_positions", "position_embeddings",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Extracted:
+    """One tensor's difference, as a LoRA of ``rank`` keeping ``energy`` of it."""
+
+    name: str
+    module: str
+    shape: tuple[int, ...]
+    rank: int
+    energy: float  # sum of the kept squared singular values / ||difference||^2
+
+
+@dataclass
+class ExtractReport:
+    base: str
+    tuned: str
+    output: Path
+    rank: int
+    extracted: list[Extracted]
+    modules_to_save: list[str]  # modules saved whole (a differing bias or norm)
+    unchanged: int  # tensors equal in both
+    verified: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def extract_adapter(
+    base: str | os.PathLike[str],
+    tuned: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    rank: int,
+    strict: bool = False,
+    force: bool = False,
+) -> ExtractReport:
+    """Write the PEFT adapter directory ``output`` that turns ``base`` into ``tuned`` at
+    ``rank`` (see the module doc). Raises :class:`InputError` (nothing written) for inputs whose
+    tensors do not pair up, a non-2-D difference with ``strict``, or a bad rank."""
+    if rank < 1:
+        raise InputError(f"--rank must be at least 1; got {rank}")
+    target = Path(output)
+    _check_output(target, force)
+    base_name, tuned_name = os.fspath(base), os.fspath(tuned)
+    with (
+        open_checkpoint(base, view=WEIGHTS_VIEW) as a,
+        open_checkpoint(tuned, view=WEIGHTS_VIEW) as b,
+    ):
+        names_a, names_b = _weights(a), _weights(b)
+        if sorted(names_a) != sorted(names_b):
+            only = sorted(set(names_a) ^ set(names_b))
+            side = base_name if only[0] in names_a else tuned_name
+            raise InputError(
+                f"{side}: holds {only[0]}, which the other does not "
+                f"({len(only)} names differ); extract needs the same tensors in both"
+            )
+        changed: dict[str, TensorRecord | None] = {}
+        unchanged = 0
+        for name, record in names_a.items():
+            other = names_b[name]
+            if record.shape != other.shape:
+                raise InputError(
+                    f"{tuned_name}: {name} is {list(other.shape)}, {list(record.shape)} in the base"
+                )
+            if record.dtype not in FLOATS or other.dtype not in FLOATS:
+                if not np.array_equal(_raw(a, record), _raw(b, other)):
+                    changed[name] = None  # differs, but no LoRA of it: modules_to_save
+                else:
+                    unchanged += 1
+                continue
+            if np.array_equal(_floats(a, record), _floats(b, other)):
+                unchanged += 1
+            else:
+                changed[name] = record
+        saved_modules = _saved_modules(changed, strict, tuned_name)
+        tensors: dict[str, np.ndarray] = {}
+        extracted: list[Extracted] = []
+        patterns: dict[str, int] = {}
+        for name, differing in changed.items():
+            module = name.rsplit(".", 1)[0]
+            if module in saved_modules or differing is None:
+                continue
+            delta = _floats(b, names_b[name]) - _floats(a, differing)
+            embedding = module.rsplit(".", 1)[-1] in EMBEDDING_ENDINGS
+            low, high, energy = _factor(delta.T if embedding else delta, rank)
+            kept = low.shape[1]
+            if kept != rank:
+                patterns[module] = kept
+            suffix = ("lora_embedding_B", "lora_embedding_A") if embedding else (
+                "lora_B.weight", "lora_A.weight")  # fmt: skip
+            tensors[f"{PREFIX}{module}.{suffix[0]}"] = low
+            tensors[f"{PREFIX}{module}.{suffix[1]}"] = high
+            extracted.append(Extracted(name, module, tuple(differing.shape), kept, energy))
+        for module in sorted(saved_modules):
+            for name, record in names_b.items():
+                if name.rsplit(".", 1)[0] == module:
+                    tensors[PREFIX + name] = _floats(b, record) if record.dtype in FLOATS else (
+                        np.ascontiguousarray(_raw(b, record)))  # fmt: skip
+    if not extracted and not saved_modules:
+        raise InputError(f"{tuned_name}: holds the same weights as {base_name}; nothing to extract")
+    config = _config(rank, extracted, sorted(saved_modules), patterns, base_name)
+    _write(target, config, tensors, force)
+    return ExtractReport(base_name, tuned_name, target, rank, extracted, sorted(saved_modules),
+                         unchanged)  # fmt: skip
+
+
+def _check_output(target: Path, force: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise InputError(f"{target}: exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()):
+        if not force:
+            raise OutputExistsError(f"{target} exists and is not empty; pass --force to replace it")
+        others = sorted(
+            p.name for p in target.iterdir() if p.name not in (CONFIG_NAME, WEIGHTS_NAME)
+        )
+        if others:
+            raise InputError(
+                f"{target}: holds files an adapter directory does not ({', '.join(others[:3])}); "
+                "--force replaces only an adapter directory; name another OUT"
+            )
+    if not target.parent.is_dir():
+        raise InputError(f"{target.parent}: no such directory for the output")
+
+
+def _weights(ckpt: Checkpoint) -> dict[str, TensorRecord]:
+    """The model's tensors by the names ``convert`` would write (a model directory's tied output
+    embedding left out, as it is on disk)."""
+    plan: Plan = build_plan(ckpt, Selection(None, (), False, None), ConversionOptions())
+    directory = model_dir.model_directory(ckpt)
+    if directory is not None:
+        plan = model_dir.for_transformers(plan, directory)
+    return {p.name: p.record for p in plan.stored}
+
+
+def _raw(ckpt: Checkpoint, record: TensorRecord) -> np.ndarray:
+    return np.asarray(read_array(ckpt, dense_record(ckpt, record)))
+
+
+def _floats(ckpt: Checkpoint, record: TensorRecord) -> np.ndarray:
+    values = np.ascontiguousarray(read_array(ckpt, dense_record(ckpt, record)))
+    if values.dtype.byteorder == ">":
+        values = values.astype(values.dtype.newbyteorder("<"))
+    wide = widen(values.view(stored_dtype(record.dtype)), record.dtype)
+    return np.asarray(wide, dtype=np.float64 if record.dtype == "float64" else np.float32).reshape(
+        record.shape
+    )
+
+
+def _saved_modules(changed: dict[str, TensorRecord | None], strict: bool, tuned: str) -> set[str]:
+    """Modules with a differing tensor that is not a 2-D float weight: saved whole."""
+    modules = set()
+    for name, record in changed.items():
+        if record is not None and len(record.shape) == 2 and name.endswith(".weight"):
+            continue
+        if strict:
+            shape = list(record.shape) if record is not None else "?"
+            raise InputError(
+                f"{tuned}: {name} ({shape}) differs but is not a 2-D weight, so no LoRA can "
+                "hold it; without --strict its module is saved whole (modules_to_save)"
+            )
+        modules.add(name.rsplit(".", 1)[0] if "." in name else name)
+    return modules
+
+
+def _factor(delta: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(B, A, energy)``: ``B @ A`` is the best rank-``rank`` approximation of ``delta``."""
+    import torch
+
+    matrix = torch.from_numpy(np.ascontiguousarray(delta))
+    total = float(torch.sum(matrix.double() ** 2))
+    kept = min(rank, *matrix.shape)
+    if min(matrix.shape) <= FULL_SVD_MAX:
+        u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
+    else:
+        u, s, v = torch.svd_lowrank(matrix, q=min(kept + 10, *matrix.shape), niter=4)
+        vh = v.T
+    u, s, vh = u[:, :kept], s[:kept], vh[:kept]
+    root = torch.sqrt(s)
+    energy = float(torch.sum(s.double() ** 2)) / total if total else 1.0
+    low = (u * root).contiguous().numpy()
+    high = (root[:, None] * vh).contiguous().numpy()
+    return low, high, min(energy, 1.0)
+
+
+def _config(
+    rank: int,
+    extracted: list[Extracted],
+    saved: list[str],
+    patterns: dict[str, int],
+    base: str,
+) -> dict[str, Any]:
+    """``adapter_config.json`` as PEFT's ``LoraConfig`` writes it (the fields a LoRA needs;
+    PEFT fills the others with their defaults)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": rank,
+        "rank_pattern": {re.escape(module): r for module, r in patterns.items()},
+        "alpha_pattern": {re.escape(module): r for module, r in patterns.items()},
+        "target_modules": sorted({e.module for e in extracted}) or None,
+        "modules_to_save": saved or None,
+        "lora_dropout": 0.0,
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def _write(
+    target: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], force: bool
+) -> None:
+    names = sorted(tensors)
+    out = [OutTensor(n, "float32" if tensors[n].dtype == np.float32 else str(tensors[n].dtype),
+                     tuple(tensors[n].shape)) for n in names]  # fmt: skip
+    data = [np.ascontiguousarray(tensors[n]).reshape(-1).view(np.uint8).data for n in names]
+    digests = {n: zlib.crc32(d) for n, d in zip(names, data)}
+    with staged_directory(target, replace_existing=force) as staging:
+        (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        with open(staging / WEIGHTS_NAME, "wb") as handle:
+            format_by_id("safetensors").write(handle, out, data, names, {}, {"format": "pt"})
+            handle.flush()
+            os.fsync(handle.fileno())
+        with open_checkpoint(staging / WEIGHTS_NAME) as written:
+            found = {r.key: r for r in written.tensors()}
+            wrong = [n for n in names if n not in found or _crc(written, found[n]) != digests[n]]
+        if wrong or len(found) != len(names):
+            raise VerificationError(f"{target}: {WEIGHTS_NAME} did not read back as written "
+                                    f"({wrong[:1]}); nothing was written")  # fmt: skip
+
+
+def _crc(written: Checkpoint, record: TensorRecord) -> int:
+    data, first = written.read_bytes(record)
+    start = first * record.itemsize
+    return zlib.crc32(memoryview(data)[start : start + record.nbytes])
