@@ -190,3 +190,45 @@ def test_compact_keeps_only_the_bytes_the_views_use(tmp_path: Path) -> None:
     assert edited["head"].untyped_storage().nbytes() == 240
     assert edited["head"].untyped_storage().data_ptr() == edited["mid"].untyped_storage().data_ptr()
     assert not edit_file(out, tmp_path / "again.pth", compact=True).changed  # already compact
+
+
+def test_dtype_casts_all_but_the_kept_tensors_as_torch_does(tmp_path: Path) -> None:
+    out = tmp_path / "bf16.pth"
+    report = edit_file(WEIGHTS, out, dtype="bf16", keep_dtype=["*norm*"])
+    original = torch.load(WEIGHTS, weights_only=True)
+    edited = torch.load(out, weights_only=True)
+    assert report.dtype == "bfloat16" and report.cast
+    for key, value in original.items():
+        if "norm" in key or not value.is_floating_point():
+            assert _same(edited[key], value), key
+            assert key not in report.cast
+        else:
+            assert _same(edited[key], value.to(torch.bfloat16)), key  # torch's own rounding
+    assert set(report.cast) == {
+        k for k, v in original.items() if "norm" not in k and v.is_floating_point()
+    }
+
+
+def test_dtype_keeps_tied_weights_tied_and_views_as_values(tmp_path: Path) -> None:
+    embed = torch.randn(8, 4)
+    source = tmp_path / "tied.pth"
+    torch.save({"embed": embed, "lm_head": embed, "t": embed.t(), "ids": torch.arange(3)}, source)
+    out = tmp_path / "half.pth"
+    edit_file(source, out, dtype="fp16")
+    edited = torch.load(out, weights_only=True)
+    assert (
+        edited["embed"].untyped_storage().data_ptr()
+        == edited["lm_head"].untyped_storage().data_ptr()
+    )
+    assert _same(edited["t"], embed.t().contiguous().to(torch.float16))
+    assert edited["ids"].dtype == torch.int64
+
+
+def test_dtype_overflow_is_an_error_unless_allowed(tmp_path: Path) -> None:
+    source = tmp_path / "big.pth"
+    torch.save({"w": torch.tensor([1e10, 1.0])}, source)
+    with pytest.raises(InputError, match="do not fit in float16"):
+        edit_file(source, tmp_path / "o.pth", dtype="fp16")
+    assert not (tmp_path / "o.pth").exists()
+    edit_file(source, tmp_path / "o.pth", dtype="fp16", allow_overflow=True)
+    assert torch.load(tmp_path / "o.pth", weights_only=True)["w"][0].isinf()

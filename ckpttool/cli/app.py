@@ -784,6 +784,15 @@ def repair_command(
     "states; a Lightning .ckpt's optimizer_states and lr_schedulers).",
 )  # fmt: skip
 @click.option(
+    "--dtype", type=click.Choice(["fp16", "bf16", "fp32"]),
+    help="Cast floating tensors (integer and float8 tensors are never cast).",
+)  # fmt: skip
+@click.option(
+    "--keep-dtype", multiple=True, metavar="PATTERN",
+    help="With --dtype: leave the tensors whose key matches alone (norms, routers); repeatable.",
+)  # fmt: skip
+@click.option("--allow-overflow", is_flag=True, help="With --dtype: write values too large as inf.")
+@click.option(
     "--compact", is_flag=True,
     help="Cut every storage to the bytes its tensors view (a view saved whole keeps only its "
     "own bytes).",
@@ -800,6 +809,9 @@ def edit_command(
     keep: tuple[str, ...],
     rename: tuple[str, ...],
     for_inference: bool,
+    dtype: str | None,
+    keep_dtype: tuple[str, ...],
+    allow_overflow: bool,
     compact: bool,
     dry_run: bool,
     force: bool,
@@ -807,8 +819,8 @@ def edit_command(
 ) -> None:
     """Rewrite a checkpoint file in its own format with entries dropped, kept or renamed.
 
-    The edits run in this order: --for-inference, --drop, --keep, --rename, --compact. The
-    result keeps
+    The edits run in this order: --for-inference, --drop, --keep, --rename, --dtype,
+    --compact. The result keeps
     SRC's format and layout (a resume file stays a resume file, a Lightning .ckpt stays
     loadable by Lightning), every tensor the same view of the same bytes; storages are copied
     whole (in the kernel for a torch zip), those no kept tensor views are not written. It is
@@ -821,6 +833,7 @@ def edit_command(
       ckpttool edit last.ckpt --for-inference --in-place --backup
       ckpttool edit model.pth --drop 'lm_head.*' --rename '^model\\.=' --dry-run
       ckpttool edit ddp.pth --rename '^module\\.=' -o plain.pth
+      ckpttool edit model.pth --dtype bf16 --keep-dtype '*norm*' -o model_bf16.pth
       ckpttool edit sliced.pth --compact -o small.pth
     """
     from ckpttool.commands.edit import edit_file
@@ -828,7 +841,8 @@ def edit_command(
 
     report = edit_file(
         src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
-        compact=compact, in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
+        compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
+        in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
     )  # fmt: skip
     if as_json:
         _echo_json(edit_render.render_json(report, dry_run=dry_run))

@@ -14,7 +14,9 @@ replaces anything; a storage no kept tensor views is not written.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,8 @@ from ckpttool.errors import (
 )
 from ckpttool.formats.registry import recover_file
 from ckpttool.model import edits
-from ckpttool.model.records import TensorRecord, walk
+from ckpttool.model.cast import CASTABLE, TARGETS, cast_array, stored_dtype
+from ckpttool.model.records import ITEMSIZE, StorageRecord, TensorRecord, walk, with_fields
 from ckpttool.model.roles import detect_layout
 
 
@@ -52,10 +55,12 @@ class EditReport:
     written: bool
     backup: str | None = None
     compacted: tuple[str, ...] = ()  # tensors whose storage was cut to the bytes they view
+    cast: tuple[str, ...] = ()  # tensors cast to ``dtype``
+    dtype: str | None = None  # the dtype tensors were cast to
 
     @property
     def changed(self) -> bool:
-        return bool(self.dropped or self.renamed or self.compacted)
+        return bool(self.dropped or self.renamed or self.compacted or self.cast)
 
 
 def default_output(src: Path) -> Path:
@@ -72,6 +77,9 @@ def edit_file(
     rename: list[str] | tuple[str, ...] = (),
     for_inference: bool = False,
     compact: bool = False,
+    dtype: str | None = None,
+    keep_dtype: list[str] | tuple[str, ...] = (),
+    allow_overflow: bool = False,
     in_place: bool = False,
     backup: bool = False,
     dry_run: bool = False,
@@ -124,11 +132,13 @@ def edit_file(
             root = edits.drop(root, list(drop), log)
             root = edits.keep(root, list(keep), log)
             root = edits.rename(root, list(rename), log)
-            regions: dict[str, tuple[str, int, int]] = {}
+            sources = _Sources(handle.fileno(), found.intact)
+            if dtype is not None:
+                root = _cast(root, dtype, list(keep_dtype), allow_overflow, sources, log)
             if compact:
-                root, regions = edits.compact(root, log)
+                root, sources.regions = edits.compact(root, log)
             after = _tensors(root)
-            changed = bool(log.dropped or log.renamed or log.compacted)
+            changed = bool(log.dropped or log.renamed or log.compacted or log.cast)
             write = changed and not dry_run
             if write and not in_place and output.exists() and not overwrite:
                 raise OutputExistsError(
@@ -137,28 +147,11 @@ def edit_file(
             if write and backup_path is not None and os.path.lexists(backup_path):
                 raise OutputExistsError(f"{backup_path} already exists: move it away first")
 
-            def read_range(storage_key: str, start: int, length: int) -> bytes:
-                if storage_key in regions:  # a storage cut to its views' bytes
-                    storage_key, first, end = regions[storage_key]
-                    start, stored_end = start + first, end
-                    offset = found.intact[storage_key][0]
-                    return os.pread(
-                        handle.fileno(), min(length, stored_end - start), offset + start
-                    )
-                offset, stored = found.intact[storage_key]
-                return os.pread(handle.fileno(), min(length, stored - start), offset + start)
-
-            def read(storage_key: str) -> bytes:
-                if storage_key in regions:
-                    _, first, end = regions[storage_key]
-                    return read_range(storage_key, 0, end - first)
-                return read_range(storage_key, 0, found.intact[storage_key][1])
-
             if write:
                 if backup_path is not None:
                     os.link(source, backup_path)  # the original's inode, kept under a new name
                 try:
-                    write_checked(found, root, output, read_range, read)
+                    write_checked(found, root, output, sources.read_range, sources.read)
                 except BaseException:
                     if backup_path is not None:
                         backup_path.unlink(missing_ok=True)
@@ -174,6 +167,8 @@ def edit_file(
         renamed=tuple(log.renamed),
         rules=tuple(zip(rename, log.rule_counts)),
         compacted=tuple(log.compacted),
+        cast=tuple(log.cast),
+        dtype=TARGETS.get(dtype, dtype) if dtype else None,
         tensors_before=len(before),
         tensors_after=len(after),
         bytes_before=_stored_bytes(before),
@@ -194,3 +189,121 @@ def _stored_bytes(tensors: list[tuple[str, TensorRecord]]) -> int:
         if record.storage is not None and record.inline_data is None:
             storages[record.storage.key] = record.storage.nbytes
     return sum(storages.values())
+
+
+class _Sources:
+    """Where each storage of the edited tree comes from: the source file (``intact``: key ->
+    offset, length), a range of one of its storages (``regions``: ``--compact``), or bytes
+    computed from the source (``derived``: key -> producer, e.g. a cast)."""
+
+    def __init__(self, fd: int, intact: dict[str, tuple[int, int]]) -> None:
+        self.fd = fd
+        self.intact = intact
+        self.regions: dict[str, tuple[str, int, int]] = {}
+        self.derived: dict[str, Callable[[], bytes]] = {}
+        self._last: tuple[str, bytes] | None = None  # the last derived bytes (the read-back)
+
+    def read_range(self, storage_key: str, start: int, length: int) -> bytes:
+        if storage_key in self.derived:
+            return self.read(storage_key)[start : start + length]
+        if storage_key in self.regions:  # a storage cut to its views' bytes
+            storage_key, first, end = self.regions[storage_key]
+            offset = self.intact[storage_key][0]
+            return os.pread(self.fd, min(length, end - first - start), offset + first + start)
+        offset, stored = self.intact[storage_key]
+        return os.pread(self.fd, min(length, stored - start), offset + start)
+
+    def read(self, storage_key: str) -> bytes:
+        producer = self.derived.get(storage_key)
+        if producer is not None:
+            if self._last is None or self._last[0] != storage_key:
+                self._last = (storage_key, producer())
+            return self._last[1]
+        if storage_key in self.regions:
+            _, first, end = self.regions[storage_key]
+            return self.read_range(storage_key, 0, end - first)
+        return self.read_range(storage_key, 0, self.intact[storage_key][1])
+
+
+_CAST_PREFIX = "\0cast\0"
+
+
+def _cast(
+    root: Any,
+    dtype: str,
+    keep: list[str],
+    allow_overflow: bool,
+    sources: _Sources,
+    log: edits.EditLog,
+) -> Any:
+    """``root`` with every floating tensor (of a castable dtype) not matching ``keep`` cast to
+    ``dtype`` (``fp16``/``bf16``/``fp32`` or a torch name), as new contiguous storages computed
+    from the source's bytes at write time (one tensor in memory at a time). Tensors viewing the
+    same elements of one storage (tied weights) share the cast storage."""
+    target = TARGETS.get(dtype, dtype)
+    if target not in CASTABLE:
+        raise InputError(f"--dtype {dtype}: expected one of {', '.join(TARGETS)}")
+    made: dict[tuple[Any, ...], StorageRecord] = {}
+
+    def cast(record: TensorRecord, key: str) -> TensorRecord:
+        if (
+            record.dtype not in CASTABLE
+            or record.dtype == target
+            or record.storage is None
+            or record.inline_data is not None
+            or record.parts
+            or record.layout != "strided"
+            or any(fnmatchcase(key, pattern) for pattern in keep)
+        ):
+            return record
+        view = (
+            record.storage.key,
+            record.storage_offset,
+            record.shape,
+            record.stride,
+            record.dtype,
+        )
+        storage = made.get(view)
+        if storage is None:
+            new_key = f"{_CAST_PREFIX}{len(made)}"
+            storage = StorageRecord(new_key, target, record.numel, "cpu", new_key,
+                                    record.numel * ITEMSIZE[target])  # fmt: skip
+            made[view] = storage
+            sources.derived[new_key] = _caster(record, key, target, allow_overflow, sources)
+        log.cast.append(key)
+        stride = []
+        step = 1
+        for size in reversed(record.shape):
+            stride.append(step)
+            step *= size
+        return with_fields(record, dtype=target, storage=storage, storage_offset=0,
+                           stride=tuple(reversed(stride)))  # fmt: skip
+
+    return edits.map_tensors(root, cast)
+
+
+def _caster(
+    record: TensorRecord, key: str, target: str, allow_overflow: bool, sources: _Sources
+) -> Callable[[], bytes]:
+    def produce() -> bytes:
+        import numpy as np
+
+        assert record.storage is not None
+        first = record.storage_offset * record.itemsize
+        span = max(record.stored_extent_bytes - first, 0)
+        raw = sources.read_range(record.storage.key, first, span)
+        held = stored_dtype(record.dtype)
+        flat = np.frombuffer(raw, dtype=held)
+        values = np.lib.stride_tricks.as_strided(
+            flat, shape=record.shape, strides=[s * held.itemsize for s in record.stride]
+        )
+        out, counts = cast_array(np.ascontiguousarray(values), record.dtype, target)
+        if counts.overflow and not allow_overflow:
+            raise InputError(
+                f"--dtype: {counts.overflow:,} finite value(s) of {key!r} (largest "
+                f"{counts.max_abs:g}) do not fit in {target}: pass --allow-overflow to write "
+                "them as inf, or --keep-dtype to leave that tensor alone"
+            )
+        return out.tobytes()
+
+    return produce

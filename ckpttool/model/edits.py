@@ -45,6 +45,7 @@ class EditLog:
     renamed: list[tuple[str, str]] = field(default_factory=list)  # (old key, new key)
     rule_counts: list[int] = field(default_factory=list)  # keys each rename rule matched
     compacted: list[str] = field(default_factory=list)  # keys of tensors whose storage shrank
+    cast: list[str] = field(default_factory=list)  # keys of tensors cast to another dtype
 
 
 def inference_drops(root: Any, layout: str) -> list[str]:
@@ -226,7 +227,7 @@ def compact(root: Any, log: EditLog) -> tuple[Any, dict[str, tuple[str, int, int
         offset = record.storage_offset - first // record.itemsize
         return with_fields(record, storage=storage, storage_offset=offset)
 
-    return _map_tensors(root, "", shrink), regions
+    return map_tensors(root, shrink), regions
 
 
 def _plain(record: TensorRecord) -> bool:
@@ -237,6 +238,11 @@ def _plain(record: TensorRecord) -> bool:
         and record.layout == "strided"
         and record.dtype in ITEMSIZE
     )
+
+
+def map_tensors(root: Any, change: Any) -> Any:
+    """``root`` with each tensor record replaced by ``change(record, key)``."""
+    return _map_tensors(root, "", change)
 
 
 def _map_tensors(node: Any, key: str, change: Any) -> Any:

@@ -22,6 +22,8 @@ def render_text(report: EditReport, *, dry_run: bool = False) -> str:
         if len(lines_of) > SHOWN:
             lines.append(f"  ... and {len(lines_of) - SHOWN} more (--json lists all)")
     lines += [f"  rule {rule!r}: {count} key(s)" for rule, count in report.rules]
+    if report.cast:
+        lines.append(f"  cast: {len(report.cast)} tensor(s) to {report.dtype}")
     if report.compacted:
         lines.append(f"  compact: {len(report.compacted)} tensor(s) kept only the bytes they view")
     lines.append(
@@ -50,6 +52,8 @@ def render_json(report: EditReport, *, dry_run: bool = False) -> dict[str, Any]:
         "renamed": [{"from": old, "to": new} for old, new in report.renamed],
         "rules": [{"rule": rule, "matched": count} for rule, count in report.rules],
         "compacted": list(report.compacted),
+        "cast": list(report.cast),
+        "dtype": report.dtype,
         "tensors_before": report.tensors_before,
         "tensors_after": report.tensors_after,
         "bytes_before": report.bytes_before,
