@@ -232,3 +232,54 @@ def test_dtype_overflow_is_an_error_unless_allowed(tmp_path: Path) -> None:
     assert not (tmp_path / "o.pth").exists()
     edit_file(source, tmp_path / "o.pth", dtype="fp16", allow_overflow=True)
     assert torch.load(tmp_path / "o.pth", weights_only=True)["w"][0].isinf()
+
+
+def _ema_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A resume-style file with the EMA torch's own AveragedModel keeps (keys ``module.*``,
+    plus its ``n_averaged`` counter)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update_parameters(model)
+    path = tmp_path / "run.pth"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 0,
+                "step": 3, "model_ema": ema.state_dict()}, path)  # fmt: skip
+    averaged = {k.removeprefix("module."): v for k, v in ema.state_dict().items()}
+    return path, averaged
+
+
+def test_use_ema_puts_the_average_in_place_of_the_weights(tmp_path: Path) -> None:
+    path, averaged = _ema_checkpoint(tmp_path)
+    out = tmp_path / "ema.pth"
+    report = edit_file(path, out, use_ema="", for_inference=True)
+    edited = torch.load(out, weights_only=True)
+    assert report.ema == "model_ema" and "model_ema" in report.dropped
+    assert set(edited) == {"model", "epoch", "step"}
+    # AveragedModel averages parameters; BatchNorm's buffers it copies (use_buffers=False: no)
+    for key, value in edited["model"].items():
+        if key in averaged:
+            assert _same(value, averaged[key]), key
+    assert report.ema_taken == sum(k in averaged for k in edited["model"])
+    assert set(report.ema_missing) == {f"model.{k}" for k in edited["model"] if k not in averaged}
+
+
+def test_use_ema_refusals(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="no EMA weights found"):
+        edit_file(RESUME, tmp_path / "o.pth", use_ema="")
+    path, _ = _ema_checkpoint(tmp_path)
+    with pytest.raises(InputError, match="no such key"):
+        edit_file(path, tmp_path / "o.pth", use_ema="ema.weights")
+    source = tmp_path / "wrong.pth"
+    torch.save(
+        {"model": {"w": torch.ones(2, 2)}, "optimizer": {}, "ema": {"w": torch.ones(3)}}, source
+    )
+    with pytest.raises(InputError, match="the model's is float32"):
+        edit_file(source, tmp_path / "o.pth", use_ema="")
+    assert not (tmp_path / "o.pth").exists()

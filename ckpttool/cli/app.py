@@ -784,6 +784,11 @@ def repair_command(
     "states; a Lightning .ckpt's optimizer_states and lr_schedulers).",
 )  # fmt: skip
 @click.option(
+    "--use-ema", "use_ema", is_flag=False, flag_value="", default=None, metavar="[KEY]",
+    help="Put the EMA weights (KEY, or the one of ema, model_ema, state_dict_ema...) in "
+    "place of the model's, and drop the EMA.",
+)  # fmt: skip
+@click.option(
     "--dtype", type=click.Choice(["fp16", "bf16", "fp32"]),
     help="Cast floating tensors (integer and float8 tensors are never cast).",
 )  # fmt: skip
@@ -809,6 +814,7 @@ def edit_command(
     keep: tuple[str, ...],
     rename: tuple[str, ...],
     for_inference: bool,
+    use_ema: str | None,
     dtype: str | None,
     keep_dtype: tuple[str, ...],
     allow_overflow: bool,
@@ -819,8 +825,8 @@ def edit_command(
 ) -> None:
     """Rewrite a checkpoint file in its own format with entries dropped, kept or renamed.
 
-    The edits run in this order: --for-inference, --drop, --keep, --rename, --dtype,
-    --compact. The result keeps
+    The edits run in this order: --use-ema, --for-inference, --drop, --keep, --rename,
+    --dtype, --compact. The result keeps
     SRC's format and layout (a resume file stays a resume file, a Lightning .ckpt stays
     loadable by Lightning), every tensor the same view of the same bytes; storages are copied
     whole (in the kernel for a torch zip), those no kept tensor views are not written. It is
@@ -834,6 +840,7 @@ def edit_command(
       ckpttool edit model.pth --drop 'lm_head.*' --rename '^model\\.=' --dry-run
       ckpttool edit ddp.pth --rename '^module\\.=' -o plain.pth
       ckpttool edit model.pth --dtype bf16 --keep-dtype '*norm*' -o model_bf16.pth
+      ckpttool edit last.pth --use-ema --for-inference -o ema_weights.pth
       ckpttool edit sliced.pth --compact -o small.pth
     """
     from ckpttool.commands.edit import edit_file
@@ -841,7 +848,7 @@ def edit_command(
 
     report = edit_file(
         src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
-        compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
+        use_ema=use_ema, compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
         in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
     )  # fmt: skip
     if as_json:

@@ -5,7 +5,8 @@
 The file's format reads its tree and where each storage lies
 (:meth:`~ckpttool.formats.base.FileFormat.recover`, which also checks every record: a damaged
 file is refused, ``repair`` is for it). The edits (:mod:`ckpttool.model.edits`) run on the tree,
-in a stated order: ``--for-inference``, ``--drop``, ``--keep``, ``--rename``, ``--compact``. The result is
+in a stated order: ``--use-ema``, ``--for-inference``, ``--drop``, ``--keep``, ``--rename``,
+``--dtype``, ``--compact``. The result is
 written by :func:`ckpttool.commands.rewrite.write_checked`: storages copied whole from the source
 (in the kernel for a torch zip), every tensor the same view of them, read back before it
 replaces anything; a storage no kept tensor views is not written.
@@ -57,10 +58,13 @@ class EditReport:
     compacted: tuple[str, ...] = ()  # tensors whose storage was cut to the bytes they view
     cast: tuple[str, ...] = ()  # tensors cast to ``dtype``
     dtype: str | None = None  # the dtype tensors were cast to
+    ema: str | None = None  # where --use-ema took the model's weights from
+    ema_taken: int = 0  # model tensors given their EMA values
+    ema_missing: tuple[str, ...] = ()  # model tensors the EMA does not hold (kept)
 
     @property
     def changed(self) -> bool:
-        return bool(self.dropped or self.renamed or self.compacted or self.cast)
+        return bool(self.dropped or self.renamed or self.compacted or self.cast or self.ema_taken)
 
 
 def default_output(src: Path) -> Path:
@@ -76,6 +80,7 @@ def edit_file(
     keep: list[str] | tuple[str, ...] = (),
     rename: list[str] | tuple[str, ...] = (),
     for_inference: bool = False,
+    use_ema: str | None = None,
     compact: bool = False,
     dtype: str | None = None,
     keep_dtype: list[str] | tuple[str, ...] = (),
@@ -127,6 +132,8 @@ def edit_file(
             layout = detect_layout(found.root, found.format)
             log = edits.EditLog()
             root = found.root
+            if use_ema is not None:
+                root = edits.use_ema(root, layout, use_ema or None, log)
             if for_inference:
                 root = edits.drop(root, edits.inference_drops(root, layout), log)
             root = edits.drop(root, list(drop), log)
@@ -138,7 +145,7 @@ def edit_file(
             if compact:
                 root, sources.regions = edits.compact(root, log)
             after = _tensors(root)
-            changed = bool(log.dropped or log.renamed or log.compacted or log.cast)
+            changed = bool(log.dropped or log.renamed or log.compacted or log.cast or log.ema_taken)
             write = changed and not dry_run
             if write and not in_place and output.exists() and not overwrite:
                 raise OutputExistsError(
@@ -169,6 +176,9 @@ def edit_file(
         compacted=tuple(log.compacted),
         cast=tuple(log.cast),
         dtype=TARGETS.get(dtype, dtype) if dtype else None,
+        ema=log.ema,
+        ema_taken=len(log.ema_taken),
+        ema_missing=tuple(log.ema_missing),
         tensors_before=len(before),
         tensors_after=len(after),
         bytes_before=_stored_bytes(before),

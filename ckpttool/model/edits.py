@@ -21,11 +21,21 @@ from ckpttool.model.records import (
     OpaqueObject,
     StorageRecord,
     TensorRecord,
+    get_path,
     join_key,
     walk,
     with_fields,
 )
-from ckpttool.model.roles import LIGHTNING, OPTIMIZER_PART_KEYS, TRAINING, is_resume
+from ckpttool.model.roles import (
+    EMA_PART_KEYS,
+    LIGHTNING,
+    OPTIMIZER_PART_KEYS,
+    TRAINING,
+    WHOLE_FILE,
+    WRAPPER_PREFIXES,
+    is_resume,
+    model_part,
+)
 
 #: What a resume checkpoint holds only to go on training: its optimizer is found by role.
 TRAINING_ONLY_KEYS = (
@@ -46,6 +56,9 @@ class EditLog:
     rule_counts: list[int] = field(default_factory=list)  # keys each rename rule matched
     compacted: list[str] = field(default_factory=list)  # keys of tensors whose storage shrank
     cast: list[str] = field(default_factory=list)  # keys of tensors cast to another dtype
+    ema: str | None = None  # where --use-ema took the weights from
+    ema_taken: list[str] = field(default_factory=list)  # model keys given their EMA values
+    ema_missing: list[str] = field(default_factory=list)  # model tensors the EMA does not hold
 
 
 def inference_drops(root: Any, layout: str) -> list[str]:
@@ -259,3 +272,69 @@ def _map_tensors(node: Any, key: str, change: Any) -> Any:
         rebuilt.listitems = node.listitems
         return rebuilt
     return node
+
+
+#: Where EMA weights are kept, besides :data:`~ckpttool.model.roles.EMA_PART_KEYS`: timm's.
+EMA_KEYS = (*EMA_PART_KEYS, "state_dict_ema", "model_ema_state_dict")
+
+
+def use_ema(root: Any, layout: str, where: str | None, log: EditLog) -> Any:
+    """``root`` with the model's tensors replaced by their exponential moving average, which is
+    then dropped: ``where`` (a dotted key) or the one top-level EMA part (``ema``,
+    ``model_ema``, ``state_dict_ema``...). EMA keys are matched to the model's with DDP's and
+    ``torch.compile``'s prefixes (``module.``, ``_orig_mod.``) aligned; every EMA tensor must
+    have the dtype and shape of the model tensor it replaces. Model tensors the EMA does not
+    hold (buffers, often) stay, and are listed."""
+    model_key = model_part(root, layout)
+    if not isinstance(root, dict) or model_key in (None, WHOLE_FILE):
+        raise InputError("--use-ema: the checkpoint has no model part beside an EMA")
+    assert model_key is not None
+    if where is None:
+        found = [key for key in EMA_KEYS if isinstance(root.get(key), dict)]
+        if len(found) != 1:
+            raise InputError(
+                "--use-ema: "
+                + ("no EMA weights found" if not found else f"several EMA parts {found}")
+                + f" (looked for {', '.join(EMA_KEYS)}): name the EMA with --use-ema KEY"
+            )
+        where = found[0]
+    try:
+        ema = get_path(root, where)
+    except KeyError:
+        raise InputError(f"--use-ema {where}: no such key") from None
+    ema_tensors = {
+        _unwrapped(key): record for key, record in walk(ema) if isinstance(record, TensorRecord)
+    }
+    if not ema_tensors:
+        raise InputError(f"--use-ema {where}: holds no tensors")
+    log.ema = where
+
+    def take(record: TensorRecord, key: str) -> TensorRecord:
+        name = _unwrapped(key[len(model_key) + 1 :])
+        average = ema_tensors.get(name)
+        if average is None:
+            log.ema_missing.append(key)
+            return record
+        if (average.dtype, average.shape) != (record.dtype, record.shape):
+            raise InputError(
+                f"--use-ema: {where}'s {name!r} is {average.dtype}{list(average.shape)}, the "
+                f"model's is {record.dtype}{list(record.shape)}"
+            )
+        log.ema_taken.append(key)
+        return average
+
+    model = map_tensors({model_key: root[model_key]}, take)[model_key]
+    if not log.ema_taken:
+        raise InputError(f"--use-ema {where}: none of its tensors names a tensor of the model")
+    out = {key: (model if key == model_key else value) for key, value in root.items()}
+    return drop(out, [where], log)
+
+
+def _unwrapped(key: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if key.startswith(prefix):
+                key, changed = key[len(prefix) :], True
+    return key

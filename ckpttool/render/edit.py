@@ -22,6 +22,10 @@ def render_text(report: EditReport, *, dry_run: bool = False) -> str:
         if len(lines_of) > SHOWN:
             lines.append(f"  ... and {len(lines_of) - SHOWN} more (--json lists all)")
     lines += [f"  rule {rule!r}: {count} key(s)" for rule, count in report.rules]
+    if report.ema:
+        lines.append(f"  use EMA: {report.ema_taken} model tensor(s) from {report.ema}")
+        if report.ema_missing:
+            lines.append(f"  kept (not in the EMA): {', '.join(report.ema_missing[:5])}")
     if report.cast:
         lines.append(f"  cast: {len(report.cast)} tensor(s) to {report.dtype}")
     if report.compacted:
@@ -54,6 +58,9 @@ def render_json(report: EditReport, *, dry_run: bool = False) -> dict[str, Any]:
         "compacted": list(report.compacted),
         "cast": list(report.cast),
         "dtype": report.dtype,
+        "ema": report.ema,
+        "ema_taken": report.ema_taken,
+        "ema_missing": list(report.ema_missing),
         "tensors_before": report.tensors_before,
         "tensors_after": report.tensors_after,
         "bytes_before": report.bytes_before,
