@@ -789,6 +789,16 @@ def repair_command(
     "place of the model's, and drop the EMA.",
 )  # fmt: skip
 @click.option(
+    "--map", "map_name", metavar="FILE|PRESET",
+    help="Map the model's names and layout with a JSON/YAML map file or a preset "
+    "(llama-meta-to-hf, llama-hf-to-meta): docs/edit.md.",
+)  # fmt: skip
+@click.option(
+    "--map-param", "map_params", multiple=True, metavar="NAME=N",
+    help="A number the map needs (n_heads=32); default: from a config.json or params.json "
+    "beside SRC.",
+)  # fmt: skip
+@click.option(
     "--dtype", type=click.Choice(["fp16", "bf16", "fp32"]),
     help="Cast floating tensors (integer and float8 tensors are never cast).",
 )  # fmt: skip
@@ -815,6 +825,8 @@ def edit_command(
     rename: tuple[str, ...],
     for_inference: bool,
     use_ema: str | None,
+    map_name: str | None,
+    map_params: tuple[str, ...],
     dtype: str | None,
     keep_dtype: tuple[str, ...],
     allow_overflow: bool,
@@ -826,7 +838,7 @@ def edit_command(
     """Rewrite a checkpoint file in its own format with entries dropped, kept or renamed.
 
     The edits run in this order: --use-ema, --for-inference, --drop, --keep, --rename,
-    --dtype, --compact. The result keeps
+    --map, --dtype, --compact. The result keeps
     SRC's format and layout (a resume file stays a resume file, a Lightning .ckpt stays
     loadable by Lightning), every tensor the same view of the same bytes; storages are copied
     whole (in the kernel for a torch zip), those no kept tensor views are not written. It is
@@ -841,6 +853,7 @@ def edit_command(
       ckpttool edit ddp.pth --rename '^module\\.=' -o plain.pth
       ckpttool edit model.pth --dtype bf16 --keep-dtype '*norm*' -o model_bf16.pth
       ckpttool edit last.pth --use-ema --for-inference -o ema_weights.pth
+      ckpttool edit consolidated.pth --map llama-meta-to-hf -o hf_names.pth
       ckpttool edit sliced.pth --compact -o small.pth
     """
     from ckpttool.commands.edit import edit_file
@@ -848,13 +861,24 @@ def edit_command(
 
     report = edit_file(
         src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
-        use_ema=use_ema, compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
+        use_ema=use_ema, map_name=map_name, map_params=_int_params(map_params), compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
         in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
     )  # fmt: skip
     if as_json:
         _echo_json(edit_render.render_json(report, dry_run=dry_run))
     else:
         click.echo(edit_render.render_text(report, dry_run=dry_run))
+
+
+def _int_params(pairs: tuple[str, ...]) -> dict[str, int]:
+    """``--map-param NAME=N`` pairs as a dict (a bad one is a usage error)."""
+    params = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name or not value.isdigit():
+            raise InputError(f"--map-param {pair!r}: expected NAME=N (a positive integer)")
+        params[name] = int(value)
+    return params
 
 
 @cli.command("verify")

@@ -6,7 +6,7 @@ The file's format reads its tree and where each storage lies
 (:meth:`~ckpttool.formats.base.FileFormat.recover`, which also checks every record: a damaged
 file is refused, ``repair`` is for it). The edits (:mod:`ckpttool.model.edits`) run on the tree,
 in a stated order: ``--use-ema``, ``--for-inference``, ``--drop``, ``--keep``, ``--rename``,
-``--dtype``, ``--compact``. The result is
+``--map``, ``--dtype``, ``--compact``. The result is
 written by :func:`ckpttool.commands.rewrite.write_checked`: storages copied whole from the source
 (in the kernel for a torch zip), every tensor the same view of them, read back before it
 replaces anything; a storage no kept tensor views is not written.
@@ -14,6 +14,7 @@ replaces anything; a storage no kept tensor views is not written.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,8 +35,17 @@ from ckpttool.errors import (
 from ckpttool.formats.registry import recover_file
 from ckpttool.model import edits
 from ckpttool.model.cast import CASTABLE, TARGETS, cast_array, stored_dtype
-from ckpttool.model.records import ITEMSIZE, StorageRecord, TensorRecord, walk, with_fields
-from ckpttool.model.roles import detect_layout
+from ckpttool.model.mapping import MapSpec, load_map, plan
+from ckpttool.model.records import (
+    ELEMENTS_PER_BYTE,
+    ITEMSIZE,
+    StorageRecord,
+    TensorRecord,
+    join_key,
+    walk,
+    with_fields,
+)
+from ckpttool.model.roles import WHOLE_FILE, detect_layout, model_part
 
 
 @dataclass(frozen=True)
@@ -61,10 +71,14 @@ class EditReport:
     ema: str | None = None  # where --use-ema took the model's weights from
     ema_taken: int = 0  # model tensors given their EMA values
     ema_missing: tuple[str, ...] = ()  # model tensors the EMA does not hold (kept)
+    mapped: tuple[tuple[str, str, str], ...] = ()  # (op, sources, targets) of each --map step
 
     @property
     def changed(self) -> bool:
-        return bool(self.dropped or self.renamed or self.compacted or self.cast or self.ema_taken)
+        return bool(
+            self.dropped or self.renamed or self.compacted or self.cast or self.ema_taken
+            or self.mapped
+        )  # fmt: skip
 
 
 def default_output(src: Path) -> Path:
@@ -81,6 +95,8 @@ def edit_file(
     rename: list[str] | tuple[str, ...] = (),
     for_inference: bool = False,
     use_ema: str | None = None,
+    map_name: str | None = None,
+    map_params: dict[str, int] | None = None,
     compact: bool = False,
     dtype: str | None = None,
     keep_dtype: list[str] | tuple[str, ...] = (),
@@ -132,6 +148,7 @@ def edit_file(
             layout = detect_layout(found.root, found.format)
             log = edits.EditLog()
             root = found.root
+            sources = _Sources(handle.fileno(), found.intact)
             if use_ema is not None:
                 root = edits.use_ema(root, layout, use_ema or None, log)
             if for_inference:
@@ -139,13 +156,18 @@ def edit_file(
             root = edits.drop(root, list(drop), log)
             root = edits.keep(root, list(keep), log)
             root = edits.rename(root, list(rename), log)
-            sources = _Sources(handle.fileno(), found.intact)
+            if map_name is not None:
+                spec = load_map(map_name, dict(map_params or {}), source.parent)
+                root = _apply_map(root, layout, spec, sources, log)
             if dtype is not None:
                 root = _cast(root, dtype, list(keep_dtype), allow_overflow, sources, log)
             if compact:
                 root, sources.regions = edits.compact(root, log)
             after = _tensors(root)
-            changed = bool(log.dropped or log.renamed or log.compacted or log.cast or log.ema_taken)
+            changed = bool(
+                log.dropped or log.renamed or log.compacted or log.cast or log.ema_taken
+                or log.mapped
+            )  # fmt: skip
             write = changed and not dry_run
             if write and not in_place and output.exists() and not overwrite:
                 raise OutputExistsError(
@@ -179,6 +201,7 @@ def edit_file(
         ema=log.ema,
         ema_taken=len(log.ema_taken),
         ema_missing=tuple(log.ema_missing),
+        mapped=tuple(log.mapped),
         tensors_before=len(before),
         tensors_after=len(after),
         bytes_before=_stored_bytes(before),
@@ -317,3 +340,148 @@ def _caster(
         return out.tobytes()
 
     return produce
+
+
+_MAP_PREFIX = "\0map\0"
+
+
+def _apply_map(root: Any, layout: str, spec: MapSpec, sources: _Sources, log: edits.EditLog) -> Any:
+    """``root`` with the model's state dict mapped by ``spec``: renames keep their storage,
+    the other operations write new contiguous storages computed at write time."""
+    part = model_part(root, layout)
+    if part is None or not isinstance(root, dict):
+        raise InputError(f"--map {spec.name}: the checkpoint has no model state dict to map")
+    model = root if part == WHOLE_FILE else root[part]
+    if not isinstance(model, dict) or not all(isinstance(k, str) for k in model):
+        raise InputError(f"--map {spec.name}: the model part is not a state dict")
+    tensors = {k: v for k, v in model.items() if isinstance(v, TensorRecord)}
+    steps, unmatched = plan(list(tensors), spec)
+    out: dict[str, Any] = {}
+    for key, value in model.items():
+        if key not in tensors or (key in unmatched and spec.unmatched == "keep"):
+            out[key] = value
+    for step in steps:
+        records = [tensors[k] for k in step.sources]
+        log.mapped.append((step.rule.op, ", ".join(step.sources), ", ".join(step.targets)))
+        if step.rule.op == "rename":
+            out[step.targets[0]] = records[0]
+            continue
+        for target, made in zip(step.targets, _mapped(step, records, spec, sources)):
+            out[target] = made
+    log.dropped.extend(join_key(part, k) for k in unmatched if spec.unmatched == "drop")
+    if part == WHOLE_FILE:
+        return out
+    return {key: (out if key == part else value) for key, value in root.items()}
+
+
+def _mapped(
+    step: Any, records: list[TensorRecord], spec: MapSpec, sources: _Sources
+) -> list[TensorRecord]:
+    """The records ``step`` makes, each a new storage whose bytes are computed when written."""
+    rule = step.rule
+    dtypes = {r.dtype for r in records}
+    if len(dtypes) != 1 or any(r.dtype not in ITEMSIZE or not _plain(r) for r in records):
+        raise InputError(f"--map {spec.name}: {step.sources} must be plain tensors of one dtype")
+    dtype = records[0].dtype
+    shapes: list[tuple[int, ...]] = [tuple(r.shape) for r in records]
+    if rule.op == "transpose":
+        if len(shapes[0]) != 2:
+            raise InputError(f"--map {spec.name}: transpose takes a 2-D tensor, not {shapes[0]}")
+        out_shapes: list[tuple[int, ...]] = [shapes[0][::-1]]
+    elif rule.op in ("rope_to_hf", "rope_to_meta"):
+        heads = spec.params[rule.heads or ""]
+        if len(shapes[0]) not in (1, 2) or shapes[0][0] % (2 * heads):
+            raise InputError(
+                f"--map {spec.name}: {step.sources[0]} {list(shapes[0])} does not split into "
+                f"{heads} heads of pairs"
+            )
+        out_shapes = [shapes[0]]
+    elif rule.op == "concat":
+        dim = rule.dim
+        rest = {s[:dim] + s[dim + 1 :] for s in shapes}
+        if len(rest) != 1 or any(len(s) <= dim for s in shapes):
+            raise InputError(f"--map {spec.name}: {step.sources} do not concatenate on dim {dim}")
+        total = sum(s[dim] for s in shapes)
+        out_shapes = [(*shapes[0][:dim], total, *shapes[0][dim + 1 :])]
+    else:  # split
+        dim = rule.dim
+        sizes = [spec.params[s] if isinstance(s, str) else s for s in rule.sizes]
+        if len(shapes[0]) <= dim or sum(sizes) != shapes[0][dim]:
+            raise InputError(
+                f"--map {spec.name}: {step.sources[0]} {list(shapes[0])} does not split into "
+                f"{sizes} on dim {dim}"
+            )
+        out_shapes = [(*shapes[0][:dim], n, *shapes[0][dim + 1 :]) for n in sizes]
+    made = []
+    for index, (target, shape) in enumerate(zip(step.targets, out_shapes)):
+        key = f"{_MAP_PREFIX}{target}"
+        numel = math.prod(shape)
+        storage = StorageRecord(key, dtype, numel, "cpu", key, numel * ITEMSIZE[dtype])
+        sources.derived[key] = _mover(rule, records, index, spec, sources)
+        made.append(TensorRecord(target, dtype, shape, _contiguous(shape), 0, storage))
+    return made
+
+
+def _mover(
+    rule: Any, records: list[TensorRecord], index: int, spec: MapSpec, sources: _Sources
+) -> Callable[[], bytes]:
+    def produce() -> bytes:
+        import numpy as np
+
+        arrays = [_values(r, sources) for r in records]
+        if rule.op == "transpose":
+            out = arrays[0].T
+        elif rule.op in ("rope_to_hf", "rope_to_meta"):
+            w = arrays[0]
+            heads = spec.params[rule.heads]
+            rows = w.shape[0]
+            flat = w.reshape(rows, -1)
+            if rule.op == "rope_to_hf":  # rows (head, pair, 2) -> (head, 2, pair)
+                out = flat.reshape(heads, rows // heads // 2, 2, -1).transpose(0, 2, 1, 3)
+            else:  # rows (head, 2, pair) -> (head, pair, 2)
+                out = flat.reshape(heads, 2, rows // heads // 2, -1).transpose(0, 2, 1, 3)
+            out = out.reshape(w.shape)
+        elif rule.op == "concat":
+            out = np.concatenate(arrays, axis=rule.dim)
+        else:
+            sizes = [spec.params[s] if isinstance(s, str) else s for s in rule.sizes]
+            bounds = np.cumsum([0, *sizes])
+            out = np.take(arrays[0], range(bounds[index], bounds[index + 1]), axis=rule.dim)
+        return np.ascontiguousarray(out).tobytes()
+
+    return produce
+
+
+def _values(record: TensorRecord, sources: _Sources) -> Any:
+    """The tensor's elements as a NumPy array of unsigned integers of its element size (the
+    operations only move elements), shaped and strided as the tensor."""
+    import numpy as np
+
+    assert record.storage is not None
+    first = record.storage_offset * record.itemsize
+    raw = sources.read_range(record.storage.key, first, max(record.stored_extent_bytes - first, 0))
+    held = np.dtype(f"<u{record.itemsize}")
+    return np.lib.stride_tricks.as_strided(
+        np.frombuffer(raw, dtype=held),
+        shape=record.shape,
+        strides=[s * record.itemsize for s in record.stride],
+    )
+
+
+def _plain(record: TensorRecord) -> bool:
+    return (
+        record.storage is not None
+        and record.inline_data is None
+        and not record.parts
+        and record.layout == "strided"
+        and record.dtype in ITEMSIZE
+        and record.dtype not in ELEMENTS_PER_BYTE
+    )
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))

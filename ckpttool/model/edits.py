@@ -59,6 +59,7 @@ class EditLog:
     ema: str | None = None  # where --use-ema took the weights from
     ema_taken: list[str] = field(default_factory=list)  # model keys given their EMA values
     ema_missing: list[str] = field(default_factory=list)  # model tensors the EMA does not hold
+    mapped: list[tuple[str, str, str]] = field(default_factory=list)  # --map: op, from, to
 
 
 def inference_drops(root: Any, layout: str) -> list[str]:

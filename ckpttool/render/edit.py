@@ -17,7 +17,8 @@ def render_text(report: EditReport, *, dry_run: bool = False) -> str:
     lines = [f"{report.source}: {report.format}, {title}"]
     dropped = [f"  drop: {key}" for key in report.dropped]
     renamed = [f"  rename: {old} -> {new}" for old, new in report.renamed]
-    for lines_of in (dropped, renamed):
+    mapped = [f"  map {op}: {old} -> {new}" for op, old, new in report.mapped]
+    for lines_of in (dropped, renamed, mapped):
         lines += lines_of[:SHOWN]
         if len(lines_of) > SHOWN:
             lines.append(f"  ... and {len(lines_of) - SHOWN} more (--json lists all)")
@@ -61,6 +62,7 @@ def render_json(report: EditReport, *, dry_run: bool = False) -> dict[str, Any]:
         "ema": report.ema,
         "ema_taken": report.ema_taken,
         "ema_missing": list(report.ema_missing),
+        "mapped": [{"op": op, "from": old, "to": new} for op, old, new in report.mapped],
         "tensors_before": report.tensors_before,
         "tensors_after": report.tensors_after,
         "bytes_before": report.bytes_before,
