@@ -283,3 +283,51 @@ def test_use_ema_refusals(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="the model's is float32"):
         edit_file(source, tmp_path / "o.pth", use_ema="")
     assert not (tmp_path / "o.pth").exists()
+
+
+def _fp8_reference(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """DeepSeek-V3's weight_dequant in plain torch, float32: value times its block's scale."""
+    rows, cols = weight.shape
+    if scale.numel() == 1:
+        expanded = scale.float().reshape(1, 1).expand(rows, cols)
+    elif scale.shape[0] == rows and scale.numel() == rows:
+        expanded = scale.float().reshape(rows, 1).expand(rows, cols)
+    else:
+        expanded = scale.float().repeat_interleave(block, 0).repeat_interleave(block, 1)
+        expanded = expanded[:rows, :cols]
+    return weight.float() * expanded
+
+
+@pytest.mark.parametrize("kind", ["block", "row", "tensor", "e8m0 block"])
+def test_dtype_dequantizes_float8_weights_with_their_scales(tmp_path: Path, kind: str) -> None:
+    torch.manual_seed(0)
+    weight = (torch.randn(300, 200) * 4).to(torch.float8_e4m3fn)  # uneven last blocks
+    if kind.endswith("block"):
+        scale = torch.rand(3, 2) + 0.5
+    elif kind == "row":
+        scale = torch.rand(300, 1) + 0.5
+    else:
+        scale = torch.tensor(0.25)
+    if kind.startswith("e8m0"):
+        scale = torch.exp2(torch.randint(-4, 4, (3, 2)).float()).to(torch.float8_e8m0fnu)
+    source = tmp_path / "fp8.pth"
+    torch.save(
+        {"layer.weight": weight, "layer.weight_scale_inv": scale, "norm.weight": torch.ones(200)},
+        source,
+    )
+    out = tmp_path / "bf16.pth"
+    report = edit_file(source, out, dtype="bf16")
+    edited = torch.load(out, weights_only=True)
+    assert "layer.weight_scale_inv" in report.dropped and set(edited) == {
+        "layer.weight",
+        "norm.weight",
+    }
+    expected = _fp8_reference(weight, scale).to(torch.bfloat16)
+    assert _same(edited["layer.weight"], expected)
+
+
+def test_a_float8_scale_of_no_known_shape_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "fp8.pth"
+    torch.save({"w": torch.zeros(4, 4).to(torch.float8_e4m3fn), "w_scale": torch.ones(3)}, source)
+    with pytest.raises(InputError, match="neither per tensor, per row"):
+        edit_file(source, tmp_path / "o.pth", dtype="bf16")

@@ -276,6 +276,7 @@ def _cast(
     target = TARGETS.get(dtype, dtype)
     if target not in CASTABLE:
         raise InputError(f"--dtype {dtype}: expected one of {', '.join(TARGETS)}")
+    root = _dequantize_fp8(root, "", target, keep, sources, log)
     made: dict[tuple[Any, ...], StorageRecord] = {}
 
     def cast(record: TensorRecord, key: str) -> TensorRecord:
@@ -485,3 +486,106 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(step)
         step *= size
     return tuple(reversed(stride))
+
+
+#: Names a float8 weight's scale has beside it: DeepSeek-V3's multiplier (``weight_scale_inv``),
+#: and the ``weight_scale`` of compressed-tensors / FBGEMM checkpoints (also a multiplier).
+FP8_SCALE_SUFFIXES = ("_scale_inv", "_scale")
+#: The block of elements one scale covers when the scale is a 2-D grid (DeepSeek-V3's
+#: ``weight_block_size``).
+FP8_BLOCK = (128, 128)
+_FP8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+_FP8_PREFIX = "\0fp8\0"
+
+
+def _dequantize_fp8(
+    node: Any, key: str, target: str, keep: list[str], sources: _Sources, log: edits.EditLog
+) -> Any:
+    """Each dict's float8 tensors that have a scale beside them (``NAME_scale_inv`` /
+    ``NAME_scale``: one per tensor, per row, or per 128x128 block) as ``target`` tensors,
+    ``value * scale`` computed in float32 then cast; the scales dropped."""
+    if not isinstance(node, dict):
+        return node
+    out: dict[Any, Any] = {}
+    scales_used: set[Any] = set()
+    for name, value in node.items():
+        child = join_key(key, str(name))
+        if isinstance(value, dict):
+            out[name] = _dequantize_fp8(value, child, target, keep, sources, log)
+            continue
+        scale_name = next(
+            (f"{name}{suffix}" for suffix in FP8_SCALE_SUFFIXES if f"{name}{suffix}" in node),
+            None,
+        )
+        if (
+            not isinstance(value, TensorRecord)
+            or value.dtype not in _FP8
+            or scale_name is None
+            or not isinstance(node[scale_name], TensorRecord)
+            or any(fnmatchcase(child, pattern) for pattern in keep)
+        ):
+            out[name] = value
+            continue
+        scale = node[scale_name]
+        _scale_grid(value, scale, child)  # checked now: an error before anything is written
+        new_key = f"{_FP8_PREFIX}{child}"
+        storage = StorageRecord(new_key, target, value.numel, "cpu", new_key,
+                                value.numel * ITEMSIZE[target])  # fmt: skip
+        sources.derived[new_key] = _fp8_producer(value, scale, child, target, sources)
+        out[name] = TensorRecord(child, target, tuple(value.shape), _contiguous(value.shape), 0,
+                                 storage)  # fmt: skip
+        scales_used.add(scale_name)
+        log.cast.append(child)
+    for name in scales_used:
+        out.pop(name, None)
+        log.dropped.append(join_key(key, str(name)))
+    return out
+
+
+def _scale_grid(weight: TensorRecord, scale: TensorRecord, key: str) -> tuple[int, int]:
+    """How many rows and columns of ``weight`` one element of ``scale`` covers (a scale with
+    one element covers it all)."""
+    if scale.numel == 1:
+        return 0, 0
+    shape = tuple(scale.shape)
+    if len(weight.shape) == 2:
+        rows, cols = weight.shape
+        if shape in ((rows,), (rows, 1)):
+            return 1, cols
+        block_rows, block_cols = FP8_BLOCK
+        if shape == (-(-rows // block_rows), -(-cols // block_cols)):
+            return block_rows, block_cols
+    raise InputError(
+        f"{key}: a float8 weight {list(weight.shape)} with a scale {list(scale.shape)} that is "
+        f"neither per tensor, per row, nor per {FP8_BLOCK[0]}x{FP8_BLOCK[1]} block"
+    )
+
+
+def _fp8_producer(
+    weight: TensorRecord, scale: TensorRecord, key: str, target: str, sources: _Sources
+) -> Callable[[], bytes]:
+    def produce() -> bytes:
+        import numpy as np
+
+        from ckpttool.io.values import as_float
+
+        def floats(record: TensorRecord) -> Any:
+            codes = np.ascontiguousarray(_values(record, sources)).reshape(-1)
+            if record.dtype in ("float16", "float32", "float64"):
+                return codes.view(stored_dtype(record.dtype)).astype(np.float32)
+            return as_float(record, codes)  # bfloat16, float8 (e8m0 too): exact
+
+        values = floats(weight).reshape(weight.shape)
+        factors = floats(scale).astype(np.float32)
+        block_rows, block_cols = _scale_grid(weight, scale, key)
+        if scale.numel == 1:
+            product = values * factors[0]
+        else:
+            grid = factors.reshape(-(-weight.shape[0] // block_rows), -1)
+            expanded = np.repeat(np.repeat(grid, block_rows, axis=0), block_cols, axis=1)
+            product = values * expanded[: weight.shape[0], : weight.shape[1]]
+        product = np.ascontiguousarray(product, dtype=np.float32)
+        out, _ = cast_array(product, "float32", target)
+        return out.tobytes()
+
+    return produce
