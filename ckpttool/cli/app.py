@@ -751,9 +751,9 @@ def repair_command(
         quarantine=quarantine, clean=clean,
     )  # fmt: skip
     if as_json:
-        _echo_json(repair_render.render_json(report, dry_run=dry_run))
+        _echo_json(repair_render.render_json(report))
     else:
-        click.echo(repair_render.render_text(report, dry_run=dry_run))
+        click.echo(repair_render.render_text(report))
     sys.exit(report.exit_code)
 
 
@@ -865,9 +865,9 @@ def edit_command(
         in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
     )  # fmt: skip
     if as_json:
-        _echo_json(edit_render.render_json(report, dry_run=dry_run))
+        _echo_json(edit_render.render_json(report))
     else:
-        click.echo(edit_render.render_text(report, dry_run=dry_run))
+        click.echo(edit_render.render_text(report))
 
 
 def _int_params(pairs: tuple[str, ...]) -> dict[str, int]:

@@ -72,6 +72,7 @@ class EditReport:
     ema_taken: int = 0  # model tensors given their EMA values
     ema_missing: tuple[str, ...] = ()  # model tensors the EMA does not hold (kept)
     mapped: tuple[tuple[str, str, str], ...] = ()  # (op, sources, targets) of each --map step
+    dry_run: bool = False  # nothing was to be written
 
     @property
     def changed(self) -> bool:
@@ -202,6 +203,7 @@ def edit_file(
         ema_taken=len(log.ema_taken),
         ema_missing=tuple(log.ema_missing),
         mapped=tuple(log.mapped),
+        dry_run=dry_run,
         tensors_before=len(before),
         tensors_after=len(after),
         bytes_before=_stored_bytes(before),

@@ -159,6 +159,7 @@ def repair_file(
         output=str(output) if damaged else None,
         written=write,
         filled=tuple(pruned.filled.values()),
+        dry_run=dry_run,
     )
 
 

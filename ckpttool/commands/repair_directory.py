@@ -100,6 +100,7 @@ def repair_directory(
         checkpoints=tuple(found.checkpoints),
         newest_complete=found.newest_complete,
         actions=tuple(found.actions),
+        dry_run=dry_run,
     )
 
 

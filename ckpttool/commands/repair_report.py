@@ -62,6 +62,7 @@ class RepairReport:
     checkpoints: tuple[CheckpointState, ...] = ()  # a run directory's checkpoints, oldest first
     newest_complete: str | None = None  # a run directory's newest complete checkpoint
     actions: tuple[RepairAction, ...] = ()  # what was (dry run: would be) changed
+    dry_run: bool = False  # nothing was to be written
 
     @property
     def damaged(self) -> bool:

@@ -12,7 +12,9 @@ from ckpttool.commands.show_settings import part_settings, settings_of
 from ckpttool.errors import CkptError
 from ckpttool.frameworks.registry import framework_of
 from ckpttool.model.records import (
+    ELEMENTS_PER_BYTE,
     ChunkedStorageRecord,
+    StorageRecord,
     TensorRecord,
     count_once,
     paths_of,
@@ -78,6 +80,8 @@ class ShowReport:
     # what was saved beside the tensors, by top-level part (a scheduler's position, a config
     # dataclass, an argparse.Namespace, Lightning's hyper_parameters): see part_settings
     parts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # bytes the file stores for storages that no tensor views, and in how many storages
+    unreferenced: tuple[int, int] = (0, 0)
 
     @property
     def layout_title(self) -> str:
@@ -232,6 +236,7 @@ def build_report(
         records = [r for r in records if fnmatch.fnmatchcase(r.key, pattern)]
     views = storage_views(all_records)
     groups = storage_groups(all_records, views)
+    unreferenced = unreferenced_bytes(all_records)
     notes = tensor_notes(all_records, groups)
     if notes:
         infos = [TensorInfo(r, list(notes.get(r.key, ()))) for r in records]
@@ -301,6 +306,7 @@ def build_report(
         rng=rng_present(ckpt.root),
         warnings=warnings,
         parts=_selected_parts(ckpt, section),
+        unreferenced=unreferenced,
     )
 
 
@@ -371,3 +377,35 @@ def show(
     """Describe the checkpoint at ``path``. Reads tensor bytes only when ``stats`` is set."""
     with open_checkpoint(path) as ckpt:
         return build_report(ckpt, section=section, pattern=pattern, stats=stats)
+
+
+def unreferenced_bytes(records: list[TensorRecord]) -> tuple[int, int]:
+    """(bytes, storages): what the file stores that no tensor views. A tensor saved as a view
+    keeps its whole storage (``torch.save(big[:10])`` stores all of ``big``)."""
+    spans: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+    for record in records:
+        storage = record.storage
+        if (
+            storage is None
+            or record.inline_data is not None
+            or record.parts
+            or record.layout != "strided"
+            or record.dtype in ELEMENTS_PER_BYTE
+            or type(storage) is not StorageRecord
+        ):
+            continue
+        first = record.storage_offset * record.itemsize
+        entry = spans.setdefault(storage.key, (storage.nbytes, []))
+        entry[1].append((first, max(record.stored_extent_bytes, first)))
+    total = count = 0
+    for nbytes, intervals in spans.values():
+        covered, reach = 0, 0
+        for start, end in sorted(intervals):
+            start = max(start, reach)
+            if end > start:
+                covered += end - start
+                reach = end
+        if nbytes > covered:
+            total += nbytes - covered
+            count += 1
+    return total, count

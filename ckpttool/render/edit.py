@@ -12,7 +12,7 @@ from ckpttool.model.text import human_size
 SHOWN = 20
 
 
-def render_text(report: EditReport, *, dry_run: bool = False) -> str:
+def render_text(report: EditReport) -> str:
     title = LAYOUT_TITLES.get(report.layout, report.layout)
     lines = [f"{report.source}: {report.format}, {title}"]
     dropped = [f"  drop: {key}" for key in report.dropped]
@@ -41,12 +41,12 @@ def render_text(report: EditReport, *, dry_run: bool = False) -> str:
         lines.append(f"  wrote: {report.output}")
         if report.backup:
             lines.append(f"  backup: {report.backup}")
-    elif dry_run:
+    elif report.dry_run:
         lines.append(f"  would write: {report.output}")
     return "\n".join(lines)
 
 
-def render_json(report: EditReport, *, dry_run: bool = False) -> dict[str, Any]:
+def render_json(report: EditReport) -> dict[str, Any]:
     """``edit --json``: docs/schemas/edit.schema.json."""
     return {
         "source": report.source,
@@ -70,5 +70,5 @@ def render_json(report: EditReport, *, dry_run: bool = False) -> dict[str, Any]:
         "changed": report.changed,
         "written": report.written,
         "backup": report.backup,
-        "dry_run": dry_run,
+        "dry_run": report.dry_run,
     }

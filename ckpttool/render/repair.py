@@ -12,7 +12,7 @@ from ckpttool.model.text import human_size
 SHOWN = 20
 
 
-def render_text(report: RepairReport, *, dry_run: bool = False) -> str:
+def render_text(report: RepairReport) -> str:
     """The verdict line, then the damage, each lost / left out / filled tensor, a run
     directory's checkpoints, and what was (or, with ``dry_run``, would be) written or changed."""
     kind = report.format
@@ -36,14 +36,14 @@ def render_text(report: RepairReport, *, dry_run: bool = False) -> str:
     lines += _cut([f"  filled: {t.key} (from {t.source})" for t in report.filled])
     if report.kind == "file":
         lines.append(f"  recovered: {report.recovered} tensor(s)")
-    will = "would " if dry_run else ""
+    will = "would " if report.dry_run else ""
     for action in report.actions:
         detail = f": {action.detail}" if action.detail else ""
         lines.append(f"  {will}{action.action}: {action.path}{detail}")
     if report.output is not None and report.kind == "file":
         if report.written:
             lines.append(f"  wrote: {report.output}")
-        elif dry_run:
+        elif report.dry_run:
             lines.append(f"  would write: {report.output}")
     return "\n".join(lines)
 
@@ -54,7 +54,7 @@ def _cut(lines: list[str]) -> list[str]:
     return [*lines[:SHOWN], f"  ... and {len(lines) - SHOWN} more (--json lists all)"]
 
 
-def render_json(report: RepairReport, *, dry_run: bool = False) -> dict[str, Any]:
+def render_json(report: RepairReport) -> dict[str, Any]:
     """``repair --json``: docs/schemas/repair.schema.json."""
     directory = report.kind == "directory"
     return {
@@ -82,5 +82,5 @@ def render_json(report: RepairReport, *, dry_run: bool = False) -> dict[str, Any
         ],
         "output": report.output,
         "written": report.written,
-        "dry_run": dry_run,
+        "dry_run": report.dry_run,
     }  # fmt: skip

@@ -174,6 +174,7 @@ def _document(report: ShowReport) -> dict[str, Any]:
         "num_parameters": report.num_parameters,
         "bytes_by_dtype": report.bytes_by_dtype,
         "num_bytes": report.num_bytes,
+        "unreferenced_bytes": report.unreferenced[0],
         "total_tensors": report.total_tensors,
         "selection": (
             {"section": report.section, "filter": report.pattern} if report.is_selection else None
@@ -285,6 +286,13 @@ def _count_lines(report: ShowReport) -> list[str]:
         "bytes:      "
         + ", ".join(f"{d} {human_size(n)}" for d, n in report.bytes_by_dtype.items()),
     ]
+    unreferenced, holding = report.unreferenced
+    if unreferenced:
+        lines.append(
+            f"unreferenced: {human_size(unreferenced)} in {holding} "
+            f"storage{'s' if holding > 1 else ''} (stored, but viewed by no tensor: "
+            "`ckpttool edit --compact` drops it)"
+        )
     if report.shared:
         keys = sum(len(group) for group in report.shared)
         first = report.shared[0]
