@@ -107,6 +107,7 @@ class _Cursor:
 
     def string(self, what: str, keep: bool = True) -> str:
         length = self.unpack("<Q", what)
+        self.need(length, what)
         if length > MAX_STRING:
             raise CorruptCheckpointError(
                 f"GGUF {what} claims a string of {length:,} bytes (at most {MAX_STRING:,} read)"
