@@ -499,3 +499,12 @@ def test_a_string_longer_than_any_gguf_holds_is_refused(
     assert result.stderr.splitlines() == [
         f"Error: {path}: GGUF metadata 'k' claims a string of 101 bytes (at most 100 read)"
     ]
+
+
+def test_ggml_types_are_no_torch_dtypes_to_a_pickle(tmp_path: Path) -> None:
+    """The dtype table's GGML rows are not ``torch.<name>`` globals: a pickle naming
+    ``torch.Q8_0`` names something torch does not have (unknown), as before they were rows."""
+    for name, verdict in (("Q8_0", "unknown"), ("float32", "safe")):
+        path = written(tmp_path, b"\x80\x02ctorch\n" + name.encode() + b"\nq\x00.", f"{name}.pkl")
+        report = json.loads(run("scan", path, "--json").stdout)
+        assert report["files"][0]["globals"][0]["verdict"] == verdict

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import InputError
-from ckpttool.model.dtypes import NUMPY_CODES
+from ckpttool.model.dtypes import BY_NAME, NUMPY_CODES
 from ckpttool.model.records import ITEMSIZE, StorageRecord, TensorRecord, with_key
 
 if TYPE_CHECKING:
@@ -84,6 +84,8 @@ def stats_unavailable(record: TensorRecord) -> str | None:
         return f"{record.dtype} holds raw bits with no numeric meaning"
     if record.dtype not in ITEMSIZE:
         return f"unknown dtype {record.dtype!r}"
+    if not BY_NAME[record.dtype].torch:  # GGUF's blocks, without the scheme that decodes them
+        return f"{record.dtype} blocks are decoded by the format that read them"
     return None
 
 
