@@ -157,10 +157,11 @@ def decode(record: TensorRecord, data: Any) -> np.ndarray:
             f"{', '.join(DECODERS)}); leave the tensor out with --filter"
         )
     kind = BY_NAME[record.dtype]
-    raw = np.frombuffer(data, dtype=np.uint8)
-    blocks = raw[: record.numel // kind.per_byte * kind.itemsize].reshape((-1, kind.itemsize))
-    out = np.empty((blocks.shape[0], kind.per_byte), dtype=np.float32)
-    for start in range(0, blocks.shape[0], STEP_BLOCKS):
+    count = record.numel // kind.per_byte  # blocks
+    raw = np.frombuffer(data, dtype=np.uint8, count=count * kind.itemsize)
+    blocks: np.ndarray = raw.reshape((count, kind.itemsize))
+    out = np.empty((count, kind.per_byte), dtype=np.float32)
+    for start in range(0, count, STEP_BLOCKS):
         stop = start + STEP_BLOCKS
         out[start:stop] = decoder(blocks[start:stop])
     return out.reshape(record.shape)
