@@ -3,9 +3,10 @@
 Each row gives the torch name (without ``torch.``), the bytes per stored element (per stored
 byte for a packed dtype, with how many elements a byte holds), torch's typed storage class
 (what a torch pickle names; ``torch.storage._dtype_to_storage_type_map``), the safetensors code
-and the NumPy type code (no byte order) where those formats have one. Every other table is
-derived from it: :data:`ITEMSIZE` and :data:`ELEMENTS_PER_BYTE` (re-exported by
-:mod:`ckpttool.model.records`), :data:`STORAGE_DTYPES` (read) and :data:`STORAGE_CLASSES`
+and the NumPy type code (no byte order) where those formats have one; GGUF's block-quantized
+types are rows too (``torch=False``; a block's bytes in ``itemsize``, its elements in
+``per_byte``). Every other table is derived from it: :data:`ITEMSIZE` and
+:data:`ELEMENTS_PER_BYTE` (re-exported by :mod:`ckpttool.model.records`), :data:`STORAGE_DTYPES` (read) and :data:`STORAGE_CLASSES`
 (written), :data:`SAFETENSORS_DTYPES`/:data:`SAFETENSORS_CODES`, :data:`NUMPY_DTYPES`/
 :data:`NUMPY_CODES`. A new dtype is one row.
 """
