@@ -508,3 +508,36 @@ def test_ggml_types_are_no_torch_dtypes_to_a_pickle(tmp_path: Path) -> None:
         path = written(tmp_path, b"\x80\x02ctorch\n" + name.encode() + b"\nq\x00.", f"{name}.pkl")
         report = json.loads(run("scan", path, "--json").stdout)
         assert report["files"][0]["globals"][0]["verdict"] == verdict
+
+
+def test_dequantized_tensors_are_decoded_once_and_verified_by_crc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``convert`` decodes each quantized tensor once (bench/gguf.py: a second decoding was a
+    quarter of the time) and verifies the output read back against the CRC-32 of the bytes
+    written: a damaged read-back is still caught, and nothing is left."""
+    import ckpttool.commands.convert.run as convert_module
+    from ckpttool.formats.gguf import quants
+
+    decoded: list[str] = []
+    decode = quants.decode
+
+    def counting(record: Any, data: Any) -> Any:
+        decoded.append(record.key)
+        return decode(record, data)
+
+    monkeypatch.setattr(quants, "decode", counting)
+    out = tmp_path / "out.safetensors"
+    assert run("convert", Q8, out, "--dequantize").exit_code == 0
+    assert decoded == ["blk.0.attn_q.weight"]
+    stored = convert_module._stored_bytes
+
+    def damaged(written: Any, record: Any) -> Any:
+        got = stored(written, record)
+        return None if got is None else memoryview(bytes(got)[:-1] + bytes([got[-1] ^ 1]))
+
+    monkeypatch.setattr(convert_module, "_stored_bytes", damaged)
+    result = run("convert", Q8, tmp_path / "again.safetensors", "--dequantize")
+    assert result.exit_code == 1, result.output
+    assert "does not read back bit-for-bit equal" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors"]
