@@ -541,3 +541,18 @@ def test_dequantized_tensors_are_decoded_once_and_verified_by_crc(
     assert result.exit_code == 1, result.output
     assert "does not read back bit-for-bit equal" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors"]
+
+
+def test_verify_values_finds_a_nan_scale(tmp_path: Path) -> None:
+    """A Q8_0 block whose fp16 scale is NaN decodes to 32 NaN values: ``verify --values``
+    reports them (the type's other files verify clean)."""
+    data = bytearray(Q8.read_bytes())
+    offset = gguf_tensors(Q8)["blk.0.attn_q.weight"].data_offset  # the first block's scale
+    data[offset : offset + 2] = np.float16(np.nan).tobytes()
+    path = written(tmp_path, bytes(data))
+    assert run("verify", Q8, "--values").exit_code == 0
+    result = run("verify", path, "--values", "--json")
+    assert result.exit_code == 1, result.output
+    problems = json.loads(result.stdout)["files"][0]["problems"]
+    assert problems == ["blk.0.attn_q.weight: 32 NaN and 0 Inf values"]
+    assert run("verify", iq_file(tmp_path), "--values").exit_code == 0  # not decoded: not checked
