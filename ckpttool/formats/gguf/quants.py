@@ -1,8 +1,8 @@
 """GGML's block-quantized types decoded to float32 with NumPy, one tensor at a time.
 
 Each function takes a tensor's blocks (``uint8``, one row per block of the type's size) and
-gives its values, ``(blocks, block elements)`` float32, by the same arithmetic in the same
-order as ``gguf.quants`` (gguf-py 0.19.0, the reference the tests compare with bit for bit):
+writes its values into ``out`` (``(blocks, block elements)`` float32), by the same arithmetic
+in the same order as ``gguf.quants`` (gguf-py 0.19.0, the reference the tests compare with bit for bit):
 fp16 scales widened to float32, then ``d * q`` (``+ m`` for the types with a minimum). Types
 listed in :data:`DECODERS` decode; every other GGML type (the IQ and ternary ones...) is named
 by the reader and refused here with what is decoded.
@@ -27,26 +27,27 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.view(np.float16).astype(np.float32)
 
 
-def q8_0(blocks: np.ndarray) -> np.ndarray:
+def q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
     d, x = np.split(blocks, [2], axis=1)
-    return x.view(np.int8).astype(np.float32) * _f16(d)
+    # int8 to float32 is exact: the same bits as gguf's x.astype(float32) * d, one pass less
+    np.multiply(x.view(np.int8), _f16(d), out=out)
 
 
-def q4_0(blocks: np.ndarray) -> np.ndarray:
+def q4_0(blocks: np.ndarray, out: np.ndarray) -> None:
     n = blocks.shape[0]
     d, qs = np.hsplit(blocks, [2])
     qs = qs.reshape((n, -1, 1, 16)) >> _NIBBLES
     q = (qs & np.uint8(0x0F)).reshape((n, -1)).astype(np.int8) - np.int8(8)
-    return _f16(d) * q.astype(np.float32)
+    np.multiply(_f16(d), q.astype(np.float32), out=out)
 
 
-def q4_1(blocks: np.ndarray) -> np.ndarray:
+def q4_1(blocks: np.ndarray, out: np.ndarray) -> None:
     n = blocks.shape[0]
     d, rest = np.hsplit(blocks, [2])
     m, qs = np.hsplit(rest, [2])
     qs = qs.reshape((n, -1, 1, 16)) >> _NIBBLES
     q = (qs & np.uint8(0x0F)).reshape((n, -1)).astype(np.float32)
-    return (_f16(d) * q) + _f16(m)
+    np.add(_f16(d) * q, _f16(m), out=out)
 
 
 def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -58,19 +59,19 @@ def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
     return low | (high << np.uint8(4))
 
 
-def q5_0(blocks: np.ndarray) -> np.ndarray:
+def q5_0(blocks: np.ndarray, out: np.ndarray) -> None:
     d, rest = np.hsplit(blocks, [2])
     qh, qs = np.hsplit(rest, [4])
     q = _five_bits(qh, qs).astype(np.int8) - np.int8(16)
-    return _f16(d) * q.astype(np.float32)
+    np.multiply(_f16(d), q.astype(np.float32), out=out)
 
 
-def q5_1(blocks: np.ndarray) -> np.ndarray:
+def q5_1(blocks: np.ndarray, out: np.ndarray) -> None:
     d, rest = np.hsplit(blocks, [2])
     m, rest = np.hsplit(rest, [2])
     qh, qs = np.hsplit(rest, [4])
     q = _five_bits(qh, qs).astype(np.float32)
-    return (_f16(d) * q) + _f16(m)
+    np.add(_f16(d) * q, _f16(m), out=out)
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +83,7 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.reshape((n, 8)), mins.reshape((n, 8))
 
 
-def q4_k(blocks: np.ndarray) -> np.ndarray:
+def q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
     n = blocks.shape[0]
     d, rest = np.hsplit(blocks, [2])
     dmin, rest = np.hsplit(rest, [2])
@@ -92,10 +93,10 @@ def q4_k(blocks: np.ndarray) -> np.ndarray:
     dm = (_f16(dmin) * m.astype(np.float32)).reshape((n, -1, 1))
     qs = qs.reshape((n, -1, 1, 32)) >> _NIBBLES
     q = (qs & np.uint8(0x0F)).reshape((n, -1, 32)).astype(np.float32)
-    return (d * q - dm).reshape((n, QK_K))
+    out[...] = (d * q - dm).reshape((n, QK_K))
 
 
-def q5_k(blocks: np.ndarray) -> np.ndarray:
+def q5_k(blocks: np.ndarray, out: np.ndarray) -> None:
     n = blocks.shape[0]
     d, rest = np.hsplit(blocks, [2])
     dmin, rest = np.hsplit(rest, [2])
@@ -109,10 +110,10 @@ def q5_k(blocks: np.ndarray) -> np.ndarray:
     ql = (ql & np.uint8(0x0F)).reshape((n, -1, 32))
     qh = (qh & np.uint8(0x01)).reshape((n, -1, 32))
     q = (ql | (qh << np.uint8(4))).astype(np.float32)
-    return (d * q - dm).reshape((n, QK_K))
+    out[...] = (d * q - dm).reshape((n, QK_K))
 
 
-def q6_k(blocks: np.ndarray) -> np.ndarray:
+def q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     n = blocks.shape[0]
     ql, rest = np.hsplit(blocks, [QK_K // 2])
     qh, rest = np.hsplit(rest, [QK_K // 4])
@@ -124,10 +125,10 @@ def q6_k(blocks: np.ndarray) -> np.ndarray:
     qh = (qh & np.uint8(0x03)).reshape((n, -1, 32))
     q = (ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)
     q = q.reshape((n, QK_K // 16, -1)).astype(np.float32)
-    return (d * q).reshape((n, QK_K))
+    out[...] = (d * q).reshape((n, QK_K))
 
 
-def q2_k(blocks: np.ndarray) -> np.ndarray:
+def q2_k(blocks: np.ndarray, out: np.ndarray) -> None:
     n = blocks.shape[0]
     scales, rest = np.hsplit(blocks, [QK_K // 16])
     qs, rest = np.hsplit(rest, [QK_K // 4])
@@ -136,11 +137,12 @@ def q2_k(blocks: np.ndarray) -> np.ndarray:
     ml = (_f16(dmin) * (scales >> 4).astype(np.float32)).reshape((n, QK_K // 16, 1))
     shift = np.array([0, 2, 4, 6], dtype=np.uint8).reshape((1, 1, 4, 1))
     q = ((qs.reshape((n, -1, 1, 32)) >> shift) & np.uint8(3)).reshape((n, QK_K // 16, 16))
-    return (dl * q.astype(np.float32) - ml).reshape((n, -1))
+    out[...] = (dl * q.astype(np.float32) - ml).reshape((n, -1))
 
 
-#: GGML type -> its decoder (``blocks -> values``): the types ckpttool dequantizes.
-DECODERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+#: GGML type -> its decoder (``blocks``, ``out``: the blocks' values written into ``out``, of
+#: shape (blocks, block elements)): the types ckpttool dequantizes.
+DECODERS: dict[str, Callable[[np.ndarray, np.ndarray], None]] = {
     "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1, "Q8_0": q8_0,
     "Q2_K": q2_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k,
 }  # fmt: skip
@@ -163,5 +165,5 @@ def decode(record: TensorRecord, data: Any) -> np.ndarray:
     out = np.empty((count, kind.per_byte), dtype=np.float32)
     for start in range(0, count, STEP_BLOCKS):
         stop = start + STEP_BLOCKS
-        out[start:stop] = decoder(blocks[start:stop])
+        decoder(blocks[start:stop], out[start:stop])
     return out.reshape(record.shape)
