@@ -556,3 +556,28 @@ def test_verify_values_finds_a_nan_scale(tmp_path: Path) -> None:
     problems = json.loads(result.stdout)["files"][0]["problems"]
     assert problems == ["blk.0.attn_q.weight: 32 NaN and 0 Inf values"]
     assert run("verify", iq_file(tmp_path), "--values").exit_code == 0  # not decoded: not checked
+
+
+def test_a_tensor_past_the_end_is_refused_when_read_never_allocated(tmp_path: Path) -> None:
+    """Opened leniently (as verify opens), a tensor that claims 4 TB at an offset past the file
+    is a problem listed, and reading it is refused before anything is allocated for it."""
+    path = written(tmp_path, raw_gguf([("w", (1 << 20, 1 << 20), 0, 1 << 62)], b""))
+    with open_checkpoint(path, strict=False) as ckpt:
+        assert any("past the end of the file" in problem for problem in ckpt.problems)
+        with pytest.raises(CkptError, match="w: extends past its storage's bytes"):
+            ckpt.read_bytes(ckpt.tensors()[0])
+
+
+def test_a_nan_scale_decodes_to_nan_without_a_warning(tmp_path: Path) -> None:
+    import warnings
+
+    data = bytearray(Q8.read_bytes())
+    offset = gguf_tensors(Q8)["blk.0.attn_q.weight"].data_offset
+    data[offset : offset + 2] = np.float16(np.inf).tobytes()  # an infinite scale
+    data[offset + 2] = 0  # times 0: NaN, NumPy's "invalid value" when not silenced
+    data[offset + 34 : offset + 36] = np.float16(np.nan).tobytes()
+    path = written(tmp_path, bytes(data))
+    with open_checkpoint(path) as ckpt, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        values = ckpt.dequantize(ckpt.tensors()[0]).reshape(-1)
+    assert np.isnan(values[0]) and np.isinf(values[1:32]).all() and np.isnan(values[32:64]).all()

@@ -196,7 +196,10 @@ def read_gguf(handle: BinaryIO, file_size: int, *, strict: bool) -> Parsed:
         raise CorruptCheckpointError(f"invalid GGUF file: {problems[0]}")
 
     def span(storage: StorageRecord) -> tuple[int, int]:
-        return data_start + starts[storage.key], storage.data_size
+        # the bytes the file has for it (a tensor cut short, or past the end, is refused when
+        # read, before anything is allocated for it; verify reports it above)
+        begin = data_start + starts[storage.key]
+        return begin, max(0, min(storage.data_size, file_size - begin))
 
     from ckpttool.formats.gguf.quants import decode  # NumPy: imported when a value is read
 
