@@ -30,6 +30,7 @@ def test_formats_are_sniffed_in_torch_loads_order() -> None:
     assert [fmt.id for fmt in registry.file_formats()] == [
         "torch-zip",
         "safetensors",
+        "gguf",  # torch.load reads none: its magic is no other format's
         "torch-tar",  # tried before a pickle stream, as torch.load tries them
         "torch-legacy",
     ]
@@ -59,7 +60,7 @@ def test_opening_a_zip_imports_no_other_format() -> None:
     )
     loaded = set(json.loads(result.stdout))
     assert "ckpttool.formats.torch_zip.reader" in loaded  # the positive control
-    others = ("dcp", "safetensors_file", "torch_legacy", "torch_tar")
+    others = ("dcp", "safetensors_file", "gguf", "torch_legacy", "torch_tar")
     assert not {m for m in loaded for other in others if m.startswith(f"ckpttool.formats.{other}")}
 
 

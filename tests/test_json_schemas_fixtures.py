@@ -139,6 +139,7 @@ def test_the_sweep_covers_every_kind_of_fixture() -> None:
         "deepspeed/stage3_bf16_2proc/checkpoints",
         "deepspeed/stage3_bf16_2proc/checkpoints/global_step4",
         "deepspeed/stage1_fp32_1proc/checkpoints/global_step4/mp_rank_00_model_states.pt",
+        "gguf/llama_f32.gguf", "gguf/q8_0.gguf",
     ):  # fmt: skip
         assert expected in names
     assert all(any(n.startswith(where) for n in names) for where in REFUSED)

@@ -124,11 +124,21 @@ def _globals(ckpt: Checkpoint) -> list[tuple[str, str, Verdict]]:
 
 
 def _non_finite(ckpt: Checkpoint) -> list[str]:
+    """NaN/Inf in every floating tensor, and in the decoded values of a tensor quantized in its
+    format's blocks (a GGUF block whose scale is NaN); the block types its format does not
+    decode are left out."""
     problems = []
     for record in ckpt.tensors():
-        if not record.is_floating or record.dtype.startswith("float8") or record.storage is None:
+        in_blocks = record.quant is not None and record.quant.in_blocks
+        if in_blocks:
+            try:
+                stats = tensor_stats(ckpt, record)
+            except InputError:  # a type its format does not decode (GGUF's IQ types...)
+                continue
+        elif not record.is_floating or record.dtype.startswith("float8") or not record.storage:
             continue
-        stats = tensor_stats(ckpt, record)
+        else:
+            stats = tensor_stats(ckpt, record)
         if stats.nan or stats.inf:
             problems.append(f"{record.key}: {stats.nan} NaN and {stats.inf} Inf values")
     return problems

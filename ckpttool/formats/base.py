@@ -54,6 +54,9 @@ class Parsed:
     unchanged: Callable[[], None] | None = None
     # The format's own index, parsed (DCP: its DcpMetadata), for verify not to parse it again.
     index: Any = None
+    # For tensors quantized in the format's own blocks (QuantInfo.in_blocks: GGUF's Q8_0...):
+    # (record, its stored bytes) -> its values, a float32 NumPy array of the record's shape.
+    dequantize: Callable[[TensorRecord, bytes | bytearray], Any] | None = None
 
 
 @dataclass
@@ -120,8 +123,9 @@ class FileFormat:
        :meth:`verify` (``verify``'s checks beyond opening, given the opened
        :class:`Checkpoint`), :meth:`scan` (``scan``'s own walk of every pickle ``torch.load``
        would run, instead of opening the file; ``None``: open it as usual), :meth:`write`
-       (``convert``'s output in this format) and :meth:`recover` (what a damaged file still
-       holds, found without the parts that may be lost; ``None``: it cannot recover).
+       (``convert``'s output in this format), :meth:`recover` (what a damaged file still
+       holds, found without the parts that may be lost; ``None``: it cannot recover) and
+       :meth:`show_lines` (``show``'s lines for the format's own facts).
     """
 
     #: The vocabulary name (:data:`ckpttool.model.vocabulary.FORMATS`) of what it opens.
@@ -188,6 +192,11 @@ class FileFormat:
         """Every global the pickles ``torch.load`` would run name (``opener(path)`` opens the
         file, local or remote); None to leave the file to the reader."""
         return None
+
+    def show_lines(self, details: dict[str, Any]) -> list[str]:
+        """``show``'s header lines for what this format put in a checkpoint's ``details``
+        (GGUF: its version, model facts and metadata); none by default."""
+        return []
 
     def recover(self, handle: BinaryIO, file_size: int) -> Recovered | None:
         """What a damaged (cut short, torn) file of this format still holds, read from what
@@ -401,6 +410,20 @@ class Checkpoint:
         if len(data) != stop - start:
             raise CorruptCheckpointError(f"{what}: file ends inside its data (truncated)")
         return data
+
+    def dequantize(self, record: TensorRecord) -> Any:
+        """The values of a tensor quantized in its format's blocks (``record.quant.in_blocks``:
+        GGUF's Q8_0, Q4_K...), decoded by the format that read the file: a float32 NumPy array
+        of ``record.shape``. Reads the tensor's bytes, nothing more; errors name the file."""
+        decode = self._parsed.dequantize
+        if decode is None:
+            raise InputError(f"{self.name}: {record.key}: no decoder for its {record.dtype} blocks")
+        data, first = self.read_bytes(record)
+        assert first == 0  # a block-quantized tensor is read whole
+        try:
+            return decode(record, data)
+        except CkptError as error:
+            raise name_file(error, shown_name(self.name)) from None
 
     @property
     def index(self) -> Any:

@@ -43,6 +43,7 @@ from ckpttool.model.records import (
 FILE_FORMATS = (
     "ckpttool.formats.torch_zip.format:FORMAT",
     "ckpttool.formats.safetensors_file:FORMAT",
+    "ckpttool.formats.gguf.format:FORMAT",  # torch.load reads none: its magic is no other's
     "ckpttool.formats.torch_tar:FORMAT",  # before a pickle stream, as torch.load tries them
     "ckpttool.formats.torch_legacy.format:FORMAT",
 )
@@ -93,6 +94,12 @@ def find_format(format_id: str) -> FileFormat | None:
         if format_id in fmt.ids:
             return fmt
     return None
+
+
+def format_lines(format_id: str, details: dict[str, Any]) -> list[str]:
+    """``show``'s lines for a checkpoint's format facts (:meth:`FileFormat.show_lines`)."""
+    found = find_format(format_id)
+    return found.show_lines(details) if found is not None else []
 
 
 def carries_metadata(format_id: str) -> bool:
@@ -332,7 +339,7 @@ def _parse(
         raise NotACheckpointError("a compressed or tar archive, not a checkpoint")
     raise NotACheckpointError(
         f"not a checkpoint: unrecognised format (first bytes {head[:8]!r}); ckpttool reads "
-        "torch.save files (zip or legacy), safetensors and pickles"
+        "torch.save files (zip or legacy), safetensors, GGUF and pickles"
     )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import InputError
-from ckpttool.model.dtypes import NUMPY_CODES
+from ckpttool.model.dtypes import BY_NAME, NUMPY_CODES
 from ckpttool.model.records import ITEMSIZE, StorageRecord, TensorRecord, with_key
 
 if TYPE_CHECKING:
@@ -84,6 +84,8 @@ def stats_unavailable(record: TensorRecord) -> str | None:
         return f"{record.dtype} holds raw bits with no numeric meaning"
     if record.dtype not in ITEMSIZE:
         return f"unknown dtype {record.dtype!r}"
+    if not BY_NAME[record.dtype].torch:  # GGUF's blocks, without the scheme that decodes them
+        return f"{record.dtype} blocks are decoded by the format that read them"
     return None
 
 
@@ -226,11 +228,14 @@ def read_tensor(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
     """The tensor as a contiguous CPU torch tensor that owns its memory (views are copied).
 
     A sparse tensor comes back sparse (of its layout), a quantized one quantized, built from
-    their parts as torch would: what ``torch.load`` gives, on the CPU.
+    their parts as torch would: what ``torch.load`` gives, on the CPU. A tensor quantized in
+    GGUF's blocks (which torch cannot hold) comes back as its float32 values.
     """
     import numpy as np
     import torch
 
+    if record.quant is not None and record.quant.in_blocks:  # GGUF's: decoded by its format
+        return read_tensor(ckpt, _decoded_blocks(ckpt, record))
     if record.is_sparse or record.quant is not None:
         # torch warns that sparse support is beta and quantized tensors deprecated: not news
         # to the user reading their file
@@ -354,6 +359,8 @@ def dense_record(ckpt: Checkpoint, record: TensorRecord) -> TensorRecord:
         return record  # (before importing torch: diff of plain tensors never imports it)
     if record.layout == "nested":  # ragged: its values are its flat buffer
         return with_key(record.parts[0], record.key)
+    if record.quant is not None and record.quant.in_blocks:
+        return _decoded_blocks(ckpt, record)
     if record.nbytes > MAX_DENSE_BYTES:
         raise InputError(
             f"{record.key}: its dense values would take {record.nbytes:,} bytes (over "
@@ -373,5 +380,24 @@ def dense_record(ckpt: Checkpoint, record: TensorRecord) -> TensorRecord:
     storage = StorageRecord(record.key, dtype, tensor.numel(), record.location, "inline", len(raw))
     return TensorRecord(
         record.key, dtype, record.shape, stride, 0, storage, record.requires_grad, record.kind,
+        inline_data=raw,
+    )  # fmt: skip
+
+
+def _decoded_blocks(ckpt: Checkpoint, record: TensorRecord) -> TensorRecord:
+    """A tensor quantized in its format's blocks (GGUF's Q8_0...) as its float32 values,
+    decoded by the format (``Checkpoint.dequantize``) with NumPy: torch is not imported."""
+    if record.numel * 4 > MAX_DENSE_BYTES:
+        raise InputError(
+            f"{record.key}: its float32 values would take {record.numel * 4:,} bytes (over "
+            f"{MAX_DENSE_BYTES:,}); not dequantized"
+        )
+    raw = ckpt.dequantize(record).tobytes() if record.numel else b""
+    stride = tuple(math.prod(record.shape[i + 1 :]) for i in range(len(record.shape)))
+    storage = StorageRecord(
+        record.key, "float32", record.numel, record.location, "inline", len(raw)
+    )
+    return TensorRecord(
+        record.key, "float32", record.shape, stride, 0, storage, record.requires_grad, record.kind,
         inline_data=raw,
     )  # fmt: skip

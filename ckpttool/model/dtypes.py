@@ -3,9 +3,10 @@
 Each row gives the torch name (without ``torch.``), the bytes per stored element (per stored
 byte for a packed dtype, with how many elements a byte holds), torch's typed storage class
 (what a torch pickle names; ``torch.storage._dtype_to_storage_type_map``), the safetensors code
-and the NumPy type code (no byte order) where those formats have one. Every other table is
-derived from it: :data:`ITEMSIZE` and :data:`ELEMENTS_PER_BYTE` (re-exported by
-:mod:`ckpttool.model.records`), :data:`STORAGE_DTYPES` (read) and :data:`STORAGE_CLASSES`
+and the NumPy type code (no byte order) where those formats have one; GGUF's block-quantized
+types are rows too (``torch=False``; a block's bytes in ``itemsize``, its elements in
+``per_byte``). Every other table is derived from it: :data:`ITEMSIZE` and
+:data:`ELEMENTS_PER_BYTE` (re-exported by :mod:`ckpttool.model.records`), :data:`STORAGE_DTYPES` (read) and :data:`STORAGE_CLASSES`
 (written), :data:`SAFETENSORS_DTYPES`/:data:`SAFETENSORS_CODES`, :data:`NUMPY_DTYPES`/
 :data:`NUMPY_CODES`. A new dtype is one row.
 """
@@ -21,8 +22,18 @@ class Dtype(NamedTuple):
     storage: str | None = None  # torch's typed storage class ("FloatStorage")
     safetensors: str | None = None  # the safetensors code ("F32")
     numpy: str | None = None  # the NumPy type code without byte order ("f4"), a native type
-    per_byte: int = 1  # elements per stored byte (packed: a quint4x2 byte holds two)
+    # elements per stored item of ``itemsize`` bytes (packed: a quint4x2 byte holds two; a GGML
+    # block type: one block of ``itemsize`` bytes holds ``per_byte`` elements)
+    per_byte: int = 1
     struct: str | None = None  # the struct module's code for one element ("f"), for NumPy scalars
+    torch: bool = True  # a torch dtype (``torch.<name>``); GGUF's block types are not
+
+
+def _ggml(name: str, block: int, nbytes: int) -> Dtype:
+    """A GGML block type of GGUF files: ``block`` elements in ``nbytes`` bytes (ggml's
+    ``GGML_QUANT_SIZES``), named as llama.cpp names it. Its scales are inside each block: the
+    GGUF format decodes it (:mod:`ckpttool.formats.gguf`)."""
+    return Dtype(name, nbytes, per_byte=block, torch=False)
 
 
 #: Every dtype a checkpoint may name, in the order the tables list them.
@@ -61,9 +72,20 @@ DTYPES: tuple[Dtype, ...] = (
     Dtype("bits4x2", 1),
     # sub-byte integers: torch stores each element in one byte (no packing)
     *(Dtype(f"{sign}int{bits}", 1) for sign in ("", "u") for bits in range(1, 8)),
-)
+    # GGUF's block-quantized types (ggml's GGML_QUANT_SIZES: QK_K = 256)
+    _ggml("Q4_0", 32, 18), _ggml("Q4_1", 32, 20), _ggml("Q5_0", 32, 22), _ggml("Q5_1", 32, 24),
+    _ggml("Q8_0", 32, 34), _ggml("Q8_1", 32, 40), _ggml("Q2_K", 256, 84), _ggml("Q3_K", 256, 110),
+    _ggml("Q4_K", 256, 144), _ggml("Q5_K", 256, 176), _ggml("Q6_K", 256, 210),
+    _ggml("Q8_K", 256, 292), _ggml("IQ2_XXS", 256, 66), _ggml("IQ2_XS", 256, 74),
+    _ggml("IQ3_XXS", 256, 98), _ggml("IQ1_S", 256, 50), _ggml("IQ4_NL", 32, 18),
+    _ggml("IQ3_S", 256, 110), _ggml("IQ2_S", 256, 82), _ggml("IQ4_XS", 256, 136),
+    _ggml("IQ1_M", 256, 56), _ggml("TQ1_0", 256, 54), _ggml("TQ2_0", 256, 66),
+    _ggml("MXFP4", 32, 17), _ggml("NVFP4", 64, 36), _ggml("Q1_0", 128, 18),
+)  # fmt: skip
 
 BY_NAME = {d.name: d for d in DTYPES}
+#: The dtypes torch has (what a pickle's ``torch.<name>`` may name).
+TORCH_DTYPES: tuple[str, ...] = tuple(d.name for d in DTYPES if d.torch)
 
 #: Bytes per element, by torch dtype name (without ``torch.``).
 ITEMSIZE: dict[str, int] = {d.name: d.itemsize for d in DTYPES}
@@ -110,5 +132,6 @@ __all__ = [
     "STORAGE_CLASSES",
     "STORAGE_DTYPES",
     "STRUCT_CODES",
+    "TORCH_DTYPES",
     "Dtype",
 ]

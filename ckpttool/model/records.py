@@ -101,22 +101,37 @@ class ChunkedStorageRecord(StorageRecord):
     shape: tuple[int, ...] = ()  # the whole tensor's, which the chunks' offsets index
 
 
+#: The scheme of GGUF's block-quantized tensors (dtype "Q8_0", "Q4_K"...): each block of the
+#: tensor's bytes carries its own scales; the format that read the file decodes them
+#: (``Checkpoint.dequantize``), torch cannot hold them.
+GGML_BLOCKS = "ggml_blocks"
+
+
 @dataclass(frozen=True)
 class QuantInfo:
-    """How a quantized tensor's stored integers map to real values: (q - zero_point) * scale."""
+    """How a quantized tensor's stored integers map to real values: (q - zero_point) * scale
+    (torch's schemes), or per block of its bytes (:data:`GGML_BLOCKS`: no scale here)."""
 
-    qscheme: str  # "per_tensor_affine", "per_channel_affine", "per_channel_affine_float_qparams"
+    # "per_tensor_affine", "per_channel_affine", "per_channel_affine_float_qparams", GGML_BLOCKS
+    qscheme: str
     # one number, or one per channel (per_channel_*: a tensor, or a list in old files)
-    scale: float | tuple[float, ...] | TensorRecord
-    zero_point: float | tuple[float, ...] | TensorRecord
+    scale: float | tuple[float, ...] | TensorRecord = 0.0
+    zero_point: float | tuple[float, ...] | TensorRecord = 0.0
     axis: int | None = None  # the channel dimension of per_channel_* schemes
 
     @property
     def per_channel(self) -> bool:
         return self.axis is not None
 
+    @property
+    def in_blocks(self) -> bool:
+        """GGUF's block quantization: decoded by its format, not by torch."""
+        return self.qscheme == GGML_BLOCKS
+
     def describe(self) -> str:
         """For notes: "per_tensor_affine scale 0.1 zero_point 2", "per_channel_affine axis 0"."""
+        if self.in_blocks:
+            return "in GGML blocks (each block holds its scales)"
         if self.axis is not None or not isinstance(self.scale, (int, float)):
             return f"{self.qscheme} axis {self.axis}"
         assert isinstance(self.zero_point, (int, float))

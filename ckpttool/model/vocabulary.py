@@ -16,6 +16,7 @@ FORMATS = {
     "torch-zip": "torch.save's zip archive (torch >= 1.6)",
     "torch-legacy": "torch.save's legacy stream of pickles (torch < 1.6)",
     "safetensors": "a safetensors file",
+    "gguf": "a GGUF file (llama.cpp's model format, v2 or v3)",
     "pickle": "a bare pickle (no torch framing)",
     "dcp": "a torch.distributed.checkpoint directory",
     "directory": "a framework's directory of several files (Hugging Face, Trainer, accelerate, "

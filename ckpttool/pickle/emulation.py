@@ -95,7 +95,7 @@ class TorchDtype:
         return f"torch.{self.name}"
 
 
-_TORCH_DTYPE_GLOBALS = {f"torch.{name}": TorchDtype(name) for name in dtypes.ITEMSIZE}
+_TORCH_DTYPE_GLOBALS = {f"torch.{name}": TorchDtype(name) for name in dtypes.TORCH_DTYPES}
 
 #: Quantization schemes a pickle names as values (``torch.per_tensor_affine``).
 QSCHEMES = frozenset(

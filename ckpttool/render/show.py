@@ -9,6 +9,7 @@ from math import prod
 from typing import Any
 
 from ckpttool.commands.show import ShowReport
+from ckpttool.formats.registry import format_lines
 from ckpttool.frameworks.registry import framework_of
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
@@ -198,6 +199,7 @@ def render_text(report: ShowReport) -> str:
         *_data_files_line(report.details),
         f"layout:     {report.layout_title}{_parts_note(report)}",
         *_member_lines(report.details),
+        *format_lines(report.format, report.details),
         *_framework_lines(report.details),
         *_count_lines(report),
     ]

@@ -114,7 +114,7 @@ def test_verify_gives_every_path_its_own_verdict(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert report["files"][0]["problems"] == [
         "not a checkpoint: unrecognised format (first bytes b'{\\n \"arch'); ckpttool reads "
-        "torch.save files (zip or legacy), safetensors and pickles"
+        "torch.save files (zip or legacy), safetensors, GGUF and pickles"
     ]
     assert report["files"][1]["error"] == "no such file"
     assert not report["ok"]

@@ -44,6 +44,8 @@ SEEDS = [
         "special/namespace_config.pth",  # opaque objects
         "special/views.pth",  # offsets, strides, shared storages
         "special/custom_prefix.pth",
+        "gguf/q8_0.gguf",  # GGUF: metadata, tensor infos, Q8_0 blocks decoded by --stats
+        "gguf/q4_k.gguf",
     )
 ]
 #: Integers that break length, offset and count fields.

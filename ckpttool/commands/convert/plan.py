@@ -232,7 +232,8 @@ def _keeps(record: TensorRecord, densify: bool, dequantize: bool) -> bool:
         return True
     if record.parts:
         return not densify
-    return record.quant is not None and not dequantize
+    # GGUF's block quantization has no torch form: it is dequantized or refused
+    return record.quant is not None and not record.quant.in_blocks and not dequantize
 
 
 def _refuse_unwritable(named: dict[str, TensorRecord], *, densify: bool, dequantize: bool) -> None:
@@ -250,6 +251,12 @@ def _refuse_unwritable(named: dict[str, TensorRecord], *, densify: bool, dequant
                 f"{name}: a {record.layout} tensor; safetensors stores dense tensors only: add "
                 "--densify to store its dense values, --to pth to keep it as it is, or leave it "
                 "out with --filter"
+            )
+        if record.quant is not None and record.quant.in_blocks and not dequantize:
+            raise InputError(
+                f"{name}: a {record.dtype} tensor, quantized in GGML blocks; neither safetensors "
+                "nor torch stores them: add --dequantize to store its values (float32, or "
+                "--dtype), or leave it out with --filter"
             )
         if record.quant is not None and not dequantize:
             raise InputError(

@@ -237,10 +237,14 @@ def write_outputs(
     # is taken as they are written, and the output is read back against it. (SHA-256 was
     # measured: on two cores it made a URL's convert slower than a download and a local one.)
     remote_source = is_url(ckpt.name)
-    hashing = _Hashing() if verify and (remote_source or replaced) else None
     # the order produce is called in (each file's tensors, files in turn): the next one is
     # fetched while this one is written, when the source is remote
     sequence = [p for f in files if f.kind != "index" for p in f.tensors if not p.kept]
+    # Tensors decoded from a format's blocks (GGUF's Q8_0...) are verified the same way:
+    # decoding them again would only show the decoder is deterministic, for a second pass of
+    # the decoding's CPU time (bench/gguf.py).
+    hashed = remote_source or bool(replaced) or any(_decoded(p) for p in sequence)
+    hashing = _Hashing() if verify and hashed else None
     following = dict(zip((p.name for p in sequence), sequence[1:])) if remote_source else {}
     if remote_source:
         ckpt.resolve_spans([p.record.storage for p in sequence if p.record.storage is not None])
@@ -257,7 +261,7 @@ def write_outputs(
         upcoming = following.get(planned.name) if remote_source else None
         if upcoming is not None:
             ckpt.prefetch(upcoming.record)
-        if hashing is not None and remote_source:
+        if hashing is not None and (remote_source or _decoded(planned)):
             hashing.add(planned.name, data)
         if cast is not None:
             counts[planned.name] = cast
@@ -383,6 +387,13 @@ def _notes(plan: Plan, output_format: str, underflow: dict[str, int]) -> list[st
         more = f" (+{len(underflow) - 5} more tensors)" if len(underflow) > 5 else ""
         notes.append(f"values that became 0 in {target} (underflow): {shown}{more}")
     return notes
+
+
+def _decoded(planned: Planned) -> bool:
+    """Whether ``planned`` is stored as values its source format decodes from its own blocks
+    (``QuantInfo.in_blocks``: GGUF's quantized types)."""
+    quant = planned.record.quant
+    return quant is not None and quant.in_blocks
 
 
 def _as_is(planned: Planned, record: TensorRecord) -> bool:
@@ -544,7 +555,7 @@ def _compare_file(
         and r.is_contiguous
     ]
     written_reads = [found[p.name] for p in plain if 0 < p.nbytes <= BLOCK]
-    source_reads = _read_as_is(plain) if not digests else []
+    source_reads = _read_as_is([p for p in plain if not digests or p.name not in digests])
     with written.expect_reads(written_reads), ckpt.expect_reads(source_reads):
         return _compare_tensors(ckpt, written, out, found, progress, digests)
 
