@@ -331,3 +331,46 @@ def test_a_float8_scale_of_no_known_shape_is_refused(tmp_path: Path) -> None:
     torch.save({"w": torch.zeros(4, 4).to(torch.float8_e4m3fn), "w_scale": torch.ones(3)}, source)
     with pytest.raises(InputError, match="neither per tensor, per row"):
         edit_file(source, tmp_path / "o.pth", dtype="bf16")
+
+
+HF_SHARDED = FIXTURES / "frameworks" / "hf_sharded"
+
+
+def test_a_hugging_face_directory_cast_to_bf16_loads_in_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from ckpttool.commands.edit_directory import edit
+
+    out = tmp_path / "bf16"
+    report = edit(HF_SHARDED, out, dtype="bf16")
+    assert report.written and report.format == "directory" and report.dtype == "bfloat16"
+    config = json.loads((out / "config.json").read_text())
+    assert "bfloat16" in (config.get("dtype"), config.get("torch_dtype"))
+    original = AutoModelForCausalLM.from_pretrained(HF_SHARDED, dtype=torch.float32)
+    edited = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    for (name, a), (_, b) in zip(original.state_dict().items(), edited.state_dict().items()):
+        assert _same(b, a.to(torch.bfloat16)), name
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == report.bytes_after
+
+
+def test_a_dropped_tensor_leaves_the_index_consistent(tmp_path: Path) -> None:
+    from ckpttool.commands.edit_directory import edit
+    from ckpttool.commands.verify import verify
+
+    out = tmp_path / "dropped"
+    report = edit(HF_SHARDED, out, drop=["model.layers.1.mlp.*"])
+    assert len(report.dropped) == 3
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert not any(k.startswith("model.layers.1.mlp.") for k in index["weight_map"])
+    (result,) = verify([str(out)])
+    assert result.ok, result.problems
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in HF_SHARDED.iterdir())
+
+
+def test_a_directory_edit_that_changes_nothing_writes_nothing(tmp_path: Path) -> None:
+    from ckpttool.commands.edit_directory import edit
+
+    report = edit(HF_SHARDED, tmp_path / "same", drop=["no.such.*"])
+    assert not report.changed and not report.written and not (tmp_path / "same").exists()
+    assert not list(tmp_path.iterdir())  # no staged directory left behind

@@ -856,10 +856,10 @@ def edit_command(
       ckpttool edit consolidated.pth --map llama-meta-to-hf -o hf_names.pth
       ckpttool edit sliced.pth --compact -o small.pth
     """
-    from ckpttool.commands.edit import edit_file
+    from ckpttool.commands.edit_directory import edit
     from ckpttool.render import edit as edit_render
 
-    report = edit_file(
+    report = edit(
         src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
         use_ema=use_ema, map_name=map_name, map_params=_int_params(map_params), compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
         in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,

@@ -1,0 +1,167 @@
+"""``edit`` of a Hugging Face model directory, and :func:`edit`, the entry point for a file
+or a directory. A directory: every weights file edited in its own format
+(:func:`ckpttool.commands.edit.edit_file`), the index rebuilt from the written shards, the
+other files (config, tokenizer...) copied byte for byte, ``config.json``'s dtype (and FP8
+``quantization_config``) brought in line with a ``--dtype``; all written to a staged directory
+that becomes the output whole, or nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ckpttool.commands.edit import EditReport, edit_file
+from ckpttool.errors import CkptError, InputError, OutputExistsError, name_file
+from ckpttool.frameworks.base import INDEX, WEIGHTS
+from ckpttool.frameworks.registry import detect_directory, framework_of
+from ckpttool.io.atomic import staged_directory
+from ckpttool.model.roles import HF_MODEL
+
+#: The config keys transformers reads the weights' dtype from (``dtype`` since 4.56).
+DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def edit(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, **options: Any
+) -> EditReport:
+    """``edit``'s entry point: the checkpoint file ``src``
+    (:func:`~ckpttool.commands.edit.edit_file`) or the Hugging Face model directory ``src``
+    (:func:`edit_directory`)."""
+    if Path(src).is_dir():
+        return edit_directory(src, dst, **options)
+    return edit_file(src, dst, **options)
+
+
+def default_output(src: Path) -> Path:
+    """``NAME.edited`` beside the directory ``src``."""
+    return src.with_name(f"{src.name}.edited")
+
+
+def edit_directory(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str] | None = None,
+    *,
+    in_place: bool = False,
+    backup: bool = False,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    **operations: Any,
+) -> EditReport:
+    """Edit the Hugging Face model directory ``src`` into ``dst`` (default
+    :func:`default_output`; ``in_place``: ``src`` itself, replaced whole). ``operations`` are
+    :func:`~ckpttool.commands.edit.edit_file`'s, applied to each weights file on its own (a
+    ``--map`` rule must find all its sources in one file)."""
+    source = Path(src)
+    output = source if in_place else Path(dst) if dst is not None else default_output(source)
+    try:
+        if backup:
+            raise InputError("backup applies to files; a directory is replaced whole or kept")
+        if in_place and dst is not None:
+            raise InputError("give an output or in_place, not both")
+        if operations.get("use_ema") is not None:
+            raise InputError("--use-ema applies to a file that keeps an EMA beside its model")
+        layout = detect_directory(str(source))
+        if layout is None or layout.kind != HF_MODEL:
+            raise InputError(
+                "edit rewrites a Hugging Face model directory (config.json and its weights) or "
+                "one checkpoint file; give the file for anything else"
+            )
+        if not in_place and output.exists() and not dry_run:
+            if output.resolve() == source.resolve():
+                raise InputError(f"the output {output} is the source: pass in_place to edit it")
+            if not overwrite:
+                raise OutputExistsError(f"{output} already exists (pass overwrite=True)")
+        weights = [m.name for m in layout.members if m.role == WEIGHTS]
+        index = next((m.name for m in layout.members if m.role == INDEX), None)
+        reports: list[EditReport] = []
+        if dry_run:
+            for name in weights:
+                reports.append(edit_file(source / name, dry_run=True, **operations))
+            return _combined(source, output, reports, written=False, dry_run=True)
+        with staged_directory(output, replace_existing=True, parent=output.parent) as stage:
+            for name in weights:
+                target = stage / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                report = edit_file(source / name, target, overwrite=True, **operations)
+                if not report.written:
+                    shutil.copyfile(source / name, target)  # nothing changed in this file
+                reports.append(report)
+            changed = any(r.changed for r in reports)
+            if not changed:
+                raise _Unchanged
+            for path in sorted(source.rglob("*")):
+                name = path.relative_to(source).as_posix()
+                if path.is_dir() or name in weights:
+                    continue
+                (stage / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, stage / name)
+            _config_dtype(stage / "config.json", reports)
+            if index is not None:
+                framework = framework_of(layout.kind)
+                rebuilt = framework.rebuild_index(str(stage)) if framework else None
+                if rebuilt is not None and rebuilt.content is not None:
+                    (stage / rebuilt.index).write_bytes(rebuilt.content)
+    except _Unchanged:
+        return _combined(source, output, reports, written=False, dry_run=False)
+    except CkptError as error:
+        raise name_file(error, str(source)) from None
+    return _combined(source, output, reports, written=True, dry_run=False)
+
+
+class _Unchanged(Exception):
+    """Nothing to change: the staged directory is dropped, the output not made."""
+
+
+def _config_dtype(config: Path, reports: list[EditReport]) -> None:
+    """``config.json`` saying the dtype the weights were cast to, without an FP8
+    ``quantization_config`` once its weights are dequantized."""
+    dtypes = {r.dtype for r in reports if r.cast}
+    if not config.is_file() or not dtypes:
+        return
+    data = json.loads(config.read_text())
+    (dtype,) = dtypes
+    for key in DTYPE_KEYS:
+        if key in data:
+            data[key] = dtype
+    if not any(key in data for key in DTYPE_KEYS):
+        data["torch_dtype"] = dtype
+    quantization = data.get("quantization_config")
+    scales = any(d.endswith(("_scale_inv", "_scale")) for r in reports for d in r.dropped)
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "fp8" and scales:
+        del data["quantization_config"]
+    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _combined(
+    source: Path, output: Path, reports: list[EditReport], *, written: bool, dry_run: bool
+) -> EditReport:
+    def joined(field: str) -> tuple[Any, ...]:
+        return tuple(item for r in reports for item in getattr(r, field))
+
+    rules: dict[str, int] = {}
+    for report in reports:
+        for rule, count in report.rules:
+            rules[rule] = rules.get(rule, 0) + count
+    return EditReport(
+        source=str(source),
+        output=str(output),
+        format="directory",
+        layout=HF_MODEL,
+        dropped=joined("dropped"),
+        renamed=joined("renamed"),
+        rules=tuple(rules.items()),
+        tensors_before=sum(r.tensors_before for r in reports),
+        tensors_after=sum(r.tensors_after for r in reports),
+        bytes_before=sum(r.bytes_before for r in reports),
+        bytes_after=sum(r.bytes_after for r in reports),
+        written=written,
+        compacted=joined("compacted"),
+        cast=joined("cast"),
+        dtype=next((r.dtype for r in reports if r.dtype), None),
+        mapped=joined("mapped"),
+        dry_run=dry_run,
+    )
