@@ -374,3 +374,23 @@ def test_a_directory_edit_that_changes_nothing_writes_nothing(tmp_path: Path) ->
     report = edit(HF_SHARDED, tmp_path / "same", drop=["no.such.*"])
     assert not report.changed and not report.written and not (tmp_path / "same").exists()
     assert not list(tmp_path.iterdir())  # no staged directory left behind
+
+
+def test_convert_takes_edits_drop_and_rename(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from ckpttool.commands.convert.run import convert
+
+    out = tmp_path / "out.safetensors"
+    convert(MINIMIND, out, drop=["*lm_head*"], rename=[r"^model\.=", r"\.mlp\.=.ffn."])
+    written = load_file(out)
+    model = torch.load(MINIMIND, weights_only=True)["model"]
+    expected = {
+        k.removeprefix("model.").replace(".mlp.", ".ffn."): v
+        for k, v in model.items()
+        if "lm_head" not in k
+    }
+    assert set(written) == set(expected)
+    assert all(_same(written[k], v) for k, v in expected.items())
+    with pytest.raises(InputError, match="would both be named"):
+        convert(MINIMIND, tmp_path / "x.safetensors", rename=[r"layers\.\d+=L"])

@@ -485,6 +485,14 @@ def rescale_step(
     "--filter", "pattern", metavar="GLOB",
     help="Only tensors whose key (as show lists it) or written name matches GLOB.",
 )  # fmt: skip
+@click.option(
+    "--drop", multiple=True, metavar="GLOB",
+    help="Leave out the tensors whose key or written name matches; repeatable (as edit's).",
+)  # fmt: skip
+@click.option(
+    "--rename", multiple=True, metavar="REGEX=REPLACEMENT",
+    help="Change the written names (re.sub, \\1 for groups); repeatable, in order (as edit's).",
+)  # fmt: skip
 @click.option("--keep-shared", is_flag=True, help="Write tied tensors as separate copies.")
 @click.option("--densify", is_flag=True, help="Store sparse tensors as their dense values.")
 @click.option("--dequantize", is_flag=True, help="Store quantized tensors as their float32 values.")
@@ -511,6 +519,8 @@ def convert_command(
     strip: tuple[str, ...],
     ignore_wrappers: bool,
     pattern: str | None,
+    drop: tuple[str, ...],
+    rename: tuple[str, ...],
     keep_shared: bool,
     densify: bool,
     dequantize: bool,
@@ -551,7 +561,7 @@ def convert_command(
     from ckpttool.io.progress import Progress
     from ckpttool.render import convert as convert_render
 
-    selection = Selection(section, strip, ignore_wrappers, pattern)
+    selection = Selection(section, strip, ignore_wrappers, pattern, drop, rename)
     options = ConversionOptions(
         to=to, dtype=dtype, allow_overflow=allow_overflow, keep_shared=keep_shared,
         densify=densify, dequantize=dequantize, skip_missing_values=skip_missing_values,

@@ -25,12 +25,15 @@ ALIASES_KEY = "ckpttool.aliases"
 class Selection:
     """Which tensors a command works on, and under which names: the options ``--section``,
     ``--strip-prefix``, ``--ignore-wrappers`` and ``--filter``, as ``diff`` and ``convert``
-    take them (built once by the command line, or from a library call's keywords)."""
+    take them, and ``convert``'s ``--drop`` and ``--rename`` (the rules ``edit`` applies too)
+    (built once by the command line, or from a library call's keywords)."""
 
     section: str | None = None  # the subtree used (None: the layout's model section, or all)
     strip: tuple[str, ...] = ()  # prefixes removed from every key (--strip-prefix)
     ignore_wrappers: bool = False  # remove DDP/torch.compile prefixes too (--ignore-wrappers)
     pattern: str | None = None  # --filter GLOB (convert); None: every tensor
+    drop: tuple[str, ...] = ()  # --drop GLOB (convert): tensors left out
+    rename: tuple[str, ...] = ()  # --rename REGEX=REPLACEMENT (convert): output names changed
 
     @property
     def prefixes(self) -> list[str]:

@@ -139,6 +139,13 @@ def rename(root: Any, rules: list[str], log: EditLog) -> Any:
     and two tensors must not end with one name."""
     if not rules:
         return root
+    compiled = compile_rules(rules)
+    log.rule_counts = [0] * len(compiled)
+    return _rename(root, "", compiled, log)
+
+
+def compile_rules(rules: list[str] | tuple[str, ...]) -> list[tuple[re.Pattern[str], str]]:
+    """``--rename REGEX=REPLACEMENT`` rules, compiled (an error names a bad one)."""
     compiled = []
     for rule in rules:
         pattern, sep, replacement = rule.partition("=")
@@ -148,8 +155,20 @@ def rename(root: Any, rules: list[str], log: EditLog) -> Any:
             compiled.append((re.compile(pattern), replacement))
         except re.error as error:
             raise InputError(f"--rename {rule!r}: {error}") from None
-    log.rule_counts = [0] * len(compiled)
-    return _rename(root, "", compiled, log)
+    return compiled
+
+
+def renamed_key(key: str, rules: list[tuple[re.Pattern[str], str]], counts: list[int]) -> str:
+    """``key`` after every rule in turn (``re.sub``); ``counts[i]`` grows when rule i matched."""
+    for i, (pattern, replacement) in enumerate(rules):
+        try:
+            new = pattern.sub(replacement, key)
+        except (re.error, IndexError) as error:
+            raise InputError(f"--rename {pattern.pattern!r}: {error}") from None
+        if new != key:
+            counts[i] += 1
+            key = new
+    return key
 
 
 def _rename(node: Any, key: str, rules: list[tuple[re.Pattern[str], str]], log: EditLog) -> Any:
@@ -166,15 +185,7 @@ def _rename(node: Any, key: str, rules: list[tuple[re.Pattern[str], str]], log: 
         child = join_key(key, str(name))
         new_name: Any = name
         if isinstance(value, TensorRecord) and isinstance(name, str):
-            new_key = child
-            for i, (pattern, replacement) in enumerate(rules):
-                try:
-                    renamed = pattern.sub(replacement, new_key)
-                except (re.error, IndexError) as error:
-                    raise InputError(f"--rename {pattern.pattern!r}: {error}") from None
-                if renamed != new_key:
-                    log.rule_counts[i] += 1
-                    new_key = renamed
+            new_key = renamed_key(child, rules, log.rule_counts)
             if new_key != child:
                 prefix = f"{key}." if key else ""
                 if not new_key.startswith(prefix) or len(new_key) == len(prefix):

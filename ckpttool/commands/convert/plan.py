@@ -30,6 +30,7 @@ from ckpttool.formats.base import OutTensor
 from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import reported_layout
 from ckpttool.model.cast import CASTABLE, TARGETS
+from ckpttool.model.edits import compile_rules, renamed_key
 from ckpttool.model.records import ITEMSIZE, TensorRecord, walk, without_values
 
 #: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
@@ -118,6 +119,15 @@ def build_plan(
                 f"{ckpt.name}: --filter {pattern!r} matches no tensor (it is matched against "
                 "each tensor's key as show prints it, and the name it would be written under)"
             )
+    if choice.drop:
+        named = {
+            k: r for k, r in named.items()
+            if not any(fnmatch.fnmatchcase(r.key, p) or fnmatch.fnmatchcase(k, p) for p in choice.drop)
+        }  # fmt: skip
+        if not named:
+            raise InputError(f"{ckpt.name}: --drop leaves no tensor to convert")
+    if choice.rename:
+        named = _renamed(named, choice.rename, notes)
     warnings = [] if ignore_wrappers else _wrapper_warning(named)
     kept = {k for k, r in named.items() if keep_kinds and _keeps(r, densify, dequantize)}
     _refuse_unwritable(
@@ -178,6 +188,25 @@ def _wrapper_warning(named: dict[str, TensorRecord]) -> list[str]:
         f"{count} of the {len(named)} tensor names start with the DDP/torch.compile wrapper "
         f"prefix {which} and are written with it; add --ignore-wrappers to remove it"
     ]
+
+
+def _renamed(
+    named: dict[str, TensorRecord], rules: tuple[str, ...], notes: list[str]
+) -> dict[str, TensorRecord]:
+    """The output names after ``--rename`` (``edit``'s rules, on the names written); two
+    tensors given one name are an error."""
+    compiled = compile_rules(rules)
+    counts = [0] * len(compiled)
+    out: dict[str, TensorRecord] = {}
+    origin: dict[str, str] = {}
+    for name, record in named.items():
+        new = renamed_key(name, compiled, counts)
+        if new in out:
+            raise InputError(f"--rename: {origin[new]!r} and {name!r} would both be named {new!r}")
+        out[new] = record
+        origin[new] = name
+    notes.extend(f"--rename {rule!r}: {count} name(s)" for rule, count in zip(rules, counts))
+    return out
 
 
 def filtered(named: dict[str, TensorRecord], pattern: str) -> dict[str, TensorRecord]:

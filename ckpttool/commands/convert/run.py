@@ -94,6 +94,8 @@ def convert(
     strip: Sequence[str] = (),
     ignore_wrappers: bool = False,
     pattern: str | None = None,
+    drop: Sequence[str] = (),
+    rename: Sequence[str] = (),
     keep_shared: bool = False,
     max_shard_size: str | int | None = None,
     allow_overflow: bool = False,
@@ -106,7 +108,7 @@ def convert(
     on_total: ProgressCallback | None = None,
 ) -> ConvertReport:
     """:func:`convert_with` for a library call: the option groups from keywords."""
-    choice = Selection(section, tuple(strip), ignore_wrappers, pattern)
+    choice = Selection(section, tuple(strip), ignore_wrappers, pattern, tuple(drop), tuple(rename))
     options = ConversionOptions(
         to=to, dtype=dtype, allow_overflow=allow_overflow, keep_shared=keep_shared,
         densify=densify, dequantize=dequantize, skip_missing_values=skip_missing_values,
