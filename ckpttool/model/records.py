@@ -142,10 +142,28 @@ class DTensorInfo:
 
     local: TensorRecord  # this rank's ``_local_tensor`` (its bytes are in the file)
     placements: tuple[str, ...]  # per mesh dimension: "Shard(dim=0)", "Replicate()"...
+    # the device mesh as the spec pickles it: its shape, dimension names (None: unnamed) and
+    # this rank's coordinate in it (None: the pickle does not say)
+    mesh_shape: tuple[int, ...] = ()
+    mesh_dim_names: tuple[str, ...] | None = None
+    coordinate: tuple[int, ...] | None = None
+    # per mesh dimension, as data: ("shard", dim), ("strided_shard", dim, split_factor),
+    # ("replicate",), ("partial", reduce_op) or ("unknown", class name)
+    kinds: tuple[tuple[Any, ...], ...] = ()
+    global_stride: tuple[int, ...] | None = None  # TensorMeta's stride (the record's shape is
+    # the global shape)
 
     def describe(self) -> str:
         """For notes: "DTensor Shard(dim=0), local [4, 4]"."""
         return f"DTensor {', '.join(self.placements) or '?'}, local {list(self.local.shape)}"
+
+    def split(self) -> str:
+        """How the tensor is split, for ``show``: "Shard(dim=0) over mesh [2]" or
+        "(Replicate(), Shard(dim=0)) over mesh [2, 2] (dp_replicate, dp_shard)"."""
+        places = self.placements[0] if len(self.placements) == 1 else f"({', '.join(self.placements)})"
+        mesh = f" over mesh {list(self.mesh_shape)}" if self.mesh_shape else ""
+        names = f" ({', '.join(self.mesh_dim_names)})" if self.mesh_dim_names else ""
+        return f"{places}{mesh}{names}"
 
 
 @dataclass(slots=True)
