@@ -292,6 +292,15 @@ class Framework:
         names, sizes and small JSON files only."""
         raise NotImplementedError
 
+    def open_directory(
+        self, layout: FrameworkDirectory, *, strict: bool, refuse_dangerous: bool
+    ) -> Checkpoint | None:
+        """2b. The directory as one Checkpoint, read by the framework itself, when merging its
+        members' trees is not what it holds (a set of per-rank files: each tensor assembled
+        from every rank's piece); None: the door merges the members
+        (:func:`ckpttool.frameworks.tree.read_directory`)."""
+        return None
+
     def open_view(self, layout: FrameworkDirectory, view: str) -> Checkpoint | None:
         """2. ``view`` (one of :attr:`views`) of the directory ``layout`` describes, as a
         Checkpoint whose ``details["view"]`` holds its :class:`ViewFacts`; None when this

@@ -99,6 +99,8 @@ class ChunkedStorageRecord(StorageRecord):
 
     chunks: tuple[ChunkRecord, ...] = ()
     shape: tuple[int, ...] = ()  # the whole tensor's, which the chunks' offsets index
+    # how the chunks were placed, when a sharding spec says ("Shard(dim=0) over mesh [2]")
+    placement: str = ""
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,9 @@ class DTensorInfo:
     def split(self) -> str:
         """How the tensor is split, for ``show``: "Shard(dim=0) over mesh [2]" or
         "(Replicate(), Shard(dim=0)) over mesh [2, 2] (dp_replicate, dp_shard)"."""
-        places = self.placements[0] if len(self.placements) == 1 else f"({', '.join(self.placements)})"
+        places = (
+            self.placements[0] if len(self.placements) == 1 else f"({', '.join(self.placements)})"
+        )
         mesh = f" over mesh {list(self.mesh_shape)}" if self.mesh_shape else ""
         names = f" ({', '.join(self.mesh_dim_names)})" if self.mesh_dim_names else ""
         return f"{places}{mesh}{names}"
@@ -298,8 +302,9 @@ def without_values(records: list[TensorRecord]) -> list[str]:
             f"{len(shards)} {'is a DTensor shard' if len(shards) == 1 else 'are DTensor shards'}"
             f" (FSDP2 or tensor parallelism; e.g. {first.key!r}: global {list(first.shape)}, "
             f"{first.dtensor.describe()}): this file holds one rank's piece of each, and the "
-            "full tensors exist only once every rank's file is assembled; save full tensors "
-            "instead (get_model_state_dict with StateDictOptions(full_state_dict=True), or "
+            "full tensors exist only once every rank's file is assembled: give ckpttool the "
+            "directory of all the rank files, which it reads as one checkpoint, or save full "
+            "tensors (get_model_state_dict with StateDictOptions(full_state_dict=True), or "
             "torch.distributed.checkpoint, which ckpttool reads whole)"
         )
     if meta:

@@ -19,7 +19,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import repeat
-from typing import Any
+from typing import Any, TypeGuard
 
 from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
 from ckpttool.model import dtypes
@@ -350,7 +350,7 @@ def _dtensor_info(state: Any) -> DTensorInfo | None:
     )  # fmt: skip
 
 
-def _ints(value: Any) -> bool:
+def _ints(value: Any) -> TypeGuard[tuple[int, ...] | list[int]]:
     return isinstance(value, (tuple, list)) and all(
         isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**62 for v in value
     )

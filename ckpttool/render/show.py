@@ -49,6 +49,8 @@ def tensor_json(info: Any) -> dict[str, Any]:
             {"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
             for c in storage.chunks
         ]
+        if storage.placement:
+            out["placement"] = storage.placement
     if record.dtensor is not None:  # one rank's piece of a DTensor: what this file holds
         local = record.dtensor.local
         out["dtensor"] = {

@@ -1,0 +1,213 @@
+"""Directories of per-rank DTensor state dicts read as one checkpoint (frameworks/rank_set).
+
+The sets are torch's own, under tests/fixtures/frameworks/rank_sets/ (``write_ranks.py``: FSDP2
+with an uneven split and a 0-d buffer, tensor parallelism with ``Shard(1)`` and ``Replicate``, a
+verl-style Llama with its ``huggingface/`` folder), each beside the full state dict the same run
+gathered (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``): the oracle.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch as st
+import torch
+
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.commands.convert.run import convert
+from ckpttool.commands.diff.run import diff
+from ckpttool.commands.scan import scan
+from ckpttool.commands.show import show
+from ckpttool.commands.verify import verify
+from ckpttool.errors import CorruptCheckpointError, InputError
+from ckpttool.frameworks.rank_set.assemble import placed
+from ckpttool.model.records import DTensorInfo, TensorRecord
+from tests.support.helpers import FIXTURES
+
+SETS = FIXTURES / "frameworks/rank_sets"
+NAMES = ("fsdp2", "tp", "verl")
+
+
+def oracle(name: str) -> dict[str, torch.Tensor]:
+    return torch.load(SETS / f"{name}_full_state_dict.pt", weights_only=True)
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_set_opens_as_its_global_state_dict(name: str) -> None:
+    expected = oracle(name)
+    with open_checkpoint(SETS / name) as ckpt:
+        records = {r.key: r for r in ckpt.tensors()}
+        assert ckpt.details["layout"] == "rank_set"
+    assert sorted(records) == sorted(expected)
+    for key, tensor in expected.items():
+        assert records[key].shape == tuple(tensor.shape), key
+        assert records[key].dtype == str(tensor.dtype).removeprefix("torch."), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_convert_writes_the_oracle_bit_for_bit(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "model.safetensors"
+    convert(SETS / name, out)
+    written = st.load_file(out)
+    expected = oracle(name)
+    assert sorted(written) == sorted(expected)
+    for key, tensor in expected.items():
+        assert written[key].dtype == tensor.dtype and written[key].shape == tensor.shape, key
+        assert as_bytes(written[key]) == as_bytes(tensor), key
+
+
+def test_convert_of_a_verl_set_writes_a_model_directory_with_its_config(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    convert(SETS / "verl", str(out) + "/")
+    for name in ("config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (SETS / "verl/huggingface" / name).read_bytes()
+    written = st.load_file(out / "model.safetensors")
+    for key, tensor in oracle("verl").items():
+        assert as_bytes(written[key]) == as_bytes(tensor), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_diff_of_the_set_against_its_oracle_is_identical(name: str) -> None:
+    report = diff(str(SETS / name), str(SETS / f"{name}_full_state_dict.pt"))
+    assert report.equal
+
+
+def test_show_gives_each_tensors_global_shape_and_split() -> None:
+    report = show(SETS / "tp")
+    assert report.layout == "rank_set"
+    by_key = {info.record.key: info for info in report.tensors}
+    assert by_key["down.weight"].record.shape == (4, 5)
+    assert "Shard(dim=1) over mesh [2] (tp)" in " ".join(by_key["down.weight"].notes)
+    assert "Replicate() over mesh [2] (tp)" in " ".join(by_key["down.bias"].notes)
+    assert "plain tensor, the same on every rank" in " ".join(by_key["step"].notes)
+    assert report.details["rank_set"]["ranks"] == 2
+
+
+def test_show_of_the_uneven_set() -> None:
+    report = show(SETS / "fsdp2")
+    by_key = {info.record.key: info for info in report.tensors}
+    assert by_key["proj.weight"].record.shape == (5, 4)
+    assert by_key["scale"].record.shape == ()
+    storage = by_key["proj.weight"].record.storage
+    assert [(c.offsets, c.sizes) for c in storage.chunks] == [((0, 0), (3, 4)), ((3, 0), (2, 4))]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_verify_passes_a_whole_set(name: str) -> None:
+    (result,) = verify([SETS / name])
+    assert result.ok, result.problems
+    assert any("tile each global tensor" in line for line in result.checked)
+
+
+def test_verify_names_a_missing_rank_file_and_other_commands_refuse(tmp_path: Path) -> None:
+    shutil.copytree(SETS / "fsdp2", tmp_path / "set")
+    (tmp_path / "set/model_world_size_2_rank_1.pt").unlink()
+    (result,) = verify([tmp_path / "set"])
+    assert not result.ok
+    assert any("model_world_size_2_rank_1.pt is missing" in p for p in result.problems)
+    with pytest.raises(CorruptCheckpointError, match=r"rank_1\.pt is missing"):
+        convert(tmp_path / "set", tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_verify_finds_pieces_that_do_not_tile(tmp_path: Path) -> None:
+    """Rank 0's file saved again as rank 1's: both pieces claim the first rows."""
+    shutil.copytree(SETS / "fsdp2", tmp_path / "set")
+    rank0 = tmp_path / "set/model_world_size_2_rank_0.pt"
+    shutil.copyfile(rank0, tmp_path / "set/model_world_size_2_rank_1.pt")
+    (result,) = verify([tmp_path / "set"])
+    assert not result.ok
+    assert any("proj.weight: the pieces of" in p and "overlap" in p for p in result.problems)
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        open_checkpoint(tmp_path / "set")
+
+
+def test_verify_compares_replicated_tensors_across_ranks(tmp_path: Path) -> None:
+    """Rank 1's 0-d buffer changed (the file saved again by torch): verify says it differs."""
+    shutil.copytree(SETS / "fsdp2", tmp_path / "set")
+    rank1 = tmp_path / "set/model_world_size_2_rank_1.pt"
+    import torch.distributed.tensor  # registers DTensor for weights_only loads
+
+    state = torch.load(rank1, weights_only=True)
+    state["scale"] = torch.tensor(0.25)
+    torch.save(state, rank1)
+    (result,) = verify([tmp_path / "set"])
+    assert any(
+        "scale: replicated, but model_world_size_2_rank_1.pt's copy differs" in p
+        for p in result.problems
+    )
+
+
+def test_one_rank_file_alone_is_refused_naming_the_directory(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="give ckpttool the directory of all the rank files"):
+        convert(SETS / "fsdp2/model_world_size_2_rank_0.pt", tmp_path / "out.safetensors")
+
+
+def test_composer_names_are_a_set(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        shutil.copyfile(
+            SETS / f"fsdp2/model_world_size_2_rank_{rank}.pt", tmp_path / f"ep0-ba8-rank{rank}.pt"
+        )
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.details["layout"] == "rank_set"
+        assert ckpt.details["rank_files"] == "ep0-ba8-rank{R}.pt"
+        assert {r.key: r.shape for r in ckpt.tensors()}["proj.weight"] == (5, 4)
+
+
+def test_scan_classes_the_sharding_classes_as_data() -> None:
+    report = scan([SETS / "tp", SETS / "fsdp2"])
+    assert report.clean, report
+    assert len(report.files) == 4
+    names = {g.qualname for f in report.files for g in f.globals}
+    assert "torch.distributed.tensor.placement_types.Replicate" in names
+
+
+# torch's own rule for where a rank's piece lies, against ckpttool's: 1-D and 2-D meshes.
+MESHES = [
+    ((5, 4), (2,), ("s0",)),
+    ((5, 4), (4,), ("s0",)),
+    ((3,), (4,), ("s0",)),
+    ((4, 7), (3,), ("s1",)),
+    ((9, 6), (2, 2), ("r", "s0")),
+    ((9, 6), (2, 3), ("s0", "s1")),
+    ((9, 6), (2, 2), ("s0", "s0")),
+    ((7, 5), (3, 2), ("s1", "r")),
+    ((), (2,), ("r",)),
+]
+
+
+@pytest.mark.parametrize(("shape", "mesh", "spec"), MESHES)
+def test_pieces_lie_where_torch_puts_them(
+    shape: tuple[int, ...], mesh: tuple[int, ...], spec: tuple[str, ...]
+) -> None:
+    from itertools import product
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    torch_placements = [Replicate() if s == "r" else Shard(int(s[1])) for s in spec]
+    kinds = tuple(("replicate",) if s == "r" else ("shard", int(s[1])) for s in spec)
+    local = TensorRecord("", "float32", (), (), 0, None)
+    for coordinate in product(*(range(n) for n in mesh)):
+        sizes, offsets = _compute_local_shape_and_global_offset(
+            shape, mesh, list(coordinate), torch_placements
+        )
+        info = DTensorInfo(local, (), mesh, None, coordinate, kinds)
+        got_offsets, got_sizes, _ = placed("t", shape, info)
+        assert (got_offsets, got_sizes) == (tuple(offsets), tuple(sizes)), coordinate
+
+
+def test_partial_and_strided_placements_are_refused() -> None:
+    local = TensorRecord("", "float32", (2,), (1,), 0, None)
+    partial = DTensorInfo(local, (), (2,), None, (0,), (("partial", "sum"),))
+    with pytest.raises(InputError, match=r"Partial.*ckpttool does not add them up"):
+        placed("w", (2,), partial)
+    strided = DTensorInfo(local, (), (2,), None, (0,), (("strided_shard", 0, 2),))
+    with pytest.raises(InputError, match="_StridedShard"):
+        placed("w", (4,), strided)
