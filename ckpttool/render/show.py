@@ -57,6 +57,9 @@ def tensor_json(info: Any) -> dict[str, Any]:
             "placements": list(record.dtensor.placements),
             "local_shape": list(local.shape),
             "local_storage": local.storage.key if local.storage is not None else None,
+            "mesh_shape": list(record.dtensor.mesh_shape),
+            "mesh_dim_names": plain(record.dtensor.mesh_dim_names),
+            "coordinate": plain(record.dtensor.coordinate),
         }
     if info.stats is not None:
         out["stats"] = {k: plain(v) for k, v in vars(info.stats).items()}
