@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch as st
@@ -168,7 +169,8 @@ def test_scan_classes_the_sharding_classes_as_data() -> None:
     assert "torch.distributed.tensor.placement_types.Replicate" in names
 
 
-# torch's own rule for where a rank's piece lies, against ckpttool's: 1-D and 2-D meshes.
+# torch's own rule for where a rank's piece lies, against ckpttool's: 1-D and 2-D meshes,
+# uneven and empty pieces, FSDP-over-TP's _StridedShard ("ss0/2": dim 0, split factor 2).
 MESHES = [
     ((5, 4), (2,), ("s0",)),
     ((5, 4), (4,), ("s0",)),
@@ -179,7 +181,56 @@ MESHES = [
     ((9, 6), (2, 2), ("s0", "s0")),
     ((7, 5), (3, 2), ("s1", "r")),
     ((), (2,), ("r",)),
+    ((8, 4), (2, 2), ("ss0/2", "s0")),
+    ((11, 3), (2, 2), ("ss0/2", "s0")),
+    ((5, 6), (2, 2), ("ss0/2", "s0")),
+    ((7, 5), (3, 2), ("ss1/2", "s1")),
 ]
+
+
+def torch_indices(
+    shape: tuple[int, ...], mesh: tuple[int, ...], coordinate: list[int], placements: list[Any]
+) -> list[list[int]]:
+    """Each dimension's global indices on ``coordinate``: torch's own loop
+    (``_compute_local_shape_and_global_offset``), keeping the whole index lists it tracks."""
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+
+    local = list(shape)
+    indices: dict[int, torch.Tensor] = {}
+    for mesh_dim, placement in enumerate(placements):
+        if not hasattr(placement, "dim"):
+            continue
+        dim = placement.dim
+        size, offsets = _get_shard_size_and_offsets(
+            local[dim], mesh[mesh_dim], coordinate[mesh_dim], placement,
+            indices.get(dim), shape[dim], False,
+        )  # fmt: skip
+        local[dim] = size
+        indices[dim] = offsets if size else torch.arange(0)
+    return [
+        indices[d].tolist() if d in indices else list(range(shape[d])) for d in range(len(shape))
+    ]
+
+
+def torch_placement(spec: str) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if spec == "r":
+        return Replicate()
+    if spec.startswith("ss"):
+        dim, factor = spec[2:].split("/")
+        return _StridedShard(int(dim), split_factor=int(factor))
+    return Shard(int(spec[1]))
+
+
+def kind_of(spec: str) -> tuple[Any, ...]:
+    if spec == "r":
+        return ("replicate",)
+    if spec.startswith("ss"):
+        dim, factor = spec[2:].split("/")
+        return ("strided_shard", int(dim), int(factor))
+    return ("shard", int(spec[1]))
 
 
 @pytest.mark.parametrize(("shape", "mesh", "spec"), MESHES)
@@ -188,26 +239,22 @@ def test_pieces_lie_where_torch_puts_them(
 ) -> None:
     from itertools import product
 
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    torch_placements = [Replicate() if s == "r" else Shard(int(s[1])) for s in spec]
-    kinds = tuple(("replicate",) if s == "r" else ("shard", int(s[1])) for s in spec)
+    placements = [torch_placement(s) for s in spec]
+    kinds = tuple(kind_of(s) for s in spec)
     local = TensorRecord("", "float32", (), (), 0, None)
     for coordinate in product(*(range(n) for n in mesh)):
-        sizes, offsets = _compute_local_shape_and_global_offset(
-            shape, mesh, list(coordinate), torch_placements
-        )
+        expected = torch_indices(shape, mesh, list(coordinate), placements)
         info = DTensorInfo(local, (), mesh, None, coordinate, kinds)
-        got_offsets, got_sizes, _ = placed("t", shape, info)
-        assert (got_offsets, got_sizes) == (tuple(offsets), tuple(sizes)), coordinate
+        runs, _ = placed("t", shape, info)
+        got = [[i for lo, hi in dim_runs for i in range(lo, hi)] for dim_runs in runs]
+        assert got == expected, coordinate
 
 
-def test_partial_and_strided_placements_are_refused() -> None:
+def test_partial_and_unknown_placements_are_refused() -> None:
     local = TensorRecord("", "float32", (2,), (1,), 0, None)
     partial = DTensorInfo(local, (), (2,), None, (0,), (("partial", "sum"),))
     with pytest.raises(InputError, match=r"Partial.*ckpttool does not add them up"):
         placed("w", (2,), partial)
-    strided = DTensorInfo(local, (), (2,), None, (0,), (("strided_shard", 0, 2),))
-    with pytest.raises(InputError, match="_StridedShard"):
-        placed("w", (4,), strided)
+    unknown = DTensorInfo(local, (), (2,), None, (0,), (("unknown", "Shard2D"),))
+    with pytest.raises(InputError, match="unknown placement Shard2D"):
+        placed("w", (4,), unknown)

@@ -34,12 +34,41 @@ from ckpttool.model.records import (
 
 @dataclass(frozen=True)
 class Piece:
-    """One rank's piece of a global tensor: where it lies, and the record that holds it."""
+    """One box of one rank's piece of a global tensor: where it lies in the global tensor
+    (``offsets``, ``sizes``), where in the local tensor (``local_offsets``), and the record
+    that holds it. A ``_StridedShard`` piece is several boxes; any other one box."""
 
     member: int  # index of the rank's file among the opened ones
     record: TensorRecord  # the local tensor, in that file
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    local_offsets: tuple[int, ...] = ()  # () : all zeros
+
+
+Runs = tuple[tuple[int, int], ...]  # global index ranges [start, stop) of one tensor dim
+
+
+def _take(runs: Runs, start: int, stop: int) -> Runs:
+    """Positions ``[start, stop)`` of the index list ``runs`` stands for, as runs."""
+    out = []
+    position = 0
+    for lo, hi in runs:
+        length = hi - lo
+        a, b = max(start, position), min(stop, position + length)
+        if a < b:
+            out.append((lo + a - position, lo + b - position))
+        position += length
+    return tuple(out)
+
+
+def _merge(runs: Runs) -> Runs:
+    out: list[tuple[int, int]] = []
+    for lo, hi in runs:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +84,9 @@ def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
-def placed(
-    key: str, shape: tuple[int, ...], info: DTensorInfo
-) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
-    """(offsets, sizes, read): where this rank's piece of ``key`` lies by its placements, and
+def placed(key: str, shape: tuple[int, ...], info: DTensorInfo) -> tuple[tuple[Runs, ...], bool]:
+    """(runs, read): the global indices this rank's piece of ``key`` holds along each tensor
+    dimension, by its placements (torch's ``_compute_local_shape_and_global_offset``), and
     whether it is the copy read (coordinate 0 on every replicated mesh dimension)."""
     if info.coordinate is None or len(info.coordinate) != len(info.mesh_shape):
         raise CorruptCheckpointError(
@@ -68,23 +96,34 @@ def placed(
         raise CorruptCheckpointError(
             f"{key}: {len(info.kinds)} placements for a {len(info.mesh_shape)}-D device mesh"
         )
-    offsets = [0] * len(shape)
-    sizes = list(shape)
+    runs: list[Runs] = [((0, n),) if n else () for n in shape]
     read = True
     for mesh_dim, kind in enumerate(info.kinds):
         count, index = info.mesh_shape[mesh_dim], info.coordinate[mesh_dim]
         if not 0 <= index < count:
             raise CorruptCheckpointError(f"{key}: mesh coordinate {index} of {count}")
-        if kind[0] == "shard":
+        if kind[0] in ("shard", "strided_shard"):
             dim = kind[1] + len(shape) if kind[1] < 0 else kind[1]
             if not 0 <= dim < len(shape):
                 raise CorruptCheckpointError(
-                    f"{key}: Shard(dim={kind[1]}) of a {len(shape)}-D tensor"
+                    f"{key}: {kind[0]} of dim {kind[1]} of a {len(shape)}-D tensor"
                 )
-            chunk = -(-sizes[dim] // count)
-            start = min(chunk * index, sizes[dim])
-            offsets[dim] += start
-            sizes[dim] = min(start + chunk, sizes[dim]) - start
+            size = sum(hi - lo for lo, hi in runs[dim])
+            if kind[0] == "shard":  # Shard._local_shard_size_and_offset
+                chunk = -(-size // count)
+                start = min(chunk * index, size)
+                runs[dim] = _take(runs[dim], start, min(start + chunk, size))
+            else:  # _StridedShard: split in split_factor parts, each part chunked by rank
+                factor = kind[2]
+                first = -(-size // factor)
+                taken: list[tuple[int, int]] = []
+                for split in range(factor):
+                    lo, hi = min(first * split, size), min(first * (split + 1), size)
+                    second = -(-(hi - lo) // count)
+                    a = min(second * index, hi - lo)
+                    b = min(second * (index + 1), hi - lo)
+                    taken += _take(runs[dim], lo + a, lo + b)
+                runs[dim] = _merge(tuple(taken))
         elif kind[0] == "replicate":
             read = read and index == 0
         elif kind[0] == "partial":
@@ -94,14 +133,37 @@ def placed(
                 "ckpttool does not add them up. Save it after redistributing it to Replicate or "
                 "Shard (DTensor.redistribute, or full_tensor())"
             )
-        elif kind[0] == "strided_shard":
-            raise InputError(
-                f"{key}: a _StridedShard(dim={kind[1]}, split_factor={kind[2]}) placement "
-                "(FSDP over tensor parallelism on one dimension): not assembled by ckpttool yet"
-            )
         else:
             raise InputError(f"{key}: an unknown placement {kind[1]}: not assembled")
-    return tuple(offsets), tuple(sizes), read
+    return tuple(runs), read
+
+
+def boxes(member: int, record: TensorRecord, runs: tuple[Runs, ...]) -> list[Piece]:
+    """The boxes of a piece whose dimensions hold the global indices ``runs``: one box per
+    combination of runs (one box unless a dimension is strided)."""
+    from itertools import product
+
+    if any(not r for r in runs):  # an empty piece: a box of no elements
+        sizes = tuple(sum(hi - lo for lo, hi in r) for r in runs)
+        return [Piece(member, record, tuple(0 for _ in runs), sizes)]
+    per_dim = []
+    for dim_runs in runs:
+        local = 0
+        spans = []
+        for lo, hi in dim_runs:
+            spans.append((local, lo, hi - lo))
+            local += hi - lo
+        per_dim.append(spans)
+    return [
+        Piece(
+            member,
+            record,
+            tuple(c[1] for c in combo),
+            tuple(c[2] for c in combo),
+            tuple(c[0] for c in combo),
+        )  # fmt: skip
+        for combo in product(*per_dim)
+    ]
 
 
 def global_record(
@@ -129,12 +191,19 @@ def tiling_problems(
 ) -> list[str]:
     """Why ``pieces`` do not tile the global tensor of ``shape`` exactly (empty: they do)."""
     problems = []
+    expected: dict[tuple[int, int], list[int]] = {}  # a rank's piece -> its boxes' extent
     for piece in pieces:
-        if piece.record.shape != piece.sizes:
+        far = expected.setdefault((piece.member, id(piece.record)), [0] * len(piece.sizes))
+        for dim, (lo, n) in enumerate(zip(piece.local_offsets or piece.offsets, piece.sizes)):
+            far[dim] = max(far[dim], (lo if piece.local_offsets else 0) + n)
+    for piece in pieces:
+        want = tuple(expected[piece.member, id(piece.record)])
+        if piece.record.shape != want:
             problems.append(
                 f"{key}: {files[piece.member]} holds a piece of shape {list(piece.record.shape)}"
-                f" where its placement puts {list(piece.sizes)} at {list(piece.offsets)}"
+                f" where its placement puts {list(want)}"
             )
+            expected[piece.member, id(piece.record)] = list(piece.record.shape)  # said once
         if piece.record.dtype != pieces[0].record.dtype:
             problems.append(f"{key}: {files[piece.member]} holds it as {piece.record.dtype}")
     if problems:
@@ -177,13 +246,19 @@ class Assembler:
             return self._last[1]
         itemsize = ITEMSIZE.get(storage.dtype, 1)
         out = np.zeros((*storage.shape, itemsize), dtype=np.uint8)
+        arrays: dict[tuple[int, int], Any] = {}  # a rank's piece, read once for its boxes
         for piece in storage.pieces:
             if not math.prod(piece.sizes):
                 continue
-            local = np.ascontiguousarray(self.piece_array(piece))
-            raw = local.view(np.uint8).reshape((*piece.sizes, itemsize))
+            found = arrays.get((piece.member, id(piece.record)))
+            if found is None:
+                local = np.ascontiguousarray(self.piece_array(piece))
+                found = local.view(np.uint8).reshape((*piece.record.shape, itemsize))
+                arrays[piece.member, id(piece.record)] = found
+            start = piece.local_offsets or tuple(0 for _ in piece.sizes)
+            source = tuple(slice(o, o + s) for o, s in zip(start, piece.sizes))
             where = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.sizes))
-            out[where] = raw
+            out[where] = found[source]
         data = out.tobytes()
         self._last = (storage.key, data)
         return data
@@ -196,7 +271,12 @@ class Assembler:
     def replica_problems(self, key: str, storage: RankStorageRecord, files: list[str]) -> list[str]:
         """Copies that differ from the copy read (``verify``): byte for byte."""
         problems = []
+        compared = set()
         for copy, original in storage.replicas:
+            pair = (copy.member, id(copy.record), original.member, id(original.record))
+            if pair in compared:  # a strided piece's other boxes: the same two arrays
+                continue
+            compared.add(pair)
             if self.piece_array(copy).tobytes() != self.piece_array(original).tobytes():
                 problems.append(
                     f"{key}: replicated, but {files[copy.member]}'s copy differs from "

@@ -14,6 +14,7 @@ from ckpttool.frameworks.rank_set.assemble import (
     Assembler,
     Piece,
     RankStorageRecord,
+    boxes,
     global_record,
     placed,
     tiling_problems,
@@ -140,11 +141,14 @@ def _assemble(
                         )
                     )
                     continue
-                offsets, sizes, is_read = placed(str(key), value.shape, record.dtensor)
-                piece = Piece(member, record.dtensor.local, offsets, sizes)
-                (read if is_read else others).append(piece)
+                runs, is_read = placed(str(key), value.shape, record.dtensor)
+                (read if is_read else others).extend(boxes(member, record.dtensor.local, runs))
             for copy in others:
-                match = [p for p in read if (p.offsets, p.sizes) == (copy.offsets, copy.sizes)]
+                match = [
+                    p for p in read
+                    if (p.offsets, p.sizes, p.local_offsets)
+                    == (copy.offsets, copy.sizes, copy.local_offsets)
+                ]  # fmt: skip
                 if match:
                     copies.append((copy, match[0]))
             pieces = read
