@@ -28,11 +28,17 @@ from ckpttool.model.records import DTensorInfo, TensorRecord
 from tests.support.helpers import FIXTURES
 
 SETS = FIXTURES / "frameworks/rank_sets"
-NAMES = ("fsdp2", "tp", "verl")
+SETS_2D = FIXTURES / "frameworks/rank_sets_2d"  # 4 ranks, a 2 x 2 mesh
+NAMES = ("fsdp2", "tp", "verl", "2d/hsdp", "2d/fsdp_tp")
+
+
+def where(name: str) -> Path:
+    return SETS_2D / name.removeprefix("2d/") if name.startswith("2d/") else SETS / name
 
 
 def oracle(name: str) -> dict[str, torch.Tensor]:
-    return torch.load(SETS / f"{name}_full_state_dict.pt", weights_only=True)
+    path = where(name)
+    return torch.load(path.with_name(f"{path.name}_full_state_dict.pt"), weights_only=True)
 
 
 def as_bytes(tensor: torch.Tensor) -> bytes:
@@ -42,7 +48,7 @@ def as_bytes(tensor: torch.Tensor) -> bytes:
 @pytest.mark.parametrize("name", NAMES)
 def test_a_set_opens_as_its_global_state_dict(name: str) -> None:
     expected = oracle(name)
-    with open_checkpoint(SETS / name) as ckpt:
+    with open_checkpoint(where(name)) as ckpt:
         records = {r.key: r for r in ckpt.tensors()}
         assert ckpt.details["layout"] == "rank_set"
     assert sorted(records) == sorted(expected)
@@ -54,7 +60,7 @@ def test_a_set_opens_as_its_global_state_dict(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_convert_writes_the_oracle_bit_for_bit(name: str, tmp_path: Path) -> None:
     out = tmp_path / "model.safetensors"
-    convert(SETS / name, out)
+    convert(where(name), out)
     written = st.load_file(out)
     expected = oracle(name)
     assert sorted(written) == sorted(expected)
@@ -75,7 +81,8 @@ def test_convert_of_a_verl_set_writes_a_model_directory_with_its_config(tmp_path
 
 @pytest.mark.parametrize("name", NAMES)
 def test_diff_of_the_set_against_its_oracle_is_identical(name: str) -> None:
-    report = diff(str(SETS / name), str(SETS / f"{name}_full_state_dict.pt"))
+    path = where(name)
+    report = diff(str(path), str(path.with_name(f"{path.name}_full_state_dict.pt")))
     assert report.equal
 
 
@@ -99,9 +106,41 @@ def test_show_of_the_uneven_set() -> None:
     assert [(c.offsets, c.sizes) for c in storage.chunks] == [((0, 0), (3, 4)), ((3, 0), (2, 4))]
 
 
+def test_show_of_a_2d_mesh_gives_both_placements() -> None:
+    report = show(SETS_2D / "fsdp_tp")
+    notes = {info.record.key: " ".join(info.notes) for info in report.tensors}
+    assert (
+        "(_StridedShard(dim=0, split_factor=2), Shard(dim=0)) over mesh [2, 2] (dp, tp)"
+        in (notes["up.weight"])
+    )
+    assert "(Shard(dim=0), Shard(dim=1))" in notes["down.weight"]
+    assert "(Shard(dim=0), Replicate())" in notes["down.bias"]
+    hsdp = show(SETS_2D / "hsdp")
+    by_key = {info.record.key: info.record for info in hsdp.tensors}
+    files = [c.file for c in by_key["proj.weight"].storage.chunks]
+    assert files == ["model_world_size_4_rank_0.pt", "model_world_size_4_rank_1.pt"]
+
+
+def test_verify_compares_hsdp_replicas(tmp_path: Path) -> None:
+    """Rank 2 holds the same rows as rank 0 (the other replica): a copy that differs is said."""
+    import torch.distributed.tensor  # registers DTensor for weights_only loads
+
+    shutil.copytree(SETS_2D / "hsdp", tmp_path / "set")
+    rank2 = tmp_path / "set/model_world_size_4_rank_2.pt"
+    state = torch.load(rank2, weights_only=True)
+    state["proj.bias"]._local_tensor.add_(1)
+    torch.save(state, rank2)
+    (result,) = verify([tmp_path / "set"])
+    assert any(
+        "proj.bias: replicated, but model_world_size_4_rank_2.pt's copy differs from "
+        "model_world_size_4_rank_0.pt's" in p
+        for p in result.problems
+    ), result.problems
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_verify_passes_a_whole_set(name: str) -> None:
-    (result,) = verify([SETS / name])
+    (result,) = verify([where(name)])
     assert result.ok, result.problems
     assert any("tile each global tensor" in line for line in result.checked)
 

@@ -161,7 +161,7 @@ def boxes(member: int, record: TensorRecord, runs: tuple[Runs, ...]) -> list[Pie
             tuple(c[1] for c in combo),
             tuple(c[2] for c in combo),
             tuple(c[0] for c in combo),
-        )  # fmt: skip
+        )
         for combo in product(*per_dim)
     ]
 
