@@ -297,3 +297,40 @@ def test_partial_and_unknown_placements_are_refused() -> None:
     unknown = DTensorInfo(local, (), (2,), None, (0,), (("unknown", "Shard2D"),))
     with pytest.raises(InputError, match="unknown placement Shard2D"):
         placed("w", (4,), unknown)
+
+
+def torch_str(kind: tuple[Any, ...]) -> str:
+    """A placement as torch's ``str`` writes it (``S(0)``, ``_S(0, 2)``, ``R``, ``P(sum)``)."""
+    if kind[0] == "shard":
+        return f"S({kind[1]})"
+    if kind[0] == "strided_shard":
+        return f"_S({kind[1]}, {kind[2]})"
+    return "R" if kind[0] == "replicate" else f"P({kind[1]})"
+
+
+def test_a_rank_file_records_mesh_coordinate_and_placements_as_torch_loads_them() -> None:
+    """Against the manifest, which froze what torch's own loader sees in each rank file."""
+    import json
+
+    manifest = json.loads((FIXTURES / "frameworks/manifest.json").read_text())
+    for case, folder in (("rank_sets", "tp"), ("rank_sets_2d", "fsdp_tp")):
+        ranks = manifest["cases"][case]["framework"][folder]["ranks"]
+        for name, expected in ranks.items():
+            with open_checkpoint(FIXTURES / "frameworks" / case / folder / name) as ckpt:
+                records = {r.key: r for r in ckpt.tensors()}
+            for key, entry in expected.items():
+                info = records[key].dtensor
+                if "placements" not in entry:
+                    assert info is None
+                    continue
+                assert info is not None
+                assert [torch_str(k) for k in info.kinds] == entry["placements"], (name, key)
+                assert list(info.coordinate or ()) == entry["coordinate"], (name, key)
+                assert list(records[key].shape) == entry["global_shape"]
+                assert list(info.local.shape) == entry["local"]["shape"]
+                assert info.mesh_shape == ((2,) if case == "rank_sets" else (2, 2))
+                assert info.mesh_dim_names == (("tp",) if case == "rank_sets" else ("dp", "tp"))
+    with open_checkpoint(SETS_2D / "fsdp_tp/model_world_size_4_rank_3.pt") as ckpt:
+        info = ckpt.root["up.weight"].dtensor
+    assert info.kinds == (("strided_shard", 0, 2), ("shard", 0))
+    assert info.global_stride == (4, 1)
