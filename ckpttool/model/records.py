@@ -154,14 +154,20 @@ class DTensorInfo:
     kinds: tuple[tuple[Any, ...], ...] = ()
     global_stride: tuple[int, ...] | None = None  # TensorMeta's stride (the record's shape is
     # the global shape)
+    # "DTensor", or "ShardedTensor" (FSDP1): then ``kinds`` is (("offsets", offsets),), where
+    # the local shard starts in the global tensor, and the mesh is the world (rank = coordinate)
+    cls: str = "DTensor"
 
     def describe(self) -> str:
         """For notes: "DTensor Shard(dim=0), local [4, 4]"."""
-        return f"DTensor {', '.join(self.placements) or '?'}, local {list(self.local.shape)}"
+        return f"{self.cls} {', '.join(self.placements) or '?'}, local {list(self.local.shape)}"
 
     def split(self) -> str:
         """How the tensor is split, for ``show``: "Shard(dim=0) over mesh [2]" or
-        "(Replicate(), Shard(dim=0)) over mesh [2, 2] (dp_replicate, dp_shard)"."""
+        "(Replicate(), Shard(dim=0)) over mesh [2, 2] (dp_replicate, dp_shard)";
+        "ShardedTensor, each rank's shard at its offsets" (FSDP1)."""
+        if self.cls != "DTensor":
+            return f"{self.cls}, each rank's shard at its offsets"
         places = (
             self.placements[0] if len(self.placements) == 1 else f"({', '.join(self.placements)})"
         )

@@ -307,6 +307,9 @@ def _rebuild_from_type_v2(call: NestedCall, func: GlobalRef, args: tuple[Any, ..
         if new_type.qualname in DTENSOR_CLASSES and tensor.storage is None:
             info = _dtensor_info(state)
             return tensor if info is None else replace(tensor, dtensor=info)
+        if new_type.qualname == SHARDED_TENSOR and tensor.storage is None:
+            info = _sharded_tensor_info(state)
+            return tensor if info is None else replace(tensor, dtensor=info)
         return tensor
     return OpaqueObject(func.qualname, args)
 
@@ -318,6 +321,40 @@ DTENSOR_CLASSES = frozenset({
     "torch.distributed._tensor.api.DTensor",
     "torch.distributed._tensor.DTensor",
 })  # fmt: skip
+
+
+#: FSDP1's sharded tensor (``StateDictType.SHARDED_STATE_DICT``).
+SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+
+
+def _sharded_tensor_info(state: Any) -> DTensorInfo | None:
+    """A ShardedTensor's one local shard and where it lies, from its pickled state
+    (``__getstate__``: local shards, metadata, process group state, spec, rrefs). A shard is a
+    ``Shard`` holding its ``tensor`` and a ``ShardMetadata`` (``shard_offsets``,
+    ``shard_sizes``). None unless the rank holds exactly one shard whose sizes match its
+    tensor: the record is then a tensor without values."""
+    if not isinstance(state, tuple) or len(state) < 3 or not isinstance(state[0], list):
+        return None
+    if len(state[0]) != 1 or not isinstance(state[0][0], OpaqueObject):
+        return None
+    shard = state[0][0].fields()
+    local, meta = shard.get("tensor"), shard.get("metadata")
+    if not isinstance(local, TensorRecord) or local.storage is None:
+        return None
+    fields = meta.fields() if isinstance(meta, OpaqueObject) else {}
+    offsets, sizes = fields.get("shard_offsets"), fields.get("shard_sizes")
+    if not _ints(offsets) or not _ints(sizes) or tuple(sizes) != local.shape:
+        return None
+    group = state[2].fields() if isinstance(state[2], OpaqueObject) else {}
+    ranks = (group.get("global_rank"), group.get("global_world_size"))
+    mesh: tuple[int, ...] = ()
+    coordinate: tuple[int, ...] | None = None
+    if _ints(ranks) and ranks[0] < ranks[1]:
+        mesh, coordinate = (ranks[1],), (ranks[0],)
+    return DTensorInfo(
+        local, (f"offsets {list(offsets)}",), mesh, None, coordinate,
+        (("offsets", tuple(offsets)),), None, "ShardedTensor",
+    )  # fmt: skip
 
 
 def _dtensor_info(state: Any) -> DTensorInfo | None:

@@ -87,7 +87,15 @@ def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 def placed(key: str, shape: tuple[int, ...], info: DTensorInfo) -> tuple[tuple[Runs, ...], bool]:
     """(runs, read): the global indices this rank's piece of ``key`` holds along each tensor
     dimension, by its placements (torch's ``_compute_local_shape_and_global_offset``), and
-    whether it is the copy read (coordinate 0 on every replicated mesh dimension)."""
+    whether it is the copy read (coordinate 0 on every replicated mesh dimension). A
+    ShardedTensor's shard lies at the offsets it records."""
+    if info.kinds and info.kinds[0][0] == "offsets":
+        offsets = info.kinds[0][1]
+        if len(offsets) != len(shape):
+            raise CorruptCheckpointError(
+                f"{key}: a shard's offsets {list(offsets)} for {list(shape)}"
+            )
+        return tuple(((o, o + n),) if n else () for o, n in zip(offsets, info.local.shape)), True
     if info.coordinate is None or len(info.coordinate) != len(info.mesh_shape):
         raise CorruptCheckpointError(
             f"{key}: the DTensor's device mesh does not record this rank's coordinate"
