@@ -240,41 +240,45 @@ class Assembler:
 
     def __init__(self, opened: list[Any]) -> None:
         self.opened = opened
-        self._last: tuple[str, bytes] | None = None
+        self._last: tuple[str, Any] | None = None  # the last tensor assembled, flat bytes
 
     def piece_array(self, piece: Piece) -> Any:
         from ckpttool.io.values import read_array
 
         return read_array(self.opened[piece.member], piece.record)
 
-    def whole(self, storage: RankStorageRecord) -> bytes:
+    def whole(self, storage: RankStorageRecord) -> Any:
+        """The global tensor's bytes (a flat uint8 array), assembled once: ``convert`` reads a
+        tensor in ranges, and only the last tensor is kept."""
         import numpy as np
 
         if self._last is not None and self._last[0] == storage.key:
             return self._last[1]
+        self._last = None  # the previous tensor is let go before this one is assembled
         itemsize = ITEMSIZE.get(storage.dtype, 1)
         out = np.zeros((*storage.shape, itemsize), dtype=np.uint8)
-        arrays: dict[tuple[int, int], Any] = {}  # a rank's piece, read once for its boxes
+        current: tuple[int, int] | None = None  # the rank piece being placed (its boxes follow
+        found: Any = None  # one another), read once
         for piece in storage.pieces:
             if not math.prod(piece.sizes):
                 continue
-            found = arrays.get((piece.member, id(piece.record)))
-            if found is None:
+            if current != (piece.member, id(piece.record)):
+                current = (piece.member, id(piece.record))
+                found = None  # one rank's piece in memory besides the tensor
                 local = np.ascontiguousarray(self.piece_array(piece))
                 found = local.view(np.uint8).reshape((*piece.record.shape, itemsize))
-                arrays[piece.member, id(piece.record)] = found
             start = piece.local_offsets or tuple(0 for _ in piece.sizes)
             source = tuple(slice(o, o + s) for o, s in zip(start, piece.sizes))
             where = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.sizes))
             out[where] = found[source]
-        data = out.tobytes()
+        data = out.reshape(-1)
         self._last = (storage.key, data)
         return data
 
     def read(self, storage: Any, start: int, stop: int) -> bytearray:
         if not isinstance(storage, RankStorageRecord):
             raise CorruptCheckpointError(f"{storage.key}: not a rank set's tensor")
-        return bytearray(self.whole(storage)[start:stop])
+        return bytearray(self.whole(storage)[start:stop].tobytes())
 
     def replica_problems(self, key: str, storage: RankStorageRecord, files: list[str]) -> list[str]:
         """Copies that differ from the copy read (``verify``): byte for byte."""
