@@ -370,3 +370,16 @@ def test_fsdp1_sharded_tensors_are_read_with_their_offsets() -> None:
     report = show(SETS / "fsdp1")
     notes = {i.record.key: " ".join(i.notes) for i in report.tensors}
     assert "ShardedTensor, each rank's shard at its offsets, 2 chunks" in notes["proj.weight"]
+
+
+def test_a_partial_dtensor_written_by_torch_is_refused_naming_it(tmp_path: Path) -> None:
+    """``DTensor.from_local(..., [Partial()])`` saved by each rank: its pieces are addends, not
+    pieces; every command refuses the set with one line, and writes nothing."""
+    message = r"weight: a Partial\(sum\) placement .* ckpttool does not add them up"
+    with pytest.raises(InputError, match=message):
+        open_checkpoint(SETS / "partial")
+    with pytest.raises(InputError, match=message):
+        convert(SETS / "partial", tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+    (result,) = verify([SETS / "partial"])
+    assert result.error is not None and "Partial(sum)" in result.error
