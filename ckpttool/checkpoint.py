@@ -167,10 +167,13 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
         raise NotADirectoryCheckpointError(
             f"{name}: is a directory, but not a checkpoint layout ckpttool knows (a Hugging Face "
             "model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed save or tag "
-            f"directory, a DCP directory); {_files_seen(name)}"
+            f"directory, a set of per-rank state dicts, a DCP directory); {_files_seen(name)}"
         )
     if layout.kind == COLLECTION:
         raise CheckpointCollectionError(layout, describe_collection(layout))
+    opened = framework.open_directory(layout, strict=strict, refuse_dangerous=refuse_dangerous)
+    if opened is not None:
+        return opened
     parsed, size = read_directory(
         layout, framework, strict=strict, refuse_dangerous=refuse_dangerous
     )

@@ -20,9 +20,12 @@ def test_each_line_names_a_framework_that_detects_the_layouts_it_lists() -> None
 
 def test_detection_order() -> None:
     """PEFT first (a Trainer checkpoint-N/ of a PEFT model holds an adapter, not the weights),
-    accelerate before Hugging Face (its folders hold a model.safetensors too), DeepSpeed last
-    (a Trainer checkpoint-N/ of a DeepSpeed run holds a global_stepN/)."""
-    assert [f.name for f in frameworks()] == ["peft", "accelerate", "huggingface", "deepspeed"]
+    accelerate before Hugging Face (its folders hold a model.safetensors too), DeepSpeed next
+    (a Trainer checkpoint-N/ of a DeepSpeed run holds a global_stepN/), per-rank sets last (any
+    directory of *rank<N>.pt files)."""
+    assert [f.name for f in frameworks()] == [
+        "peft", "accelerate", "huggingface", "deepspeed", "rank_set",
+    ]  # fmt: skip
 
 
 def test_finding_no_framework_imports_none() -> None:

@@ -35,6 +35,7 @@ REFUSED = {
     # tests/fixtures/deepspeed/README.md: a rank file empty, truncated or missing, a dangling
     # or missing `latest`
     "deepspeed/damaged": "DeepSpeed's damaged saves",
+    "frameworks/rank_sets/partial": "a Partial DTensor: addends of a reduction never done",
 }
 #: Trainer output directories of several checkpoints: show lists them; diff and verify ask
 #: which one is meant.

@@ -106,6 +106,9 @@ def test_show_json_gives_each_shards_piece() -> None:
         "placements": ["Shard(dim=0)"],
         "local_shape": [3],
         "local_storage": "6",
+        "mesh_shape": [2],
+        "mesh_dim_names": None,
+        "coordinate": [0],
     }
     assert "dtensor" not in tensors["positions"]
     assert tensors["proj.bias"]["shape"] == [5] and tensors["proj.bias"]["location"] == "cpu"

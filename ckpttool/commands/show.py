@@ -182,7 +182,8 @@ def chunk_note(storage: ChunkedStorageRecord, most: int = 4) -> str:
     )
     shown = ", ".join(files[:most]) + more
     count = len(storage.chunks)
-    return f"{count} chunk{'s' if count != 1 else ''}: {shown}"
+    placed = f"{storage.placement}, " if storage.placement else ""
+    return f"{placed}{count} chunk{'s' if count != 1 else ''}: {shown}"
 
 
 def count_parameters(records: list[TensorRecord]) -> int:

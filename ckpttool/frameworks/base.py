@@ -16,7 +16,9 @@ The order of calls (like ``torch.distributed.checkpoint``'s planner, documented 
 2. :meth:`Framework.open_view` ``(layout, view)``: when a command asks for a view by name
    (``open_checkpoint(path, view=WEIGHTS_VIEW)``), the frameworks that declare it in
    :attr:`Framework.views` are asked first; one returns the view as a Checkpoint.
-3. Otherwise :func:`ckpttool.frameworks.tree.read_directory` opens the members through the
+3. Otherwise :meth:`Framework.open_directory` may read the directory as one Checkpoint itself
+   (a set of per-rank files: each tensor assembled from every rank's piece); when it returns
+   None, :func:`ckpttool.frameworks.tree.read_directory` opens the members through the
    format registry, merges their trees and calls :meth:`Framework.check_tree` for what the
    framework reads out of the merged tree (details for ``show``, problems between files).
 4. Commands then ask the framework of ``details["layout"]`` (:func:`registry.framework_of`)
@@ -291,6 +293,15 @@ class Framework:
         framework wrote it, with members, missing files and problems; None otherwise. Reads
         names, sizes and small JSON files only."""
         raise NotImplementedError
+
+    def open_directory(
+        self, layout: FrameworkDirectory, *, strict: bool, refuse_dangerous: bool
+    ) -> Checkpoint | None:
+        """3. The directory as one Checkpoint, read by the framework itself, when merging its
+        members' trees is not what it holds (a set of per-rank files: each tensor assembled
+        from every rank's piece); None: the door merges the members
+        (:func:`ckpttool.frameworks.tree.read_directory`)."""
+        return None
 
     def open_view(self, layout: FrameworkDirectory, view: str) -> Checkpoint | None:
         """2. ``view`` (one of :attr:`views`) of the directory ``layout`` describes, as a

@@ -29,6 +29,7 @@ _RECORDS = frozenset(
 )  # fmt: skip
 
 _DT = "torch.distributed.tensor"
+_ST = "torch.distributed._shard.sharded_tensor"
 #: torch.distributed classes that checkpoints pickle as plain data records, each with why it is
 #: one (module paths as torch 2.13 pickles them; tests/test_scan_callables.py checks them).
 #: Their constructors and ``__setstate__`` only store fields (DeviceMesh's looks up process
@@ -51,7 +52,20 @@ DISTRIBUTED_RECORDS: dict[str, str] = {
     "torch.distributed.device_mesh.DeviceMesh": "device type, mesh of ranks, process group names",
     "torch.distributed._mesh_layout._MeshLayout": "the mesh's shape and strides (integers)",
     "torch.distributed._mesh_layout._FlatLayout": "one flattened mesh dim: sizes and strides",
+    # ShardedTensor (FSDP1's SHARDED_STATE_DICT): local shards with their offsets, global size
+    f"{_ST}.api.ShardedTensor": "a sharded tensor: its local shards plus the metadata below",
+    f"{_ST}.api.ShardedTensor.ProcessGroupState": "a NamedTuple: ranks and world sizes",
+    f"{_ST}.metadata.ShardedTensorMetadata": "every shard's metadata, the global size",
+    f"{_ST}.metadata.TensorProperties": "dtype, layout, requires_grad, memory format",
+    f"{_ST}.metadata.MEM_FORMAT_ENCODING": "an enum: the memory format",
+    f"{_ST}.shard.Shard": "a local shard: its tensor and its metadata",
+    "torch.distributed._shard.metadata.ShardMetadata": "a shard's offsets, sizes, placement",
+    "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec": "the split dimension and the placements (device strings)",
+    "torch.distributed.remote_device._remote_device": "a rank and device, as a string",
 }
+#: Nested classes a pickle reaches as ``getattr(class, name)`` (a class attribute): the class
+#: and the attribute's name. Resolved by name to the data record ``class.name``.
+NESTED_RECORDS: dict[str, str] = {f"{_ST}.api.ShardedTensor": "ProcessGroupState"}
 #: Every class name kept as a data record (the ones above and :data:`DISTRIBUTED_RECORDS`).
 DATA_RECORDS: frozenset[str] = _RECORDS | frozenset(DISTRIBUTED_RECORDS)
 

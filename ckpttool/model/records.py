@@ -99,6 +99,8 @@ class ChunkedStorageRecord(StorageRecord):
 
     chunks: tuple[ChunkRecord, ...] = ()
     shape: tuple[int, ...] = ()  # the whole tensor's, which the chunks' offsets index
+    # how the chunks were placed, when a sharding spec says ("Shard(dim=0) over mesh [2]")
+    placement: str = ""
 
 
 #: The scheme of GGUF's block-quantized tensors (dtype "Q8_0", "Q4_K"...): each block of the
@@ -157,10 +159,36 @@ class DTensorInfo:
 
     local: TensorRecord  # this rank's ``_local_tensor`` (its bytes are in the file)
     placements: tuple[str, ...]  # per mesh dimension: "Shard(dim=0)", "Replicate()"...
+    # the device mesh as the spec pickles it: its shape, dimension names (None: unnamed) and
+    # this rank's coordinate in it (None: the pickle does not say)
+    mesh_shape: tuple[int, ...] = ()
+    mesh_dim_names: tuple[str, ...] | None = None
+    coordinate: tuple[int, ...] | None = None
+    # per mesh dimension, as data: ("shard", dim), ("strided_shard", dim, split_factor),
+    # ("replicate",), ("partial", reduce_op) or ("unknown", class name)
+    kinds: tuple[tuple[Any, ...], ...] = ()
+    global_stride: tuple[int, ...] | None = None  # TensorMeta's stride (the record's shape is
+    # the global shape)
+    # "DTensor", or "ShardedTensor" (FSDP1): then ``kinds`` is (("offsets", offsets),), where
+    # the local shard starts in the global tensor, and the mesh is the world (rank = coordinate)
+    cls: str = "DTensor"
 
     def describe(self) -> str:
         """For notes: "DTensor Shard(dim=0), local [4, 4]"."""
-        return f"DTensor {', '.join(self.placements) or '?'}, local {list(self.local.shape)}"
+        return f"{self.cls} {', '.join(self.placements) or '?'}, local {list(self.local.shape)}"
+
+    def split(self) -> str:
+        """How the tensor is split, for ``show``: "Shard(dim=0) over mesh [2]" or
+        "(Replicate(), Shard(dim=0)) over mesh [2, 2] (dp_replicate, dp_shard)";
+        "ShardedTensor, each rank's shard at its offsets" (FSDP1)."""
+        if self.cls != "DTensor":
+            return f"{self.cls}, each rank's shard at its offsets"
+        places = (
+            self.placements[0] if len(self.placements) == 1 else f"({', '.join(self.placements)})"
+        )
+        mesh = f" over mesh {list(self.mesh_shape)}" if self.mesh_shape else ""
+        names = f" ({', '.join(self.mesh_dim_names)})" if self.mesh_dim_names else ""
+        return f"{places}{mesh}{names}"
 
 
 @dataclass(slots=True)
@@ -295,8 +323,9 @@ def without_values(records: list[TensorRecord]) -> list[str]:
             f"{len(shards)} {'is a DTensor shard' if len(shards) == 1 else 'are DTensor shards'}"
             f" (FSDP2 or tensor parallelism; e.g. {first.key!r}: global {list(first.shape)}, "
             f"{first.dtensor.describe()}): this file holds one rank's piece of each, and the "
-            "full tensors exist only once every rank's file is assembled; save full tensors "
-            "instead (get_model_state_dict with StateDictOptions(full_state_dict=True), or "
+            "full tensors exist only once every rank's file is assembled: give ckpttool the "
+            "directory of all the rank files, which it reads as one checkpoint, or save full "
+            "tensors (get_model_state_dict with StateDictOptions(full_state_dict=True), or "
             "torch.distributed.checkpoint, which ckpttool reads whole)"
         )
     if meta:

@@ -52,7 +52,10 @@ HF_TRAINER = "hf_trainer"
 ACCELERATE = "accelerate"
 DEEPSPEED = "deepspeed"  # a ZeRO save dir or tag dir: ckpttool.frameworks.deepspeed.files
 PEFT_ADAPTER = "peft_adapter"  # adapter_config.json + adapter_model.*: ckpttool.frameworks.peft
-DECLARED_LAYOUTS = (HF_MODEL, HF_TRAINER, ACCELERATE, DEEPSPEED, PEFT_ADAPTER, PICKLED_MODULE)
+RANK_SET = "rank_set"  # per-rank state dicts of DTensors: ckpttool.frameworks.rank_set
+DECLARED_LAYOUTS = (
+    HF_MODEL, HF_TRAINER, ACCELERATE, DEEPSPEED, PEFT_ADAPTER, PICKLED_MODULE, RANK_SET,
+)  # fmt: skip
 
 LAYOUT_TITLES = {
     STATE_DICT: "plain state dict",
@@ -73,6 +76,7 @@ LAYOUT_TITLES = {
     ACCELERATE: "accelerate save_state folder",
     DEEPSPEED: "DeepSpeed checkpoint",
     PEFT_ADAPTER: "PEFT adapter",
+    RANK_SET: "set of per-rank state dicts (assembled)",
 }
 
 RESUME_KEYS = ("model", "optimizer", "epoch", "step")
@@ -179,7 +183,7 @@ def model_part(root: Any, layout: str) -> str | None:
     for a file that is a state dict, or None for a file with no model part ckpttool can name
     (a bare optimizer or RNG file, a nested dict without one of ``MODEL_PART_KEYS``, or with
     several of them)."""
-    if layout in (STATE_DICT, SAFETENSORS, PICKLED_MODULE):
+    if layout in (STATE_DICT, SAFETENSORS, PICKLED_MODULE, RANK_SET):
         return WHOLE_FILE
     section = model_section(layout, root)
     if section is not None and isinstance(root, dict):

@@ -11,6 +11,9 @@ and ``functools`` calls them dangerous, which they are not when what they reach 
 * ``getattr(NAMESPACE, 'name')`` with NAMESPACE one of :data:`GETATTR_NAMESPACES` and a constant
   name in :data:`TORCH_FUNCTIONS` is resolved statically to the function it names (reported
   as such); the ``getattr`` and the namespace are then "safe".
+* ``getattr(CLASS, 'Name')`` with ``CLASS.Name`` a nested data record
+  (:data:`~ckpttool.model.data_records.NESTED_RECORDS`: ``ShardedTensor.ProcessGroupState``)
+  is resolved to that class by name; the ``getattr`` is then "safe".
 * ``functools.partial(target, ...)`` is "safe" when its target is a global classed safe or a
   torch class of :data:`PARTIAL_TARGET_MODULES`; ``partial`` itself calls nothing when built.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckpttool.model.data_records import NESTED_RECORDS
 from ckpttool.model.records import GlobalRef
 
 _ACTIVATION = "an activation: computes on the tensor it is given, touches nothing else"
@@ -149,6 +153,15 @@ class ContextualUses:
         if qualname == GETATTR:
             namespace = args[0] if len(args) == 2 else None
             name = args[1] if len(args) == 2 else None
+            if (
+                isinstance(namespace, GlobalRef)
+                and isinstance(name, str)
+                and NESTED_RECORDS.get(namespace.qualname) == name
+            ):  # a data record's nested class (ShardedTensor.ProcessGroupState)
+                self._use(func, True)
+                nested = GlobalRef(namespace.module, f"{namespace.name}.{name}")
+                self.seen.append((nested.module, nested.name, self.safe))
+                return nested
             home = (
                 GETATTR_NAMESPACES.get(namespace.qualname)
                 if isinstance(namespace, GlobalRef)

@@ -14,11 +14,12 @@ when it finalizes the tree.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import repeat
-from typing import Any
+from typing import Any, TypeGuard
 
 from ckpttool.errors import CorruptCheckpointError, ResourceLimitError
 from ckpttool.model import dtypes
@@ -306,6 +307,9 @@ def _rebuild_from_type_v2(call: NestedCall, func: GlobalRef, args: tuple[Any, ..
         if new_type.qualname in DTENSOR_CLASSES and tensor.storage is None:
             info = _dtensor_info(state)
             return tensor if info is None else replace(tensor, dtensor=info)
+        if new_type.qualname == SHARDED_TENSOR and tensor.storage is None:
+            info = _sharded_tensor_info(state)
+            return tensor if info is None else replace(tensor, dtensor=info)
         return tensor
     return OpaqueObject(func.qualname, args)
 
@@ -317,6 +321,40 @@ DTENSOR_CLASSES = frozenset({
     "torch.distributed._tensor.api.DTensor",
     "torch.distributed._tensor.DTensor",
 })  # fmt: skip
+
+
+#: FSDP1's sharded tensor (``StateDictType.SHARDED_STATE_DICT``).
+SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+
+
+def _sharded_tensor_info(state: Any) -> DTensorInfo | None:
+    """A ShardedTensor's one local shard and where it lies, from its pickled state
+    (``__getstate__``: local shards, metadata, process group state, spec, rrefs). A shard is a
+    ``Shard`` holding its ``tensor`` and a ``ShardMetadata`` (``shard_offsets``,
+    ``shard_sizes``). None unless the rank holds exactly one shard whose sizes match its
+    tensor: the record is then a tensor without values."""
+    if not isinstance(state, tuple) or len(state) < 3 or not isinstance(state[0], list):
+        return None
+    if len(state[0]) != 1 or not isinstance(state[0][0], OpaqueObject):
+        return None
+    shard = state[0][0].fields()
+    local, meta = shard.get("tensor"), shard.get("metadata")
+    if not isinstance(local, TensorRecord) or local.storage is None:
+        return None
+    fields = meta.fields() if isinstance(meta, OpaqueObject) else {}
+    offsets, sizes = fields.get("shard_offsets"), fields.get("shard_sizes")
+    if not _ints(offsets) or not _ints(sizes) or tuple(sizes) != local.shape:
+        return None
+    group = state[2].fields() if isinstance(state[2], OpaqueObject) else {}
+    ranks = (group.get("global_rank"), group.get("global_world_size"))
+    mesh: tuple[int, ...] = ()
+    coordinate: tuple[int, ...] | None = None
+    if _ints(ranks) and ranks[0] < ranks[1]:
+        mesh, coordinate = (ranks[1],), (ranks[0],)
+    return DTensorInfo(
+        local, (f"offsets {list(offsets)}",), mesh, None, coordinate,
+        (("offsets", tuple(offsets)),), None, "ShardedTensor",
+    )  # fmt: skip
 
 
 def _dtensor_info(state: Any) -> DTensorInfo | None:
@@ -333,9 +371,77 @@ def _dtensor_info(state: Any) -> DTensorInfo | None:
         return None
     spec = slots.get("_spec")
     spec_state = spec.state if isinstance(spec, OpaqueObject) else None
-    placements = spec_state.get("placements") if isinstance(spec_state, dict) else None
-    named = tuple(_placement_name(p) for p in placements or () if isinstance(p, OpaqueObject))
-    return DTensorInfo(local, named)
+    if not isinstance(spec_state, dict):
+        spec_state = {}
+    placements = spec_state.get("placements")
+    shown = [p for p in placements or () if isinstance(p, OpaqueObject)]
+    named = tuple(_placement_name(p) for p in shown)
+    kinds = tuple(_placement_kind(p) for p in shown)
+    mesh = spec_state.get("mesh")
+    mesh_state = mesh.fields() if isinstance(mesh, OpaqueObject) else {}
+    meta = spec_state.get("tensor_meta")
+    stride = meta.args[1] if isinstance(meta, OpaqueObject) and len(meta.args) >= 2 else None
+    return DTensorInfo(
+        local, named, _mesh_shape(mesh_state), _names(mesh_state), _coordinate(mesh_state),
+        kinds, tuple(stride) if _ints(stride) else None,
+    )  # fmt: skip
+
+
+def _ints(value: Any) -> TypeGuard[tuple[int, ...] | list[int]]:
+    return isinstance(value, (tuple, list)) and all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**62 for v in value
+    )
+
+
+def _mesh_shape(mesh: dict[str, Any]) -> tuple[int, ...]:
+    """A DeviceMesh's shape: its ``_layout`` (torch 2.10+: one flat layout per mesh dim, whose
+    ``shape`` is an int or a tuple of them) or its ``mesh`` tensor of ranks (earlier)."""
+    layout = mesh.get("_layout")
+    if isinstance(layout, OpaqueObject):
+        axes = layout.fields().get("axes")
+        sizes = []
+        for axis in axes if isinstance(axes, (tuple, list)) else ():
+            shape = axis.fields().get("shape") if isinstance(axis, OpaqueObject) else None
+            shape = (shape,) if isinstance(shape, int) else shape
+            if not _ints(shape):
+                return ()
+            sizes.append(math.prod(shape))
+        return tuple(sizes)
+    ranks = mesh.get("mesh")
+    return ranks.shape if isinstance(ranks, TensorRecord) else ()
+
+
+def _names(mesh: dict[str, Any]) -> tuple[str, ...] | None:
+    names = mesh.get("_mesh_dim_names", mesh.get("mesh_dim_names"))
+    if isinstance(names, (tuple, list)) and all(isinstance(n, str) and _short(n) for n in names):
+        return tuple(names)
+    return None
+
+
+def _coordinate(mesh: dict[str, Any]) -> tuple[int, ...] | None:
+    coordinate = mesh.get("_coordinate_on_dim")
+    return tuple(coordinate) if _ints(coordinate) else None
+
+
+def _placement_kind(placement: OpaqueObject) -> tuple[Any, ...]:
+    """A placement as data: ``("shard", dim)``, ``("strided_shard", dim, split_factor)``,
+    ``("replicate",)``, ``("partial", reduce_op)``; ``("unknown", class)`` otherwise."""
+    name = placement.cls.rpartition(".")[2]
+    state = placement.fields()
+    dim = state.get("dim")
+    valid_dim = isinstance(dim, int) and not isinstance(dim, bool) and -64 <= dim < 64
+    if name == "Shard" and valid_dim:
+        return ("shard", dim)
+    if name == "_StridedShard" and valid_dim:
+        factor = state.get("split_factor")
+        if isinstance(factor, int) and not isinstance(factor, bool) and 0 < factor <= 2**31:
+            return ("strided_shard", dim, factor)
+    if name == "Replicate":
+        return ("replicate",)
+    if name == "Partial":
+        op = state.get("reduce_op")
+        return ("partial", op if isinstance(op, str) and _short(op) else "?")
+    return ("unknown", name)
 
 
 def _placement_name(placement: OpaqueObject) -> str:

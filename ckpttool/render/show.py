@@ -50,12 +50,17 @@ def tensor_json(info: Any) -> dict[str, Any]:
             {"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
             for c in storage.chunks
         ]
+        if storage.placement:
+            out["placement"] = storage.placement
     if record.dtensor is not None:  # one rank's piece of a DTensor: what this file holds
         local = record.dtensor.local
         out["dtensor"] = {
             "placements": list(record.dtensor.placements),
             "local_shape": list(local.shape),
             "local_storage": local.storage.key if local.storage is not None else None,
+            "mesh_shape": list(record.dtensor.mesh_shape),
+            "mesh_dim_names": plain(record.dtensor.mesh_dim_names),
+            "coordinate": plain(record.dtensor.coordinate),
         }
     if info.stats is not None:
         out["stats"] = {k: plain(v) for k, v in vars(info.stats).items()}

@@ -1,0 +1,1 @@
+"""Sets of per-rank ``torch.save`` state dicts (FSDP2 / tensor-parallel DTensors) as one checkpoint."""

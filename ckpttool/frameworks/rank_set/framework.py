@@ -1,0 +1,67 @@
+"""Per-rank state dict sets as a :class:`~ckpttool.frameworks.base.Framework`: which files
+form a set (files.py), the global tensors assembled from their DTensor pieces (assemble.py,
+open.py), ``show``'s lines and ``convert``'s model directory (verl's ``huggingface/``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.frameworks.base import Framework, FrameworkDirectory, ModelDirectoryOutput
+from ckpttool.frameworks.rank_set import files
+
+if TYPE_CHECKING:
+    from ckpttool.formats.base import Checkpoint
+
+
+class RankSet(Framework):
+    name = "rank_set"
+    layouts = (files.RANK_SET,)
+
+    def detect(self, path: str) -> FrameworkDirectory | None:
+        return files.detect(path)
+
+    def open_directory(
+        self, layout: FrameworkDirectory, *, strict: bool, refuse_dangerous: bool
+    ) -> Checkpoint | None:
+        from ckpttool.frameworks.rank_set.open import open_rank_set
+
+        return open_rank_set(layout, strict=strict, refuse_dangerous=refuse_dangerous)
+
+    def show_lines(self, details: dict[str, Any]) -> list[str]:
+        summary = details.get("rank_set")
+        if not isinstance(summary, dict) or not summary:
+            return []
+        splits = summary.get("splits", {})
+        parts = [f"{count} {how}" for how, count in splits.items()]
+        return [
+            f"ranks:      {summary.get('ranks')} ({details.get('rank_files')}), each tensor "
+            "assembled from its placements",
+            f"split:      {'; '.join(parts)}",
+        ]
+
+    def verify_checks(self, details: dict[str, Any]) -> list[str]:
+        if "rank_set" not in details:
+            return []
+        return [
+            "rank set: every rank file present; the ranks' DTensor pieces tile each global "
+            "tensor exactly (placements, mesh coordinates, torch's chunking); replicated "
+            "tensors equal byte for byte across ranks"
+        ]
+
+    def model_directory(self, details: dict[str, Any]) -> ModelDirectoryOutput | None:
+        """verl's ``huggingface/`` folder (the model's ``config.json``): ``convert SET DST/``
+        writes a Hugging Face model directory with it."""
+        if not details.get("hf_config"):
+            return None
+        from ckpttool.io.source import join
+
+        directory = join(str(details.get("directory")), files.HF_FOLDER)
+        return ModelDirectoryOutput(
+            directory=directory, weights_name="model.safetensors",
+            copied_files=("config.json", "generation_config.json"),
+            tied_output_names=(), config_entries=(),
+            owns=lambda name: name in ("config.json", "generation_config.json", "model.safetensors"),
+        )  # fmt: skip
+
+
+FRAMEWORK = RankSet()
