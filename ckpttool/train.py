@@ -437,9 +437,9 @@ def resume_training(
     missing = [key for key in ("model", "optimizer", "epoch") if key not in ckpt]
     if missing == ["optimizer"]:
         raise LayoutError(
-            "this checkpoint has no 'optimizer': it was made for inference (its training state "
-            "dropped, as `ckpttool edit --for-inference` does); resume from a full resume "
-            "checkpoint, or load only its 'model'"
+            "not a resume checkpoint: no 'optimizer' key: it was made for inference (its "
+            "training state dropped, as `ckpttool edit --for-inference` does); resume from a "
+            "full resume checkpoint, or load only its 'model'"
         )
     if missing:
         raise LayoutError(

@@ -56,7 +56,7 @@ def test_a_resume_made_for_inference_is_refused_by_resume_training_for_its_optim
     ckpt = load_checkpoint(tmp_path, "pretrain", 32)
     assert ckpt is not None
     model = torch.nn.Linear(1, 1)
-    with pytest.raises(LayoutError, match="no 'optimizer': it was made for inference"):
+    with pytest.raises(LayoutError, match="no 'optimizer' key: it was made for inference"):
         resume_training(ckpt, model, torch.optim.AdamW(model.parameters()))
 
 
