@@ -25,6 +25,11 @@ _LAZY = {
     "open_checkpoint": "ckpttool.checkpoint",
     "Checkpoint": "ckpttool.checkpoint",
     "TensorRecord": "ckpttool.model.records",
+    # checkpoints as torch tensors, for other code (docs/python.md)
+    "open": "ckpttool.library",
+    "load_state_dict": "ckpttool.library",
+    "CheckpointHandle": "ckpttool.library",
+    "TensorSlice": "ckpttool.library",
     "rescale_step": "ckpttool.commands.rescale.run",
     "rescale_fields": "ckpttool.commands.rescale.run",
     # the commands as library functions (docs/: each command's page, "From Python")
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
     from ckpttool.commands.show import show
     from ckpttool.commands.verify import verify
     from ckpttool.io.atomic import atomic_write
+    from ckpttool.library import CheckpointHandle, TensorSlice, load_state_dict, open
     from ckpttool.model.records import TensorRecord
     from ckpttool.train import (
         SkipBatchSampler,
@@ -73,10 +79,12 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Checkpoint",
+    "CheckpointHandle",
     "CkptError",
     "ConvertReport",
     "SkipBatchSampler",
     "TensorRecord",
+    "TensorSlice",
     "__version__",
     "atomic_write",
     "capture_rng_state",
@@ -84,6 +92,8 @@ __all__ = [
     "convert",
     "diff",
     "load_checkpoint",
+    "load_state_dict",
+    "open",
     "open_checkpoint",
     "rescale_fields",
     "rescale_step",
