@@ -525,3 +525,22 @@ def test_public_names() -> None:
         assert public in ckpttool.__all__
         assert public in dir(ckpttool)
     assert ckpttool.open is ckpttool.library.open
+
+
+def test_docs_python_md_covers_the_api() -> None:
+    """docs/python.md documents every public member of the handle and every keyword of
+    load_state_dict (and README and the docs index link it)."""
+    import inspect
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "python.md").read_text()
+    members = [
+        n for n in vars(ckpttool.CheckpointHandle) if not n.startswith("_") and n != "name"
+    ]  # fmt: skip
+    assert [m for m in members if f"`{m}" not in page] == []
+    for method in ("get_shape", "get_dtype"):
+        assert f"`{method}()`" in page
+    keywords = inspect.signature(ckpttool.load_state_dict).parameters
+    assert [k for k in keywords if k not in page] == []
+    assert "(docs/python.md)" in (root / "README.md").read_text()
+    assert "(python.md)" in (root / "docs" / "README.md").read_text()
