@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.selection import select
-from ckpttool.errors import CheckpointKeyError, InputError
+from ckpttool.errors import CheckpointKeyError, CkptError, InputError, name_file
 from ckpttool.model.dtypes import ELEMENTS_PER_BYTE
 from ckpttool.model.records import (
     ITEMSIZE,
@@ -101,6 +101,15 @@ class CheckpointHandle:
         tensor = self._tensor(self.record(key))
         return _moved(tensor, device, dtype)
 
+    def _tensor(self, record: TensorRecord) -> torch.Tensor:
+        """The tensor of ``record``; errors name the file (as the command line's do)."""
+        try:
+            return self._build(record)
+        except CkptError as error:
+            from ckpttool.io.source import shown_name
+
+            raise name_file(error, shown_name(self.name)) from None
+
     def get_slice(self, key: str) -> TensorSlice:
         """Part of tensor ``key``: ``handle.get_slice(key)[10:20]`` reads only the bytes of rows
         10 to 19 when the tensor is contiguous (other slices read the tensor, then index it)."""
@@ -131,7 +140,7 @@ class CheckpointHandle:
 
     # -- building tensors -------------------------------------------------------------------
 
-    def _tensor(self, record: TensorRecord) -> torch.Tensor:
+    def _build(self, record: TensorRecord) -> torch.Tensor:
         import torch
 
         from ckpttool.io.values import read_tensor, torch_dtype
@@ -243,7 +252,12 @@ class TensorSlice:
         if rows is None:
             return self._handle.get_tensor(self._record.key)[index].clone()
         start, stop, rest = rows
-        return self._read_rows(start, stop)[rest].clone()
+        try:
+            return self._read_rows(start, stop)[rest].clone()
+        except CkptError as error:
+            from ckpttool.io.source import shown_name
+
+            raise name_file(error, shown_name(self._handle.name)) from None
 
     def _rows(self, index: Any) -> tuple[int, int, Any] | None:
         """The leading rows ``index`` needs, and the index to apply to them, when only they

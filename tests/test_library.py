@@ -345,6 +345,28 @@ def test_errors_are_the_command_lines(tmp_path: Path) -> None:
         handle.get_tensor(handle.keys()[0])
 
 
+def test_damaged_values_raise_naming_the_file(tmp_path: Path) -> None:
+    from tests.support import adversarial
+
+    path = tmp_path / "deflated.pth"  # opens (the pickle is fine); its values cannot be read
+    path.write_bytes(adversarial.deflated_storage())
+    message = "record 'archive/data/0' is compressed"
+    with ckpttool.open(path) as handle:
+        with pytest.raises(CkptError, match=message) as raised:
+            handle.get_tensor("w")
+        assert str(raised.value).startswith(f"{path}: ")
+        with pytest.raises(CkptError, match=message) as raised:
+            handle.get_slice("w")[:2]
+        assert str(raised.value).startswith(f"{path}: ")
+    with pytest.raises(CkptError, match=message) as raised:
+        ckpttool.load_state_dict(path)
+    assert str(raised.value).startswith(f"{path}: ")
+    past = tmp_path / "past.pth"  # refused on open, as by every command
+    past.write_bytes(adversarial.extent_past_storage())
+    with pytest.raises(CkptError, match=f"^{past}: .*reaches byte 4,000 of its storage"):
+        ckpttool.open(past)
+
+
 def test_pickle_code_never_runs(tmp_path: Path) -> None:
     class Boom:
         def __reduce__(self) -> Any:
