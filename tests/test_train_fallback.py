@@ -147,7 +147,7 @@ def test_a_newest_file_with_a_bad_crc_falls_back_with_a_warning(
     (message,) = [r.getMessage() for r in caplog.records]
     assert "resume.1.pth (epoch 0, step 1)" in message
     assert f"{resume} fails verification" in message and "CRC" in message
-    with pytest.raises(CorruptCheckpointError, match="fails verification.*CRC"):
+    with pytest.raises(CorruptCheckpointError, match=r"fails verification.*CRC"):
         load(tmp_path, fallback=False)
 
 
