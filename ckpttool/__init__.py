@@ -22,6 +22,7 @@ _LAZY = {
     "restore_rng_state": "ckpttool.train",
     "resume_training": "ckpttool.train",
     "save_checkpoint": "ckpttool.train",
+    "wait_for_save": "ckpttool.train",
     "open_checkpoint": "ckpttool.checkpoint",
     "Checkpoint": "ckpttool.checkpoint",
     "TensorRecord": "ckpttool.model.records",
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
         restore_rng_state,
         resume_training,
         save_checkpoint,
+        wait_for_save,
     )
 
 
@@ -103,4 +105,5 @@ __all__ = [
     "scan",
     "show",
     "verify",
+    "wait_for_save",
 ]

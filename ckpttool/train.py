@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import glob
 import logging
 import math
@@ -35,6 +36,7 @@ import pickle
 import random
 import re
 import shutil
+import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -74,6 +76,7 @@ __all__ = [
     "restore_rng_state",
     "resume_training",
     "save_checkpoint",
+    "wait_for_save",
 ]
 
 
@@ -224,6 +227,7 @@ def save_checkpoint(
     wandb_id: str | None = None,
     weights_dtype: torch.dtype | None = torch.float16,
     keep_last: int = 1,
+    async_save: bool = False,
 ) -> tuple[Path | None, Path]:
     """Write the weights file and the resume file atomically; return ``(weights_path, resume_path)``.
 
@@ -246,6 +250,13 @@ def save_checkpoint(
     durable. :func:`load_checkpoint` falls back to them when the newest is damaged. The weights
     file is the newest's only.
 
+    ``async_save=True`` copies the state (every tensor, on its device, storages shared as they
+    are) on the caller's thread, so training may change the model and optimizer as soon as it
+    returns, then writes and fsyncs the files on a background thread: the same bytes as a
+    synchronous save. The next ``save_checkpoint``, ``load_checkpoint`` or
+    :func:`wait_for_save` blocks until they are durable and raises what went wrong in the
+    background, if anything. Not under torch.distributed yet (:class:`InputError`).
+
     Under torch.distributed only rank 0 writes; every rank then waits at ``dist.barrier()`` so no
     rank returns before the files are complete. ``model`` may be wrapped in DDP and/or
     ``torch.compile``. Raises :class:`CheckpointKeyError` when ``extra_state`` uses a reserved key.
@@ -262,16 +273,16 @@ def save_checkpoint(
             f"(reserved: {', '.join(sorted(RESERVED_KEYS))}); rename it"
         )
     weights_path, resume_path = checkpoint_paths(save_dir, weight, hidden_size, use_moe)
+    if async_save and _distributed():
+        raise InputError(
+            "async_save is not supported under torch.distributed yet: save synchronously"
+        )
+    wait_for_save()  # the previous async save durable first (and its error raised here)
     written = False
     try:
         if not _distributed() or dist.get_rank() == 0:
             weights_path.parent.mkdir(parents=True, exist_ok=True)
             cpu_model = _cpu_state_dict(_unwrap(model).state_dict())
-            if weights_dtype is not None:
-                weights = _weights_state_dict(cpu_model, weights_dtype, weights_path)
-                with atomic_write(weights_path) as handle:
-                    torch.save(weights, handle)
-                del weights
             resume_data: dict[str, Any] = {
                 "model": cpu_model,
                 "optimizer": optimizer.state_dict(),
@@ -288,11 +299,12 @@ def save_checkpoint(
             for key, value in extra_state.items():
                 raw = _unwrap(value)
                 resume_data[key] = raw.state_dict() if hasattr(raw, "state_dict") else value
-            if keep_last > 1:
-                _keep_previous(resume_path)
-            with atomic_write(resume_path) as handle:
-                torch.save(resume_data, handle)
-            _drop_earlier(resume_path, keep_last - 1)
+            write = _Write(weights_path, resume_path, resume_data, weights_dtype, keep_last)
+            if async_save:
+                write.resume_data = _snapshot(resume_data, {})  # training may change them now
+                _start(write)
+            else:
+                write.run()
         written = True
     finally:
         # Also when rank 0's write fails: the other ranks must not hang, and must not carry on
@@ -300,6 +312,109 @@ def save_checkpoint(
         if _distributed():
             _agree_on_write(written)
     return (weights_path if weights_dtype is not None else None), resume_path
+
+
+class _Write:
+    """One save's files, written in order: the weights file, then the resume file (keeping the
+    previous one first when ``keep_last > 1``, deleting the earlier ones after)."""
+
+    def __init__(
+        self,
+        weights_path: Path,
+        resume_path: Path,
+        resume_data: dict[str, Any],
+        weights_dtype: torch.dtype | None,
+        keep_last: int,
+    ) -> None:
+        self.weights_path = weights_path
+        self.resume_path = resume_path
+        self.resume_data = resume_data
+        self.weights_dtype = weights_dtype
+        self.keep_last = keep_last
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        if self.weights_dtype is not None:
+            weights = _weights_state_dict(
+                self.resume_data["model"], self.weights_dtype, self.weights_path
+            )
+            with atomic_write(self.weights_path) as handle:
+                torch.save(weights, handle)
+            del weights
+        if self.keep_last > 1:
+            _keep_previous(self.resume_path)
+        with atomic_write(self.resume_path) as handle:
+            torch.save(self.resume_data, handle)
+        _drop_earlier(self.resume_path, self.keep_last - 1)
+
+    def run_catching(self) -> None:
+        try:
+            self.run()
+        except BaseException as error:  # raised on the caller's thread by wait_for_save
+            self.error = error
+        finally:
+            self.resume_data = {}  # the copies go as soon as they are on disk
+
+
+_pending: tuple[threading.Thread, _Write] | None = None
+
+
+def _start(write: _Write) -> None:
+    global _pending
+    # not a daemon: an interpreter that exits waits for the files to be durable
+    thread = threading.Thread(
+        target=write.run_catching, name=f"ckpttool save {write.resume_path.name}"
+    )
+    _pending = thread, write
+    thread.start()
+
+
+def wait_for_save() -> None:
+    """Block until the last ``save_checkpoint(..., async_save=True)`` has written its files and
+    made them durable; raise what went wrong in it, if anything (once). Returns at once when no
+    save is under way. ``save_checkpoint`` and ``load_checkpoint`` call it first."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
+        return
+    thread, write = pending
+    thread.join()
+    if write.error is not None:
+        error, write.error = write.error, None
+        raise error
+
+
+def _snapshot(value: Any, memo: dict[Any, Any]) -> Any:
+    """``value`` with every tensor copied (on its device), the copies sharing storages as the
+    originals do, and every dict and list rebuilt (of its type, attributes kept: a state dict's
+    ``_metadata``), so that ``torch.save`` of the copy writes the original's bytes."""
+    if isinstance(value, torch.Tensor):
+        known = memo.get(id(value))
+        if known is not None:
+            return known
+        tensor = value.detach()
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+            copied = tensor.clone()
+        else:
+            storage = tensor.untyped_storage()
+            key = (storage.device, storage.data_ptr(), storage.nbytes())
+            clone = memo.get(key)
+            if clone is None:
+                clone = memo[key] = storage.clone()
+            copied = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+            copied.set_(clone, tensor.storage_offset(), tensor.size(), tensor.stride())
+        if isinstance(value, torch.nn.Parameter):
+            copied = torch.nn.Parameter(copied, requires_grad=value.requires_grad)
+        memo[id(value)] = copied
+        return copied
+    if isinstance(value, dict):
+        rebuilt = copy.copy(value)
+        for key, item in value.items():
+            rebuilt[key] = _snapshot(item, memo)
+        return rebuilt
+    if type(value) in (list, tuple):
+        return type(value)(_snapshot(item, memo) for item in value)
+    return value
 
 
 def _weights_state_dict(
@@ -394,6 +509,7 @@ def load_checkpoint(
     ``"ckpttool"``; at WARNING when the division is not exact (some batches will be trained
     twice) or when the scheduler's state cannot be moved (it is then left as it was).
     """
+    wait_for_save()  # an async save under way: its files first
     _, resume_path = checkpoint_paths(save_dir, weight, hidden_size, use_moe)
     candidates = [resume_path] if resume_path.is_file() else []
     for earlier in earlier_resume_paths(resume_path):
