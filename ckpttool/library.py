@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.selection import select
-from ckpttool.errors import CheckpointKeyError, CkptError, InputError, name_file
+from ckpttool.errors import (
+    CheckpointKeyError,
+    CkptError,
+    CorruptCheckpointError,
+    InputError,
+    name_file,
+)
 from ckpttool.model.dtypes import ELEMENTS_PER_BYTE
 from ckpttool.model.records import (
     ITEMSIZE,
@@ -168,7 +174,7 @@ class CheckpointHandle:
                 )
                 need = (last + 1) * record.itemsize
         if need > storage.nbytes():
-            raise InputError(f"{self.name}: {record.key}: extends past its storage's bytes")
+            raise CorruptCheckpointError(f"{record.key}: extends past its storage's bytes")
         tensor.set_(storage, record.storage_offset, record.shape, record.stride)
         return _as_loaded(record, tensor)
 
@@ -188,7 +194,7 @@ class CheckpointHandle:
         if span is not None:
             offset, length = span
             if nbytes > length:
-                raise InputError(f"{self.name}: {key}: extends past its storage's bytes")
+                raise CorruptCheckpointError(f"{key}: extends past its storage's bytes")
             return self._file_map()[offset : offset + nbytes]
         data = ckpt.read_storage(storage, 0, nbytes, key) if nbytes else bytearray()
         if storage.byteorder == "big" and nbytes:

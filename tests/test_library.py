@@ -183,6 +183,40 @@ def test_every_tensor_kind_reads_as_torch_load(tmp_path: Path, kind: str, legacy
     assert sharing(mine) == sharing(theirs)
 
 
+def test_a_big_endian_file_reads_as_torch_load_swaps_it(tmp_path: Path) -> None:
+    from tests.test_convert import big_endian_copy
+
+    source = FIXTURES / "ckpttool/pretrain_32_resume.pth"
+    path = tmp_path / "big_endian.pth"
+    big_endian_copy(source, path)
+    expected = torch.load(path, weights_only=True)
+    theirs = {k: v for k, v in flatten_loaded(expected) if isinstance(v, torch.Tensor)}
+    with ckpttool.open(path) as handle:
+        assert handle.checkpoint.details["byteorder"] == "big"
+        mine = {key: handle.get_tensor(key) for key in theirs}
+    assert any(t.element_size() > 1 for t in theirs.values())
+    for key, tensor in theirs.items():
+        same_tensor(mine[key], tensor, key)
+    assert sharing(mine) == sharing(theirs)
+
+
+def test_numpy_arrays_and_storages_come_back_as_tensors(tmp_path: Path) -> None:
+    import numpy as np
+
+    path = FIXTURES / "special/numpy_rng.pth"
+    expected = torch.load(path, weights_only=False)  # the generator's own fixture
+    with ckpttool.open(path) as handle:
+        history = handle.get_tensor("loss_history")
+    assert np.array_equal(history.numpy(), expected["loss_history"])
+    assert history.numpy().dtype == expected["loss_history"].dtype
+    storage = tmp_path / "storage.pt"
+    torch.save({"s": torch.arange(5, dtype=torch.int16).untyped_storage()}, storage)
+    with ckpttool.open(storage) as handle:
+        assert bytes(handle.get_tensor("s").numpy()) == bytes(
+            torch.arange(5, dtype=torch.int16).numpy()
+        )
+
+
 def test_views_of_one_storage_share_it_as_torch_loads_them(tmp_path: Path) -> None:
     base = torch.arange(24.0)
     path = tmp_path / "views.pt"
