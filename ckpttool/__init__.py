@@ -22,9 +22,15 @@ _LAZY = {
     "restore_rng_state": "ckpttool.train",
     "resume_training": "ckpttool.train",
     "save_checkpoint": "ckpttool.train",
+    "wait_for_save": "ckpttool.train",
     "open_checkpoint": "ckpttool.checkpoint",
     "Checkpoint": "ckpttool.checkpoint",
     "TensorRecord": "ckpttool.model.records",
+    # checkpoints as torch tensors, for other code (docs/python.md)
+    "open": "ckpttool.library",
+    "load_state_dict": "ckpttool.library",
+    "CheckpointHandle": "ckpttool.library",
+    "TensorSlice": "ckpttool.library",
     "rescale_step": "ckpttool.commands.rescale.run",
     "rescale_fields": "ckpttool.commands.rescale.run",
     # the commands as library functions (docs/: each command's page, "From Python")
@@ -45,6 +51,7 @@ if TYPE_CHECKING:
     from ckpttool.commands.show import show
     from ckpttool.commands.verify import verify
     from ckpttool.io.atomic import atomic_write
+    from ckpttool.library import CheckpointHandle, TensorSlice, load_state_dict, open
     from ckpttool.model.records import TensorRecord
     from ckpttool.train import (
         SkipBatchSampler,
@@ -54,6 +61,7 @@ if TYPE_CHECKING:
         restore_rng_state,
         resume_training,
         save_checkpoint,
+        wait_for_save,
     )
 
 
@@ -73,10 +81,12 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Checkpoint",
+    "CheckpointHandle",
     "CkptError",
     "ConvertReport",
     "SkipBatchSampler",
     "TensorRecord",
+    "TensorSlice",
     "__version__",
     "atomic_write",
     "capture_rng_state",
@@ -84,6 +94,8 @@ __all__ = [
     "convert",
     "diff",
     "load_checkpoint",
+    "load_state_dict",
+    "open",
     "open_checkpoint",
     "rescale_fields",
     "rescale_step",
@@ -93,4 +105,5 @@ __all__ = [
     "scan",
     "show",
     "verify",
+    "wait_for_save",
 ]

@@ -27,11 +27,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import glob
 import logging
 import math
+import os
 import pickle
 import random
 import re
+import shutil
+import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -45,11 +50,13 @@ from torch.utils.data import Sampler
 
 from ckpttool.errors import (
     CheckpointKeyError,
+    CkptError,
     CorruptCheckpointError,
+    InputError,
     LayoutError,
     UnsafePickleError,
 )
-from ckpttool.io.atomic import atomic_write
+from ckpttool.io.atomic import atomic_write, fsync_dir
 from ckpttool.model.lr_schedule import rescale_scheduler
 
 logger = logging.getLogger("ckpttool")
@@ -64,10 +71,12 @@ __all__ = [
     "SkipBatchSampler",
     "capture_rng_state",
     "checkpoint_paths",
+    "earlier_resume_paths",
     "load_checkpoint",
     "restore_rng_state",
     "resume_training",
     "save_checkpoint",
+    "wait_for_save",
 ]
 
 
@@ -82,6 +91,46 @@ def checkpoint_paths(
     stem = f"{weight}_{hidden_size}{'_moe' if use_moe else ''}"
     save_dir = Path(save_dir)
     return save_dir / f"{stem}.pth", save_dir / f"{stem}_resume.pth"
+
+
+def earlier_resume_paths(resume_path: str | Path) -> list[Path]:
+    """The earlier resume checkpoints ``save_checkpoint(keep_last=N)`` keeps beside
+    ``resume_path``, newest first: ``{stem}_resume.{n}.pth``, ``n`` counting up from 1."""
+    resume_path = Path(resume_path)
+    stem = resume_path.name.removesuffix(".pth")
+    found: list[tuple[int, Path]] = []
+    for path in resume_path.parent.glob(glob.escape(stem) + ".*.pth"):
+        number = path.name[len(stem) + 1 : -len(".pth")]
+        if number.isdigit() and path.is_file():
+            found.append((int(number), path))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def _keep_previous(resume_path: Path) -> None:
+    """Give the current resume file a second name, the next ``{stem}_resume.{n}.pth``, before
+    it is replaced (a hard link: no copy, and the file stays where MiniMind looks for it)."""
+    if not resume_path.is_file():
+        return
+    earlier = earlier_resume_paths(resume_path)
+    if earlier and os.path.samefile(earlier[0], resume_path):
+        return  # kept already (a save that stopped before replacing it)
+    number = int(earlier[0].name.removesuffix(".pth").rsplit(".", 1)[1]) + 1 if earlier else 1
+    kept = resume_path.with_name(f"{resume_path.name.removesuffix('.pth')}.{number}.pth")
+    try:
+        os.link(resume_path, kept)
+    except OSError:  # a filesystem without hard links: a durable copy
+        with atomic_write(kept) as handle, resume_path.open("rb") as source:
+            shutil.copyfileobj(source, handle, 1 << 24)
+    fsync_dir(resume_path.parent)
+
+
+def _drop_earlier(resume_path: Path, keep: int) -> None:
+    """Delete the earlier resume files but the newest ``keep`` (after the new one is durable)."""
+    dropped = earlier_resume_paths(resume_path)[keep:]
+    for path in dropped:
+        path.unlink()
+    if dropped:
+        fsync_dir(resume_path.parent)
 
 
 def _unwrap(obj: Any) -> Any:
@@ -177,6 +226,8 @@ def save_checkpoint(
     extra_state: Mapping[str, Any] | None = None,
     wandb_id: str | None = None,
     weights_dtype: torch.dtype | None = torch.float16,
+    keep_last: int = 1,
+    async_save: bool = False,
 ) -> tuple[Path | None, Path]:
     """Write the weights file and the resume file atomically; return ``(weights_path, resume_path)``.
 
@@ -192,10 +243,28 @@ def save_checkpoint(
     ``extra_state`` items: a value with ``state_dict()`` is stored as its state dict (DDP and
     ``torch.compile`` wrappers unwrapped), anything else as is.
 
+    ``keep_last=N`` keeps the newest ``N`` resume checkpoints (default 1: MiniMind's one file,
+    replaced by each save). The newest is always ``{stem}_resume.pth``; before it is replaced, it
+    gets a second name, ``{stem}_resume.{n}.pth`` (``n`` counting up, a hard link: nothing is
+    copied), and the earlier ones beyond ``N - 1`` are deleted only once the new resume file is
+    durable. :func:`load_checkpoint` falls back to them when the newest is damaged. The weights
+    file is the newest's only.
+
+    ``async_save=True`` copies the state (every tensor, on its device, storages shared as they
+    are) on the caller's thread, so training may change the model and optimizer as soon as it
+    returns, then writes and fsyncs the files on a background thread: the same bytes as a
+    synchronous save. The next ``save_checkpoint``, ``load_checkpoint`` or
+    :func:`wait_for_save` blocks until they are durable and raises what went wrong in the
+    background, if anything. Not under torch.distributed yet (:class:`InputError`).
+
     Under torch.distributed only rank 0 writes; every rank then waits at ``dist.barrier()`` so no
     rank returns before the files are complete. ``model`` may be wrapped in DDP and/or
     ``torch.compile``. Raises :class:`CheckpointKeyError` when ``extra_state`` uses a reserved key.
     """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise InputError(
+            f"keep_last must be a whole number of checkpoints, 1 or more: {keep_last!r}"
+        )
     extra_state = dict(extra_state or {})
     collisions = sorted(RESERVED_KEYS.intersection(extra_state))
     if collisions:
@@ -204,16 +273,16 @@ def save_checkpoint(
             f"(reserved: {', '.join(sorted(RESERVED_KEYS))}); rename it"
         )
     weights_path, resume_path = checkpoint_paths(save_dir, weight, hidden_size, use_moe)
+    if async_save and _distributed():
+        raise InputError(
+            "async_save is not supported under torch.distributed yet: save synchronously"
+        )
+    wait_for_save()  # the previous async save durable first (and its error raised here)
     written = False
     try:
         if not _distributed() or dist.get_rank() == 0:
             weights_path.parent.mkdir(parents=True, exist_ok=True)
             cpu_model = _cpu_state_dict(_unwrap(model).state_dict())
-            if weights_dtype is not None:
-                weights = _weights_state_dict(cpu_model, weights_dtype, weights_path)
-                with atomic_write(weights_path) as handle:
-                    torch.save(weights, handle)
-                del weights
             resume_data: dict[str, Any] = {
                 "model": cpu_model,
                 "optimizer": optimizer.state_dict(),
@@ -230,8 +299,12 @@ def save_checkpoint(
             for key, value in extra_state.items():
                 raw = _unwrap(value)
                 resume_data[key] = raw.state_dict() if hasattr(raw, "state_dict") else value
-            with atomic_write(resume_path) as handle:
-                torch.save(resume_data, handle)
+            write = _Write(weights_path, resume_path, resume_data, weights_dtype, keep_last)
+            if async_save:
+                write.resume_data = _snapshot(resume_data, {})  # training may change them now
+                _start(write)
+            else:
+                write.run()
         written = True
     finally:
         # Also when rank 0's write fails: the other ranks must not hang, and must not carry on
@@ -239,6 +312,109 @@ def save_checkpoint(
         if _distributed():
             _agree_on_write(written)
     return (weights_path if weights_dtype is not None else None), resume_path
+
+
+class _Write:
+    """One save's files, written in order: the weights file, then the resume file (keeping the
+    previous one first when ``keep_last > 1``, deleting the earlier ones after)."""
+
+    def __init__(
+        self,
+        weights_path: Path,
+        resume_path: Path,
+        resume_data: dict[str, Any],
+        weights_dtype: torch.dtype | None,
+        keep_last: int,
+    ) -> None:
+        self.weights_path = weights_path
+        self.resume_path = resume_path
+        self.resume_data = resume_data
+        self.weights_dtype = weights_dtype
+        self.keep_last = keep_last
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        if self.weights_dtype is not None:
+            weights = _weights_state_dict(
+                self.resume_data["model"], self.weights_dtype, self.weights_path
+            )
+            with atomic_write(self.weights_path) as handle:
+                torch.save(weights, handle)
+            del weights
+        if self.keep_last > 1:
+            _keep_previous(self.resume_path)
+        with atomic_write(self.resume_path) as handle:
+            torch.save(self.resume_data, handle)
+        _drop_earlier(self.resume_path, self.keep_last - 1)
+
+    def run_catching(self) -> None:
+        try:
+            self.run()
+        except BaseException as error:  # raised on the caller's thread by wait_for_save
+            self.error = error
+        finally:
+            self.resume_data = {}  # the copies go as soon as they are on disk
+
+
+_pending: tuple[threading.Thread, _Write] | None = None
+
+
+def _start(write: _Write) -> None:
+    global _pending
+    # not a daemon: an interpreter that exits waits for the files to be durable
+    thread = threading.Thread(
+        target=write.run_catching, name=f"ckpttool save {write.resume_path.name}"
+    )
+    _pending = thread, write
+    thread.start()
+
+
+def wait_for_save() -> None:
+    """Block until the last ``save_checkpoint(..., async_save=True)`` has written its files and
+    made them durable; raise what went wrong in it, if anything (once). Returns at once when no
+    save is under way. ``save_checkpoint`` and ``load_checkpoint`` call it first."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
+        return
+    thread, write = pending
+    thread.join()
+    if write.error is not None:
+        error, write.error = write.error, None
+        raise error
+
+
+def _snapshot(value: Any, memo: dict[Any, Any]) -> Any:
+    """``value`` with every tensor copied (on its device), the copies sharing storages as the
+    originals do, and every dict and list rebuilt (of its type, attributes kept: a state dict's
+    ``_metadata``), so that ``torch.save`` of the copy writes the original's bytes."""
+    if isinstance(value, torch.Tensor):
+        known = memo.get(id(value))
+        if known is not None:
+            return known
+        tensor = value.detach()
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+            copied = tensor.clone()
+        else:
+            storage = tensor.untyped_storage()
+            key = (storage.device, storage.data_ptr(), storage.nbytes())
+            clone = memo.get(key)
+            if clone is None:
+                clone = memo[key] = storage.clone()
+            copied = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+            copied.set_(clone, tensor.storage_offset(), tensor.size(), tensor.stride())
+        if isinstance(value, torch.nn.Parameter):
+            copied = torch.nn.Parameter(copied, requires_grad=value.requires_grad)
+        memo[id(value)] = copied
+        return copied
+    if isinstance(value, dict):
+        rebuilt = copy.copy(value)
+        for key, item in value.items():
+            rebuilt[key] = _snapshot(item, memo)
+        return rebuilt
+    if type(value) in (list, tuple):
+        return type(value)(_snapshot(item, memo) for item in value)
+    return value
 
 
 def _weights_state_dict(
@@ -306,11 +482,25 @@ def load_checkpoint(
     hidden_size: int,
     use_moe: bool = False,
     map_location: str | torch.device = "cpu",
+    *,
+    fallback: bool = True,
 ) -> dict[str, Any] | None:
-    """Load the resume file, or return ``None`` when there is none.
+    """Load the newest resume checkpoint that verifies, or return ``None`` when there is none.
+
+    The resume file is checked before it is used: ``torch.load(weights_only=True)`` reads it,
+    ckpttool's reader checks its structure and the CRC-32 of every record (``ckpttool verify``'s
+    checks), and it must hold the parts :func:`resume_training` restores (``model``,
+    ``optimizer``, ``epoch``). When it does not pass (a save cut short, a torn or damaged file),
+    the earlier resume checkpoints that ``save_checkpoint(keep_last=N)`` kept are tried, newest
+    first, and the first that passes is loaded, with a WARNING on ``"ckpttool"`` naming what
+    was wrong with each newer one. ``fallback=False`` refuses instead: the newest's problem is
+    raised (:class:`CorruptCheckpointError`, :class:`LayoutError`). When none passes, the
+    newest's problem is raised; a newest file that reads and verifies but lacks a part is then
+    returned as it is (:func:`resume_training` says what is missing).
 
     Loads with ``torch.load(weights_only=True)``: a file naming any class beyond tensors and plain
-    containers is refused with :class:`UnsafePickleError`, never loaded unsafely. When the saved
+    containers is refused with :class:`UnsafePickleError`, never loaded unsafely (and never
+    skipped for an earlier one). When the saved
     ``world_size`` (1 if absent, as in old MiniMind files) differs from the current one, ``step``
     is rescaled to ``step * saved // current`` (MiniMind's rule: the same number of samples seen)
     and ``world_size`` set to the current one; a saved LR scheduler, which counts optimizer
@@ -319,15 +509,24 @@ def load_checkpoint(
     ``"ckpttool"``; at WARNING when the division is not exact (some batches will be trained
     twice) or when the scheduler's state cannot be moved (it is then left as it was).
     """
+    wait_for_save()  # an async save under way: its files first
     _, resume_path = checkpoint_paths(save_dir, weight, hidden_size, use_moe)
-    if not resume_path.exists():
+    candidates = [resume_path] if resume_path.is_file() else []
+    for earlier in earlier_resume_paths(resume_path):
+        if not any(os.path.samefile(earlier, seen) for seen in candidates):
+            candidates.append(earlier)  # (a save stopped between keeping and replacing)
+    if not candidates:
         return None
-    ckpt = _load_weights_only(resume_path, map_location)
-    if not isinstance(ckpt, dict):
-        raise LayoutError(
-            f"{resume_path} holds a {type(ckpt).__name__}, not a resume dict; "
-            f"see its layout with `ckpttool show {resume_path}`"
-        )
+    if candidates[0] != resume_path:  # gone, but earlier ones were kept
+        if not fallback:
+            raise CorruptCheckpointError(
+                f"{resume_path} is missing (earlier resume checkpoints are there: "
+                f"{candidates[0].name}...); not loaded, as fallback=False asks"
+            )
+        skipped = [f"{resume_path} is missing"]
+    else:
+        skipped = []
+    ckpt = _newest_good(candidates, map_location, fallback, skipped)
     saved_world_size = ckpt.get("world_size", 1)
     current_world_size = _current_world_size()
     if saved_world_size != current_world_size:
@@ -354,6 +553,94 @@ def load_checkpoint(
                 repeated,
             )
     return ckpt
+
+
+#: What :func:`resume_training` restores, so what a resume checkpoint must hold to be used.
+RESUME_PARTS = ("model", "optimizer", "epoch")
+
+
+def _newest_good(
+    candidates: list[Path], map_location: str | torch.device, fallback: bool, skipped: list[str]
+) -> dict[str, Any]:
+    """The first of ``candidates`` (newest first) that loads, verifies and has every part;
+    ``skipped`` (what was wrong with each newer one) grows as they are tried."""
+    newest_incomplete: tuple[Path, dict[str, Any]] | None = None
+    first_error: CkptError | None = None
+    known = len(skipped)  # what was wrong before any file was tried (the resume file missing)
+    for index, path in enumerate(candidates):
+        try:
+            ckpt = _load_verified(path, map_location)
+        except UnsafePickleError:
+            raise  # not damage: a refusal the caller must see
+        except (CorruptCheckpointError, LayoutError) as error:
+            if index == 0 and not fallback:
+                raise
+            first_error = first_error or error
+            skipped.append(str(error))
+            continue
+        missing = [key for key in RESUME_PARTS if key not in ckpt]
+        if missing:
+            if index == 0 and not fallback:
+                return ckpt
+            if index == 0:
+                newest_incomplete = path, ckpt
+            skipped.append(
+                f"{path} has no {', '.join(map(repr, missing))} (what resume_training restores)"
+            )
+            continue
+        _warn_skipped(path, ckpt, skipped)
+        return ckpt
+    if newest_incomplete is not None:  # nothing better: as it is (resume_training says why)
+        path, ckpt = newest_incomplete
+        _warn_skipped(path, ckpt, skipped[:known])
+        return ckpt
+    assert first_error is not None
+    raise first_error
+
+
+def _warn_skipped(path: Path, ckpt: Mapping[str, Any], skipped: list[str]) -> None:
+    if skipped:
+        logger.warning(
+            "resuming from %s (epoch %s, step %s), the newest resume checkpoint that verifies; "
+            "skipped: %s",
+            path,
+            ckpt.get("epoch"),
+            ckpt.get("step"),
+            "; ".join(skipped),
+        )
+
+
+def _load_verified(path: Path, map_location: str | torch.device) -> dict[str, Any]:
+    """``path`` loaded weights-only, once its structure and every record's CRC-32 check out."""
+    ckpt = _load_weights_only(path, map_location)
+    if not isinstance(ckpt, dict):
+        raise LayoutError(
+            f"{path} holds a {type(ckpt).__name__}, not a resume dict; "
+            f"see its layout with `ckpttool show {path}`"
+        )
+    problems = _verify_problems(path)
+    if problems:
+        raise CorruptCheckpointError(
+            f"{path} fails verification ({'; '.join(problems)}); it was not used. Inspect it "
+            f"with `ckpttool verify {path}`"
+        )
+    return ckpt
+
+
+def _verify_problems(path: Path) -> list[str]:
+    """What ``ckpttool verify`` finds wrong with the file (its structure, every record's CRC)."""
+    from ckpttool.checkpoint import open_checkpoint
+    from ckpttool.formats.registry import find_format
+
+    try:
+        with open_checkpoint(path, strict=False, refuse_dangerous=False) as opened:
+            problems = list(opened.problems)
+            fmt = find_format(opened.format)
+            if fmt is not None:
+                problems.extend(fmt.verify(opened, None)[0])
+    except CkptError as error:
+        problems = [str(error).removeprefix(f"{path}: ")]
+    return problems
 
 
 def _rescale_scheduler(ckpt: dict[str, Any], saved_world_size: int, world_size: int) -> None:
@@ -402,7 +689,10 @@ def _load_weights_only(path: Path, map_location: str | torch.device) -> Any:
             f"{path} is not a readable checkpoint ({reason.group(1) if reason else 'bad pickle'});"
             f" it was not loaded. Inspect it with `ckpttool show {path}`"
         ) from None
-    except (RuntimeError, EOFError, ValueError) as error:
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except (RuntimeError, EOFError, ValueError, OSError) as error:
+        # OSError: torch's zip reader on a file cut short ("[Errno 22] Invalid argument").
         # torch's messages go on with advice for torch.load's callers: keep the first sentence.
         summary = str(error).strip().split(". ")[0].split("\n")[0] or type(error).__name__
         raise CorruptCheckpointError(

@@ -45,7 +45,7 @@ def _temps(directory: Path) -> list[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("operation", ["save", "convert", "rescale", "repair"])
+@pytest.mark.parametrize("operation", ["save", "async_save", "convert", "rescale", "repair"])
 def test_sigkill_mid_write_leaves_old_or_new_never_partial(tmp_path: Path, operation: str) -> None:
     worker = "tests.workers.crash_worker"
     argv = [sys.executable, "-m", worker, operation, str(KILLS), str(tmp_path)]
@@ -66,7 +66,7 @@ def test_sigkill_mid_write_leaves_old_or_new_never_partial(tmp_path: Path, opera
             assert target["verify_leftovers"] == target["temps"], f"{where}: verify missed temps"
             mid_write += bool(target["temps"])
             states.add(target["state"])
-        if operation == "save":  # the weights file is written first, the resume file second
+        if operation in ("save", "async_save"):  # the weights file first, the resume file second
             pair = trial["targets"]
             assert not (
                 pair["pretrain_1024_resume.pth"]["state"] == "new"

@@ -2,7 +2,8 @@
 
 ``python -m tests.workers.crash_worker OPERATION KILLS WORK_DIR [SEED]`` prints one JSON object:
 ``{"operation", "seconds_uninterrupted", "trials": [...]}``. OPERATION is ``save``
-(``save_checkpoint``: a weights file and a resume file), ``convert`` (``ckpttool convert SRC
+(``save_checkpoint``: a weights file and a resume file), ``async_save`` (the same with
+``async_save=True``, the weights changed while it writes, then ``wait_for_save``), ``convert`` (``ckpttool convert SRC
 TARGET --force``), ``rescale`` (``ckpttool rescale-step TARGET --world-size 2``, in place) or
 ``repair`` (``ckpttool repair CUT -o TARGET --force`` of a resume file cut short; the cut file
 itself must come out untouched: ``"untouched"`` in the report).
@@ -94,6 +95,26 @@ class Save(Operation):
         self._save(epoch=1, step=20)
 
 
+class AsyncSave(Save):
+    """``save_checkpoint(..., async_save=True)``: the files written on a background thread
+    while the "training" goes on changing the weights; killed anywhere, including after the
+    call returned and before ``wait_for_save``."""
+
+    def run(self) -> None:
+        from ckpttool import train
+
+        random.seed(0)
+        with torch.no_grad():
+            for parameter in self.model.parameters():
+                parameter.mul_(0.5)
+        self.save(self.model, self.optimizer, save_dir=self.work, weight="pretrain",
+                  hidden_size=WIDTH, epoch=1, step=20, async_save=True)  # fmt: skip
+        with torch.no_grad():  # the next step, while the files are written
+            for parameter in self.model.parameters():
+                parameter.add_(1.0)
+        train.wait_for_save()
+
+
 class Convert(Operation):
     def __init__(self, work: Path) -> None:
         from ckpttool.commands.convert.run import convert
@@ -159,6 +180,7 @@ class Repair(Operation):
 
 OPERATIONS: dict[str, Callable[[Path], Operation]] = {
     "save": Save,
+    "async_save": AsyncSave,
     "convert": Convert,
     "rescale": Rescale,
     "repair": Repair,

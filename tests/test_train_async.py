@@ -1,0 +1,155 @@
+"""save_checkpoint(..., async_save=True): the state copied on the caller's thread, the files
+written and fsynced on a background thread, byte for byte a synchronous save's; the next save,
+load_checkpoint or wait_for_save waits for them and raises what went wrong. (Killed mid-write:
+tests/test_crash.py's kill loop, operation "async_save".)"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+import ckpttool.train as train  # noqa: E402
+from ckpttool.errors import InputError  # noqa: E402
+from ckpttool.train import (  # noqa: E402
+    checkpoint_paths,
+    load_checkpoint,
+    save_checkpoint,
+    wait_for_save,
+)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight  # one storage under two keys
+        self.register_buffer("positions", torch.arange(4))
+
+
+def make_training() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    model.head(model.embed(torch.tensor([1, 2]))).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    return model, optimizer, scheduler
+
+
+def save(directory: Path, model: nn.Module, optimizer: Any, scheduler: Any, **kw: Any) -> Any:
+    return save_checkpoint(
+        model, optimizer, save_dir=directory, weight="pretrain", hidden_size=8, epoch=0, step=3,
+        scheduler=scheduler, **kw,
+    )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def no_save_left_behind() -> Any:
+    yield
+    try:
+        wait_for_save()
+    except Exception:
+        pass
+
+
+def test_the_bytes_are_a_synchronous_save_s(tmp_path: Path) -> None:
+    model, optimizer, scheduler = make_training()
+    state = torch.get_rng_state()
+    synchronous = save(tmp_path / "sync", model, optimizer, scheduler)
+    torch.set_rng_state(state)  # (nothing drew from it: the same state is recorded)
+    background = save(tmp_path / "async", model, optimizer, scheduler, async_save=True)
+    wait_for_save()
+    for mine, theirs in zip(background, synchronous):
+        assert mine.read_bytes() == theirs.read_bytes(), mine.name
+    loaded = torch.load(background[1], weights_only=True)["model"]
+    assert loaded["embed.weight"].untyped_storage().data_ptr() == (
+        loaded["head.weight"].untyped_storage().data_ptr()
+    )  # still one storage
+
+
+def test_training_may_change_the_state_as_soon_as_it_returns(tmp_path: Path) -> None:
+    model, optimizer, scheduler = make_training()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    save(tmp_path, model, optimizer, scheduler, async_save=True)
+    with torch.no_grad():  # the next steps, while the files are written
+        for parameter in model.parameters():
+            parameter.mul_(0.0)
+        for value in optimizer.state[model.embed.weight].values():
+            value.add_(100.0)
+    ckpt = load_checkpoint(tmp_path, "pretrain", 8)  # waits for the save first
+    assert ckpt is not None
+    for key, value in before.items():
+        assert torch.equal(ckpt["model"][key], value), key
+    for key, value in moments.items():
+        assert torch.equal(ckpt["optimizer"]["state"][0][key], value), key
+
+
+def test_an_error_in_the_background_surfaces_at_the_next_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer, scheduler = make_training()
+    real_save = torch.save
+
+    def full_disk(obj: Any, handle: Any) -> None:
+        if "optimizer" in obj and obj["step"] == 3:  # the async saves' resume files
+            raise OSError(28, "No space left on device")
+        real_save(obj, handle)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    save(tmp_path, model, optimizer, scheduler, async_save=True)  # returns: the write is later
+    with pytest.raises(OSError, match="No space left"):
+        wait_for_save()
+    wait_for_save()  # raised once
+    save(tmp_path, model, optimizer, scheduler, async_save=True)
+    with pytest.raises(OSError, match="No space left"):  # the next save raises it, first
+        save_checkpoint(
+            model, optimizer, save_dir=tmp_path, weight="pretrain", hidden_size=8, epoch=0,
+            step=4, scheduler=scheduler,
+        )  # fmt: skip
+    assert not checkpoint_paths(tmp_path, "pretrain", 8)[1].exists()
+    save(tmp_path, model, optimizer, scheduler, async_save=True)
+    with pytest.raises(OSError, match="No space left"):
+        load_checkpoint(tmp_path, "pretrain", 8)  # and load_checkpoint
+
+
+def test_the_next_save_waits_until_the_previous_one_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer, scheduler = make_training()
+    real_save = torch.save
+    release = threading.Event()
+    order: list[str] = []
+
+    def held_save(obj: Any, handle: Any) -> None:
+        if "optimizer" in obj and obj["step"] == 3:
+            release.wait()  # the first save's resume file waits to be let go
+        real_save(obj, handle)
+        if "optimizer" in obj:
+            order.append(f"resume step {obj['step']} written")
+
+    monkeypatch.setattr(torch, "save", held_save)
+    save(tmp_path, model, optimizer, scheduler, async_save=True)
+    assert order == []  # returned while the write is held
+    threading.Timer(0.05, release.set).start()  # not a timing assertion: only lets it go
+    save_checkpoint(
+        model, optimizer, save_dir=tmp_path, weight="pretrain", hidden_size=8, epoch=0, step=4,
+        scheduler=scheduler,
+    )  # fmt: skip
+    assert order == ["resume step 3 written", "resume step 4 written"]
+
+
+def test_not_under_torch_distributed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, optimizer, scheduler = make_training()
+    monkeypatch.setattr(train, "_distributed", lambda: True)
+    with pytest.raises(InputError, match="async_save is not supported under torch"):
+        save(tmp_path, model, optimizer, scheduler, async_save=True)
