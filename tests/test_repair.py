@@ -19,6 +19,7 @@ from ckpttool.checkpoint import open_checkpoint
 from ckpttool.commands.repair import RepairReport, repair_file
 from ckpttool.commands.verify import verify
 from ckpttool.errors import (
+    CkptError,
     InputError,
     NotACheckpointError,
     OutputExistsError,
@@ -250,6 +251,11 @@ def test_a_safetensors_file_cut_at_every_tensor_boundary_and_inside(tmp_path: Pa
     cuts |= {data_start + (b + e) // 2 for _, (b, e) in last}
     for length in sorted(c for c in cuts if c < size):
         src = _cut(SAFETENSORS, tmp_path, length, "cut.safetensors")
+        if length < data_start:  # the header itself is cut: nothing to rebuild from
+            with pytest.raises(CkptError, match="header"):
+                repair_file(src, tmp_path / f"out{length}.safetensors")
+            assert not (tmp_path / f"out{length}.safetensors").exists()
+            continue
         report = repair_file(src, tmp_path / f"out{length}.safetensors")
         lost = {name for name, (_, end) in extents.items() if data_start + end > length}
         assert report.format == "safetensors" and report.damage
