@@ -39,7 +39,10 @@ STATUS_TEXT = {
     EQUAL_AFTER_ROUNDING: "equal after rounding",
 }
 HIDDEN = (IDENTICAL, EQUAL_AFTER_ROUNDING)  # rows listed only with --all
-HEADERS = ["key", "status", "A", "B", "max abs diff", "max rel diff", "mismatched", "notes"]
+HEADERS = [
+    "key", "status", "A", "B", "max abs diff", "max rel diff", "rel change", "cosine",
+    "changed", "mismatched", "notes",
+]  # fmt: skip
 
 
 def field_line(entry: FieldDiff) -> str:
@@ -112,6 +115,9 @@ def _row(entry: TensorDiff) -> list[str]:
         _describe(entry.b),
         _number(values.max_abs_diff) if values and not values.bitwise_equal else "",
         _number(values.max_rel_diff) if values and not values.bitwise_equal else "",
+        _number(values.relative_change) if values and not values.bitwise_equal else "",
+        _cosine(values.cosine_similarity) if values and not values.bitwise_equal else "",
+        _percent(values.changed_fraction) if values and not values.bitwise_equal else "",
         _mismatched(values) if values and not values.bitwise_equal else "",
         "; ".join(notes),
     ]
@@ -123,6 +129,14 @@ def _describe(record: TensorRecord | None) -> str:
 
 def _number(value: float | None) -> str:
     return "?" if value is None else f"{value:.4g}"
+
+
+def _cosine(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def _percent(value: float | None) -> str:
+    return "?" if value is None else f"{100 * value:.3g}%"
 
 
 def _mismatched(values: ValueDiff) -> str:
@@ -188,6 +202,12 @@ def tensor_json(entry: TensorDiff) -> dict[str, Any]:
             "max_rel_diff": _json_number(v.max_rel_diff),
             "nan_positions_differ": v.nan_positions_differ,
             "inf_positions_differ": v.inf_positions_differ,
+            "changed_fraction": v.changed_fraction,
+            "relative_change": _json_number(v.relative_change),
+            "cosine_similarity": v.cosine_similarity,
+            "norm_a": v.norm_a,
+            "norm_b": v.norm_b,
+            "diff_norm": v.diff_norm,
         }
     alias = None
     if entry.alias is not None:
