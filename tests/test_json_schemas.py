@@ -185,6 +185,8 @@ def test_show_json_optional_keys_appear_when_documented(tmp_path: Path) -> None:
         (PAIRS / "base.pth", PAIRS / "base_fp16.pth", ["--rtol", "1e-3"], 0),
         (PAIRS / "fine_fp32.pth", PAIRS / "fine_fp16.pth", [], 1),
         (PAIRS / "base.pth", PAIRS / "nan.pth", [], 1),
+        (PAIRS / "base.pth", PAIRS / "one_element.pth", ["--by-module", "--top", "3"], 1),
+        (PAIRS / "fine_fp32.pth", PAIRS / "fine_fp16.pth", ["--by-module"], 1),
         (PAIRS / "base.pth", PAIRS / "base_nometa.safetensors", [], 0),
         (PAIRS / "base.pth", PAIRS / "base_aliases.safetensors", [], 0),
         (PAIRS / "ddp.pth", PAIRS / "base.pth", ["--ignore-wrappers"], 0),

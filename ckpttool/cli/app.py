@@ -296,6 +296,15 @@ def show(
     help="List every tensor, identical (and equal after rounding) ones too.",
 )  # fmt: skip
 @click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
+@click.option(
+    "--by-module", is_flag=True,
+    help="Roll the tensors up by module, repeated blocks folded (layers.#.mlp.up_proj): per "
+    "group the parameter-weighted relative change sqrt(sum |dW|^2)/sqrt(sum |W|^2), with a bar.",
+)  # fmt: skip
+@click.option(
+    "--top", type=click.IntRange(min=1), metavar="N",
+    help="List the N tensors with the largest relative change |B-A|/|A|, with a bar.",
+)  # fmt: skip
 @json_option("diff")
 @remote_options
 def diff_command(
@@ -311,6 +320,8 @@ def diff_command(
     rounded: bool,
     show_all: bool,
     quick: bool,
+    by_module: bool,
+    top: int | None,
     as_json: bool,
 ) -> None:
     """Compare two checkpoints: tensors, dtypes, shapes, values, and training fields.
@@ -330,16 +341,23 @@ def diff_command(
       ckpttool diff tutorial.pt model.pth --section-a model_state_dict
       ckpttool diff a_resume.pth b_resume.pth --quick --json
       ckpttool diff checkpoints/step_1200/ model.safetensors
+      ckpttool diff base.safetensors finetuned.safetensors --by-module --top 10
     """
+    from ckpttool.commands.diff.modules import by_module as rollup
+    from ckpttool.commands.diff.modules import top_changed
     from ckpttool.commands.diff.run import open_side, plan_diff, run_diff
     from ckpttool.commands.selection import Selection
     from ckpttool.errors import EXIT_FOUND
     from ckpttool.render import diff as diff_render
 
+    if quick and (by_module or top):
+        raise click.UsageError("--by-module and --top measure values, which --quick does not read")
     selection = Selection(section, strip, ignore_wrappers)
     with open_side(path_a) as ckpt_a, open_side(path_b) as ckpt_b:
         plan = plan_diff(ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b)
         options: dict[str, Any] = {"rtol": rtol, "atol": atol, "rounded": rounded}
+        if by_module:
+            options["norms"] = True
         if quick:  # nothing to read, so no bar (and no import of its renderer)
             report = run_diff(ckpt_a, ckpt_b, plan, quick=True, **options)
         else:
@@ -347,10 +365,14 @@ def diff_command(
 
             with Progress(plan.value_bytes, "diff") as bar:
                 report = run_diff(ckpt_a, ckpt_b, plan, progress=bar.advance, **options)
+    views: dict[str, Any] = {
+        "modules": rollup(report) if by_module else None,
+        "top": top_changed(report, top) if top else None,
+    }
     if as_json:
-        _echo_json(diff_render.render_json(report))
+        _echo_json(diff_render.render_json(report, **views))
     else:
-        click.echo(diff_render.render_text(report, show_all=show_all))
+        click.echo(diff_render.render_text(report, show_all=show_all, **views))
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
     if not report.equal:
