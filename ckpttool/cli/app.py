@@ -379,6 +379,48 @@ def diff_command(
         sys.exit(EXIT_FOUND)
 
 
+@cli.command("trend")
+@click.argument(
+    "paths", metavar="CHECKPOINTS...", nargs=-1, required=True, type=click.Path(path_type=str)
+)
+@click.option(
+    "--tensors", "by_tensor", is_flag=True,
+    help="A row per tensor instead of per module group.",
+)  # fmt: skip
+@json_option("trend")
+def trend_command(paths: tuple[str, ...], by_tensor: bool, as_json: bool) -> None:
+    """Follow a run's weights across its checkpoints: norms, updates, NaN/Inf, frozen tensors.
+
+    CHECKPOINTS are files, or one run directory (a Trainer output_dir, a DeepSpeed save
+    directory, a directory of resume files), ordered by step (the checkpoints' own counters,
+    else the numbers in their names). Per module group (layers.#.mlp.up_proj; --tensors: per
+    tensor) its norm and its relative update from the previous checkpoint; then the first
+    checkpoint holding a NaN or an Inf and in which tensors, the tensors that never changed,
+    and the update jumps (more than 10x the median of the group's previous updates). Values are
+    streamed, one tensor of two checkpoints at a time. Exits 0 when no checkpoint holds a NaN
+    or an Inf, 1 when one does, 2 on error.
+
+    \b
+    Examples:
+      ckpttool trend out/checkpoints/
+      ckpttool trend step_100.pth step_200.pth step_300.pth --json
+      ckpttool trend output_dir/ --tensors
+    """
+    from ckpttool.commands.trend import trend
+    from ckpttool.errors import EXIT_FOUND
+    from ckpttool.render import trend as trend_render
+
+    report = trend(paths)
+    if as_json:
+        _echo_json(trend_render.render_json(report))
+    else:
+        click.echo(trend_render.render_text(report, by_tensor=by_tensor))
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+    if not report.healthy:
+        sys.exit(EXIT_FOUND)
+
+
 @cli.command("rescale-step")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option(
