@@ -305,6 +305,11 @@ def show(
     "--top", type=click.IntRange(min=1), metavar="N",
     help="List the N tensors with the largest relative change |B-A|/|A|, with a bar.",
 )  # fmt: skip
+@click.option(
+    "--plot", "plot_path", metavar="FILE", type=click.Path(path_type=str),
+    help="Also draw the relative change per layer x module (heatmap) and the most changed "
+    "tensors (bars) into FILE (.png or .svg; needs pip install 'ckpttool[plot]').",
+)  # fmt: skip
 @json_option("diff")
 @remote_options
 def diff_command(
@@ -322,6 +327,7 @@ def diff_command(
     quick: bool,
     by_module: bool,
     top: int | None,
+    plot_path: str | None,
     as_json: bool,
 ) -> None:
     """Compare two checkpoints: tensors, dtypes, shapes, values, and training fields.
@@ -350,13 +356,19 @@ def diff_command(
     from ckpttool.errors import EXIT_FOUND
     from ckpttool.render import diff as diff_render
 
-    if quick and (by_module or top):
-        raise click.UsageError("--by-module and --top measure values, which --quick does not read")
+    if quick and (by_module or top or plot_path):
+        raise click.UsageError(
+            "--by-module, --top and --plot measure values, which --quick does not read"
+        )
+    if plot_path is not None:
+        from ckpttool.render.plot import pyplot
+
+        pyplot(plot_path)  # the extra is there, the suffix is known: before any work
     selection = Selection(section, strip, ignore_wrappers)
     with open_side(path_a) as ckpt_a, open_side(path_b) as ckpt_b:
         plan = plan_diff(ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b)
         options: dict[str, Any] = {"rtol": rtol, "atol": atol, "rounded": rounded}
-        if by_module:
+        if by_module or plot_path:
             options["norms"] = True
         if quick:  # nothing to read, so no bar (and no import of its renderer)
             report = run_diff(ckpt_a, ckpt_b, plan, quick=True, **options)
@@ -369,6 +381,13 @@ def diff_command(
         "modules": rollup(report) if by_module else None,
         "top": top_changed(report, top) if top else None,
     }
+    if plot_path is not None:
+        from ckpttool.render import plot
+
+        figure = plot.diff_figure(
+            report, rollup(report), top_changed(report, top or plot.TOP_DEFAULT), plot_path
+        )
+        plot.save(figure, plot_path)
     if as_json:
         _echo_json(diff_render.render_json(report, **views))
     else:
@@ -387,8 +406,15 @@ def diff_command(
     "--tensors", "by_tensor", is_flag=True,
     help="A row per tensor instead of per module group.",
 )  # fmt: skip
+@click.option(
+    "--plot", "plot_path", metavar="FILE", type=click.Path(path_type=str),
+    help="Also draw each module group's norm and update size over the steps, the first "
+    "NaN/Inf marked, into FILE (.png or .svg; needs pip install 'ckpttool[plot]').",
+)  # fmt: skip
 @json_option("trend")
-def trend_command(paths: tuple[str, ...], by_tensor: bool, as_json: bool) -> None:
+def trend_command(
+    paths: tuple[str, ...], by_tensor: bool, plot_path: str | None, as_json: bool
+) -> None:
     """Follow a run's weights across its checkpoints: norms, updates, NaN/Inf, frozen tensors.
 
     CHECKPOINTS are files, or one run directory (a Trainer output_dir, a DeepSpeed save
@@ -410,7 +436,15 @@ def trend_command(paths: tuple[str, ...], by_tensor: bool, as_json: bool) -> Non
     from ckpttool.errors import EXIT_FOUND
     from ckpttool.render import trend as trend_render
 
+    if plot_path is not None:
+        from ckpttool.render.plot import pyplot
+
+        pyplot(plot_path)  # before any work
     report = trend(paths)
+    if plot_path is not None:
+        from ckpttool.render import plot
+
+        plot.save(plot.trend_figure(report, plot_path), plot_path)
     if as_json:
         _echo_json(trend_render.render_json(report))
     else:
