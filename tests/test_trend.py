@@ -225,3 +225,20 @@ def test_one_checkpoint_and_no_checkpoint(tmp_path: Path) -> None:
 
 def test_groups_fold_blocks() -> None:
     assert module_group("layers.12.mlp.up_proj.weight") == "layers.#.mlp.up_proj"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_directory_of_dcp_checkpoints(tmp_path: Path) -> None:
+    """step_N/ DCP directories (each a single-process dcp.save), ordered by their step field."""
+    import torch.distributed.checkpoint as dcp
+
+    weight = torch.ones(4, 4)
+    for step in (300, 100, 200):
+        state = {"model": {"layers.0.w": weight * step / 100, "layers.1.w": torch.ones(3)}, "step": step}  # fmt: skip
+        dcp.save(state, checkpoint_id=str(tmp_path / f"run_{step}"))
+    report = trend([tmp_path])
+    assert [(p.step, p.section) for p in report.checkpoints] == [(100, "model"), (200, "model"), (300, "model")]  # fmt: skip
+    tensors = {t.key: t for t in report.tensors}
+    assert tensors["layers.0.w"].norms == [pytest.approx(4.0 * k) for k in (1, 2, 3)]
+    assert tensors["layers.0.w"].relative_updates[1:] == [pytest.approx(1.0), pytest.approx(0.5)]
+    assert report.never_changed == ["layers.1.w"] and report.frozen_modules == ["layers.1"]

@@ -2,7 +2,7 @@
 
 The checkpoints are files, or one run directory listed the way ``repair`` lists it (a Trainer
 ``output_dir``'s ``checkpoint-N/``, a DeepSpeed save directory's tags, a directory of checkpoint
-files), ordered by step: by the checkpoint's own counters when every one has them (DeepSpeed's
+files, a directory of DCP checkpoint directories), ordered by step: by the checkpoint's own counters when every one has them (DeepSpeed's
 ``global_steps``, the Trainer's ``trainer_state.global_step``, a resume file's ``epoch`` and
 ``step``...), else by the number in their names, else as given.
 
@@ -38,6 +38,7 @@ from ckpttool.commands.diff.run import open_side, plan_diff, run_diff
 from ckpttool.commands.repair_directory import STEP, checkpoint_files
 from ckpttool.commands.selection import Selection
 from ckpttool.errors import InputError
+from ckpttool.formats.registry import directory_format_of
 from ckpttool.frameworks.base import view_facts
 from ckpttool.frameworks.registry import frameworks
 from ckpttool.io.progress import ProgressCallback
@@ -147,10 +148,14 @@ def list_run(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[str], list[s
         run = next((r for f in frameworks() if (r := f.run_layout(directory)) is not None), None)
         if run is None:
             run = checkpoint_files(Path(directory))
-        if run is not None and run.checkpoints:
-            return [os.path.join(directory, name) for name in run.checkpoints], list(
-                run.checkpoints
-            )
+        names = list(run.checkpoints) if run is not None else []
+        if not names and directory_format_of(directory) is None:  # DCP checkpoint directories
+            names = sorted(
+                entry.name for entry in os.scandir(directory)
+                if entry.is_dir() and directory_format_of(entry.path) is not None
+            )  # fmt: skip
+        if names:
+            return [os.path.join(directory, name) for name in names], names
         # not a run directory: one checkpoint directory (DCP, a model directory...)
     return [str(p) for p in paths], [str(p) for p in paths]
 
