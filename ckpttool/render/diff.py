@@ -195,7 +195,7 @@ def _number(value: float | None) -> str:
 
 
 def _cosine(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6g}"
+    return "-" if value is None else f"{value:.8g}"  # 0.99999998: a fine-tune is not "1"
 
 
 def _percent(value: float | None) -> str:
