@@ -86,7 +86,8 @@ def test_top_lists_the_most_changed_first(finetuned: tuple[Path, Path, dict[str,
     assert len(top_changed(report, 1000)) == 2 * LAYERS  # frozen tensors are not listed
 
 
-def test_cli_by_module_text_and_json(finetuned: tuple[Path, Path, dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:  # fmt: skip
+def test_cli_by_module_text_and_json(finetuned: tuple[Path, Path, dict[str, torch.Tensor], dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("COLUMNS", "80")  # the bar's width follows the terminal's
     path_a, path_b, _, _ = finetuned
     runner = CliRunner()
     result = runner.invoke(cli, ["diff", str(path_a), str(path_b), "--by-module", "--top", "2"])
@@ -119,3 +120,16 @@ def test_bar_lengths() -> None:
     assert bar(math.inf, 1.0, 4) == BLOCKS[8] * 4
     assert bar(1e-9, 1.0, 10) == BLOCKS[1]  # changed: visible
     assert bar(0.0, 1.0, 10) == "" and bar(None, 1.0, 10) == ""
+
+
+@pytest.mark.parametrize(("columns", "cells"), [(40, 10), (60, 60 - 30 - 3), (80, 40), (200, 40)])
+def test_bars_fit_the_terminal(monkeypatch: pytest.MonkeyPatch, columns: int, cells: int) -> None:
+    """10 to 40 cells, what the terminal has left after the table (here 30 columns wide)."""
+    from ckpttool.render.text import table, with_bars
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    text = with_bars(table([["a", "1"], ["bb", "2"]], ["name", "a long column header"]), [1.0, 0.5])  # fmt: skip
+    lines = text.splitlines()
+    assert len(lines[1].split("  ")[0]) + 2 + len("a long column header") + 2 == 30
+    assert lines[2].endswith(" " + BLOCKS[8] * cells)
+    assert lines[3].endswith(" " + BLOCKS[8] * (cells // 2) + (BLOCKS[4] if cells % 2 else ""))
