@@ -389,7 +389,7 @@ def diff_command(
         )
         plot.save(figure, plot_path)
     if as_json:
-        _echo_json(diff_render.render_json(report, **views))
+        _echo_json(diff_render.render_json(report) | diff_render.views_json(**views))
     else:
         click.echo(diff_render.render_text(report, show_all=show_all, **views))
     for note in report.notes:

@@ -290,14 +290,22 @@ def tensor_json(entry: TensorDiff) -> dict[str, Any]:
     }
 
 
-def render_json(
-    report: DiffReport,
-    *,
-    modules: list[ModuleChange] | None = None,
-    top: list[TensorDiff] | None = None,
+def views_json(
+    modules: list[ModuleChange] | None = None, top: list[TensorDiff] | None = None
 ) -> dict[str, Any]:
-    """``diff --json``: docs/schemas/diff.schema.json (``modules``, ``top``: only when asked)."""
-    out = {
+    """The keys ``--by-module`` (``modules``) and ``--top`` (``top``) add to ``diff --json``."""
+    out: dict[str, Any] = {}
+    if modules is not None:
+        out["modules"] = [module_json(group) for group in modules]
+    if top is not None:
+        out["top"] = [entry.key for entry in top]
+    return out
+
+
+def render_json(report: DiffReport) -> dict[str, Any]:
+    """``diff --json``: docs/schemas/diff.schema.json (with :func:`views_json`'s keys when
+    ``--by-module`` or ``--top`` is given)."""
+    return {
         "schema": SCHEMA_VERSION,
         "a": side_json(report.a),
         "b": side_json(report.b),
@@ -311,8 +319,3 @@ def render_json(
         "fields": [field_json(entry) for entry in report.fields],
         "tensors": [tensor_json(entry) for entry in report.tensors],
     }
-    if modules is not None:
-        out["modules"] = [module_json(group) for group in modules]
-    if top is not None:
-        out["top"] = [entry.key for entry in top]
-    return out
