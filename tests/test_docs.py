@@ -91,7 +91,7 @@ def test_the_walk_finds_every_command_and_option() -> None:
         "ckpttool convert", "ckpttool diff", "ckpttool edit", "ckpttool lora",
         "ckpttool lora extract", "ckpttool lora merge", "ckpttool repair",
         "ckpttool rescale-step",
-        "ckpttool scan", "ckpttool show", "ckpttool verify",
+        "ckpttool scan", "ckpttool show", "ckpttool trend", "ckpttool verify",
     ]  # fmt: skip
     assert {"-o", "--output", "--world-size"} <= set(option_strings(dict(COMMANDS)["ckpttool rescale-step"]))  # fmt: skip
 

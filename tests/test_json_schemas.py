@@ -28,7 +28,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCHEMAS = DOCS / "schemas"
 COMMANDS = [
     "show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "edit", "lora-merge",
-    "lora-extract",
+    "lora-extract", "trend",
 ]  # fmt: skip
 #: The page that documents a command's --json, where it is not ``<command>.md``.
 PAGE = {"lora-merge": "lora.md", "lora-extract": "lora.md"}
@@ -187,6 +187,8 @@ def test_show_json_optional_keys_appear_when_documented(tmp_path: Path) -> None:
         (PAIRS / "base.pth", PAIRS / "base_fp16.pth", ["--rtol", "1e-3"], 0),
         (PAIRS / "fine_fp32.pth", PAIRS / "fine_fp16.pth", [], 1),
         (PAIRS / "base.pth", PAIRS / "nan.pth", [], 1),
+        (PAIRS / "base.pth", PAIRS / "one_element.pth", ["--by-module", "--top", "3"], 1),
+        (PAIRS / "fine_fp32.pth", PAIRS / "fine_fp16.pth", ["--by-module"], 1),
         (PAIRS / "base.pth", PAIRS / "base_nometa.safetensors", [], 0),
         (PAIRS / "base.pth", PAIRS / "base_aliases.safetensors", [], 0),
         (PAIRS / "ddp.pth", PAIRS / "base.pth", ["--ignore-wrappers"], 0),
@@ -262,6 +264,38 @@ def test_diff_json_is_what_docs_diff_md_documents() -> None:
     table = (DOCS / "diff.md").read_text().split("| key | meaning |", 1)[1]
     for key in [*data, *data["a"], *data["tensors"][0], *aliased[0]["values"], *actual["fields"][0]]:  # fmt: skip
         assert f"`{key}`" in table or f"`{key}[]`" in table, key
+
+
+# --- trend -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [FRAMEWORKS / "trainer_1proc/output", FIXTURES / "deepspeed/stage2_fp32_1proc/checkpoints"],
+    ids=["trainer", "deepspeed"],
+)
+def test_trend_json_matches_its_schema(path: Path) -> None:
+    data = run_json("trend", path)
+    assert_valid("trend", data)
+    assert data["healthy"] is True and len(data["checkpoints"]) == 2
+
+
+def test_trend_json_with_a_nan_matches_its_schema(tmp_path: Path) -> None:
+    import torch
+
+    for step, value in enumerate([1.0, float("nan"), float("inf")]):
+        torch.save(
+            {"a.w": torch.tensor([value, 0.0]), "b.w": torch.zeros(2)}, tmp_path / f"s{step}.pt"
+        )
+    data = run_json("trend", tmp_path, exit_code=1)
+    assert_valid("trend", data)
+    assert data["first_nonfinite"] == {
+        "checkpoint": 1,
+        "step": None,
+        "name": "s1.pt",
+        "tensors": ["a.w"],
+    }
+    assert data["tensors"][0]["nan"] == [0, 1, 0] and data["tensors"][0]["inf"] == [0, 0, 1]
 
 
 # --- verify ----------------------------------------------------------------------------------
@@ -614,6 +648,7 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
             "-o",
             tmp_path / "x",
         ),
+        "trend": lambda: run_json("trend", FIXTURES / "deepspeed/stage2_fp32_1proc/checkpoints"),
     }
     data = outputs[command]()
     assert_valid(command, data)
@@ -632,6 +667,7 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "edit": lambda d: d["renamed"][0],
         "lora-merge": lambda d: d["merged"][0],
         "lora-extract": lambda d: d["extracted"][0],
+        "trend": lambda d: d["groups"][0],
     }[command]
     if inner is not None:
         nested = json.loads(json.dumps(data))

@@ -11,7 +11,12 @@ import pytest
 
 import ckpttool.render
 
-HELPERS = {"text", "json_text", "show_deepspeed"}  # shared helpers, not a command's renderer
+HELPERS = {
+    "text",
+    "json_text",
+    "show_deepspeed",
+    "plot",
+}  # shared helpers, not a command's renderer
 
 
 def test_every_renderer_has_render_text_and_render_json() -> None:

@@ -28,6 +28,7 @@ WIDTH = 100
 PAGES = {
     "show": "show.md",
     "diff": "diff.md",
+    "trend": "trend.md",
     "convert": "convert.md",
     "rescale-step": "rescale-step.md",
     "verify": "verify.md",

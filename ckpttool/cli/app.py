@@ -296,6 +296,20 @@ def show(
     help="List every tensor, identical (and equal after rounding) ones too.",
 )  # fmt: skip
 @click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
+@click.option(
+    "--by-module", is_flag=True,
+    help="Roll the tensors up by module, repeated blocks folded (layers.#.mlp.up_proj): per "
+    "group the parameter-weighted relative change sqrt(sum |dW|^2)/sqrt(sum |W|^2), with a bar.",
+)  # fmt: skip
+@click.option(
+    "--top", type=click.IntRange(min=1), metavar="N",
+    help="List the N tensors with the largest relative change |B-A|/|A|, with a bar.",
+)  # fmt: skip
+@click.option(
+    "--plot", "plot_path", metavar="FILE", type=click.Path(path_type=str),
+    help="Also draw the relative change per layer x module (heatmap) and the most changed "
+    "tensors (bars) into FILE (.png or .svg; needs pip install 'ckpttool[plot]').",
+)  # fmt: skip
 @json_option("diff")
 @remote_options
 def diff_command(
@@ -311,6 +325,9 @@ def diff_command(
     rounded: bool,
     show_all: bool,
     quick: bool,
+    by_module: bool,
+    top: int | None,
+    plot_path: str | None,
     as_json: bool,
 ) -> None:
     """Compare two checkpoints: tensors, dtypes, shapes, values, and training fields.
@@ -330,16 +347,29 @@ def diff_command(
       ckpttool diff tutorial.pt model.pth --section-a model_state_dict
       ckpttool diff a_resume.pth b_resume.pth --quick --json
       ckpttool diff checkpoints/step_1200/ model.safetensors
+      ckpttool diff base.safetensors finetuned.safetensors --by-module --top 10
     """
+    from ckpttool.commands.diff.modules import by_module as rollup
+    from ckpttool.commands.diff.modules import top_changed
     from ckpttool.commands.diff.run import open_side, plan_diff, run_diff
     from ckpttool.commands.selection import Selection
     from ckpttool.errors import EXIT_FOUND
     from ckpttool.render import diff as diff_render
 
+    if quick and (by_module or top or plot_path):
+        raise click.UsageError(
+            "--by-module, --top and --plot measure values, which --quick does not read"
+        )
+    if plot_path is not None:
+        from ckpttool.render.plot import pyplot
+
+        pyplot(plot_path)  # the extra is there, the suffix is known: before any work
     selection = Selection(section, strip, ignore_wrappers)
     with open_side(path_a) as ckpt_a, open_side(path_b) as ckpt_b:
         plan = plan_diff(ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b)
         options: dict[str, Any] = {"rtol": rtol, "atol": atol, "rounded": rounded}
+        if by_module or plot_path:
+            options["norms"] = True
         if quick:  # nothing to read, so no bar (and no import of its renderer)
             report = run_diff(ckpt_a, ckpt_b, plan, quick=True, **options)
         else:
@@ -347,13 +377,81 @@ def diff_command(
 
             with Progress(plan.value_bytes, "diff") as bar:
                 report = run_diff(ckpt_a, ckpt_b, plan, progress=bar.advance, **options)
+    views: dict[str, Any] = {
+        "modules": rollup(report) if by_module else None,
+        "top": top_changed(report, top) if top else None,
+    }
+    if plot_path is not None:
+        from ckpttool.render import plot
+
+        figure = plot.diff_figure(
+            report, rollup(report), top_changed(report, top or plot.TOP_DEFAULT), plot_path
+        )
+        plot.save(figure, plot_path)
     if as_json:
-        _echo_json(diff_render.render_json(report))
+        _echo_json(diff_render.render_json(report) | diff_render.views_json(**views))
     else:
-        click.echo(diff_render.render_text(report, show_all=show_all))
+        click.echo(diff_render.render_text(report, show_all=show_all, **views))
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
     if not report.equal:
+        sys.exit(EXIT_FOUND)
+
+
+@cli.command("trend")
+@click.argument(
+    "paths", metavar="CHECKPOINTS...", nargs=-1, required=True, type=click.Path(path_type=str)
+)
+@click.option(
+    "--tensors", "by_tensor", is_flag=True,
+    help="A row per tensor instead of per module group.",
+)  # fmt: skip
+@click.option(
+    "--plot", "plot_path", metavar="FILE", type=click.Path(path_type=str),
+    help="Also draw each module group's norm and update size over the steps, the first "
+    "NaN/Inf marked, into FILE (.png or .svg; needs pip install 'ckpttool[plot]').",
+)  # fmt: skip
+@json_option("trend")
+def trend_command(
+    paths: tuple[str, ...], by_tensor: bool, plot_path: str | None, as_json: bool
+) -> None:
+    """Follow a run's weights across its checkpoints: norms, updates, NaN/Inf, frozen tensors.
+
+    CHECKPOINTS are files, or one run directory (a Trainer output_dir, a DeepSpeed save
+    directory, a directory of resume files), ordered by step (the checkpoints' own counters,
+    else the numbers in their names). Per module group (layers.#.mlp.up_proj; --tensors: per
+    tensor) its norm and its relative update from the previous checkpoint; then the first
+    checkpoint holding a NaN or an Inf and in which tensors, the tensors that never changed,
+    and the update jumps (more than 10x the median of the group's previous updates). Values are
+    streamed, one tensor of two checkpoints at a time. Exits 0 when no checkpoint holds a NaN
+    or an Inf, 1 when one does, 2 on error.
+
+    \b
+    Examples:
+      ckpttool trend out/checkpoints/
+      ckpttool trend step_100.pth step_200.pth step_300.pth --json
+      ckpttool trend output_dir/ --tensors
+    """
+    from ckpttool.commands.trend import trend
+    from ckpttool.errors import EXIT_FOUND
+    from ckpttool.render import trend as trend_render
+
+    if plot_path is not None:
+        from ckpttool.render.plot import pyplot
+
+        pyplot(plot_path)  # before any work
+    report = trend(paths)
+    if plot_path is not None:
+        from ckpttool.render import plot
+
+        plot.save(plot.trend_figure(report, plot_path), plot_path)
+    if as_json:
+        _echo_json(trend_render.render_json(report))
+    else:
+        click.echo(trend_render.render_text(report, by_tensor=by_tensor))
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+    if not report.healthy:
         sys.exit(EXIT_FOUND)
 
 

@@ -119,7 +119,7 @@ def _examine(directory: Path, *, quarantine: bool, clean: bool) -> _Found:
             titles[:1] = [single]
             found.damage += _verify(path)
         else:
-            run = _checkpoint_files(directory)
+            run = checkpoint_files(directory)
             if run is None:
                 raise NotADirectoryCheckpointError(
                     "not a directory ckpttool repairs: no Hugging Face model directory, Trainer "
@@ -162,7 +162,7 @@ def _verify(path: str) -> list[str]:
         return [str(error).removeprefix(f"{path}: ")]
 
 
-def _checkpoint_files(directory: Path) -> RunLayout | None:
+def checkpoint_files(directory: Path) -> RunLayout | None:
     """A plain directory's checkpoint files, oldest first: by the step in their names when each
     has a different one, else by modification time."""
     names = checkpoint_names(str(directory))

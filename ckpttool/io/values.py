@@ -65,6 +65,8 @@ _MINIFLOATS: dict[str, tuple[int, int, int, str]] = {
     "float8_e8m0fnu": (8, 0, 127, "e8m0"),
     "float4_e2m1fn_x2": (2, 1, 1, "none"),  # two 4-bit values per byte; no NaN, no Inf
 }
+#: The dtypes above: :func:`as_float` decodes them exactly.
+MINIFLOATS = frozenset(_MINIFLOATS)
 _QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
 
 

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from ckpttool.commands.diff.match import TYPE_CHANGED
+from ckpttool.commands.diff.modules import ModuleChange
 from ckpttool.commands.diff.run import (
     DIFFER,
     EQUAL_AFTER_ROUNDING,
@@ -26,7 +27,7 @@ from ckpttool.commands.diff.run import (
 )
 from ckpttool.commands.diff.values import ValueDiff
 from ckpttool.model.records import TensorRecord
-from ckpttool.render.text import plain, short
+from ckpttool.render.text import human_count, plain, short, table, with_bars
 
 SCHEMA_VERSION = 1
 
@@ -39,7 +40,10 @@ STATUS_TEXT = {
     EQUAL_AFTER_ROUNDING: "equal after rounding",
 }
 HIDDEN = (IDENTICAL, EQUAL_AFTER_ROUNDING)  # rows listed only with --all
-HEADERS = ["key", "status", "A", "B", "max abs diff", "max rel diff", "mismatched", "notes"]
+HEADERS = [
+    "key", "status", "A", "B", "max abs diff", "max rel diff", "rel change", "cosine",
+    "changed", "mismatched", "notes",
+]  # fmt: skip
 
 
 def field_line(entry: FieldDiff) -> str:
@@ -67,11 +71,23 @@ def _typed(value: object, record: TensorRecord | None) -> str:
     return f"{short(value, 40)} {kind}"
 
 
-def render_text(report: DiffReport, *, show_all: bool = False) -> str:
+def render_text(
+    report: DiffReport,
+    *,
+    show_all: bool = False,
+    modules: list[ModuleChange] | None = None,
+    top: list[TensorDiff] | None = None,
+) -> str:
     """Field changes, then a table of the tensors that differ (all with ``show_all``), then
-    the one-line summary."""
+    the one-line summary. ``modules`` (``--by-module``) replaces the tensor table with the
+    rollup by module group; ``top`` (``--top N``) adds the most changed tensors."""
     lines = [field_line(entry) for entry in report.fields]
     rows = [_row(entry) for entry in report.tensors if show_all or not _hidden(entry)]
+    if modules is not None or top is not None:
+        rows = []
+        for text in (_modules_text(modules), _top_text(top)):
+            if text:
+                lines.extend(["", text] if lines else [text])
     if rows:
         from tabulate import tabulate
 
@@ -82,6 +98,56 @@ def render_text(report: DiffReport, *, show_all: bool = False) -> str:
         lines.append("")
     lines.append(report.summary())
     return "\n".join(lines)
+
+
+MODULE_HEADERS = ["module", "tensors", "changed", "params", "rel change"]
+TOP_HEADERS = ["key", "status", "rel change", "cosine", "changed"]
+
+
+def _modules_text(modules: list[ModuleChange] | None) -> str:
+    """The rollup by module group, a bar per row (parameter-weighted relative change)."""
+    if not modules:
+        return ""
+    rows = [
+        [
+            group.group, str(group.tensors), str(group.changed), human_count(group.parameters),
+            _number(group.relative_change) + (f" ({group.unmeasured} not measured)" if group.unmeasured else ""),
+        ]
+        for group in modules
+    ]  # fmt: skip
+    values = [group.relative_change for group in modules]
+    return with_bars(table(rows, MODULE_HEADERS), values, title="‖ΔW‖/‖W‖")
+
+
+def _top_text(top: list[TensorDiff] | None) -> str:
+    """The most changed tensors, a bar per row."""
+    if top is None:
+        return ""
+    if not top:
+        return "no tensor changed"
+    rows = []
+    for entry in top:
+        values = entry.values
+        assert values is not None
+        rows.append([
+            entry.key, STATUS_TEXT[entry.status], _number(values.relative_change),
+            _cosine(values.cosine_similarity), _percent(values.changed_fraction),
+        ])  # fmt: skip
+    changes = [entry.values.relative_change if entry.values else None for entry in top]
+    return with_bars(table(rows, TOP_HEADERS), changes, title="‖ΔW‖/‖W‖")
+
+
+def module_json(group: ModuleChange) -> dict[str, Any]:
+    return {
+        "group": group.group,
+        "tensors": group.tensors,
+        "changed": group.changed,
+        "unmeasured": group.unmeasured,
+        "parameters": group.parameters,
+        "norm_a": math.sqrt(group.sum_sq_a),
+        "diff_norm": math.sqrt(group.sum_sq_diff),
+        "relative_change": _json_number(group.relative_change),
+    }
 
 
 def _hidden(entry: TensorDiff) -> bool:
@@ -112,6 +178,9 @@ def _row(entry: TensorDiff) -> list[str]:
         _describe(entry.b),
         _number(values.max_abs_diff) if values and not values.bitwise_equal else "",
         _number(values.max_rel_diff) if values and not values.bitwise_equal else "",
+        _number(values.relative_change) if values and not values.bitwise_equal else "",
+        _cosine(values.cosine_similarity) if values and not values.bitwise_equal else "",
+        _percent(values.changed_fraction) if values and not values.bitwise_equal else "",
         _mismatched(values) if values and not values.bitwise_equal else "",
         "; ".join(notes),
     ]
@@ -123,6 +192,14 @@ def _describe(record: TensorRecord | None) -> str:
 
 def _number(value: float | None) -> str:
     return "?" if value is None else f"{value:.4g}"
+
+
+def _cosine(value: float | None) -> str:
+    return "-" if value is None else f"{value:.8g}"  # 0.99999998: a fine-tune is not "1"
+
+
+def _percent(value: float | None) -> str:
+    return "?" if value is None else f"{100 * value:.3g}%"
 
 
 def _mismatched(values: ValueDiff) -> str:
@@ -188,6 +265,12 @@ def tensor_json(entry: TensorDiff) -> dict[str, Any]:
             "max_rel_diff": _json_number(v.max_rel_diff),
             "nan_positions_differ": v.nan_positions_differ,
             "inf_positions_differ": v.inf_positions_differ,
+            "changed_fraction": v.changed_fraction,
+            "relative_change": _json_number(v.relative_change),
+            "cosine_similarity": v.cosine_similarity,
+            "norm_a": v.norm_a,
+            "norm_b": v.norm_b,
+            "diff_norm": v.diff_norm,
         }
     alias = None
     if entry.alias is not None:
@@ -207,8 +290,21 @@ def tensor_json(entry: TensorDiff) -> dict[str, Any]:
     }
 
 
+def views_json(
+    modules: list[ModuleChange] | None = None, top: list[TensorDiff] | None = None
+) -> dict[str, Any]:
+    """The keys ``--by-module`` (``modules``) and ``--top`` (``top``) add to ``diff --json``."""
+    out: dict[str, Any] = {}
+    if modules is not None:
+        out["modules"] = [module_json(group) for group in modules]
+    if top is not None:
+        out["top"] = [entry.key for entry in top]
+    return out
+
+
 def render_json(report: DiffReport) -> dict[str, Any]:
-    """``diff --json``: docs/schemas/diff.schema.json."""
+    """``diff --json``: docs/schemas/diff.schema.json (with :func:`views_json`'s keys when
+    ``--by-module`` or ``--top`` is given)."""
     return {
         "schema": SCHEMA_VERSION,
         "a": side_json(report.a),

@@ -13,12 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpttool.model.modules import MAX_MODULE_DEPTH
+from ckpttool.model.modules import block_index as _index
 from ckpttool.model.records import OpaqueObject, TensorRecord, children, count_once, with_key
 from ckpttool.render.text import human_count, human_size, plain, plural, short
-
-#: Deeper keys are not split into modules: real models nest a dozen levels, and a key with
-#: thousands of dots (a hostile file) would otherwise make thousands of one-child levels.
-MAX_MODULE_DEPTH = 32
 
 
 @dataclass
@@ -118,13 +116,6 @@ def _collapse_repeats(nodes: list[ModuleNode]) -> list[ModuleNode]:
         out.append(first)
         index = end
     return out
-
-
-def _index(name: str) -> int | None:
-    """The number a block is named by (``layers.3`` -> 3), or None."""
-    if name.isascii() and name.isdigit() and len(name) <= 18:
-        return int(name)
-    return None
 
 
 def render_text(root: Any, depth: int | None = None) -> str:

@@ -52,3 +52,38 @@ def _tabulate(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
     from tabulate import tabulate  # only for tables that are not printable ASCII
 
     return str(tabulate(rows, headers=list(headers), disable_numparse=True))
+
+
+#: Eighths of a character cell, for bars: " " is none, "█" a whole cell.
+BLOCKS = " ▏▎▍▌▋▊▉█"
+
+
+def bar(value: float | None, top: float, width: int) -> str:
+    """``value`` as a bar of block characters, ``width`` cells long at ``top`` (an infinite
+    value, or one above ``top``, is a full bar; None or 0: none)."""
+    if value is None or value <= 0 or top <= 0:
+        return ""
+    eighths = width * 8 if value >= top else round(value / top * width * 8)
+    eighths = max(eighths, 1)  # anything that changed shows
+    full, part = divmod(eighths, 8)
+    return (BLOCKS[8] * full + (BLOCKS[part] if part else "")).rstrip()
+
+
+def with_bars(table_text: str, values: Sequence[float | None], *, title: str = "") -> str:
+    """A table (``table``'s text: header, rule, one line per value) with a bar per row after
+    its last column, scaled to the largest finite value, as wide as the terminal allows (10 to
+    40 cells; 80 columns when the output is not a terminal). No colour: plain characters."""
+    import math
+    import shutil
+
+    lines = table_text.split("\n")
+    used = max(map(len, lines))
+    width = max(10, min(40, shutil.get_terminal_size((80, 24)).columns - used - 3))
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    top = max(finite, default=0.0)
+    if top == 0 and any(v == math.inf for v in values):
+        top = 1.0
+    out = [f"{lines[0].ljust(used)}  {title}".rstrip(), f"{lines[1].ljust(used)}  {'-' * width}"]
+    for line, value in zip(lines[2:], values):
+        out.append(f"{line.ljust(used)}  {bar(value, top, width)}".rstrip())
+    return "\n".join(out)

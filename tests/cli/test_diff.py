@@ -43,9 +43,9 @@ def test_one_changed_element_table_is_exact() -> None:
     result = run(BASE, PAIRS / "one_element.pth")
     assert result.exit_code == 1
     assert result.stdout == (
-        "key                                status    A                B                max abs diff    max rel diff    mismatched      notes\n"
-        "---------------------------------  --------  ---------------  ---------------  --------------  --------------  --------------  -------\n"
-        "model.layers.0.mlp.up_proj.weight  differ    float32 [16, 8]  float32 [16, 8]  0.25            1.362           1/128 (0.781%)\n"
+        "key                                status    A                B                max abs diff    max rel diff    rel change    cosine      changed    mismatched      notes\n"
+        "---------------------------------  --------  ---------------  ---------------  --------------  --------------  ------------  ----------  ---------  --------------  -------\n"
+        "model.layers.0.mlp.up_proj.weight  differ    float32 [16, 8]  float32 [16, 8]  0.25            1.362           0.3144        0.95194553  0.781%     1/128 (0.781%)\n"
         "\n"
         "11 identical, 0 differ within tolerance, 1 differ, 0 only in A, 0 only in B\n"
     )

@@ -41,6 +41,7 @@ from ckpttool.commands.diff.values import (
     bitwise_equal_values,
     compare_dtype,
     compare_values,
+    equal_values_measured,
     narrower_dtype,
     scalar_value,
 )
@@ -178,6 +179,7 @@ def diff(
     atol: float = DEFAULT_ATOL,
     quick: bool = False,
     rounded: bool = False,
+    norms: bool = False,
     progress: ProgressCallback | None = None,
 ) -> DiffReport:
     """Compare checkpoint ``a`` with ``b`` (paths or open checkpoints). Never prints.
@@ -199,7 +201,7 @@ def diff(
         plan = plan_diff(ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b)
         return run_diff(
             ckpt_a, ckpt_b, plan, rtol=rtol, atol=atol, quick=quick, rounded=rounded,
-            progress=progress,
+            norms=norms, progress=progress,
         )  # fmt: skip
 
 
@@ -257,6 +259,7 @@ def run_diff(
     atol: float = DEFAULT_ATOL,
     quick: bool = False,
     rounded: bool = False,
+    norms: bool = False,
     progress: ProgressCallback | None = None,
 ) -> DiffReport:
     """Compare the planned pairs' values, one pair at a time (``quick``: structure only;
@@ -277,16 +280,28 @@ def run_diff(
                 tensors.append(TensorDiff(pair.key, status, pair.a, pair.b, pair.alias))
                 continue
             if flag:
-                data_a, data_b = next(bytes_a)[0], next(bytes_b)[0]
+                (data_a, first_a), data_b = next(bytes_a), next(bytes_b)[0]
                 if data_a == data_b:
                     if progress is not None:
                         progress(len(data_a) + len(data_b))
-                    values = bitwise_equal_values(pair.a.dtype, pair.a.numel)
+                    values = (
+                        equal_values_measured(pair.a, data_a, first_a)
+                        if norms
+                        else bitwise_equal_values(pair.a.dtype, pair.a.numel)
+                    )
                     entry = TensorDiff(pair.key, IDENTICAL, pair.a, pair.b, pair.alias, (), values)
                     tensors.append(entry)
                     continue
             entry = _compare_pair(
-                ckpt_a, ckpt_b, pair, rtol, atol, quick=quick, rounded=rounded, progress=progress
+                ckpt_a,
+                ckpt_b,
+                pair,
+                rtol,
+                atol,
+                quick=quick,
+                rounded=rounded,
+                norms=norms,
+                progress=progress,
             )
             tensors.append(entry)
     notes = list(plan.notes)
@@ -370,6 +385,7 @@ def _compare_pair(
     *,
     quick: bool,
     rounded: bool,
+    norms: bool,
     progress: ProgressCallback | None,
 ) -> TensorDiff:
     a, b = pair.a, pair.b
@@ -406,7 +422,7 @@ def _compare_pair(
         return TensorDiff(pair.key, DIFFER, a, b, pair.alias, tuple(changes))
     values = compare_values(
         ckpt_a, dense_a, ckpt_b, dense_b,
-        rtol=rtol, atol=atol, rounded=rounded, progress=progress,
+        rtol=rtol, atol=atol, rounded=rounded, norms=norms, progress=progress,
     )  # fmt: skip
     if values is None:
         changes.append(f"values not compared: {a.dtype} and {b.dtype} have no common dtype")

@@ -20,17 +20,26 @@ Different dtypes are compared after casting both to the wider one (:func:`compar
 with ``rounded``, after rounding the wider float to the narrower one (:func:`narrower_dtype`) the
 way ``tensor.to(dtype)`` does (:mod:`ckpttool.model.cast`): the pair is then bitwise equal exactly when
 the narrower side is the wider one saved in its dtype.
+
+The change measures (documented in docs/diff.md) ride the same pass, in float64 accumulators:
+the sums of squares of A, of B and of B - A and the dot product of A and B, over the element
+pairs where both values are finite, and the count of elements whose value changed (-0.0 and
+0.0 are equal, two NaNs are equal). float8/float4 are decoded exactly (as ``show --stats``
+decodes them) for the measures only: their verdict stays bitwise. A chunk whose bits agree is
+not decoded until the pair is found to differ; when it does, the equal chunks before the first
+difference are read once more for their norms (``norms=True``, for ``--by-module`` and ``trend``, measures every chunk).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+import math
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpttool.io.progress import ProgressCallback
-from ckpttool.io.values import as_float, numpy_code, read_array
+from ckpttool.io.values import MINIFLOATS, as_float, numpy_code, read_array
 from ckpttool.model.records import TensorRecord, with_fields
 
 if TYPE_CHECKING:
@@ -63,6 +72,62 @@ class ValueDiff:
     # rounded: every element of the wider side, rounded to compared_as, has the narrower side's
     # bits, or both are NaN (torch's own kernels give a rounded NaN different payloads)
     equal_after_rounding: bool = False
+    # the change measures (module docstring): measured False when the sums do not cover every
+    # element (a bitwise-equal pair not decoded, or a dtype with no numeric values)
+    measured: bool = False
+    elements: int = 0  # decoded elements (float4: two per byte)
+    changed: int = 0  # elements whose value changed
+    sum_sq_a: float = 0.0  # over pairs where both are finite
+    sum_sq_b: float = 0.0
+    sum_sq_diff: float = 0.0
+    dot: float = 0.0
+    nan_a: int = 0  # NaN and Inf elements on each side
+    nan_b: int = 0
+    inf_a: int = 0
+    inf_b: int = 0
+
+    @property
+    def norm_a(self) -> float | None:
+        """‖A‖ (Frobenius, finite elements); None: not measured."""
+        return math.sqrt(self.sum_sq_a) if self.measured else None
+
+    @property
+    def norm_b(self) -> float | None:
+        return math.sqrt(self.sum_sq_b) if self.measured else None
+
+    @property
+    def diff_norm(self) -> float | None:
+        """‖B - A‖ over pairs where both are finite (0 for a bitwise-equal pair)."""
+        if self.bitwise_equal:
+            return 0.0
+        return math.sqrt(self.sum_sq_diff) if self.measured else None
+
+    @property
+    def relative_change(self) -> float | None:
+        """‖B - A‖ / ‖A‖: 0 when nothing changed, inf when A is zero and B is not."""
+        diff = self.diff_norm
+        if diff is None:
+            return None
+        if diff == 0:
+            return 0.0
+        return diff / math.sqrt(self.sum_sq_a) if self.sum_sq_a > 0 else math.inf
+
+    @property
+    def cosine_similarity(self) -> float | None:
+        """A·B / (‖A‖ ‖B‖), in [-1, 1]; None when either side is zero or not measured."""
+        if not self.measured or self.sum_sq_a <= 0 or self.sum_sq_b <= 0:
+            return None
+        cosine = self.dot / (math.sqrt(self.sum_sq_a) * math.sqrt(self.sum_sq_b))
+        return max(-1.0, min(1.0, cosine))
+
+    @property
+    def changed_fraction(self) -> float | None:
+        """Elements whose value changed, as a fraction (None: not decoded)."""
+        if self.bitwise_equal:
+            return 0.0
+        if not self.measured:
+            return None
+        return self.changed / self.elements if self.elements else 0.0
 
     @property
     def mismatch_fraction(self) -> float:
@@ -80,8 +145,31 @@ def bitwise_equal_values(dtype: str, numel: int, rounded: bool = False) -> Value
     return ValueDiff(dtype, numel, True, 0, 0.0, 0.0, False, False, rounded)
 
 
+def equal_values_measured(record: TensorRecord, data: bytes | bytearray, first: int) -> ValueDiff:
+    """The verdict on a pair whose bytes are equal (``data``, the tensor's elements from
+    element ``first``), with its norms measured (``norms``)."""
+    import numpy as np
+
+    raw = np.frombuffer(
+        data, dtype=numpy_code(record), count=record.numel, offset=first * record.itemsize
+    )
+    tally = _Tally(0.0, 0.0)
+    if not measurable(record.dtype):
+        return bitwise_equal_values(record.dtype, record.numel)
+    tally.measure_same(_measured(record, raw))
+    return ValueDiff(
+        record.dtype, record.numel, True, 0, 0.0, 0.0, False, False,
+        **tally.measures(),  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
 def decodable(dtype: str) -> bool:
     return dtype in _DECODABLE
+
+
+def measurable(dtype: str) -> bool:
+    """Whether the change measures can be computed for this (common) dtype."""
+    return (decodable(dtype) and not dtype.startswith("complex")) or dtype in MINIFLOATS
 
 
 def compare_dtype(a: str, b: str) -> str | None:
@@ -128,9 +216,13 @@ def scalar_value(ckpt: Checkpoint, record: TensorRecord) -> bool | int | float |
 
 
 def raw_chunks(
-    ckpt: Checkpoint, record: TensorRecord, step: int | None = None
+    ckpt: Checkpoint,
+    record: TensorRecord,
+    step: int | None = None,
+    only: Collection[int] | None = None,
 ) -> Iterator[np.ndarray]:
-    """The tensor's elements in the order of its view, ``step`` (default CHUNK) at a time, raw.
+    """The tensor's elements in the order of its view, ``step`` (default CHUNK) at a time, raw
+    (``only``: just the chunks of these indices, in order).
 
     A contiguous tensor is read one run at a time (a record narrowed to the run, so the reader
     ``pread`` s exactly those bytes); a strided view is read once and flattened.
@@ -143,6 +235,8 @@ def raw_chunks(
     if record.is_contiguous and record.inline_data is None:
         code = numpy_code(record)
         for start in range(0, record.numel, step):
+            if only is not None and start // step not in only:
+                continue
             count = min(step, record.numel - start)
             run = with_fields(
                 record, shape=(count,), stride=(1,), storage_offset=record.storage_offset + start
@@ -152,7 +246,8 @@ def raw_chunks(
         return
     flat = np.ascontiguousarray(read_array(ckpt, record)).reshape(-1)
     for start in range(0, record.numel, step):
-        yield flat[start : start + step]
+        if only is None or start // step in only:
+            yield flat[start : start + step]
 
 
 def _bits(raw: np.ndarray) -> np.ndarray:
@@ -176,6 +271,61 @@ class _Tally:
         self.max_rel: float | None = 0.0
         self.nan_differ = False
         self.inf_differ = False
+        # the change measures (ValueDiff's fields of the same names)
+        self.elements = self.changed = 0
+        self.sum_sq_a = self.sum_sq_b = self.sum_sq_diff = self.dot = 0.0
+        self.nan_a = self.nan_b = self.inf_a = self.inf_b = 0
+
+    def measure(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Add one chunk pair of decoded real values to the change measures."""
+        import numpy as np
+
+        x, y = x.astype(np.float64, copy=False), y.astype(np.float64, copy=False)
+        nan_x, nan_y = np.isnan(x), np.isnan(y)
+        inf_x, inf_y = np.isinf(x), np.isinf(y)
+        self.nan_a += int(np.count_nonzero(nan_x))
+        self.nan_b += int(np.count_nonzero(nan_y))
+        self.inf_a += int(np.count_nonzero(inf_x))
+        self.inf_b += int(np.count_nonzero(inf_y))
+        with np.errstate(invalid="ignore"):
+            unchanged = (x == y) | (nan_x & nan_y)
+        self.elements += x.size
+        self.changed += int(x.size - np.count_nonzero(unchanged))
+        finite = ~(nan_x | nan_y | inf_x | inf_y)
+        if not finite.all():
+            x, y = x[finite], y[finite]
+        delta = y - x
+        self.sum_sq_a += float(np.dot(x, x))
+        self.sum_sq_b += float(np.dot(y, y))
+        self.sum_sq_diff += float(np.dot(delta, delta))
+        self.dot += float(np.dot(x, y))
+
+    def measure_same(self, x: np.ndarray) -> None:
+        """Add a chunk whose two sides are equal (``x`` decoded) to the change measures."""
+        import numpy as np
+
+        x = x.astype(np.float64, copy=False)
+        nan, inf = int(np.count_nonzero(np.isnan(x))), int(np.count_nonzero(np.isinf(x)))
+        self.nan_a += nan
+        self.nan_b += nan
+        self.inf_a += inf
+        self.inf_b += inf
+        self.elements += x.size
+        if nan or inf:
+            x = x[np.isfinite(x)]
+        square = float(np.dot(x, x))
+        self.sum_sq_a += square
+        self.sum_sq_b += square
+        self.dot += square
+
+    def measures(self) -> dict[str, int | float | bool]:
+        """The measures as ValueDiff keywords."""
+        return {
+            "measured": True, "elements": self.elements, "changed": self.changed,
+            "sum_sq_a": self.sum_sq_a, "sum_sq_b": self.sum_sq_b,
+            "sum_sq_diff": self.sum_sq_diff, "dot": self.dot,
+            "nan_a": self.nan_a, "nan_b": self.nan_b, "inf_a": self.inf_a, "inf_b": self.inf_b,
+        }  # fmt: skip
 
     def add_bits(self, bits_a: np.ndarray, bits_b: np.ndarray) -> None:
         """Undecodable dtypes (float8...): only which elements differ is known."""
@@ -190,6 +340,7 @@ class _Tally:
 
         self.mismatched += int(np.count_nonzero(a != b))
         self._extremes(np.abs(a.astype(np.float64) - b.astype(np.float64)), b, None)
+        self.measure(a, b)
 
     def add_float(self, a: np.ndarray, b: np.ndarray) -> None:
         import numpy as np
@@ -199,14 +350,33 @@ class _Tally:
         with np.errstate(invalid="ignore", over="ignore"):
             nan_x, nan_y = np.isnan(x), np.isnan(y)
             same = x == y  # equal infinities included; NaN never
-            finite = np.isfinite(x) & np.isfinite(y)
+            finite_x, finite_y = np.isfinite(x), np.isfinite(y)
+            finite = finite_x & finite_y
             diff = np.abs(x - y)
             diff[same] = 0.0
-            close = same | (nan_x & nan_y) | (finite & (diff <= self.atol + self.rtol * np.abs(y)))
+            unchanged = same | (nan_x & nan_y)
+            close = unchanged | (finite & (diff <= self.atol + self.rtol * np.abs(y)))
         self.mismatched += int(close.size - np.count_nonzero(close))
         self.nan_differ = self.nan_differ or bool(np.any(nan_x != nan_y))
         self.inf_differ = self.inf_differ or bool(np.any(np.isinf(x) != np.isinf(y)))
         self._extremes(diff, y, ~(nan_x | nan_y))
+        if work is not np.float64:
+            return  # complex: no change measures
+        # the change measures, from the masks above (what measure() computes, in fewer passes)
+        size = x.size
+        nan_a, nan_b = int(np.count_nonzero(nan_x)), int(np.count_nonzero(nan_y))
+        self.nan_a += nan_a
+        self.nan_b += nan_b
+        self.inf_a += size - int(np.count_nonzero(finite_x)) - nan_a
+        self.inf_b += size - int(np.count_nonzero(finite_y)) - nan_b
+        self.elements += size
+        self.changed += size - int(np.count_nonzero(unchanged))
+        if not finite.all():
+            x, y, diff = x[finite], y[finite], diff[finite]
+        self.sum_sq_a += float(np.dot(x, x))
+        self.sum_sq_b += float(np.dot(y, y))
+        self.sum_sq_diff += float(np.dot(diff, diff))
+        self.dot += float(np.dot(x, y))
 
     def _extremes(self, diff: np.ndarray, ref: np.ndarray, valid: np.ndarray | None) -> None:
         import numpy as np
@@ -231,13 +401,15 @@ def compare_values(
     rtol: float,
     atol: float,
     rounded: bool = False,
+    norms: bool = False,
     progress: ProgressCallback | None = None,
 ) -> ValueDiff | None:
     """Compare two same-shaped tensors; None when their dtypes have no common dtype.
 
     Same dtype: a chunk whose bits agree costs one comparison and no arithmetic; only chunks
-    that differ are decoded and measured. ``rounded``: two floats of different precision are
-    compared in the narrower dtype, the wider side rounded to it first.
+    that differ are decoded and measured (``norms``: every chunk is, so that a bitwise-equal
+    pair has its norms too). ``rounded``: two floats of different precision are compared in
+    the narrower dtype, the wider side rounded to it first.
     """
     import numpy as np
 
@@ -247,11 +419,13 @@ def compare_values(
         return None
     same_dtype = narrow is not None or record_a.dtype == record_b.dtype
     exact = common.startswith(("int", "uint", "bool"))
+    measures = measurable(common)
     tally = _Tally(rtol, atol)
     bitwise = same_dtype
     rounds_exactly = narrow is not None
+    skipped: list[int] = []  # chunks equal bit for bit, not decoded
     chunks_b = raw_chunks(ckpt_b, record_b)
-    for raw_a in raw_chunks(ckpt_a, record_a):
+    for index, raw_a in enumerate(raw_chunks(ckpt_a, record_a)):
         raw_b = next(chunks_b)
         if progress is not None:
             progress(raw_a.nbytes + raw_b.nbytes)
@@ -263,10 +437,16 @@ def compare_values(
         if same_dtype:
             bits_a, bits_b = _bits(raw_a), _bits(raw_b)
             if np.array_equal(bits_a, bits_b):
-                continue  # identical bits: nothing to measure
+                if measures and (norms or not bitwise):  # (bitwise: no difference yet)
+                    tally.measure_same(_measured(record_a, raw_a, narrow))
+                else:
+                    skipped.append(index)
+                continue  # identical bits: nothing else to measure
             bitwise = False
             if not decodable(common):
                 tally.add_bits(bits_a, bits_b)
+                if measures:
+                    tally.measure(_measured(record_a, raw_a), _measured(record_b, raw_b))
                 continue
         if narrow is not None:
             from ckpttool.model.cast import widen  # (imports NumPy: not at module import)
@@ -280,19 +460,36 @@ def compare_values(
             tally.add_exact(a.astype(common), b.astype(common))
         else:
             tally.add_float(a, b)
-    if bitwise:
+    if bitwise and not (norms and measures):
         return bitwise_equal_values(common, record_a.numel, narrow is not None)
+    if skipped and measures:  # the norms of the chunks that were equal, for ‖A‖ and ‖B‖
+        for raw_a in raw_chunks(ckpt_a, record_a, only=frozenset(skipped)):
+            if narrow is not None:
+                raw_a = _round(record_a.dtype, raw_a, narrow)
+            tally.measure_same(_measured(record_a, raw_a, narrow))
     return ValueDiff(
         compared_as=common,
         numel=record_a.numel,
-        bitwise_equal=False,
+        bitwise_equal=bitwise,
         mismatched=tally.mismatched,
         max_abs_diff=tally.max_abs,
         max_rel_diff=tally.max_rel,
         nan_positions_differ=tally.nan_differ,
         inf_positions_differ=tally.inf_differ,
         equal_after_rounding=rounds_exactly,
+        **(tally.measures() if measures else {}),  # type: ignore[arg-type]
     )
+
+
+def _measured(record: TensorRecord, raw: np.ndarray, narrow: str | None = None) -> np.ndarray:
+    """A raw chunk as the real values the change measures add up."""
+    if narrow is not None:
+        from ckpttool.model.cast import widen
+
+        return widen(raw, narrow)
+    if record.dtype in MINIFLOATS or record.dtype == "bfloat16":
+        return as_float(record, raw)
+    return raw
 
 
 def _round(dtype: str, raw: np.ndarray, target: str) -> np.ndarray:

@@ -1,0 +1,135 @@
+"""diff --by-module and --top N: the rollup by module group against sums computed here."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpttool.cli import cli
+from ckpttool.commands.diff.modules import by_module, top_changed
+from ckpttool.commands.diff.run import diff
+from ckpttool.model.modules import module_group
+from ckpttool.render.text import BLOCKS, bar
+
+LAYERS = 4
+
+
+def model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {"model.embed_tokens.weight": torch.randn(50, 16, generator=g)}
+    for i in range(LAYERS):
+        out[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.randn(16, 16, generator=g)
+        out[f"model.layers.{i}.mlp.up_proj.weight"] = torch.randn(32, 16, generator=g)
+        out[f"model.layers.{i}.mlp.up_proj.bias"] = torch.randn(32, generator=g)
+    out["lm_head.weight"] = torch.randn(50, 16, generator=g)
+    return out
+
+
+@pytest.fixture
+def finetuned(tmp_path: Path) -> tuple[Path, Path, dict[str, torch.Tensor], dict[str, torch.Tensor]]:  # fmt: skip
+    """Attention frozen, every MLP nudged, layer 2's up_proj weight scaled by 3."""
+    a = model()
+    g = torch.Generator().manual_seed(1)
+    b = {k: v + 0.01 * torch.randn(v.shape, generator=g) if ".mlp." in k else v.clone() for k, v in a.items()}  # fmt: skip
+    b["model.layers.2.mlp.up_proj.weight"] = a["model.layers.2.mlp.up_proj.weight"] * 3
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    return tmp_path / "a.pt", tmp_path / "b.pt", a, b
+
+
+def test_module_group_folds_block_numbers() -> None:
+    assert module_group("model.layers.3.mlp.up_proj.weight") == "model.layers.#.mlp.up_proj"
+    assert module_group("blocks.0.attn.1.weight") == "blocks.#.attn.#"
+    assert module_group("lm_head.weight") == "lm_head"
+    assert module_group("scale") == "scale"
+
+
+def test_groups_are_parameter_weighted(finetuned: tuple[Path, Path, dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:  # fmt: skip
+    path_a, path_b, a, b = finetuned
+    groups = {g.group: g for g in by_module(diff(path_a, path_b, norms=True))}
+    assert list(groups) == [
+        "model.embed_tokens", "model.layers.#.self_attn.q_proj", "model.layers.#.mlp.up_proj",
+        "lm_head",
+    ]  # fmt: skip
+    for name, group in groups.items():
+        keys = [k for k in a if module_group(k) == name]
+        diff_sq = sum(float((b[k].double() - a[k].double()).norm() ** 2) for k in keys)
+        norm_sq = sum(float(a[k].double().norm() ** 2) for k in keys)
+        assert group.tensors == len(keys)
+        assert group.parameters == sum(a[k].numel() for k in keys)
+        assert group.relative_change == pytest.approx(math.sqrt(diff_sq / norm_sq), rel=1e-9, abs=1e-12)  # fmt: skip
+    frozen = groups["model.layers.#.self_attn.q_proj"]
+    assert frozen.relative_change == 0.0 and frozen.changed == 0
+    assert groups["model.layers.#.mlp.up_proj"].changed == 2 * LAYERS
+
+
+def test_without_norms_identical_tensors_are_not_measured(finetuned: tuple[Path, Path, dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:  # fmt: skip
+    path_a, path_b, _, _ = finetuned
+    groups = {g.group: g for g in by_module(diff(path_a, path_b))}
+    frozen = groups["model.layers.#.self_attn.q_proj"]
+    assert frozen.unmeasured == LAYERS and frozen.relative_change is None
+
+
+def test_top_lists_the_most_changed_first(finetuned: tuple[Path, Path, dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:  # fmt: skip
+    path_a, path_b, a, b = finetuned
+    report = diff(path_a, path_b)
+    top = top_changed(report, 3)
+    changes = {k: float((b[k].double() - a[k].double()).norm() / a[k].double().norm()) for k in a}
+    expected = sorted((k for k in a if changes[k] > 0), key=lambda k: -changes[k])[:3]
+    assert [entry.key for entry in top] == expected
+    assert top[0].key == "model.layers.2.mlp.up_proj.weight"
+    assert len(top_changed(report, 1000)) == 2 * LAYERS  # frozen tensors are not listed
+
+
+def test_cli_by_module_text_and_json(finetuned: tuple[Path, Path, dict[str, torch.Tensor], dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("COLUMNS", "80")  # the bar's width follows the terminal's
+    path_a, path_b, _, _ = finetuned
+    runner = CliRunner()
+    result = runner.invoke(cli, ["diff", str(path_a), str(path_b), "--by-module", "--top", "2"])
+    assert result.exit_code == 1, result.output
+    lines = result.stdout.splitlines()
+    row = next(line for line in lines if line.startswith("model.layers.#.mlp.up_proj "))
+    assert row.endswith(BLOCKS[8] * 10)  # the largest group: a full bar (80 columns: 10 cells)
+    frozen = next(line for line in lines if line.startswith("model.layers.#.self_attn.q_proj "))
+    assert not any(block in frozen for block in BLOCKS[1:])
+    assert "\x1b" not in result.stdout  # no colour when not a terminal
+    assert "model.layers.2.mlp.up_proj.weight" in result.stdout
+    data = json.loads(runner.invoke(cli, ["diff", str(path_a), str(path_b), "--by-module", "--top", "2", "--json"]).stdout)  # fmt: skip
+    groups = {g["group"]: g for g in data["modules"]}
+    assert groups["model.layers.#.self_attn.q_proj"]["relative_change"] == 0.0
+    assert data["top"][0] == "model.layers.2.mlp.up_proj.weight"
+    plain = json.loads(runner.invoke(cli, ["diff", str(path_a), str(path_b), "--json"]).stdout)
+    assert "modules" not in plain and "top" not in plain
+
+
+def test_quick_refuses_by_module(finetuned: tuple[Path, Path, dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:  # fmt: skip
+    path_a, path_b, _, _ = finetuned
+    result = CliRunner().invoke(cli, ["diff", str(path_a), str(path_b), "--quick", "--by-module"])
+    assert result.exit_code == 2 and "--quick" in result.output
+
+
+def test_bar_lengths() -> None:
+    assert bar(1.0, 1.0, 10) == BLOCKS[8] * 10
+    assert bar(0.5, 1.0, 10) == BLOCKS[8] * 5
+    assert bar(0.5, 1.0, 1) == BLOCKS[4]
+    assert bar(math.inf, 1.0, 4) == BLOCKS[8] * 4
+    assert bar(1e-9, 1.0, 10) == BLOCKS[1]  # changed: visible
+    assert bar(0.0, 1.0, 10) == "" and bar(None, 1.0, 10) == ""
+
+
+@pytest.mark.parametrize(("columns", "cells"), [(40, 10), (60, 60 - 30 - 3), (80, 40), (200, 40)])
+def test_bars_fit_the_terminal(monkeypatch: pytest.MonkeyPatch, columns: int, cells: int) -> None:
+    """10 to 40 cells, what the terminal has left after the table (here 30 columns wide)."""
+    from ckpttool.render.text import table, with_bars
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    text = with_bars(table([["a", "1"], ["bb", "2"]], ["name", "a long column header"]), [1.0, 0.5])  # fmt: skip
+    lines = text.splitlines()
+    assert len(lines[1].split("  ")[0]) + 2 + len("a long column header") + 2 == 30
+    assert lines[2].endswith(" " + BLOCKS[8] * cells)
+    assert lines[3].endswith(" " + BLOCKS[8] * (cells // 2) + (BLOCKS[4] if cells % 2 else ""))
