@@ -166,8 +166,9 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
             raise incomplete
         raise NotADirectoryCheckpointError(
             f"{name}: is a directory, but not a checkpoint layout ckpttool knows (a Hugging Face "
-            "model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed save or tag "
-            f"directory, a set of per-rank state dicts, a DCP directory); {_files_seen(name)}"
+            "model or Trainer checkpoint, a PEFT adapter, an accelerate save_state folder, a "
+            "DeepSpeed save or tag directory, a set of per-rank state dicts, a DCP directory); "
+            f"{_files_seen(name)}"
         )
     if layout.kind == COLLECTION:
         raise CheckpointCollectionError(layout, describe_collection(layout))

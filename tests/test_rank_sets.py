@@ -110,7 +110,7 @@ def test_show_of_a_2d_mesh_gives_both_placements() -> None:
     report = show(SETS_2D / "fsdp_tp")
     notes = {info.record.key: " ".join(info.notes) for info in report.tensors}
     assert (
-        "(_StridedShard(dim=0, split_factor=2), Shard(dim=0)) over mesh [2, 2] (dp, tp)"
+        "(_StridedShard(dim=0, sf=2), Shard(dim=0)) over mesh [2, 2] (dp, tp)"
         in (notes["up.weight"])
     )
     assert "(Shard(dim=0), Shard(dim=1))" in notes["down.weight"]

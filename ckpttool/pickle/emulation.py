@@ -445,9 +445,15 @@ def _placement_kind(placement: OpaqueObject) -> tuple[Any, ...]:
 
 
 def _placement_name(placement: OpaqueObject) -> str:
-    """``Shard(dim=0)``, ``Replicate()``, ``Partial(reduce_op=sum)``: the class name and the
-    fields of its state (as torch's ``repr`` writes a ``Shard``)."""
+    """A placement as torch's ``repr`` writes it: ``Shard(dim=0)``, ``Replicate()``,
+    ``Partial(sum)``, ``_StridedShard(dim=0, sf=2)``; another class as its name and the fields
+    of its state."""
     name = placement.cls.rpartition(".")[2]
+    kind = _placement_kind(placement)
+    if kind[0] == "partial" and kind[1] != "?":
+        return f"Partial({kind[1]})"
+    if kind[0] == "strided_shard":
+        return f"_StridedShard(dim={kind[1]}, sf={kind[2]})"
     state = placement.state if isinstance(placement.state, dict) else {}
     fields = [
         f"{k}={v}" for k, v in state.items() if isinstance(k, str) and _short(k) and _short(v)

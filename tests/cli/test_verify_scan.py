@@ -204,9 +204,10 @@ def test_show_of_a_plain_directory_names_the_checkpoint_files_in_it(tmp_path: Pa
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
         f"Error: {tmp_path}: is a directory, but not a checkpoint layout ckpttool knows (a "
-        "Hugging Face model or Trainer checkpoint, an accelerate save_state folder, a DeepSpeed "
-        "save or tag directory, a DCP directory); it holds 2 checkpoint files: resume.pth, "
-        "weights.safetensors; name one of them (verify and scan take the whole directory)"
+        "Hugging Face model or Trainer checkpoint, a PEFT adapter, an accelerate save_state "
+        "folder, a DeepSpeed save or tag directory, a set of per-rank state dicts, a DCP "
+        "directory); it holds 2 checkpoint files: resume.pth, weights.safetensors; name one of "
+        "them (verify and scan take the whole directory)"
     ]
 
 
