@@ -49,8 +49,10 @@ TORCH_CANNOT_READ = (
     "zero_pp_rank_1_mp_rank_00_optim_states.pt",
 )
 #: Tensor kinds torch.save writes in the legacy format but torch.load cannot read back.
-KINDS_TORCH_CANNOT_READ = {("dtypes_without_storage_class", True), ("nested", True),
-                           ("storages", True)}  # fmt: skip
+KINDS_TORCH_CANNOT_READ = {("dtypes_without_storage_class", True), ("storages", True)}
+#: A legacy file of nested tensors: whether torch.load reads it depends on what the process
+#: loaded before (it fails in a fresh one), and its tensors give no reference either way.
+KINDS_NOT_COMPARED = {("nested", True)}
 
 
 def _bytes(tensor: Any) -> bytes:
@@ -182,7 +184,7 @@ def _kind_cases() -> list[tuple[str, bool]]:
 
     return [
         (kind, legacy) for kind in sorted(KINDS) for legacy in (False, True)
-        if (kind, legacy) not in KINDS_TORCH_CANNOT_READ
+        if (kind, legacy) not in KINDS_TORCH_CANNOT_READ | KINDS_NOT_COMPARED
     ]  # fmt: skip
 
 
