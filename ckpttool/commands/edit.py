@@ -37,7 +37,6 @@ from ckpttool.model import edits
 from ckpttool.model.cast import CASTABLE, TARGETS, cast_array, stored_dtype
 from ckpttool.model.mapping import MapSpec, load_map, plan
 from ckpttool.model.records import (
-    ELEMENTS_PER_BYTE,
     ITEMSIZE,
     StorageRecord,
     TensorRecord,
@@ -307,13 +306,8 @@ def _cast(
             made[view] = storage
             sources.derived[new_key] = _caster(record, key, target, allow_overflow, sources)
         log.cast.append(key)
-        stride = []
-        step = 1
-        for size in reversed(record.shape):
-            stride.append(step)
-            step *= size
         return with_fields(record, dtype=target, storage=storage, storage_offset=0,
-                           stride=tuple(reversed(stride)))  # fmt: skip
+                           stride=_contiguous(tuple(record.shape)))  # fmt: skip
 
     return edits.map_tensors(root, cast)
 
@@ -383,7 +377,9 @@ def _mapped(
     """The records ``step`` makes, each a new storage whose bytes are computed when written."""
     rule = step.rule
     dtypes = {r.dtype for r in records}
-    if len(dtypes) != 1 or any(r.dtype not in ITEMSIZE or not _plain(r) for r in records):
+    if len(dtypes) != 1 or any(
+        r.dtype not in ITEMSIZE or not edits.plain_record(r) for r in records
+    ):
         raise InputError(f"--map {spec.name}: {step.sources} must be plain tensors of one dtype")
     dtype = records[0].dtype
     shapes: list[tuple[int, ...]] = [tuple(r.shape) for r in records]
@@ -468,17 +464,6 @@ def _values(record: TensorRecord, sources: _Sources) -> Any:
         np.frombuffer(raw, dtype=held),
         shape=record.shape,
         strides=[s * record.itemsize for s in record.stride],
-    )
-
-
-def _plain(record: TensorRecord) -> bool:
-    return (
-        record.storage is not None
-        and record.inline_data is None
-        and not record.parts
-        and record.layout == "strided"
-        and record.dtype in ITEMSIZE
-        and record.dtype not in ELEMENTS_PER_BYTE
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ckpttool.errors import InputError
 from ckpttool.model.records import (
+    ELEMENTS_PER_BYTE,
     ITEMSIZE,
     OpaqueObject,
     StorageRecord,
@@ -218,7 +219,7 @@ def compact(root: Any, log: EditLog) -> tuple[Any, dict[str, tuple[str, int, int
     A storage viewed with two element sizes is left whole."""
     spans: dict[str, list[Any]] = {}  # storage key -> [first, end, itemsizes, storage]
     for _, record in walk(root):
-        if not isinstance(record, TensorRecord) or not _plain(record):
+        if not isinstance(record, TensorRecord) or not plain_record(record):
             continue
         assert record.storage is not None
         first = record.storage_offset * record.itemsize
@@ -245,7 +246,7 @@ def compact(root: Any, log: EditLog) -> tuple[Any, dict[str, tuple[str, int, int
         regions[new_key] = (key, first, end)
 
     def shrink(record: TensorRecord, key: str) -> TensorRecord:
-        if record.storage is None or record.storage.key not in cut or not _plain(record):
+        if record.storage is None or record.storage.key not in cut or not plain_record(record):
             return record
         storage, first = cut[record.storage.key]
         log.compacted.append(key)
@@ -255,13 +256,16 @@ def compact(root: Any, log: EditLog) -> tuple[Any, dict[str, tuple[str, int, int
     return map_tensors(root, shrink), regions
 
 
-def _plain(record: TensorRecord) -> bool:
+def plain_record(record: TensorRecord) -> bool:
+    """A strided tensor whose elements are whole bytes of a storage in the file (not inline,
+    not assembled from parts, not a packed dtype): one whose bytes an edit may move."""
     return (
         record.storage is not None
         and record.inline_data is None
         and not record.parts
         and record.layout == "strided"
         and record.dtype in ITEMSIZE
+        and record.dtype not in ELEMENTS_PER_BYTE
     )
 
 
