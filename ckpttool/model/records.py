@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 # the dtype facts are the one table's (model/dtypes.py): these names stay for their many users
+from ckpttool.errors import LayoutError
 from ckpttool.model.dtypes import ELEMENTS_PER_BYTE, FLOATING_DTYPES, ITEMSIZE
 
 #: torch counts elements, sizes, strides and offsets in int64; a file claiming more is broken
@@ -306,6 +307,24 @@ class TensorRecord:
 
     def same_storage(self, other: TensorRecord) -> bool:
         return self.storage is not None and self.storage == other.storage
+
+
+def rebuildable_storage(record: TensorRecord) -> StorageRecord:
+    """The storage a torch writer rebuilds ``record`` from, as a view of it (offset, strides):
+    a plain strided tensor of a byte-sized dtype, not inline, not assembled from parts, not
+    quantized and not a DTensor. Anything else is a :class:`LayoutError` naming the tensor."""
+    storage = record.storage
+    if (
+        storage is None
+        or record.inline_data is not None
+        or record.parts
+        or record.quant is not None
+        or record.dtensor is not None
+        or record.layout != "strided"
+        or record.dtype not in ITEMSIZE
+    ):
+        raise LayoutError(f"{record.key}: cannot rebuild a {record.dtype} {record.layout} tensor")
+    return storage
 
 
 def without_values(records: list[TensorRecord]) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from ckpttool.errors import LayoutError
 from ckpttool.model.dtypes import NUMPY_CODES, STORAGE_CLASSES
-from ckpttool.model.records import ITEMSIZE, OpaqueObject, TensorRecord
+from ckpttool.model.records import ITEMSIZE, OpaqueObject, TensorRecord, rebuildable_storage
 from ckpttool.pickle.edit import emit, emit_ndarray
 
 #: The first three pickles of a legacy file as torch.save writes them (protocol 2, little-endian):
@@ -150,16 +150,8 @@ def _encode_tensor(
         order = "|" if ITEMSIZE[record.dtype] == 1 else ">" if storage.byteorder == "big" else "<"
         out += emit_ndarray(code, order, tuple(record.shape), fortran, record.inline_data)
         return
-    if (
-        storage is None
-        or storage_class is None
-        or record.inline_data is not None
-        or record.parts
-        or record.quant is not None
-        or record.dtensor is not None
-        or record.layout != "strided"
-        or record.dtype not in ITEMSIZE
-    ):
+    storage = rebuildable_storage(record)
+    if storage_class is None:
         raise LayoutError(f"{record.key}: cannot rebuild a {record.dtype} {record.layout} tensor")
     # the whole storage, and the tensor as the same view of it (offset, strides) as torch kept
     region = (storage.key, 0, storage.nbytes)

@@ -30,7 +30,13 @@ from ckpttool.formats.torch_zip.writer import (
 )
 from ckpttool.formats.torch_zip.zip_index import LOCAL_HEADER, ZIP_STORED, ZipIndex, fold
 from ckpttool.io.crc import crc32
-from ckpttool.model.records import ITEMSIZE, OpaqueObject, StorageRecord, TensorRecord
+from ckpttool.model.records import (
+    ITEMSIZE,
+    OpaqueObject,
+    StorageRecord,
+    TensorRecord,
+    rebuildable_storage,
+)
 from ckpttool.pickle.emulation import storage_class_dtype
 from ckpttool.pickle.interpreter import load_pickle
 
@@ -367,17 +373,7 @@ def _numpy(record: TensorRecord) -> NumpyArray:
 
 
 def _stored(record: TensorRecord, used: dict[str, str]) -> StoredTensor:
-    storage = record.storage
-    if (
-        storage is None
-        or record.inline_data is not None
-        or record.parts
-        or record.quant is not None
-        or record.dtensor is not None
-        or record.layout != "strided"
-        or record.dtype not in ITEMSIZE
-    ):
-        raise LayoutError(f"{record.key}: cannot rebuild a {record.dtype} {record.layout} tensor")
+    storage = rebuildable_storage(record)
     return StoredTensor(
         used.setdefault(storage.key, str(len(used))),
         OutTensor(record.key, record.dtype, tuple(record.shape)),
