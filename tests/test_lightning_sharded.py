@@ -143,4 +143,3 @@ def test_diff_compares_two_of_them(tmp_path: Path) -> None:
     assert result.exit_code == 1, result.output  # the counters differ
     assert "global_step: 4 -> 2" in result.stdout
     assert "30 identical, 0 differ within tolerance, 0 differ" in result.stdout
-

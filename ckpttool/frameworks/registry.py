@@ -6,7 +6,8 @@ checkpoint imports that framework alone, and start-up imports none. Adding a fra
 line here (see docs/development.md, "How to add a framework").
 
 Order matters: Lightning's sharded checkpoints first (a DCP directory with ``meta.pt``: no other
-framework's files), torchtitan's ``step-N/`` DCP directories next; PEFT next (a Trainer ``checkpoint-N/`` of a PEFT model holds the adapter
+framework's files), torchtitan's ``step-N/`` DCP directories next; torchtune's ``epoch_N/`` (a model
+directory with an adapter beside it, named by the epoch) before PEFT and Hugging Face; PEFT next (a Trainer ``checkpoint-N/`` of a PEFT model holds the adapter
 instead of the weights); accelerate next (its folders hold a ``model.safetensors`` like a model
 directory does); DeepSpeed next (a Trainer ``checkpoint-N/`` of a DeepSpeed run holds a
 ``global_stepN/`` too); per-rank sets last (a directory of ``*rank<N>.pt`` files).
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ckpttool.frameworks.lightning_sharded.framework:FRAMEWORK", ("lightning_sharded",)),
     ("ckpttool.frameworks.torchtitan.framework:FRAMEWORK", ("torchtitan",)),
+    ("ckpttool.frameworks.torchtune.framework:FRAMEWORK", ("torchtune",)),
     ("ckpttool.frameworks.peft.framework:FRAMEWORK", ("peft_adapter",)),
     ("ckpttool.frameworks.accelerate.framework:FRAMEWORK", ("accelerate",)),
     ("ckpttool.frameworks.huggingface.framework:FRAMEWORK", ("hf_model", "hf_trainer", "hf_trainer_output")),
