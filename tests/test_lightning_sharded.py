@@ -68,6 +68,7 @@ def test_verify_knows_its_completeness(tmp_path: Path, remove: str, problem: str
     result = CliRunner().invoke(cli, ["verify", str(copy)])
     assert result.exit_code == 1, result.output
     assert problem in result.stdout
+    assert "Lightning sharded: meta.pt beside a complete DCP directory" in result.stdout
 
 
 def test_scan_walks_meta_pt_too() -> None:
@@ -79,8 +80,9 @@ def test_scan_walks_meta_pt_too() -> None:
 
 def test_convert_writes_the_model_lightning_loads(tmp_path: Path) -> None:
     out = tmp_path / "model.safetensors"
-    result = CliRunner().invoke(cli, ["convert", str(DIRECTORY), str(out)])
+    result = CliRunner().invoke(cli, ["convert", str(DIRECTORY), str(out), "--json"])
     assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["layout"] == "lightning_sharded"
     with open_checkpoint(out) as ckpt:
         assert described(ckpt, tensors(ckpt.root)) == VIEW["model"]["tensors"]
 

@@ -71,6 +71,7 @@ def test_verify_a_missing_data_file(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["verify", str(copy)])
     assert result.exit_code == 1
     assert "data file __0_0.distcp is missing" in result.stdout
+    assert "torchtitan: a complete DCP directory" in result.stdout
 
 
 def test_a_dcp_directory_under_another_name_stays_plain_dcp(tmp_path: Path) -> None:
@@ -98,4 +99,6 @@ def test_diff_compares_two_of_them(tmp_path: Path) -> None:
     copy = Path(shutil.copytree(DIRECTORY, tmp_path / "step-3"))
     result = CliRunner().invoke(cli, ["diff", str(DIRECTORY), str(copy), "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["summary"]["identical"] == 12
+    report = json.loads(result.stdout)
+    assert report["summary"]["identical"] == 12
+    assert report["a"]["layout"] == report["b"]["layout"] == "torchtitan"
