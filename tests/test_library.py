@@ -35,6 +35,10 @@ NO_TORCH_REFERENCE = {
     "special/torchscript.pt": "a TorchScript archive: torch.load refuses it with weights_only",
     "dcp/checkpoint/.metadata": "DCP's index, a plain pickle: dcp/checkpoint is read whole below",
     "gguf": "torch.load reads no GGUF: tests/test_gguf.py checks them against the gguf package",
+    "frameworks/lightning_sharded/checkpoints/epoch=2-step=4/.metadata": "DCP's index: "
+    "tests/test_lightning_sharded.py checks the directory against Lightning's consolidation",
+    "frameworks/torchtitan/checkpoint/step-3/.metadata": "DCP's index: tests/test_torchtitan.py "
+    "checks the directory against DCP's own loader",
     "frameworks/rank_sets/fsdp1": "ShardedTensor files load only in a process group: "
     "tests/test_rank_sets.py checks them against FSDP1's own full state dict",
 }

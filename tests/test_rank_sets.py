@@ -383,3 +383,16 @@ def test_a_partial_dtensor_written_by_torch_is_refused_naming_it(tmp_path: Path)
     assert not (tmp_path / "out.safetensors").exists()
     (result,) = verify([SETS / "partial"])
     assert result.error is not None and "Partial(sum)" in result.error
+
+
+@pytest.mark.parametrize("rank_set", [SETS / "verl", SETS / "fsdp2", SETS_2D / "hsdp"])
+def test_rescale_of_a_rank_set_is_refused_saying_why(rank_set: Path) -> None:
+    from ckpttool.commands.rescale.directory import rescale_directory
+    from ckpttool.errors import LayoutError
+
+    with pytest.raises(LayoutError) as refused:
+        rescale_directory(rank_set, 4, dry_run=True)
+    message = str(refused.value)
+    assert "a set of per-rank state dicts" in message
+    assert "count optimizer steps of the global batch" in message
+    assert "convert the set" in message

@@ -472,7 +472,9 @@ def trend_command(
 @click.option("--strict", is_flag=True, help="Refuse when the new step cannot be exact.")
 @click.option(
     "--step-key", metavar="KEY",
-    help="Top-level field to rescale instead of 'step' (also allows non-resume layouts).",
+    help="Top-level field to rescale instead of 'step' (also allows non-resume layouts; of a "
+    "directory, the counter its framework rescales only when named: Lightning sharded's "
+    "global_step).",
 )  # fmt: skip
 @click.option("-o", "--output", metavar="OUT", help="Write to OUT instead of in place.")
 @force_option
@@ -540,8 +542,8 @@ def rescale_step(
     if os.path.isdir(path):
         from ckpttool.commands.rescale.directory import rescale_directory_to
 
-        if backup or step_key:
-            raise InputError("--backup and --step-key apply to one checkpoint file")
+        if backup:
+            raise InputError("--backup applies to one checkpoint file")
         directory_report = rescale_directory_to(
             path, target, output=output, in_place=in_place, overwrite=force, dry_run=dry_run
         )

@@ -145,6 +145,17 @@ def is_directory_checkpoint(path: Path | str) -> bool:
     return directory_format_of(path) is not None
 
 
+def _beside_directory_format(directory: Path, names: Iterable[str]) -> list[Path]:
+    """Files in a DCP directory that are not DCP's own (Lightning's ``meta.pt``): scanned as
+    files of their own, since the directory format's scan walks only its index and items."""
+    return [
+        directory / name
+        for name in sorted(names)
+        if not name.startswith(".") and not name.endswith(".distcp")
+        and os.path.getsize(directory / name) > 0
+    ]  # fmt: skip
+
+
 def _files_under(directory: Path) -> list[Path]:
     """Files under ``directory``, recursively; a DCP directory is one input, not its files."""
     found = []
@@ -152,6 +163,7 @@ def _files_under(directory: Path) -> list[Path]:
         here = Path(root)
         if is_directory_checkpoint(here):
             found.append(here)
+            found.extend(_beside_directory_format(here, names))
             subdirectories.clear()
             continue
         found.extend(
@@ -176,7 +188,13 @@ def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> 
         path = Path(raw)
         if not path.exists():
             files.append(FileScan(str(path), None, error="no such file or directory"))
-        elif path.is_dir() and not is_directory_checkpoint(path):
+        elif path.is_dir() and is_directory_checkpoint(path):
+            files.append(scan_file(path, allow))
+            files += [
+                scan_file(child, allow)
+                for child in _beside_directory_format(path, os.listdir(path))
+            ]
+        elif path.is_dir():
             found = 0
             for child in _files_under(path):
                 result = scan_file(child, allow)

@@ -22,7 +22,10 @@ if TYPE_CHECKING:
     from ckpttool.checkpoint import Checkpoint
 
 #: Member roles that are not checkpoint files of their own (read as JSON, or not read).
-NOT_CHECKPOINTS = ("index", "trainer_state", "config", "other", "latest", "script")
+NOT_CHECKPOINTS = (
+    "index", "trainer_state", "config", "other", "latest", "script",
+    "format_data",  # a DCP data file: the directory format checked it when the layout was read
+)  # fmt: skip
 
 
 def check_directory(

@@ -60,10 +60,14 @@ SCALER = "scaler"
 RNG = "rng"
 SAMPLER = "sampler"
 TRAINER_STATE = "trainer_state"
+TRAINING_STATE = "training_state"  # pickled counters, loops, callbacks (Lightning's meta.pt)
 TRAINING_ARGS = "training_args"
 CONFIG = "config"
 CUSTOM = "custom"
 OTHER = "other"  # tokenizer files, READMEs...: listed, not read
+#: A data file of a directory format inside the layout (DCP's ``__<rank>_<n>.distcp``): read
+#: through that format's index, never as a file of its own
+FORMAT_DATA = "format_data"
 
 #: The layout of a directory that holds several checkpoints (a Trainer ``output_dir``).
 COLLECTION = "hf_trainer_output"
@@ -83,6 +87,10 @@ class Member:
     rank: int | None = None  # the process that wrote it (per-rank RNG files)
     shard: bool = False  # one of several weights files merged into one dict at ``section``
     json: bool = False  # parsed as JSON rather than through the checkpoint reader
+    #: The member is the index file of a directory format (DCP's ``.metadata``): the directory
+    #: it indexes is read whole, as that format reads it (section "": its top-level entries go
+    #: to the top level of the merged tree)
+    indexes_directory: bool = False
 
 
 @dataclass
@@ -196,6 +204,22 @@ def open_member(
     return open_file(name, open_local(name), strict, refuse_dangerous, track_spans)
 
 
+def open_format_directory(
+    directory: str, *, strict: bool = True, refuse_dangerous: bool = True
+) -> Checkpoint:
+    """A directory in a directory format (DCP) that a framework's layout contains, opened
+    through the format registry as the door would open it on its own."""
+    from ckpttool.formats.registry import directory_format_of, open_directory_format
+    from ckpttool.io.source import local_path, open_local
+
+    name = local_path(directory)
+    fmt = directory_format_of(name)
+    if fmt is None:
+        raise InputError(f"{directory}: no directory format reads it (no .metadata?)")
+    index = open_local(os.path.join(name, fmt.index_name))
+    return open_directory_format(fmt, name, index, strict, refuse_dangerous)
+
+
 #: The view ``convert`` and ``diff`` ask for: the model's weights as the framework consolidates
 #: them (DeepSpeed ZeRO: the fp32 master weights); a checkpoint without such a view opens as usual.
 WEIGHTS_VIEW = "weights"
@@ -287,6 +311,9 @@ class Framework:
     #: Temp files the framework's own writes leave when interrupted, as (glob on the path
     #: relative to a checkpoint or run directory, what left it), for ``repair`` to list.
     temp_files: tuple[tuple[str, str], ...] = ()
+    #: The ``--step-key`` values its :meth:`rescale_plan` accepts (a counter rescaled only when
+    #: the user names it: Lightning's ``global_step``); any other is refused before planning.
+    rescale_step_keys: tuple[str, ...] = ()
 
     def detect(self, path: str) -> FrameworkDirectory | None:
         """1. The layout of ``path`` (a directory, or an ``*.index.json`` file) when this

@@ -5,7 +5,9 @@ the ``details["layout"]`` values it answers for, so that finding the framework o
 checkpoint imports that framework alone, and start-up imports none. Adding a framework is one
 line here (see docs/development.md, "How to add a framework").
 
-Order matters: PEFT first (a Trainer ``checkpoint-N/`` of a PEFT model holds the adapter
+Order matters: Lightning's sharded checkpoints first (a DCP directory with ``meta.pt``: no other
+framework's files), torchtitan's ``step-N/`` DCP directories next; torchtune's ``epoch_N/`` (a model
+directory with an adapter beside it, named by the epoch) before PEFT and Hugging Face; PEFT next (a Trainer ``checkpoint-N/`` of a PEFT model holds the adapter
 instead of the weights); accelerate next (its folders hold a ``model.safetensors`` like a model
 directory does); DeepSpeed next (a Trainer ``checkpoint-N/`` of a DeepSpeed run holds a
 ``global_stepN/`` too); per-rank sets last (a directory of ``*rank<N>.pt`` files).
@@ -23,12 +25,23 @@ if TYPE_CHECKING:
 
 #: (import string, the layouts it detects), in detection order.
 FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ckpttool.frameworks.lightning_sharded.framework:FRAMEWORK", ("lightning_sharded",)),
+    ("ckpttool.frameworks.torchtitan.framework:FRAMEWORK", ("torchtitan",)),
+    ("ckpttool.frameworks.torchtune.framework:FRAMEWORK", ("torchtune",)),
     ("ckpttool.frameworks.peft.framework:FRAMEWORK", ("peft_adapter",)),
     ("ckpttool.frameworks.accelerate.framework:FRAMEWORK", ("accelerate",)),
     ("ckpttool.frameworks.huggingface.framework:FRAMEWORK", ("hf_model", "hf_trainer", "hf_trainer_output")),
     ("ckpttool.frameworks.deepspeed.framework:FRAMEWORK", ("deepspeed",)),
     ("ckpttool.frameworks.rank_set.framework:FRAMEWORK", ("rank_set",)),
 )  # fmt: skip
+
+#: The frameworks whose layouts are directories a directory format reads too (a DCP directory
+#: with a file of the framework's own beside it, or a DCP directory named as the framework
+#: names its checkpoints): the door asks them before it opens such a directory as the format's.
+BEFORE_DIRECTORY_FORMATS: frozenset[str] = frozenset({
+    "ckpttool.frameworks.lightning_sharded.framework:FRAMEWORK",
+    "ckpttool.frameworks.torchtitan.framework:FRAMEWORK",
+})  # fmt: skip
 
 _loaded: dict[str, Framework] = {}
 
@@ -67,6 +80,19 @@ def detect_directory(
         layout = detect_once(framework, path, known)
         if layout is not None:
             return layout
+    return None
+
+
+def detect_before_format(
+    path: str, known: dict[str, FrameworkDirectory | None] | None = None
+) -> FrameworkDirectory | None:
+    """The layout of the directory ``path``, which a directory format (DCP) also reads, by a
+    framework of :data:`BEFORE_DIRECTORY_FORMATS` (None: it is the format's alone)."""
+    for spec, _ in FRAMEWORKS:
+        if spec in BEFORE_DIRECTORY_FORMATS:
+            layout = detect_once(load(spec), path, known)
+            if layout is not None:
+                return layout
     return None
 
 

@@ -15,6 +15,7 @@ Nothing is read but what a single-file open reads: the members' headers and pick
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,14 @@ from ckpttool.errors import (
     name_file,
 )
 from ckpttool.formats.base import Parsed, no_span
-from ckpttool.frameworks.base import Framework, FrameworkDirectory, Member, inside, open_member
+from ckpttool.frameworks.base import (
+    Framework,
+    FrameworkDirectory,
+    Member,
+    inside,
+    open_format_directory,
+    open_member,
+)
 from ckpttool.model.records import OpaqueObject, StorageRecord, TensorRecord
 
 if TYPE_CHECKING:
@@ -61,7 +69,13 @@ def read_directory(
                 value = layout.read_json(member.name)
             else:
                 try:
-                    ckpt = open_member(path, strict=strict, refuse_dangerous=refuse_dangerous)
+                    ckpt = (
+                        open_format_directory(
+                            os.path.dirname(path), strict=strict, refuse_dangerous=refuse_dangerous
+                        )
+                        if member.indexes_directory
+                        else open_member(path, strict=strict, refuse_dangerous=refuse_dangerous)
+                    )
                 except (CorruptCheckpointError, InputError, NotACheckpointError) as error:
                     if strict:
                         raise
@@ -168,6 +182,9 @@ def _merge_shard(
 
 
 def _place(root: dict[str, Any], section: str, value: Any) -> None:
+    if section == "" and isinstance(value, dict):  # the member's entries at the top level
+        root.update(value)
+        return
     *parents, last = section.split(".")
     node = root
     for part in parents:

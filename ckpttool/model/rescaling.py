@@ -165,6 +165,7 @@ class RescaleRequest:
     dry_run: bool = False
     batch_size: int | None = None
     keep_global_batch: bool = False
+    step_key: str | None = None  # --step-key: a counter the framework rescales only when named
 
 
 @dataclass

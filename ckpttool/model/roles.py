@@ -53,8 +53,12 @@ ACCELERATE = "accelerate"
 DEEPSPEED = "deepspeed"  # a ZeRO save dir or tag dir: ckpttool.frameworks.deepspeed.files
 PEFT_ADAPTER = "peft_adapter"  # adapter_config.json + adapter_model.*: ckpttool.frameworks.peft
 RANK_SET = "rank_set"  # per-rank state dicts of DTensors: ckpttool.frameworks.rank_set
+LIGHTNING_SHARDED = "lightning_sharded"  # DCP + meta.pt: ckpttool.frameworks.lightning_sharded
+TORCHTITAN = "torchtitan"  # a step-N/ DCP directory: ckpttool.frameworks.torchtitan
+TORCHTUNE = "torchtune"  # epoch_N/ or the flat 0.2-0.3 files: ckpttool.frameworks.torchtune
 DECLARED_LAYOUTS = (
     HF_MODEL, HF_TRAINER, ACCELERATE, DEEPSPEED, PEFT_ADAPTER, PICKLED_MODULE, RANK_SET,
+    LIGHTNING_SHARDED, TORCHTITAN, TORCHTUNE,
 )  # fmt: skip
 
 LAYOUT_TITLES = {
@@ -77,6 +81,9 @@ LAYOUT_TITLES = {
     DEEPSPEED: "DeepSpeed checkpoint",
     PEFT_ADAPTER: "PEFT adapter",
     RANK_SET: "set of per-rank state dicts (assembled)",
+    LIGHTNING_SHARDED: "Lightning sharded checkpoint (DCP + meta.pt)",
+    TORCHTITAN: "torchtitan checkpoint (step-N DCP directory)",
+    TORCHTUNE: "torchtune checkpoint",
 }
 
 RESUME_KEYS = ("model", "optimizer", "epoch", "step")
@@ -167,7 +174,9 @@ def is_resume(layout: str) -> bool:
 def model_section(layout: str, root: Any = None) -> str | None:
     """The key of the model weights inside a layout (None: the whole file is the weights, or
     no part of it is; :func:`model_part` tells those apart)."""
-    if is_resume(layout) or layout in (HF_MODEL, HF_TRAINER, ACCELERATE, PEFT_ADAPTER):
+    if is_resume(layout) or layout in (
+        HF_MODEL, HF_TRAINER, ACCELERATE, PEFT_ADAPTER, LIGHTNING_SHARDED, TORCHTITAN, TORCHTUNE,
+    ):  # fmt: skip
         return "model"
     if layout == LIGHTNING:
         return "state_dict"

@@ -27,7 +27,7 @@ from ckpttool.checkpoint import open_checkpoint
 from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError, name_file
 from ckpttool.formats.registry import directory_format_of, field_rewrite, verify_rewrite
 from ckpttool.frameworks.base import COLLECTION, Framework, FrameworkDirectory
-from ckpttool.frameworks.registry import detect_once, frameworks
+from ckpttool.frameworks.registry import detect_before_format, detect_once, frameworks
 from ckpttool.io.atomic import fsync_dir, staged_directory
 from ckpttool.model.rescaling import (
     COPY,
@@ -101,7 +101,7 @@ def rescale_directory_to(
         raise InputError("--in-place and -o/--output exclude each other")
     request = RescaleRequest(
         target.world_size, target.from_world_size, target.strict, output, in_place, overwrite,
-        dry_run, target.batch_size, target.keep_global_batch,
+        dry_run, target.batch_size, target.keep_global_batch, target.step_key,
     )  # fmt: skip
     try:
         return _rescale_directory(path, request)
@@ -115,6 +115,7 @@ def _rescale_directory(path: Path, request: RescaleRequest) -> DirectoryRescaleR
         if framework.rescales_itself:
             found = detect_once(framework, str(path), known)
             if found is not None:
+                _check_step_key(path, framework, found, request)
                 return framework.rescale(path, found, request)
     if request.keep_global_batch:
         raise InputError("--keep-global-batch applies to a DeepSpeed ZeRO checkpoint")
@@ -171,7 +172,7 @@ def _plan(
     path: Path, request: RescaleRequest, known: dict[str, FrameworkDirectory | None]
 ) -> DirectoryPlan:
     directory_format = directory_format_of(path) if path.is_dir() else None
-    if directory_format is not None:
+    if directory_format is not None and detect_before_format(str(path), known) is None:
         raise LayoutError(
             f"{path}: a {directory_format.directory_title} directory; rescale-step rewrites one "
             "checkpoint file or a Trainer/accelerate folder "
@@ -184,6 +185,7 @@ def _plan(
         layout = detect_once(framework, str(path), known)
         if layout is not None and layout.kind != COLLECTION:
             found = found or (framework, layout)
+            _check_step_key(path, framework, layout, request)
             planned = framework.rescale_plan(path, layout, request)
             if planned is not None:
                 return planned
@@ -191,6 +193,20 @@ def _plan(
     raise LayoutError(
         f"{path}: {what}; rescale-step rewrites a Trainer checkpoint-N/ or an accelerate "
         "save_state folder (or one checkpoint file)"
+    )
+
+
+def _check_step_key(
+    path: Path, framework: Framework, layout: FrameworkDirectory, request: RescaleRequest
+) -> None:
+    """``--step-key`` names a counter the framework rescales only when asked; any other is
+    refused rather than ignored."""
+    if request.step_key is None or request.step_key in framework.rescale_step_keys:
+        return
+    accepted = ", ".join(framework.rescale_step_keys)
+    raise InputError(
+        f"{path}: a {layout.title}; --step-key "
+        + (f"takes {accepted} here" if accepted else "applies to one checkpoint file")
     )
 
 

@@ -4,13 +4,16 @@ open.py), ``show``'s lines and ``convert``'s model directory (verl's ``huggingfa
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.errors import LayoutError
 from ckpttool.frameworks.base import Framework, FrameworkDirectory, ModelDirectoryOutput
 from ckpttool.frameworks.rank_set import files
 
 if TYPE_CHECKING:
     from ckpttool.formats.base import Checkpoint
+    from ckpttool.model.rescaling import DirectoryPlan, RescaleRequest
 
 
 class RankSet(Framework):
@@ -47,6 +50,22 @@ class RankSet(Framework):
             "tensor exactly (placements, mesh coordinates, torch's chunking); replicated "
             "tensors equal byte for byte across ranks"
         ]
+
+    def rescale_plan(
+        self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
+    ) -> DirectoryPlan | None:
+        """Refused, saying why: nothing in a rank set counts batches per rank."""
+        files_named = layout.details.get("rank_files", "per-rank files")
+        raise LayoutError(
+            f"{path}: a set of per-rank state dicts ({files_named}); nothing to rescale: its "
+            "files hold each rank's pieces of the tensors for the mesh they were saved on, "
+            "and the counters such runs keep (verl's global_step_N directory and "
+            "latest_checkpointed_iteration.txt, the LR scheduler in extra_state) count "
+            "optimizer steps of the global batch, the same on any number of ranks. verl loads "
+            "model_world_size_<W>_rank_<R>.pt for its own world size only: to resume on "
+            "another number of ranks, convert the set (ckpttool convert SET DST/) and start "
+            "from the full weights"
+        )
 
     def model_directory(self, details: dict[str, Any]) -> ModelDirectoryOutput | None:
         """verl's ``huggingface/`` folder (the model's ``config.json``): ``convert SET DST/``

@@ -1,0 +1,1 @@
+"""Lightning's sharded checkpoints: a DCP directory plus ``meta.pt``."""

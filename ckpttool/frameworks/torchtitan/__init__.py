@@ -1,0 +1,1 @@
+"""torchtitan's ``step-N/`` checkpoint directories (DCP)."""
