@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +106,12 @@ CONFIG_PARAMS = {
 }
 
 
-def load_map(name: str, params: dict[str, int], beside: Path | None = None) -> MapSpec:
+def load_map(
+    name: str, params: dict[str, int], beside: Path | Sequence[Path] | None = None
+) -> MapSpec:
     """A preset by name, or a JSON/YAML map file; ``params`` override the file's, and a
-    ``config.json``/``params.json`` in ``beside`` fills the ones still missing."""
+    ``config.json``/``params.json`` in ``beside`` (a folder, or several tried in order) fills
+    the ones still missing."""
     if name in PRESETS:
         data = PRESETS[name]
     else:
@@ -131,7 +135,9 @@ def load_map(name: str, params: dict[str, int], beside: Path | None = None) -> M
     return _spec(name, data, params, beside)
 
 
-def _spec(name: str, data: Any, params: dict[str, int], beside: Path | None) -> MapSpec:
+def _spec(
+    name: str, data: Any, params: dict[str, int], beside: Path | Sequence[Path] | None
+) -> MapSpec:
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
         raise InputError(f"--map {name}: expected an object with a list of rules")
     merged = {k: v for k, v in (data.get("params") or {}).items()}
@@ -211,21 +217,21 @@ def _fill(key: str, values: dict[str, str]) -> str:
     return re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], key)
 
 
-def _from_config(param: str, beside: Path | None) -> int | None:
-    if beside is None:
-        return None
-    for file in ("config.json", "params.json"):
-        path = beside / file
-        if not path.is_file():
-            continue
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        for key in CONFIG_PARAMS.get(param, (param,)):
-            value = config.get(key) if isinstance(config, dict) else None
-            if isinstance(value, int):
-                return value
+def _from_config(param: str, beside: Path | Sequence[Path] | None) -> int | None:
+    folders = [beside] if isinstance(beside, Path) else list(beside or ())
+    for folder in folders:
+        for file in ("config.json", "params.json"):
+            path = folder / file
+            if not path.is_file():
+                continue
+            try:
+                config = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            for key in CONFIG_PARAMS.get(param, (param,)):
+                value = config.get(key) if isinstance(config, dict) else None
+                if isinstance(value, int):
+                    return value
     return None
 
 
