@@ -84,11 +84,11 @@ def mapped_records(
     for index, (target, shape) in enumerate(zip(step.targets, out_shapes)):
         key = f"{MAP_PREFIX}{target}"
         numel = math.prod(shape)
-        storage = StorageRecord(
-            key, dtype, numel, "cpu", key, numel * ITEMSIZE[dtype], byteorder
-        )
+        storage = StorageRecord(key, dtype, numel, "cpu", key, numel * ITEMSIZE[dtype], byteorder)
         derived[key] = _producer(rule, records, index, spec, values)
-        made.append(TensorRecord(target, dtype, shape, contiguous(shape), 0, storage))
+        # named by where its values are (one source), or by what it is (a concatenation)
+        name = target if rule.op == "concat" else step.sources[0]
+        made.append(TensorRecord(name, dtype, shape, contiguous(shape), 0, storage))
     return made
 
 

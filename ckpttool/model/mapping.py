@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,12 +91,67 @@ def _llama(to_hf: bool) -> dict[str, Any]:
     return {"unmatched": "error", "rules": rules}
 
 
+#: Hugging Face ``LlamaForCausalLM``'s tensor names, each with the number of heads its rows
+#: hold when its rows are rotary q/k rows (``None`` otherwise).
+HF_LLAMA = (
+    ("model.embed_tokens.weight", None),
+    ("model.layers.{L}.self_attn.q_proj.weight", "n_heads"),
+    ("model.layers.{L}.self_attn.k_proj.weight", "n_kv_heads"),
+    ("model.layers.{L}.self_attn.v_proj.weight", None),
+    ("model.layers.{L}.self_attn.o_proj.weight", None),
+    ("model.layers.{L}.input_layernorm.weight", None),
+    ("model.layers.{L}.post_attention_layernorm.weight", None),
+    ("model.layers.{L}.mlp.gate_proj.weight", None),
+    ("model.layers.{L}.mlp.down_proj.weight", None),
+    ("model.layers.{L}.mlp.up_proj.weight", None),
+    ("model.norm.weight", None),
+    ("lm_head.weight", None),
+)
+
+
+def _minimind() -> dict[str, Any]:
+    """MiniMind (jingyaogong/minimind ``MiniMindForCausalLM``, dense) and Hugging Face Llama:
+    the same names, and the same rotary layout (MiniMind rotates halves, ``rotate_half``, as
+    transformers does), so the map is names only. It is a check as much as a map: a tensor it
+    does not name (MiniMind's MoE experts and router, which Llama has no place for) is an
+    error."""
+    return {"unmatched": "error", "rules": [{"from": hf, "to": hf} for hf, _ in HF_LLAMA]}
+
+
+#: llama.cpp's GGUF names for the Hugging Face Llama tensors (gguf-py's ``TensorNameMap`` for
+#: ``MODEL_ARCH.LLAMA``), in :data:`HF_LLAMA`'s order.
+GGUF_LLAMA = (
+    "token_embd.weight", "blk.{L}.attn_q.weight", "blk.{L}.attn_k.weight",
+    "blk.{L}.attn_v.weight", "blk.{L}.attn_output.weight", "blk.{L}.attn_norm.weight",
+    "blk.{L}.ffn_norm.weight", "blk.{L}.ffn_gate.weight", "blk.{L}.ffn_down.weight",
+    "blk.{L}.ffn_up.weight", "output_norm.weight", "output.weight",
+)  # fmt: skip
+
+
+def _gguf_llama() -> dict[str, Any]:
+    """llama.cpp's Llama GGUF names to Hugging Face's. ``convert_hf_to_gguf.py``
+    (``LlamaModel.permute``) reorders q_proj's and k_proj's rows from Hugging Face's half-split
+    rotary layout to the interleaved one llama.cpp's kernel uses (Meta's), with k's heads being
+    ``num_key_value_heads``: undone here by ``rope_to_hf``. ``rope_freqs.weight`` (Llama 3's
+    scaled frequencies, which transformers computes from config.json) has no counterpart."""
+    rules: list[dict[str, Any]] = []
+    for gguf, (hf, heads) in zip(GGUF_LLAMA, HF_LLAMA):
+        rule: dict[str, Any] = {"from": gguf, "to": hf}
+        if heads:
+            rule.update(op="rope_to_hf", heads=heads)
+        rules.append(rule)
+    return {"unmatched": "error", "rules": rules}
+
+
 #: Maps shipped with ckpttool, by name (``--map llama-meta-to-hf``). Their ``n_heads`` and
 #: ``n_kv_heads`` come from ``--map-param`` or a ``config.json`` / ``params.json`` beside the
-#: checkpoint. MiniMind's names are Hugging Face Llama's already (no map needed).
+#: checkpoint.
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-meta-to-hf": _llama(to_hf=True),
     "llama-hf-to-meta": _llama(to_hf=False),
+    "llama-gguf-to-hf": _gguf_llama(),
+    "minimind-to-hf-llama": _minimind(),
+    "hf-llama-to-minimind": _minimind(),
 }
 
 #: Where a config beside the checkpoint keeps the numbers a map's params name.
