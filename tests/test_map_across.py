@@ -18,7 +18,7 @@ from ckpttool.commands.convert.run import convert
 from ckpttool.commands.diff.run import DIFFER, IDENTICAL, ONLY_A, diff
 from ckpttool.commands.edit import edit_file
 from ckpttool.errors import InputError
-from tests.fixtures.gguf import GGUF_DIR, HF_LLAMA, hf_llama_weights
+from tests.fixtures.gguf import GGUF_DIR, HF_LLAMA, hf_llama_weights, write_hf_llama_gguf
 from tests.support.minimind import MiniMindConfig, MiniMindForCausalLM
 
 GGUF_LLAMA = GGUF_DIR / "llama_hf.gguf"
@@ -146,6 +146,24 @@ def test_gguf_diff_finds_a_changed_tensor_and_the_permutation_matters(tmp_path: 
     assert differ == {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 1) for p in "qk"}
 
 
+def test_a_quantized_gguf_is_mapped_through_its_decoded_values(tmp_path: Path) -> None:
+    """Q8_0 q/k rows are decoded, then put back in Hugging Face's order: within Q8_0's error of
+    the model's values (and far from them without the permutation)."""
+    q8 = tmp_path / "llama_q8_0.gguf"
+    write_hf_llama_gguf(q8, quantized="Q8_0")
+    hf = _hf_dir(tmp_path)
+    report = diff(q8, hf, map_name="llama-gguf-to-hf", atol=1 / 127, rtol=0)
+    assert report.equal, report.summary()
+    rows = {entry.key: entry for entry in report.tensors}
+    assert rows[Q1].a.dtype == "float32" and rows[Q1].a.key == "blk.1.attn_q.weight"
+    assert 0 < rows[Q1].values.max_abs_diff <= 1 / 127  # quantized: not exact, but close
+    out = tmp_path / "q8.safetensors"
+    with pytest.raises(InputError, match="quantized in blocks"):  # convert asks for it
+        convert(q8, out, map_name="llama-gguf-to-hf")
+    convert(q8, out, map_name="llama-gguf-to-hf", dequantize=True)
+    assert diff(out, hf, atol=1 / 127, rtol=0).equal
+
+
 def test_the_gguf_preset_names_what_gguf_py_names() -> None:
     """The preset's names are gguf-py's TensorNameMap's for MODEL_ARCH.LLAMA."""
     gguf = pytest.importorskip("gguf")
@@ -158,10 +176,13 @@ def test_the_gguf_preset_names_what_gguf_py_names() -> None:
 
 
 def test_convert_maps_a_gguf_to_hf_safetensors(tmp_path: Path) -> None:
+    """The heads come from the GGUF's own llama.attention.head_count(_kv)."""
     out = tmp_path / "from_gguf.safetensors"
-    convert(GGUF_LLAMA, out, map_name="llama-gguf-to-hf", dtype="fp32",
-            map_params={"n_heads": HEADS, "n_kv_heads": KV_HEADS})  # fmt: skip
-    assert diff(out, _hf_dir(tmp_path)).equal
+    result = CliRunner().invoke(cli, ["convert", str(GGUF_LLAMA), str(out), "--map",
+                                      "llama-gguf-to-hf", "--dtype", "fp32"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = diff(out, _hf_dir(tmp_path))
+    assert report.equal and set(_statuses(report).values()) == {IDENTICAL}
 
 
 # convert --map / --use-ema: edit's semantics

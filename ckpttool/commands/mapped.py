@@ -12,7 +12,7 @@ element size): any dtype and byte order, nothing rounded.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -38,17 +38,26 @@ def mapped_records(
     spec: MapSpec,
     derived: dict[str, Produce],
     values: Values,
+    decode: Callable[[TensorRecord], Any] | None = None,
 ) -> list[TensorRecord]:
     """The records ``step`` (not a rename) makes from ``records``, each over a new storage whose
-    producer is added to ``derived``; shapes are checked now, before anything is read."""
+    producer is added to ``derived``; shapes are checked now, before anything is read.
+    ``decode``: how tensors quantized in blocks (GGUF's Q8_0...) give their float32 values;
+    with it, such sources make float32 tensors (without it they are refused)."""
     rule = step.rule
-    dtypes = {r.dtype for r in records}
-    if len(dtypes) != 1 or any(not plain_record(r) for r in records):
-        raise InputError(
-            f"--map {spec.name}: {', '.join(step.sources)} must be plain tensors of one dtype "
-            "(a quantized tensor is mapped after convert --dequantize)"
-        )
-    dtype = records[0].dtype
+    blocks = [r.quant is not None and r.quant.in_blocks for r in records]
+    if decode is not None and all(blocks):
+        values = _decoded(decode)
+        dtype = "float32"
+    else:
+        dtypes = {r.dtype for r in records}
+        if len(dtypes) != 1 or any(not plain_record(r) for r in records):
+            raise InputError(
+                f"--map {spec.name}: {', '.join(step.sources)} must be plain tensors of one "
+                "dtype" + (" (or, decoded, all quantized in blocks: with --dequantize)"
+                           if any(blocks) else "")
+            )  # fmt: skip
+        dtype = records[0].dtype
     shapes: list[tuple[int, ...]] = [tuple(r.shape) for r in records]
     if rule.op == "transpose":
         if len(shapes[0]) != 2:
@@ -78,8 +87,11 @@ def mapped_records(
                 f"{sizes} on dim {dim}"
             )
         out_shapes = [(*shapes[0][:dim], n, *shapes[0][dim + 1 :]) for n in sizes]
-    assert records[0].storage is not None  # plain_record
-    byteorder = records[0].storage.byteorder
+    byteorder = (
+        "little"
+        if dtype != records[0].dtype or records[0].storage is None
+        else (records[0].storage.byteorder)
+    )
     made = []
     for index, (target, shape) in enumerate(zip(step.targets, out_shapes)):
         key = f"{MAP_PREFIX}{target}"
@@ -120,6 +132,17 @@ def _producer(
         return np.ascontiguousarray(out).tobytes()
 
     return produce
+
+
+def _decoded(decode: Callable[[TensorRecord], Any]) -> Values:
+    """:data:`Values` of tensors quantized in blocks: their float32 values' bits."""
+
+    def values(record: TensorRecord) -> Any:
+        import numpy as np
+
+        return np.ascontiguousarray(decode(record), dtype="<f4").view("<u4")
+
+    return values
 
 
 def strided(record: TensorRecord, data: bytes | bytearray, first: int) -> Any:
@@ -199,11 +222,14 @@ def map_named(
     ckpt: DerivedCheckpoint,
     *,
     keep_unmatched: bool = False,
+    decode: bool = False,
 ) -> tuple[dict[str, TensorRecord], list[Step], list[str]]:
     """``named`` (output name -> record) with ``spec`` applied: renamed records as they are,
     computed ones readable through ``ckpt``; the steps taken and the names no rule matched
     (kept in place with ``keep_unmatched`` or a map that says ``"unmatched": "keep"``, left out
-    with ``"drop"``, an error with ``"error"``). The order is ``named``'s."""
+    with ``"drop"``, an error with ``"error"``). The order is ``named``'s. ``decode``: a
+    permutation (or other computed op) of tensors quantized in blocks works on their decoded
+    float32 values (else it is refused)."""
     if keep_unmatched:
         spec = replace(spec, unmatched="keep")
     steps, unmatched = plan(list(named), spec)
@@ -221,7 +247,10 @@ def map_named(
         if step.rule.op == "rename":
             out[step.targets[0]] = records[0]
             continue
-        made = mapped_records(step, records, spec, ckpt.derived, ckpt.element_values)
+        made = mapped_records(
+            step, records, spec, ckpt.derived, ckpt.element_values,
+            ckpt.dequantize if decode else None,
+        )  # fmt: skip
         out.update(zip(step.targets, made))
     return out, steps, unmatched
 
@@ -235,6 +264,22 @@ def config_dirs(paths: Iterable[str | Any]) -> list[Path]:
             continue
         local = Path(path)
         out.append(local if local.is_dir() else local.parent)
+    return out
+
+
+#: Where a format keeps the key/values a file declares about its model (GGUF's metadata:
+#: ``llama.attention.head_count``...), which a map's params may come from.
+DECLARED_KEYS = ("gguf_metadata",)
+
+
+def declared_facts(*ckpts: Checkpoint) -> list[Mapping[str, Any]]:
+    """The key/values ``ckpts`` declare about their models, for a map's params."""
+    out = []
+    for ckpt in ckpts:
+        for key in DECLARED_KEYS:
+            facts = ckpt.details.get(key)
+            if isinstance(facts, Mapping):
+                out.append(facts)
     return out
 
 

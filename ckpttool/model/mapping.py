@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,18 +155,27 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 #: Where a config beside the checkpoint keeps the numbers a map's params name.
+#: A GGUF file declares them itself (``llama.attention.head_count``...), as the facts the
+#: caller passes.
 CONFIG_PARAMS = {
-    "n_heads": ("n_heads", "num_attention_heads"),
-    "n_kv_heads": ("n_kv_heads", "num_key_value_heads", "n_heads", "num_attention_heads"),
-}
+    "n_heads": ("n_heads", "num_attention_heads", "llama.attention.head_count"),
+    "n_kv_heads": (
+        "n_kv_heads", "num_key_value_heads", "llama.attention.head_count_kv", "n_heads",
+        "num_attention_heads", "llama.attention.head_count",
+    ),
+}  # fmt: skip
 
 
 def load_map(
-    name: str, params: dict[str, int], beside: Path | Sequence[Path] | None = None
+    name: str,
+    params: dict[str, int],
+    beside: Path | Sequence[Path] | None = None,
+    facts: Sequence[Mapping[str, Any]] = (),
 ) -> MapSpec:
-    """A preset by name, or a JSON/YAML map file; ``params`` override the file's, and a
-    ``config.json``/``params.json`` in ``beside`` (a folder, or several tried in order) fills
-    the ones still missing."""
+    """A preset by name, or a JSON/YAML map file; ``params`` override the file's, and the
+    ones still missing come from ``facts`` (key/values a checkpoint declares about its model,
+    such as a GGUF file's), then from a ``config.json``/``params.json`` in ``beside`` (a
+    folder, or several tried in order)."""
     if name in PRESETS:
         data = PRESETS[name]
     else:
@@ -187,11 +196,15 @@ def load_map(
             ) from None
         except Exception as error:  # json / yaml syntax errors
             raise InputError(f"--map {name}: not a valid map file ({error})") from None
-    return _spec(name, data, params, beside)
+    return _spec(name, data, params, beside, facts)
 
 
 def _spec(
-    name: str, data: Any, params: dict[str, int], beside: Path | Sequence[Path] | None
+    name: str,
+    data: Any,
+    params: dict[str, int],
+    beside: Path | Sequence[Path] | None,
+    facts: Sequence[Mapping[str, Any]] = (),
 ) -> MapSpec:
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
         raise InputError(f"--map {name}: expected an object with a list of rules")
@@ -202,7 +215,9 @@ def _spec(
         s for r in rules for s in r.sizes if isinstance(s, str)
     }
     for param in sorted(wanted - set(merged)):
-        value = _from_config(param, beside)
+        value = _declared(param, facts)
+        if value is None:
+            value = _from_config(param, beside)
         if value is None:
             raise InputError(
                 f"--map {name}: needs {param}: pass --map-param {param}=N, or put a config.json "
@@ -270,6 +285,15 @@ def _pattern(key: str) -> re.Pattern[str]:
 
 def _fill(key: str, values: dict[str, str]) -> str:
     return re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], key)
+
+
+def _declared(param: str, facts: Sequence[Mapping[str, Any]]) -> int | None:
+    for declared in facts:
+        for key in CONFIG_PARAMS.get(param, (param,)):
+            value = declared.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
 
 
 def _from_config(param: str, beside: Path | Sequence[Path] | None) -> int | None:

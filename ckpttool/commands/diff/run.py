@@ -48,6 +48,7 @@ from ckpttool.commands.diff.values import (
 from ckpttool.commands.mapped import (
     DerivedCheckpoint,
     config_dirs,
+    declared_facts,
     map_named,
     step_counts,
     with_derived,
@@ -292,9 +293,11 @@ def _mapped_side(
     if not isinstance(ckpt_a, DerivedCheckpoint):
         raise TypeError("with --map, A is opened as a DerivedCheckpoint (with_derived)")
     spec = load_map(
-        selection.map, dict(selection.map_params), config_dirs([ckpt_a.name, ckpt_b.name])
-    )
-    mapped, steps, unmatched = map_named(tensors, spec, ckpt_a, keep_unmatched=True)
+        selection.map, dict(selection.map_params), config_dirs([ckpt_a.name, ckpt_b.name]),
+        declared_facts(ckpt_a, ckpt_b),
+    )  # fmt: skip
+    # quantized tensors compare by their values: those a map computes from too
+    mapped, steps, unmatched = map_named(tensors, spec, ckpt_a, keep_unmatched=True, decode=True)
     note = f"A's tensors mapped by {selection.map}: {step_counts(steps)}"
     if unmatched:
         shown = ", ".join(unmatched[:5]) + (" ..." if len(unmatched) > 5 else "")
