@@ -312,3 +312,33 @@ def test_the_cli_lists_every_preset() -> None:
     from ckpttool.model.mapping import PRESETS
 
     assert set(MAP_PRESETS) == set(PRESETS)
+
+
+def test_miniminds_rotary_is_transformers_llama_rotary() -> None:
+    """Why the MiniMind preset permutes nothing: MiniMind's rotary embedding (its
+    ``precompute_freqs_cis``: cos/sin of each frequency repeated over both halves; its
+    ``apply_rotary_pos_emb``: ``x*cos + rotate_half(x)*sin``, theta 1e6) is transformers'
+    Llama rotary for the same theta, on the same rows."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from ckpttool.model.mapping import PRESETS
+
+    for name in ("minimind-to-hf-llama", "hf-llama-to-minimind"):
+        assert {rule.get("op", "rename") for rule in PRESETS[name]["rules"]} == {"rename"}
+    head_dim, seq, theta = 8, 6, 1e6
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(seq).float(), freqs)
+    cos_mm = torch.cat([torch.cos(angles), torch.cos(angles)], dim=-1)
+    sin_mm = torch.cat([torch.sin(angles), torch.sin(angles)], dim=-1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., head_dim // 2 :], x[..., : head_dim // 2]), dim=-1)
+
+    x = torch.randn(1, seq, 2, head_dim, generator=torch.Generator().manual_seed(3))
+    minimind = x * cos_mm.unsqueeze(1) + rotate_half(x) * sin_mm.unsqueeze(1)
+    config = LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, rope_theta=theta)
+    assert config.rope_parameters["rope_theta"] == theta
+    cos, sin = LlamaRotaryEmbedding(config)(x, torch.arange(seq).unsqueeze(0))
+    hf, _ = apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
+    torch.testing.assert_close(hf.transpose(1, 2), minimind, rtol=1e-5, atol=1e-6)
