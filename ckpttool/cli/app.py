@@ -21,8 +21,10 @@ from ckpttool.cli.options import (
     force_option,
     json_option,
     key_prefix_options,
+    map_options,
     remote_options,
     section_option,
+    use_ema_option,
 )
 from ckpttool.errors import (
     EXIT_ERROR,
@@ -296,6 +298,7 @@ def show(
     help="List every tensor, identical (and equal after rounding) ones too.",
 )  # fmt: skip
 @click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
+@map_options("A's tensor names and layout into B's (as edit --map)", "beside A or B")
 @click.option(
     "--by-module", is_flag=True,
     help="Roll the tensors up by module, repeated blocks folded (layers.#.mlp.up_proj): per "
@@ -325,6 +328,8 @@ def diff_command(
     rounded: bool,
     show_all: bool,
     quick: bool,
+    map_name: str | None,
+    map_params: tuple[str, ...],
     by_module: bool,
     top: int | None,
     plot_path: str | None,
@@ -351,7 +356,7 @@ def diff_command(
     """
     from ckpttool.commands.diff.modules import by_module as rollup
     from ckpttool.commands.diff.modules import top_changed
-    from ckpttool.commands.diff.run import open_side, plan_diff, run_diff
+    from ckpttool.commands.diff.run import open_side, plan_diff, run_diff, with_derived
     from ckpttool.commands.selection import Selection
     from ckpttool.errors import EXIT_FOUND
     from ckpttool.render import diff as diff_render
@@ -364,8 +369,12 @@ def diff_command(
         from ckpttool.render.plot import pyplot
 
         pyplot(plot_path)  # the extra is there, the suffix is known: before any work
-    selection = Selection(section, strip, ignore_wrappers)
-    with open_side(path_a) as ckpt_a, open_side(path_b) as ckpt_b:
+    selection = Selection(
+        section, strip, ignore_wrappers, map=map_name,
+        map_params=tuple(_int_params(map_params).items()),
+    )  # fmt: skip
+    with open_side(path_a) as opened_a, open_side(path_b) as ckpt_b:
+        ckpt_a = with_derived(opened_a) if map_name is not None else opened_a
         plan = plan_diff(ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b)
         options: dict[str, Any] = {"rtol": rtol, "atol": atol, "rounded": rounded}
         if by_module or plot_path:
@@ -593,6 +602,8 @@ def rescale_step(
     "--rename", multiple=True, metavar="REGEX=REPLACEMENT",
     help="Change the written names (re.sub, \\1 for groups); repeatable, in order (as edit's).",
 )  # fmt: skip
+@map_options("the written names and layout (after --drop and --rename, as edit)", "beside SRC")
+@use_ema_option
 @click.option("--keep-shared", is_flag=True, help="Write tied tensors as separate copies.")
 @click.option("--densify", is_flag=True, help="Store sparse tensors as their dense values.")
 @click.option("--dequantize", is_flag=True, help="Store quantized tensors as their float32 values.")
@@ -621,6 +632,9 @@ def convert_command(
     pattern: str | None,
     drop: tuple[str, ...],
     rename: tuple[str, ...],
+    map_name: str | None,
+    map_params: tuple[str, ...],
+    use_ema: str | None,
     keep_shared: bool,
     densify: bool,
     dequantize: bool,
@@ -661,7 +675,10 @@ def convert_command(
     from ckpttool.io.progress import Progress
     from ckpttool.render import convert as convert_render
 
-    selection = Selection(section, strip, ignore_wrappers, pattern, drop, rename)
+    selection = Selection(
+        section, strip, ignore_wrappers, pattern, drop, rename, map=map_name,
+        map_params=tuple(_int_params(map_params).items()), use_ema=use_ema,
+    )  # fmt: skip
     options = ConversionOptions(
         to=to, dtype=dtype, allow_overflow=allow_overflow, keep_shared=keep_shared,
         densify=densify, dequantize=dequantize, skip_missing_values=skip_missing_values,
@@ -893,21 +910,8 @@ def repair_command(
     help="Drop what only resuming training needs (the optimizer, scaler, scheduler, RNG "
     "states; a Lightning .ckpt's optimizer_states and lr_schedulers).",
 )  # fmt: skip
-@click.option(
-    "--use-ema", "use_ema", is_flag=False, flag_value="", default=None, metavar="[KEY]",
-    help="Put the EMA weights (KEY, or the one of ema, model_ema, state_dict_ema...) in "
-    "place of the model's, and drop the EMA.",
-)  # fmt: skip
-@click.option(
-    "--map", "map_name", metavar="FILE|PRESET",
-    help="Map the model's names and layout with a JSON/YAML map file or a preset "
-    "(llama-meta-to-hf, llama-hf-to-meta): docs/edit.md.",
-)  # fmt: skip
-@click.option(
-    "--map-param", "map_params", multiple=True, metavar="NAME=N",
-    help="A number the map needs (n_heads=32); default: from a config.json or params.json "
-    "beside SRC.",
-)  # fmt: skip
+@use_ema_option
+@map_options("the model's names and layout", "beside SRC")
 @click.option(
     "--dtype", type=click.Choice(["fp16", "bf16", "fp32"]),
     help="Cast floating tensors (integer and float8 tensors are never cast).",

@@ -79,3 +79,38 @@ def remote_options(command: F) -> F:
         "memory instead of refusing it.",
     )(run)  # fmt: skip
     return run  # type: ignore[return-value]
+
+
+#: The presets ``--map`` knows (ckpttool.model.mapping.PRESETS; a test checks the two agree).
+MAP_PRESETS = (
+    "llama-meta-to-hf", "llama-hf-to-meta", "llama-gguf-to-hf", "minimind-to-hf-llama",
+    "hf-llama-to-minimind",
+)  # fmt: skip
+
+
+def map_options(what: str, beside: str) -> Callable[[F], F]:
+    """``--map FILE|PRESET`` and ``--map-param NAME=N`` (edit, convert, diff): ``what`` is
+    mapped, and ``beside`` is where a ``config.json`` supplies the numbers."""
+
+    def decorate(command: F) -> F:
+        command = click.option(
+            "--map-param", "map_params", multiple=True, metavar="NAME=N",
+            help=f"A number the map needs (n_heads=32); default: from a config.json or "
+            f"params.json {beside}.",
+        )(command)  # fmt: skip
+        return click.option(
+            "--map", "map_name", metavar="FILE|PRESET",
+            help=f"Map {what} with a JSON/YAML map file or a preset ({', '.join(MAP_PRESETS)}): "
+            "docs/edit.md.",
+        )(command)  # fmt: skip
+
+    return decorate
+
+
+def use_ema_option(command: F) -> F:
+    """``--use-ema [KEY]`` (edit, convert): the EMA weights in place of the model's."""
+    return click.option(
+        "--use-ema", "use_ema", is_flag=False, flag_value="", default=None, metavar="[KEY]",
+        help="Put the EMA weights (KEY, or the one of ema, model_ema, state_dict_ema...) in "
+        "place of the model's, and drop the EMA.",
+    )(command)  # fmt: skip

@@ -14,7 +14,6 @@ replaces anything; a storage no kept tensor views is not written.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from ckpttool.commands.mapped import contiguous, mapped_records, strided
 from ckpttool.commands.rewrite import write_checked
 from ckpttool.errors import (
     CkptError,
@@ -307,7 +307,7 @@ def _cast(
             sources.derived[new_key] = _caster(record, key, target, allow_overflow, sources)
         log.cast.append(key)
         return with_fields(record, dtype=target, storage=storage, storage_offset=0,
-                           stride=_contiguous(tuple(record.shape)))  # fmt: skip
+                           stride=contiguous(tuple(record.shape)))  # fmt: skip
 
     return edits.map_tensors(root, cast)
 
@@ -339,9 +339,6 @@ def _caster(
     return produce
 
 
-_MAP_PREFIX = "\0map\0"
-
-
 def _apply_map(root: Any, layout: str, spec: MapSpec, sources: _Sources, log: edits.EditLog) -> Any:
     """``root`` with the model's state dict mapped by ``spec``: renames keep their storage,
     the other operations write new contiguous storages computed at write time."""
@@ -363,7 +360,10 @@ def _apply_map(root: Any, layout: str, spec: MapSpec, sources: _Sources, log: ed
         if step.rule.op == "rename":
             out[step.targets[0]] = records[0]
             continue
-        for target, made in zip(step.targets, _mapped(step, records, spec, sources)):
+        made_records = mapped_records(
+            step, records, spec, sources.derived, lambda r: _values(r, sources)
+        )
+        for target, made in zip(step.targets, made_records):
             out[target] = made
     log.dropped.extend(join_key(part, k) for k in unmatched if spec.unmatched == "drop")
     if part == WHOLE_FILE:
@@ -371,108 +371,13 @@ def _apply_map(root: Any, layout: str, spec: MapSpec, sources: _Sources, log: ed
     return {key: (out if key == part else value) for key, value in root.items()}
 
 
-def _mapped(
-    step: Any, records: list[TensorRecord], spec: MapSpec, sources: _Sources
-) -> list[TensorRecord]:
-    """The records ``step`` makes, each a new storage whose bytes are computed when written."""
-    rule = step.rule
-    dtypes = {r.dtype for r in records}
-    if len(dtypes) != 1 or any(
-        r.dtype not in ITEMSIZE or not edits.plain_record(r) for r in records
-    ):
-        raise InputError(f"--map {spec.name}: {step.sources} must be plain tensors of one dtype")
-    dtype = records[0].dtype
-    shapes: list[tuple[int, ...]] = [tuple(r.shape) for r in records]
-    if rule.op == "transpose":
-        if len(shapes[0]) != 2:
-            raise InputError(f"--map {spec.name}: transpose takes a 2-D tensor, not {shapes[0]}")
-        out_shapes: list[tuple[int, ...]] = [shapes[0][::-1]]
-    elif rule.op in ("rope_to_hf", "rope_to_meta"):
-        heads = spec.params[rule.heads or ""]
-        if len(shapes[0]) not in (1, 2) or shapes[0][0] % (2 * heads):
-            raise InputError(
-                f"--map {spec.name}: {step.sources[0]} {list(shapes[0])} does not split into "
-                f"{heads} heads of pairs"
-            )
-        out_shapes = [shapes[0]]
-    elif rule.op == "concat":
-        dim = rule.dim
-        rest = {s[:dim] + s[dim + 1 :] for s in shapes}
-        if len(rest) != 1 or any(len(s) <= dim for s in shapes):
-            raise InputError(f"--map {spec.name}: {step.sources} do not concatenate on dim {dim}")
-        total = sum(s[dim] for s in shapes)
-        out_shapes = [(*shapes[0][:dim], total, *shapes[0][dim + 1 :])]
-    else:  # split
-        dim = rule.dim
-        sizes = [spec.params[s] if isinstance(s, str) else s for s in rule.sizes]
-        if len(shapes[0]) <= dim or sum(sizes) != shapes[0][dim]:
-            raise InputError(
-                f"--map {spec.name}: {step.sources[0]} {list(shapes[0])} does not split into "
-                f"{sizes} on dim {dim}"
-            )
-        out_shapes = [(*shapes[0][:dim], n, *shapes[0][dim + 1 :]) for n in sizes]
-    made = []
-    for index, (target, shape) in enumerate(zip(step.targets, out_shapes)):
-        key = f"{_MAP_PREFIX}{target}"
-        numel = math.prod(shape)
-        storage = StorageRecord(key, dtype, numel, "cpu", key, numel * ITEMSIZE[dtype])
-        sources.derived[key] = _mover(rule, records, index, spec, sources)
-        made.append(TensorRecord(target, dtype, shape, _contiguous(shape), 0, storage))
-    return made
-
-
-def _mover(
-    rule: Any, records: list[TensorRecord], index: int, spec: MapSpec, sources: _Sources
-) -> Callable[[], bytes]:
-    def produce() -> bytes:
-        import numpy as np
-
-        arrays = [_values(r, sources) for r in records]
-        if rule.op == "transpose":
-            out = arrays[0].T
-        elif rule.op in ("rope_to_hf", "rope_to_meta"):
-            w = arrays[0]
-            heads = spec.params[rule.heads]
-            rows = w.shape[0]
-            flat = w.reshape(rows, -1)
-            if rule.op == "rope_to_hf":  # rows (head, pair, 2) -> (head, 2, pair)
-                out = flat.reshape(heads, rows // heads // 2, 2, -1).transpose(0, 2, 1, 3)
-            else:  # rows (head, 2, pair) -> (head, pair, 2)
-                out = flat.reshape(heads, 2, rows // heads // 2, -1).transpose(0, 2, 1, 3)
-            out = out.reshape(w.shape)
-        elif rule.op == "concat":
-            out = np.concatenate(arrays, axis=rule.dim)
-        else:
-            sizes = [spec.params[s] if isinstance(s, str) else s for s in rule.sizes]
-            bounds = np.cumsum([0, *sizes])
-            out = np.take(arrays[0], range(bounds[index], bounds[index + 1]), axis=rule.dim)
-        return np.ascontiguousarray(out).tobytes()
-
-    return produce
-
-
 def _values(record: TensorRecord, sources: _Sources) -> Any:
     """The tensor's elements as a NumPy array of unsigned integers of its element size (the
     operations only move elements), shaped and strided as the tensor."""
-    import numpy as np
-
     assert record.storage is not None
     first = record.storage_offset * record.itemsize
     raw = sources.read_range(record.storage.key, first, max(record.stored_extent_bytes - first, 0))
-    held = np.dtype(f"<u{record.itemsize}")
-    return np.lib.stride_tricks.as_strided(
-        np.frombuffer(raw, dtype=held),
-        shape=record.shape,
-        strides=[s * record.itemsize for s in record.stride],
-    )
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))
+    return strided(record, raw, 0)
 
 
 #: Names a float8 weight's scale has beside it: DeepSeek-V3's multiplier (``weight_scale_inv``),
@@ -519,7 +424,7 @@ def _dequantize_fp8(
         storage = StorageRecord(new_key, target, value.numel, "cpu", new_key,
                                 value.numel * ITEMSIZE[target])  # fmt: skip
         sources.derived[new_key] = _fp8_producer(value, scale, child, target, sources)
-        out[name] = TensorRecord(child, target, tuple(value.shape), _contiguous(value.shape), 0,
+        out[name] = TensorRecord(child, target, tuple(value.shape), contiguous(value.shape), 0,
                                  storage)  # fmt: skip
         scales_used.add(scale_name)
         log.cast.append(child)

@@ -25,8 +25,9 @@ ALIASES_KEY = "ckpttool.aliases"
 class Selection:
     """Which tensors a command works on, and under which names: the options ``--section``,
     ``--strip-prefix``, ``--ignore-wrappers`` and ``--filter``, as ``diff`` and ``convert``
-    take them, and ``convert``'s ``--drop`` and ``--rename`` (the rules ``edit`` applies too)
-    (built once by the command line, or from a library call's keywords)."""
+    take them, and ``convert``'s ``--drop``, ``--rename``, ``--map`` and ``--use-ema`` (the
+    rules ``edit`` applies too; ``diff`` takes ``--map`` for A) (built once by the command
+    line, or from a library call's keywords)."""
 
     section: str | None = None  # the subtree used (None: the layout's model section, or all)
     strip: tuple[str, ...] = ()  # prefixes removed from every key (--strip-prefix)
@@ -34,6 +35,11 @@ class Selection:
     pattern: str | None = None  # --filter GLOB (convert); None: every tensor
     drop: tuple[str, ...] = ()  # --drop GLOB (convert): tensors left out
     rename: tuple[str, ...] = ()  # --rename REGEX=REPLACEMENT (convert): output names changed
+    # --map FILE|PRESET: names and layout mapped (convert: after --drop and --rename, as edit;
+    # diff: A's names, to compare with B's), with --map-param NAME=N numbers
+    map: str | None = None
+    map_params: tuple[tuple[str, int], ...] = ()
+    use_ema: str | None = None  # --use-ema (convert): "" for the one EMA part, or its key
 
     @property
     def prefixes(self) -> list[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,24 +91,91 @@ def _llama(to_hf: bool) -> dict[str, Any]:
     return {"unmatched": "error", "rules": rules}
 
 
+#: Hugging Face ``LlamaForCausalLM``'s tensor names, each with the number of heads its rows
+#: hold when its rows are rotary q/k rows (``None`` otherwise).
+HF_LLAMA = (
+    ("model.embed_tokens.weight", None),
+    ("model.layers.{L}.self_attn.q_proj.weight", "n_heads"),
+    ("model.layers.{L}.self_attn.k_proj.weight", "n_kv_heads"),
+    ("model.layers.{L}.self_attn.v_proj.weight", None),
+    ("model.layers.{L}.self_attn.o_proj.weight", None),
+    ("model.layers.{L}.input_layernorm.weight", None),
+    ("model.layers.{L}.post_attention_layernorm.weight", None),
+    ("model.layers.{L}.mlp.gate_proj.weight", None),
+    ("model.layers.{L}.mlp.down_proj.weight", None),
+    ("model.layers.{L}.mlp.up_proj.weight", None),
+    ("model.norm.weight", None),
+    ("lm_head.weight", None),
+)
+
+
+def _minimind() -> dict[str, Any]:
+    """MiniMind (jingyaogong/minimind ``MiniMindForCausalLM``, dense) and Hugging Face Llama:
+    the same names, and the same rotary layout (MiniMind rotates halves, ``rotate_half``, as
+    transformers does), so the map is names only. It is a check as much as a map: a tensor it
+    does not name (MiniMind's MoE experts and router, which Llama has no place for) is an
+    error."""
+    return {"unmatched": "error", "rules": [{"from": hf, "to": hf} for hf, _ in HF_LLAMA]}
+
+
+#: llama.cpp's GGUF names for the Hugging Face Llama tensors (gguf-py's ``TensorNameMap`` for
+#: ``MODEL_ARCH.LLAMA``), in :data:`HF_LLAMA`'s order.
+GGUF_LLAMA = (
+    "token_embd.weight", "blk.{L}.attn_q.weight", "blk.{L}.attn_k.weight",
+    "blk.{L}.attn_v.weight", "blk.{L}.attn_output.weight", "blk.{L}.attn_norm.weight",
+    "blk.{L}.ffn_norm.weight", "blk.{L}.ffn_gate.weight", "blk.{L}.ffn_down.weight",
+    "blk.{L}.ffn_up.weight", "output_norm.weight", "output.weight",
+)  # fmt: skip
+
+
+def _gguf_llama() -> dict[str, Any]:
+    """llama.cpp's Llama GGUF names to Hugging Face's. ``convert_hf_to_gguf.py``
+    (``LlamaModel.permute``) reorders q_proj's and k_proj's rows from Hugging Face's half-split
+    rotary layout to the interleaved one llama.cpp's kernel uses (Meta's), with k's heads being
+    ``num_key_value_heads``: undone here by ``rope_to_hf``. ``rope_freqs.weight`` (Llama 3's
+    scaled frequencies, which transformers computes from config.json) has no counterpart."""
+    rules: list[dict[str, Any]] = []
+    for gguf, (hf, heads) in zip(GGUF_LLAMA, HF_LLAMA):
+        rule: dict[str, Any] = {"from": gguf, "to": hf}
+        if heads:
+            rule.update(op="rope_to_hf", heads=heads)
+        rules.append(rule)
+    return {"unmatched": "error", "rules": rules}
+
+
 #: Maps shipped with ckpttool, by name (``--map llama-meta-to-hf``). Their ``n_heads`` and
 #: ``n_kv_heads`` come from ``--map-param`` or a ``config.json`` / ``params.json`` beside the
-#: checkpoint. MiniMind's names are Hugging Face Llama's already (no map needed).
+#: checkpoint.
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-meta-to-hf": _llama(to_hf=True),
     "llama-hf-to-meta": _llama(to_hf=False),
+    "llama-gguf-to-hf": _gguf_llama(),
+    "minimind-to-hf-llama": _minimind(),
+    "hf-llama-to-minimind": _minimind(),
 }
 
 #: Where a config beside the checkpoint keeps the numbers a map's params name.
+#: A GGUF file declares them itself (``llama.attention.head_count``...), as the facts the
+#: caller passes.
 CONFIG_PARAMS = {
-    "n_heads": ("n_heads", "num_attention_heads"),
-    "n_kv_heads": ("n_kv_heads", "num_key_value_heads", "n_heads", "num_attention_heads"),
-}
+    "n_heads": ("n_heads", "num_attention_heads", "llama.attention.head_count"),
+    "n_kv_heads": (
+        "n_kv_heads", "num_key_value_heads", "llama.attention.head_count_kv", "n_heads",
+        "num_attention_heads", "llama.attention.head_count",
+    ),
+}  # fmt: skip
 
 
-def load_map(name: str, params: dict[str, int], beside: Path | None = None) -> MapSpec:
-    """A preset by name, or a JSON/YAML map file; ``params`` override the file's, and a
-    ``config.json``/``params.json`` in ``beside`` fills the ones still missing."""
+def load_map(
+    name: str,
+    params: dict[str, int],
+    beside: Path | Sequence[Path] | None = None,
+    facts: Sequence[Mapping[str, Any]] = (),
+) -> MapSpec:
+    """A preset by name, or a JSON/YAML map file; ``params`` override the file's, and the
+    ones still missing come from ``facts`` (key/values a checkpoint declares about its model,
+    such as a GGUF file's), then from a ``config.json``/``params.json`` in ``beside`` (a
+    folder, or several tried in order)."""
     if name in PRESETS:
         data = PRESETS[name]
     else:
@@ -128,10 +196,16 @@ def load_map(name: str, params: dict[str, int], beside: Path | None = None) -> M
             ) from None
         except Exception as error:  # json / yaml syntax errors
             raise InputError(f"--map {name}: not a valid map file ({error})") from None
-    return _spec(name, data, params, beside)
+    return _spec(name, data, params, beside, facts)
 
 
-def _spec(name: str, data: Any, params: dict[str, int], beside: Path | None) -> MapSpec:
+def _spec(
+    name: str,
+    data: Any,
+    params: dict[str, int],
+    beside: Path | Sequence[Path] | None,
+    facts: Sequence[Mapping[str, Any]] = (),
+) -> MapSpec:
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
         raise InputError(f"--map {name}: expected an object with a list of rules")
     merged = {k: v for k, v in (data.get("params") or {}).items()}
@@ -141,7 +215,9 @@ def _spec(name: str, data: Any, params: dict[str, int], beside: Path | None) -> 
         s for r in rules for s in r.sizes if isinstance(s, str)
     }
     for param in sorted(wanted - set(merged)):
-        value = _from_config(param, beside)
+        value = _declared(param, facts)
+        if value is None:
+            value = _from_config(param, beside)
         if value is None:
             raise InputError(
                 f"--map {name}: needs {param}: pass --map-param {param}=N, or put a config.json "
@@ -211,21 +287,30 @@ def _fill(key: str, values: dict[str, str]) -> str:
     return re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], key)
 
 
-def _from_config(param: str, beside: Path | None) -> int | None:
-    if beside is None:
-        return None
-    for file in ("config.json", "params.json"):
-        path = beside / file
-        if not path.is_file():
-            continue
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+def _declared(param: str, facts: Sequence[Mapping[str, Any]]) -> int | None:
+    for declared in facts:
         for key in CONFIG_PARAMS.get(param, (param,)):
-            value = config.get(key) if isinstance(config, dict) else None
-            if isinstance(value, int):
+            value = declared.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
                 return value
+    return None
+
+
+def _from_config(param: str, beside: Path | Sequence[Path] | None) -> int | None:
+    folders = [beside] if isinstance(beside, Path) else list(beside or ())
+    for folder in folders:
+        for file in ("config.json", "params.json"):
+            path = folder / file
+            if not path.is_file():
+                continue
+            try:
+                config = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            for key in CONFIG_PARAMS.get(param, (param,)):
+                value = config.get(key) if isinstance(config, dict) else None
+                if isinstance(value, int):
+                    return value
     return None
 
 

@@ -224,6 +224,8 @@ def side_json(side: Side) -> dict[str, Any]:
     }
     if side.weights_section is not None:  # only then: older outputs stay as they were
         out["weights_section"] = side.weights_section
+    if side.map is not None:  # diff --map (A only)
+        out["map"] = side.map
     return out
 
 

@@ -17,6 +17,13 @@ from typing import Any
 
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.commands.convert.options import ConversionOptions
+from ckpttool.commands.mapped import (
+    DerivedCheckpoint,
+    config_dirs,
+    declared_facts,
+    map_named,
+    step_counts,
+)
 from ckpttool.commands.selection import (
     ALIASES_KEY,
     Selection,
@@ -31,6 +38,7 @@ from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import reported_layout
 from ckpttool.model.cast import CASTABLE, TARGETS
 from ckpttool.model.edits import compile_rules, renamed_key
+from ckpttool.model.mapping import load_map
 from ckpttool.model.records import ITEMSIZE, TensorRecord, walk, without_values
 
 #: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
@@ -128,6 +136,8 @@ def build_plan(
             raise InputError(f"{ckpt.name}: --drop leaves no tensor to convert")
     if choice.rename:
         named = _renamed(named, choice.rename, notes)
+    if choice.map is not None:
+        named = _mapped(ckpt, named, choice, notes, decode=options.dequantize)
     warnings = [] if ignore_wrappers else _wrapper_warning(named)
     kept = {k for k, r in named.items() if keep_kinds and _keeps(r, densify, dequantize)}
     _refuse_unwritable(
@@ -207,6 +217,35 @@ def _renamed(
         origin[new] = name
     notes.extend(f"--rename {rule!r}: {count} name(s)" for rule, count in zip(rules, counts))
     return out
+
+
+def _mapped(
+    ckpt: Checkpoint,
+    named: dict[str, TensorRecord],
+    choice: Selection,
+    notes: list[str],
+    *,
+    decode: bool,
+) -> dict[str, TensorRecord]:
+    """The output names and tensors after ``--map`` (``edit``'s maps and presets, on the names
+    written, after ``--drop`` and ``--rename`` as in ``edit``); the tensors a rule computes are
+    read through ``ckpt``, which must be a :class:`DerivedCheckpoint` (``decode``: those made
+    from tensors quantized in blocks are made from their float32 values, with --dequantize)."""
+    assert choice.map is not None
+    if not isinstance(ckpt, DerivedCheckpoint):
+        raise TypeError("convert --map reads the source as a DerivedCheckpoint (with_derived)")
+    spec = load_map(
+        choice.map, dict(choice.map_params), config_dirs([ckpt.name]), declared_facts(ckpt)
+    )
+    mapped, steps, unmatched = map_named(named, spec, ckpt, decode=decode)
+    notes.append(f"--map {choice.map}: {step_counts(steps)}")
+    if unmatched:
+        kept = "kept under their own names" if spec.unmatched == "keep" else "left out"
+        notes.append(f"--map {choice.map}: {len(unmatched)} tensor(s) no rule maps {kept}: "
+                     f"{_some(unmatched)}")  # fmt: skip
+    if not mapped:
+        raise InputError(f"{ckpt.name}: --map {choice.map} leaves no tensor to convert")
+    return mapped
 
 
 def filtered(named: dict[str, TensorRecord], pattern: str) -> dict[str, TensorRecord]:

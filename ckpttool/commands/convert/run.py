@@ -37,6 +37,7 @@ from ckpttool.commands.convert.output import (
     writes_pth,
 )
 from ckpttool.commands.convert.plan import FIELD_PREFIX, Plan, Planned, build_plan
+from ckpttool.commands.mapped import with_derived
 from ckpttool.commands.selection import Selection
 from ckpttool.errors import (
     CkptError,
@@ -53,7 +54,9 @@ from ckpttool.io.read_batch import BLOCK
 from ckpttool.io.source import is_url, local_path
 from ckpttool.io.values import dense_record, read_array
 from ckpttool.model.cast import CastCounts, cast_array, stored_dtype
+from ckpttool.model.edits import EditLog, use_ema
 from ckpttool.model.records import TensorRecord
+from ckpttool.model.roles import layout_of
 
 Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
 Keep = Callable[["Planned"], Any]  # a kept (sparse, nested, quantized) tensor, as torch's
@@ -96,6 +99,9 @@ def convert(
     pattern: str | None = None,
     drop: Sequence[str] = (),
     rename: Sequence[str] = (),
+    map_name: str | None = None,
+    map_params: Mapping[str, int] | None = None,
+    use_ema: str | None = None,
     keep_shared: bool = False,
     max_shard_size: str | int | None = None,
     allow_overflow: bool = False,
@@ -108,7 +114,10 @@ def convert(
     on_total: ProgressCallback | None = None,
 ) -> ConvertReport:
     """:func:`convert_with` for a library call: the option groups from keywords."""
-    choice = Selection(section, tuple(strip), ignore_wrappers, pattern, tuple(drop), tuple(rename))
+    choice = Selection(
+        section, tuple(strip), ignore_wrappers, pattern, tuple(drop), tuple(rename),
+        map=map_name, map_params=tuple((map_params or {}).items()), use_ema=use_ema,
+    )  # fmt: skip
     options = ConversionOptions(
         to=to, dtype=dtype, allow_overflow=allow_overflow, keep_shared=keep_shared,
         densify=densify, dequantize=dequantize, skip_missing_values=skip_missing_values,
@@ -146,10 +155,11 @@ def convert_with(
     max_shard_size = options.max_shard_size
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     src_path = _local_name(src, dst)
-    with open_checkpoint(src, view=WEIGHTS_VIEW) as ckpt:
+    with open_checkpoint(src, view=WEIGHTS_VIEW) as opened:
+        ckpt, edited = _edited(opened, choice)
         plan = build_plan(ckpt, choice, options, keep_kinds=writes_pth(dst, to))
         facts = view_facts(ckpt)
-        plan.notes[:0] = list(facts.notes) if facts is not None else []
+        plan.notes[:0] = [*(facts.notes if facts is not None else ()), *edited]
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
 
@@ -186,6 +196,26 @@ def convert_with(
     report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
     _name_remote_source(report, src, verify)
     return report
+
+
+def _edited(ckpt: Checkpoint, choice: Selection) -> tuple[Checkpoint, list[str]]:
+    """``ckpt`` as ``--use-ema`` and ``--map`` need it: with the EMA weights in place of the
+    model's (``edit``'s rule), and able to read the tensors a map computes; notes on what
+    ``--use-ema`` took."""
+    notes = []
+    if choice.use_ema is not None:
+        log = EditLog()
+        root = use_ema(ckpt.root, layout_of(ckpt), choice.use_ema or None, log)
+        ckpt = with_derived(ckpt, root)
+        note = f"--use-ema: the model's {len(log.ema_taken)} tensor(s) taken from {log.ema}"
+        if log.ema_missing:
+            note += (
+                f"; {len(log.ema_missing)} it does not hold kept: {', '.join(log.ema_missing[:5])}"
+            )
+        notes.append(note)
+    if choice.map is not None:
+        ckpt = with_derived(ckpt)
+    return ckpt, notes
 
 
 def _name_remote_source(report: ConvertReport, src: str | os.PathLike[str], verify: bool) -> None:

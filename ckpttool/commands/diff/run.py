@@ -45,6 +45,14 @@ from ckpttool.commands.diff.values import (
     narrower_dtype,
     scalar_value,
 )
+from ckpttool.commands.mapped import (
+    DerivedCheckpoint,
+    config_dirs,
+    declared_facts,
+    map_named,
+    step_counts,
+    with_derived,
+)
 from ckpttool.commands.selection import Selection
 from ckpttool.errors import CkptError
 from ckpttool.formats.registry import carries_metadata
@@ -52,6 +60,7 @@ from ckpttool.frameworks.base import WEIGHTS_VIEW, reported_layout, view_facts
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK, read_many
 from ckpttool.io.values import dense_record
+from ckpttool.model.mapping import load_map
 from ckpttool.model.records import ELEMENTS_PER_BYTE, ITEMSIZE, TensorRecord, with_key
 
 IDENTICAL = "identical"
@@ -81,6 +90,7 @@ class Side:
     # its tensors; their records' keys (and, compared whole, their keys) are as the files
     # store them, without the section's name
     weights_section: str | None = None
+    map: str | None = None  # --map: the map (file or preset) this side's names went through
 
 
 @dataclass(frozen=True, slots=True)  # one per tensor: 100,000 in a large diff
@@ -180,11 +190,16 @@ def diff(
     quick: bool = False,
     rounded: bool = False,
     norms: bool = False,
+    map_name: str | None = None,
+    map_params: dict[str, int] | None = None,
     progress: ProgressCallback | None = None,
 ) -> DiffReport:
     """Compare checkpoint ``a`` with ``b`` (paths or open checkpoints). Never prints.
 
     ``section`` names the subtree compared in both, ``section_a``/``section_b`` in one side.
+    ``map_name``: a map file or preset (``edit --map``'s) A's tensors go through before they
+    are matched with B's (``map_params``: the numbers it needs, else from a ``config.json``
+    or ``params.json`` beside A or B).
     ``rounded``: compare floats of different precision after rounding the wider to the
     narrower dtype (is one exactly the other saved in its dtype?). ``progress`` is called with
     the number of bytes read after each chunk of values.
@@ -197,7 +212,12 @@ def diff(
             else:
                 ckpts.append(stack.enter_context(open_side(item)))
         ckpt_a, ckpt_b = ckpts
-        selection = Selection(section, tuple(strip), ignore_wrappers)
+        selection = Selection(
+            section, tuple(strip), ignore_wrappers, map=map_name,
+            map_params=tuple((map_params or {}).items()),
+        )  # fmt: skip
+        if map_name is not None:
+            ckpt_a = with_derived(ckpt_a)
         plan = plan_diff(ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b)
         return run_diff(
             ckpt_a, ckpt_b, plan, rtol=rtol, atol=atol, quick=quick, rounded=rounded,
@@ -214,7 +234,10 @@ def plan_diff(
     section_b: str | None = None,
 ) -> DiffPlan:
     """Match tensors and compare fields, from metadata alone (no tensor bytes are read).
-    ``section_a``/``section_b`` override ``selection.section`` for one side."""
+    ``section_a``/``section_b`` override ``selection.section`` for one side. With
+    ``selection.map``, A's tensors are mapped first; ``ckpt_a`` must then be a
+    :class:`~ckpttool.commands.mapped.DerivedCheckpoint` (:func:`with_derived`), which reads
+    the tensors the map computes."""
     selection = selection or Selection()
     notes: list[str] = []
     part_a, part_b = choose_parts(
@@ -223,7 +246,11 @@ def plan_diff(
     sel_a, sel_b = part_a.selection, part_b.selection
     aliases_a = metadata_aliases(ckpt_a, sel_a, part_a.prefixes, "A", notes)
     aliases_b = metadata_aliases(ckpt_b, sel_b, part_b.prefixes, "B", notes)
-    pairs = match_tensors(sel_a.tensors, sel_b.tensors, aliases_a, aliases_b)
+    tensors_a = sel_a.tensors
+    if selection.map is not None:
+        tensors_a = _mapped_side(ckpt_a, ckpt_b, tensors_a, selection, notes)
+        aliases_a = {}  # declared under A's own names
+    pairs = match_tensors(tensors_a, sel_b.tensors, aliases_a, aliases_b)
     for pair in pairs:
         if pair.alias is not None:
             notes.append(alias_note(pair))
@@ -241,13 +268,42 @@ def plan_diff(
     counters_a, counters_b = _counters(ckpt_a), _counters(ckpt_b)
     if counters_a is not None and counters_b is not None:  # two DeepSpeed tags
         fields += compare_fields(counters_a, counters_b)
+    side_a = _side(ckpt_a, part_a)
+    if selection.map is not None:
+        side_a = replace(side_a, num_tensors=len(tensors_a), map=selection.map)
     return DiffPlan(
-        a=_side(ckpt_a, part_a),
+        a=side_a,
         b=_side(ckpt_b, part_b),
         pairs=pairs,
         fields=fields,
         notes=notes,
     )
+
+
+def _mapped_side(
+    ckpt_a: Checkpoint,
+    ckpt_b: Checkpoint,
+    tensors: dict[str, TensorRecord],
+    selection: Selection,
+    notes: list[str],
+) -> dict[str, TensorRecord]:
+    """A's tensors under the names ``selection.map`` gives them; those no rule maps keep
+    their own (and are reported as only in A unless B has them too)."""
+    assert selection.map is not None
+    if not isinstance(ckpt_a, DerivedCheckpoint):
+        raise TypeError("with --map, A is opened as a DerivedCheckpoint (with_derived)")
+    spec = load_map(
+        selection.map, dict(selection.map_params), config_dirs([ckpt_a.name, ckpt_b.name]),
+        declared_facts(ckpt_a, ckpt_b),
+    )  # fmt: skip
+    # quantized tensors compare by their values: those a map computes from too
+    mapped, steps, unmatched = map_named(tensors, spec, ckpt_a, keep_unmatched=True, decode=True)
+    note = f"A's tensors mapped by {selection.map}: {step_counts(steps)}"
+    if unmatched:
+        shown = ", ".join(unmatched[:5]) + (" ..." if len(unmatched) > 5 else "")
+        note += f"; {len(unmatched)} no rule maps, compared under their own names: {shown}"
+    notes.append(note)
+    return mapped
 
 
 def run_diff(
@@ -510,4 +566,5 @@ __all__ = [
     "diff",
     "plan_diff",
     "run_diff",
+    "with_derived",
 ]
