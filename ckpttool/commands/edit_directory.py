@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.commands.edit import EditReport, edit_file
+from ckpttool.commands.edit_format_directory import edit_format_directory
 from ckpttool.errors import CkptError, InputError, OutputExistsError, name_file
+from ckpttool.formats.registry import directory_formats
 from ckpttool.frameworks.base import INDEX, WEIGHTS
 from ckpttool.frameworks.registry import detect_directory, framework_of
 from ckpttool.io.atomic import staged_directory
@@ -29,9 +31,13 @@ def edit(
     src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, **options: Any
 ) -> EditReport:
     """``edit``'s entry point: the checkpoint file ``src``
-    (:func:`~ckpttool.commands.edit.edit_file`) or the Hugging Face model directory ``src``
-    (:func:`edit_directory`)."""
+    (:func:`~ckpttool.commands.edit.edit_file`), a directory format's checkpoint
+    (:func:`~ckpttool.commands.edit_format_directory.edit_format_directory`: DCP) or the
+    Hugging Face model directory ``src`` (:func:`edit_directory`)."""
     if Path(src).is_dir():
+        fmt = next((f for f in directory_formats() if f.recognises_directory(src)), None)
+        if fmt is not None:
+            return edit_format_directory(src, dst, fmt, **options)
         return edit_directory(src, dst, **options)
     return edit_file(src, dst, **options)
 
