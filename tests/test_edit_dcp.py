@@ -151,3 +151,21 @@ def test_a_chunk_written_wrong_is_caught_on_read_back_and_nothing_is_replaced(
     assert result.exit_code == 1, result.output
     assert "its bytes read back differ: nothing was replaced" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_value_the_writer_lost_is_caught_on_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpttool.formats.dcp import write
+
+    original = write._at
+    monkeypatch.setattr(
+        write,
+        "_at",
+        lambda root, path: write._ABSENT if path == ("step",) else original(root, path),
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["edit", str(DCP), "--for-inference", "-o", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "values differ from the edit's: nothing was replaced" in result.output
+    assert list(tmp_path.iterdir()) == []

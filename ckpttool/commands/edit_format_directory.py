@@ -92,7 +92,7 @@ def edit_format_directory(
             if write:
                 with staged_directory(output, replace_existing=True, parent=output.parent) as stage:
                     fmt.rewrite_directory(source, root, stage, casts)
-                    _read_back(ckpt, stage, after, casts)
+                    _read_back(ckpt, stage, root, after, casts)
     except CkptError as error:
         raise name_file(error, str(source)) from None
     target = TARGETS.get(dtype, dtype) if dtype else None
@@ -129,6 +129,15 @@ def _tensors(root: Any) -> dict[str, TensorRecord]:
         key: record
         for key, record in walk(root)
         if isinstance(record, TensorRecord) and isinstance(record.storage, ChunkedStorageRecord)
+    }
+
+
+def _values(root: Any) -> dict[str, Any]:
+    """The tree's leaves that are not stored tensors, by key."""
+    return {
+        key: leaf
+        for key, leaf in walk(root)
+        if not (isinstance(leaf, TensorRecord) and isinstance(leaf.storage, ChunkedStorageRecord))
     }
 
 
@@ -175,21 +184,35 @@ def _caster(key: str, source: str, target: str, allow_overflow: bool) -> Callabl
     return cast
 
 
+#: Values compared on read-back (others, such as pickled objects, are checked by being read).
+_PLAIN = (int, float, str, bytes, bool, type(None))
+
+
 def _read_back(
     ckpt: Any,
     stage: Path,
+    root: Any,
     expected: dict[str, TensorRecord],
     casts: dict[str, tuple[str, Callable[[Any], bytes]]],
 ) -> None:
     """Open the written directory as any reader would and compare every tensor with its
-    source's values (cast as asked, from the whole source tensor): a difference, a missing or
-    an extra tensor raises :class:`~ckpttool.errors.ReadBackError` (the staged directory is
-    then dropped)."""
+    source's values (cast as asked, from the whole source tensor), and every plain value: a
+    difference, a missing or an extra entry raises :class:`~ckpttool.errors.ReadBackError`
+    (the staged directory is then dropped)."""
     import numpy as np
 
     from ckpttool.model.cast import stored_dtype
 
     with open_checkpoint(stage) as written:
+        values = _values(root)
+        found_values = _values(written.root)
+        if set(values) != set(found_values) or any(
+            isinstance(value, _PLAIN) and found_values[key] != value
+            for key, value in values.items()
+        ):
+            raise ReadBackError(
+                "the written directory's values differ from the edit's: nothing was replaced"
+            )
         found = _tensors(written.root)
         if set(found) != set(expected):
             missing = sorted(set(expected) - set(found))[:3]
@@ -202,8 +225,7 @@ def _read_back(
             data, _ = ckpt.read_bytes(record)
             if key in casts:
                 target, cast = casts[key]
-                values = np.frombuffer(data, dtype=stored_dtype(record.dtype))
-                data = cast(values)
+                data = cast(np.frombuffer(data, dtype=stored_dtype(record.dtype)))
             else:
                 target = record.dtype
             got = found[key]
