@@ -169,3 +169,15 @@ def test_a_value_the_writer_lost_is_caught_on_read_back(
     assert result.exit_code == 1, result.output
     assert "values differ from the edit's: nothing was replaced" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_other_files_in_the_directory_are_kept(tmp_path: Path) -> None:
+    target = tmp_path / "step_1200"
+    shutil.copytree(DCP, target)
+    (target / "train_config.yaml").write_text("lr: 0.001\n")
+    (target / "notes").mkdir()
+    (target / "notes" / "README").write_text("run 7\n")
+    edit(target, in_place=True, for_inference=True)
+    assert (target / "train_config.yaml").read_text() == "lr: 0.001\n"
+    assert (target / "notes" / "README").read_text() == "run 7\n"
+    assert "optimizer" not in _torch_load_dcp(target, tmp_path)

@@ -1,6 +1,7 @@
 """A torch.distributed.checkpoint (DCP) directory written from an edited tree of another one
 (``edit``): the same data files, each holding the items of the source's that the edit kept, in
-the source's order; a new ``.metadata`` naming them where they now lie.
+the source's order; a new ``.metadata`` naming them where they now lie; any other file of the
+directory copied as it is.
 
 An item the edit keeps as it was (a value, or a tensor chunk whatever its new name) is copied
 byte for byte: its small ``torch.save`` archive does not name its key. A chunk of a tensor the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +126,7 @@ def rewrite_dcp(source: Path, root: Any, target: Path, casts: Mapping[str, Cast]
                     storage_data[index] = _StorageInfo(name, offset, out.tell() - offset)
     finally:
         files.close()
+    _copy_others(source, target, {DCP_METADATA, *meta.files})
     written = dcp_metadata.Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data=planner_data,
@@ -132,6 +135,17 @@ def rewrite_dcp(source: Path, root: Any, target: Path, casts: Mapping[str, Cast]
     )
     with open(target / DCP_METADATA, "wb") as out:
         pickle.dump(written, out)
+
+
+def _copy_others(source: Path, target: Path, owned: set[str]) -> None:
+    """Every file of ``source`` that is not the checkpoint's (a config, a README beside it),
+    copied byte for byte: the edited directory replaces the source's whole."""
+    for path in sorted(source.rglob("*")):
+        name = path.relative_to(source).as_posix()
+        if name in owned or not path.is_file():
+            continue
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target / name)
 
 
 def _chunk_index(item: _Item) -> int:
