@@ -122,6 +122,38 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+#: Map rules that cannot apply to the Trainer fixture's model (hidden size 16).
+BAD_MAPS = {
+    "missing-key": (
+        {"from": ["model.norm.weight", "model.no_such.weight"], "to": "model.both.weight",
+         "op": "concat", "dim": 0},
+        "also needs ['model.no_such.weight']",
+    ),
+    "split-sizes": (
+        {"from": "model.norm.weight", "to": ["model.a.weight", "model.b.weight"], "op": "split",
+         "dim": 0, "sizes": [3, 3]},
+        "does not split into [3, 3] on dim 0",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_MAPS)
+def test_a_bad_map_on_a_trainer_checkpoint_is_exit_2_and_writes_nothing(
+    tmp_path: Path, case: str
+) -> None:
+    rule, message = BAD_MAPS[case]
+    map_file = tmp_path / "map.json"
+    map_file.write_text(json.dumps({"unmatched": "keep", "rules": [rule]}))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        cli, ["edit", str(TRAINER), "--for-inference", "--map", str(map_file), "-o", str(out)]
+    )
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {TRAINER}") and message in lines[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["map.json"]
+
+
 def test_in_place_replaces_the_trainer_checkpoint_whole(tmp_path: Path) -> None:
     target = tmp_path / "checkpoint-8"
     shutil.copytree(TRAINER, target)
