@@ -869,7 +869,8 @@ def repair_command(
 @click.argument("src", type=click.Path(path_type=str))
 @click.option(
     "-o", "--output", "dst", metavar="DST", type=click.Path(path_type=str),
-    help="Where the edited file goes (default: NAME.edited.EXT beside SRC).",
+    help="Where the edited file goes (default: NAME.edited.EXT beside SRC; for a directory, "
+    "NAME.edited).",
 )  # fmt: skip
 @click.option("--in-place", is_flag=True, help="Replace SRC itself, atomically.")
 @click.option("--backup", is_flag=True, help="With --in-place: keep the original as SRC.bak.")
