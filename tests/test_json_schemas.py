@@ -606,6 +606,22 @@ def test_edit_json_matches_its_schema(tmp_path: Path, options: list[str]) -> Non
     assert data["written"] is data["changed"] is (tmp_path / "out.pth").exists()
 
 
+@pytest.mark.parametrize(
+    ("source", "options"),
+    [("dcp/checkpoint", ["--for-inference", "--dtype", "bf16"]),
+     ("frameworks/trainer_1proc/output/checkpoint-8", ["--for-inference"]),
+     ("frameworks/accelerate_1proc/state", ["--for-inference", "--dry-run"])],
+    ids=["dcp", "trainer", "accelerate"],
+)  # fmt: skip
+def test_edit_json_of_a_directory_matches_its_schema(
+    tmp_path: Path, source: str, options: list[str]
+) -> None:
+    data = run_json("edit", FIXTURES / source, *options, "-o", tmp_path / "out")
+    assert_valid("edit", data)
+    assert data["changed"] and data["written"] is (tmp_path / "out").exists()
+    assert data["files_dropped"] or data["dropped"]
+
+
 # --- the schemas are strict enough to catch a renamed field -----------------------------------
 
 

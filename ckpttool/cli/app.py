@@ -888,7 +888,8 @@ def repair_command(
 @click.argument("src", type=click.Path(path_type=str))
 @click.option(
     "-o", "--output", "dst", metavar="DST", type=click.Path(path_type=str),
-    help="Where the edited file goes (default: NAME.edited.EXT beside SRC).",
+    help="Where the edited file goes (default: NAME.edited.EXT beside SRC; for a directory, "
+    "NAME.edited).",
 )  # fmt: skip
 @click.option("--in-place", is_flag=True, help="Replace SRC itself, atomically.")
 @click.option("--backup", is_flag=True, help="With --in-place: keep the original as SRC.bak.")
@@ -949,13 +950,14 @@ def edit_command(
     force: bool,
     as_json: bool,
 ) -> None:
-    """Rewrite a checkpoint file in its own format with entries dropped, kept or renamed.
+    """Rewrite a checkpoint file or directory in its own format with entries dropped, kept or
+    renamed.
 
     The edits run in this order: --use-ema, --for-inference, --drop, --keep, --rename,
-    --map, --dtype, --compact. The result keeps
-    SRC's format and layout (a resume file stays a resume file, a Lightning .ckpt stays
-    loadable by Lightning), every tensor the same view of the same bytes; storages are copied
-    whole (in the kernel for a torch zip), those no kept tensor views are not written. It is
+    --map, --dtype, --compact. The result keeps SRC's format and layout (a resume file stays
+    a resume file, a Lightning .ckpt stays loadable by Lightning, a DCP directory stays DCP),
+    every tensor the same view of the same bytes; storages are copied whole (in the kernel
+    for a torch zip), those no kept tensor views are not written. It is
     written atomically and read back before it replaces anything. A damaged file is refused
     (ckpttool repair is for it).
 
@@ -969,6 +971,8 @@ def edit_command(
       ckpttool edit last.pth --use-ema --for-inference -o ema_weights.pth
       ckpttool edit consolidated.pth --map llama-meta-to-hf -o hf_names.pth
       ckpttool edit sliced.pth --compact -o small.pth
+      ckpttool edit output/checkpoint-500 --for-inference -o model_dir
+      ckpttool edit dcp/step_1200 --for-inference --dtype bf16 -o step_1200_bf16
     """
     from ckpttool.commands.edit_directory import edit
     from ckpttool.render import edit as edit_render

@@ -72,12 +72,13 @@ class EditReport:
     ema_missing: tuple[str, ...] = ()  # model tensors the EMA does not hold (kept)
     mapped: tuple[tuple[str, str, str], ...] = ()  # (op, sources, targets) of each --map step
     dry_run: bool = False  # nothing was to be written
+    files_dropped: tuple[str, ...] = ()  # a directory's member files left out
 
     @property
     def changed(self) -> bool:
         return bool(
             self.dropped or self.renamed or self.compacted or self.cast or self.ema_taken
-            or self.mapped
+            or self.mapped or self.files_dropped
         )  # fmt: skip
 
 

@@ -1,5 +1,8 @@
-"""``edit`` of a Hugging Face model directory, and :func:`edit`, the entry point for a file
-or a directory. A directory: every weights file edited in its own format
+"""``edit`` of a framework's directory (a Hugging Face model directory, a Trainer
+``checkpoint-N/``, an accelerate ``save_state`` folder), and :func:`edit`, the entry point for a
+file or a directory. A framework directory: the members its framework leaves out for the edit
+(``--for-inference``: the optimizer, scheduler, RNG states...) left out, every weights file
+edited in its own format
 (:func:`ckpttool.commands.edit.edit_file`), the index rebuilt from the written shards, the
 other files (config, tokenizer...) copied byte for byte, ``config.json``'s dtype (and FP8
 ``quantization_config``) brought in line with a ``--dtype``; all written to a staged directory
@@ -15,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.commands.edit import EditReport, edit_file
+from ckpttool.commands.edit_format_directory import edit_format_directory
 from ckpttool.errors import CkptError, InputError, OutputExistsError, name_file
+from ckpttool.formats.registry import directory_formats
 from ckpttool.frameworks.base import INDEX, WEIGHTS
 from ckpttool.frameworks.registry import detect_directory, framework_of
 from ckpttool.io.atomic import staged_directory
-from ckpttool.model.roles import HF_MODEL
 
 #: The config keys transformers reads the weights' dtype from (``dtype`` since 4.56).
 DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -29,9 +33,13 @@ def edit(
     src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, **options: Any
 ) -> EditReport:
     """``edit``'s entry point: the checkpoint file ``src``
-    (:func:`~ckpttool.commands.edit.edit_file`) or the Hugging Face model directory ``src``
-    (:func:`edit_directory`)."""
+    (:func:`~ckpttool.commands.edit.edit_file`), a directory format's checkpoint
+    (:func:`~ckpttool.commands.edit_format_directory.edit_format_directory`: DCP) or the
+    Hugging Face model directory ``src`` (:func:`edit_directory`)."""
     if Path(src).is_dir():
+        fmt = next((f for f in directory_formats() if f.recognises_directory(src)), None)
+        if fmt is not None:
+            return edit_format_directory(src, dst, fmt, **options)
         return edit_directory(src, dst, **options)
     return edit_file(src, dst, **options)
 
@@ -51,8 +59,11 @@ def edit_directory(
     overwrite: bool = False,
     **operations: Any,
 ) -> EditReport:
-    """Edit the Hugging Face model directory ``src`` into ``dst`` (default
-    :func:`default_output`; ``in_place``: ``src`` itself, replaced whole). ``operations`` are
+    """Edit the framework directory ``src`` (a Hugging Face model directory, a Trainer
+    ``checkpoint-N/``, an accelerate ``save_state`` folder) into ``dst`` (default
+    :func:`default_output`; ``in_place``: ``src`` itself, replaced whole). The framework says
+    which members the edit leaves out (:meth:`~ckpttool.frameworks.base.Framework.edit_leaves_out`:
+    ``--for-inference``'s preset for its layout); ``operations`` are
     :func:`~ckpttool.commands.edit.edit_file`'s, applied to each weights file on its own (a
     ``--map`` rule must find all its sources in one file)."""
     source = Path(src)
@@ -65,11 +76,16 @@ def edit_directory(
         if operations.get("use_ema") is not None:
             raise InputError("--use-ema applies to a file that keeps an EMA beside its model")
         layout = detect_directory(str(source))
-        if layout is None or layout.kind != HF_MODEL:
+        framework = framework_of(layout.kind) if layout is not None else None
+        if layout is None or framework is None:
             raise InputError(
-                "edit rewrites a Hugging Face model directory (config.json and its weights) or "
-                "one checkpoint file; give the file for anything else"
+                "edit rewrites a Hugging Face model directory, a Trainer checkpoint-N/, an "
+                "accelerate save_state folder, a torch.distributed.checkpoint directory or "
+                "one checkpoint file; not this directory"
             )
+        leave_out = framework.edit_leaves_out(
+            layout, for_inference=bool(operations.get("for_inference"))
+        )
         if not in_place and output.exists() and not dry_run:
             if output.resolve() == source.resolve():
                 raise InputError(f"the output {output} is the source: pass in_place to edit it")
@@ -81,7 +97,7 @@ def edit_directory(
         if dry_run:
             for name in weights:
                 reports.append(edit_file(source / name, dry_run=True, **operations))
-            return _combined(source, output, reports, written=False, dry_run=True)
+            return _combined(source, output, layout.kind, reports, leave_out, False, True)
         with staged_directory(output, replace_existing=True, parent=output.parent) as stage:
             for name in weights:
                 target = stage / name
@@ -90,26 +106,25 @@ def edit_directory(
                 if not report.written:
                     shutil.copyfile(source / name, target)  # nothing changed in this file
                 reports.append(report)
-            changed = any(r.changed for r in reports)
-            if not changed:
+            if not leave_out and not any(r.changed for r in reports):
                 raise _Unchanged
             for path in sorted(source.rglob("*")):
                 name = path.relative_to(source).as_posix()
-                if path.is_dir() or name in weights:
+                if path.is_dir() or name in weights or name in leave_out:
                     continue
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, stage / name)
             _config_dtype(stage / "config.json", reports)
             if index is not None:
-                framework = framework_of(layout.kind)
-                rebuilt = framework.rebuild_index(str(stage)) if framework else None
+                rebuilt = framework.rebuild_index(str(stage))
                 if rebuilt is not None and rebuilt.content is not None:
                     (stage / rebuilt.index).write_bytes(rebuilt.content)
     except _Unchanged:
-        return _combined(source, output, reports, written=False, dry_run=False)
+        assert layout is not None
+        return _combined(source, output, layout.kind, reports, leave_out, False, False)
     except CkptError as error:
         raise name_file(error, str(source)) from None
-    return _combined(source, output, reports, written=True, dry_run=False)
+    return _combined(source, output, layout.kind, reports, leave_out, True, False)
 
 
 class _Unchanged(Exception):
@@ -137,7 +152,13 @@ def _config_dtype(config: Path, reports: list[EditReport]) -> None:
 
 
 def _combined(
-    source: Path, output: Path, reports: list[EditReport], *, written: bool, dry_run: bool
+    source: Path,
+    output: Path,
+    layout: str,
+    reports: list[EditReport],
+    files_dropped: tuple[str, ...],
+    written: bool,
+    dry_run: bool,
 ) -> EditReport:
     def joined(field: str) -> tuple[Any, ...]:
         return tuple(item for r in reports for item in getattr(r, field))
@@ -150,8 +171,9 @@ def _combined(
         source=str(source),
         output=str(output),
         format="directory",
-        layout=HF_MODEL,
+        layout=layout,
         dropped=joined("dropped"),
+        files_dropped=files_dropped,
         renamed=joined("renamed"),
         rules=tuple(rules.items()),
         tensors_before=sum(r.tensors_before for r in reports),

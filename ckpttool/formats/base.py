@@ -198,6 +198,21 @@ class FileFormat:
         (GGUF: its version, model facts and metadata); none by default."""
         return []
 
+    def rewrite_directory(
+        self,
+        source: Path,
+        root: Any,
+        target: Path,
+        casts: Mapping[str, tuple[str, Callable[[Any], bytes]]],
+    ) -> None:
+        """``edit`` of a directory of this format: write ``root`` (the tree read from the
+        directory ``source``, with entries dropped, tensors renamed or given another of its
+        tensors' values) as a directory of this format into the empty directory ``target``.
+        ``casts``: output key -> (dtype, function from a piece of the tensor's elements, a
+        NumPy array in the source dtype's stored type, to its bytes in that dtype). Raises a
+        :class:`~ckpttool.errors.CkptError` for what it cannot write."""
+        raise InputError(f"ckpttool does not rewrite {self.id} directories")
+
     def recover(self, handle: BinaryIO, file_size: int) -> Recovered | None:
         """What a damaged (cut short, torn) file of this format still holds, read from what
         survives: the tree, and which storages' bytes check out (a

@@ -24,7 +24,8 @@ The order of calls (like ``torch.distributed.checkpoint``'s planner, documented 
 4. Commands then ask the framework of ``details["layout"]`` (:func:`registry.framework_of`)
    for what they need: :meth:`Framework.show_lines` / :meth:`Framework.show_table` /
    :meth:`Framework.num_parameters` (``show``, as data the renderer formats),
-   :meth:`Framework.model_directory` (``convert`` into a model directory). ``rescale-step``
+   :meth:`Framework.model_directory` (``convert`` into a model directory),
+   :meth:`Framework.edit_leaves_out` (``edit`` of the directory). ``rescale-step``
    detects the directory itself (frameworks that :attr:`~Framework.rescales_itself` first) and
    calls :meth:`Framework.rescale`, or :meth:`Framework.rescale_plan` and writes the plan.
    ``repair`` of a directory asks every framework, without detecting first, for
@@ -385,6 +386,18 @@ class Framework:
     ) -> DirectoryRescaleReport:
         """4. For :attr:`rescales_itself`: rescale and write the directory."""
         raise NotImplementedError
+
+    def edit_leaves_out(
+        self, layout: FrameworkDirectory, *, for_inference: bool
+    ) -> tuple[str, ...]:
+        """4. ``edit`` of the directory ``layout``: the members it leaves out (names relative
+        to the directory; with ``for_inference``, what only resuming training reads). The
+        command edits the weights members with the file operations, copies every other member
+        byte for byte and rebuilds the index. Raises a :class:`~ckpttool.errors.CkptError`
+        saying why when this framework's directory cannot be edited that way (the default)."""
+        raise InputError(
+            f"edit does not rewrite a {layout.title}; give one of its files, or convert it"
+        )
 
     def rebuild_index(self, directory: str) -> IndexRepair | None:
         """``repair``: the weights index of ``directory`` rebuilt from its shards' headers, when

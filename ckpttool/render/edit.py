@@ -15,7 +15,8 @@ SHOWN = 20
 def render_text(report: EditReport) -> str:
     title = LAYOUT_TITLES.get(report.layout, report.layout)
     lines = [f"{report.source}: {report.format}, {title}"]
-    dropped = [f"  drop: {key}" for key in report.dropped]
+    dropped = [f"  leave out: {name}" for name in report.files_dropped]
+    dropped += [f"  drop: {key}" for key in report.dropped]
     renamed = [f"  rename: {old} -> {new}" for old, new in report.renamed]
     mapped = [f"  map {op}: {old} -> {new}" for op, old, new in report.mapped]
     for lines_of in (dropped, renamed, mapped):
@@ -54,6 +55,7 @@ def render_json(report: EditReport) -> dict[str, Any]:
         "format": report.format,
         "layout": report.layout,
         "dropped": list(report.dropped),
+        "files_dropped": list(report.files_dropped),
         "renamed": [{"from": old, "to": new} for old, new in report.renamed],
         "rules": [{"rule": rule, "matched": count} for rule, count in report.rules],
         "compacted": list(report.compacted),

@@ -261,6 +261,11 @@ class DcpFiles:
             writeable=False,
         )
 
+    def chunk_values(self, chunk: ChunkRecord, storage: StorageRecord) -> Any:
+        """The whole chunk as a NumPy array of raw items shaped as the chunk (a rewrite of it:
+        :mod:`.write`)."""
+        return self._chunk_rows(chunk, storage, 0, chunk.sizes[0] if chunk.sizes else 1)
+
     def _whole_chunk(
         self, chunk: ChunkRecord, storage: ChunkedStorageRecord, start: int, length: int
     ) -> bytearray | None:

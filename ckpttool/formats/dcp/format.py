@@ -3,13 +3,13 @@
 A directory format: recognised by its ``.metadata`` (:func:`is_dcp_directory`),
 opened by :mod:`.directory` (whose ``.metadata`` walk hands the walker its fast path,
 :mod:`.pickle_call`), verified item by item (:mod:`.verify`), scanned pickle by pickle
-(:mod:`.scan`). Each is imported only when used.
+(:mod:`.scan`), rewritten by ``edit`` (:mod:`.write`). Each is imported only when used.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.errors import CkptError, CorruptCheckpointError
@@ -17,6 +17,8 @@ from ckpttool.formats.base import Checkpoint, FileFormat, Findings, Parsed
 from ckpttool.formats.dcp.names import DCP_METADATA, has_dcp_shards, is_dcp_directory
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ckpttool.io.progress import ProgressCallback
 
 
@@ -51,6 +53,17 @@ class DcpFormat(FileFormat):
         from ckpttool.formats.dcp.verify import check_dcp
 
         return check_dcp(ckpt, progress)
+
+    def rewrite_directory(
+        self,
+        source: Path,
+        root: Any,
+        target: Path,
+        casts: Mapping[str, tuple[str, Callable[[Any], bytes]]],
+    ) -> None:
+        from ckpttool.formats.dcp.write import rewrite_dcp
+
+        rewrite_dcp(source, root, target, casts)
 
     def scan(self, path: Any, opener: Callable[[Any], BinaryIO]) -> Findings | None:
         from ckpttool.formats.dcp.scan import scan_dcp

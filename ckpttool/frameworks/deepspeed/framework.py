@@ -74,6 +74,20 @@ class DeepSpeed(Framework):
         summary = details.get(DEEPSPEED)
         return summary.get("num_parameters") if isinstance(summary, dict) else None
 
+    def edit_leaves_out(
+        self, layout: FrameworkDirectory, *, for_inference: bool
+    ) -> tuple[str, ...]:
+        # zero_to_fp32 (get_fp32_state_dict_from_zero_checkpoint) reads the fp32 weights from
+        # the optimizer shards, where ZeRO partitions them (ZeRO-3 keeps only placeholders in
+        # the model states): a directory without them no longer loads with it; and a rename in
+        # the model states would no longer match the shards' parameter names.
+        raise InputError(
+            "edit does not rewrite a DeepSpeed checkpoint: DeepSpeed's zero_to_fp32 reads the "
+            "fp32 weights from the optimizer shards (a copy without them would not load, a "
+            "rename in the model states would not match them); `ckpttool convert` it to a "
+            "weights file (its fp32 view) and edit that"
+        )
+
     def run_layout(self, directory: str) -> RunLayout | None:
         """A save directory: its tags by step, and the tag ``latest`` names (what
         ``engine.load_checkpoint(dir)`` loads)."""

@@ -8,12 +8,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.errors import CheckpointCollectionError
 from ckpttool.frameworks.base import (
+    OPTIMIZER,
+    RNG,
+    SAMPLER,
+    SCALER,
+    SCHEDULER,
+    TRAINER_STATE,
+    TRAINING_ARGS,
     Framework,
     FrameworkDirectory,
     IndexRepair,
     ModelDirectoryOutput,
     RunLayout,
+    describe_collection,
 )
 from ckpttool.frameworks.huggingface import files
 from ckpttool.frameworks.huggingface.files import (
@@ -52,6 +61,13 @@ TIED_INPUT_ENDINGS = (
 MODEL_DIR_FILES = frozenset(
     {*COPIED_FILES, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME}
 )
+#: The members of a Trainer ``checkpoint-N/`` that ``edit --for-inference`` leaves out: what
+#: only ``Trainer.train(resume_from_checkpoint=...)`` reads. ``trainer_state.json`` and
+#: ``training_args.bin`` go too: the Trainer resumes from a checkpoint without ``optimizer.pt``
+#: without a word (it loads the optimizer only when the file is there), so the result is left a
+#: model directory (``config.json``, the weights, tokenizer files) that ``from_pretrained``
+#: loads and that claims to resume nothing.
+TRAINER_TRAINING_ROLES = (OPTIMIZER, SCHEDULER, SCALER, RNG, SAMPLER, TRAINER_STATE, TRAINING_ARGS)
 #: Top-level entries of a merged model directory that its copied JSON files already hold.
 CONFIG_ENTRIES = ("config", "generation_config")
 
@@ -100,6 +116,15 @@ class HuggingFace(Framework):
             owns=model_dir_file,
             tied_input_endings=TIED_INPUT_ENDINGS,
         )
+
+    def edit_leaves_out(
+        self, layout: FrameworkDirectory, *, for_inference: bool
+    ) -> tuple[str, ...]:
+        if layout.kind == HF_TRAINER_OUTPUT:
+            raise CheckpointCollectionError(layout, describe_collection(layout))
+        if layout.kind != HF_TRAINER or not for_inference:
+            return ()
+        return tuple(m.name for m in layout.members if m.role in TRAINER_TRAINING_ROLES)
 
     def rebuild_index(self, directory: str) -> IndexRepair | None:
         from ckpttool.frameworks.huggingface.repair import rebuild_index
