@@ -91,6 +91,8 @@ def open_checkpoint(
         name = local_path(name)
         known.clear()
     directory_format = directory_format_of(name) if os.path.isdir(name) else None
+    if directory_format is not None and _framework_over_format(name, known):
+        return _open_directory(name, strict, refuse_dangerous, known)
     if directory_format is not None:  # DCP: its index file names every other
         index = open_local(os.path.join(name, directory_format.index_name))
         return open_directory_format(directory_format, name, index, strict, refuse_dangerous)
@@ -98,6 +100,17 @@ def open_checkpoint(
         return _open_directory(name, strict, refuse_dangerous, known)
     handle = open_local(name)
     return open_file(name, handle, strict, refuse_dangerous, track_spans, allow_ambiguous)
+
+
+def _framework_over_format(name: str, known: Known) -> bool:
+    """Whether a framework that writes a directory format's directories with files of its own
+    (Megatron's ``torch_dist``) knows ``name``: then it, not the format alone, opens it."""
+    from ckpttool.frameworks.registry import detect_once, frameworks
+
+    return any(
+        framework.over_directory_formats and detect_once(framework, name, known) is not None
+        for framework in frameworks()
+    )
 
 
 def _open_view(name: str, view: str, known: Known) -> Checkpoint | None:

@@ -287,6 +287,10 @@ class Framework:
     #: Temp files the framework's own writes leave when interrupted, as (glob on the path
     #: relative to a checkpoint or run directory, what left it), for ``repair`` to list.
     temp_files: tuple[tuple[str, str], ...] = ()
+    #: True when some of its directories are a directory format's (DCP) plus files of its own
+    #: (Megatron's ``torch_dist``: ``common.pt``, ``metadata.json``): the door asks it before
+    #: opening such a directory as the format alone.
+    over_directory_formats: bool = False
 
     def detect(self, path: str) -> FrameworkDirectory | None:
         """1. The layout of ``path`` (a directory, or an ``*.index.json`` file) when this

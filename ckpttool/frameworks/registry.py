@@ -8,7 +8,8 @@ line here (see docs/development.md, "How to add a framework").
 Order matters: PEFT first (a Trainer ``checkpoint-N/`` of a PEFT model holds the adapter
 instead of the weights); accelerate next (its folders hold a ``model.safetensors`` like a model
 directory does); DeepSpeed next (a Trainer ``checkpoint-N/`` of a DeepSpeed run holds a
-``global_stepN/`` too); per-rank sets last (a directory of ``*rank<N>.pt`` files).
+``global_stepN/`` too); Megatron next (``mp_rank_XX/`` folders, or a DCP directory with
+``metadata.json``); per-rank sets last (a directory of ``*rank<N>.pt`` files).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ckpttool.frameworks.accelerate.framework:FRAMEWORK", ("accelerate",)),
     ("ckpttool.frameworks.huggingface.framework:FRAMEWORK", ("hf_model", "hf_trainer", "hf_trainer_output")),
     ("ckpttool.frameworks.deepspeed.framework:FRAMEWORK", ("deepspeed",)),
+    ("ckpttool.frameworks.megatron.framework:FRAMEWORK", ("megatron_torch_dist", "megatron_legacy")),
     ("ckpttool.frameworks.rank_set.framework:FRAMEWORK", ("rank_set",)),
 )  # fmt: skip
 

@@ -53,8 +53,11 @@ ACCELERATE = "accelerate"
 DEEPSPEED = "deepspeed"  # a ZeRO save dir or tag dir: ckpttool.frameworks.deepspeed.files
 PEFT_ADAPTER = "peft_adapter"  # adapter_config.json + adapter_model.*: ckpttool.frameworks.peft
 RANK_SET = "rank_set"  # per-rank state dicts of DTensors: ckpttool.frameworks.rank_set
+MEGATRON_DIST = "megatron_torch_dist"  # ckpttool.frameworks.megatron: DCP + common.pt
+MEGATRON_LEGACY = "megatron_legacy"  # ckpttool.frameworks.megatron: mp_rank_XX[_YYY]/ shards
 DECLARED_LAYOUTS = (
     HF_MODEL, HF_TRAINER, ACCELERATE, DEEPSPEED, PEFT_ADAPTER, PICKLED_MODULE, RANK_SET,
+    MEGATRON_DIST, MEGATRON_LEGACY,
 )  # fmt: skip
 
 LAYOUT_TITLES = {
@@ -77,6 +80,8 @@ LAYOUT_TITLES = {
     DEEPSPEED: "DeepSpeed checkpoint",
     PEFT_ADAPTER: "PEFT adapter",
     RANK_SET: "set of per-rank state dicts (assembled)",
+    MEGATRON_DIST: "Megatron torch_dist checkpoint",
+    MEGATRON_LEGACY: "Megatron legacy checkpoint (mp_rank shards)",
 }
 
 RESUME_KEYS = ("model", "optimizer", "epoch", "step")
@@ -167,7 +172,9 @@ def is_resume(layout: str) -> bool:
 def model_section(layout: str, root: Any = None) -> str | None:
     """The key of the model weights inside a layout (None: the whole file is the weights, or
     no part of it is; :func:`model_part` tells those apart)."""
-    if is_resume(layout) or layout in (HF_MODEL, HF_TRAINER, ACCELERATE, PEFT_ADAPTER):
+    if is_resume(layout) or layout in (
+        HF_MODEL, HF_TRAINER, ACCELERATE, PEFT_ADAPTER, MEGATRON_DIST, MEGATRON_LEGACY,
+    ):  # fmt: skip
         return "model"
     if layout == LIGHTNING:
         return "state_dict"
