@@ -145,9 +145,9 @@ def _legacy(path: str, tracker: str | None) -> FrameworkDirectory | None:
     members: list[Member] = []
     shards: dict[tuple[int, int], str] = {}
     missing: list[str] = []
-    pipelined = any(pp is not None for pp in folders.values())
+    pipelined = any(pp is not None for _, pp in folders.values())
     problems = []
-    if pipelined and any(pp is None for pp in folders.values()):
+    if pipelined and any(pp is None for _, pp in folders.values()):
         problems.append("both mp_rank_XX and mp_rank_XX_YYY folders: two saves mixed")
     for name, (tp, pp) in sorted(folders.items()):
         shard_files = list_files(join(path, name))

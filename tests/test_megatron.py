@@ -1,0 +1,204 @@
+"""Megatron checkpoints (ckpttool/frameworks/megatron/): ``torch_dist`` directories and legacy
+``mp_rank`` shards, against what torch's own ``dcp_to_torch_save`` gathers and against each
+other (the fixtures hold one model saved both ways: tests/fixtures/frameworks/write_megatron.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpttool.checkpoint import open_checkpoint
+from ckpttool.cli.app import cli
+from ckpttool.errors import CkptError
+from ckpttool.frameworks.megatron.legacy import split_dim
+from ckpttool.io.values import read_array
+from ckpttool.model.records import TensorRecord
+
+MEGATRON = Path(__file__).parent / "fixtures/frameworks/megatron"
+DIST = {"tp2": "iter_0000010", "pp2": "iter_0000020"}
+#: megatron-core's sharded_state_dict_keys_map of the local layer spec: the names torch_dist
+#: stores the layer norms under (Transformer Engine's fused names).
+TE_NAMES = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def values(ckpt, section: str = "model") -> dict[str, np.ndarray]:
+    return {
+        key: read_array(ckpt, record)
+        for key, record in ckpt.root[section].items()
+        if isinstance(record, TensorRecord)
+    }
+
+
+@pytest.mark.parametrize("case", sorted(DIST))
+def test_torch_dist_layers_are_the_stacked_rows_torch_gathers(case, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = tmp_path / "whole.pt"
+    dcp_to_torch_save(MEGATRON / case / DIST[case], whole)
+    gathered = torch.load(whole, weights_only=False)
+    with open_checkpoint(MEGATRON / case) as ckpt:
+        assert ckpt.details["layout"] == "megatron_torch_dist"
+        model = values(ckpt)
+    expected: dict[str, np.ndarray] = {}
+    for key, tensor in gathered.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if key.startswith("decoder.layers.") and not key.split(".")[2].isdigit():
+            for layer in range(tensor.shape[0]):
+                name = key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
+                expected[name] = tensor[layer].numpy()
+        else:
+            expected[key] = tensor.numpy()
+    assert sorted(model) == sorted(expected)
+    for key, array in expected.items():
+        assert model[key].tobytes() == array.tobytes(), key
+
+
+@pytest.mark.parametrize("case", ["tp2", "pp2"])
+def test_legacy_shards_merged_equal_the_same_model_saved_torch_dist(case):
+    """The legacy shards (tensor-parallel pieces, pipeline stages numbered from 0) merged by the
+    column/row rules equal the layers torch_dist stores for the same model."""
+    with open_checkpoint(MEGATRON / f"legacy_{case}") as ckpt:
+        assert ckpt.details["layout"] == "megatron_legacy"
+        merged = values(ckpt)
+        assert ckpt.root["iteration"] == int(DIST[case][5:])
+    with open_checkpoint(MEGATRON / case) as ckpt:
+        dist = values(ckpt)
+    renamed = {}
+    for key, array in merged.items():
+        for legacy, stored in TE_NAMES.items():
+            key = key.replace(legacy, stored)
+        renamed[key] = array
+    assert sorted(renamed) == sorted(dist)
+    for key, array in dist.items():
+        assert renamed[key].shape == array.shape, key
+        assert renamed[key].tobytes() == array.tobytes(), key
+
+
+def test_show_gives_iteration_parallel_sizes_and_stacked_tensors():
+    result = CliRunner().invoke(cli, ["show", str(MEGATRON / "tp2")])
+    assert result.exit_code == 0, result.output
+    assert "iteration:  10 (from common.pt)" in result.output
+    assert "tracker:    latest_checkpointed_iteration.txt names iter_0000010" in result.output
+    assert "tensor_model_parallel_size=2, pipeline_model_parallel_size=1" in result.output
+    assert (
+        "stacked:    decoder.layers.mlp.linear_fc1.weight [2, 64, 16] -> "
+        "decoder.layers.N.mlp.linear_fc1.weight (N = 0..1)"
+    ) in result.output
+    assert "model.decoder.layers.1.mlp.linear_fc1.weight" in result.output
+
+
+def test_show_legacy_names_the_merge_and_the_padded_vocabulary():
+    result = CliRunner().invoke(cli, ["show", str(MEGATRON / "legacy_pp2")])
+    assert result.exit_code == 0, result.output
+    assert "2 layers renumbered across 2 pipeline stages" in result.output
+    assert "vocabulary: 64 embedding rows (args.padded_vocab_size 64)" in result.output
+    assert "model.decoder.layers.1.mlp.linear_fc2.weight" in result.output
+
+
+@pytest.mark.parametrize("case", ["tp2", "legacy_tp2"])
+def test_convert_writes_per_layer_names(case, tmp_path):
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "model.safetensors"
+    result = CliRunner().invoke(cli, ["convert", str(MEGATRON / case), str(out)])
+    assert result.exit_code == 0, result.output
+    written = load_file(out)
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in written
+    assert written["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (48, 16)
+    assert not any(k.startswith("decoder.layers.self_attention") for k in written)
+
+
+@pytest.mark.parametrize("case", ["tp2", "pp2", "legacy_tp2", "legacy_pp2"])
+def test_verify_passes_the_saves(case):
+    result = CliRunner().invoke(cli, ["verify", str(MEGATRON / case)])
+    assert result.exit_code == 0, result.output
+
+
+def test_verify_reports_a_missing_tensor_rank(tmp_path):
+    copy = tmp_path / "legacy"
+    shutil.copytree(MEGATRON / "legacy_tp2", copy)
+    shutil.rmtree(copy / "iter_0000010/mp_rank_01")
+    result = CliRunner().invoke(cli, ["verify", str(copy)])
+    assert result.exit_code == 1, result.output
+    assert "mp_rank_01/model_optim_rng.pt is missing" in result.output
+    with pytest.raises(CkptError, match="mp_rank_01/model_optim_rng.pt is missing"):
+        open_checkpoint(copy)
+
+
+def test_verify_reports_a_replicated_copy_that_differs(tmp_path):
+    copy = tmp_path / "legacy"
+    shutil.copytree(MEGATRON / "legacy_tp2", copy)
+    shard = copy / "iter_0000010/mp_rank_01/model_optim_rng.pt"
+    state = torch.load(shard, weights_only=False)
+    state["model"]["decoder.final_layernorm.weight"] += 1
+    torch.save(state, shard)
+    result = CliRunner().invoke(cli, ["verify", str(copy)])
+    assert result.exit_code == 1, result.output
+    assert "decoder.final_layernorm.weight: whole on each tensor rank, but" in result.output
+
+
+def test_torch_dist_without_common_pt_is_refused(tmp_path):
+    copy = tmp_path / "dist"
+    shutil.copytree(MEGATRON / "tp2/iter_0000010", copy)
+    (copy / "common.pt").unlink()
+    with pytest.raises(CkptError, match="no common.pt"):
+        open_checkpoint(copy)
+
+
+def test_another_sharded_backend_is_refused(tmp_path):
+    copy = tmp_path / "dist"
+    shutil.copytree(MEGATRON / "tp2/iter_0000010", copy)
+    (copy / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    with pytest.raises(CkptError, match="'zarr' checkpoint; ckpttool reads the torch_dist"):
+        open_checkpoint(copy)
+
+
+@pytest.mark.parametrize(("text", "folder"), [("release\n", "release"), ("10", "iter_0000010")])
+def test_tracker_names_the_folder_read(tmp_path, text, folder):
+    save = tmp_path / "save"
+    shutil.copytree(MEGATRON / "tp2/iter_0000010", save / folder)
+    (save / "latest_checkpointed_iteration.txt").write_text(text)
+    with open_checkpoint(save) as ckpt:
+        assert ckpt.details["directory"].endswith(folder)
+
+
+def test_a_tracker_naming_no_folder_is_an_error(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("30")
+    with pytest.raises(CkptError, match="names iter_0000030, which is not in"):
+        open_checkpoint(tmp_path)
+
+
+def test_diff_of_two_saves_compares_layer_by_layer():
+    result = CliRunner().invoke(cli, ["diff", str(MEGATRON / "tp2"), str(MEGATRON / "pp2")])
+    assert result.exit_code == 1, result.output
+    assert "iteration: 10 -> 20" in result.output
+    assert "model.decoder.layers.1.self_attention.linear_qkv.weight   differ" in result.output
+
+
+@pytest.mark.parametrize(
+    ("key", "glu", "expected"),
+    [
+        ("decoder.layers.0.self_attention.linear_qkv.weight", False, (0, False)),
+        ("decoder.layers.0.mlp.linear_fc1.weight", True, (0, True)),
+        ("decoder.layers.0.mlp.linear_fc2.weight", False, (1, False)),
+        ("decoder.layers.0.mlp.linear_fc2.bias", False, (None, False)),
+        ("language_model.encoder.layers.0.self_attention.dense.weight", False, (1, False)),
+        ("language_model.encoder.layers.0.mlp.dense_h_to_4h.bias", False, (0, False)),
+        ("language_model.embedding.word_embeddings.weight", False, (0, False)),
+        ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", False, (None, False)),
+        ("decoder.final_layernorm.weight", False, (None, False)),
+    ],
+)
+def test_split_dimension_by_parameter_kind(key, glu, expected):
+    assert split_dim(key, glu) == expected
