@@ -30,6 +30,7 @@ PACKAGES = {
     "accelerate": "accelerate",
     "pytorch_lightning": "pytorch-lightning",
     "peft": "peft",
+    "megatron.core": "megatron-core",
 }
 
 

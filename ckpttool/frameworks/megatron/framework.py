@@ -28,10 +28,10 @@ class Megatron(Framework):
         if layout.kind == files.TORCH_DIST:
             from ckpttool.frameworks.megatron.dist import open_torch_dist
 
-            return open_torch_dist(layout, strict=strict, refuse_dangerous=refuse_dangerous)  # type: ignore[no-any-return]
+            return open_torch_dist(layout, strict=strict, refuse_dangerous=refuse_dangerous)
         from ckpttool.frameworks.megatron.legacy import open_legacy
 
-        return open_legacy(layout, strict=strict, refuse_dangerous=refuse_dangerous)  # type: ignore[no-any-return]
+        return open_legacy(layout, strict=strict, refuse_dangerous=refuse_dangerous)
 
     def show_lines(self, details: dict[str, Any]) -> list[str]:
         summary = details.get("megatron")
@@ -44,7 +44,9 @@ class Megatron(Framework):
                             ("counters", "counters")):  # fmt: skip
             values = summary.get(part) or {}
             if values:
-                lines.append(f"{title + ':':<11} " + ", ".join(f"{k}={v}" for k, v in values.items()))
+                lines.append(
+                    f"{title + ':':<11} " + ", ".join(f"{k}={v}" for k, v in values.items())
+                )
         for entry in summary.get("stacked", []):
             lines.append(
                 f"stacked:    {entry['key']} {entry['shape']} -> {entry['as']} "

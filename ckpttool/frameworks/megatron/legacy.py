@@ -182,7 +182,8 @@ def _merge(
             f"the shards are of different iterations ({sorted(map(str, iterations))}): "
             "files of several saves mixed"
         )
-    args = first.get("args") if isinstance(first.get("args"), dict) else {}
+    found_args = first.get("args")
+    args: dict[str, Any] = found_args if isinstance(found_args, dict) else {}
     glu = bool(args.get("swiglu") or args.get("gated_linear_unit"))
     stages = sorted({pp for _, pp in order})
     # global layer offset of each stage: the layers of the stages before it (tensor rank 0)
@@ -251,7 +252,9 @@ def _vocabulary(model: dict[str, Any], args: dict[str, Any], tensor_parallel: in
             multiple = args.get("make_vocab_size_divisible_by")
             how = (
                 f", a multiple of make_vocab_size_divisible_by {multiple} x tensor parallel "
-                f"{tensor_parallel}" if isinstance(multiple, int) else ""
+                f"{tensor_parallel}"
+                if isinstance(multiple, int)
+                else ""
             )
             said = f" (args.padded_vocab_size {padded})" if padded is not None else ""
             return (
@@ -301,7 +304,7 @@ def _merged(
                 pieces.append(_box(member, record, dim, start, size, 0))
             start += size
         copies = []
-        shape = local[:dim] + (total,) + local[dim + 1 :]
+        shape = (*local[:dim], total, *local[dim + 1 :])
         how = f"split along dim {dim} by {count} tensor ranks" + (" (gate, up)" if gated else "")
     numel = math.prod(shape)
     chunks = tuple(ChunkRecord(names[p.member], 0, 0, p.offsets, p.sizes) for p in pieces)
