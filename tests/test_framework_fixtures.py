@@ -23,7 +23,7 @@ from tests.support import timeouts
 
 MANIFEST: dict[str, Any] = json.loads((FRAMEWORKS_DIR / "manifest.json").read_text())
 CASES = sorted(CASE_BY_NAME)
-SIZE_BUDGET = 3_000_000  # bytes of committed fixtures, manifest included
+SIZE_BUDGET = 3_400_000  # bytes of committed fixtures, manifest included (Megatron: 0.3 MB)
 GENERATOR_SOURCES = {".py", ".pyc", ".md"}
 PACKAGES = {
     "transformers": "transformers",

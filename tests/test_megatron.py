@@ -92,7 +92,7 @@ def test_show_gives_iteration_parallel_sizes_and_stacked_tensors():
     assert "tracker:    latest_checkpointed_iteration.txt names iter_0000010" in result.output
     assert "tensor_model_parallel_size=2, pipeline_model_parallel_size=1" in result.output
     assert (
-        "stacked:    decoder.layers.mlp.linear_fc1.weight [2, 64, 16] -> "
+        "stacked:    decoder.layers.mlp.linear_fc1.weight [2, 32, 8] -> "
         "decoder.layers.N.mlp.linear_fc1.weight (N = 0..1)"
     ) in result.output
     assert "model.decoder.layers.1.mlp.linear_fc1.weight" in result.output
@@ -102,7 +102,7 @@ def test_show_legacy_names_the_merge_and_the_padded_vocabulary():
     result = CliRunner().invoke(cli, ["show", str(MEGATRON / "legacy_pp2")])
     assert result.exit_code == 0, result.output
     assert "2 layers renumbered across 2 pipeline stages" in result.output
-    assert "vocabulary: 64 embedding rows (args.padded_vocab_size 64)" in result.output
+    assert "vocabulary: 32 embedding rows (args.padded_vocab_size 32)" in result.output
     assert "model.decoder.layers.1.mlp.linear_fc2.weight" in result.output
 
 
@@ -115,7 +115,7 @@ def test_convert_writes_per_layer_names(case, tmp_path):
     assert result.exit_code == 0, result.output
     written = load_file(out)
     assert "decoder.layers.1.self_attention.linear_qkv.weight" in written
-    assert written["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (48, 16)
+    assert written["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (24, 8)
     assert not any(k.startswith("decoder.layers.self_attention") for k in written)
 
 
