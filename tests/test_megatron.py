@@ -226,3 +226,12 @@ def test_megatron_core_writes_what_is_read(tmp_path):
             for legacy, stored in TE_NAMES.items():
                 key = key.replace(legacy, stored)
             assert dist[key].tobytes() == array.tobytes(), key
+
+
+@pytest.mark.parametrize("case", ["tp2", "tp2/iter_0000010", "legacy_pp2"])
+def test_rescale_step_refuses_saying_megatron_needs_none(case):
+    result = CliRunner().invoke(
+        cli, ["rescale-step", str(MEGATRON / case), "--world-size", "4", "--dry-run"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "Megatron resumes at any data-parallel size without rescaling" in result.output

@@ -171,7 +171,9 @@ def _plan(
     path: Path, request: RescaleRequest, known: dict[str, FrameworkDirectory | None]
 ) -> DirectoryPlan:
     directory_format = directory_format_of(path) if path.is_dir() else None
-    if directory_format is not None:
+    if directory_format is not None and not any(  # a framework's (Megatron's torch_dist)
+        f.over_directory_formats and detect_once(f, str(path), known) for f in frameworks()
+    ):
         raise LayoutError(
             f"{path}: a {directory_format.directory_title} directory; rescale-step rewrites one "
             "checkpoint file or a Trainer/accelerate folder "

@@ -5,13 +5,16 @@ print of them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.errors import LayoutError
 from ckpttool.frameworks.base import Framework, FrameworkDirectory
 from ckpttool.frameworks.megatron import files
 
 if TYPE_CHECKING:
     from ckpttool.formats.base import Checkpoint
+    from ckpttool.model.rescaling import DirectoryPlan, RescaleRequest
 
 
 class Megatron(Framework):
@@ -57,6 +60,19 @@ class Megatron(Framework):
         for note in summary.get("notes", []):
             lines.append(f"note:       {note}")
         return lines
+
+    def rescale_plan(
+        self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
+    ) -> DirectoryPlan | None:
+        """Refused, with Megatron's reason: its counters do not depend on the world size."""
+        raise LayoutError(
+            f"{path}: a {layout.title}; Megatron resumes at any data-parallel size without "
+            "rescaling: args.global_batch_size stays fixed (micro-batches are accumulated up "
+            "to it), iteration counts optimizer steps of that global batch, and the data "
+            "sampler skips args.consumed_train_samples samples whatever the world size. To "
+            "change the global batch, pass Megatron --global-batch-size (or "
+            "--rampup-batch-size) on resume: nothing in the checkpoint needs rewriting"
+        )
 
     def verify_checks(self, details: dict[str, Any]) -> list[str]:
         if details.get("layout") == files.TORCH_DIST:
