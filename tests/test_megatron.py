@@ -235,3 +235,47 @@ def test_rescale_step_refuses_saying_megatron_needs_none(case):
     )
     assert result.exit_code == 2, result.output
     assert "Megatron resumes at any data-parallel size without rescaling" in result.output
+
+
+def _chunked(key: str, shape: tuple[int, ...]) -> TensorRecord:
+    from ckpttool.model.records import ChunkedStorageRecord, ChunkRecord
+
+    numel = int(np.prod(shape))
+    chunk = ChunkRecord("__0_0.distcp", 0, 0, tuple(0 for _ in shape), shape)
+    storage = ChunkedStorageRecord(
+        key=key, dtype="float32", numel=numel, location="cpu", record="dcp",
+        data_size=4 * numel, chunks=(chunk,), shape=shape,
+    )  # fmt: skip
+    stride = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+    return TensorRecord(key, "float32", shape, stride, 0, storage)
+
+
+def test_model_space_optimizer_state_is_unstacked_and_flat_buckets_are_named():
+    """megatron-core's optimizer on CPU needs CUDA (FP32Optimizer's scale tensor), so its keys
+    are built here as distrib_optimizer.py names them: ``optimizer.state.<state>.<param key>``
+    (model space: per parameter, stacked like the parameter) and
+    ``optimizer.distributed.dp_group_idx_0...`` (flat buckets: left as stored)."""
+    from ckpttool.frameworks.megatron.dist import _unstack
+
+    tree = {
+        "decoder.layers.mlp.linear_fc1.weight": _chunked("w", (2, 4, 3)),
+        "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight": _chunked("m", (2, 4, 3)),
+        "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.param": _chunked("flat", (24,)),
+    }
+    notes: list[str] = []
+    root, stacked = _unstack(tree, {"args": {"num_layers": 2}, "iteration": 3}, notes)
+    assert list(root["model"]) == [
+        "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc1.weight",
+    ]  # fmt: skip
+    assert list(root["optimizer"]) == [
+        "optimizer.state.exp_avg.decoder.layers.0.mlp.linear_fc1.weight",
+        "optimizer.state.exp_avg.decoder.layers.1.mlp.linear_fc1.weight",
+        "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.param",
+    ]
+    layer1 = root["optimizer"]["optimizer.state.exp_avg.decoder.layers.1.mlp.linear_fc1.weight"]
+    assert layer1.shape == (4, 3) and layer1.storage.base == 48
+    assert [s["key"] for s in stacked] == [
+        "decoder.layers.mlp.linear_fc1.weight",
+        "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight",
+    ]
+    assert notes and notes[0].startswith("optimizer.distributed.dp_group_idx_0: the distributed")

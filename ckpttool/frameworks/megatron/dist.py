@@ -34,6 +34,9 @@ from ckpttool.model.records import ChunkedStorageRecord, ChunkRecord, TensorReco
 #: ``...layers.{name}`` with no layer number after ``layers.``: a stacked tensor.
 STACKED = re.compile(r"^(.*?(?:^|\.)layers)\.(?!\d+(?:\.|$))(.+)$")
 OPTIMIZER_PREFIX = "optimizer."
+#: The distributed optimizer's flat buffers (``distrib_optimizer.py``: ``dp_reshardable``,
+#: ``dp_zero_gather_scatter``): one per gradient bucket, not per parameter.
+FLAT_OPTIMIZER = "optimizer.distributed."
 #: What ``show`` reads under details.
 SUMMARY = "megatron"
 #: args entries ``show`` prints, in this order (Megatron-LM's ``arguments.py`` names).
@@ -95,7 +98,8 @@ def open_torch_dist(layout: FrameworkDirectory, *, strict: bool, refuse_dangerou
         common = common_ckpt.root
         if not isinstance(common, dict):
             raise CorruptCheckpointError(f"{COMMON}: not a dict (a {type(common).__name__})")
-        root, stacked = _unstack(dcp.root, common)
+        notes: list[str] = []
+        root, stacked = _unstack(dcp.root, common, notes)
         problems = list(dcp.problems) + list(common_ckpt.problems)
         if not strict:  # verify: every item of every data file, as for a DCP directory
             problems += fmt.verify(dcp, None)[0]
@@ -121,6 +125,7 @@ def open_torch_dist(layout: FrameworkDirectory, *, strict: bool, refuse_dangerou
     details = layout_details(layout)
     summary = summary_of(common, COMMON)
     summary["stacked"] = stacked
+    summary["notes"] = notes
     summary["backend"] = dict(found.backend)
     details[SUMMARY] = summary
     details["files"] = dcp.details.get("files", {})
@@ -131,9 +136,10 @@ def open_torch_dist(layout: FrameworkDirectory, *, strict: bool, refuse_dangerou
 
 
 def _unstack(
-    tree: dict[str, Any], common: dict[str, Any]
+    tree: dict[str, Any], common: dict[str, Any], notes: list[str]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(the checkpoint's tree, the stacked tensors as stored: key, shape, layers)."""
+    """(the checkpoint's tree, the stacked tensors as stored: key, shape, layers); what could
+    not be undone is added to ``notes``."""
     args = common.get("args")
     layers = args.get("num_layers") if isinstance(args, dict) else None
     model: dict[str, Any] = {}
@@ -161,6 +167,15 @@ def _unstack(
         for layer in range(count):
             name = f"{match[1]}.{layer}.{match[2]}"
             section[name] = _layer_record(name, value, layer)
+    flat = sorted({k.split(".")[2] for k in optimizer if k.startswith(FLAT_OPTIMIZER)})
+    if flat:
+        notes.append(
+            f"optimizer.distributed.{', '.join(flat)}: the distributed optimizer's flat "
+            "per-bucket buffers (dp_reshardable / dp_zero_gather_scatter format), shown as "
+            "stored: the bucket layout that maps them to parameters is not in the checkpoint "
+            "(save with --dist-ckpt-optim-fully-reshardable or the default "
+            "fully_sharded_model_space for per-parameter tensors)"
+        )
     root: dict[str, Any] = {k: v for k, v in common.items() if k not in ("model", "optimizer")}
     root["model"] = _by_layer(model)
     if optimizer:
