@@ -20,6 +20,7 @@ from ckpttool.errors import CkptError
 from ckpttool.frameworks.megatron.legacy import split_dim
 from ckpttool.io.values import read_array
 from ckpttool.model.records import TensorRecord
+from tests.test_remote import _upload_tree, bucket, s3_endpoint  # noqa: F401 (fixtures)
 
 MEGATRON = Path(__file__).parent / "fixtures/frameworks/megatron"
 DIST = {"tp2": "iter_0000010", "pp2": "iter_0000020"}
@@ -279,3 +280,14 @@ def test_model_space_optimizer_state_is_unstacked_and_flat_buckets_are_named():
         "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight",
     ]
     assert notes and notes[0].startswith("optimizer.distributed.dp_group_idx_0: the distributed")
+
+
+def test_a_torch_dist_folder_in_s3_is_megatron_s(bucket, tmp_path):  # noqa: F811 (fixtures)
+    """Over a URL the folder is asked of Megatron before the DCP reader opens it alone."""
+    url = _upload_tree(MEGATRON / "tp2/iter_0000010", "megatron/iter_0000010")
+    with open_checkpoint(url) as remote, open_checkpoint(MEGATRON / "tp2/iter_0000010") as local:
+        assert remote.details["layout"] == "megatron_torch_dist"
+        assert remote.root["iteration"] == 10
+        assert values(remote).keys() == values(local).keys()
+        for key, array in values(local).items():
+            assert values(remote)[key].tobytes() == array.tobytes(), key
