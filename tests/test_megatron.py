@@ -23,7 +23,7 @@ from ckpttool.model.records import TensorRecord
 from tests.test_remote import _upload_tree, bucket, s3_endpoint  # noqa: F401 (fixtures)
 
 MEGATRON = Path(__file__).parent / "fixtures/frameworks/megatron"
-DIST = {"tp2": "iter_0000010", "pp2": "iter_0000020"}
+DIST = {"tp2": "iter_0000010", "pp2": "iter_0000020", "glu_tp2": "iter_0000030"}
 #: megatron-core's sharded_state_dict_keys_map of the local layer spec: the names torch_dist
 #: stores the layer norms under (Transformer Engine's fused names).
 TE_NAMES = {
@@ -65,10 +65,11 @@ def test_torch_dist_layers_are_the_stacked_rows_torch_gathers(case, tmp_path):
         assert model[key].tobytes() == array.tobytes(), key
 
 
-@pytest.mark.parametrize("case", ["tp2", "pp2"])
+@pytest.mark.parametrize("case", ["tp2", "pp2", "glu_tp2"])
 def test_legacy_shards_merged_equal_the_same_model_saved_torch_dist(case):
     """The legacy shards (tensor-parallel pieces, pipeline stages numbered from 0) merged by the
-    column/row rules equal the layers torch_dist stores for the same model."""
+    column/row rules equal the layers torch_dist stores for the same model (glu_tp2: each
+    rank's fc1 gate and up halves placed as megatron-core's own GLU sharding places them)."""
     with open_checkpoint(MEGATRON / f"legacy_{case}") as ckpt:
         assert ckpt.details["layout"] == "megatron_legacy"
         merged = values(ckpt)
