@@ -63,16 +63,15 @@ class LayerStorageRecord(ChunkedStorageRecord):
 
 def summary_of(common: dict[str, Any], iteration_from: str) -> dict[str, Any]:
     """iteration, parallel sizes, model and counter args from ``common.pt``/the shard's dict."""
-    args = common.get("args")
-    args = args if isinstance(args, dict) else {}
-    pick = lambda names: {n: args[n] for n in names if n in args}  # noqa: E731
+    found = common.get("args")
+    args: dict[str, Any] = found if isinstance(found, dict) else {}
     return {
         "iteration": common.get("iteration"),
         "iteration_from": iteration_from,
         "checkpoint_version": common.get("checkpoint_version"),
-        "parallel": pick(PARALLEL_ARGS),
-        "model_args": pick(MODEL_ARGS),
-        "counters": pick(COUNTER_ARGS),
+        "parallel": {name: args[name] for name in PARALLEL_ARGS if name in args},
+        "model_args": {name: args[name] for name in MODEL_ARGS if name in args},
+        "counters": {name: args[name] for name in COUNTER_ARGS if name in args},
     }
 
 

@@ -19,6 +19,7 @@ From Megatron-LM's ``megatron/training/checkpointing.py`` and megatron-core's
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from ckpttool.frameworks.base import (
     list_files,
     read_json,
 )
-from ckpttool.io.source import is_dir, join, read_head
+from ckpttool.io.source import is_dir, is_url, join, read_head
 
 TORCH_DIST = "megatron_torch_dist"
 LEGACY = "megatron_legacy"
@@ -177,10 +178,6 @@ def _legacy(path: str, tracker: str | None) -> FrameworkDirectory | None:
 
 
 def _mp_rank_folders(path: str) -> dict[str, tuple[int, int | None]]:
-    import os
-
-    from ckpttool.io.source import is_url
-
     if is_url(path):
         return {}  # a store lists files, not folders: name the folder on disk
     try:
