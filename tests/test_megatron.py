@@ -6,6 +6,7 @@ other (the fixtures hold one model saved both ways: tests/fixtures/frameworks/wr
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -292,3 +293,36 @@ def test_a_torch_dist_folder_in_s3_is_megatron_s(bucket, tmp_path):  # noqa: F81
         assert values(remote).keys() == values(local).keys()
         for key, array in values(local).items():
             assert values(remote)[key].tobytes() == array.tobytes(), key
+
+
+@pytest.mark.parametrize("case", ["tp2", "legacy_tp2"])
+def test_scan_walks_every_file_of_a_save(case):
+    result = CliRunner().invoke(cli, ["scan", str(MEGATRON / case / DIST["tp2"])])
+    assert result.exit_code == 0, result.output
+    assert "0 findings" in result.output
+
+
+def test_a_legacy_release_folder(tmp_path):
+    save = tmp_path / "save"
+    shutil.copytree(MEGATRON / "legacy_pp2/iter_0000020", save / "release")
+    (save / "latest_checkpointed_iteration.txt").write_text("release")
+    with open_checkpoint(save) as ckpt:
+        assert ckpt.details["layout"] == "megatron_legacy"
+        assert "decoder.layers.1.mlp.linear_fc2.weight" in ckpt.root["model"]
+
+
+def test_scan_reads_common_pt_beside_the_dcp_files(tmp_path):
+    """common.pt is a pickle of its own, outside the DCP items: scan walks it too (a global
+    that would run in it is found, whether the folder or its save directory is named)."""
+    save = tmp_path / "save"
+    shutil.copytree(MEGATRON / "tp2", save)
+
+    class Run:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    torch.save({"iteration": 10, "args": Run()}, save / "iter_0000010/common.pt")
+    for target in (save, save / "iter_0000010"):
+        result = CliRunner().invoke(cli, ["scan", str(target)])
+        assert result.exit_code == 1, result.output
+        assert "common.pt" in result.output and "system" in result.output

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool.checkpoint import open_checkpoint
+from ckpttool.checkpoint import checkpoint_names, open_checkpoint
 from ckpttool.errors import AmbiguousFileError, CkptError, NotACheckpointError, UnsafePickleError
 from ckpttool.formats.base import Findings
 from ckpttool.formats.registry import directory_format_of, salvage, scan_findings
@@ -145,13 +145,22 @@ def is_directory_checkpoint(path: Path | str) -> bool:
     return directory_format_of(path) is not None
 
 
+def loose_files(directory: Path) -> list[Path]:
+    """Files named like checkpoints inside a directory checkpoint that its format does not
+    read (a DCP directory's data files are ``.distcp``): Megatron's ``common.pt`` beside its
+    DCP files. Each holds a pickle of its own, so each is scanned as a file."""
+    return [directory / name for name in checkpoint_names(str(directory))]
+
+
 def _files_under(directory: Path) -> list[Path]:
-    """Files under ``directory``, recursively; a DCP directory is one input, not its files."""
+    """Files under ``directory``, recursively; a DCP directory is one input, not its files
+    (but for the checkpoint files its format does not read: :func:`loose_files`)."""
     found = []
     for root, subdirectories, names in os.walk(directory):
         here = Path(root)
         if is_directory_checkpoint(here):
             found.append(here)
+            found.extend(loose_files(here))
             subdirectories.clear()
             continue
         found.extend(
@@ -189,4 +198,6 @@ def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> 
                 empty.append(str(path))
         else:
             files.append(scan_file(path, allow))
+            if path.is_dir():
+                files.extend(scan_file(loose, allow) for loose in loose_files(path))
     return ScanReport(files, skipped, empty)
