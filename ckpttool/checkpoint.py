@@ -143,6 +143,9 @@ def _open_remote_directory(
             if "no such file" not in str(error):
                 raise
         else:
+            if _framework_over_format(url, known):
+                index.close()
+                return _open_directory(url, strict, refuse_dangerous, known)
             return open_directory_format(fmt, url, index, strict, refuse_dangerous)
     if url_scheme(url) in ("http", "https", "hf"):
         names = " or ".join(fmt.index_name for fmt in formats)

@@ -137,6 +137,8 @@ def test_every_schema_field_is_documented_on_the_command_page(command: str) -> N
         [FRAMEWORKS / "fsdp2_2proc/model_world_size_2_rank_0.pt"],  # DTensor shards
         [FRAMEWORKS / "rank_sets/tp/model_world_size_2_rank_0.pt"],  # a named mesh
         [FRAMEWORKS / "rank_sets/tp"],  # a rank set: placements of the assembled tensors
+        [FRAMEWORKS / "megatron/tp2"],  # Megatron torch_dist: stacked layers, parallel sizes
+        [FRAMEWORKS / "megatron/legacy_pp2"],  # Megatron legacy: merged, renumbered
         [FRAMEWORKS / "peft/lora"],  # a PEFT adapter: patterns, modules_to_save
         [FRAMEWORKS / "peft/dora"],
         [FRAMEWORKS / "peft/trainer/checkpoint-2"],  # the adapter in a Trainer checkpoint

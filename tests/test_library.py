@@ -41,6 +41,10 @@ NO_TORCH_REFERENCE = {
     "checks the directory against DCP's own loader",
     "frameworks/rank_sets/fsdp1": "ShardedTensor files load only in a process group: "
     "tests/test_rank_sets.py checks them against FSDP1's own full state dict",
+    "frameworks/megatron/tp2/iter_0000010/.metadata": "DCP's index of a Megatron torch_dist "
+    "save: tests/test_megatron.py checks the directory against dcp_to_torch_save",
+    "frameworks/megatron/pp2/iter_0000020/.metadata": "the same, pipeline parallel",
+    "frameworks/megatron/glu_tp2/iter_0000030/.metadata": "the same, a SwiGLU layer",
 }
 #: Damaged on purpose (tests/fixtures/deepspeed/README.md) so that torch cannot read them:
 #: ``ckpttool.open`` must refuse them too (test_files_torch_cannot_read_are_refused).

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool.checkpoint import open_checkpoint
+from ckpttool.checkpoint import checkpoint_names, open_checkpoint
 from ckpttool.errors import AmbiguousFileError, CkptError, NotACheckpointError, UnsafePickleError
 from ckpttool.formats.base import Findings
 from ckpttool.formats.registry import directory_format_of, salvage, scan_findings
@@ -145,25 +145,22 @@ def is_directory_checkpoint(path: Path | str) -> bool:
     return directory_format_of(path) is not None
 
 
-def _beside_directory_format(directory: Path, names: Iterable[str]) -> list[Path]:
-    """Files in a DCP directory that are not DCP's own (Lightning's ``meta.pt``): scanned as
-    files of their own, since the directory format's scan walks only its index and items."""
-    return [
-        directory / name
-        for name in sorted(names)
-        if not name.startswith(".") and not name.endswith(".distcp")
-        and os.path.getsize(directory / name) > 0
-    ]  # fmt: skip
+def loose_files(directory: Path) -> list[Path]:
+    """Files named like checkpoints inside a directory checkpoint that its format does not
+    read (a DCP directory's data files are ``.distcp``): Megatron's ``common.pt`` beside its
+    DCP files. Each holds a pickle of its own, so each is scanned as a file."""
+    return [directory / name for name in checkpoint_names(str(directory))]
 
 
 def _files_under(directory: Path) -> list[Path]:
-    """Files under ``directory``, recursively; a DCP directory is one input, not its files."""
+    """Files under ``directory``, recursively; a DCP directory is one input, not its files
+    (but for the checkpoint files its format does not read: :func:`loose_files`)."""
     found = []
     for root, subdirectories, names in os.walk(directory):
         here = Path(root)
         if is_directory_checkpoint(here):
             found.append(here)
-            found.extend(_beside_directory_format(here, names))
+            found.extend(loose_files(here))
             subdirectories.clear()
             continue
         found.extend(
@@ -190,10 +187,7 @@ def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> 
             files.append(FileScan(str(path), None, error="no such file or directory"))
         elif path.is_dir() and is_directory_checkpoint(path):
             files.append(scan_file(path, allow))
-            files += [
-                scan_file(child, allow)
-                for child in _beside_directory_format(path, os.listdir(path))
-            ]
+            files.extend(scan_file(loose, allow) for loose in loose_files(path))
         elif path.is_dir():
             found = 0
             for child in _files_under(path):
@@ -207,4 +201,6 @@ def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> 
                 empty.append(str(path))
         else:
             files.append(scan_file(path, allow))
+            if path.is_dir():
+                files.extend(scan_file(loose, allow) for loose in loose_files(path))
     return ScanReport(files, skipped, empty)

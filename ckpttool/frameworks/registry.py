@@ -10,7 +10,8 @@ framework's files), torchtitan's ``step-N/`` DCP directories next; torchtune's `
 directory with an adapter beside it, named by the epoch) before PEFT and Hugging Face; PEFT next (a Trainer ``checkpoint-N/`` of a PEFT model holds the adapter
 instead of the weights); accelerate next (its folders hold a ``model.safetensors`` like a model
 directory does); DeepSpeed next (a Trainer ``checkpoint-N/`` of a DeepSpeed run holds a
-``global_stepN/`` too); per-rank sets last (a directory of ``*rank<N>.pt`` files).
+``global_stepN/`` too); Megatron next (``mp_rank_XX/`` folders, or a DCP directory with
+``metadata.json``); per-rank sets last (a directory of ``*rank<N>.pt`` files).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ckpttool.frameworks.accelerate.framework:FRAMEWORK", ("accelerate",)),
     ("ckpttool.frameworks.huggingface.framework:FRAMEWORK", ("hf_model", "hf_trainer", "hf_trainer_output")),
     ("ckpttool.frameworks.deepspeed.framework:FRAMEWORK", ("deepspeed",)),
+    ("ckpttool.frameworks.megatron.framework:FRAMEWORK", ("megatron_torch_dist", "megatron_legacy")),
     ("ckpttool.frameworks.rank_set.framework:FRAMEWORK", ("rank_set",)),
 )  # fmt: skip
 
@@ -41,6 +43,7 @@ FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
 BEFORE_DIRECTORY_FORMATS: frozenset[str] = frozenset({
     "ckpttool.frameworks.lightning_sharded.framework:FRAMEWORK",
     "ckpttool.frameworks.torchtitan.framework:FRAMEWORK",
+    "ckpttool.frameworks.megatron.framework:FRAMEWORK",
 })  # fmt: skip
 
 _loaded: dict[str, Framework] = {}

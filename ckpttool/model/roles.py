@@ -56,9 +56,11 @@ RANK_SET = "rank_set"  # per-rank state dicts of DTensors: ckpttool.frameworks.r
 LIGHTNING_SHARDED = "lightning_sharded"  # DCP + meta.pt: ckpttool.frameworks.lightning_sharded
 TORCHTITAN = "torchtitan"  # a step-N/ DCP directory: ckpttool.frameworks.torchtitan
 TORCHTUNE = "torchtune"  # epoch_N/ or the flat 0.2-0.3 files: ckpttool.frameworks.torchtune
+MEGATRON_DIST = "megatron_torch_dist"  # ckpttool.frameworks.megatron: DCP + common.pt
+MEGATRON_LEGACY = "megatron_legacy"  # ckpttool.frameworks.megatron: mp_rank_XX[_YYY]/ shards
 DECLARED_LAYOUTS = (
     HF_MODEL, HF_TRAINER, ACCELERATE, DEEPSPEED, PEFT_ADAPTER, PICKLED_MODULE, RANK_SET,
-    LIGHTNING_SHARDED, TORCHTITAN, TORCHTUNE,
+    LIGHTNING_SHARDED, TORCHTITAN, TORCHTUNE, MEGATRON_DIST, MEGATRON_LEGACY,
 )  # fmt: skip
 
 LAYOUT_TITLES = {
@@ -84,6 +86,8 @@ LAYOUT_TITLES = {
     LIGHTNING_SHARDED: "Lightning sharded checkpoint (DCP + meta.pt)",
     TORCHTITAN: "torchtitan checkpoint (step-N DCP directory)",
     TORCHTUNE: "torchtune checkpoint",
+    MEGATRON_DIST: "Megatron torch_dist checkpoint",
+    MEGATRON_LEGACY: "Megatron legacy checkpoint (mp_rank shards)",
 }
 
 RESUME_KEYS = ("model", "optimizer", "epoch", "step")
@@ -176,6 +180,7 @@ def model_section(layout: str, root: Any = None) -> str | None:
     no part of it is; :func:`model_part` tells those apart)."""
     if is_resume(layout) or layout in (
         HF_MODEL, HF_TRAINER, ACCELERATE, PEFT_ADAPTER, LIGHTNING_SHARDED, TORCHTITAN, TORCHTUNE,
+        MEGATRON_DIST, MEGATRON_LEGACY,
     ):  # fmt: skip
         return "model"
     if layout == LIGHTNING:

@@ -1,0 +1,1 @@
+"""Megatron-LM / Megatron-Core checkpoints: ``torch_dist`` directories and legacy ``mp_rank`` shards."""
