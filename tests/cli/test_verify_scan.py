@@ -205,7 +205,8 @@ def test_show_of_a_plain_directory_names_the_checkpoint_files_in_it(tmp_path: Pa
     assert result.stderr.splitlines() == [
         f"Error: {tmp_path}: is a directory, but not a checkpoint layout ckpttool knows (a "
         "Hugging Face model or Trainer checkpoint, a PEFT adapter, an accelerate save_state "
-        "folder, a DeepSpeed save or tag directory, a set of per-rank state dicts, a DCP "
+        "folder, a DeepSpeed save or tag directory, a Megatron save, a torchtitan or torchtune "
+        "checkpoint, a set of per-rank state dicts, a DCP "
         "directory); it holds 2 checkpoint files: resume.pth, weights.safetensors; name one of "
         "them (verify and scan take the whole directory)"
     ]
