@@ -130,11 +130,14 @@ def _open_view(name: str, view: str, known: Known) -> Checkpoint | None:
 def _open_remote_directory(
     url: str, strict: bool, refuse_dangerous: bool, known: Known
 ) -> Checkpoint:
-    """A directory under a URL: a directory format's when it has that format's index file
-    (DCP: ``.metadata``), else a framework's layout (which needs a store that lists: HTTP
-    cannot)."""
+    """A directory under a URL: a framework's layout that holds a directory format's directory
+    (Lightning's sharded ``meta.pt`` beside DCP, torchtitan's ``step-N``: found by name over
+    HTTP too), else a directory format's when it has that format's index file (DCP:
+    ``.metadata``), else a framework's layout (which needs a store that lists: HTTP cannot)."""
     from ckpttool.io.urls import display_url, url_scheme
 
+    if _framework_over_format(url, known):  # Lightning's sharded and torchtitan's: DCP + more
+        return _open_directory(url, strict, refuse_dangerous, known)
     formats = list(directory_formats())
     for fmt in formats:
         try:

@@ -213,12 +213,49 @@ def open_format_directory(
     from ckpttool.formats.registry import directory_format_of, open_directory_format
     from ckpttool.io.source import local_path, open_local
 
+    if is_url(directory):
+        from ckpttool.formats.registry import directory_formats
+        from ckpttool.io.source import open_source
+
+        for candidate in directory_formats():
+            try:
+                index = open_source(join(directory, candidate.index_name))
+            except InputError as error:
+                if "no such file" not in str(error):
+                    raise
+                continue
+            return open_directory_format(candidate, directory, index, strict, refuse_dangerous)
+        raise InputError(f"{directory}: no directory format reads it (no .metadata?)")
     name = local_path(directory)
     fmt = directory_format_of(name)
     if fmt is None:
         raise InputError(f"{directory}: no directory format reads it (no .metadata?)")
     index = open_local(os.path.join(name, fmt.index_name))
     return open_directory_format(fmt, name, index, strict, refuse_dangerous)
+
+
+def format_directory_files(directory: str, names: tuple[str, ...]) -> dict[str, int]:
+    """The files of a directory that keeps a directory format's data (DCP's ``.metadata`` and
+    ``__<rank>_<n>.distcp``) beside a framework's own ``names`` (Lightning's ``meta.pt``), by
+    name, with sizes: what :func:`list_files` lists; under an HTTP URL, which cannot list, those
+    of ``names`` and of the formats' index files that exist, and, when all of ``names`` do, the
+    data files the index names (its directory read as the format reads it)."""
+    files = list_files(directory)
+    if files or not is_url(directory):
+        return files
+    from ckpttool.formats.registry import directory_formats
+    from ckpttool.io.remote import member_sizes
+
+    indexes = [fmt.index_name for fmt in directory_formats()]
+    found = member_sizes(directory, [*names, *indexes])
+    if all(name in found for name in names) and any(index in found for index in indexes):
+        with open_format_directory(directory) as opened:
+            listed = opened.details.get("files", {})
+            if isinstance(listed, dict):
+                found.update(
+                    {n: size for n, size in listed.items() if isinstance(size, int) and size}
+                )
+    return dict(sorted(found.items()))
 
 
 #: The view ``convert`` and ``diff`` ask for: the model's weights as the framework consolidates

@@ -23,9 +23,9 @@ from ckpttool.frameworks.base import (
     OTHER,
     FrameworkDirectory,
     Member,
-    list_files,
+    format_directory_files,
 )
-from ckpttool.io.source import is_dir, is_url
+from ckpttool.io.source import is_dir
 
 TORCHTITAN = "torchtitan"
 TITLE = "torchtitan checkpoint (step-N DCP directory)"
@@ -44,12 +44,12 @@ PARTS = {
 
 
 def detect(path: str) -> FrameworkDirectory | None:
-    if is_url(path) or not is_dir(path):
+    if not is_dir(path):
         return None
     match = STEP_DIRECTORY.match(os.path.basename(os.path.normpath(path)))
     if match is None:
         return None
-    files = list_files(path)
+    files = format_directory_files(path, ())
     data = {name: DATA_FILE.match(name) for name in files}
     if DCP_METADATA not in files and not any(data.values()):
         return None
