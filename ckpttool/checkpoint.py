@@ -165,7 +165,7 @@ def is_framework_path(path: str) -> bool:
 
 def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Known) -> Checkpoint:
     """A framework's directory as one checkpoint: its members' trees merged."""
-    from ckpttool.frameworks.base import COLLECTION, describe_collection
+    from ckpttool.frameworks.base import describe_collection
     from ckpttool.frameworks.registry import detect_once, frameworks, read_directory
 
     layout = framework = None
@@ -183,7 +183,7 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
             "DeepSpeed save or tag directory, a set of per-rank state dicts, a DCP directory); "
             f"{_files_seen(name)}"
         )
-    if layout.kind == COLLECTION:
+    if layout.collection:
         raise CheckpointCollectionError(layout, describe_collection(layout))
     opened = framework.open_directory(layout, strict=strict, refuse_dangerous=refuse_dangerous)
     if opened is not None:

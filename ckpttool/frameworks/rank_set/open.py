@@ -193,9 +193,9 @@ def _tied_view(value: TensorRecord, records: list[Any]) -> tuple[Any, ...] | Non
     views: list[Any] = [value.shape, value.dtype, value.dtensor.placements]
     for record in records:
         info = record.dtensor if isinstance(record, TensorRecord) else None
-        if info is None or info.local.storage is None or info.local.inline_data is not None:
+        local = info.local if info is not None else None
+        if local is None or local.storage is None or local.inline_data is not None:
             return None
-        local = info.local
         views.append(
             (local.storage.key, local.storage_offset, local.shape, local.stride, local.dtype)
         )
