@@ -130,11 +130,14 @@ def _open_view(name: str, view: str, known: Known) -> Checkpoint | None:
 def _open_remote_directory(
     url: str, strict: bool, refuse_dangerous: bool, known: Known
 ) -> Checkpoint:
-    """A directory under a URL: a directory format's when it has that format's index file
-    (DCP: ``.metadata``), else a framework's layout (which needs a store that lists: HTTP
-    cannot)."""
+    """A directory under a URL: a framework's layout that holds a directory format's directory
+    (Lightning's sharded ``meta.pt`` beside DCP, torchtitan's ``step-N``: found by name over
+    HTTP too), else a directory format's when it has that format's index file (DCP:
+    ``.metadata``), else a framework's layout (which needs a store that lists: HTTP cannot)."""
     from ckpttool.io.urls import display_url, url_scheme
 
+    if _framework_over_format(url, known):  # Lightning's sharded and torchtitan's: DCP + more
+        return _open_directory(url, strict, refuse_dangerous, known)
     formats = list(directory_formats())
     for fmt in formats:
         try:
@@ -165,7 +168,7 @@ def is_framework_path(path: str) -> bool:
 
 def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Known) -> Checkpoint:
     """A framework's directory as one checkpoint: its members' trees merged."""
-    from ckpttool.frameworks.base import COLLECTION, describe_collection
+    from ckpttool.frameworks.base import describe_collection
     from ckpttool.frameworks.registry import detect_once, frameworks, read_directory
 
     layout = framework = None
@@ -184,7 +187,7 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
             "checkpoint, a set of per-rank state dicts, a DCP directory); "
             f"{_files_seen(name)}"
         )
-    if layout.kind == COLLECTION:
+    if layout.collection:
         raise CheckpointCollectionError(layout, describe_collection(layout))
     opened = framework.open_directory(layout, strict=strict, refuse_dangerous=refuse_dangerous)
     if opened is not None:

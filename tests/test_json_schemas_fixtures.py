@@ -40,7 +40,8 @@ REFUSED = {
 #: Trainer output directories of several checkpoints: show lists them; diff and verify ask
 #: which one is meant.
 COLLECTIONS = ("frameworks/trainer_1proc/half_written", "frameworks/trainer_1proc/output",
-               "frameworks/trainer_2proc/output", "frameworks/peft/trainer")  # fmt: skip
+               "frameworks/trainer_2proc/output", "frameworks/peft/trainer",
+               "frameworks/torchtitan/checkpoint", "frameworks/torchtune/output")  # fmt: skip
 
 
 def refused(path: Path) -> bool:

@@ -48,7 +48,10 @@ def test_show_gives_the_epoch_and_the_recipe_state() -> None:
     result = CliRunner().invoke(cli, ["show", str(ROOT / "output/epoch_0")])
     assert result.exit_code == 0, result.output
     assert "layout:     torchtune checkpoint" in result.stdout
-    assert "counters:   epoch 0 (epoch_N/ (0.4+))" in result.stdout
+    assert (
+        "counters:   epoch 0, epochs_run 1, total_epochs 2, seed 0 (epoch_N/ (0.4+))"
+        in result.stdout
+    )  # the run directory's recipe_state/recipe_state.pt, read (tests/test_run_directories.py)
     assert "resume:     ../recipe_state/recipe_state.pt" in result.stdout
     assert "adapter_model.pt                     2.0 KB  weights -> adapter" in result.stdout
     flat = CliRunner().invoke(cli, ["show", str(ROOT / "flat")])

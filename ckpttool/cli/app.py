@@ -427,8 +427,9 @@ def trend_command(
     """Follow a run's weights across its checkpoints: norms, updates, NaN/Inf, frozen tensors.
 
     CHECKPOINTS are files, or one run directory (a Trainer output_dir, a DeepSpeed save
-    directory, a directory of resume files), ordered by step (the checkpoints' own counters,
-    else the numbers in their names). Per module group (layers.#.mlp.up_proj; --tensors: per
+    directory, torchtitan's step-N/ folder, torchtune's epoch_N/ output_dir, a directory of
+    resume files), ordered by step (the checkpoints' own counters, else the numbers in their
+    names). Per module group (layers.#.mlp.up_proj; --tensors: per
     tensor) its norm and its relative update from the previous checkpoint; then the first
     checkpoint holding a NaN or an Inf and in which tensors, the tensors that never changed,
     and the update jumps (more than 10x the median of the group's previous updates). Values are

@@ -165,7 +165,7 @@ def _step(ckpt: Checkpoint) -> tuple[int | None, int | float | None]:
     facts = view_facts(ckpt)
     places: list[Any] = [facts.counters if facts is not None else None, ckpt.root]
     if isinstance(ckpt.root, dict):
-        places.append(ckpt.root.get("trainer_state"))
+        places += [ckpt.root.get("trainer_state"), ckpt.root.get("train_state")]  # torchtitan's
     step = epoch = None
     for place in places:
         if not isinstance(place, dict):

@@ -201,7 +201,6 @@ def _checkpoints_under(directory: Path) -> list[Path]:
     framework directory is one input, not its files); hidden files are left out (an
     interrupted save's temp files are reported beside the checkpoint they were meant for)."""
     from ckpttool.formats.registry import directory_format_of
-    from ckpttool.frameworks.base import COLLECTION
     from ckpttool.frameworks.registry import detect_directory
 
     found = []
@@ -210,7 +209,7 @@ def _checkpoints_under(directory: Path) -> list[Path]:
         if here != directory:
             try:
                 layout = detect_directory(str(here))  # a Trainer output_dir: its checkpoints
-                known = layout is not None and layout.kind != COLLECTION
+                known = layout is not None and not layout.collection
             except CkptError:  # a framework's layout, damaged: verify says what is wrong
                 known = True
             if known or directory_format_of(here) is not None:  # DCP

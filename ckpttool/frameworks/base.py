@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,8 @@ OTHER = "other"  # tokenizer files, READMEs...: listed, not read
 #: through that format's index, never as a file of its own
 FORMAT_DATA = "format_data"
 
-#: The layout of a directory that holds several checkpoints (a Trainer ``output_dir``).
+#: The layout of a directory that holds several checkpoints (a Trainer ``output_dir``); other
+#: frameworks' run directories have layouts of their own, all with ``FrameworkDirectory.collection``.
 COLLECTION = "hf_trainer_output"
 
 #: How large a JSON member may be (an index of a million tensors is ~60 MB).
@@ -108,6 +110,10 @@ class FrameworkDirectory:
     details: dict[str, object] = field(default_factory=dict)  # shown by `show` (step, ranks...)
     index: str | None = None  # the index file, when the weights are sharded
     complete: bool = True  # everything the framework writes for a resumable checkpoint is there
+    #: A run directory holding several checkpoints (a Trainer ``output_dir``, torchtitan's
+    #: ``checkpoint/`` of ``step-N/``): ``details["checkpoints"]`` lists them
+    #: (:func:`describe_collection`), and commands other than ``show`` ask for one of them.
+    collection: bool = False
     # JSON members already parsed (by name): detection reads an index or trainer_state.json,
     # and reading the directory uses what it found rather than reading the file again
     parsed_json: dict[str, object] = field(default_factory=dict, repr=False)
@@ -172,6 +178,56 @@ def describe_collection(layout: object) -> str:
     )
 
 
+def run_directory(
+    path: str,
+    kind: str,
+    title: str,
+    pattern: re.Pattern[str],
+    detect: Callable[[str], FrameworkDirectory | None],
+) -> FrameworkDirectory | None:
+    """A local run directory holding checkpoint folders named by ``pattern`` (its group 1: the
+    step or epoch; torchtitan's ``step-N/``, torchtune's ``epoch_N/``), as a collection: each
+    listed by number with its completeness as ``detect`` finds it (a folder it does not know
+    lacks every file); None when there is no such folder. A URL names one checkpoint."""
+    if is_url(path) or not os.path.isdir(path):
+        return None
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None
+    found = []
+    for name in names:
+        match = pattern.match(name)
+        folder = os.path.join(path, name)
+        if match is None or not os.path.isdir(folder):
+            continue
+        layout = detect(folder)
+        complete = layout is not None and layout.complete
+        missing = list(layout.missing) if layout is not None else ["every file"]
+        found.append((int(match.group(1)), name, complete, missing))
+    if not found:
+        return None
+    found.sort()
+    result = FrameworkDirectory(
+        kind=kind, title=title, directory=path, members=[], complete=False, collection=True
+    )
+    result.details["checkpoints"] = [
+        {"name": name, "step": number, "complete": complete, "missing": missing,
+         "resumable": True}
+        for number, name, complete, missing in found
+    ]  # fmt: skip
+    return result
+
+
+def run_checkpoints(layout: FrameworkDirectory | None) -> tuple[str, ...]:
+    """The names of the checkpoints a collection lists, oldest first (``run_layout``)."""
+    if layout is None or not layout.collection:
+        return ()
+    listed = layout.details.get("checkpoints", [])
+    assert isinstance(listed, list)
+    return tuple(c["name"] for c in listed if c.get("resumable", True))
+
+
 def read_json(path: str) -> object:
     """A small JSON file, bounded in size; a broken one is a corrupt checkpoint."""
     try:
@@ -213,12 +269,49 @@ def open_format_directory(
     from ckpttool.formats.registry import directory_format_of, open_directory_format
     from ckpttool.io.source import local_path, open_local
 
+    if is_url(directory):
+        from ckpttool.formats.registry import directory_formats
+        from ckpttool.io.source import open_source
+
+        for candidate in directory_formats():
+            try:
+                index = open_source(join(directory, candidate.index_name))
+            except InputError as error:
+                if "no such file" not in str(error):
+                    raise
+                continue
+            return open_directory_format(candidate, directory, index, strict, refuse_dangerous)
+        raise InputError(f"{directory}: no directory format reads it (no .metadata?)")
     name = local_path(directory)
     fmt = directory_format_of(name)
     if fmt is None:
         raise InputError(f"{directory}: no directory format reads it (no .metadata?)")
     index = open_local(os.path.join(name, fmt.index_name))
     return open_directory_format(fmt, name, index, strict, refuse_dangerous)
+
+
+def format_directory_files(directory: str, names: tuple[str, ...]) -> dict[str, int]:
+    """The files of a directory that keeps a directory format's data (DCP's ``.metadata`` and
+    ``__<rank>_<n>.distcp``) beside a framework's own ``names`` (Lightning's ``meta.pt``), by
+    name, with sizes: what :func:`list_files` lists; under an HTTP URL, which cannot list, those
+    of ``names`` and of the formats' index files that exist, and, when all of ``names`` do, the
+    data files the index names (its directory read as the format reads it)."""
+    files = list_files(directory)
+    if files or not is_url(directory):
+        return files
+    from ckpttool.formats.registry import directory_formats
+    from ckpttool.io.remote import member_sizes
+
+    indexes = [fmt.index_name for fmt in directory_formats()]
+    found = member_sizes(directory, [*names, *indexes])
+    if all(name in found for name in names) and any(index in found for index in indexes):
+        with open_format_directory(directory) as opened:
+            listed = opened.details.get("files", {})
+            if isinstance(listed, dict):
+                found.update(
+                    {n: size for n, size in listed.items() if isinstance(size, int) and size}
+                )
+    return dict(sorted(found.items()))
 
 
 #: The view ``convert`` and ``diff`` ask for: the model's weights as the framework consolidates

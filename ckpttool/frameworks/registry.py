@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 #: (import string, the layouts it detects), in detection order.
 FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ckpttool.frameworks.lightning_sharded.framework:FRAMEWORK", ("lightning_sharded",)),
-    ("ckpttool.frameworks.torchtitan.framework:FRAMEWORK", ("torchtitan",)),
-    ("ckpttool.frameworks.torchtune.framework:FRAMEWORK", ("torchtune",)),
+    ("ckpttool.frameworks.torchtitan.framework:FRAMEWORK", ("torchtitan", "torchtitan_run")),
+    ("ckpttool.frameworks.torchtune.framework:FRAMEWORK", ("torchtune", "torchtune_run")),
     ("ckpttool.frameworks.peft.framework:FRAMEWORK", ("peft_adapter",)),
     ("ckpttool.frameworks.accelerate.framework:FRAMEWORK", ("accelerate",)),
     ("ckpttool.frameworks.huggingface.framework:FRAMEWORK", ("hf_model", "hf_trainer", "hf_trainer_output")),

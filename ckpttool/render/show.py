@@ -421,13 +421,17 @@ def _num(value: float) -> str:
 
 def collection_json(layout: Any) -> dict[str, Any]:
     """``show`` of a directory holding several checkpoints (a Trainer ``output_dir``)."""
-    return {
+    listing = {
         "file": layout.directory,
         "format": "directory",
         "layout": layout.kind,
         "layout_title": layout.title,
         "checkpoints": plain(layout.details.get("checkpoints", [])),
     }
+    for key in ("counter", "recipe_state"):  # torchtune's output_dir: epochs, its resume state
+        if key in layout.details:
+            listing[key] = plain(layout.details[key])
+    return listing
 
 
 def collection_text(listing: dict[str, Any]) -> str:
@@ -439,13 +443,23 @@ def collection_text(listing: dict[str, Any]) -> str:
         f"file:       {listing['file']}",
         f"layout:     {listing['layout_title']} ({len(rows)} checkpoint{'s' * (len(rows) != 1)}; "
         "show one for its contents)",
-        "",
     ]
+    recipe = listing.get("recipe_state")
+    if isinstance(recipe, dict):
+        counters = ", ".join(
+            f"{key} {value}" for key, value in recipe.items()
+            if key not in ("file", "optimizer", "dataloader")
+        )  # fmt: skip
+        held = "present" if recipe.get("optimizer") else "absent"
+        header.append(f"resume:     {recipe['file']}: {counters or 'no counters'}; optimizer "
+                      f"state: {held}")  # fmt: skip
+    header.append("")
     notes = [
         f"note: {c['name']}: not checkpoint-<N>, so Trainer's get_last_checkpoint never resumes "
         "from it, but its rotation (save_total_limit) counts it and may delete it"
         for c in listing["checkpoints"]
         if not c.get("resumable", True)
     ]
-    text = "\n".join(header) + table(rows, ["checkpoint", "step", "complete", "missing"])
+    counter = listing.get("counter", "step")
+    text = "\n".join(header) + table(rows, ["checkpoint", counter, "complete", "missing"])
     return "\n".join([text, *notes])

@@ -6,8 +6,11 @@ Split from :mod:`ckpttool.commands.diff.run`, whose job is comparing. The rules,
    neither is compared whole). A shared ``section`` only one side has fails with a hint to
    name one side's.
 2. With no section named, two files of the same kind are compared whole; when the kinds differ
-   (a resume file against a plain state dict, a Lightning checkpoint against a resume file)
-   each side's weights (``model``, ``state_dict``) are compared, and a note says so.
+   (a resume file against a plain state dict, a Lightning checkpoint against a resume file,
+   a torchtitan ``step-N/`` against a Hugging Face model directory, though both keep their
+   weights under ``model``) each side's weights (``model``, ``state_dict``) are compared, and
+   a note says so; two framework directories whose weights files fill the same section are
+   compared whole, as below.
 3. Then, if the two sides share no tensor key but one side's keys under one extra prefix pair
    one to one with the other's (``{"model": ...}`` against the bare state dict, ``module.``
    keys against plain ones; :func:`ckpttool.commands.diff.match.extra_prefixes`), they are aligned
@@ -73,7 +76,9 @@ def choose_parts(
     else:
         section_a = model_section(layout_a, ckpt_a.root)
         section_b = model_section(layout_b, ckpt_b.root)
-        if section_a == section_b:
+        if section_a == section_b and not _same_section_apart(
+            ckpt_a, layout_a, ckpt_b, layout_b, section_a
+        ):
             section_a = section_b = None  # same kind of file: compare all of it
         else:
             auto = True
@@ -106,6 +111,21 @@ def choose_parts(
             _stored_in(ckpt_b, sel_b),
         ),
     )  # fmt: skip
+
+
+def _same_section_apart(
+    ckpt_a: Checkpoint, layout_a: str, ckpt_b: Checkpoint, layout_b: str, section: str | None
+) -> bool:
+    """Whether two checkpoints of different layouts that keep their weights under the same
+    ``section`` are compared by that section on both sides rather than whole: a torchtitan
+    ``step-N/`` or a Lightning sharded directory (the model gathered under ``model`` beside the
+    training states) against a Hugging Face model directory (its weights files fill ``model``).
+    Two directories whose weights files both fill ``section`` are compared whole (keyed as
+    their files store them, :func:`_weights_as_stored`)."""
+    if section is None or layout_a == layout_b:
+        return False
+    stored_a, stored_b = stored_section(ckpt_a), stored_section(ckpt_b)
+    return not (stored_a is not None and stored_a == stored_b)
 
 
 def _weights_as_stored(

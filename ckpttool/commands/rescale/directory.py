@@ -26,7 +26,7 @@ from pathlib import Path
 from ckpttool.checkpoint import open_checkpoint
 from ckpttool.errors import CkptError, InputError, LayoutError, OutputExistsError, name_file
 from ckpttool.formats.registry import directory_format_of, field_rewrite, verify_rewrite
-from ckpttool.frameworks.base import COLLECTION, Framework, FrameworkDirectory
+from ckpttool.frameworks.base import Framework, FrameworkDirectory
 from ckpttool.frameworks.registry import detect_before_format, detect_once, frameworks
 from ckpttool.io.atomic import fsync_dir, staged_directory
 from ckpttool.model.rescaling import (
@@ -183,7 +183,7 @@ def _plan(
     # a PEFT model is a PEFT adapter to show, and a Trainer checkpoint to rescale
     for framework in frameworks():
         layout = detect_once(framework, str(path), known)
-        if layout is not None and layout.kind != COLLECTION:
+        if layout is not None and not layout.collection:
             found = found or (framework, layout)
             _check_step_key(path, framework, layout, request)
             planned = framework.rescale_plan(path, layout, request)

@@ -259,6 +259,7 @@ def detect_output_dir(path: str) -> FrameworkDirectory | None:
         directory=path,
         members=[],
         complete=False,
+        collection=True,
     )
     result.details["checkpoints"] = [
         {

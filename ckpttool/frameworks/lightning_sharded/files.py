@@ -24,9 +24,9 @@ from ckpttool.frameworks.base import (
     TRAINING_STATE,
     FrameworkDirectory,
     Member,
-    list_files,
+    format_directory_files,
 )
-from ckpttool.io.source import is_dir, is_url
+from ckpttool.io.source import is_dir
 
 LIGHTNING_SHARDED = "lightning_sharded"
 TITLE = "Lightning sharded checkpoint (DCP + meta.pt)"
@@ -38,9 +38,9 @@ OPTIMIZER_KEY = re.compile(r"^optimizer_(\d+)$")  # "optimizer_states[i]" in a .
 
 
 def detect(path: str) -> FrameworkDirectory | None:
-    if is_url(path) or not is_dir(path):
+    if not is_dir(path):
         return None
-    files = list_files(path)
+    files = format_directory_files(path, (META,))
     data = {name: DATA_FILE.match(name) for name in files}
     if META not in files or not (DCP_METADATA in files or any(data.values())):
         return None

@@ -16,6 +16,13 @@ if TYPE_CHECKING:
     from ckpttool.model.rescaling import DirectoryPlan, RescaleRequest
 
 
+#: The output embedding a transformers ``*ForCausalLM`` ties to its input embedding
+#: (``tie_word_embeddings``): FSDP2 saves the tied pair as two DTensors over one storage, and a
+#: model directory stores the input embedding, the output one as its alias (as
+#: ``save_pretrained`` does; frameworks.huggingface's TIED_OUTPUT_NAMES).
+TIED_OUTPUT_NAMES = ("lm_head.weight",)
+
+
 class RankSet(Framework):
     name = "rank_set"
     layouts = (files.RANK_SET,)
@@ -78,7 +85,7 @@ class RankSet(Framework):
         return ModelDirectoryOutput(
             directory=directory, weights_name="model.safetensors",
             copied_files=("config.json", "generation_config.json"),
-            tied_output_names=(), config_entries=(),
+            tied_output_names=TIED_OUTPUT_NAMES, config_entries=(),
             owns=lambda name: name in ("config.json", "generation_config.json", "model.safetensors"),
         )  # fmt: skip
 

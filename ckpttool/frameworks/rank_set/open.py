@@ -106,6 +106,7 @@ def _assemble(
     splits: Counter[str] = Counter()
     meshes: set[str] = set()
     done: dict[int, TensorRecord] = {}  # tied parameters: one global record per rank-0 record
+    tied: dict[tuple[Any, ...], TensorRecord] = {}  # the same, by the pieces' views
     for key, value in first.items():
         if not isinstance(value, TensorRecord):
             root[key] = value
@@ -114,6 +115,10 @@ def _assemble(
             root[key] = with_key(done[id(value)], str(key))  # tied: one storage
             continue
         records = [tree[key] for tree in trees]
+        view = _tied_view(value, records)
+        if view is not None and view in tied:
+            root[key] = with_key(tied[view], str(key))
+            continue
         if not all(isinstance(r, TensorRecord) for r in records):
             problems.append(f"{key}: a tensor in {names[0]}, not in every rank file")
             continue
@@ -166,6 +171,8 @@ def _assemble(
             except CkptError as error:
                 problems.append(f"{key}: {error}")
         done[id(value)] = record
+        if view is not None:
+            tied[view] = record
         root[key] = record
     summary = {
         "ranks": len(trees),
@@ -173,3 +180,23 @@ def _assemble(
         "splits": dict(splits),
     }
     return root, summary, problems
+
+
+def _tied_view(value: TensorRecord, records: list[Any]) -> tuple[Any, ...] | None:
+    """The identity of a DTensor by what it views on every rank: two DTensors of a state dict
+    are one tied parameter when each rank's local pieces view the same bytes the same way,
+    with the same global shape and placements (FSDP2 pickles a tied ``lm_head.weight`` and
+    ``embed_tokens.weight`` as two DTensor objects over one local storage, as transformers'
+    ``tie_word_embeddings`` does); None: not a DTensor on every rank, or a piece without bytes."""
+    if value.dtensor is None:
+        return None
+    views: list[Any] = [value.shape, value.dtype, value.dtensor.placements]
+    for record in records:
+        info = record.dtensor if isinstance(record, TensorRecord) else None
+        local = info.local if info is not None else None
+        if local is None or local.storage is None or local.inline_data is not None:
+            return None
+        views.append(
+            (local.storage.key, local.storage_offset, local.shape, local.stride, local.dtype)
+        )
+    return tuple(views)

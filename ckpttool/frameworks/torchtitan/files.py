@@ -23,12 +23,16 @@ from ckpttool.frameworks.base import (
     OTHER,
     FrameworkDirectory,
     Member,
-    list_files,
+    format_directory_files,
+    run_directory,
 )
-from ckpttool.io.source import is_dir, is_url
+from ckpttool.io.source import is_dir, is_file, join
 
 TORCHTITAN = "torchtitan"
 TITLE = "torchtitan checkpoint (step-N DCP directory)"
+#: ``checkpoint.folder`` holding the ``step-N/`` of one run: listed, each by its step.
+TORCHTITAN_RUN = "torchtitan_run"
+RUN_TITLE = "torchtitan checkpoint folder"
 STEP_DIRECTORY = re.compile(r"^step-(\d+)$")  # _create_checkpoint_id / _find_load_step
 DCP_METADATA = ".metadata"
 DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -44,12 +48,14 @@ PARTS = {
 
 
 def detect(path: str) -> FrameworkDirectory | None:
-    if is_url(path) or not is_dir(path):
+    if not is_dir(path):
         return None
     match = STEP_DIRECTORY.match(os.path.basename(os.path.normpath(path)))
     if match is None:
-        return None
-    files = list_files(path)
+        if is_file(join(path, DCP_METADATA)):  # a DCP directory itself
+            return None
+        return run_directory(path, TORCHTITAN_RUN, RUN_TITLE, STEP_DIRECTORY, detect)
+    files = format_directory_files(path, ())
     data = {name: DATA_FILE.match(name) for name in files}
     if DCP_METADATA not in files and not any(data.values()):
         return None

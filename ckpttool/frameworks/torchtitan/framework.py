@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import LayoutError
-from ckpttool.frameworks.base import Framework, FrameworkDirectory
+from ckpttool.frameworks.base import Framework, FrameworkDirectory, RunLayout, run_checkpoints
 from ckpttool.frameworks.torchtitan import files
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 class Torchtitan(Framework):
     name = "torchtitan"
-    layouts = (files.TORCHTITAN,)
+    layouts = (files.TORCHTITAN, files.TORCHTITAN_RUN)
 
     def detect(self, path: str) -> FrameworkDirectory | None:
         return files.detect(path)
@@ -99,6 +99,12 @@ class Torchtitan(Framework):
             "checkpoint holds optimizer, lr_scheduler, dataloader and train_state; "
             "train_state.step matches step-N; a dataloader state for every dp rank"
         ]
+
+    def run_layout(self, directory: str) -> RunLayout | None:
+        """The ``step-N/`` of a checkpoint folder, by step (resume takes the highest with a
+        ``.metadata``: ``_find_load_step``)."""
+        names = run_checkpoints(files.detect(directory))
+        return RunLayout(title=files.RUN_TITLE, checkpoints=names) if names else None
 
     def rescale_plan(
         self, path: Path, layout: FrameworkDirectory, request: RescaleRequest

@@ -29,6 +29,8 @@ from ckpttool.frameworks.base import (
     FrameworkDirectory,
     Member,
     list_files,
+    open_member,
+    run_directory,
 )
 from ckpttool.io.source import is_dir, is_url
 
@@ -40,6 +42,11 @@ SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 ADAPTERS = ("adapter_model.pt", "adapter_model.safetensors", "adapter_model.bin")
 ADAPTER_CONFIG = "adapter_config.json"
 RECIPE_STATE_DIR, RECIPE_STATE = "recipe_state", "recipe_state.pt"
+#: Where a run directory keeps the recipe state: 0.6's ``recipe_state/``, else beside the epochs.
+RECIPE_STATE_PATHS = (os.path.join(RECIPE_STATE_DIR, RECIPE_STATE), RECIPE_STATE)
+#: ``output_dir`` holding the ``epoch_N/`` of one run: listed, each by its epoch.
+TORCHTUNE_RUN = "torchtune_run"
+RUN_TITLE = "torchtune output directory"
 #: 0.2-0.3: every epoch's files side by side, the epoch as a suffix.
 FLAT_MODEL = re.compile(r"^(?:hf_model_\d{4}|torchtune_model|meta_model)_(\d+)\.pt$")
 FLAT_ADAPTER = re.compile(r"^adapter_(\d+)\.pt$")
@@ -59,7 +66,64 @@ def detect(path: str) -> FrameworkDirectory | None:
     )
     if epochs:
         return _flat_directory(path, files, epochs)
+    return _run_directory(path)
+
+
+def _run_directory(path: str) -> FrameworkDirectory | None:
+    """``output_dir`` of 0.4+: its ``epoch_N/`` listed, and the recipe state beside them."""
+    layout = run_directory(path, TORCHTUNE_RUN, RUN_TITLE, EPOCH_DIRECTORY, _epoch_only)
+    if layout is None:
+        return None
+    layout.details["counter"] = "epoch"
+    recipe = recipe_state_of(path)
+    if recipe is not None:
+        layout.details["recipe_state"] = {
+            "file": os.path.relpath(recipe, path),
+            **read_recipe_state(recipe),
+        }
+    return layout
+
+
+def _epoch_only(path: str) -> FrameworkDirectory | None:
+    layout = detect(path)
+    return layout if layout is not None and not layout.collection else None
+
+
+def _latest_epoch(run: str) -> int | None:
+    """The highest N of the ``epoch_N/`` folders in ``run``."""
+    try:
+        names = os.listdir(run)
+    except OSError:
+        return None
+    epochs = [int(m.group(1)) for name in names if (m := EPOCH_DIRECTORY.match(name))]
+    return max(epochs) if epochs else None
+
+
+def recipe_state_of(run: str) -> str | None:
+    """The recipe state torchtune keeps in the run directory ``run`` (``recipe_state/`` in
+    0.6, beside the epochs before), when there is one."""
+    for relative in RECIPE_STATE_PATHS:
+        candidate = os.path.join(run, relative)
+        if os.path.isfile(candidate):
+            return candidate
     return None
+
+
+def read_recipe_state(path: str) -> dict[str, object]:
+    """The recipe state's counters and which training states it holds (read by the safe
+    reader: no tensor bytes)."""
+    with open_member(path) as ckpt:
+        root = ckpt.root
+    if not isinstance(root, dict):
+        return {}
+    found: dict[str, object] = {
+        key: root[key]
+        for key in RECIPE_COUNTERS
+        if isinstance(root.get(key), int) and not isinstance(root.get(key), bool)
+    }
+    found["optimizer"] = isinstance(root.get("optimizer"), dict)
+    found["dataloader"] = "dataloader" in root
+    return found
 
 
 def _epoch_directory(path: str, files: dict[str, int], epoch: int) -> FrameworkDirectory:
@@ -77,13 +141,25 @@ def _epoch_directory(path: str, files: dict[str, int], epoch: int) -> FrameworkD
         else:
             members.append(Member(name, OTHER, None, size))
     layout = FrameworkDirectory(kind=TORCHTUNE, title=TITLE, directory=path, members=members)
-    recipe = os.path.join(os.path.dirname(os.path.normpath(path)), RECIPE_STATE_DIR, RECIPE_STATE)
+    run = os.path.dirname(os.path.abspath(path))
+    recipe = recipe_state_of(run)
+    latest = _latest_epoch(run)
+    if recipe is None:
+        said = f"../{RECIPE_STATE_DIR}/{RECIPE_STATE} (absent: the final epoch, or not resumable)"
+    elif latest is not None and latest != epoch:  # the run's resume state is the last epoch's
+        said = (
+            f"../{os.path.relpath(recipe, run)} is the run's, saved with epoch_{latest}: not "
+            "this epoch's"
+        )
+        recipe = None
+    else:
+        said = "../" + os.path.relpath(recipe, run)
     layout.details["torchtune"] = {
         "epoch": epoch,
         "layout": "epoch_N/ (0.4+)",
-        "recipe_state": f"../{RECIPE_STATE_DIR}/{RECIPE_STATE}"
-        + ("" if os.path.isfile(recipe) else " (absent: the final epoch, or not resumable)"),
+        "recipe_state": said,
     }
+    layout.found = recipe  # read by check_tree: the recipe state saved with these weights
     shards = [SHARD.match(n) for n in files]
     counts = {int(m.group(2)) for m in shards if m}
     if len(counts) == 1:

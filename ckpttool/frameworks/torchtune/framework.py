@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import LayoutError
-from ckpttool.frameworks.base import Framework, FrameworkDirectory
+from ckpttool.frameworks.base import Framework, FrameworkDirectory, RunLayout, run_checkpoints
 from ckpttool.frameworks.torchtune import files
 
 if TYPE_CHECKING:
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 class Torchtune(Framework):
     name = "torchtune"
-    layouts = (files.TORCHTUNE,)
+    layouts = (files.TORCHTUNE, files.TORCHTUNE_RUN)
 
     def detect(self, path: str) -> FrameworkDirectory | None:
         return files.detect(path)
@@ -33,6 +33,10 @@ class Torchtune(Framework):
         recipe = root.get("recipe_state")
         if isinstance(recipe, dict):
             found.update({k: recipe[k] for k in files.RECIPE_COUNTERS if k in recipe})
+        elif isinstance(layout.found, str):  # 0.4+: the run directory's, outside epoch_N/
+            read = files.read_recipe_state(layout.found)
+            found.update({k: read[k] for k in files.RECIPE_COUNTERS if k in read})
+            found["recipe_optimizer"] = read.get("optimizer", False)
         found["parts"] = {m.name: m.section or m.role for m in layout.members if m.role != "other"}
         details["torchtune"] = found
         problems = []
@@ -53,7 +57,13 @@ class Torchtune(Framework):
         )
         lines = [f"counters:   {counters} ({found.get('layout')})"]
         if "recipe_state" in found and isinstance(found["recipe_state"], str):
-            lines.append(f"resume:     {found['recipe_state']}")
+            optimizer = found.get("recipe_optimizer")
+            held = (
+                ""
+                if optimizer is None
+                else "; optimizer state: " + ("present" if optimizer else "absent")
+            )
+            lines.append(f"resume:     {found['recipe_state']}{held}")
         return lines  # each file's part is in the file list above
 
     def verify_checks(self, details: dict[str, Any]) -> list[str]:
@@ -63,6 +73,11 @@ class Torchtune(Framework):
             "torchtune: every model-NNNNN-of-MMMMM shard present; recipe_state's epochs_run "
             "follows the epoch of the weights beside it"
         ]
+
+    def run_layout(self, directory: str) -> RunLayout | None:
+        """The ``epoch_N/`` of an output directory, by epoch."""
+        names = run_checkpoints(files.detect(directory))
+        return RunLayout(title=files.RUN_TITLE, checkpoints=names) if names else None
 
     def rescale_plan(
         self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
