@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
-from ckpttool.io.source import read_range, shown_name, source_of
+from ckpttool.io.source import read_into, read_range, shown_name, source_of
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
     ITEMSIZE,
@@ -373,6 +373,12 @@ class Checkpoint:
         the raw read under :meth:`file_span`."""
         assert self._handle is not None
         return read_range(source_of(self._handle), length, offset)
+
+    def read_file_into(self, offset: int, into: memoryview) -> int:
+        """:meth:`read_file` into a buffer the caller reuses (:mod:`ckpttool.io.blocks`);
+        how many bytes were read."""
+        assert self._handle is not None
+        return read_into(source_of(self._handle), offset, into)
 
     def prefetch(self, record: TensorRecord) -> None:
         """A hint: ``record``'s bytes will be read next. A remote file starts fetching them
