@@ -150,3 +150,38 @@ def test_equal_ranges_and_crc_range(
         assert blocks.crc_range(read_a, 5, size - 5) == zlib.crc32(data[5:])
         assert blocks.crc_range(read_a, 5, size) is None  # the file ends inside
         assert blocks.crc_range(read_a, 0, 0) == 0
+
+
+@pytest.mark.parametrize("damage", ["none", "last_block", "cut"])
+def test_verify_checks_large_records_block_by_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """A record of several blocks: a flipped byte in its last block, a file cut inside it.
+    Its bytes are read into reused buffers, never as one new buffer per read."""
+    from ckpttool.commands.verify import verify
+    from ckpttool.formats.torch_zip import verify as verify_zip
+
+    path = tmp_path / "large.pth"
+    tensor = torch.arange(3 * blocks.BLOCK // 4 + 5, dtype=torch.float32)
+    torch.save({"large": tensor, "after": torch.ones(4)}, path)
+    data = bytearray(path.read_bytes())
+    start = data.index(tensor.numpy().tobytes())
+    end = start + tensor.numel() * 4
+    if damage == "last_block":
+        data[end - 2] ^= 0x01
+    if damage == "cut":
+        data = data[: end - 100] + data[-22:]  # the end-of-directory record kept: still a zip
+    path.write_bytes(bytes(data))
+    reads: list[int] = []
+    read_range = verify_zip.read_range
+    monkeypatch.setattr(
+        verify_zip, "read_range", lambda fd, n, at: reads.append(n) or read_range(fd, n, at)
+    )
+    (result,) = verify([path])
+    assert max(reads, default=0) <= blocks.BLOCK
+    if damage == "none":
+        assert result.problems == []
+    elif damage == "last_block":
+        assert any("data/0: CRC-32 is" in problem for problem in result.problems)
+    else:
+        assert result.problems

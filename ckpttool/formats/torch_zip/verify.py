@@ -14,13 +14,12 @@ from collections.abc import Mapping, Sequence
 from ckpttool.formats.base import Checkpoint
 from ckpttool.formats.torch_zip.reader import open_zip
 from ckpttool.formats.torch_zip.zip_index import BadZipError, ZipIndex, ZipMember, fold
+from ckpttool.io.blocks import crc_range
 from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK, GAP
-from ckpttool.io.source import RangeReader, open_source, read_range, source_of
+from ckpttool.io.source import RangeReader, open_source, read_into, read_range, source_of
 from ckpttool.model.records import stored_records
-
-CHUNK = 8 << 20
 
 
 def check_torch_zip(
@@ -181,9 +180,10 @@ def _crcs_of(
         block = read_range(fd, last + last_info.file_size - first, first)
         if len(block) == last + last_info.file_size - first:
             crcs: list[int | None] = []
+            view = memoryview(block)  # slices of a view: no copy of each record
             for info, _, start in run:
                 at = start - first
-                crcs.append(crc32(block[at : at + info.file_size]))
+                crcs.append(crc32(view[at : at + info.file_size]))
                 if progress is not None and info.file_size:
                     progress(info.file_size)
             return crcs
@@ -193,17 +193,8 @@ def _crcs_of(
 def _crc_of(
     fd: int | RangeReader, start: int, size: int, progress: ProgressCallback | None
 ) -> int | None:
-    crc = 0
-    done = 0
-    while done < size:
-        chunk = read_range(fd, min(CHUNK, size - done), start + done)
-        if not chunk:
-            return None
-        crc = crc32(chunk, crc)
-        done += len(chunk)
-        if progress is not None:
-            progress(len(chunk))
-    return crc
+    # into reused buffers (ckpttool.io.blocks): a fresh one per read was most of the time
+    return crc_range(lambda offset, into: read_into(fd, offset, into), start, size, progress)
 
 
 __all__ = ["check_archive", "check_torch_zip", "record_owners"]
