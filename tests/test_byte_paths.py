@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.commands.diff import run as diff_run
 from ckpttool.commands.diff.run import IDENTICAL, WITHIN_TOLERANCE, DiffReport, diff
 from ckpttool.io import blocks
@@ -185,3 +186,77 @@ def test_verify_checks_large_records_block_by_block(
         assert any("data/0: CRC-32 is" in problem for problem in result.problems)
     else:
         assert result.problems
+
+
+@pytest.fixture(scope="module")
+def large_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A state dict with tensors of several blocks (one a view past its storage's start)."""
+    path = tmp_path_factory.mktemp("weights") / "large.pth"
+    generator = torch.Generator().manual_seed(7)
+    wide = torch.randn(2, LARGE + 3, generator=generator)
+    torch.save(
+        {
+            "embed": torch.randn(LARGE * 3, generator=generator).half(),
+            "row": wide[1],  # the second half of its storage
+            "small": torch.ones(10),
+            "counts": torch.arange(LARGE, dtype=torch.int64),
+        },
+        path,
+    )
+    return path
+
+
+@pytest.mark.parametrize("to", ["out.safetensors", "out.pth"])
+def test_convert_reads_back_large_tensors_range_against_range(
+    large_weights: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str
+) -> None:
+    """The source's large tensors are read once to be written; the read-back compares the two
+    files' bytes directly (not the source read and decoded again)."""
+    import ckpttool.commands.convert.run as module
+    from ckpttool.commands.convert.run import convert
+
+    produced: list[str] = []
+    tensor_bytes = module.tensor_bytes
+    monkeypatch.setattr(
+        module,
+        "tensor_bytes",
+        lambda ckpt, planned: produced.append(planned.name) or tensor_bytes(ckpt, planned),
+    )
+    report = convert(large_weights, tmp_path / to)
+    assert report.verified
+    assert sorted(produced) == ["counts", "embed", "row", "small", "small"]
+    with open_checkpoint(tmp_path / to) as written, open_checkpoint(large_weights) as source:
+        for record in source.tensors():
+            mine = written.tensors()[[r.key for r in written.tensors()].index(record.key)]
+            assert bytes(read_whole(written, mine)) == bytes(read_whole(source, record))
+
+
+def read_whole(ckpt: Any, record: Any) -> bytes:
+    data, first = ckpt.read_bytes(record)
+    start = first * record.itemsize
+    return bytes(data[start : start + record.nbytes])
+
+
+@pytest.mark.parametrize("where", [0, -1])
+def test_convert_read_back_catches_a_flipped_byte_in_a_large_tensor(
+    large_weights: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: int
+) -> None:
+    import ckpttool.commands.convert.run as module
+    from ckpttool.commands.convert.run import convert
+    from ckpttool.errors import VerificationError
+
+    tensor_bytes = module.tensor_bytes
+
+    def corrupting(ckpt: Any, planned: Any) -> Any:
+        data, cast = tensor_bytes(ckpt, planned)
+        if planned.name != "row":
+            return data, cast
+        flipped = bytearray(data)
+        flipped[where] ^= 0x01
+        return flipped, cast
+
+    monkeypatch.setattr(module, "tensor_bytes", corrupting)
+    target = tmp_path / "out.safetensors"
+    with pytest.raises(VerificationError, match="row does not read back bit-for-bit equal"):
+        convert(large_weights, target)
+    assert not target.exists()

@@ -47,6 +47,7 @@ from ckpttool.errors import (
 from ckpttool.formats.registry import format_by_id
 from ckpttool.frameworks.base import WEIGHTS_VIEW, view_facts
 from ckpttool.io.atomic import atomic_group
+from ckpttool.io.blocks import equal_ranges
 from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK
@@ -584,6 +585,12 @@ def _compare_tensors(
                     problems.append(f"{planned.name} does not read back as the same tensor")
                 progress(planned.nbytes)
                 continue
+            same = _equal_in_files(ckpt, written, planned, record) if digests is None else None
+            if same is not None:
+                if not same:
+                    problems.append(f"{planned.name} does not read back bit-for-bit equal")
+                progress(planned.nbytes)
+                continue
             got = _stored_bytes(written, record)
             if got is not None and read_back is not None and digests and planned.name in digests:
                 read_back.add(planned.name, got)  # compared below
@@ -603,6 +610,26 @@ def _compare_tensors(
         if out.kind == "pth" and not _same_view(found[alias], found[stored]):
             problems.append(f"{alias} does not share {stored}'s storage")
     return [f"{out.target.name}: {problem}" for problem in problems]
+
+
+def _equal_in_files(
+    ckpt: Checkpoint, written: Checkpoint, planned: Planned, record: TensorRecord
+) -> bool | None:
+    """Whether a large tensor written as its source's bytes (``record``, as ``written`` holds
+    it) reads back equal, compared range against range in blocks (:mod:`ckpttool.io.blocks`:
+    reused buffers, no NumPy, the source's bytes as they are in its file). None when it is not
+    one range on either side: the caller compares it as a whole."""
+    source = planned.record
+    if planned.nbytes <= BLOCK or source.parts or source.quant is not None:
+        return None
+    if not _as_is(planned, source) or not record.is_contiguous:
+        return None
+    span, written_span = ckpt.file_span(source), written.file_span(record)
+    if span is None or written_span is None or not span[1] == written_span[1] == planned.nbytes:
+        return None
+    return equal_ranges(
+        ckpt.read_file_into, span[0], written.read_file_into, written_span[0], planned.nbytes
+    )
 
 
 def _stored_bytes(written: Checkpoint, record: TensorRecord) -> memoryview | None:
