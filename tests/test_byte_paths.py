@@ -210,8 +210,9 @@ def large_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_convert_reads_back_large_tensors_range_against_range(
     large_weights: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str
 ) -> None:
-    """The source's large tensors are read once to be written; the read-back compares the two
-    files' bytes directly (not the source read and decoded again)."""
+    """The source's large tensors are read once to be written (safetensors: not at all, the
+    kernel copies them); the read-back compares the two files' bytes directly (not the source
+    read and decoded again)."""
     import ckpttool.commands.convert.run as module
     from ckpttool.commands.convert.run import convert
 
@@ -224,7 +225,8 @@ def test_convert_reads_back_large_tensors_range_against_range(
     )
     report = convert(large_weights, tmp_path / to)
     assert report.verified
-    assert sorted(produced) == ["counts", "embed", "row", "small", "small"]
+    large = ["counts", "embed", "row"] if to.endswith(".pth") else []
+    assert sorted(produced) == [*large, "small", "small"]
     with open_checkpoint(tmp_path / to) as written, open_checkpoint(large_weights) as source:
         for record in source.tensors():
             mine = written.tensors()[[r.key for r in written.tensors()].index(record.key)]
@@ -237,15 +239,21 @@ def read_whole(ckpt: Any, record: Any) -> bytes:
     return bytes(data[start : start + record.nbytes])
 
 
+@pytest.mark.parametrize("to", ["out.safetensors", "out.pth"])
 @pytest.mark.parametrize("where", [0, -1])
 def test_convert_read_back_catches_a_flipped_byte_in_a_large_tensor(
-    large_weights: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: int
+    large_weights: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: int, to: str
 ) -> None:
+    """A byte of ``row`` (its first or last) flipped as it is written: copied by the kernel
+    (safetensors) or read and written (pth)."""
+    import os
+
     import ckpttool.commands.convert.run as module
     from ckpttool.commands.convert.run import convert
     from ckpttool.errors import VerificationError
 
     tensor_bytes = module.tensor_bytes
+    row = torch.load(large_weights)["row"].numpy().tobytes()
 
     def corrupting(ckpt: Any, planned: Any) -> Any:
         data, cast = tensor_bytes(ckpt, planned)
@@ -255,8 +263,17 @@ def test_convert_read_back_catches_a_flipped_byte_in_a_large_tensor(
         flipped[where] ^= 0x01
         return flipped, cast
 
+    copy_range = blocks.copy_range
+
+    def copy_flipped(source: int, offset: int, dest: int, at: int, size: int, *rest: Any) -> None:
+        copy_range(source, offset, dest, at, size, *rest)
+        if os.pread(source, size, offset) == row:
+            spot = at + (where % size)
+            os.pwrite(dest, bytes([os.pread(dest, 1, spot)[0] ^ 1]), spot)
+
     monkeypatch.setattr(module, "tensor_bytes", corrupting)
-    target = tmp_path / "out.safetensors"
+    monkeypatch.setattr(blocks, "copy_range", copy_flipped)
+    target = tmp_path / to
     with pytest.raises(VerificationError, match="row does not read back bit-for-bit equal"):
         convert(large_weights, target)
     assert not target.exists()

@@ -19,11 +19,12 @@ Memory: two buffers of :data:`BLOCK` bytes per call running at once, whatever th
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Any
+from typing import Any, BinaryIO, NamedTuple
 
 from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
@@ -85,6 +86,68 @@ def crc_range(
     return crc
 
 
+class FileRange(NamedTuple):
+    """Bytes still in a file, for a writer to copy in the kernel (:func:`write_data`) instead
+    of reading them into memory and writing them out again (``convert``'s as-is tensors)."""
+
+    fd: int
+    offset: int
+    length: int
+
+
+def write_data(handle: BinaryIO, data: bytes | bytearray | memoryview | FileRange) -> None:
+    """Write ``data`` at ``handle``'s position: bytes as they are, a :class:`FileRange` copied
+    from its file by :func:`copy_range` (the handle flushed first, and moved past them)."""
+    if not isinstance(data, FileRange):
+        handle.write(data)
+        return
+    handle.flush()
+    start = handle.tell()
+    copy_range(data.fd, data.offset, handle.fileno(), start, data.length)
+    handle.seek(start + data.length)
+
+
+_COPY_CHUNK = 64 << 20  # bytes per copy_file_range call (progress steps)
+_FALLBACK_CHUNK = 8 << 20  # buffer of the read/write loop where the kernel cannot copy
+
+
+def copy_range(
+    source_fd: int,
+    source_offset: int,
+    dest_fd: int,
+    dest_offset: int,
+    size: int,
+    progress: ProgressCallback | None = None,
+) -> None:
+    """Copy ``size`` bytes between two files at explicit offsets, in the kernel where possible."""
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    buffer = memoryview(bytearray(0 if use_kernel else _FALLBACK_CHUNK))
+    while done < size:
+        want = min(_COPY_CHUNK if use_kernel else _FALLBACK_CHUNK, size - done)
+        if use_kernel:
+            try:
+                got = os.copy_file_range(
+                    source_fd, dest_fd, want, source_offset + done, dest_offset + done
+                )
+            except OSError:  # e.g. EXDEV on old kernels, EINVAL on some file systems
+                use_kernel = False
+                buffer = memoryview(bytearray(_FALLBACK_CHUNK))
+                continue
+        else:
+            got = os.preadv(source_fd, [buffer[:want]], source_offset + done)
+            if got > 0:
+                written = 0
+                while written < got:
+                    at = dest_offset + done + written
+                    written += os.pwrite(dest_fd, buffer[written:got], at)
+        if got <= 0:
+            raise EOFError(f"source ends {size - done:,} bytes early")
+        done += got
+        if progress is not None:
+            progress(got)
+
+
 _free: list[mmap.mmap] = []  # buffers of finished calls, for the next one
 _free_lock = threading.Lock()
 
@@ -137,4 +200,6 @@ def _memcmp() -> Any:
     return function
 
 
-__all__ = ["BLOCK", "ReadInto", "crc_range", "equal_ranges"]
+__all__ = [
+    "BLOCK", "FileRange", "ReadInto", "copy_range", "crc_range", "equal_ranges", "write_data",
+]  # fmt: skip

@@ -47,7 +47,7 @@ from ckpttool.errors import (
 from ckpttool.formats.registry import format_by_id
 from ckpttool.frameworks.base import WEIGHTS_VIEW, view_facts
 from ckpttool.io.atomic import atomic_group
-from ckpttool.io.blocks import equal_ranges
+from ckpttool.io.blocks import FileRange, equal_ranges
 from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK
@@ -273,6 +273,20 @@ def write_outputs(
         progress(planned.nbytes)
         return data
 
+    def copy(planned: Planned) -> FileRange | None:
+        """A large tensor written as its bytes are in a local source: left in the source file
+        for the writer to copy in the kernel (no read into memory and write out again)."""
+        record = planned.record
+        if remote_source or planned.name in replaced or record.parts or record.quant is not None:
+            return None
+        if record.nbytes <= BLOCK or not _as_is(planned, record):
+            return None
+        found = ckpt.file_range(record)
+        if found is None or found.length != planned.nbytes:
+            return None
+        progress(planned.nbytes)
+        return found
+
     def keep(planned: Planned) -> Any:
         tensor = torch_kinds.rebuild(ckpt, planned.record)
         progress(planned.nbytes)
@@ -293,7 +307,7 @@ def write_outputs(
             ckpt.expect_reads(blocks),  # left before the check reads the source again
         ):
             for handle, out_file in zip(handles, files):
-                _write(handle, out_file, plan.names, produce, keep)
+                _write(handle, out_file, plan.names, produce, keep, copy)
     except OSError as error:  # permissions, a full disk: one line, not a traceback
         raise InputError(f"conversion failed, nothing was written: {error}") from error
     finally:
@@ -449,7 +463,14 @@ def tensor_bytes(
 WRITERS = {"safetensors": "safetensors", "pth": "torch-zip"}
 
 
-def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce, keep: Keep) -> None:
+def _write(
+    handle: BinaryIO,
+    out: OutFile,
+    names: list[str],
+    produce: Produce,
+    keep: Keep,
+    copy: Callable[[Planned], FileRange | None],
+) -> None:
     if out.kind == "index":
         handle.write(out.content)
         out.expected_size = len(out.content)
@@ -457,10 +478,15 @@ def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce, k
         _write_with_torch(handle, out, names, produce, keep)
     else:  # plain tensors, by the output format's writer
         writer = format_by_id(WRITERS[out.kind])
+
+        def data(planned: Planned) -> bytes | bytearray | memoryview | FileRange:
+            found = copy(planned) if writer.copies_ranges else None
+            return produce(planned) if found is None else found
+
         out.expected_size = writer.write(
             handle,
             [p.out for p in out.tensors],
-            (produce(p) for p in out.tensors),
+            (data(p) for p in out.tensors),
             names,
             out.aliases,
             out.metadata,
