@@ -1,17 +1,16 @@
-"""Long byte ranges compared and checksummed at memory speed: what ``diff``, ``verify`` and the
-read-back of ``convert`` and ``edit`` do with the bytes of large tensors.
+"""Long byte ranges compared, checksummed and copied at memory speed: what ``diff``, ``verify``
+and ``convert`` (its writes and its read-back) and ``edit`` do with the bytes of large tensors.
 
 Two things made these paths several times slower than ``cmp`` and ``cat``: a fresh ``bytearray``
-per read (zero-filled, then page-faulted in: half of a diff's time) and comparisons through
-NumPy (a mask per block). Here each range is read in blocks of :data:`BLOCK` bytes into reused,
-page-aligned anonymous maps (``pread`` into an unaligned heap buffer measured two to six times
-slower, and a fresh map is page-faulted in again), and two blocks are compared with the C
-library's ``memcmp``.
+per read (zero-filled, then page-faulted in) and comparisons through NumPy (a mask per block).
+Here each range is read in blocks of :data:`BLOCK` bytes into reused, page-aligned anonymous
+maps (``pread`` into an unaligned heap buffer, or a fresh map, measured slower), and two blocks
+are compared with the C library's ``memcmp``. Bytes written as they are in a file are copied by
+the kernel (:class:`FileRange`, :func:`copy_range`), never read into memory.
 
 Reading the next block on a second thread while this one is compared or checksummed (``pread``,
 ``memcmp`` through ctypes and ISA-L's CRC-32 all let go of the GIL) was measured and left out:
-on the shared 2-core VM it was 10-40% slower than reading in turn (bench/README.md,
-"Throughput").
+on the shared 2-core VM it was slower than reading in turn (bench/README.md, "Throughput").
 
 Memory: two buffers of :data:`BLOCK` bytes per call running at once, whatever the range.
 """
@@ -29,7 +28,7 @@ from typing import Any, BinaryIO, NamedTuple
 from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 
-BLOCK = 1 << 20  # bytes per read: 256 KiB and 4 MiB blocks measured slower (the CPU caches)
+BLOCK = 1 << 20  # bytes per read: 256 KiB and 4 MiB blocks measured slower
 
 #: ``read(offset, into)``: reads up to ``len(into)`` bytes at ``offset`` into ``into``, returns
 #: how many (fewer only at the end of the file): :meth:`Checkpoint.read_file_into`.
