@@ -363,11 +363,14 @@ def _equal_in_file(
     ckpt_a: Checkpoint, ckpt_b: Checkpoint, pair: TensorPair, progress: ProgressCallback | None
 ) -> bool:
     """Whether a large settled pair's bytes are equal, compared block by block where each lies
-    in one range of its file (:func:`ckpttool.io.blocks.equal_ranges`, both files read in
+    in one range of its local file (:func:`ckpttool.io.blocks.equal_ranges`, both files read in
     turn). False when they differ or a side is not one range: :func:`_compare_pair` decides."""
     from ckpttool.io.blocks import equal_ranges
+    from ckpttool.io.urls import is_url
 
     assert pair.a is not None and pair.b is not None
+    if is_url(ckpt_a.name) or is_url(ckpt_b.name):
+        return False  # a URL's values are fetched once, in large runs, by the value path
     span_a, span_b = ckpt_a.file_span(pair.a), ckpt_b.file_span(pair.b)
     if span_a is None or span_b is None or span_a[1] != span_b[1]:
         return False

@@ -21,6 +21,8 @@ from ckpttool.io.read_batch import BLOCK, GAP
 from ckpttool.io.source import RangeReader, open_source, read_into, read_range, source_of
 from ckpttool.model.records import stored_records
 
+REMOTE_CHUNK = 8 << 20  # bytes per request when a large record of a remote file is checked
+
 
 def check_torch_zip(
     ckpt: Checkpoint, progress: ProgressCallback | None = None
@@ -193,8 +195,18 @@ def _crcs_of(
 def _crc_of(
     fd: int | RangeReader, start: int, size: int, progress: ProgressCallback | None
 ) -> int | None:
-    # into reused buffers (ckpttool.io.blocks): a fresh one per read was most of the time
-    return crc_range(lambda offset, into: read_into(fd, offset, into), start, size, progress)
+    if isinstance(fd, int):  # into reused buffers (ckpttool.io.blocks): no new one per read
+        return crc_range(lambda offset, into: read_into(fd, offset, into), start, size, progress)
+    crc = done = 0  # a remote file: fewer, larger requests
+    while done < size:
+        chunk = read_range(fd, min(REMOTE_CHUNK, size - done), start + done)
+        if not chunk:
+            return None
+        crc = crc32(chunk, crc)
+        done += len(chunk)
+        if progress is not None:
+            progress(len(chunk))
+    return crc
 
 
 __all__ = ["check_archive", "check_torch_zip", "record_owners"]
