@@ -16,7 +16,7 @@ from typing import Any
 from ckpttool.errors import CkptError, ReadBackError
 from ckpttool.formats.base import Checkpoint, Recovered
 from ckpttool.io.atomic import atomic_group
-from ckpttool.io.crc import crc32
+from ckpttool.io.blocks import crc_range
 from ckpttool.model.records import StorageRecord, TensorRecord, walk
 
 
@@ -97,12 +97,10 @@ def read_back(
 _COMPARED = 4 << 20  # bytes of each side compared at a time
 
 
-def _crc_of(written: Checkpoint, offset: int, length: int) -> int:
-    """CRC-32 of ``length`` bytes of the written file from ``offset``, a window at a time."""
-    crc = 0
-    for at in range(0, length, _COMPARED):
-        crc = crc32(written.read_file(offset + at, min(_COMPARED, length - at)), crc)
-    return crc
+def _crc_of(written: Checkpoint, offset: int, length: int) -> int | None:
+    """CRC-32 of ``length`` bytes of the written file from ``offset`` (None: it ends before),
+    a block at a time into reused buffers (:mod:`ckpttool.io.blocks`)."""
+    return crc_range(written.read_file_into, offset, length)
 
 
 def _same_bytes(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
-from ckpttool.io.source import read_range, shown_name, source_of
+from ckpttool.io.source import read_into, read_range, shown_name, source_of
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
     ITEMSIZE,
@@ -31,6 +31,7 @@ from ckpttool.pickle.interpreter import PickleResult
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from ckpttool.io.blocks import FileRange
     from ckpttool.io.progress import ProgressCallback
     from ckpttool.io.read_batch import InOrder
     from ckpttool.pickle.scan import Counts, Written
@@ -134,6 +135,10 @@ class FileFormat:
     ids: ClassVar[tuple[str, ...]] = ()
     #: Whether the file may read two ways: the later formats are asked :meth:`also_reads_as`.
     read_two_ways: ClassVar[bool] = False
+    #: Whether :meth:`write` takes a tensor's bytes as a :class:`~ckpttool.io.blocks.FileRange`
+    #: too (copied in the kernel, :func:`~ckpttool.io.blocks.write_data`): ``convert`` then
+    #: leaves a large tensor it writes as it is in its (local) source file.
+    copies_ranges: ClassVar[bool] = False
     #: Whether its files carry a table of string metadata (``Checkpoint.metadata``: safetensors'
     #: ``__metadata__``): ``convert`` carries it over, ``diff`` compares it.
     string_metadata: ClassVar[bool] = False
@@ -224,14 +229,15 @@ class FileFormat:
         self,
         handle: BinaryIO,
         tensors: Sequence[OutTensor],
-        data: Iterable[bytes | bytearray | memoryview],
+        data: Iterable[bytes | bytearray | memoryview | FileRange],
         names: Sequence[str],
         aliases: Mapping[str, str],
         metadata: Mapping[str, str],
     ) -> int:
         """Write a state dict of plain tensors (``convert``'s output): ``tensors`` in storage
-        order with their bytes, in that order, in ``data``; ``names`` every output name in source
-        order, ``aliases`` alias name -> stored name. Returns the size the file must have."""
+        order with their bytes, in that order, in ``data`` (a :class:`FileRange` only where
+        :attr:`copies_ranges`); ``names`` every output name in source order, ``aliases`` alias
+        name -> stored name. Returns the size the file must have."""
         raise NotImplementedError(f"ckpttool does not write {self.id} files")
 
 
@@ -388,6 +394,24 @@ class Checkpoint:
         the raw read under :meth:`file_span`."""
         assert self._handle is not None
         return read_range(source_of(self._handle), length, offset)
+
+    def file_range(self, record: TensorRecord) -> FileRange | None:
+        """:meth:`file_span` of ``record`` in this checkpoint's local file, as a
+        :class:`~ckpttool.io.blocks.FileRange` a writer copies in the kernel (None: not one
+        range of a local file)."""
+        from ckpttool.io.blocks import FileRange  # (not at start-up: show never writes)
+
+        span = self.file_span(record)
+        if span is None or self._handle is None:
+            return None
+        source = source_of(self._handle)
+        return FileRange(source, span[0], span[1]) if isinstance(source, int) else None
+
+    def read_file_into(self, offset: int, into: memoryview) -> int:
+        """:meth:`read_file` into a buffer the caller reuses (:mod:`ckpttool.io.blocks`);
+        how many bytes were read."""
+        assert self._handle is not None
+        return read_into(source_of(self._handle), offset, into)
 
     def prefetch(self, record: TensorRecord) -> None:
         """A hint: ``record``'s bytes will be read next. A remote file starts fetching them

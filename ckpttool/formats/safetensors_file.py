@@ -13,7 +13,7 @@ import json
 import math
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.errors import CorruptCheckpointError, InputError
 from ckpttool.formats.base import FileFormat, OutTensor, Parsed, Recovered
@@ -25,6 +25,9 @@ from ckpttool.model.records import (
     fits_int64,
     numel_fits_int64,
 )
+
+if TYPE_CHECKING:
+    from ckpttool.io.blocks import FileRange
 
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 #: safetensors pads its header with spaces so that the data starts 8-byte aligned.
@@ -246,6 +249,7 @@ class SafetensorsFormat(FileFormat):
     id = "safetensors"
     ids = ("safetensors",)
     read_two_ways = True  # torch.load unpickles it under any name but *.safetensors
+    copies_ranges = True  # a tensor's bytes are written as they are: no CRC to take
     string_metadata = True  # __metadata__
     weights_only = True
 
@@ -288,15 +292,17 @@ class SafetensorsFormat(FileFormat):
         self,
         handle: BinaryIO,
         tensors: Sequence[OutTensor],
-        data: Iterable[bytes | bytearray | memoryview],
+        data: Iterable[bytes | bytearray | memoryview | FileRange],
         names: Sequence[str],
         aliases: Mapping[str, str],
         metadata: Mapping[str, str],
     ) -> int:
+        from ckpttool.io.blocks import write_data  # (not at start-up: show never writes)
+
         header = safetensors_header(tensors, metadata)
         handle.write(header)
         for chunk in data:
-            handle.write(chunk)
+            write_data(handle, chunk)
         return len(header) + sum(t.nbytes for t in tensors)
 
 

@@ -287,6 +287,22 @@ def shown_name(name: str) -> str:
     return location(name).shown()
 
 
+def read_into(source: int | RangeReader, offset: int, into: memoryview) -> int:
+    """Up to ``len(into)`` bytes at ``offset`` of a descriptor or remote object, read into
+    ``into`` (no new buffer for a descriptor); how many (fewer only at the end)."""
+    if not isinstance(source, int):
+        data = source.read_range(offset, len(into))
+        into[: len(data)] = data
+        return len(data)
+    done = 0
+    while done < len(into):
+        got = os.preadv(source, [into[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
 def read_at(fd: int, length: int, offset: int) -> bytearray:
     """``length`` bytes at ``offset``, fewer only at the end of the file.
 

@@ -48,6 +48,7 @@ from ckpttool.errors import (
 from ckpttool.formats.registry import format_by_id
 from ckpttool.frameworks.base import WEIGHTS_VIEW, view_facts
 from ckpttool.io.atomic import atomic_group
+from ckpttool.io.blocks import FileRange, equal_ranges
 from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK
@@ -302,6 +303,20 @@ def write_outputs(
         progress(planned.nbytes)
         return data
 
+    def copy(planned: Planned) -> FileRange | None:
+        """A large tensor written as its bytes are in a local source: left in the source file
+        for the writer to copy in the kernel (no read into memory and write out again)."""
+        record = planned.record
+        if remote_source or planned.name in replaced or record.parts or record.quant is not None:
+            return None
+        if record.nbytes <= BLOCK or not _as_is(planned, record):
+            return None
+        found = ckpt.file_range(record)
+        if found is None or found.length != planned.nbytes:
+            return None
+        progress(planned.nbytes)
+        return found
+
     def keep(planned: Planned) -> Any:
         tensor = torch_kinds.rebuild(ckpt, planned.record)
         progress(planned.nbytes)
@@ -322,7 +337,7 @@ def write_outputs(
             ckpt.expect_reads(blocks),  # left before the check reads the source again
         ):
             for handle, out_file in zip(handles, files):
-                _write(handle, out_file, plan.names, produce, keep)
+                _write(handle, out_file, plan.names, produce, keep, copy)
     except OSError as error:  # permissions, a full disk: one line, not a traceback
         raise InputError(f"conversion failed, nothing was written: {error}") from error
     finally:
@@ -478,7 +493,14 @@ def tensor_bytes(
 WRITERS = {"safetensors": "safetensors", "pth": "torch-zip"}
 
 
-def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce, keep: Keep) -> None:
+def _write(
+    handle: BinaryIO,
+    out: OutFile,
+    names: list[str],
+    produce: Produce,
+    keep: Keep,
+    copy: Callable[[Planned], FileRange | None],
+) -> None:
     if out.kind == "index":
         handle.write(out.content)
         out.expected_size = len(out.content)
@@ -486,10 +508,15 @@ def _write(handle: BinaryIO, out: OutFile, names: list[str], produce: Produce, k
         _write_with_torch(handle, out, names, produce, keep)
     else:  # plain tensors, by the output format's writer
         writer = format_by_id(WRITERS[out.kind])
+
+        def data(planned: Planned) -> bytes | bytearray | memoryview | FileRange:
+            found = copy(planned) if writer.copies_ranges else None
+            return produce(planned) if found is None else found
+
         out.expected_size = writer.write(
             handle,
             [p.out for p in out.tensors],
-            (produce(p) for p in out.tensors),
+            (data(p) for p in out.tensors),
             names,
             out.aliases,
             out.metadata,
@@ -614,6 +641,12 @@ def _compare_tensors(
                     problems.append(f"{planned.name} does not read back as the same tensor")
                 progress(planned.nbytes)
                 continue
+            same = _equal_in_files(ckpt, written, planned, record) if digests is None else None
+            if same is not None:
+                if not same:
+                    problems.append(f"{planned.name} does not read back bit-for-bit equal")
+                progress(planned.nbytes)
+                continue
             got = _stored_bytes(written, record)
             if got is not None and read_back is not None and digests and planned.name in digests:
                 read_back.add(planned.name, got)  # compared below
@@ -633,6 +666,26 @@ def _compare_tensors(
         if out.kind == "pth" and not _same_view(found[alias], found[stored]):
             problems.append(f"{alias} does not share {stored}'s storage")
     return [f"{out.target.name}: {problem}" for problem in problems]
+
+
+def _equal_in_files(
+    ckpt: Checkpoint, written: Checkpoint, planned: Planned, record: TensorRecord
+) -> bool | None:
+    """Whether a large tensor written as its source's bytes (``record``, as ``written`` holds
+    it) reads back equal, compared range against range in blocks (:mod:`ckpttool.io.blocks`:
+    reused buffers, no NumPy, the source's bytes as they are in its file). None when it is not
+    one range on either side: the caller compares it as a whole."""
+    source = planned.record
+    if planned.nbytes <= BLOCK or source.parts or source.quant is not None:
+        return None
+    if not _as_is(planned, source) or not record.is_contiguous:
+        return None
+    span, written_span = ckpt.file_span(source), written.file_span(record)
+    if span is None or written_span is None or not span[1] == written_span[1] == planned.nbytes:
+        return None
+    return equal_ranges(
+        ckpt.read_file_into, span[0], written.read_file_into, written_span[0], planned.nbytes
+    )
 
 
 def _stored_bytes(written: Checkpoint, record: TensorRecord) -> memoryview | None:

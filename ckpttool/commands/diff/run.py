@@ -327,7 +327,7 @@ def run_diff(
         window = plan.pairs[start : start + WINDOW]
         # pairs whose equal bytes settle the verdict: read in blocks, compared as bytes
         settled = [not quick and _bytes_settle(pair) for pair in window]
-        plain = [pair for pair, flag in zip(window, settled) if flag]
+        plain = [pair for pair, flag in zip(window, settled) if flag and _small(pair)]
         bytes_a = read_many(ckpt_a, [pair.a for pair in plain if pair.a is not None])
         bytes_b = read_many(ckpt_b, [pair.b for pair in plain if pair.b is not None])
         for pair, flag in zip(window, settled):
@@ -335,7 +335,13 @@ def run_diff(
                 status = ONLY_A if pair.b is None else ONLY_B
                 tensors.append(TensorDiff(pair.key, status, pair.a, pair.b, pair.alias))
                 continue
-            if flag:
+            if flag and not _small(pair):
+                if not norms and _equal_in_file(ckpt_a, ckpt_b, pair, progress):
+                    values = bitwise_equal_values(pair.a.dtype, pair.a.numel)
+                    entry = TensorDiff(pair.key, IDENTICAL, pair.a, pair.b, pair.alias, (), values)
+                    tensors.append(entry)
+                    continue
+            elif flag:
                 (data_a, first_a), data_b = next(bytes_a), next(bytes_b)[0]
                 if data_a == data_b:
                     if progress is not None:
@@ -376,9 +382,12 @@ WINDOW = 256  # pairs whose small tensors are read together (ckpttool.io.read_ba
 
 def _bytes_settle(pair: TensorPair) -> bool:
     """Whether equal bytes make this pair bitwise equal, so that reading both as bytes and
-    comparing them is the whole comparison when they are equal (the usual case): one small,
+    comparing them is the whole comparison when they are equal (the usual case): one
     contiguous, plain strided tensor of the same dtype, shape and byte order on both sides.
-    Anything else, or bytes that differ, goes through :func:`_compare_pair`."""
+    Small ones are read in blocks of many (:func:`_small`), large ones compared range against
+    range (:func:`_equal_in_file`). Anything else, or bytes that differ, goes through
+    :func:`_compare_pair`: so the verdicts are the ones it gives (equal bytes are bitwise equal,
+    NaN payloads included; ``-0.0`` against ``0.0`` differs in bytes and is decided by it)."""
     a, b = pair.a, pair.b
     if a is None or b is None or a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -392,11 +401,41 @@ def _bytes_settle(pair: TensorPair) -> bool:
         and b.quant is None
         and a.dtype in ITEMSIZE
         and a.dtype not in ELEMENTS_PER_BYTE
-        and 0 < a.nbytes <= BLOCK
-        and a.numel <= diff_values.CHUNK  # what compare_values reads at once
+        and a.nbytes > 0
+        and a.dtensor is None
+        and b.dtensor is None
         and a.is_contiguous
         and b.is_contiguous
     )
+
+
+def _small(pair: TensorPair) -> bool:
+    """A settled pair small enough to be read with its neighbours in one block."""
+    assert pair.a is not None
+    return pair.a.nbytes <= BLOCK and pair.a.numel <= diff_values.CHUNK
+
+
+def _equal_in_file(
+    ckpt_a: Checkpoint, ckpt_b: Checkpoint, pair: TensorPair, progress: ProgressCallback | None
+) -> bool:
+    """Whether a large settled pair's bytes are equal, compared block by block where each lies
+    in one range of its local file (:func:`ckpttool.io.blocks.equal_ranges`, both files read in
+    turn). False when they differ or a side is not one range: :func:`_compare_pair` decides."""
+    from ckpttool.io.blocks import equal_ranges
+    from ckpttool.io.urls import is_url
+
+    assert pair.a is not None and pair.b is not None
+    if is_url(ckpt_a.name) or is_url(ckpt_b.name):
+        return False  # a URL's values are fetched once, in large runs, by the value path
+    span_a, span_b = ckpt_a.file_span(pair.a), ckpt_b.file_span(pair.b)
+    if span_a is None or span_b is None or span_a[1] != span_b[1]:
+        return False
+    read_a, read_b = ckpt_a.read_file_into, ckpt_b.read_file_into
+    if not equal_ranges(read_a, span_a[0], read_b, span_b[0], span_a[1]):
+        return False
+    if progress is not None:
+        progress(2 * span_a[1])
+    return True
 
 
 def _dtype_note(tensors: list[TensorDiff]) -> list[str]:

@@ -7,13 +7,14 @@ record by record (:mod:`.verify`); recovered when damaged (:mod:`.recover`); sca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.formats.base import Checkpoint, FileFormat, Findings, OutTensor, Parsed, Recovered
 
 if TYPE_CHECKING:
+    from ckpttool.io.blocks import FileRange
     from ckpttool.io.progress import ProgressCallback
 
 
@@ -58,13 +59,15 @@ class TorchZipFormat(FileFormat):
         self,
         handle: BinaryIO,
         tensors: Sequence[OutTensor],
-        data: Iterable[bytes | bytearray | memoryview],
+        data: Iterable[bytes | bytearray | memoryview | FileRange],
         names: Sequence[str],
         aliases: Mapping[str, str],
         metadata: Mapping[str, str],
     ) -> int:
         """A state dict of plain tensors, one storage each (an alias names its stored tensor's
-        storage), entries in source order; ``metadata`` has no place in a .pth."""
+        storage), entries in source order; ``metadata`` has no place in a .pth. Its bytes are
+        never a range to copy (``copies_ranges`` is off: each record's CRC-32 is taken as its
+        bytes pass)."""
         from ckpttool.formats.torch_zip.writer import PickledTensor, write_pth
 
         keys = {t.name: str(i) for i, t in enumerate(tensors)}
@@ -73,8 +76,17 @@ class TorchZipFormat(FileFormat):
         for name in names:
             stored = by_name[aliases.get(name, name)]
             entries.append(PickledTensor(name, keys[stored.name], replace(stored, name=name)))
-        write_pth(handle, entries, zip(keys.values(), data))
+        write_pth(handle, entries, zip(keys.values(), _bytes_only(data)))
         return handle.tell()
+
+
+def _bytes_only(
+    data: Iterable[bytes | bytearray | memoryview | FileRange],
+) -> Iterator[bytes | bytearray | memoryview]:
+    for chunk in data:
+        if not isinstance(chunk, (bytes, bytearray, memoryview)):
+            raise TypeError("a .pth is written from bytes, not ranges (copies_ranges is off)")
+        yield chunk
 
 
 FORMAT = TorchZipFormat()

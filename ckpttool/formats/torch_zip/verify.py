@@ -14,13 +14,14 @@ from collections.abc import Mapping, Sequence
 from ckpttool.formats.base import Checkpoint
 from ckpttool.formats.torch_zip.reader import open_zip
 from ckpttool.formats.torch_zip.zip_index import BadZipError, ZipIndex, ZipMember, fold
+from ckpttool.io.blocks import crc_range
 from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK, GAP
-from ckpttool.io.source import RangeReader, open_source, read_range, source_of
+from ckpttool.io.source import RangeReader, open_source, read_into, read_range, source_of
 from ckpttool.model.records import stored_records
 
-CHUNK = 8 << 20
+REMOTE_CHUNK = 8 << 20  # bytes per request when a large record of a remote file is checked
 
 
 def check_torch_zip(
@@ -181,9 +182,10 @@ def _crcs_of(
         block = read_range(fd, last + last_info.file_size - first, first)
         if len(block) == last + last_info.file_size - first:
             crcs: list[int | None] = []
+            view = memoryview(block)  # slices of a view: no copy of each record
             for info, _, start in run:
                 at = start - first
-                crcs.append(crc32(block[at : at + info.file_size]))
+                crcs.append(crc32(view[at : at + info.file_size]))
                 if progress is not None and info.file_size:
                     progress(info.file_size)
             return crcs
@@ -193,10 +195,11 @@ def _crcs_of(
 def _crc_of(
     fd: int | RangeReader, start: int, size: int, progress: ProgressCallback | None
 ) -> int | None:
-    crc = 0
-    done = 0
+    if isinstance(fd, int):  # into reused buffers (ckpttool.io.blocks): no new one per read
+        return crc_range(lambda offset, into: read_into(fd, offset, into), start, size, progress)
+    crc = done = 0  # a remote file: fewer, larger requests
     while done < size:
-        chunk = read_range(fd, min(CHUNK, size - done), start + done)
+        chunk = read_range(fd, min(REMOTE_CHUNK, size - done), start + done)
         if not chunk:
             return None
         crc = crc32(chunk, crc)

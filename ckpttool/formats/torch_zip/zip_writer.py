@@ -9,12 +9,12 @@ offsets need them. The handle must be seekable (ckpttool always writes to a temp
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from ckpttool.io.blocks import copy_range
 from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 
@@ -29,8 +29,6 @@ _ZIP64_ID = 0x0001
 _MAX32 = 0xFFFFFFFF
 _FLAGS = 0x800  # names are UTF-8
 _VERSION = 45  # zip64-capable
-_COPY_CHUNK = 64 << 20  # bytes per copy_file_range call (progress steps)
-_FALLBACK_CHUNK = 8 << 20  # buffer of the read/write loop where the kernel cannot copy
 
 
 @dataclass
@@ -139,43 +137,6 @@ class TorchZipWriter:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is None:
             self.close()
-
-
-def copy_range(
-    source_fd: int,
-    source_offset: int,
-    dest_fd: int,
-    dest_offset: int,
-    size: int,
-    progress: ProgressCallback | None = None,
-) -> None:
-    """Copy ``size`` bytes between two files at explicit offsets, in the kernel where possible."""
-    done = 0
-    use_kernel = hasattr(os, "copy_file_range")
-    buffer = memoryview(bytearray(0 if use_kernel else _FALLBACK_CHUNK))
-    while done < size:
-        want = min(_COPY_CHUNK if use_kernel else _FALLBACK_CHUNK, size - done)
-        if use_kernel:
-            try:
-                got = os.copy_file_range(
-                    source_fd, dest_fd, want, source_offset + done, dest_offset + done
-                )
-            except OSError:  # e.g. EXDEV on old kernels, EINVAL on some file systems
-                use_kernel = False
-                buffer = memoryview(bytearray(_FALLBACK_CHUNK))
-                continue
-        else:
-            got = os.preadv(source_fd, [buffer[:want]], source_offset + done)
-            if got > 0:
-                written = 0
-                while written < got:
-                    at = dest_offset + done + written
-                    written += os.pwrite(dest_fd, buffer[written:got], at)
-        if got <= 0:
-            raise EOFError(f"source ends {size - done:,} bytes early")
-        done += got
-        if progress is not None:
-            progress(got)
 
 
 def _zip64_local_placeholder() -> bytes:
