@@ -23,6 +23,7 @@ from click.testing import CliRunner
 
 from ckpttool.cli import cli
 from ckpttool.commands.convert.run import convert
+from ckpttool.commands.diff.run import diff
 from ckpttool.commands.edit import edit_file
 from ckpttool.errors import InputError
 from ckpttool.model.mapping import load_map
@@ -116,6 +117,10 @@ def test_a_legacy_megatron_checkpoint_gives_the_map_its_heads_from_args(
     assert result.exit_code == 0, result.output
     assert "2 split_qkv" in result.output
     assert torch.allclose(_logits(_llama(_load(out))), expected, atol=1e-4, rtol=1e-4)
+    # diff --map pairs the Megatron checkpoint with its Llama conversion: every tensor the same
+    report = diff(folder / "legacy", out, map_name=TO_HF)
+    assert report.equal, report.summary()
+    assert len(report.tensors) == len(_load(out))
 
 
 def test_transformer_engine_norm_names_and_megatron_lms_prefix_map_too(
@@ -218,3 +223,21 @@ def test_the_presets_ask_for_their_heads() -> None:
         load_map(TO_HF, {})
     spec = load_map(TO_MEGATRON, {}, facts=[{"num_attention_heads": 4, "num_query_groups": 2}])
     assert spec.params == PARAMS
+
+
+def test_a_split_without_sizes_makes_equal_parts_or_refuses(tmp_path: Path) -> None:
+    import json
+
+    src = tmp_path / "w.pth"
+    torch.save({"even": torch.arange(12.0).view(6, 2), "odd": torch.arange(10.0).view(5, 2)}, src)
+    rules = [{"from": "even", "to": ["a", "b"], "op": "split"}, {"from": "odd", "to": "odd"}]
+    spec = tmp_path / "map.json"
+    spec.write_text(json.dumps({"rules": rules}))
+    edit_file(src, tmp_path / "out.pth", map_name=str(spec))
+    out = torch.load(tmp_path / "out.pth", weights_only=True)
+    assert torch.equal(out["a"], torch.arange(6.0).view(3, 2))
+    assert torch.equal(out["b"], torch.arange(6.0, 12.0).view(3, 2))
+    rules[0]["from"], rules[1]["from"] = "odd", "even"
+    spec.write_text(json.dumps({"rules": rules}))
+    with pytest.raises(InputError, match=r"odd \[5, 2\] does not split into"):
+        edit_file(src, tmp_path / "out2.pth", map_name=str(spec))
