@@ -107,18 +107,21 @@ def test_megatron_gpt_maps_to_a_llama_that_computes_the_same_logits(
     assert torch.equal(weights[layer + "mlp.up_proj.weight"], up)
 
 
-def test_a_legacy_megatron_checkpoint_gives_the_map_its_heads_from_args(
-    megatron: tuple[Path, torch.Tensor], tmp_path: Path
+@pytest.mark.parametrize("layout", ["legacy", "dist/iter_0000001"])
+def test_a_megatron_checkpoint_gives_the_map_its_heads_from_args(
+    megatron: tuple[Path, torch.Tensor], tmp_path: Path, layout: str
 ) -> None:
+    """Megatron-LM's legacy shards (local spec names) and a torch_dist directory (layers
+    stacked, Transformer Engine's norm names) of the same model."""
     folder, expected = megatron
     out = tmp_path / "llama.safetensors"
     # no --map-param: num_attention_heads and num_query_groups come from the checkpoint's args
-    result = CliRunner().invoke(cli, ["convert", str(folder / "legacy"), str(out), "--map", TO_HF])
+    result = CliRunner().invoke(cli, ["convert", str(folder / layout), str(out), "--map", TO_HF])
     assert result.exit_code == 0, result.output
     assert "2 split_qkv" in result.output
     assert torch.allclose(_logits(_llama(_load(out))), expected, atol=1e-4, rtol=1e-4)
     # diff --map pairs the Megatron checkpoint with its Llama conversion: every tensor the same
-    report = diff(folder / "legacy", out, map_name=TO_HF)
+    report = diff(folder / layout, out, map_name=TO_HF)
     assert report.equal, report.summary()
     assert len(report.tensors) == len(_load(out))
 

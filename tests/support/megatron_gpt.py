@@ -11,6 +11,9 @@ CUDA RNG tracker's ``fork``, and starts a one-process gloo group, as megatron-co
 - ``legacy/``: the same as a Megatron-LM legacy checkpoint (``iter_0000001/mp_rank_00/
   model_optim_rng.pt``: ``args``, ``checkpoint_version``, ``iteration``, ``model``), its
   tracker file beside it;
+- ``dist/iter_0000001/``: the same as a torch_dist checkpoint (``dist_checkpointing.save`` of
+  the model's ``sharded_state_dict()``, layers stacked, norms under Transformer Engine's
+  names, with the same common entries);
 - ``logits.pt``: megatron-core's forward of :data:`IDS` (``[1, SEQ, VOCAB]``).
 
 With ``STATE`` (a state dict file: ``torch.save`` or safetensors) the model loads it first (``strict=False``: the local
@@ -114,6 +117,12 @@ def main(out: str, state: str | None = None) -> None:
         torch.save(saved, os.path.join(shard, "model_optim_rng.pt"))
         with open(os.path.join(out, "legacy", "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("1")
+        from megatron.core import dist_checkpointing
+
+        folder = os.path.join(out, "dist", "iter_0000001")
+        os.makedirs(folder)
+        common = {key: saved[key] for key in ("args", "checkpoint_version", "iteration")}
+        dist_checkpointing.save({**common, "model": model.sharded_state_dict()}, folder)
     torch.save(_logits(model), os.path.join(out, "logits.pt"))
     dist.destroy_process_group()
 
