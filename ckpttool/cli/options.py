@@ -84,7 +84,7 @@ def remote_options(command: F) -> F:
 #: The presets ``--map`` knows (ckpttool.model.mapping.PRESETS; a test checks the two agree).
 MAP_PRESETS = (
     "llama-meta-to-hf", "llama-hf-to-meta", "llama-gguf-to-hf", "minimind-to-hf-llama",
-    "hf-llama-to-minimind",
+    "hf-llama-to-minimind", "megatron-gpt-to-hf-llama", "hf-llama-to-megatron-gpt",
 )  # fmt: skip
 
 

@@ -71,6 +71,11 @@ def mapped_records(
                 f"{heads} heads of pairs"
             )
         out_shapes = [shapes[0]]
+    elif rule.op == "split_qkv":
+        q, kv, others = _qkv_rows(step, shapes[0], spec)
+        out_shapes = [(q, *others), (kv, *others), (kv, *others)]
+    elif rule.op == "concat_qkv":
+        out_shapes = [_qkv_shape(step, shapes, spec)]
     elif rule.op == "concat":
         dim = rule.dim
         rest = {s[:dim] + s[dim + 1 :] for s in shapes}
@@ -80,8 +85,11 @@ def mapped_records(
         out_shapes = [(*shapes[0][:dim], total, *shapes[0][dim + 1 :])]
     else:  # split
         dim = rule.dim
-        sizes = [spec.params[s] if isinstance(s, str) else s for s in rule.sizes]
-        if len(shapes[0]) <= dim or sum(sizes) != shapes[0][dim]:
+        sizes = _sizes(rule, shapes[0], spec)
+        if (
+            len(shapes[0]) <= dim or sum(sizes) != shapes[0][dim]
+            or len(sizes) != len(step.targets)
+        ):  # fmt: skip
             raise InputError(
                 f"--map {spec.name}: {step.sources[0]} {list(shapes[0])} does not split into "
                 f"{sizes} on dim {dim}"
@@ -99,7 +107,7 @@ def mapped_records(
         storage = StorageRecord(key, dtype, numel, "cpu", key, numel * ITEMSIZE[dtype], byteorder)
         derived[key] = _producer(rule, records, index, spec, values)
         # named by where its values are (one source), or by what it is (a concatenation)
-        name = target if rule.op == "concat" else step.sources[0]
+        name = target if rule.op in ("concat", "concat_qkv") else step.sources[0]
         made.append(TensorRecord(name, dtype, shape, contiguous(shape), 0, storage))
     return made
 
@@ -123,15 +131,69 @@ def _producer(
             else:  # rows (head, 2, pair) -> (head, pair, 2)
                 out = flat.reshape(heads, 2, rows // heads // 2, -1).transpose(0, 2, 1, 3)
             out = out.reshape(w.shape)
+        elif rule.op == "split_qkv":  # rows (group, [q heads, k, v], head_dim)
+            w = arrays[0]
+            heads, groups = spec.params[rule.heads], spec.params[rule.groups]
+            grouped = w.reshape(groups, heads // groups + 2, -1, *w.shape[1:])
+            per = heads // groups
+            part = [grouped[:, :per], grouped[:, per : per + 1], grouped[:, per + 1 :]][index]
+            out = part.reshape(-1, *w.shape[1:])
+        elif rule.op == "concat_qkv":
+            heads, groups = spec.params[rule.heads], spec.params[rule.groups]
+            rest = arrays[0].shape[1:]
+            parts = [a.reshape(groups, -1, arrays[1].shape[0] // groups, *rest) for a in arrays]
+            out = np.concatenate(parts, axis=1).reshape(-1, *rest)
         elif rule.op == "concat":
             out = np.concatenate(arrays, axis=rule.dim)
         else:
-            sizes = [spec.params[s] if isinstance(s, str) else s for s in rule.sizes]
+            sizes = _sizes(rule, arrays[0].shape, spec)
             bounds = np.cumsum([0, *sizes])
             out = np.take(arrays[0], range(bounds[index], bounds[index + 1]), axis=rule.dim)
         return np.ascontiguousarray(out).tobytes()
 
     return produce
+
+
+def _sizes(rule: Any, shape: tuple[int, ...], spec: MapSpec) -> list[int]:
+    """A split's sizes along its dim: its rule's (ints or params' values), or equal parts."""
+    if not rule.sizes:
+        parts = len(rule.targets)
+        whole = shape[rule.dim] if len(shape) > rule.dim else 0
+        return [whole // parts] * parts if whole % parts == 0 else [whole]
+    return [spec.params[s] if isinstance(s, str) else s for s in rule.sizes]
+
+
+def _qkv_rows(
+    step: Step, shape: tuple[int, ...], spec: MapSpec
+) -> tuple[int, int, tuple[int, ...]]:
+    """A fused QKV tensor's rows for q and for each of k and v, and its other dims; an error
+    unless its rows are ``groups`` x (``heads / groups`` + 2) heads of one size."""
+    heads, groups = spec.params[step.rule.heads or ""], spec.params[step.rule.groups or ""]
+    rows = shape[0] if shape else 0
+    per = heads // groups if heads % groups == 0 else 0
+    if not per or not rows or rows % (groups * (per + 2)):
+        raise InputError(
+            f"--map {spec.name}: {step.sources[0]} {list(shape)} does not split into {groups} "
+            f"query groups of {per or heads / groups} query heads, a key and a value head"
+        )
+    head = rows // (groups * (per + 2))
+    return heads * head, groups * head, tuple(shape[1:])
+
+
+def _qkv_shape(step: Step, shapes: list[tuple[int, ...]], spec: MapSpec) -> tuple[int, ...]:
+    """``concat_qkv``'s shape from q's, k's and v's (checked)."""
+    heads, groups = spec.params[step.rule.heads or ""], spec.params[step.rule.groups or ""]
+    q, k, v = shapes
+    ok = (
+        len(q) >= 1 and k == v and q[1:] == k[1:] and heads % groups == 0
+        and k[0] % groups == 0 and q[0] == k[0] // groups * heads
+    )  # fmt: skip
+    if not ok:
+        raise InputError(
+            f"--map {spec.name}: {', '.join(step.sources)} {[list(s) for s in shapes]} are not "
+            f"{heads} query heads and {groups} key and value heads of one size"
+        )
+    return (q[0] + 2 * k[0], *q[1:])
 
 
 def _decoded(decode: Callable[[TensorRecord], Any]) -> Values:
@@ -267,17 +329,20 @@ def config_dirs(paths: Iterable[str | Any]) -> list[Path]:
     return out
 
 
-#: Where a format keeps the key/values a file declares about its model (GGUF's metadata:
-#: ``llama.attention.head_count``...), which a map's params may come from.
-DECLARED_KEYS = ("gguf_metadata",)
+#: Where a format or framework keeps the key/values a checkpoint declares about its model,
+#: which a map's params may come from: GGUF's metadata (``llama.attention.head_count``...),
+#: Megatron's args (``num_attention_heads``, ``num_query_groups``...).
+DECLARED_KEYS = (("gguf_metadata",), ("megatron", "model_args"))
 
 
 def declared_facts(*ckpts: Checkpoint) -> list[Mapping[str, Any]]:
     """The key/values ``ckpts`` declare about their models, for a map's params."""
     out = []
     for ckpt in ckpts:
-        for key in DECLARED_KEYS:
-            facts = ckpt.details.get(key)
+        for path in DECLARED_KEYS:
+            facts: Any = ckpt.details
+            for key in path:
+                facts = facts.get(key) if isinstance(facts, Mapping) else None
             if isinstance(facts, Mapping):
                 out.append(facts)
     return out

@@ -12,15 +12,21 @@ A map is a JSON (or YAML) object::
        {"from": ["l.{L}.q", "l.{L}.k", "l.{L}.v"], "to": "l.{L}.qkv", "op": "concat", "dim": 0},
        {"from": "l.{L}.qkv", "to": ["l.{L}.q", "l.{L}.k", "l.{L}.v"], "op": "split", "dim": 0,
         "sizes": [64, 32, 32]},
+       {"from": "l.{L}.qkv", "to": ["l.{L}.q", "l.{L}.k", "l.{L}.v"], "op": "split_qkv",
+        "heads": "n_heads", "groups": "n_kv_heads"},
        {"from": "w", "to": "w_t", "op": "transpose"}]}
 
 ``{NAME}`` in a key matches one dotted segment and carries it to the targets. Rules are tried
 in order; a tensor matched by none is an error (``"unmatched": "error"``), kept as it is
 (``"keep"``) or left out (``"drop"``). ``op`` is ``rename`` (the default), ``transpose`` (2-D),
-``concat`` / ``split`` along ``dim`` (``sizes``: ints or param names), or the rotary
-permutations between Meta's interleaved layout of q/k rows and Hugging Face's half-split one
-(``rope_to_hf``, ``rope_to_meta``; ``heads``: the param holding the number of heads of that
-projection). Presets ship in :data:`PRESETS`.
+``concat`` / ``split`` along ``dim`` (``sizes``: ints or param names; a split without sizes
+makes equal parts), ``split_qkv`` / ``concat_qkv`` (Megatron-Core's fused QKV rows, grouped by
+query group: for each of ``groups`` groups, its ``heads / groups`` query heads, then its key
+head, then its value head, ``get_query_key_value_tensors``; ``heads`` and ``groups`` name the
+params holding the numbers of query heads and of query groups, the head size is what the rows
+leave), or the rotary permutations between Meta's interleaved layout of q/k rows and Hugging
+Face's half-split one (``rope_to_hf``, ``rope_to_meta``; ``heads``: the param holding the
+number of heads of that projection). Presets ship in :data:`PRESETS`.
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ from typing import Any
 
 from ckpttool.errors import InputError
 
-OPS = ("rename", "transpose", "concat", "split", "rope_to_hf", "rope_to_meta")
+OPS = (
+    "rename", "transpose", "concat", "split", "rope_to_hf", "rope_to_meta", "split_qkv",
+    "concat_qkv",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class Rule:
     dim: int = 0
     heads: str | None = None
     sizes: tuple[Any, ...] = ()
+    groups: str | None = None
 
 
 @dataclass(frozen=True)
@@ -143,15 +153,74 @@ def _gguf_llama() -> dict[str, Any]:
     return {"unmatched": "error", "rules": rules}
 
 
+#: Megatron-Core ``GPTModel``'s names (its ``state_dict()``, local layer spec) and Hugging Face
+#: ``LlamaForCausalLM``'s, in :data:`HF_LLAMA`'s order; ``None``: the fused QKV and fc1 rows.
+MEGATRON_GPT = (
+    "embedding.word_embeddings.weight", None, None, None,
+    "decoder.layers.{L}.self_attention.linear_proj.weight",
+    "decoder.layers.{L}.input_layernorm.weight", "decoder.layers.{L}.pre_mlp_layernorm.weight",
+    None, "decoder.layers.{L}.mlp.linear_fc2.weight", None, "decoder.final_layernorm.weight",
+    "output_layer.weight",
+)  # fmt: skip
+#: Transformer Engine's layer spec fuses the norms into the next linear: the names it saves
+#: (and ``sharded_state_dict``'s, whatever the spec), for the local spec's norms.
+MEGATRON_TE_NORMS = {
+    "decoder.layers.{L}.input_layernorm.weight":
+        "decoder.layers.{L}.self_attention.linear_qkv.layer_norm_weight",
+    "decoder.layers.{L}.pre_mlp_layernorm.weight":
+        "decoder.layers.{L}.mlp.linear_fc1.layer_norm_weight",
+}  # fmt: skip
+MEGATRON_QKV = "decoder.layers.{L}.self_attention.linear_qkv.weight"
+MEGATRON_FC1 = "decoder.layers.{L}.mlp.linear_fc1.weight"
+HF_QKV = [HF_LLAMA[i][0] for i in (1, 2, 3)]
+HF_FC1 = [HF_LLAMA[7][0], HF_LLAMA[9][0]]  # gate_proj, up_proj
+
+
+def _megatron_gpt(to_hf: bool) -> dict[str, Any]:
+    """Megatron-Core ``GPTModel`` (RMSNorm, SwiGLU, rotary, no biases, untied output layer) and
+    Hugging Face Llama. ``linear_qkv``'s rows are grouped by query group (``split_qkv``, with
+    ``n_heads`` = ``num_attention_heads`` and ``n_kv_heads`` = ``num_query_groups``);
+    ``linear_fc1``'s are ``[gate; up]`` (``glu``: ``act(first half) * second half``). Megatron's
+    default rotary (``rotary_interleaved=False``: ``_rotate_half`` rotates halves) is Hugging
+    Face's layout, so q and k rows are not permuted. From Megatron the names are read with or
+    without Megatron-LM's ``model.`` prefix (a checkpoint's, or a bare ``state_dict()``) and
+    with either layer spec's norm names; to Megatron they are a bare local-spec
+    ``state_dict()``'s."""
+    rules: list[dict[str, Any]] = []
+    qkv = {"heads": "n_heads", "groups": "n_kv_heads"}
+    for prefix in ("", "model.") if to_hf else ("",):
+        for megatron, (hf, _) in zip(MEGATRON_GPT, HF_LLAMA):
+            if megatron is None:
+                continue
+            names = (
+                [megatron, MEGATRON_TE_NORMS[megatron]]
+                if megatron in MEGATRON_TE_NORMS
+                else [megatron]
+            )
+            for name in names if to_hf else names[:1]:
+                rules.append(
+                    {"from": prefix + name, "to": hf} if to_hf else {"from": hf, "to": name}
+                )
+        if to_hf:
+            rules.append({"from": prefix + MEGATRON_QKV, "to": HF_QKV, "op": "split_qkv", **qkv})
+            rules.append({"from": prefix + MEGATRON_FC1, "to": HF_FC1, "op": "split", "dim": 0})
+        else:
+            rules.append({"from": HF_QKV, "to": MEGATRON_QKV, "op": "concat_qkv", **qkv})
+            rules.append({"from": HF_FC1, "to": MEGATRON_FC1, "op": "concat", "dim": 0})
+    return {"unmatched": "error", "rules": rules}
+
+
 #: Maps shipped with ckpttool, by name (``--map llama-meta-to-hf``). Their ``n_heads`` and
 #: ``n_kv_heads`` come from ``--map-param`` or a ``config.json`` / ``params.json`` beside the
-#: checkpoint.
+#: checkpoint (Megatron's: from its ``args``).
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-meta-to-hf": _llama(to_hf=True),
     "llama-hf-to-meta": _llama(to_hf=False),
     "llama-gguf-to-hf": _gguf_llama(),
     "minimind-to-hf-llama": _minimind(),
     "hf-llama-to-minimind": _minimind(),
+    "megatron-gpt-to-hf-llama": _megatron_gpt(to_hf=True),
+    "hf-llama-to-megatron-gpt": _megatron_gpt(to_hf=False),
 }
 
 #: Where a config beside the checkpoint keeps the numbers a map's params name.
@@ -160,8 +229,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 CONFIG_PARAMS = {
     "n_heads": ("n_heads", "num_attention_heads", "llama.attention.head_count"),
     "n_kv_heads": (
-        "n_kv_heads", "num_key_value_heads", "llama.attention.head_count_kv", "n_heads",
-        "num_attention_heads", "llama.attention.head_count",
+        "n_kv_heads", "num_key_value_heads", "llama.attention.head_count_kv", "num_query_groups",
+        "n_heads", "num_attention_heads", "llama.attention.head_count",
     ),
 }  # fmt: skip
 
@@ -211,7 +280,7 @@ def _spec(
     merged = {k: v for k, v in (data.get("params") or {}).items()}
     merged.update(params)
     rules = tuple(_rule(name, i, raw) for i, raw in enumerate(data["rules"]))
-    wanted = {r.heads for r in rules if r.heads} | {
+    wanted = {p for r in rules for p in (r.heads, r.groups) if p} | {
         s for r in rules for s in r.sizes if isinstance(s, str)
     }
     for param in sorted(wanted - set(merged)):
@@ -244,7 +313,9 @@ def _rule(name: str, index: int, raw: Any) -> Rule:
         raise InputError(f"{where}: op {op!r} is not one of {', '.join(OPS)}")
     if not all(isinstance(k, str) and k for k in (*sources, *targets)):
         raise InputError(f"{where}: keys must be non-empty strings")
-    many = {"concat": (None, 1), "split": (1, None)}.get(op, (1, 1))
+    many = {"concat": (None, 1), "split": (1, None), "split_qkv": (1, 3), "concat_qkv": (3, 1)}.get(
+        op, (1, 1)
+    )
     if (many[0] and len(sources) != many[0]) or (many[1] and len(targets) != many[1]):
         raise InputError(f"{where}: {op} takes {_counts(op)}")
     if (op == "concat" and len(sources) < 2) or (op == "split" and len(targets) < 2):
@@ -254,21 +325,28 @@ def _rule(name: str, index: int, raw: Any) -> Rule:
         if set(_holes(key)) != holes:
             raise InputError(f"{where}: every key must use the same {{names}}")
     sizes = tuple(raw.get("sizes", ()))
-    if op == "split" and len(sizes) != len(targets):
-        raise InputError(f"{where}: split needs one size per target")
+    if op == "split" and sizes and len(sizes) != len(targets):
+        raise InputError(f"{where}: split needs one size per target (or none: equal parts)")
     heads = raw.get("heads")
-    if op.startswith("rope") and not isinstance(heads, str):
+    if (op.startswith("rope") or op.endswith("_qkv")) and not isinstance(heads, str):
         raise InputError(f"{where}: {op} needs heads (the param holding the number of heads)")
+    groups = raw.get("groups")
+    if op.endswith("_qkv") and not isinstance(groups, str):
+        raise InputError(
+            f"{where}: {op} needs groups (the param holding the number of query groups)"
+        )
     dim = raw.get("dim", 0)
     if not isinstance(dim, int):
         raise InputError(f"{where}: dim must be an integer")
-    return Rule(sources, targets, op, dim, heads, sizes)
+    return Rule(sources, targets, op, dim, heads, sizes, groups if op.endswith("_qkv") else None)
 
 
 def _counts(op: str) -> str:
-    return {"concat": "several sources and one target", "split": "one source and several targets"}[
-        op
-    ]
+    return {
+        "concat": "several sources and one target", "split": "one source and several targets",
+        "split_qkv": "one source and three targets (q, k, v)",
+        "concat_qkv": "three sources (q, k, v) and one target",
+    }[op]  # fmt: skip
 
 
 def _holes(key: str) -> list[str]:
