@@ -105,6 +105,21 @@ def test_show_stats_fetches_each_byte_once_in_few_requests(
     )
 
 
+def test_convert_fetches_each_byte_once_in_few_requests(
+    server: RangeServer, many: tuple[Path, Path], tmp_path: Path
+) -> None:
+    local = many[0]
+    url = server.add("a.pth", local.read_bytes())
+    out, expected = tmp_path / "url.safetensors", tmp_path / "local.safetensors"
+    converted = run("convert", url, out)
+    requests, sent = _requests_and_bytes(server)
+    assert converted.exit_code == 0, converted.output
+    assert sent <= 1.05 * local.stat().st_size
+    assert requests <= 20
+    assert run("convert", local, expected).exit_code == 0
+    assert out.read_bytes() == expected.read_bytes()
+
+
 class CountingBackend:
     """A file in memory that records the ranges fetched from it."""
 

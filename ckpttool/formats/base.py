@@ -291,15 +291,15 @@ class Checkpoint:
             if span is not None:
                 self._spans[storage.key] = span
 
-    def plan_reads(self, records: Sequence[TensorRecord]) -> None:
+    def plan_reads(self, records: Sequence[TensorRecord]) -> bool:
         """A hint: the bytes of ``records`` will be read, in this order. A remote file then
         fetches the regions that hold them (and their zip local headers) in few large
         requests, each byte once (:meth:`ckpttool.io.remote.RemoteFile.plan`); a local file
-        ignores it."""
+        ignores it. Whether a plan was made (a remote file of a format that gives regions)."""
         plan = getattr(self._handle, "plan", None)
         region = self._parsed.region
         if plan is None or region is None or self._parsed.read is not None:
-            return
+            return False
         spans = []
         seen: set[str] = set()
         for record in records:
@@ -312,6 +312,7 @@ class Checkpoint:
             except (CkptError, KeyError):  # reported when the tensor is read
                 continue
         plan(spans)
+        return True
 
     def read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
         """The bytes covering ``record``'s elements and the element offset of its first one.

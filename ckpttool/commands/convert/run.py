@@ -247,8 +247,13 @@ def write_outputs(
     # the decoding's CPU time (bench/gguf.py).
     hashed = remote_source or bool(replaced) or any(_decoded(p) for p in sequence)
     hashing = _Hashing() if verify and hashed else None
-    following = dict(zip((p.name for p in sequence), sequence[1:])) if remote_source else {}
-    if remote_source:
+    # a remote file of a format that gives regions: fetched in windows, each byte once; other
+    # remote files: every record located first, each tensor fetched while the one before is
+    # written
+    in_windows = remote_source and ckpt.plan_reads([p.record for p in sequence])
+    one_by_one = remote_source and not in_windows
+    following = dict(zip((p.name for p in sequence), sequence[1:])) if one_by_one else {}
+    if one_by_one:
         ckpt.resolve_spans([p.record.storage for p in sequence if p.record.storage is not None])
 
     def produce(planned: Planned) -> bytes | bytearray | memoryview:
@@ -260,7 +265,7 @@ def write_outputs(
             progress(planned.nbytes)
             return data
         data, cast = tensor_bytes(ckpt, planned)
-        upcoming = following.get(planned.name) if remote_source else None
+        upcoming = following.get(planned.name)
         if upcoming is not None:
             ckpt.prefetch(upcoming.record)
         if hashing is not None and (remote_source or _decoded(planned)):
