@@ -19,6 +19,7 @@ import click
 from ckpttool import __version__
 from ckpttool.cli.options import (
     force_option,
+    jobs_option,
     json_option,
     key_prefix_options,
     remote_options,
@@ -994,6 +995,7 @@ def _int_params(pairs: tuple[str, ...]) -> dict[str, int]:
 @click.option("--values", is_flag=True, help="Also read every floating tensor: NaN/Inf.")
 @json_option("verify")
 @remote_options
+@jobs_option
 def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     """Check files' integrity without trusting them.
 

@@ -79,3 +79,23 @@ def remote_options(command: F) -> F:
         "memory instead of refusing it.",
     )(run)  # fmt: skip
     return run  # type: ignore[return-value]
+
+
+def jobs_option(command: F) -> F:
+    """``--jobs N``: a directory checkpoint's members worked on by N threads (default: the CPU
+    count); the report is the same with any N. Sets :func:`ckpttool.io.parallel.using` for the
+    library calls the command makes."""
+    import functools
+
+    @functools.wraps(command)
+    def run(*args: Any, jobs: int | None, **kwargs: Any) -> Any:
+        from ckpttool.io.parallel import using
+
+        with using(jobs):
+            return command(*args, **kwargs)
+
+    return click.option(  # type: ignore[return-value]
+        "--jobs", "-j", type=click.IntRange(min=1), metavar="N",
+        help="Work on N member files of a directory checkpoint at once (default: the CPU "
+        "count); the report is the same with any N, memory grows with N.",
+    )(run)  # fmt: skip
