@@ -144,3 +144,115 @@ def test_jobs_below_one_is_refused() -> None:
     result = run("verify", FIXTURES / "dcp/checkpoint", "--jobs", 0)
     assert result.exit_code == 2
     assert "--jobs" in result.output
+
+
+CONVERTED = [
+    FIXTURES / "frameworks/hf_bin_sharded",
+    FIXTURES / "frameworks/hf_sharded",
+    FIXTURES / "dcp/checkpoint",
+    FIXTURES / "deepspeed/stage2_fp32_2proc/checkpoints/global_step4",
+]
+
+
+@pytest.mark.parametrize("source", CONVERTED, ids=_ids)
+def test_convert_writes_the_same_bytes_with_any_jobs(source: Path, tmp_path: Path) -> None:
+    one, four = tmp_path / "one.safetensors", tmp_path / "four.safetensors"
+    first = run("convert", source, one, "--json", "-j", 1)
+    second = run("convert", source, four, "--json", "-j", 4)
+    assert first.exit_code == second.exit_code == 0, first.output + second.output
+    assert one.read_bytes() == four.read_bytes()
+    assert first.stdout.replace(str(one), "OUT") == second.stdout.replace(str(four), "OUT")
+
+
+def test_convert_reads_a_directory_ahead_with_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --jobs 2 a shard directory's tensors are read on a worker thread (ahead of the
+    writer); with --jobs 1 on the writer's own."""
+    from ckpttool.commands.convert import run as convert_run
+
+    threads: set[str] = set()
+    original = convert_run.tensor_bytes
+
+    def reading(ckpt: Any, planned: Any) -> Any:
+        threads.add(threading.current_thread().name.split("_")[0])
+        return original(ckpt, planned)
+
+    monkeypatch.setattr(convert_run, "tensor_bytes", reading)
+    source = FIXTURES / "frameworks/hf_bin_sharded"
+    assert run("convert", source, tmp_path / "one.safetensors", "-j", 1).exit_code == 0
+    assert threads == {"MainThread"}
+    threads.clear()
+    assert run("convert", source, tmp_path / "two.safetensors", "-j", 2).exit_code == 0
+    assert "ckpttool-jobs" in threads
+
+
+def test_a_failing_tensor_is_the_same_one_line_error_with_any_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two tensors fail, the later one first in time: the error is the earlier one's, as with
+    --jobs 1, and nothing is written."""
+    from ckpttool.commands.convert import run as convert_run
+    from ckpttool.errors import CorruptCheckpointError
+
+    original = convert_run.tensor_bytes
+    source = FIXTURES / "frameworks/hf_bin_sharded"
+    with convert_run.open_checkpoint(source) as ckpt:
+        keys = [record.key for record in ckpt.tensors()]
+    early, late = keys[2], keys[3]
+    late_failed = threading.Event()
+
+    def failing(ckpt: Any, planned: Any) -> Any:
+        if planned.record.key == late:
+            late_failed.set()
+            raise CorruptCheckpointError(f"{late}: damaged (late)")
+        if planned.record.key == early:
+            late_failed.wait(5)  # with --jobs 1 the late one never comes
+            raise CorruptCheckpointError(f"{early}: damaged (early)")
+        return original(ckpt, planned)
+
+    monkeypatch.setattr(convert_run, "tensor_bytes", failing)
+    results = [run("convert", source, tmp_path / f"{n}.safetensors", "-j", n) for n in (1, 4)]
+    assert [r.exit_code for r in results] == [2, 2]
+    assert results[0].stderr == results[1].stderr
+    assert f"{early}: damaged (early)" in results[0].stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (FIXTURES / "frameworks/hf_bin_sharded", FIXTURES / "frameworks/hf_sharded"),
+        (FIXTURES / "frameworks/hf_sharded", FIXTURES / "dcp/checkpoint"),
+        (
+            FIXTURES / "deepspeed/stage2_fp32_2proc/checkpoints/global_step2",
+            FIXTURES / "deepspeed/stage2_fp32_2proc/checkpoints/global_step4",
+        ),
+    ],
+    ids=["bin-safetensors", "safetensors-dcp", "deepspeed-steps"],
+)
+def test_diff_reports_the_same_with_any_jobs(a: Path, b: Path) -> None:
+    one, four = run("diff", a, b, "--json", "-j", 1), run("diff", a, b, "--json", "-j", 4)
+    assert one.exit_code == four.exit_code, one.output + four.output
+    assert one.exit_code in (0, 1), one.output
+    assert one.stdout == four.stdout
+
+
+def test_diff_reads_a_directory_ahead_with_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpttool.commands.diff import run as diff_run
+
+    threads: set[str] = set()
+    original = diff_run.read_many
+
+    def reading(ckpt: Any, records: Any) -> Any:
+        for item in original(ckpt, records):
+            threads.add(threading.current_thread().name.split("_")[0])
+            yield item
+
+    monkeypatch.setattr(diff_run, "read_many", reading)
+    a, b = FIXTURES / "frameworks/hf_bin_sharded", FIXTURES / "frameworks/hf_sharded"
+    assert run("diff", a, b, "-j", 1).exit_code in (0, 1)
+    assert threads == {"MainThread"}
+    threads.clear()
+    assert run("diff", a, b, "-j", 2).exit_code in (0, 1)
+    assert threads == {"ckpttool-ahead"}

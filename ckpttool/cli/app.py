@@ -313,6 +313,7 @@ def show(
 )  # fmt: skip
 @json_option("diff")
 @remote_options
+@jobs_option
 def diff_command(
     path_a: str,
     path_b: str,
@@ -608,6 +609,7 @@ def rescale_step(
 @force_option
 @json_option("convert")
 @remote_options
+@jobs_option
 def convert_command(
     src: str,
     dst: str | None,

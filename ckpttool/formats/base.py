@@ -61,6 +61,10 @@ class Parsed:
     # to find them (a zip member's local header), known without reading: the plan a remote
     # file fetches in few large requests (Checkpoint.plan_reads). None: no plan.
     region: Callable[[StorageRecord], tuple[int, int]] | None = None
+    # Whether several threads may read values at once (--jobs reads a directory's members
+    # ahead): a framework directory's members are checkpoints of their own, each read by pread
+    # or ranged requests. DCP's data files share one set of handles: False.
+    concurrent_reads: bool = False
 
 
 @dataclass
@@ -290,6 +294,11 @@ class Checkpoint:
         for storage, span in zip(wanted, spread(locate, wanted)):
             if span is not None:
                 self._spans[storage.key] = span
+
+    @property
+    def concurrent_reads(self) -> bool:
+        """Whether several threads may read this checkpoint's values at once (see Parsed)."""
+        return self._parsed.concurrent_reads
 
     def plan_reads(self, records: Sequence[TensorRecord]) -> bool:
         """A hint: the bytes of ``records`` will be read, in this order. A remote file then

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -88,3 +88,66 @@ def serialized(callback: Callable[..., Any] | None) -> Callable[..., Any] | None
             return callback(*args)
 
     return call
+
+
+class AheadMap(Generic[Item, Result]):
+    """``function(item)`` for ``items``, which will be asked for in this order (:meth:`take`),
+    computed up to ``depth`` items ahead on ``workers`` threads: reading the next tensors while
+    this one is written. An item asked for out of turn is computed on the spot; an error is
+    raised when its item is taken, so in the order a loop would raise it. Memory: ``depth``
+    results held at most."""
+
+    def __init__(
+        self, function: Callable[[Item], Result], items: Sequence[Item], workers: int, depth: int
+    ) -> None:
+        from collections import deque
+
+        self._function = function
+        self._items = iter(items)
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="ckpttool-jobs")
+        self._pending: deque[tuple[Item, Any]] = deque()
+        for _ in range(depth):
+            self._submit()
+
+    def _submit(self) -> None:
+        for item in self._items:
+            self._pending.append((item, self._pool.submit(_in_worker(self._function), item)))
+            return
+
+    def take(self, item: Item) -> Result:
+        if self._pending and self._pending[0][0] is item:
+            _, future = self._pending.popleft()
+            self._submit()
+            result: Result = future.result()
+            return result
+        return self._function(item)
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def read_ahead(iterator: Iterator[Item], depth: int) -> Iterator[Item]:
+    """``iterator``'s items, in order, produced up to ``depth`` ahead on a thread of its own
+    (``depth`` < 1: on the caller's). Its error is raised where the loop would meet it."""
+    if depth < 1:
+        yield from iterator
+        return
+    from collections import deque
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-ahead")
+    done = object()
+
+    def step() -> Any:
+        return next(iterator, done)
+
+    pending = deque(pool.submit(step) for _ in range(depth))
+    try:
+        while True:
+            value = pending.popleft().result()
+            if value is done:
+                return
+            pending.append(pool.submit(step))
+            yield value
+    finally:  # the consumer stopped (an error, or it has what it needs): no more steps
+        pool.shutdown(wait=True, cancel_futures=True)
