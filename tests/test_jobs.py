@@ -164,11 +164,14 @@ def test_convert_writes_the_same_bytes_with_any_jobs(source: Path, tmp_path: Pat
     assert first.stdout.replace(str(one), "OUT") == second.stdout.replace(str(four), "OUT")
 
 
+@pytest.mark.parametrize(
+    "source", [FIXTURES / "frameworks/hf_bin_sharded", FIXTURES / "dcp/checkpoint"], ids=_ids
+)
 def test_convert_reads_a_directory_ahead_with_jobs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With --jobs 2 a shard directory's tensors are read on a worker thread (ahead of the
-    writer); with --jobs 1 on the writer's own."""
+    """With --jobs 2 a directory's tensors are read on a worker thread (ahead of the writer);
+    with --jobs 1 on the writer's own."""
     from ckpttool.commands.convert import run as convert_run
 
     threads: set[str] = set()
@@ -179,7 +182,6 @@ def test_convert_reads_a_directory_ahead_with_jobs(
         return original(ckpt, planned)
 
     monkeypatch.setattr(convert_run, "tensor_bytes", reading)
-    source = FIXTURES / "frameworks/hf_bin_sharded"
     assert run("convert", source, tmp_path / "one.safetensors", "-j", 1).exit_code == 0
     assert threads == {"MainThread"}
     threads.clear()

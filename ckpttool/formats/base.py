@@ -63,7 +63,8 @@ class Parsed:
     region: Callable[[StorageRecord], tuple[int, int]] | None = None
     # Whether several threads may read values at once (--jobs reads a directory's members
     # ahead): a framework directory's members are checkpoints of their own, each read by pread
-    # or ranged requests. DCP's data files share one set of handles: False.
+    # or ranged requests; DCP's reads take a lock. Assembled views (DeepSpeed's fp32, per-rank
+    # sets) leave it False: read on one thread.
     concurrent_reads: bool = False
 
 
