@@ -16,8 +16,9 @@ Then prints, each table measured side by side (interleaved runs, :mod:`bench.har
 1. ``verify`` and ``convert`` (to safetensors) of each directory with ``--jobs 1`` and
    ``--jobs 2``;
 2. over loopback HTTP (``tests/support/range_server.py``): a plain download of the
-   2,000-tensor file (``urllib``, 1 MiB reads, to /dev/null) against ``verify URL``, with the
-   requests and bytes ``verify`` fetched (``--verbose``).
+   2,000-tensor file and of the 1.25 GB resume file (``urllib``, 1 MiB reads, to nothing)
+   against ``verify URL``, with the requests and bytes ``verify`` fetched (``--verbose``).
+   ``--remote-only`` measures only these.
 
 Each table has ckpttool's start-up (``ckpttool --version``: Python and the CLI's imports) as a
 row: on files this small, it is most of every row.
@@ -109,11 +110,15 @@ def _fetched(url: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, weights, _, work = weights_and_resume(argv, "python -m bench.jobs", __doc__, "jobs_out")
-    hf4 = build_hf_shards(weights, args.out)
-    dcp = build_dcp(args.out)
+    remote_only = "--remote-only" in (argv if argv is not None else sys.argv[1:])
+    argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--remote-only"]
+    args, weights, resume, work = weights_and_resume(
+        argv, "python -m bench.jobs", __doc__, "jobs_out"
+    )
     many = build_many(weights, args.out)
-    for source, extra in ((hf4, ()), (dcp, ("--section", "model"))):
+    sources = [] if remote_only else [(build_hf_shards(weights, args.out), ()),
+                                      (build_dcp(args.out), ("--section", "model"))]  # fmt: skip
+    for source, extra in sources:
         size = sum(p.stat().st_size for p in source.iterdir())
         print(f"\n### {source.name}: {size / 1e6:.0f} MB\n")
         rows = {"start-up floor (ckpttool --version)": _ckpttool("--version")}
@@ -132,22 +137,23 @@ def main(argv: list[str] | None = None) -> int:
 
     server = RangeServer().start()
     try:
-        url = server.add_path(many.name, many)
-        size = many.stat().st_size
-        requests, fetched = _fetched(url)
-        print(f"\n### {many.name} over loopback HTTP: {TENSORS:,} tensors, {size / 1e6:.1f} MB\n")
-        print(
-            f"URL verify: {requests} requests, {fetched:,} bytes fetched of {size:,} "
-            f"({fetched / size:.4f}x; target <= 1.05x)\n"
-        )
-        rows = {
-            "download (urllib, 1 MiB reads)": [sys.executable, "-c", DOWNLOAD, url],
-            "ckpttool verify URL": _ckpttool("verify", url),
-            "ckpttool verify FILE": _ckpttool("verify", many),
-            "start-up floor (ckpttool --version)": _ckpttool("--version"),
-        }
-        print(compare(rows, "download (urllib, 1 MiB reads)", runs=args.runs,
-                      warmup=args.warmup))  # fmt: skip
+        for path in (many, resume):
+            url = server.add_path(path.name, path)
+            size = path.stat().st_size
+            requests, fetched = _fetched(url)
+            print(f"\n### {path.name} over loopback HTTP: {size / 1e6:.1f} MB\n")
+            print(
+                f"URL verify: {requests} requests, {fetched:,} bytes fetched of {size:,} "
+                f"({fetched / size:.4f}x; target <= 1.05x)\n"
+            )
+            rows = {
+                "download (urllib, 1 MiB reads)": [sys.executable, "-c", DOWNLOAD, url],
+                "ckpttool verify URL": _ckpttool("verify", url),
+                "ckpttool verify FILE": _ckpttool("verify", path),
+                "start-up floor (ckpttool --version)": _ckpttool("--version"),
+            }
+            print(compare(rows, "download (urllib, 1 MiB reads)", runs=args.runs,
+                          warmup=args.warmup))  # fmt: skip
     finally:
         server.stop()
     return 0

@@ -170,3 +170,33 @@ def test_planned_reads_are_the_file_s_bytes_each_fetched_once(
         )  # gaps, and the one read outside
     finally:
         handle.close()
+
+
+def test_a_header_read_ahead_of_a_large_record_does_not_drop_its_windows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``verify``'s order: the next record's local header is read before this record's data.
+    A record larger than a window is fetched in windows; the look ahead must not make the
+    windows of the record about to be read be dropped (and fetched again)."""
+    from ckpttool.io import remote
+
+    monkeypatch.setattr(remote, "WINDOW", 1000)
+    monkeypatch.setattr(remote, "PLAN_KEPT", 1500)
+    data = bytes(range(256)) * 64
+    backend = CountingBackend(data)
+    handle = remote.RemoteFile("memory://file", backend)
+    try:
+        handle.plan([(0, 3000), (3000, 1000), (4000, 1000)])
+        reads = [(0, 30), (3000, 30)]  # this record's header, then the next one's
+        reads += [(at, min(800, 3000 - at)) for at in range(30, 3000, 800)]  # this record
+        reads += [(3030, 970), (4000, 1000)]
+        for offset, length in reads:
+            assert handle.read_range(offset, length) == data[offset : offset + length]
+        fetched = [0] * 5000
+        for start, stop in backend.fetched:
+            for at in range(start, stop):
+                fetched[at] += 1
+        assert fetched == [1] * 5000, backend.fetched
+        assert all(stop - start <= 1000 for start, stop in backend.fetched)  # windows, not 3000
+    finally:
+        handle.close()

@@ -45,9 +45,11 @@ MAX_IN_FLIGHT = 4  # requests in flight at once for one file
 MAX_PREFETCH = 4 << 20
 # A planned read (RemoteFile.plan: the regions of the records a command will read, in order)
 # is fetched in windows of up to this size, one ahead of the reader; fetched windows are kept
-# up to PLAN_KEPT bytes (a reader locates records' headers a little ahead of their data).
+# up to PLAN_KEPT bytes (a reader locates records' headers a little ahead of their data: up
+# to 8 MiB, ckpttool.io.read_batch.LOOKAHEAD_BYTES), and never those from the window of the
+# read before on.
 WINDOW = 8 << 20
-PLAN_KEPT = 24 << 20
+PLAN_KEPT = 40 << 20
 PLAN_GAP = 64 << 10  # planned regions this close are fetched as one (the gap bytes too)
 MAX_TRIES = 4  # attempts per request before a network fault is reported
 BACKOFF = 0.25  # seconds before the second attempt, doubled before each further one
@@ -110,6 +112,7 @@ class RemoteFile(io.RawIOBase):
         self._windows: dict[int, Future[bytearray]] = {}  # window index -> its bytes
         self._order: list[int] = []  # the windows' indexes by offset,
         self._starts: list[int] = []  # and their offsets, for finding a read's window
+        self._previous = 0  # the window the last planned read began in
         with _TOTALS_LOCK:
             TOTALS.sizes[url] = size
         self._count(1, 1 if whole is None else size)
@@ -245,10 +248,11 @@ class RemoteFile(io.RawIOBase):
                 if first <= start <= last + PLAN_GAP and max(stop, last) - first <= WINDOW:
                     windows[-1] = (first, max(stop, last))
                     continue
-            windows.append((start, stop))
+            # a region larger than a window (a large tensor) is fetched in windows
+            windows.extend((at, min(stop, at + WINDOW)) for at in range(start, stop, WINDOW))
         order = sorted(range(len(windows)), key=lambda number: windows[number])
         with self._lock:
-            self._plan, self._windows = windows, {}
+            self._plan, self._windows, self._previous = windows, {}, 0
             self._order, self._starts = order, [windows[number][0] for number in order]
 
     def _planned(self, offset: int, stop: int) -> bytearray | None:
@@ -272,7 +276,10 @@ class RemoteFile(io.RawIOBase):
             data = self._window(number).result()
             pieces.append(memoryview(data)[max(offset, begin) - begin : min(stop, end) - begin])
         self._window(numbers[-1] + 1)  # the next one arrives while this one is read
-        self._keep_within(numbers[0])
+        # a reader may look a little ahead (the next record's header) before it reads on from
+        # the window it read last: that one, and those after it, are kept
+        previous, self._previous = self._previous, numbers[0]
+        self._keep_within(min(numbers[0], previous))
         return bytearray(b"".join(pieces)) if len(pieces) > 1 else bytearray(pieces[0])
 
     def _window(self, number: int) -> Future[bytearray]:
@@ -292,7 +299,8 @@ class RemoteFile(io.RawIOBase):
             return found
 
     def _keep_within(self, current: int) -> None:
-        """Drop the oldest windows, before ``current``, past :data:`PLAN_KEPT` bytes."""
+        """Drop the oldest windows before ``current`` while more than :data:`PLAN_KEPT` bytes
+        are kept."""
         with self._lock:
             kept = sorted(self._windows)
             total = sum(self._plan[n][1] - self._plan[n][0] for n in kept)
