@@ -200,3 +200,28 @@ def test_a_header_read_ahead_of_a_large_record_does_not_drop_its_windows(
         assert all(stop - start <= 1000 for start, stop in backend.fetched)  # windows, not 3000
     finally:
         handle.close()
+
+
+def test_a_read_in_a_dropped_window_fetches_only_its_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A window dropped for memory and read again (a pair diff compares once more) costs the
+    read's own bytes (through the cache), not the whole window again."""
+    from ckpttool.io import remote
+
+    monkeypatch.setattr(remote, "WINDOW", 1000)
+    monkeypatch.setattr(remote, "PLAN_KEPT", 1500)
+    monkeypatch.setattr(remote, "BLOCK", 64)
+    data = bytes(range(256)) * 64
+    backend = CountingBackend(data)
+    handle = remote.RemoteFile("memory://file", backend)
+    try:
+        handle.plan([(0, 1000), (1000, 1000), (2000, 1000), (3000, 1000)])
+        for offset in (0, 1000, 2000, 3000):
+            assert handle.read_range(offset, 1000) == data[offset : offset + 1000]
+        assert 0 not in handle._windows  # dropped
+        backend.fetched.clear()
+        assert handle.read_range(10, 20) == data[10:30]
+        assert sum(stop - start for start, stop in backend.fetched) <= 64
+    finally:
+        handle.close()

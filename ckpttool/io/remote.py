@@ -113,6 +113,7 @@ class RemoteFile(io.RawIOBase):
         self._order: list[int] = []  # the windows' indexes by offset,
         self._starts: list[int] = []  # and their offsets, for finding a read's window
         self._previous = 0  # the window the last planned read began in
+        self._dropped: set[int] = set()  # windows dropped for memory (not fetched again)
         with _TOTALS_LOCK:
             TOTALS.sizes[url] = size
         self._count(1, 1 if whole is None else size)
@@ -253,6 +254,7 @@ class RemoteFile(io.RawIOBase):
         order = sorted(range(len(windows)), key=lambda number: windows[number])
         with self._lock:
             self._plan, self._windows, self._previous = windows, {}, 0
+            self._dropped = set()
             self._order, self._starts = order, [windows[number][0] for number in order]
 
     def _planned(self, offset: int, stop: int) -> bytearray | None:
@@ -270,6 +272,8 @@ class RemoteFile(io.RawIOBase):
             if position == len(order) or starts[position] != plan[numbers[-1]][1]:
                 return None
             numbers.append(order[position])
+        if self._dropped.intersection(numbers):  # read again after it was dropped: only
+            return None  # what is asked is fetched, not the whole window again
         pieces = []
         for number in numbers:
             begin, end = plan[number]
@@ -280,7 +284,7 @@ class RemoteFile(io.RawIOBase):
         # the window it read last: that one, and those after it, are kept
         previous, self._previous = self._previous, numbers[0]
         self._keep_within(min(numbers[0], previous))
-        return bytearray(b"".join(pieces)) if len(pieces) > 1 else bytearray(pieces[0])
+        return bytearray().join(pieces) if len(pieces) > 1 else bytearray(pieces[0])
 
     def _window(self, number: int) -> Future[bytearray]:
         """Window ``number`` of the plan: fetched (or being fetched) once."""
@@ -309,6 +313,7 @@ class RemoteFile(io.RawIOBase):
                     break
                 total -= self._plan[number][1] - self._plan[number][0]
                 del self._windows[number]
+                self._dropped.add(number)
 
     def _uncached(self, offset: int, stop: int) -> bytearray:
         """``[offset, stop)``: the parts in the block cache copied from it, the rest fetched
