@@ -270,9 +270,11 @@ def test_persistent_faults_end_in_one_line_and_nothing_written(
 
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Cache blocks smaller than the fixture's tensors, so values are fetched when read (the
-    fixture is small enough for a few default blocks to hold all of it)."""
+    """Cache blocks and planned windows smaller than the fixture's tensors, so values are
+    fetched when read (the fixture is small enough for a few default blocks, or one window, to
+    hold all of it)."""
     monkeypatch.setattr(remote, "BLOCK", 256)
+    monkeypatch.setattr(remote, "WINDOW", 256)
 
 
 def _largest(records: list[Any]) -> Any:
@@ -529,7 +531,8 @@ def test_convert_fetches_the_next_tensor_while_writing_and_uses_it(
     server: RangeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the fixture's tensors over the prefetch threshold: the output is the local one, and
-    each tensor is fetched once (a prefetch thrown away would be fetched again)."""
+    each tensor is fetched once (a prefetch thrown away would be fetched again). A legacy file:
+    its format gives no regions to plan (a torch zip's are fetched in windows: tests/test_remote_coalescing.py)."""
     for name, value in {"BLOCK": 256, "SMALL_READ": 64, "PART": 1024}.items():
         monkeypatch.setattr(remote, name, value)
     prefetched = []
@@ -540,15 +543,15 @@ def test_convert_fetches_the_next_tensor_while_writing_and_uses_it(
         original(self, offset, length)
 
     monkeypatch.setattr(remote.RemoteFile, "prefetch", counting)
-    url = server.add(RESUME.name, RESUME.read_bytes())
+    url = server.add(LEGACY.name, LEGACY.read_bytes())
     assert run("show", url).exit_code == 0
     metadata_bytes, server.bytes_sent = server.bytes_sent, 0
     out, expected = tmp_path / "url.safetensors", tmp_path / "local.safetensors"
     converted = run("convert", url, out, "--json")
     assert converted.exit_code == 0, converted.output
-    assert run("convert", RESUME, expected).exit_code == 0
+    assert run("convert", LEGACY, expected).exit_code == 0
     assert out.read_bytes() == expected.read_bytes()
-    assert len(prefetched) > 10
+    assert len(prefetched) >= 5
     tensor_bytes = json.loads(converted.stdout)["tensor_bytes"]
     assert server.bytes_sent < metadata_bytes + 1.5 * tensor_bytes
 

@@ -19,6 +19,7 @@ import click
 from ckpttool import __version__
 from ckpttool.cli.options import (
     force_option,
+    jobs_option,
     json_option,
     key_prefix_options,
     map_options,
@@ -315,6 +316,7 @@ def show(
 )  # fmt: skip
 @json_option("diff")
 @remote_options
+@jobs_option
 def diff_command(
     path_a: str,
     path_b: str,
@@ -621,6 +623,7 @@ def rescale_step(
 @force_option
 @json_option("convert")
 @remote_options
+@jobs_option
 def convert_command(
     src: str,
     dst: str | None,
@@ -1005,6 +1008,7 @@ def _int_params(pairs: tuple[str, ...]) -> dict[str, int]:
 @click.option("--values", is_flag=True, help="Also read every floating tensor: NaN/Inf.")
 @json_option("verify")
 @remote_options
+@jobs_option
 def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     """Check files' integrity without trusting them.
 

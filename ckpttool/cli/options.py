@@ -114,3 +114,23 @@ def use_ema_option(command: F) -> F:
         help="Put the EMA weights (KEY, or the one of ema, model_ema, state_dict_ema...) in "
         "place of the model's, and drop the EMA.",
     )(command)  # fmt: skip
+
+
+def jobs_option(command: F) -> F:
+    """``--jobs N``: a directory checkpoint's members worked on by N threads (default: the CPU
+    count); the report is the same with any N. Sets :func:`ckpttool.io.parallel.using` for the
+    library calls the command makes."""
+    import functools
+
+    @functools.wraps(command)
+    def run(*args: Any, jobs: int | None, **kwargs: Any) -> Any:
+        from ckpttool.io.parallel import using
+
+        with using(jobs):
+            return command(*args, **kwargs)
+
+    return click.option(  # type: ignore[return-value]
+        "--jobs", "-j", type=click.IntRange(min=1), metavar="N",
+        help="Work on N member files of a directory checkpoint at once (default: the CPU "
+        "count); the report is the same with any N, memory grows with N.",
+    )(run)  # fmt: skip

@@ -348,6 +348,7 @@ def add_stats(ckpt: Checkpoint, infos: list[TensorInfo]) -> list[str]:
     from ckpttool.io.values import stats_basis, stats_unavailable, tensor_stats  # NumPy: --stats
 
     warnings = []
+    ckpt.plan_reads([info.record for info in infos])  # a URL: few large requests
     for info in infos:
         record = info.record
         info.stats_unavailable = stats_unavailable(record)

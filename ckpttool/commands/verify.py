@@ -128,7 +128,9 @@ def _non_finite(ckpt: Checkpoint) -> list[str]:
     format's blocks (a GGUF block whose scale is NaN); the block types its format does not
     decode are left out."""
     problems = []
-    for record in ckpt.tensors():
+    records = ckpt.tensors()
+    ckpt.plan_reads(records)  # a URL: few large requests
+    for record in records:
         in_blocks = record.quant is not None and record.quant.in_blocks
         if in_blocks:
             try:

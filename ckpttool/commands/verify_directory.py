@@ -1,7 +1,9 @@
 """``verify`` of a framework's directory checkpoint: every member file, and the layout's rules.
 
 Each member that is a checkpoint file is verified as a file of its own (zip records and CRCs,
-safetensors rules, dangerous globals); its problems are reported under its name. The layout's
+safetensors rules, dangerous globals), several at once with ``--jobs``
+(:mod:`ckpttool.io.parallel`); its problems are reported under its name, in the members'
+order. The layout's
 completeness rules come from :mod:`ckpttool.frameworks.base` (an index naming a missing shard, a
 shard the index does not list, a tensor in two shards, a Trainer checkpoint without
 ``trainer_state.json``, a rank without its RNG file...): each missing file is a problem,
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import CkptError
 from ckpttool.frameworks.registry import framework_of
+from ckpttool.io.parallel import ordered_map, serialized
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import join
 
@@ -43,14 +46,19 @@ def check_directory(
         for m in details.get("members", [])
         if m.get("role") not in NOT_CHECKPOINTS and m.get("name") not in named
     ]
-    for member in members:
+    shared_progress = serialized(progress)
+
+    def check(member: dict[str, Any]) -> list[str]:
         try:
-            result = verify_file(join(directory, member["name"]), progress=progress)
+            result = verify_file(join(directory, member["name"]), progress=shared_progress)
         except CkptError as error:
-            problems.append(f"{member['name']}: {error}")
-            continue
-        problems += [f"{member['name']}: {problem}" for problem in result.problems]
-        problems += [f"{member['name']}: leftover temp file {left}" for left in result.leftovers]
+            return [f"{member['name']}: {error}"]
+        return [f"{member['name']}: {problem}" for problem in result.problems] + [
+            f"{member['name']}: leftover temp file {left}" for left in result.leftovers
+        ]
+
+    for found in ordered_map(check, members):  # --jobs: members at once, reported in order
+        problems += found
     problems += [
         f"incomplete: {missing} is missing (written by the framework; its resume needs it)"
         for missing in details.get("missing", [])

@@ -58,6 +58,15 @@ class Parsed:
     # For tensors quantized in the format's own blocks (QuantInfo.in_blocks: GGUF's Q8_0...):
     # (record, its stored bytes) -> its values, a float32 NumPy array of the record's shape.
     dequantize: Callable[[TensorRecord, bytes | bytearray], Any] | None = None
+    # storage -> (file offset, byte length) of a region holding its bytes and what must be read
+    # to find them (a zip member's local header), known without reading: the plan a remote
+    # file fetches in few large requests (Checkpoint.plan_reads). None: no plan.
+    region: Callable[[StorageRecord], tuple[int, int]] | None = None
+    # Whether several threads may read values at once (--jobs reads a directory's members
+    # ahead): a framework directory's members are checkpoints of their own, each read by pread
+    # or ranged requests; DCP's reads take a lock. Assembled views (DeepSpeed's fp32, per-rank
+    # sets) leave it False: read on one thread.
+    concurrent_reads: bool = False
 
 
 @dataclass
@@ -307,6 +316,34 @@ class Checkpoint:
         for storage, span in zip(wanted, spread(locate, wanted)):
             if span is not None:
                 self._spans[storage.key] = span
+
+    @property
+    def concurrent_reads(self) -> bool:
+        """Whether several threads may read this checkpoint's values at once (see Parsed)."""
+        return self._parsed.concurrent_reads
+
+    def plan_reads(self, records: Sequence[TensorRecord]) -> bool:
+        """A hint: the bytes of ``records`` will be read, in this order. A remote file then
+        fetches the regions that hold them (and their zip local headers) in few large
+        requests, each byte once (:meth:`ckpttool.io.remote.RemoteFile.plan`); a local file
+        ignores it. Whether a plan was made (a remote file of a format that gives regions)."""
+        plan = getattr(self._handle, "plan", None)
+        region = self._parsed.region
+        if plan is None or region is None or self._parsed.read is not None:
+            return False
+        spans = []
+        seen: set[str] = set()
+        for record in records:
+            storage = record.storage
+            if storage is None or record.inline_data is not None or storage.key in seen:
+                continue
+            seen.add(storage.key)
+            try:
+                spans.append(region(storage))
+            except (CkptError, KeyError):  # reported when the tensor is read
+                continue
+        plan(spans)
+        return True
 
     def read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
         """The bytes covering ``record``'s elements and the element offset of its first one.

@@ -125,6 +125,7 @@ def read_safetensors(handle: BinaryIO, file_size: int, *, strict: bool) -> Parse
         format="safetensors",
         root=root,
         span=span,
+        region=span,  # known without reading: a remote file's plan
         details={"header_bytes": n},
         metadata=metadata,
         storages=[t.storage for t in root.values() if t.storage is not None],

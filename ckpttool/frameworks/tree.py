@@ -126,6 +126,8 @@ def read_directory(
         read=read,
         close=close,
         unchanged=unchanged,
+        # members that are files (pread, ranged requests), or directories that allow it
+        concurrent_reads=all(c._parsed.read is None or c.concurrent_reads for c in opened),
     )
 
 

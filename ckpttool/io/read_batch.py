@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 BLOCK = 1 << 20  # bytes per grouped read: the memory a batch may hold
 LOOKAHEAD = 256  # records whose spans are looked up before their bytes are read
+# ... and at most this many of their bytes: a remote file's plan keeps what it fetched ahead
+# within a bound (ckpttool.io.remote.PLAN_KEPT), and a record's span is found in its local
+# header, read before its data
+LOOKAHEAD_BYTES = 8 << 20
 GAP = 4096  # bytes between two records that are still read in one block (zip headers, padding)
 
 
@@ -35,12 +39,17 @@ def read_many(
     Lazy: a block is read when its first record is asked for, and a record that fails is read
     (and raises) only when its turn comes.
     """
+    if isinstance(records, list):
+        ckpt.plan_reads(records)  # a remote file: few large requests, each byte once
     pending: list[tuple[TensorRecord, tuple[int, int] | None]] = []
+    ahead = 0
     for record in records:
-        pending.append((record, ckpt.file_span(record)))
-        if len(pending) == LOOKAHEAD:
+        span = ckpt.file_span(record)
+        pending.append((record, span))
+        ahead += span[1] if span is not None else 0
+        if len(pending) == LOOKAHEAD or ahead >= LOOKAHEAD_BYTES:
             yield from _groups(ckpt, pending, block)
-            pending = []
+            pending, ahead = [], 0
     yield from _groups(ckpt, pending, block)
 
 

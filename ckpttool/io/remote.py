@@ -43,6 +43,14 @@ MAX_IN_FLIGHT = 4  # requests in flight at once for one file
 # A caller that knows what it reads next (convert) may have one range fetched ahead, while it
 # writes the current one: up to this size, so the extra memory stays a few MiB.
 MAX_PREFETCH = 4 << 20
+# A planned read (RemoteFile.plan: the regions of the records a command will read, in order)
+# is fetched in windows of up to this size, one ahead of the reader; fetched windows are kept
+# up to PLAN_KEPT bytes (a reader locates records' headers a little ahead of their data: up
+# to 8 MiB, ckpttool.io.read_batch.LOOKAHEAD_BYTES), and never those from the window of the
+# read before on.
+WINDOW = 8 << 20
+PLAN_KEPT = 40 << 20
+PLAN_GAP = 64 << 10  # planned regions this close are fetched as one (the gap bytes too)
 MAX_TRIES = 4  # attempts per request before a network fault is reported
 BACKOFF = 0.25  # seconds before the second attempt, doubled before each further one
 
@@ -100,6 +108,12 @@ class RemoteFile(io.RawIOBase):
         self._pool: ThreadPoolExecutor | None = None
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._ahead: tuple[int, int, Future[bytearray]] | None = None
+        self._plan: list[tuple[int, int]] = []  # windows to fetch, in the order of reading
+        self._windows: dict[int, Future[bytearray]] = {}  # window index -> its bytes
+        self._order: list[int] = []  # the windows' indexes by offset,
+        self._starts: list[int] = []  # and their offsets, for finding a read's window
+        self._previous = 0  # the window the last planned read began in
+        self._dropped: set[int] = set()  # windows dropped for memory (not fetched again)
         with _TOTALS_LOCK:
             TOTALS.sizes[url] = size
         self._count(1, 1 if whole is None else size)
@@ -160,6 +174,7 @@ class RemoteFile(io.RawIOBase):
             if self._ahead_pool is not None:
                 self._ahead_pool.shutdown(wait=True, cancel_futures=True)
             self._ahead = None
+            self._windows.clear()
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
             self._backend.close()
@@ -175,6 +190,10 @@ class RemoteFile(io.RawIOBase):
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[:2] == (offset, stop):
             return ahead[2].result()
+        if self._plan:
+            planned = self._planned(offset, stop)
+            if planned is not None:
+                return planned
         if stop - offset <= SMALL_READ:
             return self._cached(offset, stop)
         return self._parallel(offset, stop)
@@ -212,6 +231,112 @@ class RemoteFile(io.RawIOBase):
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-ahead")
         self._ahead = (offset, stop, self._ahead_pool.submit(self._parallel, offset, stop))
+
+    def plan(self, regions: list[tuple[int, int]]) -> None:
+        """A hint: the bytes of these ``(offset, length)`` regions will be read, in this order
+        (by any number of reads inside them, headers before data). Neighbouring regions are
+        joined into windows of up to :data:`WINDOW` bytes; each window is fetched once (its
+        parts concurrently, the next window while the current one is read), and a read that
+        lies in fetched windows is answered from them. Bytes already in the block cache are
+        taken from it, not fetched again. A new plan replaces the previous one."""
+        windows: list[tuple[int, int]] = []
+        for offset, length in regions:
+            start, stop = max(0, offset), min(self.size, offset + length)
+            if stop <= start:
+                continue
+            if windows:
+                first, last = windows[-1]
+                if first <= start <= last + PLAN_GAP and max(stop, last) - first <= WINDOW:
+                    windows[-1] = (first, max(stop, last))
+                    continue
+            # a region larger than a window (a large tensor) is fetched in windows
+            windows.extend((at, min(stop, at + WINDOW)) for at in range(start, stop, WINDOW))
+        order = sorted(range(len(windows)), key=lambda number: windows[number])
+        with self._lock:
+            self._plan, self._windows, self._previous = windows, {}, 0
+            self._dropped = set()
+            self._order, self._starts = order, [windows[number][0] for number in order]
+
+    def _planned(self, offset: int, stop: int) -> bytearray | None:
+        """``[offset, stop)`` from the plan's windows, fetching them as needed (None: not all
+        of it is planned)."""
+        import bisect
+
+        plan, order, starts = self._plan, self._order, self._starts
+        position = bisect.bisect_right(starts, offset) - 1
+        if position < 0 or plan[order[position]][1] <= offset:
+            return None
+        numbers = [order[position]]
+        while plan[numbers[-1]][1] < stop:  # a read across windows: they must join up
+            position += 1
+            if position == len(order) or starts[position] != plan[numbers[-1]][1]:
+                return None
+            numbers.append(order[position])
+        if self._dropped.intersection(numbers):  # read again after it was dropped: only
+            return None  # what is asked is fetched, not the whole window again
+        pieces = []
+        for number in numbers:
+            begin, end = plan[number]
+            data = self._window(number).result()
+            pieces.append(memoryview(data)[max(offset, begin) - begin : min(stop, end) - begin])
+        self._window(numbers[-1] + 1)  # the next one arrives while this one is read
+        # a reader may look a little ahead (the next record's header) before it reads on from
+        # the window it read last: that one, and those after it, are kept
+        previous, self._previous = self._previous, numbers[0]
+        self._keep_within(min(numbers[0], previous))
+        return bytearray().join(pieces) if len(pieces) > 1 else bytearray(pieces[0])
+
+    def _window(self, number: int) -> Future[bytearray]:
+        """Window ``number`` of the plan: fetched (or being fetched) once."""
+        with self._lock:
+            if number >= len(self._plan):
+                done: Future[bytearray] = Future()
+                done.set_result(bytearray())
+                return done
+            found = self._windows.get(number)
+            if found is None:
+                if self._ahead_pool is None:
+                    self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-ahead")
+                found = self._windows[number] = self._ahead_pool.submit(
+                    self._uncached, *self._plan[number]
+                )
+            return found
+
+    def _keep_within(self, current: int) -> None:
+        """Drop the oldest windows before ``current`` while more than :data:`PLAN_KEPT` bytes
+        are kept."""
+        with self._lock:
+            kept = sorted(self._windows)
+            total = sum(self._plan[n][1] - self._plan[n][0] for n in kept)
+            for number in kept:
+                if total <= PLAN_KEPT or current <= number:
+                    break
+                total -= self._plan[number][1] - self._plan[number][0]
+                del self._windows[number]
+                self._dropped.add(number)
+
+    def _uncached(self, offset: int, stop: int) -> bytearray:
+        """``[offset, stop)``: the parts in the block cache copied from it, the rest fetched
+        (each missing run in concurrent parts)."""
+        out = bytearray(stop - offset)
+        first, last = offset // BLOCK, (stop - 1) // BLOCK
+        with self._lock:
+            cached = {i: self._cache[i] for i in range(first, last + 1) if i in self._cache}
+        missing: list[tuple[int, int]] = []
+        for index in range(first, last + 1):
+            begin, end = max(offset, index * BLOCK), min(stop, (index + 1) * BLOCK)
+            block = cached.get(index)
+            if block is not None and len(block) >= end - index * BLOCK:
+                out[begin - offset : end - offset] = block[
+                    begin - index * BLOCK : end - index * BLOCK
+                ]
+            elif missing and missing[-1][1] == begin:
+                missing[-1] = (missing[-1][0], end)
+            else:
+                missing.append((begin, end))
+        for begin, end in missing:
+            out[begin - offset : end - offset] = self._parallel(begin, end)
+        return out
 
     def _parallel(self, offset: int, stop: int) -> bytearray:
         out = bytearray(stop - offset)

@@ -50,6 +50,7 @@ from ckpttool.frameworks.base import WEIGHTS_VIEW, view_facts
 from ckpttool.io.atomic import atomic_group
 from ckpttool.io.blocks import FileRange, equal_ranges
 from ckpttool.io.crc import crc32
+from ckpttool.io.parallel import AheadMap, jobs
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK
 from ckpttool.io.source import is_url, local_path
@@ -278,8 +279,13 @@ def write_outputs(
     # the decoding's CPU time (bench/gguf.py).
     hashed = remote_source or bool(replaced) or any(_decoded(p) for p in sequence)
     hashing = _Hashing() if verify and hashed else None
-    following = dict(zip((p.name for p in sequence), sequence[1:])) if remote_source else {}
-    if remote_source:
+    # a remote file of a format that gives regions: fetched in windows, each byte once; other
+    # remote files: every record located first, each tensor fetched while the one before is
+    # written
+    in_windows = remote_source and ckpt.plan_reads([p.record for p in sequence])
+    one_by_one = remote_source and not in_windows
+    following = dict(zip((p.name for p in sequence), sequence[1:])) if one_by_one else {}
+    if one_by_one:
         ckpt.resolve_spans([p.record.storage for p in sequence if p.record.storage is not None])
 
     def produce(planned: Planned) -> bytes | bytearray | memoryview:
@@ -290,8 +296,8 @@ def write_outputs(
                 hashing.add(planned.name, data)
             progress(planned.nbytes)
             return data
-        data, cast = tensor_bytes(ckpt, planned)
-        upcoming = following.get(planned.name) if remote_source else None
+        data, cast = ahead.take(planned) if ahead is not None else tensor_bytes(ckpt, planned)
+        upcoming = following.get(planned.name)
         if upcoming is not None:
             ckpt.prefetch(upcoming.record)
         if hashing is not None and (remote_source or _decoded(planned)):
@@ -328,9 +334,16 @@ def write_outputs(
             verify_outputs(ckpt, list(zip(temps, files)), progress, digests)
         ckpt.check_unchanged()  # a remote source replaced mid-read must not be committed
 
+    # --jobs: a directory's tensors read (and cast) ahead on jobs - 1 threads, at most jobs
+    # tensors held, while this one is written
+    ahead = _read_ahead(ckpt, [p for p in sequence if p.name not in replaced])
     # a local source's small tensors are read in blocks of adjacent records (a remote one's
-    # are fetched ahead one by one, above)
-    blocks = [] if remote_source else _read_as_is([p for p in sequence if p.name not in replaced])
+    # are fetched ahead one by one, above; a directory's read ahead as they are)
+    blocks = (
+        []
+        if remote_source or ahead is not None
+        else _read_as_is([p for p in sequence if p.name not in replaced])
+    )
     try:
         with (
             atomic_group([f.target for f in files], check=check) as handles,
@@ -341,6 +354,8 @@ def write_outputs(
     except OSError as error:  # permissions, a full disk: one line, not a traceback
         raise InputError(f"conversion failed, nothing was written: {error}") from error
     finally:
+        if ahead is not None:
+            ahead.close()
         if hashing is not None:
             hashing.close()
     return counts
@@ -434,6 +449,15 @@ def _notes(plan: Plan, output_format: str, underflow: dict[str, int]) -> list[st
         more = f" (+{len(underflow) - 5} more tensors)" if len(underflow) > 5 else ""
         notes.append(f"values that became 0 in {target} (underflow): {shown}{more}")
     return notes
+
+
+def _read_ahead(ckpt: Checkpoint, sequence: list[Planned]) -> AheadMap[Planned, Any] | None:
+    """With --jobs N > 1, a directory whose members may be read at once: its tensors read
+    ahead (N - 1 threads, N tensors held at most); else None (read as they are written)."""
+    count = jobs()
+    if count < 2 or not ckpt.concurrent_reads or len(sequence) < 2:
+        return None
+    return AheadMap(lambda planned: tensor_bytes(ckpt, planned), sequence, count - 1, count)
 
 
 def _decoded(planned: Planned) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
@@ -328,8 +328,10 @@ def run_diff(
         # pairs whose equal bytes settle the verdict: read in blocks, compared as bytes
         settled = [not quick and _bytes_settle(pair) for pair in window]
         plain = [pair for pair, flag in zip(window, settled) if flag and _small(pair)]
-        bytes_a = read_many(ckpt_a, [pair.a for pair in plain if pair.a is not None])
-        bytes_b = read_many(ckpt_b, [pair.b for pair in plain if pair.b is not None])
+        records_a = [pair.a for pair in plain if pair.a is not None]
+        records_b = [pair.b for pair in plain if pair.b is not None]
+        bytes_a = _ahead(ckpt_a, read_many(ckpt_a, records_a))  # --jobs: on threads of their own
+        bytes_b = _ahead(ckpt_b, read_many(ckpt_b, records_b))
         for pair, flag in zip(window, settled):
             if pair.a is None or pair.b is None:
                 status = ONLY_A if pair.b is None else ONLY_B
@@ -378,6 +380,17 @@ def run_diff(
 
 
 WINDOW = 256  # pairs whose small tensors are read together (ckpttool.io.read_batch)
+
+
+def _ahead(
+    ckpt: Checkpoint, reads: Iterator[tuple[bytes | bytearray, int]]
+) -> Iterator[tuple[bytes | bytearray, int]]:
+    """--jobs N > 1 on a directory whose members may be read at once: its tensors read on a
+    thread of their own, up to N ahead, while the pairs are compared."""
+    from ckpttool.io.parallel import jobs, read_ahead
+
+    count = jobs() if ckpt.concurrent_reads else 1
+    return read_ahead(reads, count if count > 1 else 0)
 
 
 def _bytes_settle(pair: TensorPair) -> bool:

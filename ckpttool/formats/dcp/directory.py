@@ -188,6 +188,7 @@ def read_dcp(
     return Parsed(
         format="dcp", root=root, span=no_span, pickle=result, details=details,
         problems=problems, read=files.read, close=files.close, index=meta,
+        concurrent_reads=True,  # DcpFiles.read takes one thread at a time
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -141,6 +142,9 @@ class DcpFiles:
         # pair key was 6 MB at 100,000 chunks; the dtype it was checked against is the record's)
         self._chunks: dict[ChunkRecord, tuple[TensorRecord, int]] = {}
         self.pickles = PickleCache()  # chunk archives' data.pkl walks (identical pickles)
+        # read() and close() may come from several threads (--jobs reads a source ahead of its
+        # writer): one at a time, as the handles and caches above are shared
+        self._lock = threading.RLock()
 
     def fd(self, name: str) -> int | RangeReader:
         if name in self._fds:
@@ -284,8 +288,12 @@ class DcpFiles:
         """Bytes [start, stop) of a chunked tensor as if stored whole, contiguous, in one file.
 
         Only the rows of the global tensor that hold the range are assembled, from the chunks
-        that cover them; each chunk contributes only those rows.
+        that cover them; each chunk contributes only those rows. One thread at a time.
         """
+        with self._lock:
+            return self._read(storage, start, stop)
+
+    def _read(self, storage: StorageRecord, start: int, stop: int) -> bytearray:
         import numpy as np
 
         if not isinstance(storage, ChunkedStorageRecord):
@@ -330,8 +338,9 @@ class DcpFiles:
         return buffer[skip : skip + stop - start]
 
     def close(self) -> None:
-        while self._fds:
-            close_member(self._fds.popitem()[1])
+        with self._lock:
+            while self._fds:
+                close_member(self._fds.popitem()[1])
 
 
 __all__ = ["MAX_IN_MEMORY", "MAX_OPEN_FILES", "DcpFiles", "contiguous_stride", "present"]

@@ -14,6 +14,7 @@ from ckpttool.formats.base import Checkpoint
 from ckpttool.formats.dcp.directory import METADATA, DcpFiles, load_metadata, present, tensor_record
 from ckpttool.formats.dcp.metadata import StorageSpan, TensorEntry, span_of
 from ckpttool.formats.torch_zip.verify import check_archive
+from ckpttool.io.parallel import ordered_map, serialized
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import join, list_names, open_source
 from ckpttool.model.records import ChunkRecord, StorageRecord
@@ -30,7 +31,6 @@ def check_dcp(
         with open_source(join(directory, METADATA)) as handle:
             _, meta = load_metadata(handle, refuse_dangerous=False)
     sizes = {name: size for name, size in ckpt.details["files"].items() if size is not None}
-    files = DcpFiles(directory, sizes)
     problems: list[str] = []
     dangerous: set[str] = set()
     # each tensor chunk's archive is checked against the metadata when its item is read
@@ -41,14 +41,36 @@ def check_dcp(
             storage = tensor_record(entry, strides).storage
             assert storage is not None
             chunks.update((span_of(chunk), (chunk, storage)) for chunk in entry.chunks)
-    count = 0
-    try:
-        for what, span in meta.items():
-            if present(span, sizes):
-                count += 1
-                problems += _check_item(files, span, what, dangerous, progress, chunks.get(span))
-    finally:
-        files.close()
+    items = [(what, span) for what, span in meta.items() if present(span, sizes)]
+    count = len(items)
+    by_file: dict[str, list[int]] = {}  # data file -> its items' numbers, in the metadata's order
+    for number, (_, span) in enumerate(items):
+        by_file.setdefault(span.file, []).append(number)
+    shared_progress = serialized(progress)
+
+    def check_file(numbers: list[int]) -> list[tuple[list[str], set[str]]]:
+        """One data file's items, on its own handles (a worker's, with --jobs)."""
+        own = DcpFiles(directory, sizes)
+        found = []
+        try:
+            for number in numbers:
+                what, span = items[number]
+                seen: set[str] = set()
+                found.append(
+                    (_check_item(own, span, what, seen, shared_progress, chunks.get(span)), seen)
+                )
+        finally:
+            own.close()
+        return found
+
+    results: list[tuple[list[str], set[str]]] = [([], set())] * count
+    # --jobs: data files checked at once (reading and CRC-32 release the GIL); in item order
+    for numbers, found in zip(by_file.values(), ordered_map(check_file, list(by_file.values()))):
+        for number, result in zip(numbers, found):
+            results[number] = result
+    for item_problems, seen in results:
+        problems += item_problems
+        dangerous |= seen
     if dangerous:
         problems.append(never_load_problem("the data files' pickles call", dangerous))
     checked = [

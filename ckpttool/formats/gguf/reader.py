@@ -207,6 +207,7 @@ def read_gguf(handle: BinaryIO, file_size: int, *, strict: bool) -> Parsed:
         format="gguf",
         root=root,
         span=span,
+        region=span,  # known without reading: a remote file's plan
         details=_details(version, metadata, alignment, data_start, types),
         storages=[r.storage for r in root.values() if r.storage is not None],
         problems=problems,

@@ -251,10 +251,18 @@ def read_torch_zip(
             start = starts[storage.record] = member_span(handle, member)[0]
         return start, member.file_size
 
+    regions: dict[str, tuple[int, int]] = {}
+
+    def region(storage: StorageRecord) -> tuple[int, int]:
+        if not regions:  # only for a remote file's plan (diff, verify and convert of a URL)
+            regions.update(archive.regions())
+        return regions[members[storage.record].filename]
+
     return Parsed(
         format="torch-zip",
         root=result.root,
         span=span,
+        region=region,
         pickle=result,
         details={
             "prefix": prefix.rstrip("/"),

@@ -10,6 +10,7 @@ zip file and for each archive inside a DCP data file (``verify_dcp``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 
 from ckpttool.formats.base import Checkpoint
 from ckpttool.formats.torch_zip.reader import open_zip
@@ -30,7 +31,8 @@ def check_torch_zip(
     """A torch zip file's records: the problems found (central directory vs local headers, the
     CRC of every record, streamed; each names the tensors stored in the record), and the
     storage records no tensor uses (not an error: a note). The directory is read once."""
-    with open_source(ckpt.name) as handle:
+    remote = ckpt._handle if hasattr(ckpt._handle, "plan") else None  # its blocks: no refetch
+    with open_source(ckpt.name) if remote is None else nullcontext(remote) as handle:
         archive = open_zip(handle)
         problems = check_archive(source_of(handle), archive, 0, progress, record_owners(ckpt))
         names = archive.namelist()
@@ -92,6 +94,10 @@ def check_archive(
     """
     problems: list[str] = []
     run: list[tuple[ZipMember, list[str], int]] = []  # headers checked, CRCs to take
+    plan = getattr(fd, "plan", None)  # a remote file: every record in few large requests
+    if plan is not None and archive.crc_computed:
+        regions = archive.regions()
+        plan([(base + regions[i.filename][0], regions[i.filename][1]) for i in archive.infolist()])
 
     def take_crcs() -> None:
         for (info, found, _), actual in zip(run, _crcs_of(fd, run, progress), strict=True):

@@ -23,6 +23,7 @@ ASCII case (:meth:`ZipIndex.find`); two records whose names differ only in case 
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
 from typing import BinaryIO, NamedTuple
@@ -40,6 +41,7 @@ _EOCD64 = struct.Struct("<4sQ2H2L4Q")
 # header offset; the versions made by, times, disk and attributes skipped as padding.
 _CENTRAL_READ = struct.Struct("<4s2xBxHH4xLLLHHH8xL")
 LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # a member's local header
+_LOCAL_HEADER_MOST = LOCAL_HEADER.size + 2 * 0xFFFF  # with the longest name and extra field
 _MAX_COMMENT = 0xFFFF
 # A torch archive's directory holds one ~100-byte entry per storage: a few MB for the largest
 # models. A claim past this is a damaged or hostile end record; it is refused, not read.
@@ -125,6 +127,7 @@ class ZipIndex:
         self.size = handle.seek(0, 2)
         start_dir, dir_size, count = self._find_directory()
         self.filelist: list[ZipMember] = self._read_directory(start_dir, dir_size, count)
+        self.directory_start = start_dir
         self.NameToInfo: dict[str, ZipMember] = {m.filename: m for m in self.filelist}
         self._folded: dict[str, ZipMember] | None = None
         # torch.save with torch.serialization.config.save.compute_crc32 = False writes 0 for
@@ -158,6 +161,23 @@ class ZipIndex:
         if member is None:
             raise KeyError(f"there is no item named {name!r} in the archive")
         return member
+
+    def regions(self) -> dict[str, tuple[int, int]]:
+        """Member name -> (offset, length) of the bytes from its local header to the next
+        member's (or the central directory), known without reading: where its header and data
+        lie, for a remote file to fetch in few large requests (a hint: a record's real span is
+        still read from its local header). Capped at what a header may hold and the data."""
+        starts = sorted({m.header_offset for m in self.filelist} | {self.directory_start})
+        following = dict(itertools.pairwise(starts))
+        regions = {}
+        for member in self.filelist:
+            most = _LOCAL_HEADER_MOST + member.compress_size
+            stop = following.get(member.header_offset, member.header_offset)
+            regions[member.filename] = (
+                member.header_offset,
+                min(stop - member.header_offset, most),
+            )
+        return regions
 
     # -- parsing -----------------------------------------------------------------------------
     def _pread(self, offset: int, length: int) -> bytes:
