@@ -258,3 +258,33 @@ def test_diff_reads_a_directory_ahead_with_jobs(monkeypatch: pytest.MonkeyPatch)
     threads.clear()
     assert run("diff", a, b, "-j", 2).exit_code in (0, 1)
     assert threads == {"ckpttool-ahead"}
+
+
+def test_threads_sharing_a_zip_handle_read_their_own_headers() -> None:
+    """--jobs reads a directory's members ahead on threads that share each member's handle: a
+    seek and the read after it must not interleave with another thread's (a header read at
+    another thread's offset is "has no local header", exit 2, seen with convert --jobs)."""
+    from ckpttool.formats.torch_zip.zip_index import ZipIndex, parse_local_header
+
+    path = FIXTURES / "frameworks/hf_bin_sharded/pytorch_model-00001-of-00003.bin"
+    with open(path, "rb") as handle:
+        index = ZipIndex(handle)
+        members = index.infolist()
+        expected = {m.filename: parse_local_header(handle, m).data_start for m in members}
+        errors: list[BaseException] = []
+
+        def read_all() -> None:
+            try:
+                for _ in range(300):
+                    for member in members:
+                        got = parse_local_header(handle, member).data_start
+                        assert got == expected[member.filename]
+            except BaseException as error:  # reported below, in the test's thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=read_all) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert not errors, errors[0]

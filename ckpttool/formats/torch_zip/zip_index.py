@@ -25,10 +25,17 @@ from __future__ import annotations
 
 import itertools
 import struct
+import threading
 import zlib
 from typing import BinaryIO, NamedTuple
 
 from ckpttool.io.crc import crc32
+
+# A file's handle is shared by the threads of --jobs (a directory's members read ahead): a seek
+# and the read after it must not interleave with another thread's, or one reads the other's
+# bytes ("has no local header"). The reads under it are small (a header, data.pkl); a tensor's
+# bytes are read by position (pread), outside it.
+_SEEK_READ = threading.Lock()
 
 ZIP_STORED = 0
 ZIP_DEFLATED = 8
@@ -181,8 +188,9 @@ class ZipIndex:
 
     # -- parsing -----------------------------------------------------------------------------
     def _pread(self, offset: int, length: int) -> bytes:
-        self._handle.seek(offset)
-        return self._handle.read(length)
+        with _SEEK_READ:
+            self._handle.seek(offset)
+            return self._handle.read(length)
 
     def _find_directory(self) -> tuple[int, int, int]:
         """(offset, byte length, entry count) of the central directory, as miniz finds it."""
@@ -383,15 +391,18 @@ def parse_local_header(handle: BinaryIO, member: ZipMember) -> LocalHeader:
     name = member.filename
     if member.header_offset < 0:
         raise BadZipError(f"record {name!r} has a negative offset")
-    handle.seek(member.header_offset)
-    header = handle.read(LOCAL_HEADER.size)
+    with _SEEK_READ:
+        handle.seek(member.header_offset)
+        header = handle.read(LOCAL_HEADER.size)
+        raw_name = (
+            handle.read(int.from_bytes(header[26:28], "little")) if len(header) >= 28 else b""
+        )
     if len(header) != LOCAL_HEADER.size:
         raise BadZipError(f"record {name!r} is cut off (truncated file)")
     (signature, _, flags, method, _, _, crc, _, _, name_len,
      extra_len) = LOCAL_HEADER.unpack(header)  # fmt: skip
     if signature != b"PK\x03\x04":
         raise BadZipError(f"record {name!r} has no local header")
-    raw_name = handle.read(name_len)
     data_start = member.header_offset + LOCAL_HEADER.size + name_len + extra_len
     return LocalHeader(data_start, method, flags, crc, raw_name)
 
