@@ -267,9 +267,15 @@ def square_sum(x: np.ndarray) -> float:
 
 def _dot_self(values: np.ndarray) -> float:
     """sum(values²) of a 1-D float64 array, by NumPy's loop (see :func:`square_sum`)."""
+    return _dot(values, values)
+
+
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    """x·y of two 1-D float64 arrays, by NumPy's own loop: every sum of the change measures
+    (see :func:`square_sum` for why not ``np.dot``)."""
     import numpy as np
 
-    return float(np.einsum("i,i->", values, values))
+    return float(np.einsum("i,i->", x, y))
 
 
 def _bits(raw: np.ndarray) -> np.ndarray:
@@ -317,10 +323,10 @@ class _Tally:
         if not finite.all():
             x, y = x[finite], y[finite]
         delta = y - x
-        self.sum_sq_a += float(np.dot(x, x))
-        self.sum_sq_b += float(np.dot(y, y))
-        self.sum_sq_diff += float(np.dot(delta, delta))
-        self.dot += float(np.dot(x, y))
+        self.sum_sq_a += _dot(x, x)
+        self.sum_sq_b += _dot(y, y)
+        self.sum_sq_diff += _dot(delta, delta)
+        self.dot += _dot(x, y)
 
     def measure_same(self, x: np.ndarray) -> None:
         """Add a chunk whose two sides are equal (``x`` decoded) to the change measures.
@@ -407,10 +413,10 @@ class _Tally:
         self.changed += size - int(np.count_nonzero(unchanged))
         if not finite.all():
             x, y, diff = x[finite], y[finite], diff[finite]
-        self.sum_sq_a += float(np.dot(x, x))
-        self.sum_sq_b += float(np.dot(y, y))
-        self.sum_sq_diff += float(np.dot(diff, diff))
-        self.dot += float(np.dot(x, y))
+        self.sum_sq_a += _dot(x, x)
+        self.sum_sq_b += _dot(y, y)
+        self.sum_sq_diff += _dot(diff, diff)
+        self.dot += _dot(x, y)
 
     def _extremes(self, diff: np.ndarray, ref: np.ndarray, valid: np.ndarray | None) -> None:
         import numpy as np
