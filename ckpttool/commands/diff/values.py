@@ -257,12 +257,14 @@ def square_sum(x: np.ndarray) -> float:
 
     NumPy's own loop (``einsum``), not ``np.dot``: OpenBLAS splits a long dot product across
     threads, which on a busy machine costs ten times the arithmetic (diff --by-module of two
-    1.25 GB files with one element changed: 5.7 s against 2.6 s)."""
+    1.25 GB files with one element changed: 5.7 s against 2.6 s). ``x`` of any real dtype."""
     import numpy as np
 
-    values = x.astype(np.float64, copy=False)
     with np.errstate(over="ignore", invalid="ignore"):  # (inf or NaN: the caller counts)
-        return _dot_self(values)
+        # cast to float64 inside the loop, a buffer at a time: no float64 copy of the chunk
+        # (an 8 MB temporary per chunk made the allocator fault in fresh pages, and cost more
+        # than the arithmetic)
+        return float(np.einsum("i,i->", x, x, dtype=np.float64))
 
 
 def _dot_self(values: np.ndarray) -> float:
