@@ -73,6 +73,7 @@ __all__ = [
     "checkpoint_paths",
     "earlier_resume_paths",
     "load_checkpoint",
+    "release_staging_buffer",
     "restore_rng_state",
     "resume_training",
     "save_checkpoint",
@@ -250,9 +251,9 @@ def save_checkpoint(
     durable. :func:`load_checkpoint` falls back to them when the newest is damaged. The weights
     file is the newest's only.
 
-    ``async_save=True`` copies the state (every tensor, on its device, storages shared as they
-    are) on the caller's thread, so training may change the model and optimizer as soon as it
-    returns, then writes and fsyncs the files on a background thread: the same bytes as a
+    ``async_save=True`` copies the state (every tensor, storages shared as they are; CPU ones
+    into a staging buffer reused by every asynchronous save, others on their device) on the
+    caller's thread, so training may change the model and optimizer as soon as it returns, then writes and fsyncs the files on a background thread: the same bytes as a
     synchronous save. The next ``save_checkpoint``, ``load_checkpoint`` or
     :func:`wait_for_save` blocks until they are durable and raises what went wrong in the
     background, if anything. Not under torch.distributed yet (:class:`InputError`).
@@ -300,8 +301,8 @@ def save_checkpoint(
                 raw = _unwrap(value)
                 resume_data[key] = raw.state_dict() if hasattr(raw, "state_dict") else value
             write = _Write(weights_path, resume_path, resume_data, weights_dtype, keep_last)
-            if async_save:
-                write.resume_data = _snapshot(resume_data, {})  # training may change them now
+            if async_save:  # training may change the state as soon as this returns
+                write.resume_data = _Snapshot(_staging).copy(resume_data)
                 _start(write)
             else:
                 write.run()
@@ -384,11 +385,98 @@ def wait_for_save() -> None:
         raise error
 
 
-def _snapshot(value: Any, memo: dict[Any, Any]) -> Any:
-    """``value`` with every tensor copied (on its device), the copies sharing storages as the
+STAGING_ALIGN = 64  # bytes: where each storage starts in the staging buffer
+
+
+class _StagingBuffer:
+    """The CPU memory asynchronous saves copy the state's CPU storages into: allocated at the
+    first asynchronous save, sized to its state (grown, never shrunk, when a later state is
+    larger), and reused by every later one, so that a copy writes into pages faulted in once
+    (fresh memory for each save cost half of the time the loop was blocked). Plain memory:
+    only CPU storages are staged (a storage on a device is copied on its device, so that the
+    file records the device as a synchronous save's does), and page-locking helps only
+    copies from a device. A save reuses it only after the previous save is durable
+    (``save_checkpoint`` waits for that first). It is held until the process ends;
+    :func:`release_staging_buffer` frees it."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.memory: memoryview | None = None
+
+    def reserve(self, nbytes: int) -> None:
+        if self.buffer is not None and self.buffer.numel() >= nbytes:
+            return
+        self.release()  # (the smaller one first: never both at once)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.memory = self.buffer.numpy().data
+
+    def storage(self, offset: int, nbytes: int) -> torch.UntypedStorage:
+        """A storage of its own (as ``torch.save`` sees it) over ``nbytes`` of the buffer."""
+        assert self.memory is not None
+        view = torch.frombuffer(self.memory[offset : offset + nbytes], dtype=torch.uint8)
+        return view.untyped_storage()
+
+    def release(self) -> None:
+        self.buffer = self.memory = None
+
+
+_staging = _StagingBuffer()
+
+
+def release_staging_buffer() -> None:
+    """Free the memory asynchronous saves stage the state in (the next one allocates it
+    again), after waiting for the save under way."""
+    wait_for_save()
+    _staging.release()
+
+
+def _staged(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's storage goes to the staging buffer: a plain CPU tensor's, not empty."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and tensor.untyped_storage().nbytes() > 0  # (an empty one has no address of its own)
+    )
+
+
+class _Snapshot:
+    """A copy of a save's state: every tensor copied, the copies sharing storages as the
     originals do, and every dict and list rebuilt (of its type, attributes kept: a state dict's
-    ``_metadata``), so that ``torch.save`` of the copy writes the original's bytes."""
-    if isinstance(value, torch.Tensor):
+    ``_metadata``), so that ``torch.save`` of the copy writes the original's bytes. CPU
+    storages are copied into the staging buffer, one after the other; others are cloned on
+    their device."""
+
+    def __init__(self, staging: _StagingBuffer) -> None:
+        self.staging = staging
+        self.memo: dict[Any, Any] = {}
+        self.offset = 0
+
+    def copy(self, value: Any) -> Any:
+        sizes: dict[tuple[int, int], int] = {}
+        for tensor in _tensors(value):
+            if _staged(tensor):
+                storage = tensor.untyped_storage()
+                sizes[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        if sizes:
+            self.staging.reserve(sum(_aligned(n) for n in sizes.values()))
+        return self._copy(value)
+
+    def _copy(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value)
+        if isinstance(value, dict):
+            rebuilt = copy.copy(value)
+            for key, item in value.items():
+                rebuilt[key] = self._copy(item)
+            return rebuilt
+        if type(value) in (list, tuple):
+            return type(value)(self._copy(item) for item in value)
+        return value
+
+    def _tensor(self, value: torch.Tensor) -> torch.Tensor:
+        memo = self.memo
         known = memo.get(id(value))
         if known is not None:
             return known
@@ -400,21 +488,35 @@ def _snapshot(value: Any, memo: dict[Any, Any]) -> Any:
             key = (storage.device, storage.data_ptr(), storage.nbytes())
             clone = memo.get(key)
             if clone is None:
-                clone = memo[key] = storage.clone()
+                if _staged(tensor):
+                    clone = self.staging.storage(self.offset, storage.nbytes())
+                    clone.copy_(storage)
+                    self.offset += _aligned(storage.nbytes())
+                else:
+                    clone = storage.clone()
+                memo[key] = clone
             copied = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
             copied.set_(clone, tensor.storage_offset(), tensor.size(), tensor.stride())
         if isinstance(value, torch.nn.Parameter):
             copied = torch.nn.Parameter(copied, requires_grad=value.requires_grad)
         memo[id(value)] = copied
         return copied
-    if isinstance(value, dict):
-        rebuilt = copy.copy(value)
-        for key, item in value.items():
-            rebuilt[key] = _snapshot(item, memo)
-        return rebuilt
-    if type(value) in (list, tuple):
-        return type(value)(_snapshot(item, memo) for item in value)
-    return value
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a state's dicts, lists and tuples (what :class:`_Snapshot` copies)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif type(value) in (list, tuple):
+        for item in value:
+            yield from _tensors(item)
 
 
 def _weights_state_dict(

@@ -133,3 +133,88 @@ def test_bars_fit_the_terminal(monkeypatch: pytest.MonkeyPatch, columns: int, ce
     assert len(lines[1].split("  ")[0]) + 2 + len("a long column header") + 2 == 30
     assert lines[2].endswith(" " + BLOCKS[8] * cells)
     assert lines[3].endswith(" " + BLOCKS[8] * (cells // 2) + (BLOCKS[4] if cells % 2 else ""))
+
+
+# The norms of identical tensors (--by-module decodes them for their group's ‖W‖): one
+# float64 pass per chunk when every element is finite, the counting path otherwise.
+
+NORM_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]  # fmt: skip
+
+
+def _identical_pair(tmp_path: Path, nonfinite: bool) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """One tensor per dtype, small (read in blocks) and large (streamed in chunks of 4096
+    elements here), equal on both sides, and a changed one; NaN and Inf in some."""
+    g = torch.Generator().manual_seed(3)
+    a: dict[str, torch.Tensor] = {}
+    for dtype in NORM_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        for size, suffix in ((300, "small"), (10_000, "large")):
+            values = torch.randn(size, generator=g) * 5
+            if nonfinite and suffix == "large":
+                values[7], values[9_000] = math.nan, -math.inf
+            if nonfinite and dtype == torch.float8_e4m3fn:  # no Inf: its top code is NaN
+                values[9_000 if suffix == "large" else 3] = math.nan
+            a[f"{name}.{suffix}.weight"] = values.to(dtype)
+    a["f64.large.weight"] = torch.randn(10_000, generator=g, dtype=torch.float64) * 1e200
+    b = {k: v.clone() for k, v in a.items()}
+    b["changed.weight"] = torch.ones(4)
+    a["changed.weight"] = torch.zeros(4) + 0.5
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    return tmp_path / "a.pt", tmp_path / "b.pt", a
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_identical_norms_equal_the_reference_and_the_counting_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nonfinite: bool) -> None:  # fmt: skip
+    from ckpttool.commands.diff import values as diff_values
+
+    monkeypatch.setattr(diff_values, "CHUNK", 4096)  # the large tensors: three chunks each
+    path_a, path_b, a = _identical_pair(tmp_path, nonfinite)
+    runner = CliRunner()
+    argv = ["diff", str(path_a), str(path_b), "--by-module", "--json"]
+    fast = json.loads(runner.invoke(cli, argv).stdout)
+    # the counting path for every chunk: what the measures computed before the one-pass sum
+    monkeypatch.setattr(diff_values, "square_sum", lambda x: math.nan)
+    counted = json.loads(runner.invoke(cli, argv).stdout)
+    assert [t["key"] for t in fast["tensors"]] == [t["key"] for t in counted["tensors"]]
+    for mine, theirs in zip(fast["tensors"], counted["tensors"]):
+        for field in ("norm_a", "norm_b", "diff_norm", "relative_change", "cosine_similarity"):
+            assert mine["values"][field] == pytest.approx(theirs["values"][field], rel=1e-12), (mine["key"], field)  # fmt: skip
+    for mine, theirs in zip(fast["modules"], counted["modules"], strict=True):
+        assert mine.keys() == theirs.keys()
+        for field, value in mine.items():
+            if isinstance(value, float):
+                assert value == pytest.approx(theirs[field], rel=1e-12), (mine["group"], field)
+            else:
+                assert value == theirs[field], (mine["group"], field)
+    for entry in fast["tensors"]:
+        tensor = a[entry["key"]].double()
+        finite = tensor[torch.isfinite(tensor)]
+        expected = float(finite.square().sum().sqrt())
+        if entry["key"] == "f64.large.weight":
+            expected = math.inf  # its squares overflow float64, in either path
+        assert entry["values"]["norm_a"] == pytest.approx(expected, rel=1e-12), entry["key"]
+
+
+def test_identical_norms_do_not_use_blas_dot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenBLAS splits np.dot of a long vector across threads, which on a busy machine made
+    --by-module of a pair with one changed element 3.6x a plain diff: identical chunks are
+    summed by NumPy's own loop."""
+    import numpy as np
+
+    from ckpttool.commands.diff import values as diff_values
+
+    monkeypatch.setattr(diff_values, "CHUNK", 4096)
+    path_a, _, a = _identical_pair(tmp_path, nonfinite=False)
+    del a["changed.weight"]
+    torch.save(a, tmp_path / "b.pt")  # every tensor identical to A's
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("np.dot called for an identical chunk")
+
+    monkeypatch.setattr(np, "dot", refuse)
+    report = diff(path_a, tmp_path / "b.pt", norms=True)
+    measured = [entry for entry in report.tensors if entry.values is not None]
+    assert len(measured) == len(a) and all(entry.values.measured for entry in measured)  # type: ignore[union-attr]

@@ -153,3 +153,71 @@ def test_not_under_torch_distributed(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(train, "_distributed", lambda: True)
     with pytest.raises(InputError, match="async_save is not supported under torch"):
         save(tmp_path, model, optimizer, scheduler, async_save=True)
+
+
+def test_the_staging_buffer_is_reused_and_the_bytes_stay_a_synchronous_save_s(
+    tmp_path: Path,
+) -> None:
+    """The CPU state is copied into one buffer, allocated at the first asynchronous save and
+    written into again by the next ones (its pages faulted once); each save's files are still
+    a synchronous save's bytes, the buffer growing when the state does."""
+    train.release_staging_buffer()
+    model, optimizer, scheduler = make_training()
+    staged: list[torch.Tensor] = []
+    for step in range(3):
+        if step == 2:  # a larger state: one more tensor in the optimizer
+            optimizer.state[model.embed.weight]["extra"] = torch.randn(64, 64)
+        state = torch.get_rng_state()
+        synchronous = save(tmp_path / f"sync{step}", model, optimizer, scheduler)
+        torch.set_rng_state(state)
+        background = save(tmp_path / f"async{step}", model, optimizer, scheduler, async_save=True)
+        wait_for_save()
+        for mine, theirs in zip(background, synchronous):
+            assert mine.read_bytes() == theirs.read_bytes(), (step, mine.name)
+        buffer = train._staging.buffer
+        assert buffer is not None
+        staged.append(buffer)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1.0)
+    assert staged[0] is staged[1]  # reused, not allocated again
+    assert staged[2].numel() > staged[1].numel()  # grown for the larger state
+    train.release_staging_buffer()
+    assert train._staging.buffer is None
+
+
+def test_the_buffer_is_not_reused_before_the_previous_save_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second asynchronous save copies into the buffer the first one is writing from: it
+    waits for the first to be durable, so the first file holds the first state."""
+    model, optimizer, scheduler = make_training()
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    real_save = torch.save
+    release = threading.Event()
+
+    def held_save(obj: Any, handle: Any) -> None:
+        if "optimizer" in obj and obj["step"] == 3:
+            release.wait()
+        real_save(obj, handle)
+
+    monkeypatch.setattr(torch, "save", held_save)
+    save(tmp_path, model, optimizer, scheduler, async_save=True, keep_last=2)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(-2.0)
+    threading.Timer(0.05, release.set).start()  # not a timing assertion: only lets it go
+    save_checkpoint(
+        model, optimizer, save_dir=tmp_path, weight="pretrain", hidden_size=8, epoch=0, step=4,
+        scheduler=scheduler, async_save=True, keep_last=2,
+    )  # fmt: skip
+    wait_for_save()
+    resume = checkpoint_paths(tmp_path, "pretrain", 8)[1]
+    earlier = train.earlier_resume_paths(resume)
+    assert len(earlier) == 1
+    older = torch.load(earlier[0], weights_only=True)
+    newer = torch.load(resume, weights_only=True)
+    assert older["step"] == 3 and newer["step"] == 4
+    for key, value in first.items():
+        assert torch.equal(older["model"][key], value), key
+        assert torch.equal(newer["model"][key], model.state_dict()[key]), key

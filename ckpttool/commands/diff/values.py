@@ -250,6 +250,36 @@ def raw_chunks(
             yield flat[start : start + step]
 
 
+def square_sum(x: np.ndarray) -> float:
+    """sum(x²) of a 1-D chunk of real values, accumulated in float64: NaN or Inf when ``x``
+    holds a NaN or an Inf (a square is never negative), so a finite result says every
+    element is finite.
+
+    NumPy's own loop (``einsum``), not ``np.dot``: OpenBLAS splits a long dot product across
+    threads, which on a busy machine costs ten times the arithmetic (diff --by-module of two
+    1.25 GB files with one element changed: 5.7 s against 2.6 s). ``x`` of any real dtype."""
+    import numpy as np
+
+    with np.errstate(over="ignore", invalid="ignore"):  # (inf or NaN: the caller counts)
+        # cast to float64 inside the loop, a buffer at a time: no float64 copy of the chunk
+        # (an 8 MB temporary per chunk made the allocator fault in fresh pages, and cost more
+        # than the arithmetic)
+        return float(np.einsum("i,i->", x, x, dtype=np.float64))
+
+
+def _dot_self(values: np.ndarray) -> float:
+    """sum(values²) of a 1-D float64 array, by NumPy's loop (see :func:`square_sum`)."""
+    return _dot(values, values)
+
+
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    """x·y of two 1-D float64 arrays, by NumPy's own loop: every sum of the change measures
+    (see :func:`square_sum` for why not ``np.dot``)."""
+    import numpy as np
+
+    return float(np.einsum("i,i->", x, y))
+
+
 def _bits(raw: np.ndarray) -> np.ndarray:
     """The elements as unsigned integers of their width in native byte order (for bit tests)."""
 
@@ -295,15 +325,26 @@ class _Tally:
         if not finite.all():
             x, y = x[finite], y[finite]
         delta = y - x
-        self.sum_sq_a += float(np.dot(x, x))
-        self.sum_sq_b += float(np.dot(y, y))
-        self.sum_sq_diff += float(np.dot(delta, delta))
-        self.dot += float(np.dot(x, y))
+        self.sum_sq_a += _dot(x, x)
+        self.sum_sq_b += _dot(y, y)
+        self.sum_sq_diff += _dot(delta, delta)
+        self.dot += _dot(x, y)
 
     def measure_same(self, x: np.ndarray) -> None:
-        """Add a chunk whose two sides are equal (``x`` decoded) to the change measures."""
+        """Add a chunk whose two sides are equal (``x`` decoded) to the change measures.
+
+        One pass when every element is finite (the usual case): the sum of squares is then
+        finite too, so NaN and Inf need no count (see :func:`square_sum`)."""
         import numpy as np
 
+        square = square_sum(x)
+        if math.isfinite(square):
+            self.elements += x.size
+            self.sum_sq_a += square
+            self.sum_sq_b += square
+            self.dot += square
+            return
+        # a NaN or Inf in the chunk (or a float64 whose square overflows): count and leave out
         x = x.astype(np.float64, copy=False)
         nan, inf = int(np.count_nonzero(np.isnan(x))), int(np.count_nonzero(np.isinf(x)))
         self.nan_a += nan
@@ -313,7 +354,8 @@ class _Tally:
         self.elements += x.size
         if nan or inf:
             x = x[np.isfinite(x)]
-        square = float(np.dot(x, x))
+        with np.errstate(over="ignore"):  # a float64 whose square overflows: inf, as before
+            square = _dot_self(x)
         self.sum_sq_a += square
         self.sum_sq_b += square
         self.dot += square
@@ -373,10 +415,10 @@ class _Tally:
         self.changed += size - int(np.count_nonzero(unchanged))
         if not finite.all():
             x, y, diff = x[finite], y[finite], diff[finite]
-        self.sum_sq_a += float(np.dot(x, x))
-        self.sum_sq_b += float(np.dot(y, y))
-        self.sum_sq_diff += float(np.dot(diff, diff))
-        self.dot += float(np.dot(x, y))
+        self.sum_sq_a += _dot(x, x)
+        self.sum_sq_b += _dot(y, y)
+        self.sum_sq_diff += _dot(diff, diff)
+        self.dot += _dot(x, y)
 
     def _extremes(self, diff: np.ndarray, ref: np.ndarray, valid: np.ndarray | None) -> None:
         import numpy as np
