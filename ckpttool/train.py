@@ -256,10 +256,14 @@ def save_checkpoint(
     caller's thread, so training may change the model and optimizer as soon as it returns, then writes and fsyncs the files on a background thread: the same bytes as a
     synchronous save. The next ``save_checkpoint``, ``load_checkpoint`` or
     :func:`wait_for_save` blocks until they are durable and raises what went wrong in the
-    background, if anything. Not under torch.distributed yet (:class:`InputError`).
+    background, if anything.
 
     Under torch.distributed only rank 0 writes; every rank then waits at ``dist.barrier()`` so no
-    rank returns before the files are complete. ``model`` may be wrapped in DDP and/or
+    rank returns before the files are complete. With ``async_save=True`` every rank returns once
+    rank 0 has taken its copy, and every rank's next ``save_checkpoint``, ``load_checkpoint`` or
+    :func:`wait_for_save` (call it on every rank: it is collective) waits until rank 0's files
+    are durable; where rank 0's background write failed, rank 0 raises its error there and the
+    other ranks :class:`CorruptCheckpointError`. ``model`` may be wrapped in DDP and/or
     ``torch.compile``. Raises :class:`CheckpointKeyError` when ``extra_state`` uses a reserved key.
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
@@ -274,10 +278,6 @@ def save_checkpoint(
             f"(reserved: {', '.join(sorted(RESERVED_KEYS))}); rename it"
         )
     weights_path, resume_path = checkpoint_paths(save_dir, weight, hidden_size, use_moe)
-    if async_save and _distributed():
-        raise InputError(
-            "async_save is not supported under torch.distributed yet: save synchronously"
-        )
     wait_for_save()  # the previous async save durable first (and its error raised here)
     written = False
     try:
@@ -311,7 +311,9 @@ def save_checkpoint(
         # Also when rank 0's write fails: the other ranks must not hang, and must not carry on
         # as if the files were there.
         if _distributed():
-            _agree_on_write(written)
+            _agree_on_write(written)  # rank 0 took its copy (async) or wrote its files
+            if async_save and written:
+                _agree_later()  # on durability, at the next collective wait_for_save
     return (weights_path if weights_dtype is not None else None), resume_path
 
 
@@ -358,6 +360,14 @@ class _Write:
 
 
 _pending: tuple[threading.Thread, _Write] | None = None
+# Under torch.distributed, an asynchronous save whose durability the ranks have not agreed on
+# yet: every rank's next wait_for_save waits for rank 0's write and learns how it ended.
+_unagreed = False
+
+
+def _agree_later() -> None:
+    global _unagreed
+    _unagreed = True
 
 
 def _start(write: _Write) -> None:
@@ -373,15 +383,23 @@ def _start(write: _Write) -> None:
 def wait_for_save() -> None:
     """Block until the last ``save_checkpoint(..., async_save=True)`` has written its files and
     made them durable; raise what went wrong in it, if anything (once). Returns at once when no
-    save is under way. ``save_checkpoint`` and ``load_checkpoint`` call it first."""
-    global _pending
+    save is under way. ``save_checkpoint`` and ``load_checkpoint`` call it first.
+
+    Under torch.distributed, after an asynchronous save, it is collective: every rank calls it
+    (``save_checkpoint`` and ``load_checkpoint`` do, on every rank), and every rank returns once
+    rank 0's files are durable; where rank 0's write failed, rank 0 raises its error and the
+    others :class:`CorruptCheckpointError`."""
+    global _pending, _unagreed
     pending, _pending = _pending, None
-    if pending is None:
-        return
-    thread, write = pending
-    thread.join()
-    if write.error is not None:
+    unagreed, _unagreed = _unagreed, False
+    error = None
+    if pending is not None:  # rank 0's (or a single process's) write
+        thread, write = pending
+        thread.join()
         error, write.error = write.error, None
+    if unagreed and _distributed():
+        _agree_on_write(error is None)  # the other ranks raise here if rank 0's write failed
+    if error is not None:
         raise error
 
 

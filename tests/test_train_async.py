@@ -5,6 +5,8 @@ tests/test_crash.py's kill loop, operation "async_save".)"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,16 +15,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import ckpttool.train as train  # noqa: E402
-from ckpttool.errors import InputError  # noqa: E402
+from ckpttool.errors import CorruptCheckpointError  # noqa: E402
 from ckpttool.train import (  # noqa: E402
     checkpoint_paths,
     load_checkpoint,
     save_checkpoint,
     wait_for_save,
 )
+from tests.support.timeouts import scaled  # noqa: E402
 
 
 class Tied(nn.Module):
@@ -113,9 +117,15 @@ def test_an_error_in_the_background_surfaces_at_the_next_call(
     save(tmp_path, model, optimizer, scheduler, async_save=True)
     with pytest.raises(OSError, match="No space left"):  # the next save raises it, first
         save_checkpoint(
-            model, optimizer, save_dir=tmp_path, weight="pretrain", hidden_size=8, epoch=0,
-            step=4, scheduler=scheduler,
-        )  # fmt: skip
+            model,
+            optimizer,
+            save_dir=tmp_path,
+            weight="pretrain",
+            hidden_size=8,
+            epoch=0,
+            step=4,
+            scheduler=scheduler,
+        )
     assert not checkpoint_paths(tmp_path, "pretrain", 8)[1].exists()
     save(tmp_path, model, optimizer, scheduler, async_save=True)
     with pytest.raises(OSError, match="No space left"):
@@ -148,11 +158,127 @@ def test_the_next_save_waits_until_the_previous_one_is_durable(
     assert order == ["resume step 3 written", "resume step 4 written"]
 
 
-def test_not_under_torch_distributed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+class FakeCollectives:
+    """torch.distributed's barrier and broadcast as one rank sees them; ``rank_zero_wrote``
+    is what rank 0 broadcasts (on rank 0 itself, what it sends is recorded)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, rank: int, rank_zero_wrote: bool) -> None:
+        self.barriers = 0
+        self.sent: list[bool] = []
+        self.rank_zero_wrote = rank_zero_wrote
+        monkeypatch.setattr(train, "_distributed", lambda: True)
+        monkeypatch.setattr(train, "_current_world_size", lambda: 2)
+        monkeypatch.setattr(dist, "get_rank", lambda: rank)
+        monkeypatch.setattr(dist, "barrier", self.barrier)
+        monkeypatch.setattr(dist, "broadcast_object_list", self.broadcast)
+        self.rank = rank
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+    def broadcast(self, items: list[bool], src: int) -> None:
+        assert src == 0
+        if self.rank == 0:
+            self.sent.append(items[0])
+        else:
+            items[0] = self.rank_zero_wrote
+
+
+def test_under_torch_distributed_rank_zero_returns_before_its_write_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ranks = FakeCollectives(monkeypatch, rank=0, rank_zero_wrote=True)
     model, optimizer, scheduler = make_training()
-    monkeypatch.setattr(train, "_distributed", lambda: True)
-    with pytest.raises(InputError, match="async_save is not supported under torch"):
-        save(tmp_path, model, optimizer, scheduler, async_save=True)
+    real_save = torch.save
+    release = threading.Event()
+
+    def held_save(obj: Any, handle: Any) -> None:
+        if "optimizer" in obj:
+            assert release.wait(timeout=scaled(120))
+        real_save(obj, handle)
+
+    monkeypatch.setattr(torch, "save", held_save)
+    resume = save(tmp_path, model, optimizer, scheduler, async_save=True)[1]
+    # the ranks agreed that rank 0 took its copy; the file is not there yet
+    assert (ranks.barriers, ranks.sent, resume.exists()) == (1, [True], False)
+    release.set()
+    wait_for_save()  # collective: the ranks agree again, on durability
+    assert (ranks.barriers, ranks.sent, resume.exists()) == (2, [True, True], True)
+    wait_for_save()  # nothing under way: no collective call that other ranks would not make
+    assert ranks.barriers == 2
+
+
+def test_under_torch_distributed_a_failed_background_write_is_every_rank_s_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ranks = FakeCollectives(monkeypatch, rank=0, rank_zero_wrote=True)
+    model, optimizer, scheduler = make_training()
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("no space")))
+    save(tmp_path, model, optimizer, scheduler, async_save=True, weights_dtype=None)
+    with pytest.raises(OSError, match="no space"):
+        wait_for_save()
+    assert ranks.sent == [True, False]  # the other ranks are told, at their wait_for_save
+
+
+def test_under_torch_distributed_other_ranks_raise_when_rank_zero_s_write_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ranks = FakeCollectives(monkeypatch, rank=1, rank_zero_wrote=True)
+    model, optimizer, scheduler = make_training()
+    resume = save(tmp_path, model, optimizer, scheduler, async_save=True)[1]
+    assert ranks.barriers == 1 and not resume.exists()  # rank 1 writes nothing
+    ranks.rank_zero_wrote = False  # rank 0's background write fails
+    with pytest.raises(CorruptCheckpointError, match="rank 0 failed to write"):
+        load_checkpoint(tmp_path, "pretrain", 8)  # waits first, as save_checkpoint does
+    assert ranks.barriers == 2
+    assert load_checkpoint(tmp_path, "pretrain", 8) is None  # raised once; nothing pending
+
+
+TWO_RANKS_ASYNC = """
+import sys, time, types, torch, torch.distributed as dist
+from ckpttool import load_checkpoint, save_checkpoint
+rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+real_save = torch.save
+def slow_save(obj, handle):  # rank 0's background write takes a while
+    time.sleep(0.5)
+    real_save(obj, handle)
+torch.save = slow_save
+torch.manual_seed(0)  # the same weights on both ranks, as DDP keeps them
+model = torch.nn.Linear(2, 2)
+optimizer = types.SimpleNamespace(state_dict=dict)  # a real one imports torch._dynamo: seconds
+paths = save_checkpoint(model, optimizer, save_dir=out, weight="w", hidden_size=2, epoch=0,
+                        step=5, async_save=True)
+with torch.no_grad():
+    model.weight.add_(1.0)  # training goes on at once; the file has the values saved
+ckpt = load_checkpoint(out, "w", 2)  # every rank: waits until rank 0's files are durable
+print(all(path.exists() for path in paths), ckpt["step"],
+      torch.equal(ckpt["model"]["weight"] + 1.0, model.weight))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_real_ranks_save_asynchronously_and_load_the_durable_files(tmp_path: Path) -> None:
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                TWO_RANKS_ASYNC,
+                str(rank),
+                str(tmp_path / "store"),
+                str(tmp_path),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [rank.communicate(timeout=scaled(600))[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0]
+    assert outputs == ["True 5 True\n", "True 5 True\n"]
 
 
 def test_the_staging_buffer_is_reused_and_the_bytes_stay_a_synchronous_save_s(
