@@ -35,7 +35,7 @@ from ckpttool.io.crc import crc32
 # and the read after it must not interleave with another thread's, or one reads the other's
 # bytes ("has no local header"). The reads under it are small (a header, data.pkl); a tensor's
 # bytes are read by position (pread), outside it.
-_SEEK_READ = threading.Lock()
+_SEEK_READ = threading.RLock()  # re-entrant: a handle may be a window read through another
 
 ZIP_STORED = 0
 ZIP_DEFLATED = 8
