@@ -218,3 +218,38 @@ def test_identical_norms_do_not_use_blas_dot(
     report = diff(path_a, tmp_path / "b.pt", norms=True)
     measured = [entry for entry in report.tensors if entry.values is not None]
     assert len(measured) == len(a) and all(entry.values.measured for entry in measured)  # type: ignore[union-attr]
+
+
+def test_identical_tensors_over_several_blocks_are_measured_as_they_are_compared(
+    tmp_path: Path,
+) -> None:
+    """A large identical tensor's norm is summed from A's blocks while the two files' bytes are
+    compared (no second read): every block counts once, a NaN in a later block is counted and
+    left out of the sums, and a block that differs after equal ones starts the measures over."""
+    from ckpttool.io.blocks import BLOCK
+
+    g = torch.Generator().manual_seed(3)
+    count = 2 * BLOCK // 4 + 1000  # three blocks of float32
+    a = {
+        "model.layers.0.mlp.up_proj.weight": torch.randn(count, generator=g),
+        "model.layers.1.mlp.up_proj.weight": torch.randn(count, generator=g),
+    }
+    a["model.layers.0.mlp.up_proj.weight"][BLOCK // 4 + 5] = math.nan  # in the second block
+    b = {k: v.clone() for k, v in a.items()}
+    b["model.layers.1.mlp.up_proj.weight"][-1] += 1.0  # the last block differs
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    report = diff(tmp_path / "a.pt", tmp_path / "b.pt", norms=True)
+    values = {entry.key: entry.values for entry in report.tensors}
+    same = values["model.layers.0.mlp.up_proj.weight"]
+    assert same is not None and same.bitwise_equal and same.measured
+    tensor = a["model.layers.0.mlp.up_proj.weight"].double()
+    finite = tensor[torch.isfinite(tensor)]
+    assert (same.elements, same.nan_a, same.nan_b) == (count, 1, 1)
+    assert same.norm_a == pytest.approx(float(finite.square().sum().sqrt()), rel=1e-12)
+    assert same.norm_b == same.norm_a and same.diff_norm == 0.0
+    changed = values["model.layers.1.mlp.up_proj.weight"]
+    assert changed is not None and not changed.bitwise_equal and changed.elements == count
+    other = a["model.layers.1.mlp.up_proj.weight"].double()
+    assert changed.norm_a == pytest.approx(float(other.norm()), rel=1e-12)
+    assert changed.diff_norm == pytest.approx(1.0, rel=1e-6)

@@ -36,11 +36,17 @@ ReadInto = Callable[[int, memoryview], int]
 
 
 def equal_ranges(
-    read_a: ReadInto, start_a: int, read_b: ReadInto, start_b: int, length: int
+    read_a: ReadInto,
+    start_a: int,
+    read_b: ReadInto,
+    start_b: int,
+    length: int,
+    seen: Callable[[memoryview], None] | None = None,
 ) -> bool:
     """Whether ``length`` bytes from ``start_a`` (through ``read_a``) equal ``length`` bytes from
     ``start_b`` (through ``read_b``); False too when either ends early. Stops at the first
-    block that differs."""
+    block that differs. ``seen`` is given each block found equal, in order, while it is in
+    memory (``diff --by-module``'s norms: no second read); it must not keep the view."""
     with _buffers() as (buffer_a, buffer_b):
         whole_a, whole_b = memoryview(buffer_a), memoryview(buffer_b)
         try:
@@ -53,6 +59,12 @@ def equal_ranges(
                     return False
                 if not _same(buffer_a, buffer_b, size):
                     return False
+                if seen is not None:
+                    block = whole_a[:size]
+                    try:
+                        seen(block)
+                    finally:
+                        block.release()
                 done += size
         finally:
             whole_a.release()

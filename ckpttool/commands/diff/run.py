@@ -37,11 +37,13 @@ from ckpttool.commands.diff.match import (
 )
 from ckpttool.commands.diff.sections import Part, choose_parts
 from ckpttool.commands.diff.values import (
+    SameMeasures,
     ValueDiff,
     bitwise_equal_values,
     compare_dtype,
     compare_values,
     equal_values_measured,
+    measurable,
     narrower_dtype,
     scalar_value,
 )
@@ -338,8 +340,14 @@ def run_diff(
                 tensors.append(TensorDiff(pair.key, status, pair.a, pair.b, pair.alias))
                 continue
             if flag and not _small(pair):
-                if not norms and _equal_in_file(ckpt_a, ckpt_b, pair, progress):
-                    values = bitwise_equal_values(pair.a.dtype, pair.a.numel)
+                # --by-module: an identical tensor's norm from A's blocks as they are compared
+                same = SameMeasures(pair.a) if norms and measurable(pair.a.dtype) else None
+                if _equal_in_file(ckpt_a, ckpt_b, pair, progress, same):
+                    values = (
+                        same.verdict()
+                        if same is not None
+                        else bitwise_equal_values(pair.a.dtype, pair.a.numel)
+                    )
                     entry = TensorDiff(pair.key, IDENTICAL, pair.a, pair.b, pair.alias, (), values)
                     tensors.append(entry)
                     continue
@@ -429,11 +437,16 @@ def _small(pair: TensorPair) -> bool:
 
 
 def _equal_in_file(
-    ckpt_a: Checkpoint, ckpt_b: Checkpoint, pair: TensorPair, progress: ProgressCallback | None
+    ckpt_a: Checkpoint,
+    ckpt_b: Checkpoint,
+    pair: TensorPair,
+    progress: ProgressCallback | None,
+    same: SameMeasures | None = None,
 ) -> bool:
     """Whether a large settled pair's bytes are equal, compared block by block where each lies
     in one range of its local file (:func:`ckpttool.io.blocks.equal_ranges`, both files read in
-    turn). False when they differ or a side is not one range: :func:`_compare_pair` decides."""
+    turn). False when they differ or a side is not one range: :func:`_compare_pair` decides.
+    ``same`` is given every block of A found equal (its norms)."""
     from ckpttool.io.blocks import equal_ranges
     from ckpttool.io.urls import is_url
 
@@ -444,7 +457,8 @@ def _equal_in_file(
     if span_a is None or span_b is None or span_a[1] != span_b[1]:
         return False
     read_a, read_b = ckpt_a.read_file_into, ckpt_b.read_file_into
-    if not equal_ranges(read_a, span_a[0], read_b, span_b[0], span_a[1]):
+    seen = same.add if same is not None else None
+    if not equal_ranges(read_a, span_a[0], read_b, span_b[0], span_a[1], seen):
         return False
     if progress is not None:
         progress(2 * span_a[1])

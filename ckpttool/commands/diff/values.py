@@ -163,6 +163,33 @@ def equal_values_measured(record: TensorRecord, data: bytes | bytearray, first: 
     )  # fmt: skip
 
 
+class SameMeasures:
+    """The norms of a pair whose bytes are equal, added up from ``A``'s bytes as they are read,
+    in pieces of whole elements (:func:`ckpttool.io.blocks.equal_ranges`'s ``seen``): the
+    verdict :func:`equal_values_measured` gives, without reading the tensor a second time."""
+
+    def __init__(self, record: TensorRecord) -> None:
+        self.record = record
+        self.tally = _Tally(0.0, 0.0)
+
+    def add(self, piece: memoryview) -> None:
+        """Add a piece of the tensor's bytes (whole elements; not kept)."""
+        import numpy as np
+
+        raw = np.frombuffer(piece, dtype=numpy_code(self.record))
+        try:
+            self.tally.measure_same(_measured(self.record, raw))
+        finally:
+            del raw  # the piece's buffer is reused once this returns
+
+    def verdict(self) -> ValueDiff:
+        record = self.record
+        return ValueDiff(
+            record.dtype, record.numel, True, 0, 0.0, 0.0, False, False,
+            **self.tally.measures(),  # type: ignore[arg-type]
+        )  # fmt: skip
+
+
 def decodable(dtype: str) -> bool:
     return dtype in _DECODABLE
 
