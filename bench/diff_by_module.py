@@ -44,8 +44,9 @@ def build_tuned(resume: Path, force: bool = False) -> Path:
 
 def _ckpttool(a: Path, b: Path, *options: str, tree: Path | None = None) -> list[str]:
     argv = [sys.executable, "-m", "ckpttool", "diff", str(a), str(b), *options]
-    if tree is not None:  # another checkout's ckpttool (--before)
-        argv = ["env", f"PYTHONPATH={tree}", *argv]
+    if tree is not None:  # another checkout's ckpttool (--before); -P: not the one in the
+        # working directory, which ``-m`` would put ahead of PYTHONPATH
+        argv = ["env", f"PYTHONPATH={tree}", sys.executable, "-P", *argv[1:]]
     return ["sh", "-c", '"$@" > /dev/null; test $? -le 1', "sh", *argv]
 
 
