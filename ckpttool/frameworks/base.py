@@ -219,13 +219,16 @@ def run_directory(
     return result
 
 
-def run_checkpoints(layout: FrameworkDirectory | None) -> tuple[str, ...]:
-    """The names of the checkpoints a collection lists, oldest first (``run_layout``)."""
+def collection_run(layout: FrameworkDirectory | None, title: str) -> RunLayout | None:
+    """A collection's checkpoints as a :class:`RunLayout` (``run_layout``: resume takes the
+    newest by name, no pointer file), oldest first; None when ``layout`` is not a collection
+    or lists none that resume would load."""
     if layout is None or not layout.collection:
-        return ()
+        return None
     listed = layout.details.get("checkpoints", [])
     assert isinstance(listed, list)
-    return tuple(c["name"] for c in listed if c.get("resumable", True))
+    names = tuple(c["name"] for c in listed if c.get("resumable", True))
+    return RunLayout(title=title, checkpoints=names) if names else None
 
 
 def read_json(path: str) -> object:
@@ -312,6 +315,51 @@ def format_directory_files(directory: str, names: tuple[str, ...]) -> dict[str, 
                     {n: size for n, size in listed.items() if isinstance(size, int) and size}
                 )
     return dict(sorted(found.items()))
+
+
+#: torch.distributed.checkpoint's index (written after every rank's data) and data files, as
+#: the frameworks that keep a DCP tree in their directory find them.
+DCP_INDEX = ".metadata"
+DCP_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+def dcp_directory(
+    kind: str,
+    title: str,
+    path: str,
+    files: dict[str, int],
+    own: dict[str, tuple[str, str | None]],
+    why_index: str,
+) -> FrameworkDirectory:
+    """A framework directory that keeps a DCP tree: the index and each rank's data files as
+    members (``details["ranks"]``: how many ranks wrote), the framework's ``own`` files
+    (name -> role, section), the rest listed only. Without the index it is incomplete;
+    ``why_index`` says what that means (after the index's name, in the missing list)."""
+    members = []
+    ranks = set()
+    for name, size in files.items():
+        data = DCP_DATA_FILE.match(name)
+        if name == DCP_INDEX:
+            members.append(Member(name, INDEX, "", size, indexes_directory=True))
+        elif data:
+            members.append(Member(name, FORMAT_DATA, None, size, rank=int(data.group(1))))
+            ranks.add(int(data.group(1)))
+        elif name in own:
+            members.append(Member(name, *own[name], size))
+        else:
+            members.append(Member(name, OTHER, None, size))
+    layout = FrameworkDirectory(kind=kind, title=title, directory=path, members=members)
+    if DCP_INDEX not in files:
+        layout.missing.append(f"{DCP_INDEX} ({why_index})")
+    if ranks:
+        layout.details["ranks"] = max(ranks) + 1
+    layout.complete = not layout.missing
+    return layout
+
+
+def has_dcp_files(files: dict[str, int]) -> bool:
+    """Whether ``files`` hold a DCP index or a DCP data file."""
+    return DCP_INDEX in files or any(DCP_DATA_FILE.match(name) for name in files)
 
 
 #: The view ``convert`` and ``diff`` ask for: the model's weights as the framework consolidates

@@ -18,21 +18,17 @@ from __future__ import annotations
 import re
 
 from ckpttool.frameworks.base import (
-    FORMAT_DATA,
-    INDEX,
-    OTHER,
     TRAINING_STATE,
     FrameworkDirectory,
-    Member,
+    dcp_directory,
     format_directory_files,
+    has_dcp_files,
 )
 from ckpttool.io.source import is_dir
 
 LIGHTNING_SHARDED = "lightning_sharded"
 TITLE = "Lightning sharded checkpoint (DCP + meta.pt)"
 META = "meta.pt"  # lightning_fabric.utilities.load._METADATA_FILENAME
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written after the data
-DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 MODEL_KEY = "model"  # the state dict's key in the DCP tree ("state_dict" in a .ckpt)
 OPTIMIZER_KEY = re.compile(r"^optimizer_(\d+)$")  # "optimizer_states[i]" in a .ckpt
 
@@ -41,30 +37,10 @@ def detect(path: str) -> FrameworkDirectory | None:
     if not is_dir(path):
         return None
     files = format_directory_files(path, (META,))
-    data = {name: DATA_FILE.match(name) for name in files}
-    if META not in files or not (DCP_METADATA in files or any(data.values())):
+    if META not in files or not has_dcp_files(files):
         return None
-    members = []
-    for name, size in files.items():
-        match = data[name]
-        if name == DCP_METADATA:
-            members.append(Member(name, INDEX, "", size, indexes_directory=True))
-        elif match:
-            members.append(Member(name, FORMAT_DATA, None, size, rank=int(match.group(1))))
-        elif name == META:
-            members.append(Member(name, TRAINING_STATE, "", size))
-        else:
-            members.append(Member(name, OTHER, None, size))
-    layout = FrameworkDirectory(
-        kind=LIGHTNING_SHARDED, title=TITLE, directory=path, members=members
-    )
-    if DCP_METADATA not in files:
-        layout.missing.append(
-            f"{DCP_METADATA} (torch.distributed.checkpoint writes it after every rank's data: "
-            "the save was interrupted, or the copy is partial)"
-        )
-    ranks = sorted({int(m.group(1)) for m in data.values() if m})
-    if ranks:
-        layout.details["ranks"] = ranks[-1] + 1
-    layout.complete = not layout.missing
-    return layout
+    return dcp_directory(
+        LIGHTNING_SHARDED, TITLE, path, files, {META: (TRAINING_STATE, "")},
+        "torch.distributed.checkpoint writes it after every rank's data: the save was "
+        "interrupted, or the copy is partial",
+    )  # fmt: skip

@@ -44,7 +44,7 @@ class LightningSharded(Framework):
         )
         details["lightning"] = {**found, "optimizers": optimizers}
         problems = []
-        if files.DCP_METADATA not in layout.missing and files.MODEL_KEY not in root:
+        if layout.complete and files.MODEL_KEY not in root:
             problems.append(
                 f"the DCP tree holds no {files.MODEL_KEY!r}: Lightning's load_checkpoint reads "
                 "the model's state dict from it"

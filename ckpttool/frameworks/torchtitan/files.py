@@ -18,12 +18,11 @@ import os
 import re
 
 from ckpttool.frameworks.base import (
-    FORMAT_DATA,
-    INDEX,
-    OTHER,
+    DCP_INDEX,
     FrameworkDirectory,
-    Member,
+    dcp_directory,
     format_directory_files,
+    has_dcp_files,
     run_directory,
 )
 from ckpttool.io.source import is_dir, is_file, join
@@ -34,8 +33,6 @@ TITLE = "torchtitan checkpoint (step-N DCP directory)"
 TORCHTITAN_RUN = "torchtitan_run"
 RUN_TITLE = "torchtitan checkpoint folder"
 STEP_DIRECTORY = re.compile(r"^step-(\d+)$")  # _create_checkpoint_id / _find_load_step
-DCP_METADATA = ".metadata"
-DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 MODEL = "model"  # where the flattened model entries are gathered in the merged tree
 #: The training states torchtitan saves beside the model (base.py's constants), with the role
 #: each plays.
@@ -52,31 +49,15 @@ def detect(path: str) -> FrameworkDirectory | None:
         return None
     match = STEP_DIRECTORY.match(os.path.basename(os.path.normpath(path)))
     if match is None:
-        if is_file(join(path, DCP_METADATA)):  # a DCP directory itself
+        if is_file(join(path, DCP_INDEX)):  # a DCP directory itself
             return None
         return run_directory(path, TORCHTITAN_RUN, RUN_TITLE, STEP_DIRECTORY, detect)
     files = format_directory_files(path, ())
-    data = {name: DATA_FILE.match(name) for name in files}
-    if DCP_METADATA not in files and not any(data.values()):
+    if not has_dcp_files(files):
         return None
-    members = []
-    for name, size in files.items():
-        found = data[name]
-        if name == DCP_METADATA:
-            members.append(Member(name, INDEX, "", size, indexes_directory=True))
-        elif found:
-            members.append(Member(name, FORMAT_DATA, None, size, rank=int(found.group(1))))
-        else:
-            members.append(Member(name, OTHER, None, size))
-    layout = FrameworkDirectory(kind=TORCHTITAN, title=TITLE, directory=path, members=members)
+    layout = dcp_directory(
+        TORCHTITAN, TITLE, path, files, {},
+        "DCP writes it after every rank's data; torchtitan's resume skips a step-N without it",
+    )  # fmt: skip
     layout.details["step_directory"] = int(match.group(1))
-    if DCP_METADATA not in files:
-        layout.missing.append(
-            f"{DCP_METADATA} (DCP writes it after every rank's data; torchtitan's resume skips "
-            "a step-N without it)"
-        )
-    ranks = sorted({int(m.group(1)) for m in data.values() if m})
-    if ranks:
-        layout.details["ranks"] = ranks[-1] + 1
-    layout.complete = not layout.missing
     return layout

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import LayoutError
-from ckpttool.frameworks.base import Framework, FrameworkDirectory, RunLayout, run_checkpoints
+from ckpttool.frameworks.base import Framework, FrameworkDirectory, RunLayout, collection_run
 from ckpttool.frameworks.torchtitan import files
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class Torchtitan(Framework):
             found["dp_world_size"] = loader["world_size"]
         details["torchtitan"] = found
         problems: list[str] = []
-        if files.DCP_METADATA in layout.missing:
+        if not layout.complete:  # no index: no tree to judge
             return problems
         if not model:
             problems.append("the DCP tree holds no model entries")
@@ -103,8 +103,7 @@ class Torchtitan(Framework):
     def run_layout(self, directory: str) -> RunLayout | None:
         """The ``step-N/`` of a checkpoint folder, by step (resume takes the highest with a
         ``.metadata``: ``_find_load_step``)."""
-        names = run_checkpoints(files.detect(directory))
-        return RunLayout(title=files.RUN_TITLE, checkpoints=names) if names else None
+        return collection_run(files.detect(directory), files.RUN_TITLE)
 
     def rescale_plan(
         self, path: Path, layout: FrameworkDirectory, request: RescaleRequest

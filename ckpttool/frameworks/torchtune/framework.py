@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import LayoutError
-from ckpttool.frameworks.base import Framework, FrameworkDirectory, RunLayout, run_checkpoints
+from ckpttool.frameworks.base import Framework, FrameworkDirectory, RunLayout, collection_run
 from ckpttool.frameworks.torchtune import files
 
 if TYPE_CHECKING:
@@ -76,8 +76,7 @@ class Torchtune(Framework):
 
     def run_layout(self, directory: str) -> RunLayout | None:
         """The ``epoch_N/`` of an output directory, by epoch."""
-        names = run_checkpoints(files.detect(directory))
-        return RunLayout(title=files.RUN_TITLE, checkpoints=names) if names else None
+        return collection_run(files.detect(directory), files.RUN_TITLE)
 
     def rescale_plan(
         self, path: Path, layout: FrameworkDirectory, request: RescaleRequest
