@@ -41,12 +41,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import CorruptCheckpointError, InputError
+from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
 from ckpttool.io.source import is_url, join, read_small
 
 if TYPE_CHECKING:
@@ -315,6 +316,31 @@ def format_directory_files(directory: str, names: tuple[str, ...]) -> dict[str, 
                     {n: size for n, size in listed.items() if isinstance(size, int) and size}
                 )
     return dict(sorted(found.items()))
+
+
+class OpenedMembers(list[Any]):
+    """The member checkpoints a directory checkpoint holds open: closed together, and asked
+    together whether one in an object store changed (its ``Parsed.close``/``unchanged``)."""
+
+    def close(self) -> None:
+        for ckpt in self:
+            ckpt.close()
+
+    def check_unchanged(self) -> None:
+        for ckpt in self:
+            ckpt.check_unchanged()
+
+    @contextmanager
+    def closed_on_error(self, directory: str) -> Iterator[None]:
+        """Within this block, an error closes every member opened so far, and a
+        :class:`CkptError` names ``directory`` (unless it does already)."""
+        try:
+            yield
+        except BaseException as error:
+            self.close()
+            if isinstance(error, CkptError):
+                name_file(error, directory)
+            raise
 
 
 #: torch.distributed.checkpoint's index (written after every rank's data) and data files, as

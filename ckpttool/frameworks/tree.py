@@ -31,6 +31,7 @@ from ckpttool.frameworks.base import (
     Framework,
     FrameworkDirectory,
     Member,
+    OpenedMembers,
     inside,
     open_format_directory,
     open_member,
@@ -55,12 +56,12 @@ def read_directory(
 ) -> Parsed:
     """Open every member of ``layout`` (which ``framework`` detected) and merge their trees
     (see the module docstring)."""
-    opened: list[Checkpoint] = []
+    opened = OpenedMembers()
     owners: dict[MemberStorageRecord, tuple[Checkpoint, StorageRecord]] = {}
     root: dict[str, Any] = {}
     shard_of: dict[str, str] = {}  # tensor key -> the shard file it was found in
     problems = list(layout.problems)
-    try:
+    with opened.closed_on_error(layout.directory):
         for member in layout.members:
             if member.section is None:
                 continue
@@ -94,12 +95,6 @@ def read_directory(
         problems += framework.check_tree(layout, root, details, shard_of)
         if problems and strict:
             raise CorruptCheckpointError(problems[0])
-    except BaseException as error:
-        for ckpt in opened:
-            ckpt.close()
-        if isinstance(error, CkptError):
-            name_file(error, layout.directory)
-        raise
 
     def read(storage: StorageRecord, start: int, stop: int) -> bytearray:
         ckpt, original = owners[storage]  # type: ignore[index]
@@ -107,14 +102,6 @@ def read_directory(
             return ckpt.read_storage(original, start, stop)
         except CkptError as error:
             raise name_file(error, ckpt.name) from None
-
-    def close() -> None:
-        for ckpt in opened:
-            ckpt.close()
-
-    def unchanged() -> None:  # members in an object store: asked again before a commit
-        for ckpt in opened:
-            ckpt.check_unchanged()
 
     details.update(_recorded_counters(root))
     return Parsed(
@@ -124,8 +111,8 @@ def read_directory(
         details=details,
         problems=problems,
         read=read,
-        close=close,
-        unchanged=unchanged,
+        close=opened.close,
+        unchanged=opened.check_unchanged,  # members in an object store, before a commit
         # members that are files (pread, ranged requests), or directories that allow it
         concurrent_reads=all(c._parsed.read is None or c.concurrent_reads for c in opened),
     )

@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, NotZeroError, name_file
+from ckpttool.errors import CorruptCheckpointError, InputError, NotZeroError
 from ckpttool.formats.base import Parsed, no_span
 from ckpttool.formats.registry import as_checkpoint
-from ckpttool.frameworks.base import WEIGHTS_VIEW, ViewFacts, open_member
+from ckpttool.frameworks.base import WEIGHTS_VIEW, OpenedMembers, ViewFacts, open_member
 from ckpttool.frameworks.tree import DIRECTORY
 from ckpttool.model.cast import stored_dtype, widen
 from ckpttool.model.records import ITEMSIZE, OpaqueObject, StorageRecord, TensorRecord
@@ -180,32 +180,19 @@ def open_zero_weights(path: str | os.PathLike[str], tag: ZeroTag | None = None) 
 
     if tag is None:
         tag = find_tag(path)
-    opened: list[Any] = []
-    try:
+    opened = OpenedMembers()
+    with opened.closed_on_error(tag.directory):
         for file in [*tag.optim_files, *tag.model_files]:
             opened.append(open_member(file))
         weights = _consolidate(tag, opened)
-    except BaseException as error:
-        for ckpt in opened:
-            ckpt.close()
-        if isinstance(error, CkptError) and tag.directory not in str(error):
-            name_file(error, tag.directory)
-        raise
 
     def read(storage: StorageRecord, start: int, stop: int) -> bytearray:
         assert isinstance(storage, ZeroStorageRecord)
         return read_pieces(opened, storage, start, stop)
 
-    def close() -> None:
-        for ckpt in opened:
-            ckpt.close()
-
-    def unchanged() -> None:  # rank files in an object store: asked again before a commit
-        for ckpt in opened:
-            ckpt.check_unchanged()
-
     parsed = Parsed(format=DIRECTORY, root=dict(weights.tensors), span=no_span,
-                    read=read, close=close, unchanged=unchanged)  # fmt: skip
+                    read=read, close=opened.close,
+                    unchanged=opened.check_unchanged)  # fmt: skip
     parsed.details.update({"layout": ZERO_FP32, "zero": weights, "view": _view_facts(weights)})
     size = sum(ckpt.file_size for ckpt in opened)
     return as_checkpoint(os.fspath(path), parsed, None, size)

@@ -30,10 +30,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.errors import CkptError, CorruptCheckpointError, name_file
+from ckpttool.errors import CorruptCheckpointError
 from ckpttool.formats.base import Parsed, no_span
 from ckpttool.formats.registry import as_checkpoint
-from ckpttool.frameworks.base import FrameworkDirectory, open_member
+from ckpttool.frameworks.base import FrameworkDirectory, OpenedMembers, open_member
 from ckpttool.frameworks.megatron.dist import SUMMARY, summary_of
 from ckpttool.frameworks.megatron.files import SHARD_FILE, Found, LegacyShards
 from ckpttool.frameworks.tree import DIRECTORY, layout_details
@@ -109,8 +109,8 @@ def open_legacy(layout: FrameworkDirectory, *, strict: bool, refuse_dangerous: b
         raise CorruptCheckpointError(f"{layout.directory}: {layout.problems[0]}")
     order = sorted(shards.files, key=lambda tp_pp: (tp_pp[1], tp_pp[0]))
     names = [shards.files[k] for k in order]
-    opened: list[Any] = []
-    try:
+    opened = OpenedMembers()
+    with opened.closed_on_error(layout.directory):
         for name in names:
             opened.append(open_member(join(layout.directory, name), strict=strict,
                                       refuse_dangerous=refuse_dangerous))  # fmt: skip
@@ -129,21 +129,12 @@ def open_legacy(layout: FrameworkDirectory, *, strict: bool, refuse_dangerous: b
         assembler = _Assembler(opened)
         if not strict:
             problems += assembler.replica_problems(root.get("model", {}), names)
-    except BaseException as error:
-        for ckpt in opened:
-            ckpt.close()
-        if isinstance(error, CkptError):
-            name_file(error, layout.directory)
-        raise
-
-    def close() -> None:
-        for ckpt in opened:
-            ckpt.close()
 
     details = layout_details(layout)
     details[SUMMARY] = summary
     parsed = Parsed(format=DIRECTORY, root=root, span=no_span, details=details,
-                    problems=problems, read=assembler.read, close=close)  # fmt: skip
+                    problems=problems, read=assembler.read, close=opened.close,
+                    unchanged=opened.check_unchanged)  # fmt: skip
     return as_checkpoint(layout.directory, parsed, None, sum(c.file_size for c in opened))
 
 

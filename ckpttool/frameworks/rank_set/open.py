@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ckpttool.errors import CkptError, CorruptCheckpointError, name_file
+from ckpttool.errors import CkptError, CorruptCheckpointError
 from ckpttool.formats.base import Parsed, no_span
 from ckpttool.formats.registry import as_checkpoint
-from ckpttool.frameworks.base import FrameworkDirectory, open_member
+from ckpttool.frameworks.base import FrameworkDirectory, OpenedMembers, open_member
 from ckpttool.frameworks.rank_set.assemble import (
     Assembler,
     Piece,
@@ -44,8 +44,8 @@ def open_rank_set(layout: FrameworkDirectory, *, strict: bool, refuse_dangerous:
         raise CorruptCheckpointError(f"{layout.directory}: {problems[0]}")
     ranks = sorted(found.files)
     names = [found.files[rank] for rank in ranks]
-    opened: list[Any] = []
-    try:
+    opened = OpenedMembers()
+    with opened.closed_on_error(layout.directory):
         for name in names:
             opened.append(
                 open_member(join(layout.directory, name), strict=strict,
@@ -58,27 +58,14 @@ def open_rank_set(layout: FrameworkDirectory, *, strict: bool, refuse_dangerous:
         problems += found_problems
         if problems and strict:
             raise CorruptCheckpointError(problems[0])
-    except BaseException as error:
-        for ckpt in opened:
-            ckpt.close()
-        if isinstance(error, CkptError):
-            name_file(error, layout.directory)
-        raise
-
-    def close() -> None:
-        for ckpt in opened:
-            ckpt.close()
-
-    def unchanged() -> None:
-        for ckpt in opened:
-            ckpt.check_unchanged()
 
     details = layout_details(layout)
     details[SUMMARY] = summary
     if found.hf_config:
         details["hf_config"] = f"{HF_FOLDER}/config.json"
     parsed = Parsed(format=DIRECTORY, root=root, span=no_span, details=details,
-                    problems=problems, read=assembler.read, close=close, unchanged=unchanged)  # fmt: skip
+                    problems=problems, read=assembler.read, close=opened.close,
+                    unchanged=opened.check_unchanged)  # fmt: skip
     return as_checkpoint(layout.directory, parsed, None, sum(c.file_size for c in opened))
 
 
