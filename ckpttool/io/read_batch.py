@@ -15,12 +15,8 @@ DCP's assembled storages, a record past its storage, a block the file ends insid
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
-from ckpttool.model.records import TensorRecord
-
-if TYPE_CHECKING:
-    from ckpttool.checkpoint import Checkpoint
+from ckpttool.model.records import RecordReader, TensorRecord
 
 BLOCK = 1 << 20  # bytes per grouped read: the memory a batch may hold
 LOOKAHEAD = 256  # records whose spans are looked up before their bytes are read
@@ -32,7 +28,7 @@ GAP = 4096  # bytes between two records that are still read in one block (zip he
 
 
 def read_many(
-    ckpt: Checkpoint, records: Iterable[TensorRecord], block: int = BLOCK
+    ckpt: RecordReader, records: Iterable[TensorRecord], block: int = BLOCK
 ) -> Iterator[tuple[bytes | bytearray, int]]:
     """``ckpt.read_bytes(record)`` for each record, in order, reading adjacent ones together.
 
@@ -54,7 +50,7 @@ def read_many(
 
 
 def _groups(
-    ckpt: Checkpoint, pending: list[tuple[TensorRecord, tuple[int, int] | None]], block: int
+    ckpt: RecordReader, pending: list[tuple[TensorRecord, tuple[int, int] | None]], block: int
 ) -> Iterator[tuple[bytes | bytearray, int]]:
     """The records of ``pending`` in order, each run of adjacent ones read as one block."""
     done = 0
@@ -93,7 +89,7 @@ class InOrder:
     blocks by :func:`read_many`; :meth:`~ckpttool.checkpoint.Checkpoint.expect_reads` asks it first
     and reads any other record, or one asked for out of turn, on its own."""
 
-    def __init__(self, ckpt: Checkpoint, expected: list[TensorRecord]) -> None:
+    def __init__(self, ckpt: RecordReader, expected: list[TensorRecord]) -> None:
         self._expected = iter(expected)
         self._next = next(self._expected, None)
         self._reads = read_many(ckpt, expected)

@@ -15,13 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import InputError
 from ckpttool.model.dtypes import BY_NAME, NUMPY_CODES
-from ckpttool.model.records import ITEMSIZE, StorageRecord, TensorRecord, with_key
+from ckpttool.model.records import ITEMSIZE, RecordReader, StorageRecord, TensorRecord, with_key
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
-
-    from ckpttool.checkpoint import Checkpoint
 
 # dtypes NumPy has natively; the others are read as raw integers of the same width.
 _NUMPY_NATIVE = NUMPY_CODES  # the one dtype table's (model/dtypes.py)
@@ -35,7 +33,7 @@ def numpy_code(record: TensorRecord) -> str:
     return order + code if code not in ("u1", "i1", "b1") else code
 
 
-def read_array(ckpt: Checkpoint, record: TensorRecord) -> np.ndarray:
+def read_array(ckpt: RecordReader, record: TensorRecord) -> np.ndarray:
     """The tensor's elements as a NumPy array with its shape (bfloat16/float8 as raw ints)."""
     import numpy as np
 
@@ -173,7 +171,7 @@ class TensorStats:
     inf: int
 
 
-def tensor_stats(ckpt: Checkpoint, record: TensorRecord) -> TensorStats:
+def tensor_stats(ckpt: RecordReader, record: TensorRecord) -> TensorStats:
     """min/max/mean/std over finite values, and NaN/Inf counts, in float64, chunk by chunk.
 
     Every dtype with numeric values is decoded (bfloat16, float8/float4, complex as |z|, bool as
@@ -226,7 +224,7 @@ def torch_dtype(name: str) -> torch.dtype:
 _QUANTIZED_STORED = {"qint8": "int8", "quint8": "uint8", "qint32": "int32"}
 
 
-def read_tensor(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
+def read_tensor(ckpt: RecordReader, record: TensorRecord) -> torch.Tensor:
     """The tensor as a contiguous CPU torch tensor that owns its memory (views are copied).
 
     A sparse tensor comes back sparse (of its layout), a quantized one quantized, built from
@@ -294,7 +292,7 @@ def _check_nested(
 MAX_DENSE_BYTES = 16 << 30
 
 
-def _read_sparse(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
+def _read_sparse(ckpt: RecordReader, record: TensorRecord) -> torch.Tensor:
     import torch
 
     parts = [read_tensor(ckpt, part) for part in record.parts]
@@ -316,7 +314,7 @@ def _read_sparse(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
         raise InputError(f"{record.key}: invalid {record.layout} tensor: {error}") from None
 
 
-def _read_quantized(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
+def _read_quantized(ckpt: RecordReader, record: TensorRecord) -> torch.Tensor:
     """Rebuilt as ``torch._utils._rebuild_qtensor`` does: an empty quantized tensor of the
     scheme, set to the stored bytes."""
     import torch
@@ -352,7 +350,7 @@ def _read_quantized(ckpt: Checkpoint, record: TensorRecord) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def dense_record(ckpt: Checkpoint, record: TensorRecord) -> TensorRecord:
+def dense_record(ckpt: RecordReader, record: TensorRecord) -> TensorRecord:
     """What ``--stats``, diff and ``convert --densify/--dequantize`` read of a sparse or
     quantized tensor: its dense (dequantized) values as an ordinary record holding them inline.
     A nested tensor gives its flat buffer. Any other record is returned as it is. Memory: the
@@ -386,7 +384,7 @@ def dense_record(ckpt: Checkpoint, record: TensorRecord) -> TensorRecord:
     )  # fmt: skip
 
 
-def _decoded_blocks(ckpt: Checkpoint, record: TensorRecord) -> TensorRecord:
+def _decoded_blocks(ckpt: RecordReader, record: TensorRecord) -> TensorRecord:
     """A tensor quantized in its format's blocks (GGUF's Q8_0...) as its float32 values,
     decoded by the format (``Checkpoint.dequantize``) with NumPy: torch is not imported."""
     if record.numel * 4 > MAX_DENSE_BYTES:

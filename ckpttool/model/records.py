@@ -9,15 +9,18 @@ int, float, str, bytes, bool, None) and four record types defined here:
 * :class:`GlobalRef` for a reference to a class or function that is stored as a value,
 * :class:`BackReference` where an object refers to one that contains it (a parent link).
 
+:class:`RecordReader` is what reads a record's bytes (an opened
+:class:`~ckpttool.formats.base.Checkpoint`), as :mod:`ckpttool.io` sees it from below.
+
 Everything else (reading values, layout recognition, rendering) works on these records.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 # the dtype facts are the one table's (model/dtypes.py): these names stay for their many users
 from ckpttool.errors import LayoutError
@@ -307,6 +310,32 @@ class TensorRecord:
 
     def same_storage(self, other: TensorRecord) -> bool:
         return self.storage is not None and self.storage == other.storage
+
+
+class RecordReader(Protocol):
+    """What reads a record's bytes: an opened :class:`~ckpttool.formats.base.Checkpoint`,
+    described on the floor below both it and its readers in :mod:`ckpttool.io`
+    (:mod:`~ckpttool.io.read_batch`, :mod:`~ckpttool.io.values`)."""
+
+    def plan_reads(self, records: Sequence[TensorRecord]) -> bool:
+        """A hint: the bytes of ``records`` will be read, in this order."""
+        ...
+
+    def file_span(self, record: TensorRecord) -> tuple[int, int] | None:
+        """(offset, length) of ``record``'s bytes when they are one range of one file."""
+        ...
+
+    def read_bytes(self, record: TensorRecord) -> tuple[bytes | bytearray, int]:
+        """The bytes covering ``record``'s elements and the element offset of its first one."""
+        ...
+
+    def read_file(self, offset: int, length: int) -> bytearray:
+        """``length`` bytes at ``offset`` of the one file (fewer only at its end)."""
+        ...
+
+    def dequantize(self, record: TensorRecord) -> Any:
+        """A block-quantized tensor's values, decoded by its format (a float32 NumPy array)."""
+        ...
 
 
 def rebuildable_storage(record: TensorRecord) -> StorageRecord:
