@@ -1,5 +1,6 @@
 """The protocol every format implements (:class:`FileFormat`), what its reader returns
-(:class:`Parsed`), and what every command reads: an opened :class:`Checkpoint`.
+(:class:`Parsed`), what every command reads: an opened :class:`Checkpoint`, and the planned
+rewrite of a file's top-level fields (:class:`FieldRewrite`).
 
 A format is one module or folder under ``formats/`` with one :class:`FileFormat` object,
 listed by an import string in :mod:`ckpttool.formats.registry`; nothing above ``formats/``
@@ -14,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol
 
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
 from ckpttool.io.source import read_into, read_range, shown_name, source_of
@@ -530,3 +531,26 @@ class Checkpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class FieldRewrite(Protocol):
+    """The planned rewrite of ``ckpt`` with ``changes`` set on its top-level dict, every other
+    byte copied (``rescale-step``): what :func:`ckpttool.formats.registry.field_rewrite` gives.
+
+    Creating it validates the edit without writing anything, so a dry run sees the same
+    refusals as a real one; :meth:`write` writes the new file and :meth:`close` lets go of the
+    source.
+    """
+
+    ckpt: Checkpoint
+    changes: dict[str, Any]
+
+    def write(self, out: BinaryIO, progress: ProgressCallback | None = None) -> None:
+        """Write the new file to ``out`` (seekable, positioned at 0)."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> FieldRewrite: ...
+
+    def __exit__(self, *exc: object) -> None: ...

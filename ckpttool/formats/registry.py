@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from ckpttool.errors import (
     AmbiguousFileError,
@@ -28,7 +28,14 @@ from ckpttool.errors import (
     NotACheckpointError,
     name_file,
 )
-from ckpttool.formats.base import Checkpoint, FileFormat, Findings, Parsed, Recovered
+from ckpttool.formats.base import (
+    Checkpoint,
+    FieldRewrite,
+    FileFormat,
+    Findings,
+    Parsed,
+    Recovered,
+)
 from ckpttool.io.source import is_url, local_path, open_local, open_source, shown_name, source_size
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
@@ -54,9 +61,6 @@ DIRECTORY_FORMATS = ("ckpttool.formats.dcp.format:FORMAT",)
 FIELD_REWRITE = "ckpttool.formats.torch_zip.rewrite"
 #: ``scan``'s walk of a file every reader refused: the pickles ``torch.load`` would still run.
 SALVAGE = "ckpttool.formats.torch_legacy.salvage:salvage_pickles"
-
-if TYPE_CHECKING:
-    from ckpttool.formats.torch_zip.rewrite import FieldRewrite
 
 _loaded: dict[str, Any] = {}
 

@@ -28,7 +28,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckpttool.checkpoint import open_checkpoint
 from ckpttool.errors import (
@@ -39,6 +39,7 @@ from ckpttool.errors import (
     OutputExistsError,
     name_file,
 )
+from ckpttool.formats.base import FieldRewrite
 from ckpttool.formats.registry import (
     directory_format_of,
     field_rewrite,
@@ -51,9 +52,6 @@ from ckpttool.model.lr_schedule import rescale_scheduler
 from ckpttool.model.rescaling import RescalePlan, RescaleTarget, describe_repeats
 from ckpttool.model.roles import LAYOUT_TITLES, LIGHTNING, TRAINING, is_resume, layout_of
 from ckpttool.pickle.edit import emit
-
-if TYPE_CHECKING:
-    from ckpttool.formats.torch_zip.rewrite import FieldRewrite
 
 __all__ = [
     "HISTORY_KEY",
