@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 from ckpttool.errors import CkptError
+from ckpttool.version import __version__
 
 _LAZY = {
     "atomic_write": "ckpttool.io.atomic",

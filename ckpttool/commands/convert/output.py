@@ -15,10 +15,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool import __version__
 from ckpttool.commands.convert.plan import ALIASES_KEY, SOURCE_KEY, VERSION_KEY, Plan, Planned
 from ckpttool.errors import InputError, OutputExistsError
 from ckpttool.model.records import ITEMSIZE
+from ckpttool.version import __version__
 
 FORMATS = ("safetensors", "pth")
 PTH_SUFFIXES = (".pth", ".pt", ".bin")
