@@ -10,7 +10,8 @@ sparse, quantized or nested tensors is built and saved by torch (:mod:`ckpttool.
 
 Every output is written to temp files next to its target (:func:`ckpttool.io.atomic.atomic_group`);
 before they replace anything, each is opened again through the reader and every tensor is
-compared bit for bit with the (cast) source, and its size with the expected size. A mismatch
+compared bit for bit with the source's bytes (a computed one, cast for instance, with the CRC-32
+of the bytes written: it is computed once), and its size with the expected size. A mismatch
 removes the temps and raises :class:`VerificationError` (exit code 1): a bad file never appears
 under the target's name and an existing target is left as it was.
 """
@@ -37,7 +38,7 @@ from ckpttool.commands.convert.output import (
     writes_pth,
 )
 from ckpttool.commands.convert.plan import FIELD_PREFIX, Plan, Planned, build_plan
-from ckpttool.commands.mapped import with_derived
+from ckpttool.commands.mapped import DerivedCheckpoint, with_derived
 from ckpttool.commands.selection import Selection
 from ckpttool.errors import (
     CkptError,
@@ -274,10 +275,10 @@ def write_outputs(
     # the order produce is called in (each file's tensors, files in turn): the next one is
     # fetched while this one is written, when the source is remote
     sequence = [p for f in files if f.kind != "index" for p in f.tensors if not p.kept]
-    # Tensors decoded from a format's blocks (GGUF's Q8_0...) are verified the same way:
-    # decoding them again would only show the decoder is deterministic, for a second pass of
-    # the decoding's CPU time (bench/gguf.py).
-    hashed = remote_source or bool(replaced) or any(_decoded(p) for p in sequence)
+    # Tensors whose bytes are computed (cast, decoded from a format's blocks, made dense, made
+    # by a --map rule...) are verified the same way: computing them again would only show the
+    # computation is deterministic, for a second pass of its CPU time (bench/gguf.py).
+    hashed = remote_source or bool(replaced) or any(_computed(ckpt, p) for p in sequence)
     hashing = _Hashing() if verify and hashed else None
     # a remote file of a format that gives regions: fetched in windows, each byte once; other
     # remote files: every record located first, each tensor fetched while the one before is
@@ -300,7 +301,7 @@ def write_outputs(
         upcoming = following.get(planned.name)
         if upcoming is not None:
             ckpt.prefetch(upcoming.record)
-        if hashing is not None and (remote_source or _decoded(planned)):
+        if hashing is not None and (remote_source or _computed(ckpt, planned)):
             hashing.add(planned.name, data)
         if cast is not None:
             counts[planned.name] = cast
@@ -460,11 +461,21 @@ def _read_ahead(ckpt: Checkpoint, sequence: list[Planned]) -> AheadMap[Planned, 
     return AheadMap(lambda planned: tensor_bytes(ckpt, planned), sequence, count - 1, count)
 
 
-def _decoded(planned: Planned) -> bool:
-    """Whether ``planned`` is stored as values its source format decodes from its own blocks
-    (``QuantInfo.in_blocks``: GGUF's quantized types)."""
-    quant = planned.record.quant
-    return quant is not None and quant.in_blocks
+def _computed(ckpt: Checkpoint, planned: Planned) -> bool:
+    """Whether the bytes written for ``planned`` are computed rather than its source's bytes
+    as they are in the file: cast, byte-swapped or made contiguous, made dense (sparse), decoded
+    or dequantized (``QuantInfo``: GGUF's blocks, torch's quantized tensors), or computed by a
+    ``--map`` rule. Such a tensor is hashed as it is written and its read-back compared with
+    the hash, not computed a second time."""
+    record = planned.record
+    storage = record.storage
+    return (
+        bool(record.parts)
+        or record.quant is not None
+        or not _as_is(planned, record)
+        or (isinstance(ckpt, DerivedCheckpoint) and storage is not None
+            and storage.key in ckpt.derived)
+    )  # fmt: skip
 
 
 def _as_is(planned: Planned, record: TensorRecord) -> bool:
@@ -572,8 +583,8 @@ def verify_outputs(
     digests: dict[str, bytes] | None = None,
 ) -> None:
     """Read every written file back through the reader; raise if anything differs. With
-    ``digests`` (tensor name -> CRC-32 of the bytes written), plain tensors are compared with
-    them instead of being read from the source again."""
+    ``digests`` (tensor name -> CRC-32 of the bytes written), the tensors they name are
+    compared with them instead of being read from the source (and computed) again."""
     problems: list[str] = []
     for temp, out in written:
         size = temp.stat().st_size
@@ -665,14 +676,15 @@ def _compare_tensors(
                     problems.append(f"{planned.name} does not read back as the same tensor")
                 progress(planned.nbytes)
                 continue
-            same = _equal_in_files(ckpt, written, planned, record) if digests is None else None
+            hashed = digests is not None and planned.name in digests
+            same = None if hashed else _equal_in_files(ckpt, written, planned, record)
             if same is not None:
                 if not same:
                     problems.append(f"{planned.name} does not read back bit-for-bit equal")
                 progress(planned.nbytes)
                 continue
             got = _stored_bytes(written, record)
-            if got is not None and read_back is not None and digests and planned.name in digests:
+            if got is not None and read_back is not None and hashed:
                 read_back.add(planned.name, got)  # compared below
             elif got is None or not _same_bytes(tensor_bytes(ckpt, planned)[0], got):
                 problems.append(f"{planned.name} does not read back bit-for-bit equal")
