@@ -20,19 +20,23 @@ from ckpttool.frameworks.base import (
     COLLECTION,
     CONFIG,
     INDEX,
-    OPTIMIZER,
     OTHER,
     RNG,
-    SCALER,
-    SCHEDULER,
-    TRAINER_STATE,
-    TRAINING_ARGS,
     WEIGHTS,
     FrameworkDirectory,
     Member,
     inside,
     list_files,
     read_json,
+)
+from ckpttool.frameworks.trainer_files import (
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    RNG_STATE_RANK,
+    SCHEDULER_NAME,
+    TRAINER_STATE_NAME,
+    TRAINING_ARGS_NAME,
+    trainer_members,
 )
 from ckpttool.io.source import is_dir, is_file, is_url, join
 
@@ -49,13 +53,6 @@ BIN_SHARD = re.compile(r"^pytorch_model-\d{5}-of-\d{5}\.bin$")
 #: ``ADAPTER_SAFE_WEIGHTS_NAME``, ``ADAPTER_WEIGHTS_NAME``; the PEFT plug-in reads such a folder).
 ADAPTER_WEIGHTS_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 
-TRAINER_STATE_NAME = "trainer_state.json"
-TRAINING_ARGS_NAME = "training_args.bin"
-OPTIMIZER_NAME = "optimizer.pt"
-SCHEDULER_NAME = "scheduler.pt"
-SCALER_NAME = "scaler.pt"
-RNG_STATE_NAME = "rng_state.pth"
-RNG_STATE_RANK = re.compile(r"^rng_state_(\d+)\.pth$")
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR
 #: What Trainer's rotation (``save_total_limit``, ``trainer_utils.sort_checkpoints``) globs and
 #: may delete: ``checkpoint-*`` folders, ordered by the number after the prefix. Only those that
@@ -94,7 +91,7 @@ def detect(path: str) -> FrameworkDirectory | None:
     if not members and not trainer:
         return None
     layout = HF_TRAINER if trainer else HF_MODEL
-    members += _trainer_members(files) if trainer else []
+    members += trainer_members(files) if trainer else []
     for name, section in ((CONFIG_NAME, "config"), (GENERATION_CONFIG_NAME, "generation_config")):
         if name in files:
             members.append(Member(name, CONFIG, section, files[name], json=True))
@@ -171,26 +168,6 @@ def _sharded(
             if pattern.match(name) and name not in listed
         ]
     return members, problems, index_name
-
-
-def _trainer_members(files: dict[str, int]) -> list[Member]:
-    members = []
-    for name, role, section, is_json in (
-        (TRAINER_STATE_NAME, TRAINER_STATE, "trainer_state", True),
-        (OPTIMIZER_NAME, OPTIMIZER, "optimizer", False),
-        (SCHEDULER_NAME, SCHEDULER, "scheduler", False),
-        (SCALER_NAME, SCALER, "scaler", False),
-        (RNG_STATE_NAME, RNG, "rng", False),
-        (TRAINING_ARGS_NAME, TRAINING_ARGS, "training_args", False),
-    ):
-        if name in files:
-            members.append(Member(name, role, section, files[name], json=is_json))
-    for name, size in files.items():
-        match = RNG_STATE_RANK.match(name)
-        if match:
-            rank = int(match.group(1))
-            members.append(Member(name, RNG, f"rng.rank{rank}", size, rank=rank))
-    return members
 
 
 def _check_trainer(layout: FrameworkDirectory, files: dict[str, int]) -> None:

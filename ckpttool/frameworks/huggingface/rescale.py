@@ -28,17 +28,15 @@ from typing import Any
 
 from ckpttool.errors import CkptError, InputError, LayoutError
 from ckpttool.frameworks.base import inside, list_files, open_member, read_json
-from ckpttool.frameworks.huggingface.files import (
-    CHECKPOINT_DIR,
-    HF_TRAINER,
+from ckpttool.frameworks.huggingface.files import CHECKPOINT_DIR, HF_TRAINER, ROTATED_DIR
+from ckpttool.frameworks.rescale import moved_scheduler, ranks_of, saved_world_size
+from ckpttool.frameworks.trainer_files import (
     RNG_STATE_NAME,
     RNG_STATE_RANK,
-    ROTATED_DIR,
     SCHEDULER_NAME,
     TRAINER_STATE_NAME,
     TRAINING_ARGS_NAME,
 )
-from ckpttool.frameworks.rescale import moved_scheduler, ranks_of, saved_world_size
 from ckpttool.model.rescaling import (
     COPY,
     DROP,

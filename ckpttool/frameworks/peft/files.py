@@ -2,30 +2,23 @@
 a Trainer ``checkpoint-N/`` (Trainer saves a PEFT model's adapter in place of the weights).
 
 File names are PEFT's own (``peft/utils/constants.py``: ``CONFIG_NAME``,
-``SAFETENSORS_WEIGHTS_NAME``, ``WEIGHTS_NAME``); the Trainer files are transformers'
-(``trainer.py``), read as the Hugging Face plug-in reads them. An adapter is complete with its
-config and its weights; a Trainer checkpoint's other files are read but not required (the
-Trainer checkpoint's completeness is the Hugging Face plug-in's question).
+``SAFETENSORS_WEIGHTS_NAME``, ``WEIGHTS_NAME``); the Trainer files are transformers', read
+as the Hugging Face plug-in reads them (:mod:`ckpttool.frameworks.trainer_files`). An adapter
+is complete with its config and its weights; a Trainer checkpoint's other files are read but
+not required (the Trainer checkpoint's completeness is the Hugging Face plug-in's question).
 """
 
 from __future__ import annotations
 
-import re
-
 from ckpttool.frameworks.base import (
     CONFIG,
-    OPTIMIZER,
     OTHER,
-    RNG,
-    SCALER,
-    SCHEDULER,
-    TRAINER_STATE,
-    TRAINING_ARGS,
     WEIGHTS,
     FrameworkDirectory,
     Member,
     list_files,
 )
+from ckpttool.frameworks.trainer_files import TRAINER_STATE_NAME, trainer_members
 from ckpttool.io.source import is_dir
 
 CONFIG_NAME = "adapter_config.json"
@@ -36,17 +29,6 @@ PEFT_ADAPTER = "peft_adapter"
 #: The sections of the merged tree: the adapter's tensors, its config.
 WEIGHTS_SECTION = "model"
 CONFIG_SECTION = "adapter_config"
-
-#: What Trainer writes beside the adapter in ``checkpoint-N/`` (name, role, section, JSON).
-TRAINER_FILES = (
-    ("trainer_state.json", TRAINER_STATE, "trainer_state", True),
-    ("optimizer.pt", OPTIMIZER, "optimizer", False),
-    ("scheduler.pt", SCHEDULER, "scheduler", False),
-    ("scaler.pt", SCALER, "scaler", False),
-    ("rng_state.pth", RNG, "rng", False),
-    ("training_args.bin", TRAINING_ARGS, "training_args", False),
-)
-RNG_STATE_RANK = re.compile(r"^rng_state_(\d+)\.pth$")
 
 
 def detect(path: str) -> FrameworkDirectory | None:
@@ -63,31 +45,22 @@ def detect(path: str) -> FrameworkDirectory | None:
         missing.append(f"the adapter's weights ({SAFETENSORS_WEIGHTS_NAME} or {WEIGHTS_NAME})")
     else:
         members.append(Member(weights, WEIGHTS, WEIGHTS_SECTION, files[weights]))
-    trainer = [entry for entry in TRAINER_FILES if entry[0] in files]
-    members += [
-        Member(name, role, section, files[name], json=is_json)
-        for name, role, section, is_json in trainer
-    ]
-    for name, size in files.items():
-        match = RNG_STATE_RANK.match(name)
-        if match:  # one per process of a multi-process run
-            rank = int(match.group(1))
-            members.append(Member(name, RNG, f"rng.rank{rank}", size, rank=rank))
-    ranks = [member.rank for member in members if member.rank is not None]
+    trainer = trainer_members(files)  # beside the adapter in checkpoint-N/
+    members += trainer
     known = {member.name for member in members}
     members += [
         Member(name, OTHER, None, size) for name, size in files.items() if name not in known
     ]
     layout = FrameworkDirectory(
         kind=PEFT_ADAPTER,
-        title="PEFT adapter in a Trainer checkpoint" if trainer or ranks else "PEFT adapter",
+        title="PEFT adapter in a Trainer checkpoint" if trainer else "PEFT adapter",
         directory=path,
         members=members,
         missing=missing,
         complete=not missing,
     )
-    if "trainer_state.json" in files:
-        state = layout.read_json("trainer_state.json")
+    if TRAINER_STATE_NAME in files:
+        state = layout.read_json(TRAINER_STATE_NAME)
         if isinstance(state, dict):
             for key in ("global_step", "epoch", "max_steps"):
                 if key in state:
