@@ -26,6 +26,7 @@ from ckpttool.cli.options import (
     remote_options,
     section_option,
     use_ema_option,
+    written_output_options,
 )
 from ckpttool.errors import (
     EXIT_ERROR,
@@ -615,11 +616,7 @@ def rescale_step(
     help="Leave out selected tensors the file has no values of (DTensor shards, meta tensors) "
     "instead of refusing to convert.",
 )  # fmt: skip
-@click.option(
-    "--max-shard-size", metavar="SIZE",
-    help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
-)  # fmt: skip
-@click.option("--no-verify", is_flag=True, help="Skip reading the output back (not advised).")
+@written_output_options
 @force_option
 @json_option("convert")
 @remote_options
@@ -722,11 +719,7 @@ def lora_group() -> None:
     help="Where the merged model goes: a model directory for a model directory BASE, else a "
     "file of BASE's format.",
 )  # fmt: skip
-@click.option(
-    "--max-shard-size", metavar="SIZE",
-    help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
-)  # fmt: skip
-@click.option("--no-verify", is_flag=True, help="Skip reading the output back (not advised).")
+@written_output_options
 @force_option
 @json_option("lora-merge")
 def lora_merge_command(

@@ -36,6 +36,18 @@ def force_option(command: F) -> F:
     )
 
 
+def written_output_options(command: F) -> F:
+    """``--max-shard-size SIZE`` and ``--no-verify``, shared by the commands that write a model
+    (convert, lora merge)."""
+    command = click.option(
+        "--no-verify", is_flag=True, help="Skip reading the output back (not advised)."
+    )(command)
+    return click.option(
+        "--max-shard-size", metavar="SIZE",
+        help="Shard into files of at most SIZE (2GB, 500MB, 1GiB, bytes) plus an index.",
+    )(command)  # fmt: skip
+
+
 def key_prefix_options(command: F) -> F:
     """``--strip-prefix`` and ``--ignore-wrappers``, shared by the commands that match keys."""
     command = click.option(
