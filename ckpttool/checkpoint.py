@@ -16,7 +16,10 @@ are asked in order (each once per open) which knows it, and that one's members a
 tree. ``view=`` asks for another view of it than the merged tree, by name
 (:data:`~ckpttool.frameworks.base.WEIGHTS_VIEW`: the model's weights as the framework
 consolidates them, DeepSpeed ZeRO's fp32 master weights); a checkpoint without that view opens
-as by default. No command names a framework.
+as the files are stored. :data:`~ckpttool.frameworks.base.DEFAULT_VIEW` asks for the view the
+layout itself declares (:attr:`~ckpttool.frameworks.base.Framework.default_view`): every reader
+of a checkpoint's tensors, command or library call, asks for that one, so that no command and no
+library call decides a layout's default. No command names a framework.
 """
 
 from __future__ import annotations
@@ -69,8 +72,10 @@ def open_checkpoint(
     ``allow_ambiguous`` (``scan``) it is read as ``torch.load`` reads it (a file not named
     ``*.safetensors``) and ``details["ambiguous"]`` says what else it is.
 
-    ``view`` names a view a framework offers of its directories (module docstring); the
-    opened view's ``details["view"]`` holds its :class:`~ckpttool.frameworks.base.ViewFacts`.
+    ``view`` names a view a framework offers of its directories, or ``DEFAULT_VIEW``: the one
+    the layout declares (module docstring); None or ``FILES_VIEW`` (which no framework offers):
+    the files as stored. The opened view's ``details["view"]`` holds its
+    :class:`~ckpttool.frameworks.base.ViewFacts`.
     """
     name = os.fspath(path)
     known: Known = {}
@@ -113,17 +118,20 @@ def _framework_over_format(name: str, known: Known) -> bool:
 def _open_view(name: str, view: str, known: Known) -> Checkpoint | None:
     """``view`` of the directory ``name`` from the first framework that offers it and knows the
     directory (asked before the detection order: a DeepSpeed save inside a Trainer
-    ``checkpoint-N/`` is read as DeepSpeed's); None: the default view."""
+    ``checkpoint-N/`` is read as DeepSpeed's); for ``DEFAULT_VIEW``, each framework's declared
+    ``default_view``. None: the files as stored."""
+    from ckpttool.frameworks.base import DEFAULT_VIEW
     from ckpttool.frameworks.registry import detect_once, frameworks
     from ckpttool.io.source import is_dir
 
     if not is_dir(name):
         return None
     for framework in frameworks():
-        if view in framework.views:
+        wanted = framework.default_view if view == DEFAULT_VIEW else view
+        if wanted is not None and wanted in framework.views:
             layout = detect_once(framework, name, known)
             if layout is not None:
-                return framework.open_view(layout, view)
+                return framework.open_view(layout, wanted)
     return None
 
 

@@ -4,11 +4,12 @@ takes).
 
 Everything the reader opens (:func:`~ckpttool.checkpoint.open_checkpoint`: a file of any
 format, a DCP or framework directory, a URL, a framework's ``view=``) is read without running
-pickle code, and only the tensors asked for are read. A tensor is what ``torch.load(path,
-weights_only=True)`` gives for its key: dtype, shape, strides and storage offset, and two views
-of one storage share it within one handle. Each storage of a local file whose bytes are one
-range of it (a torch zip, a safetensors file, a legacy file of little-endian storages) is a
-slice of one private memory map of the file, as ``torch.load(mmap=True)`` makes: nothing is
+pickle code, in the view ``convert`` reads unless another is named (the one the layout
+declares: :data:`~ckpttool.frameworks.base.DEFAULT_VIEW`), and only the tensors asked for are
+read. A tensor is what ``torch.load(path, weights_only=True)`` gives for its key: dtype,
+shape, strides and storage offset, and two views of one storage share it within one handle.
+Each storage of a local file whose bytes are one range of it (a torch zip, a safetensors file,
+a legacy file of little-endian storages) is a slice of one private memory map of the file, as ``torch.load(mmap=True)`` makes: nothing is
 copied or read until it is touched, and writing to a tensor never reaches the file. Other
 storages (remote files, DCP chunks, a directory's members, consolidated views, big-endian or
 packed bytes) are read into memory, by ranges for a remote file.
@@ -23,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
-from ckpttool.commands.selection import select
+from ckpttool.commands.selection import Selection, add_recorded_aliases, select
 from ckpttool.errors import (
     CheckpointKeyError,
     CkptError,
@@ -31,6 +32,7 @@ from ckpttool.errors import (
     InputError,
     name_file,
 )
+from ckpttool.frameworks.base import DEFAULT_VIEW
 from ckpttool.model.dtypes import ELEMENTS_PER_BYTE
 from ckpttool.model.records import (
     ITEMSIZE,
@@ -375,14 +377,20 @@ def _without_tensors(node: Any) -> Any:
 
 def open(path_or_url: str | os.PathLike[str], *, view: str | None = None) -> CheckpointHandle:
     """Open a checkpoint (a file, a directory or a URL) for reading tensors one at a time,
-    safely: its pickle is walked, never run. ``view`` names a framework's view of a directory
-    (``"weights"``: DeepSpeed ZeRO's consolidated fp32 weights). Use it as a context manager.
-    Raises :class:`~ckpttool.errors.CkptError` subclasses with the command line's messages.
+    safely: its pickle is walked, never run. By default (``view=None``) a directory opens as
+    ``convert`` and ``diff`` read it, in the view its layout declares
+    (:attr:`~ckpttool.frameworks.base.Framework.default_view`: DeepSpeed ZeRO's consolidated
+    fp32 weights, any other layout's files); ``view`` names another (``"files"``: the files as
+    stored, as ``show`` lists them; ``"weights"``: a framework's consolidated weights). Use it as
+    a context manager. Raises :class:`~ckpttool.errors.CkptError` subclasses with the command
+    line's messages.
 
     Named as safetensors' ``safe_open``, it is ``ckpttool.open`` to callers; it shadows the
     builtin in this module only (which never calls the builtin), and no other module of the
     package imports it by name."""
-    return CheckpointHandle(open_checkpoint(path_or_url, view=view))
+    return CheckpointHandle(
+        open_checkpoint(path_or_url, view=DEFAULT_VIEW if view is None else view)
+    )
 
 
 def load_state_dict(
@@ -399,14 +407,17 @@ def load_state_dict(
     """The model's weights as a plain state dict that ``model.load_state_dict`` accepts.
 
     ``section="model"`` (the default) is the model's weights wherever the checkpoint's layout
-    keeps them, as ``diff`` and ``convert`` find them: ``model`` of a resume checkpoint,
-    ``state_dict`` of a Lightning one, the whole file of a state dict or safetensors file, the
-    weights files of a Hugging Face directory. Another name is that subtree (``"optimizer"``);
+    keeps them, as ``diff`` and ``convert`` find them, in the same view (:func:`open`'s):
+    ``model`` of a resume checkpoint, ``state_dict`` of a Lightning one, the whole file of a
+    state dict or safetensors file, the weights files of a Hugging Face directory, DeepSpeed
+    ZeRO's consolidated fp32 weights. Another name is that subtree (``"optimizer"``);
     None: every tensor of the file, by its dotted key. Keys are relative to the section, with
     ``strip_prefix`` (one prefix or several) removed, and DDP/``torch.compile``'s ``module.``
     and ``_orig_mod.`` too with ``ignore_wrappers``. ``keys`` picks some of them (a key that is
-    not there raises). Tensors are :meth:`CheckpointHandle.get_tensor`'s (memory-mapped where
-    the file allows it), moved to ``device`` and cast to ``dtype`` when given.
+    not there raises). Tied weights a safetensors file stored once and declares in its
+    metadata are given back under both names, as ``convert`` gives them back. Tensors are
+    :meth:`CheckpointHandle.get_tensor`'s (memory-mapped where the file allows it), moved to
+    ``device`` and cast to ``dtype`` when given.
     """
     strip = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix or ())
     with open(path_or_url, view=view) as handle:
@@ -419,7 +430,9 @@ def load_state_dict(
             )
         else:
             selected = select(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
-        records = selected.tensors
+        records = dict(selected.tensors)
+        prefixes = Selection(strip=strip, ignore_wrappers=ignore_wrappers).prefixes
+        add_recorded_aliases(ckpt, records, prefixes, [])
         if keys is not None:
             missing = [key for key in keys if key not in records]
             if missing:

@@ -13,12 +13,18 @@ from dataclasses import dataclass, replace
 
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.errors import InputError, SameKeyError
+from ckpttool.formats.registry import carries_metadata
 from ckpttool.model.records import TensorRecord, paths_of, tensors
 from ckpttool.model.roles import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # diff and convert's door
 from ckpttool.model.roles import layout_of, model_section
 
 #: safetensors ``__metadata__`` key under which ``convert`` records ``{alias: stored name}``.
 ALIASES_KEY = "ckpttool.aliases"
+SOURCE_KEY = "ckpttool.source"
+VERSION_KEY = "ckpttool.version"
+#: Keys convert computes itself; a safetensors source's values for them are not carried over,
+#: and none of them declares an alias.
+OWN_KEYS = frozenset({"format", SOURCE_KEY, VERSION_KEY, ALIASES_KEY})
 
 
 @dataclass(frozen=True)
@@ -188,3 +194,35 @@ def declared_aliases(
         if name != ALIASES_KEY and name not in ignore and name not in stored and target in stored:
             declared.setdefault(name, target)
     return {alias: target for alias, target in declared.items() if target in stored}, malformed
+
+
+def recorded_aliases(
+    metadata: dict[str, str], stored: set[str], notes: list[str]
+) -> dict[str, str]:
+    """``{alias: stored}`` a safetensors file's ``__metadata__`` declares, as ``diff`` reads it.
+
+    Both conventions: ckpttool's ``ckpttool.aliases`` JSON object, and
+    ``safetensors.torch.save_model``'s one entry per alias (a key that is not a tensor whose
+    value is one).
+    """
+    declared, malformed = declared_aliases(metadata, stored, ignore=OWN_KEYS)
+    if malformed:
+        notes.append(f"ignored {ALIASES_KEY} in the source's metadata: not a JSON object")
+    return declared
+
+
+def add_recorded_aliases(
+    ckpt: Checkpoint, named: dict[str, TensorRecord], prefixes: list[str], notes: list[str]
+) -> set[str]:
+    """Give back the names a tied-weights file stored once, as its string metadata declares
+    them (added to ``named``, keyed as ``prefixes`` key it: ``convert`` writes them,
+    ``ckpttool.load_state_dict`` returns them); return the metadata keys used."""
+    if not carries_metadata(ckpt.format):
+        return set()
+    stored = {record.key: record for record in named.values()}
+    declared = recorded_aliases(ckpt.metadata, set(stored), notes)
+    for alias, target in declared.items():
+        name = strip_prefixes(alias, prefixes)
+        if name not in named:
+            named[name] = replace(stored[target], key=alias)
+    return {alias for alias in declared if alias in ckpt.metadata}

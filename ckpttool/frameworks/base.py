@@ -13,9 +13,11 @@ The order of calls (like ``torch.distributed.checkpoint``'s planner, documented 
    :class:`FrameworkDirectory`: its members with their roles and where their content goes in the
    merged tree, the files it would have written that are not there (completeness), the
    problems between them, and what the directory is called.
-2. :meth:`Framework.open_view` ``(layout, view)``: when a command asks for a view by name
+2. :meth:`Framework.open_view` ``(layout, view)``: when a caller asks for a view by name
    (``open_checkpoint(path, view=WEIGHTS_VIEW)``), the frameworks that declare it in
-   :attr:`Framework.views` are asked first; one returns the view as a Checkpoint.
+   :attr:`Framework.views` are asked first; one returns the view as a Checkpoint. A reader of
+   the model's tensors asks for :data:`DEFAULT_VIEW`: each framework's own
+   :attr:`Framework.default_view`, asked the same way.
 3. Otherwise :meth:`Framework.open_directory` may read the directory as one Checkpoint itself
    (a set of per-rank files: each tensor assembled from every rank's piece); when it returns
    None, :func:`ckpttool.frameworks.tree.read_directory` opens the members through the
@@ -388,9 +390,18 @@ def has_dcp_files(files: dict[str, int]) -> bool:
     return DCP_INDEX in files or any(DCP_DATA_FILE.match(name) for name in files)
 
 
-#: The view ``convert`` and ``diff`` ask for: the model's weights as the framework consolidates
+#: A framework's view of its directories: the model's weights as the framework consolidates
 #: them (DeepSpeed ZeRO: the fp32 master weights); a checkpoint without such a view opens as usual.
 WEIGHTS_VIEW = "weights"
+#: ``view=`` for the view the layout declares as its default (:attr:`Framework.default_view`):
+#: what every reader of a checkpoint's tensors opens (``convert``, ``diff``, ``trend``, ``lora``,
+#: ``ckpttool.open`` and ``ckpttool.load_state_dict`` when the caller names no view), so that
+#: the command line and the library read one path the same way.
+DEFAULT_VIEW = "default"
+#: ``view=`` for the files as stored, a directory's members merged into one tree (what ``show``,
+#: ``verify``, ``scan``, ``edit`` and ``rescale-step`` read; ``open_checkpoint`` without a view):
+#: no framework offers it as a view of its own.
+FILES_VIEW = "files"
 
 
 @dataclass(frozen=True)
@@ -404,7 +415,7 @@ class ViewFacts:
 
 
 def view_facts(ckpt: Any) -> ViewFacts | None:
-    """The facts of the view ``ckpt`` was opened as (None: the default view)."""
+    """The facts of the view ``ckpt`` was opened as (None: the files as stored)."""
     facts = ckpt.details.get("view")
     return facts if isinstance(facts, ViewFacts) else None
 
@@ -471,8 +482,14 @@ class Framework:
     #: ``FrameworkDirectory.kind`` values :meth:`detect` returns (how a command finds the
     #: framework of an open checkpoint from ``details["layout"]``).
     layouts: tuple[str, ...] = ()
-    #: Views :meth:`open_view` offers besides the default (the merged tree).
+    #: Views :meth:`open_view` offers besides the files as stored (the merged tree).
     views: tuple[str, ...] = ()
+    #: The view of its directories that holds the model's tensors, declared here once: one of
+    #: :attr:`views`, opened for :data:`DEFAULT_VIEW` (``convert``, ``diff``, ``trend``,
+    #: ``lora``, ``ckpttool.open``, ``ckpttool.load_state_dict``); None: the merged tree of its
+    #: members is the model's tensors as they are (``tests/test_default_view.py`` holds every
+    #: layout to it).
+    default_view: str | None = None
     #: True when :meth:`rescale` writes the rescaled directory itself; such a framework is asked
     #: before the detection order (a DeepSpeed save inside a Trainer ``checkpoint-N/``).
     rescales_itself: bool = False
@@ -502,7 +519,7 @@ class Framework:
         """2. ``view`` (one of :attr:`views`) of the directory ``layout`` describes, as a
         Checkpoint whose ``details["view"]`` holds its :class:`ViewFacts`; None when this
         directory has no such view (DeepSpeed ZeRO-0: nothing partitioned), and the door opens
-        the default."""
+        the files as stored."""
         return None
 
     def check_tree(

@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool.commands.convert.plan import ALIASES_KEY, SOURCE_KEY, VERSION_KEY, Plan, Planned
+from ckpttool.commands.convert.plan import Plan, Planned
+from ckpttool.commands.selection import ALIASES_KEY, SOURCE_KEY, VERSION_KEY
 from ckpttool.errors import InputError, OutputExistsError
 from ckpttool.model.records import ITEMSIZE
 from ckpttool.version import __version__

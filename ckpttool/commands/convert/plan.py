@@ -12,7 +12,7 @@ import fnmatch
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.checkpoint import Checkpoint
@@ -25,11 +25,10 @@ from ckpttool.commands.mapped import (
     step_counts,
 )
 from ckpttool.commands.selection import (
-    ALIASES_KEY,
+    OWN_KEYS,
     Selection,
-    declared_aliases,
+    add_recorded_aliases,
     select,
-    strip_prefixes,
     wrapper_hint,
 )
 from ckpttool.errors import InputError
@@ -44,10 +43,6 @@ from ckpttool.model.records import ITEMSIZE, TensorRecord, walk, without_values
 #: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
 #: Prefix of the ``__metadata__`` keys that keep a checkpoint's scalar fields (JSON values).
 FIELD_PREFIX = "ckpttool.field."
-SOURCE_KEY = "ckpttool.source"
-VERSION_KEY = "ckpttool.version"
-#: Keys convert computes itself; a safetensors source's values for them are not carried over.
-OWN_KEYS = frozenset({"format", SOURCE_KEY, VERSION_KEY, ALIASES_KEY})
 MAX_FIELD_CHARS = 1024  # longer strings are left out (listed in a note) rather than stored
 MAX_FIELDS_PER_ENTRY = 64  # an entry with more scalars (RNG state, loop counters) is left out
 
@@ -117,9 +112,7 @@ def build_plan(
     named = dict(selection.tensors)
     notes: list[str] = []
     prefixes = choice.prefixes
-    alias_entries: set[str] = set()
-    if carries_metadata(ckpt.format):
-        alias_entries = _add_recorded_aliases(ckpt, named, prefixes, notes)
+    alias_entries = add_recorded_aliases(ckpt, named, prefixes, notes)
     if pattern is not None:
         named = filtered(named, pattern)
         if not named:
@@ -353,34 +346,6 @@ def find_aliases(named: dict[str, TensorRecord]) -> dict[str, str]:
         keep, *others = sorted(names)
         aliases.update({other: keep for other in others})
     return aliases
-
-
-def recorded_aliases(
-    metadata: dict[str, str], stored: set[str], notes: list[str]
-) -> dict[str, str]:
-    """``{alias: stored}`` a safetensors file's ``__metadata__`` declares, as ``diff`` reads it.
-
-    Both conventions: ckpttool's ``ckpttool.aliases`` JSON object, and
-    ``safetensors.torch.save_model``'s one entry per alias (a key that is not a tensor whose
-    value is one).
-    """
-    declared, malformed = declared_aliases(metadata, stored, ignore=OWN_KEYS)
-    if malformed:
-        notes.append(f"ignored {ALIASES_KEY} in the source's metadata: not a JSON object")
-    return declared
-
-
-def _add_recorded_aliases(
-    ckpt: Checkpoint, named: dict[str, TensorRecord], prefixes: list[str], notes: list[str]
-) -> set[str]:
-    """Give back the names a tied-weights file stored once; return the metadata keys used."""
-    stored = {record.key: record for record in named.values()}
-    declared = recorded_aliases(ckpt.metadata, set(stored), notes)
-    for alias, target in declared.items():
-        name = strip_prefixes(alias, prefixes)
-        if name not in named:
-            named[name] = replace(stored[target], key=alias)
-    return {alias for alias in declared if alias in ckpt.metadata}
 
 
 def collect_fields(

@@ -47,7 +47,7 @@ from ckpttool.errors import (
     VerificationError,
 )
 from ckpttool.formats.registry import format_by_id
-from ckpttool.frameworks.base import WEIGHTS_VIEW, view_facts
+from ckpttool.frameworks.base import DEFAULT_VIEW, view_facts
 from ckpttool.io.atomic import atomic_group
 from ckpttool.io.blocks import FileRange, equal_ranges
 from ckpttool.io.crc import crc32
@@ -158,7 +158,7 @@ def convert_with(
     max_shard_size = options.max_shard_size
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     src_path = _local_name(src, dst)
-    with open_checkpoint(src, view=WEIGHTS_VIEW) as opened:
+    with open_checkpoint(src, view=DEFAULT_VIEW) as opened:
         ckpt, edited = _edited(opened, choice)
         plan = build_plan(ckpt, choice, options, keep_kinds=writes_pth(dst, to))
         facts = view_facts(ckpt)

@@ -58,7 +58,7 @@ from ckpttool.commands.mapped import (
 from ckpttool.commands.selection import Selection
 from ckpttool.errors import CkptError
 from ckpttool.formats.registry import carries_metadata
-from ckpttool.frameworks.base import WEIGHTS_VIEW, reported_layout, view_facts
+from ckpttool.frameworks.base import DEFAULT_VIEW, reported_layout, view_facts
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK, read_many
 from ckpttool.io.values import dense_record
@@ -162,7 +162,7 @@ class DiffReport:
 
 
 def _counters(ckpt: Checkpoint) -> dict[str, object] | None:
-    """The training counters a view compares (None: the default view has none)."""
+    """The training counters a view compares (None: the files as stored have none)."""
     facts = view_facts(ckpt)
     return facts.counters if facts is not None else None
 
@@ -170,8 +170,8 @@ def _counters(ckpt: Checkpoint) -> dict[str, object] | None:
 def open_side(path: str | os.PathLike[str]) -> Checkpoint:
     """Open one input; errors name the file, since a diff has two."""
     try:
-        # a framework's weights where it consolidates them (DeepSpeed ZeRO: the fp32 ones)
-        return open_checkpoint(path, view=WEIGHTS_VIEW)
+        # the view the layout declares for its tensors (DeepSpeed ZeRO: the fp32 weights)
+        return open_checkpoint(path, view=DEFAULT_VIEW)
     except CkptError as error:
         if str(path) in str(error):
             raise

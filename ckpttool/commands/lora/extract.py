@@ -36,7 +36,7 @@ from ckpttool.commands.selection import Selection
 from ckpttool.errors import InputError, OutputExistsError, VerificationError
 from ckpttool.formats.base import OutTensor
 from ckpttool.formats.registry import format_by_id
-from ckpttool.frameworks.base import WEIGHTS_VIEW
+from ckpttool.frameworks.base import DEFAULT_VIEW
 from ckpttool.io.atomic import staged_directory
 from ckpttool.io.values import dense_record, read_array
 from ckpttool.model.cast import stored_dtype, widen
@@ -97,8 +97,8 @@ def extract_adapter(
     _check_output(target, force)
     base_name, tuned_name = os.fspath(base), os.fspath(tuned)
     with (
-        open_checkpoint(base, view=WEIGHTS_VIEW) as a,
-        open_checkpoint(tuned, view=WEIGHTS_VIEW) as b,
+        open_checkpoint(base, view=DEFAULT_VIEW) as a,
+        open_checkpoint(tuned, view=DEFAULT_VIEW) as b,
     ):
         names_a, names_b = _weights(a), _weights(b)
         if sorted(names_a) != sorted(names_b):

@@ -39,7 +39,7 @@ from ckpttool.commands.convert.run import write_outputs
 from ckpttool.commands.selection import Selection
 from ckpttool.commands.show import weights_section
 from ckpttool.errors import InputError, OverflowRefusedError
-from ckpttool.frameworks.base import WEIGHTS_VIEW, ModelDirectoryOutput
+from ckpttool.frameworks.base import DEFAULT_VIEW, ModelDirectoryOutput
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.values import dense_record, read_array
 from ckpttool.model.cast import cast_array, stored_dtype, widen
@@ -114,7 +114,7 @@ def merge_adapter(
     base_name, adapter_name = os.fspath(base), os.fspath(adapter)
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     factors, copies, notes = _read_adapter(adapter_name)
-    with open_checkpoint(base, view=WEIGHTS_VIEW) as ckpt:
+    with open_checkpoint(base, view=DEFAULT_VIEW) as ckpt:
         if isinstance(ckpt.details.get(ADAPTER), dict):
             raise InputError(
                 f"{base_name}: is an adapter, not a base model; give the base first: "

@@ -22,6 +22,9 @@ class DeepSpeed(Framework):
     name = DEEPSPEED
     layouts = (DEEPSPEED,)
     views = (WEIGHTS_VIEW,)
+    # ZeRO-1/2 keep the fp32 master weights in the optimizer states, ZeRO-3 only placeholders in
+    # the model states: the model's tensors are the consolidated ones (zero_to_fp32's)
+    default_view = WEIGHTS_VIEW
     rescales_itself = True
 
     def detect(self, path: str) -> FrameworkDirectory | None:
@@ -29,7 +32,7 @@ class DeepSpeed(Framework):
 
     def open_view(self, layout: FrameworkDirectory, view: str) -> Checkpoint | None:
         """The fp32 master weights, consolidated from every rank's optimizer states; None for
-        ZeRO-0 (nothing is partitioned: the default view reads the weights as they are)."""
+        ZeRO-0 (nothing is partitioned: the files as stored hold the weights as they are)."""
         from ckpttool.frameworks.deepspeed.consolidate import find_tag, open_zero_weights
 
         try:
