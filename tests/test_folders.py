@@ -314,3 +314,17 @@ def test_a_component_saved_by_transformers_is_a_part(tmp_path: Path) -> None:
     assert described(state) == {k: v for k, v in bert.items() if not k.startswith("2.")}
     data = json.loads(run("show", folder, "--json").stdout)
     assert [p["name"] for p in data["details"]["parts"]] == ["unet", "vqvae", "text_encoder"]
+
+
+def test_a_folder_of_one_part_is_keyed_by_the_part_s_name(tmp_path: Path) -> None:
+    """show, convert and load_state_dict agree on the keys when only one part has weights."""
+    folder = tmp_path / "pipe"
+    shutil.copytree(HERE / "ldm_pipeline", folder)
+    shutil.rmtree(folder / "vqvae")
+    index = json.loads((folder / "model_index.json").read_text())
+    del index["vqvae"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    data = json.loads(run("show", folder, "--json").stdout)
+    shown = {t["key"] for t in data["tensors"]}
+    assert shown == set(ckpttool.load_state_dict(folder))
+    assert "unet.conv_in.weight" in shown

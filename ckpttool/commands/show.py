@@ -206,12 +206,10 @@ def weights_section(ckpt: Checkpoint) -> str | None:
     sections = {m.get("section") for m in members if m.get("role") == "weights"}
     if not sections or not all(isinstance(found, str) and found for found in sections):
         return None
-    if len(sections) == 1:
-        return str(sections.pop())
     parents = {str(found).split(".", 1)[0] for found in sections}
     if len(parents) == 1 and all("." in str(found) for found in sections):
-        return parents.pop()
-    return None
+        return parents.pop()  # parts, even when only one is there: keyed by their names
+    return str(sections.pop()) if len(sections) == 1 else None
 
 
 def stored_keys(records: list[TensorRecord], section: str) -> list[TensorRecord]:
