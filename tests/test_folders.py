@@ -328,3 +328,19 @@ def test_a_folder_of_one_part_is_keyed_by_the_part_s_name(tmp_path: Path) -> Non
     shown = {t["key"] for t in data["tensors"]}
     assert shown == set(ckpttool.load_state_dict(folder))
     assert "unet.conv_in.weight" in shown
+
+
+def test_a_router_module_is_named_as_not_read(tmp_path: Path) -> None:
+    """A Router saves its routes' modules below its own folder: said so, never called complete
+    with its weights silently left out, nor missing."""
+    folder = tmp_path / "st"
+    shutil.copytree(HERE / "st_dense", folder)
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[2]["type"] = "sentence_transformers.base.modules.router.Router"
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with open_checkpoint(folder) as ckpt:
+        assert ckpt.details["not_read"] == [
+            "2_Dense/ (module 2, a Router: its modules are not read)"
+        ]
+        assert ckpt.details["missing"] == []
+    assert "not read:   2_Dense/ (module 2, a Router" in run("show", folder).stdout

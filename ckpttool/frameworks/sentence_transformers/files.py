@@ -33,6 +33,9 @@ WEIGHT_NAMES = WeightNames(
 )
 #: Module classes that hold no weights: a folder of theirs without any is complete.
 WEIGHTLESS = frozenset({"Pooling", "Normalize", "Dropout"})
+#: Module classes that save other modules in folders of their own, below theirs (a ``Router``'s
+#: routes): not read, and said so.
+NESTING = frozenset({"Router"})
 #: Module classes that keep their Hugging Face model under ``model`` (``Transformer.model``).
 HF_WRAPPERS = frozenset({"Transformer", "MLMTransformer"})
 
@@ -61,6 +64,7 @@ def detect(path: str) -> FrameworkDirectory | None:
             f"{join(path, MODULES_NAME)}: not a list of modules with a name and a path"
         )
     parts = []
+    nested: list[str] = []
     known = {MODULES_NAME}
     for module in modules:
         name, folder = module["name"], module["path"].strip("/")
@@ -76,6 +80,9 @@ def detect(path: str) -> FrameworkDirectory | None:
                       "section": section, "tensors": 0})  # fmt: skip
         if folder_files is None:
             layout.missing.append(f"{folder}/ (module {name}, {kind})")
+            continue
+        if kind in NESTING:
+            nested.append(f"{folder or '.'}/ (module {name}, a {kind}: its modules are not read)")
             continue
         members, problems, _ = folder_weights(path, folder, folder_files, section, WEIGHT_NAMES)
         layout.members += members
@@ -98,7 +105,7 @@ def detect(path: str) -> FrameworkDirectory | None:
                 Member(file, CONFIG if file.endswith(".json") else OTHER, None, size)
             )
     layout.details[PARTS] = parts
-    not_read = _unlisted_folders(path, {p["folder"] for p in parts})
+    not_read = nested + _unlisted_folders(path, {p["folder"] for p in parts})
     if not_read:
         layout.details["not_read"] = not_read
     layout.complete = not layout.missing and not layout.problems
