@@ -21,13 +21,14 @@ def test_each_line_names_a_framework_that_detects_the_layouts_it_lists() -> None
 def test_detection_order() -> None:
     """The DCP-based layouts first (Lightning's meta.pt, torchtitan's step-N/, torchtune's
     epoch_N/ name their folders by files or names no other framework claims), then PEFT (a
-    Trainer checkpoint-N/ of a PEFT model holds an adapter, not the weights), accelerate before
+    Trainer checkpoint-N/ of a PEFT model holds an adapter, not the weights), sentence-transformers
+    (its root module is a Hugging Face model directory) and diffusers, accelerate before
     Hugging Face (its folders hold a model.safetensors too), DeepSpeed next (a Trainer
     checkpoint-N/ of a DeepSpeed run holds a global_stepN/), Megatron, and per-rank sets last
     (any directory of *rank<N>.pt files)."""
     assert [f.name for f in frameworks()] == [
-        "lightning_sharded", "torchtitan", "torchtune", "peft", "accelerate", "huggingface",
-        "deepspeed", "megatron", "rank_set",
+        "lightning_sharded", "torchtitan", "torchtune", "peft", "sentence_transformers",
+        "diffusers", "accelerate", "huggingface", "deepspeed", "megatron", "rank_set",
     ]  # fmt: skip
 
 

@@ -197,15 +197,19 @@ def largest_first(by_dtype: dict[str, int]) -> dict[str, int]:
 
 
 def weights_section(ckpt: Checkpoint) -> str | None:
-    """The section a framework directory's weights files fill (``model``), when it is one."""
+    """The section a framework directory's weights files fill (``model``), when it is one, or
+    the one section that holds them all as named parts (``model.unet``, ``model.vqvae``:
+    ``model``)."""
     members = ckpt.details.get("members")
     if ckpt.format != "directory" or not isinstance(members, list):
         return None
     sections = {m.get("section") for m in members if m.get("role") == "weights"}
-    if len(sections) != 1:
+    if not sections or not all(isinstance(found, str) and found for found in sections):
         return None
-    found = sections.pop()
-    return found if isinstance(found, str) and found else None
+    parents = {str(found).split(".", 1)[0] for found in sections}
+    if len(parents) == 1 and all("." in str(found) for found in sections):
+        return parents.pop()  # parts, even when only one is there: keyed by their names
+    return str(sections.pop()) if len(sections) == 1 else None
 
 
 def stored_keys(records: list[TensorRecord], section: str) -> list[TensorRecord]:

@@ -8,7 +8,9 @@ line here (see docs/development.md, "How to add a framework").
 Order matters: Lightning's sharded checkpoints first (a DCP directory with ``meta.pt``: no other
 framework's files), torchtitan's ``step-N/`` DCP directories next; torchtune's ``epoch_N/`` (a model
 directory with an adapter beside it, named by the epoch) before PEFT and Hugging Face; PEFT next (a Trainer ``checkpoint-N/`` of a PEFT model holds the adapter
-instead of the weights); accelerate next (its folders hold a ``model.safetensors`` like a model
+instead of the weights); sentence-transformers next (its root module is a Hugging Face model
+directory, with ``modules.json`` beside it); diffusers next (``model_index.json``, or
+``config.json`` beside ``diffusion_pytorch_model*``: no other framework's names); accelerate next (its folders hold a ``model.safetensors`` like a model
 directory does); DeepSpeed next (a Trainer ``checkpoint-N/`` of a DeepSpeed run holds a
 ``global_stepN/`` too); Megatron next (``mp_rank_XX/`` folders, or a DCP directory with
 ``metadata.json``); per-rank sets last (a directory of ``*rank<N>.pt`` files).
@@ -30,6 +32,8 @@ FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ckpttool.frameworks.torchtitan.framework:FRAMEWORK", ("torchtitan", "torchtitan_run")),
     ("ckpttool.frameworks.torchtune.framework:FRAMEWORK", ("torchtune", "torchtune_run")),
     ("ckpttool.frameworks.peft.framework:FRAMEWORK", ("peft_adapter",)),
+    ("ckpttool.frameworks.sentence_transformers.framework:FRAMEWORK", ("sentence_transformers",)),
+    ("ckpttool.frameworks.diffusers.framework:FRAMEWORK", ("diffusers_model", "diffusers_ema", "diffusers_pipeline")),
     ("ckpttool.frameworks.accelerate.framework:FRAMEWORK", ("accelerate",)),
     ("ckpttool.frameworks.huggingface.framework:FRAMEWORK", ("hf_model", "hf_trainer", "hf_trainer_output")),
     ("ckpttool.frameworks.deepspeed.framework:FRAMEWORK", ("deepspeed",)),

@@ -58,9 +58,14 @@ TORCHTITAN = "torchtitan"  # a step-N/ DCP directory: ckpttool.frameworks.torcht
 TORCHTUNE = "torchtune"  # epoch_N/ or the flat 0.2-0.3 files: ckpttool.frameworks.torchtune
 MEGATRON_DIST = "megatron_torch_dist"  # ckpttool.frameworks.megatron: DCP + common.pt
 MEGATRON_LEGACY = "megatron_legacy"  # ckpttool.frameworks.megatron: mp_rank_XX[_YYY]/ shards
+SENTENCE_TRANSFORMERS = "sentence_transformers"  # modules.json: frameworks.sentence_transformers
+DIFFUSERS_MODEL = "diffusers_model"  # config.json + diffusion_pytorch_model*: frameworks.diffusers
+DIFFUSERS_EMA = "diffusers_ema"  # EMAModel.save_pretrained: frameworks.diffusers
+DIFFUSERS_PIPELINE = "diffusers_pipeline"  # model_index.json + components: frameworks.diffusers
 DECLARED_LAYOUTS = (
     HF_MODEL, HF_TRAINER, ACCELERATE, DEEPSPEED, PEFT_ADAPTER, PICKLED_MODULE, RANK_SET,
     LIGHTNING_SHARDED, TORCHTITAN, TORCHTUNE, MEGATRON_DIST, MEGATRON_LEGACY,
+    SENTENCE_TRANSFORMERS, DIFFUSERS_MODEL, DIFFUSERS_EMA, DIFFUSERS_PIPELINE,
 )  # fmt: skip
 
 LAYOUT_TITLES = {
@@ -88,6 +93,10 @@ LAYOUT_TITLES = {
     TORCHTUNE: "torchtune checkpoint",
     MEGATRON_DIST: "Megatron torch_dist checkpoint",
     MEGATRON_LEGACY: "Megatron legacy checkpoint (mp_rank shards)",
+    SENTENCE_TRANSFORMERS: "sentence-transformers model folder",
+    DIFFUSERS_MODEL: "diffusers model folder",
+    DIFFUSERS_EMA: "diffusers EMAModel save",
+    DIFFUSERS_PIPELINE: "diffusers pipeline folder",
 }
 
 RESUME_KEYS = ("model", "optimizer", "epoch", "step")
@@ -180,7 +189,8 @@ def model_section(layout: str, root: Any = None) -> str | None:
     no part of it is; :func:`model_part` tells those apart)."""
     if is_resume(layout) or layout in (
         HF_MODEL, HF_TRAINER, ACCELERATE, PEFT_ADAPTER, LIGHTNING_SHARDED, TORCHTITAN, TORCHTUNE,
-        MEGATRON_DIST, MEGATRON_LEGACY,
+        MEGATRON_DIST, MEGATRON_LEGACY, SENTENCE_TRANSFORMERS, DIFFUSERS_MODEL, DIFFUSERS_EMA,
+        DIFFUSERS_PIPELINE,
     ):  # fmt: skip
         return "model"
     if layout == LIGHTNING:

@@ -21,6 +21,7 @@ def fixture_files() -> list[Path]:
         and "__pycache__" not in p.parts
         and p.relative_to(FIXTURES).parts[0] != "pairs"  # diff's inputs (one holds a NaN)
         and p.relative_to(FIXTURES).parts[0] != "frameworks"  # tests/test_framework_fixtures.py
+        and p.relative_to(FIXTURES).parts[0] != "folders"  # tests/test_folders.py
         # torch.load reads no GGUF: tests/test_gguf.py reads them against the gguf package
         and p.relative_to(FIXTURES).parts[0] != "gguf"
         # DeepSpeed's rank files are torch.save files like any other; its `latest`, JSON and

@@ -1,0 +1,1 @@
+"""diffusers model folders, EMAModel saves and pipeline folders."""

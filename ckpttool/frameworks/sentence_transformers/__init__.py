@@ -1,0 +1,1 @@
+"""sentence-transformers model folders (``SentenceTransformer.save``)."""
