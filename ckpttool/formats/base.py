@@ -67,6 +67,9 @@ class Parsed:
     # or ranged requests; DCP's reads take a lock. Assembled views (DeepSpeed's fp32, per-rank
     # sets) leave it False: read on one thread.
     concurrent_reads: bool = False
+    # The object tree as pickled when ``root`` is a view of it (pickled nn.Modules read as
+    # their state dicts: ckpttool.model.roles.module_view); None when ``root`` is that tree.
+    objects: Any = None
 
 
 @dataclass
@@ -285,6 +288,13 @@ class Checkpoint:
         if self._all_tensors is None:
             self._all_tensors = tensors(self.root)
         return list(self._all_tensors)
+
+    @property
+    def objects(self) -> Any:
+        """The object tree as the file pickled it: ``root`` itself, or, where ``root`` reads
+        pickled ``nn.Module`` objects as their state dicts, the modules as they were pickled
+        (every attribute, the class of each: ``show --tree --objects``)."""
+        return self._parsed.objects if self._parsed.objects is not None else self.root
 
     def section(self, name: str) -> Any:
         try:

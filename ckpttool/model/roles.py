@@ -26,6 +26,7 @@ from ckpttool.model.records import (
     TensorRecord,
     children,
     get_path,
+    join_key,
     nodes,
     object_classes,
     tensors,
@@ -235,6 +236,60 @@ def module_state_dict(root: Any) -> dict[str, TensorRecord] | None:
             (f"{prefix}{name}.", child) for name, child in submodules if _looks_like_module(child)
         ]))  # fmt: skip
     return out
+
+
+@dataclass
+class ModuleView:
+    """A tree whose pickled ``nn.Module`` objects read as their state dicts (``root``), with
+    the class of each by its dotted key (``""``: the whole file is one module)."""
+
+    root: Any
+    classes: dict[str, str]
+
+
+def module_view(root: Any) -> ModuleView | None:
+    """``root`` with every pickled ``nn.Module`` replaced by its :func:`module_state_dict`:
+    the file itself (``torch.save(model)``), or a value in its dicts, lists and tuples
+    (ultralytics' ``{'model': model, 'ema': ema, 'epoch': ...}``). Other objects are not
+    looked into: a module an object holds is that object's business. None when the tree
+    holds no module (the usual case: nothing copied)."""
+    classes: dict[str, str] = {}
+
+    def view(node: Any, key: str) -> Any:
+        state_dict = module_state_dict(node)
+        if state_dict is not None:
+            classes[key] = str(node.cls)
+            return state_dict
+        if node.__class__ is dict:
+            return {name: view(value, join_key(key, str(name))) for name, value in node.items()}
+        if node.__class__ in (list, tuple):
+            items = [view(value, join_key(key, str(i))) for i, value in enumerate(node)]
+            return items if node.__class__ is list else tuple(items)
+        return node
+
+    if not _holds_module(root, depth=0):
+        return None
+    viewed = view(root, "")
+    return ModuleView(viewed, classes)
+
+
+def _holds_module(node: Any, depth: int) -> bool:
+    """Whether a module is found where :func:`module_view` looks (bounded: containers nest
+    only so deep in a checkpoint's top levels; modules sit at its top)."""
+    if _looks_like_module(node):
+        return True
+    if depth >= _MODULE_SEARCH_DEPTH:
+        return False
+    if node.__class__ is dict:
+        return any(_holds_module(value, depth + 1) for value in node.values())
+    if node.__class__ in (list, tuple):
+        return any(_holds_module(value, depth + 1) for value in node)
+    return False
+
+
+#: How deep in dicts and lists a pickled module is looked for: ultralytics keeps it at the
+#: top (``model``, ``ema``), wrappers one or two levels down; a state dict's tensors are leaves.
+_MODULE_SEARCH_DEPTH = 4
 
 
 def _looks_like_module(node: Any) -> bool:
@@ -515,6 +570,7 @@ __all__ = [
     "model_part",
     "model_section",
     "module_state_dict",
+    "module_view",
     "optimizer_part",
     "part_node",
     "rng_present",

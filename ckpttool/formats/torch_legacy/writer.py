@@ -95,6 +95,15 @@ def _encode(
             _items(value, out, regions, depth)
     elif isinstance(value, OpaqueObject):
         _encode_object(value, out, regions, depth)
+    elif isinstance(value, (set, frozenset)):  # a module's _non_persistent_buffers_set
+        # as protocol 2 pickles one: cls([items]); items in a stable order (a set has none)
+        out += _global("builtins", type(value).__name__) + b"(]"
+        if value:
+            out += b"("
+            for item in sorted(value, key=repr):
+                _encode(item, out, regions, depth + 1)
+            out += b"e"
+        out += b"tR"
     else:
         raise LayoutError(f"cannot write a {type(value).__name__} into a legacy torch.save file")
 

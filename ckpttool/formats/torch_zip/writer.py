@@ -244,6 +244,16 @@ def _encode_object(value: Any, out: bytearray, depth: int) -> None:
             _encode_object(key, out, depth + 1)
             _encode_object(item, out, depth + 1)
         out += b"u"  # SETITEMS
+    elif isinstance(value, (set, frozenset)):  # a module's _non_persistent_buffers_set
+        # as protocol 2 pickles one: cls([items]); items in a stable order (a set has none)
+        _encode(_Global("builtins", type(value).__name__), out)
+        out += b"(]"
+        if value:
+            out += b"("
+            for item in sorted(value, key=repr):
+                _encode_object(item, out, depth + 1)
+            out += b"e"
+        out += b"tR"
     elif isinstance(value, NumpyArray):
         _encode_numpy(value, out)
     elif isinstance(value, StoredTensor):
