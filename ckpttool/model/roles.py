@@ -214,7 +214,7 @@ def module_state_dict(root: Any) -> dict[str, TensorRecord] | None:
     """The state dict of a pickled ``nn.Module`` (``torch.save(model)``), as
     ``model.state_dict()`` names it: parameters, then persistent buffers, of each module in
     ``_modules`` order. None when ``root`` is not such a module."""
-    if not _looks_like_module(root):
+    if not is_pickled_module(root):
         return None
     out: dict[str, TensorRecord] = {}
     stack: list[tuple[str, OpaqueObject]] = [("", root)]
@@ -233,7 +233,7 @@ def module_state_dict(root: Any) -> dict[str, TensorRecord] | None:
         children_in = state.get("_modules")
         submodules = children_in.items() if isinstance(children_in, dict) else ()
         stack.extend(reversed([
-            (f"{prefix}{name}.", child) for name, child in submodules if _looks_like_module(child)
+            (f"{prefix}{name}.", child) for name, child in submodules if is_pickled_module(child)
         ]))  # fmt: skip
     return out
 
@@ -276,7 +276,7 @@ def module_view(root: Any) -> ModuleView | None:
 def _holds_module(node: Any, depth: int) -> bool:
     """Whether a module is found where :func:`module_view` looks (bounded: containers nest
     only so deep in a checkpoint's top levels; modules sit at its top)."""
-    if _looks_like_module(node):
+    if is_pickled_module(node):
         return True
     if depth >= _MODULE_SEARCH_DEPTH:
         return False
@@ -292,7 +292,9 @@ def _holds_module(node: Any, depth: int) -> bool:
 _MODULE_SEARCH_DEPTH = 4
 
 
-def _looks_like_module(node: Any) -> bool:
+def is_pickled_module(node: Any) -> bool:
+    """Whether ``node`` is an ``nn.Module`` as pickled, whatever its class: an object whose
+    state has the ``_parameters`` and ``_modules`` dicts of ``nn.Module.__dict__``."""
     return (
         isinstance(node, OpaqueObject)
         and isinstance(node.state, dict)
@@ -564,6 +566,7 @@ __all__ = [
     "LAYOUT_TITLES",
     "OptimizerSummary",
     "detect_layout",
+    "is_pickled_module",
     "is_resume",
     "layout_of",
     "layout_warnings",
