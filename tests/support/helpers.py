@@ -54,6 +54,8 @@ def flatten_loaded(
         items: Any = ((str(k), v) for k, v in obj.items())
     elif isinstance(obj, (list, tuple)):
         items = ((str(i), v) for i, v in enumerate(obj))
+    elif isinstance(obj, torch.nn.Module):  # read as its state_dict() (issue 40)
+        items = obj.state_dict(keep_vars=True).items()
     elif hasattr(obj, "__dict__") and not isinstance(obj, type):
         items = vars(obj).items()
     else:
