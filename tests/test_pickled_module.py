@@ -256,3 +256,32 @@ def test_edits_inside_a_module_are_refused_saying_why(
     ):
         edit_file(saved["training"], tmp_path / "out.pt", **{option: value})
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_objects_shows_the_modules_as_pickled(saved: dict[str, Any]) -> None:
+    runner = CliRunner()
+    tree = runner.invoke(cli, ["show", "--tree", str(saved["training"])])
+    objects = runner.invoke(
+        cli, ["show", "--objects", "--section", "model", str(saved["training"])]
+    )
+    assert tree.exit_code == objects.exit_code == 0, tree.output + objects.output
+    assert "anchors" not in tree.output and "_modules" not in tree.output
+    assert objects.output.startswith(f"<{__name__}.Net>")
+    for attribute in ("_non_persistent_buffers_set", "anchors: tensor float32[5]", "transient"):
+        assert attribute in objects.output
+    as_json = json.loads(
+        runner.invoke(cli, ["show", "--objects", "--json", str(saved["module"])]).output
+    )
+    assert as_json["__class__"] == f"{__name__}.Net" and as_json["anchors"] == "<tensor float32[5]>"
+
+
+def test_a_parametrized_module_is_read_from_its_state_dict(tmp_path: Path) -> None:
+    """torch refuses to pickle a parametrized module; its state_dict() is an ordinary one."""
+    layer = nn.utils.parametrizations.weight_norm(nn.Linear(3, 3))
+    nn.utils.parametrize.register_parametrization(layer, "bias", nn.Identity())
+    with pytest.raises(RuntimeError, match="only supported through state_dict"):
+        torch.save(layer, tmp_path / "refused.pt")
+    torch.save(layer.state_dict(), tmp_path / "state_dict.pt")
+    expected = layer.state_dict()
+    assert "parametrizations.weight.original0" in expected
+    _same_tensors(ckpttool.load_state_dict(tmp_path / "state_dict.pt"), expected)

@@ -296,9 +296,10 @@ class Checkpoint:
         (every attribute, the class of each: ``show --tree --objects``)."""
         return self._parsed.objects if self._parsed.objects is not None else self.root
 
-    def section(self, name: str) -> Any:
+    def section(self, name: str, *, objects: bool = False) -> Any:
+        """The subtree at dotted key ``name`` (of :attr:`objects` with ``objects``)."""
         try:
-            return get_path(self.root, name)
+            return get_path(self.objects if objects else self.root, name)
         except KeyError:
             raise InputError(f"{self.name}: no section {name!r} in this checkpoint") from None
 
