@@ -201,8 +201,10 @@ def test_for_inference_keeps_the_modules_whole(saved: dict[str, Any], tmp_path: 
         _same_tensors(module.state_dict(), saved[part].state_dict())
         assert module._non_persistent_buffers_set == {"transient"}
         assert _bytes(module.anchors) == _bytes(saved[part].anchors)
-        # still tied: one storage (ckpttool writes the Parameter twice, as two objects)
-        assert module.out.weight.data_ptr() == module.emb.weight.data_ptr()
+        assert module.out.weight is module.emb.weight  # still one Parameter
+        parameters = dict(module.named_parameters())
+        assert list(parameters) == [n for n, _ in saved[part].named_parameters()]
+        assert all(type(p) is nn.Parameter and p.requires_grad for p in parameters.values())
     with ckpttool.open(out) as handle:  # and ckpttool reads it back as it read the source
         assert list(handle.keys()) == [
             f"{p}.{k}" for p in ("model", "ema") for k in saved[p].state_dict()
