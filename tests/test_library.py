@@ -45,6 +45,8 @@ NO_TORCH_REFERENCE = {
     "save: tests/test_megatron.py checks the directory against dcp_to_torch_save",
     "frameworks/megatron/pp2/iter_0000020/.metadata": "the same, pipeline parallel",
     "frameworks/megatron/glu_tp2/iter_0000030/.metadata": "the same, a SwiGLU layer",
+    "ultralytics": "torch.load imports ultralytics' classes (not in the test extra): "
+    "tests/test_ultralytics_fixture.py checks them against ultralytics' own load, frozen",
 }
 #: Damaged on purpose (tests/fixtures/deepspeed/README.md) so that torch cannot read them:
 #: ``ckpttool.open`` must refuse them too (test_files_torch_cannot_read_are_refused).

@@ -23,6 +23,8 @@ def fixture_files() -> list[Path]:
         and p.relative_to(FIXTURES).parts[0] != "frameworks"  # tests/test_framework_fixtures.py
         # torch.load reads no GGUF: tests/test_gguf.py reads them against the gguf package
         and p.relative_to(FIXTURES).parts[0] != "gguf"
+        # torch.load imports ultralytics' classes: tests/test_ultralytics_fixture.py's manifest
+        and p.relative_to(FIXTURES).parts[0] != "ultralytics"
         # DeepSpeed's rank files are torch.save files like any other; its `latest`, JSON and
         # damaged copies are tests/test_deepspeed_*.py's
         and not (p.relative_to(FIXTURES).parts[0] == "deepspeed"
