@@ -45,6 +45,8 @@ NO_TORCH_REFERENCE = {
     "save: tests/test_megatron.py checks the directory against dcp_to_torch_save",
     "frameworks/megatron/pp2/iter_0000020/.metadata": "the same, pipeline parallel",
     "frameworks/megatron/glu_tp2/iter_0000030/.metadata": "the same, a SwiGLU layer",
+    "ultralytics": "torch.load imports ultralytics' classes (not in the test extra): "
+    "tests/test_ultralytics_fixture.py checks them against ultralytics' own load, frozen",
 }
 #: Damaged on purpose (tests/fixtures/deepspeed/README.md) so that torch cannot read them:
 #: ``ckpttool.open`` must refuse them too (test_files_torch_cannot_read_are_refused).
@@ -155,8 +157,6 @@ def sharing(tensors: dict[str, Any]) -> set[frozenset[str]]:
 @pytest.mark.parametrize("path", _tensor_files(), ids=name)
 def test_every_fixture_file_reads_as_torch_load(path: Path) -> None:
     expected = _torch_load(path)
-    if isinstance(expected, torch.nn.Module):  # torch.save(model): keyed as its state dict
-        expected = dict(expected.named_parameters()) | dict(expected.named_buffers())
     theirs = {k: v for k, v in flatten_loaded(expected) if isinstance(v, torch.Tensor)}
     with ckpttool.open(path) as handle:
         assert set(theirs) <= set(handle.keys())

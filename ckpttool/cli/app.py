@@ -208,6 +208,11 @@ def _echo_json(data: object) -> None:
 @click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")
 @click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
 @click.option("--depth", type=click.IntRange(min=0), help="Limit --tree to this depth.")
+@click.option(
+    "--objects", is_flag=True,
+    help="--tree of the objects as pickled: a pickled nn.Module with its class and every "
+    "attribute, not read as its state dict.",
+)  # fmt: skip
 @remote_options
 def show(
     path: str,
@@ -217,6 +222,7 @@ def show(
     stats: bool,
     tree: bool,
     depth: int | None,
+    objects: bool,
 ) -> None:
     """Describe a checkpoint without loading it and without running its pickle.
 
@@ -248,8 +254,9 @@ def show(
             click.echo(show_render.collection_text(listing))
         return
     with ckpt:
-        if tree or depth is not None:
-            root = ckpt.section(section) if section else ckpt.root
+        if tree or depth is not None or objects:
+            whole = ckpt.objects if objects else ckpt.root
+            root = ckpt.section(section, objects=objects) if section else whole
             if as_json:
                 _echo_json(show_tree.render_json(root))
             else:

@@ -44,7 +44,13 @@ from ckpttool.model.records import (
     walk,
     with_fields,
 )
-from ckpttool.model.roles import WHOLE_FILE, detect_layout, model_part
+from ckpttool.model.roles import (
+    PICKLED_MODULE,
+    WHOLE_FILE,
+    detect_layout,
+    model_part,
+    module_view,
+)
 
 
 @dataclass(frozen=True)
@@ -146,14 +152,19 @@ def edit_file(
                 raise CorruptCheckpointError(
                     f"the file is damaged ({why}): `ckpttool repair` it first"
                 )
-            layout = detect_layout(found.root, found.format)
+            # pickled nn.Modules are written back as they were pickled, each object whole;
+            # their state dicts say what the file is (ultralytics' model and ema)
+            modules = module_view(found.root)
+            viewed = found.root if modules is None else modules.root
+            whole_module = modules is not None and "" in modules.classes
+            layout = detect_layout(viewed, found.format, PICKLED_MODULE if whole_module else None)
             log = edits.EditLog()
             root = found.root
             sources = _Sources(handle.fileno(), found.intact)
             if use_ema is not None:
                 root = edits.use_ema(root, layout, use_ema or None, log)
             if for_inference:
-                root = edits.drop(root, edits.inference_drops(root, layout), log)
+                root = edits.drop(root, edits.inference_drops(viewed, layout), log)
             root = edits.drop(root, list(drop), log)
             root = edits.keep(root, list(keep), log)
             root = edits.rename(root, list(rename), log)
@@ -204,8 +215,8 @@ def edit_file(
         ema_missing=tuple(log.ema_missing),
         mapped=tuple(log.mapped),
         dry_run=dry_run,
-        tensors_before=len(before),
-        tensors_after=len(after),
+        tensors_before=len(_viewed_tensors(found.root)),
+        tensors_after=len(_viewed_tensors(root)),
         bytes_before=_stored_bytes(before),
         bytes_after=_stored_bytes(after),
         written=write,
@@ -215,6 +226,13 @@ def edit_file(
 
 def _tensors(root: Any) -> list[tuple[str, TensorRecord]]:
     return [(key, record) for key, record in walk(root) if isinstance(record, TensorRecord)]
+
+
+def _viewed_tensors(root: Any) -> list[tuple[str, TensorRecord]]:
+    """The tensors every other command lists: a pickled nn.Module's state dict, not its
+    attributes (``_tensors`` walks the tree as written, attributes and all)."""
+    modules = module_view(root)
+    return _tensors(root if modules is None else modules.root)
 
 
 def _stored_bytes(tensors: list[tuple[str, TensorRecord]]) -> int:

@@ -58,7 +58,12 @@ def read_back(
         with open_checkpoint(path) as written:
             if written.format != fmt:
                 raise ReadBackError(f"the repaired file reads as {written.format}, not {fmt}")
-            records = {record.key: record for record in written.tensors()}
+            # by the keys of the tree as pickled: a pickled nn.Module is written back as one
+            records = {
+                key: record
+                for key, record in walk(written.objects)
+                if isinstance(record, TensorRecord)
+            }
             if set(records) != {key for key, _ in kept}:
                 missing = sorted({key for key, _ in kept} - set(records))
                 extra = sorted(set(records) - {key for key, _ in kept})

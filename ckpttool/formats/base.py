@@ -68,6 +68,9 @@ class Parsed:
     # or ranged requests; DCP's reads take a lock. Assembled views (DeepSpeed's fp32, per-rank
     # sets) leave it False: read on one thread.
     concurrent_reads: bool = False
+    # The object tree as pickled when ``root`` is a view of it (pickled nn.Modules read as
+    # their state dicts: ckpttool.model.roles.module_view); None when ``root`` is that tree.
+    objects: Any = None
 
 
 @dataclass
@@ -287,9 +290,17 @@ class Checkpoint:
             self._all_tensors = tensors(self.root)
         return list(self._all_tensors)
 
-    def section(self, name: str) -> Any:
+    @property
+    def objects(self) -> Any:
+        """The object tree as the file pickled it: ``root`` itself, or, where ``root`` reads
+        pickled ``nn.Module`` objects as their state dicts, the modules as they were pickled
+        (every attribute, the class of each: ``show --tree --objects``)."""
+        return self._parsed.objects if self._parsed.objects is not None else self.root
+
+    def section(self, name: str, *, objects: bool = False) -> Any:
+        """The subtree at dotted key ``name`` (of :attr:`objects` with ``objects``)."""
         try:
-            return get_path(self.root, name)
+            return get_path(self.objects if objects else self.root, name)
         except KeyError:
             raise InputError(f"{self.name}: no section {name!r} in this checkpoint") from None
 

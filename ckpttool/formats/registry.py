@@ -147,7 +147,9 @@ def as_checkpoint(
 def checked(parsed: Parsed, strict: bool) -> tuple[list[TensorRecord], list[str]]:
     """The tensors of a parsed file and its problems (the first one raised when ``strict``)."""
     records = tensors(parsed.root, in_place=True)  # the tree is this parse's own
-    problems = list(parsed.problems) + check_extents(parsed, records)
+    # a pickled nn.Module's attributes that its state dict leaves out are bytes of the file too
+    stored = records if parsed.objects is None else tensors(parsed.objects)
+    problems = list(parsed.problems) + check_extents(parsed, stored)
     if problems and strict:
         raise CorruptCheckpointError(problems[0])
     return records, problems
@@ -299,15 +301,21 @@ def close_on_error(error: BaseException, name: str, handle: Any, parsed: Parsed 
 
 
 def _read_pickled_module(parsed: Parsed) -> None:
-    """``torch.save(model)`` pickles the module object; every command wants what
-    ``model.state_dict()`` would give, under its names: make that the tree."""
-    from ckpttool.model.roles import PICKLED_MODULE, module_state_dict
+    """``torch.save(model)`` pickles the module object, ultralytics two of them in a dict
+    (``model``, ``ema``); every command wants what ``model.state_dict()`` would give, under its
+    names: make that the tree (the object tree as pickled stays in ``parsed.objects``)."""
+    from ckpttool.model.roles import PICKLED_MODULE, module_view
 
-    state_dict = module_state_dict(parsed.root)
-    if state_dict is not None:
+    view = module_view(parsed.root)
+    if view is None:
+        return
+    parsed.objects = parsed.root
+    parsed.root = view.root
+    if "" in view.classes:
         parsed.details["layout"] = PICKLED_MODULE
-        parsed.details["module_class"] = parsed.root.cls
-        parsed.root = state_dict
+        parsed.details["module_class"] = view.classes[""]
+    else:
+        parsed.details["module_classes"] = view.classes
 
 
 def _parse(

@@ -30,12 +30,15 @@ from ckpttool.model.records import (
 from ckpttool.model.roles import (
     EMA_PART_KEYS,
     LIGHTNING,
+    MODEL_PART_KEYS,
     OPTIMIZER_PART_KEYS,
     TRAINING,
     WHOLE_FILE,
     WRAPPER_PREFIXES,
+    is_pickled_module,
     is_resume,
     model_part,
+    module_state_dict,
 )
 
 #: What a resume checkpoint holds only to go on training: its optimizer is found by role.
@@ -111,6 +114,9 @@ def _filter(node: Any, key: str, unwanted: Any, log: EditLog) -> Any:
                 continue
             out[name] = _filter(value, child, unwanted, log)
         return out
+    if is_pickled_module(node):
+        _refuse_in_module(node, key, lambda name, record: unwanted(name, record))
+        return node
     if isinstance(node, OpaqueObject):
         rebuilt = OpaqueObject(node.cls, node.args, _filter(node.state, key, unwanted, log))
         rebuilt.dictitems = _filter(node.dictitems, key, unwanted, log)
@@ -173,6 +179,11 @@ def renamed_key(key: str, rules: list[tuple[re.Pattern[str], str]], counts: list
 
 
 def _rename(node: Any, key: str, rules: list[tuple[re.Pattern[str], str]], log: EditLog) -> Any:
+    if is_pickled_module(node):
+        _refuse_in_module(
+            node, key, lambda name, _: renamed_key(name, rules, log.rule_counts) != name
+        )
+        return node
     if isinstance(node, OpaqueObject):
         rebuilt = OpaqueObject(node.cls, node.args, _rename(node.state, key, rules, log))
         rebuilt.dictitems = _rename(node.dictitems, key, rules, log)
@@ -274,9 +285,26 @@ def map_tensors(root: Any, change: Any) -> Any:
     return _map_tensors(root, "", change)
 
 
+def _refuse_in_module(module: OpaqueObject, key: str, touched: Any) -> None:
+    """A pickled ``nn.Module`` is written back whole, as its class's ``__setstate__`` expects
+    it: an error when ``touched(key, record)`` holds for a tensor of its state dict."""
+    state_dict = module_state_dict(module) or {}
+    for name, record in state_dict.items():
+        child = join_key(key, name)
+        if touched(child, record):
+            where = f"{key!r}" if key else "the file"
+            raise InputError(
+                f"{child!r} is a tensor of the pickled {module.cls} in {where}, which edit "
+                "writes back whole (its state dict as it is): drop or keep the whole part, or "
+                "`ckpttool convert` it to a state dict and edit that"
+            )
+
+
 def _map_tensors(node: Any, key: str, change: Any) -> Any:
     if isinstance(node, TensorRecord):
         return change(node, key)
+    if is_pickled_module(node):
+        return _map_module(node, key, change)
     if isinstance(node, dict):
         return {name: _map_tensors(v, join_key(key, str(name)), change) for name, v in node.items()}
     if isinstance(node, (list, tuple)):
@@ -290,6 +318,33 @@ def _map_tensors(node: Any, key: str, change: Any) -> Any:
     return node
 
 
+def _map_module(module: OpaqueObject, key: str, change: Any) -> OpaqueObject:
+    """A pickled ``nn.Module`` with ``change(record, key)`` applied to the tensors of its state
+    dict, keyed as ``state_dict()`` keys them; its other attributes (non-persistent buffers,
+    plain tensors) as they were."""
+    state = dict(module.state)
+    skipped = state.get("_non_persistent_buffers_set")
+    transient = skipped if isinstance(skipped, (set, frozenset, list, tuple)) else ()
+    for group in ("_parameters", "_buffers"):
+        held = state.get(group)
+        if isinstance(held, dict):
+            state[group] = {
+                name: change(value, join_key(key, str(name)))
+                if isinstance(value, TensorRecord)
+                and not (group == "_buffers" and name in transient)
+                else value
+                for name, value in held.items()
+            }
+    state["_modules"] = {
+        name: _map_tensors(child, join_key(key, str(name)), change)
+        for name, child in state["_modules"].items()
+    }
+    rebuilt = OpaqueObject(module.cls, module.args, state)
+    rebuilt.dictitems = module.dictitems
+    rebuilt.listitems = module.listitems
+    return rebuilt
+
+
 #: Where EMA weights are kept, besides :data:`~ckpttool.model.roles.EMA_PART_KEYS`: timm's.
 EMA_KEYS = (*EMA_PART_KEYS, "state_dict_ema", "model_ema_state_dict")
 
@@ -301,6 +356,9 @@ def use_ema(root: Any, layout: str, where: str | None, log: EditLog) -> Any:
     ``torch.compile``'s prefixes (``module.``, ``_orig_mod.``) aligned; every EMA tensor must
     have the dtype and shape of the model tensor it replaces. Model tensors the EMA does not
     hold (buffers, often) stay, and are listed."""
+    swapped = _use_ema_module(root, where, log)
+    if swapped is not None:
+        return swapped
     model_key = model_part(root, layout)
     if not isinstance(root, dict) or model_key in (None, WHOLE_FILE):
         raise InputError("--use-ema: the checkpoint has no model part beside an EMA")
@@ -344,6 +402,36 @@ def use_ema(root: Any, layout: str, where: str | None, log: EditLog) -> Any:
         raise InputError(f"--use-ema {where}: none of its tensors names a tensor of the model")
     out = {key: (model if key == model_key else value) for key, value in root.items()}
     return drop(out, [where], log)
+
+
+def _use_ema_module(root: Any, where: str | None, log: EditLog) -> Any:
+    """``root`` with its pickled EMA module in place of its pickled model, as ultralytics'
+    ``strip_optimizer`` puts ``ema`` in ``model``: the module object whole, once its state
+    dict is checked to be the model's (names, dtypes, shapes). None when the model part and
+    the EMA are not both pickled modules."""
+    if not isinstance(root, dict):
+        return None
+    models = [key for key in MODEL_PART_KEYS if is_pickled_module(root.get(key))]
+    emas = [where] if where is not None else [k for k in EMA_KEYS if k in root]
+    if len(models) != 1 or len(emas) != 1 or not is_pickled_module(root.get(emas[0])):
+        return None
+    model_key, ema_key = models[0], emas[0]
+    model = module_state_dict(root[model_key]) or {}
+    ema = module_state_dict(root[ema_key]) or {}
+    mismatched = [
+        name for name in model.keys() | ema.keys()
+        if name not in model or name not in ema
+        or (model[name].dtype, model[name].shape) != (ema[name].dtype, ema[name].shape)
+    ]  # fmt: skip
+    if mismatched:
+        raise InputError(
+            f"--use-ema: the pickled modules {ema_key!r} and {model_key!r} differ at "
+            f"{sorted(mismatched)[0]!r} ({len(mismatched)} tensor(s)): not the same model"
+        )
+    log.ema = ema_key
+    log.ema_taken.extend(join_key(model_key, name) for name in model)
+    out = {key: (root[ema_key] if key == model_key else value) for key, value in root.items()}
+    return drop(out, [ema_key], log)
 
 
 def _unwrapped(key: str) -> str:

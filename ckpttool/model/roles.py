@@ -26,6 +26,7 @@ from ckpttool.model.records import (
     TensorRecord,
     children,
     get_path,
+    join_key,
     nodes,
     object_classes,
     tensors,
@@ -223,7 +224,7 @@ def module_state_dict(root: Any) -> dict[str, TensorRecord] | None:
     """The state dict of a pickled ``nn.Module`` (``torch.save(model)``), as
     ``model.state_dict()`` names it: parameters, then persistent buffers, of each module in
     ``_modules`` order. None when ``root`` is not such a module."""
-    if not _looks_like_module(root):
+    if not is_pickled_module(root):
         return None
     out: dict[str, TensorRecord] = {}
     stack: list[tuple[str, OpaqueObject]] = [("", root)]
@@ -242,12 +243,68 @@ def module_state_dict(root: Any) -> dict[str, TensorRecord] | None:
         children_in = state.get("_modules")
         submodules = children_in.items() if isinstance(children_in, dict) else ()
         stack.extend(reversed([
-            (f"{prefix}{name}.", child) for name, child in submodules if _looks_like_module(child)
+            (f"{prefix}{name}.", child) for name, child in submodules if is_pickled_module(child)
         ]))  # fmt: skip
     return out
 
 
-def _looks_like_module(node: Any) -> bool:
+@dataclass
+class ModuleView:
+    """A tree whose pickled ``nn.Module`` objects read as their state dicts (``root``), with
+    the class of each by its dotted key (``""``: the whole file is one module)."""
+
+    root: Any
+    classes: dict[str, str]
+
+
+def module_view(root: Any) -> ModuleView | None:
+    """``root`` with every pickled ``nn.Module`` replaced by its :func:`module_state_dict`:
+    the file itself (``torch.save(model)``), or a value in its dicts, lists and tuples
+    (ultralytics' ``{'model': model, 'ema': ema, 'epoch': ...}``). Other objects are not
+    looked into: a module an object holds is that object's business. None when the tree
+    holds no module (the usual case: nothing copied)."""
+    classes: dict[str, str] = {}
+
+    def view(node: Any, key: str) -> Any:
+        state_dict = module_state_dict(node)
+        if state_dict is not None:
+            classes[key] = str(node.cls)
+            return state_dict
+        if node.__class__ is dict:
+            return {name: view(value, join_key(key, str(name))) for name, value in node.items()}
+        if node.__class__ in (list, tuple):
+            items = [view(value, join_key(key, str(i))) for i, value in enumerate(node)]
+            return items if node.__class__ is list else tuple(items)
+        return node
+
+    if not _holds_module(root, depth=0):
+        return None
+    viewed = view(root, "")
+    return ModuleView(viewed, classes)
+
+
+def _holds_module(node: Any, depth: int) -> bool:
+    """Whether a module is found where :func:`module_view` looks (bounded: containers nest
+    only so deep in a checkpoint's top levels; modules sit at its top)."""
+    if is_pickled_module(node):
+        return True
+    if depth >= _MODULE_SEARCH_DEPTH:
+        return False
+    if node.__class__ is dict:
+        return any(_holds_module(value, depth + 1) for value in node.values())
+    if node.__class__ in (list, tuple):
+        return any(_holds_module(value, depth + 1) for value in node)
+    return False
+
+
+#: How deep in dicts and lists a pickled module is looked for: ultralytics keeps it at the
+#: top (``model``, ``ema``), wrappers one or two levels down; a state dict's tensors are leaves.
+_MODULE_SEARCH_DEPTH = 4
+
+
+def is_pickled_module(node: Any) -> bool:
+    """Whether ``node`` is an ``nn.Module`` as pickled, whatever its class: an object whose
+    state has the ``_parameters`` and ``_modules`` dicts of ``nn.Module.__dict__``."""
     return (
         isinstance(node, OpaqueObject)
         and isinstance(node.state, dict)
@@ -519,12 +576,14 @@ __all__ = [
     "LAYOUT_TITLES",
     "OptimizerSummary",
     "detect_layout",
+    "is_pickled_module",
     "is_resume",
     "layout_of",
     "layout_warnings",
     "model_part",
     "model_section",
     "module_state_dict",
+    "module_view",
     "optimizer_part",
     "part_node",
     "rng_present",

@@ -204,6 +204,7 @@ def render_text(report: ShowReport) -> str:
         *_data_files_line(report.details),
         f"layout:     {report.layout_title}{_parts_note(report)}",
         *_member_lines(report.details),
+        *_module_lines(report.details),
         *format_lines(report.format, report.details),
         *_framework_lines(report.details),
         *_count_lines(report),
@@ -310,6 +311,20 @@ def _count_lines(report: ShowReport) -> list[str]:
             f"tied:       {storages} shared by {keys} keys, counted once ({example}{more})"
         )
     return lines
+
+
+def _module_lines(details: dict[str, Any]) -> list[str]:
+    """The classes of the pickled ``nn.Module`` objects a single file holds, read as their
+    state dicts (a directory's member lines name its own)."""
+    if isinstance(details.get("members"), list):
+        return []
+    if "module_class" in details:
+        return [f"class:      {details['module_class']}"]
+    classes = details.get("module_classes")
+    if not isinstance(classes, dict):
+        return []
+    listed = ", ".join(f"{key} {cls}" for key, cls in classes.items())
+    return [f"modules:    {listed}  (pickled nn.Modules, read as their state dicts)"]
 
 
 def _framework_lines(details: dict[str, Any]) -> list[str]:

@@ -24,6 +24,8 @@ def fixture_files() -> list[Path]:
         and p.relative_to(FIXTURES).parts[0] != "folders"  # tests/test_folders.py
         # torch.load reads no GGUF: tests/test_gguf.py reads them against the gguf package
         and p.relative_to(FIXTURES).parts[0] != "gguf"
+        # torch.load imports ultralytics' classes: tests/test_ultralytics_fixture.py's manifest
+        and p.relative_to(FIXTURES).parts[0] != "ultralytics"
         # DeepSpeed's rank files are torch.save files like any other; its `latest`, JSON and
         # damaged copies are tests/test_deepspeed_*.py's
         and not (p.relative_to(FIXTURES).parts[0] == "deepspeed"
@@ -55,6 +57,8 @@ def flatten_loaded(
         items: Any = ((str(k), v) for k, v in obj.items())
     elif isinstance(obj, (list, tuple)):
         items = ((str(i), v) for i, v in enumerate(obj))
+    elif isinstance(obj, torch.nn.Module):  # read as its state_dict() (issue 40)
+        items = obj.state_dict(keep_vars=True).items()
     elif hasattr(obj, "__dict__") and not isinstance(obj, type):
         items = vars(obj).items()
     else:

@@ -55,8 +55,9 @@ def recover_pickle_stream(handle: BinaryIO, file_size: int) -> Recovered:
             return results, claimed
 
         def record_pid(pid: Any) -> Any:
-            if module_class(pid) is not None:
-                raise LayoutError("a pickled module class (torch.save of a whole model)")
+            cls = module_class(pid)
+            if cls is not None:  # written back as a global: torch.load imports it alike
+                return cls
             key, dtype, location, numel = _parse_pid(pid)
             claimed.setdefault(key, (dtype, numel, location))
             return StorageRecord(key, dtype, numel, location, "", 0)
@@ -134,7 +135,10 @@ def _legacy(
 
     storages: dict[str, StorageRecord] = {}
 
-    def persistent_load(pid: Any) -> StorageRecord:
+    def persistent_load(pid: Any) -> Any:
+        cls = module_class(pid)
+        if cls is not None:
+            return cls
         key, dtype, location, numel = _parse_pid(pid)
         found = storages.get(key)
         if found is None:

@@ -4,7 +4,7 @@ The layout of ``torch.save(obj, f, _use_new_zipfile_serialization=False)``: the 
 protocol version and system info pickles (the very bytes torch writes on a little-endian
 machine), the object pickle, the sorted list of storage keys, then each storage as an 8-byte
 little-endian element count and its bytes, in that list's order. The object pickle is protocol
-2 generated opcode by opcode (no memo), each tensor a ``_rebuild_tensor_v2`` call on a
+2 generated opcode by opcode (memoized only where an object is met again), each tensor a ``_rebuild_tensor_v2`` call on a
 persistent id ``("storage", torch.<Type>Storage, key, "cpu", numel, None)``, as torch's legacy
 pickler writes it; ``torch.load(weights_only=True)`` reads it. The writer needs no torch.
 """
@@ -17,7 +17,13 @@ from typing import Any, BinaryIO
 
 from ckpttool.errors import LayoutError
 from ckpttool.model.dtypes import NUMPY_CODES, STORAGE_CLASSES
-from ckpttool.model.records import ITEMSIZE, OpaqueObject, TensorRecord, rebuildable_storage
+from ckpttool.model.records import (
+    ITEMSIZE,
+    OpaqueObject,
+    TensorRecord,
+    rebuildable_storage,
+    with_fields,
+)
 from ckpttool.pickle.edit import emit, emit_ndarray
 
 #: The first three pickles of a legacy file as torch.save writes them (protocol 2, little-endian):
@@ -42,7 +48,7 @@ def write_legacy(handle: BinaryIO, root: Any, read: Callable[[str], bytes]) -> N
     storage's bytes, read once per storage written."""
     regions: dict[_Region, tuple[str, str]] = {}  # -> (new key, dtype)
     body = bytearray(b"\x80\x02")
-    _encode(root, body, regions, 0)
+    _encode(root, body, regions, 0, {})
     body += b"."
     keys = sorted(key for key, _ in regions.values())  # torch sorts its keys (as strings)
     listed = bytearray(b"\x80\x02]")
@@ -65,46 +71,71 @@ def write_legacy(handle: BinaryIO, root: Any, read: Callable[[str], bytes]) -> N
         handle.write(data)
 
 
+#: An object written once, by its id: (its memo index, the object, kept alive for its id).
+_Memo = dict[int, tuple[int, Any]]
+
+
 def _encode(
-    value: Any, out: bytearray, regions: dict[_Region, tuple[str, str]], depth: int
+    value: Any, out: bytearray, regions: dict[_Region, tuple[str, str]], depth: int, memo: _Memo
 ) -> None:
+    """``value`` pickled; a tensor or object met again (a tied weight, a submodule two modules
+    hold) is fetched from the memo, so the file gives one object again, as pickle would."""
+    if isinstance(value, (TensorRecord, OpaqueObject)):
+        known = memo.get(id(value))
+        if known is not None:
+            index = known[0]
+            out += b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
+            return
+        if isinstance(value, TensorRecord):
+            _encode_tensor(value, out, regions, memo)
+        else:
+            _encode_object(value, out, regions, depth, memo)
+        index = len(memo)
+        memo[id(value)] = (index, value)
+        out += b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+        return
     if depth > _MAX_DEPTH:
         raise LayoutError("the object nests too deeply to write")
     if value is None or isinstance(value, (bool, int, float, str)):
         out += emit(value)
-    elif isinstance(value, TensorRecord):
-        _encode_tensor(value, out, regions)
     elif isinstance(value, tuple):
         if not value:
             out += b")"  # EMPTY_TUPLE
             return
         out += b"("
         for item in value:
-            _encode(item, out, regions, depth + 1)
+            _encode(item, out, regions, depth + 1, memo)
         out += b"t"  # TUPLE
     elif isinstance(value, list):
         out += b"]"
         if value:
             out += b"("
             for item in value:
-                _encode(item, out, regions, depth + 1)
+                _encode(item, out, regions, depth + 1, memo)
             out += b"e"  # APPENDS
     elif isinstance(value, dict):
         out += b"}"
         if value:
-            _items(value, out, regions, depth)
-    elif isinstance(value, OpaqueObject):
-        _encode_object(value, out, regions, depth)
+            _items(value, out, regions, depth, memo)
+    elif isinstance(value, (set, frozenset)):  # a module's _non_persistent_buffers_set
+        # as protocol 2 pickles one: cls([items]); items in a stable order (a set has none)
+        out += _global("builtins", type(value).__name__) + b"(]"
+        if value:
+            out += b"("
+            for item in sorted(value, key=repr):
+                _encode(item, out, regions, depth + 1, memo)
+            out += b"e"
+        out += b"tR"
     else:
         raise LayoutError(f"cannot write a {type(value).__name__} into a legacy torch.save file")
 
 
 def _items(value: dict[Any, Any], out: bytearray, regions: dict[_Region, tuple[str, str]],
-           depth: int) -> None:  # fmt: skip
+           depth: int, memo: _Memo) -> None:  # fmt: skip
     out += b"("
     for key, item in value.items():
-        _encode(key, out, regions, depth + 1)
-        _encode(item, out, regions, depth + 1)
+        _encode(key, out, regions, depth + 1, memo)
+        _encode(item, out, regions, depth + 1, memo)
     out += b"u"  # SETITEMS
 
 
@@ -113,14 +144,14 @@ def _global(module: str, name: str) -> bytes:
 
 
 def _encode_object(value: OpaqueObject, out: bytearray, regions: dict[_Region, tuple[str, str]],
-                   depth: int) -> None:  # fmt: skip
+                   depth: int, memo: _Memo) -> None:  # fmt: skip
     """An object read as opaque, rebuilt by class name: ``cls(*args)``, or
     ``cls.__new__(cls, *args)`` then its items and state (the class is named, never imported)."""
     module, _, name = value.cls.rpartition(".")
     if not module or "\n" in value.cls or not value.cls.isascii():
         raise LayoutError(f"cannot write an object of class {value.cls!r}")
     out += _global(module, name)
-    _encode(tuple(value.args or ()), out, regions, depth + 1)
+    _encode(tuple(value.args or ()), out, regions, depth + 1, memo)
     if value.state is None and not value.dictitems and not value.listitems:
         out += b"R"  # REDUCE
         return
@@ -128,17 +159,17 @@ def _encode_object(value: OpaqueObject, out: bytearray, regions: dict[_Region, t
     if value.listitems:
         out += b"("
         for item in value.listitems:
-            _encode(item, out, regions, depth + 1)
+            _encode(item, out, regions, depth + 1, memo)
         out += b"e"
     if value.dictitems:
-        _items(value.dictitems, out, regions, depth)
+        _items(value.dictitems, out, regions, depth, memo)
     if value.state is not None:
-        _encode(value.state, out, regions, depth + 1)
+        _encode(value.state, out, regions, depth + 1, memo)
         out += b"b"  # BUILD
 
 
 def _encode_tensor(
-    record: TensorRecord, out: bytearray, regions: dict[_Region, tuple[str, str]]
+    record: TensorRecord, out: bytearray, regions: dict[_Region, tuple[str, str]], memo: _Memo
 ) -> None:
     storage = record.storage
     storage_class = STORAGE_CLASSES.get(record.dtype)
@@ -149,6 +180,13 @@ def _encode_tensor(
         fortran = len(record.shape) > 1 and not record.is_contiguous
         order = "|" if ITEMSIZE[record.dtype] == 1 else ">" if storage.byteorder == "big" else "<"
         out += emit_ndarray(code, order, tuple(record.shape), fortran, record.inline_data)
+        return
+    if record.kind == "parameter":  # Parameter.__reduce_ex__: _rebuild_parameter(data, ...)
+        out += _global("torch._utils", "_rebuild_parameter") + b"("
+        _encode_tensor(with_fields(record, kind="tensor", requires_grad=False), out, regions, memo)
+        out += emit(bool(record.requires_grad))
+        out += _global("collections", "OrderedDict") + b")R"  # backward hooks: OrderedDict()
+        out += b"tR"  # TUPLE, REDUCE
         return
     storage = rebuildable_storage(record)
     if storage_class is None:
@@ -162,8 +200,8 @@ def _encode_tensor(
     out += emit(storage.nbytes // ITEMSIZE[record.dtype]) + b"Nt"  # view_metadata None, TUPLE
     out += b"Q"  # BINPERSID
     out += emit(record.storage_offset)
-    _encode(tuple(record.shape), out, regions, 0)
-    _encode(tuple(record.stride), out, regions, 0)
+    _encode(tuple(record.shape), out, regions, 0, memo)
+    _encode(tuple(record.stride), out, regions, 0, memo)
     out += emit(bool(record.requires_grad))
     out += _global("collections", "OrderedDict") + b")R"  # backward hooks: OrderedDict()
     out += b"tR"  # TUPLE, REDUCE

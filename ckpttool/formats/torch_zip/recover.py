@@ -335,8 +335,18 @@ def write_tree(
     share it again); non-tensor values as they are. A storage's bytes are ``copies[key]``
     (a range of the source, copied in the kernel) where given, else ``read(key)``."""
     used: dict[str, str] = {}  # storage key -> its key in the output ("0", "1"... as torch)
+    # one written object per object of the tree: a tied weight, a shared submodule stay one
+    converted: dict[int, tuple[Any, Any]] = {}  # id -> (the node, kept alive; its output)
 
     def convert(node: Any) -> Any:
+        if isinstance(node, (TensorRecord, OpaqueObject)):
+            known = converted.get(id(node))
+            if known is None:
+                known = converted[id(node)] = (node, convert_once(node))
+            return known[1]
+        return convert_once(node)
+
+    def convert_once(node: Any) -> Any:
         if isinstance(node, TensorRecord):
             if node.kind == "ndarray" and node.inline_data is not None:  # bytes in data.pkl
                 return _numpy(node)
@@ -380,4 +390,6 @@ def _stored(record: TensorRecord, used: dict[str, str]) -> StoredTensor:
         storage_offset=record.storage_offset,
         stride=tuple(record.stride),
         storage_numel=storage.nbytes // ITEMSIZE[record.dtype],
+        parameter=record.kind == "parameter",
+        requires_grad=record.requires_grad,
     )

@@ -20,7 +20,7 @@ from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK, GAP
 from ckpttool.io.source import RangeReader, open_source, read_into, read_range, source_of
-from ckpttool.model.records import stored_records
+from ckpttool.model.records import stored_records, tensors
 
 REMOTE_CHUNK = 8 << 20  # bytes per request when a large record of a remote file is checked
 
@@ -36,7 +36,9 @@ def check_torch_zip(
         archive = open_zip(handle)
         problems = check_archive(source_of(handle), archive, 0, progress, record_owners(ckpt))
         names = archive.namelist()
-    used = {r.storage.record for r in stored_records(ckpt.tensors()) if r.storage is not None}
+    # a pickled nn.Module's attributes that its state dict leaves out are stored too
+    viewed = ckpt.tensors() if ckpt.objects is ckpt.root else tensors(ckpt.objects)
+    used = {r.storage.record for r in stored_records(viewed) if r.storage is not None}
     prefix = ckpt.details.get("prefix", "")
     data_prefix = fold(f"{prefix}/data/" if prefix else "data/")  # torch's lookup ignores case
     return problems, [n for n in names if fold(n).startswith(data_prefix) and n not in used]

@@ -106,6 +106,9 @@ def _encode(value: Any, out: bytearray) -> None:
         raise TypeError(f"cannot encode {type(value).__name__}")
 
 
+_REBUILD_PARAMETER = _Global("torch._utils", "_rebuild_parameter")
+
+
 def _rebuild_call(
     entry: PickledTensor,
     storage_offset: int = 0,
@@ -179,6 +182,9 @@ class StoredTensor:
     storage_offset: int = 0
     stride: tuple[int, ...] | None = None
     storage_numel: int | None = None
+    # an nn.Parameter (a pickled module's): rebuilt as torch pickles one, around the tensor
+    parameter: bool = False
+    requires_grad: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,11 +219,34 @@ def object_pickle(value: Any) -> bytes:
     :class:`~ckpttool.model.records.OpaqueObject` (rebuilt by class name: ``cls(*args)``, or
     ``cls.__new__(cls, *args)`` then its state). The class is named, never imported here."""
     out = bytearray(b"\x80\x02")
-    _encode_object(value, out, 0)
+    _encode_object(value, out, 0, {})
     return bytes(out + b".")
 
 
-def _encode_object(value: Any, out: bytearray, depth: int) -> None:
+#: An object written once, by its id: (its memo index, the object, kept alive for its id).
+_Memo = dict[int, tuple[int, Any]]
+
+
+def _encode_object(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
+    """``value`` pickled; a tensor or object met again (a tied weight, a submodule two modules
+    hold) is fetched from the memo, so the file gives one object again, as pickle would."""
+    from ckpttool.model.records import OpaqueObject
+
+    if isinstance(value, (StoredTensor, OpaqueObject)):
+        known = memo.get(id(value))
+        if known is not None:
+            index = known[0]
+            out += b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
+            return
+        _encode_shared(value, out, depth, memo)
+        index = len(memo)
+        memo[id(value)] = (index, value)
+        out += b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+        return
+    _encode_shared(value, out, depth, memo)
+
+
+def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
     from ckpttool.model.records import OpaqueObject
 
     if depth > 64:
@@ -231,30 +260,43 @@ def _encode_object(value: Any, out: bytearray, depth: int) -> None:
     elif isinstance(value, tuple):
         out += b"("
         for item in value:
-            _encode_object(item, out, depth + 1)
+            _encode_object(item, out, depth + 1, memo)
         out += b"t"  # TUPLE
     elif isinstance(value, list):
         out += b"]("
         for item in value:
-            _encode_object(item, out, depth + 1)
+            _encode_object(item, out, depth + 1, memo)
         out += b"e"  # APPENDS
     elif isinstance(value, dict):
         out += b"}("
         for key, item in value.items():
-            _encode_object(key, out, depth + 1)
-            _encode_object(item, out, depth + 1)
+            _encode_object(key, out, depth + 1, memo)
+            _encode_object(item, out, depth + 1, memo)
         out += b"u"  # SETITEMS
+    elif isinstance(value, (set, frozenset)):  # a module's _non_persistent_buffers_set
+        # as protocol 2 pickles one: cls([items]); items in a stable order (a set has none)
+        _encode(_Global("builtins", type(value).__name__), out)
+        out += b"(]"
+        if value:
+            out += b"("
+            for item in sorted(value, key=repr):
+                _encode_object(item, out, depth + 1, memo)
+            out += b"e"
+        out += b"tR"
     elif isinstance(value, NumpyArray):
         _encode_numpy(value, out)
     elif isinstance(value, StoredTensor):
         entry = PickledTensor("", value.storage_key, value.tensor)
-        _encode(_rebuild_call(entry, value.storage_offset, value.stride, value.storage_numel), out)
+        call = _rebuild_call(entry, value.storage_offset, value.stride, value.storage_numel)
+        if value.parameter:  # Parameter.__reduce_ex__: _rebuild_parameter(data, grad, hooks)
+            call = _Call(_REBUILD_PARAMETER, (call, value.requires_grad, _Call(_ORDERED_DICT, ())))
+        _encode(call, out)
     elif isinstance(value, OpaqueObject):
         module, _, name = value.cls.rpartition(".")
         if not module or "\n" in value.cls:
             raise InputError(f"cannot write an object of class {value.cls!r}")
         _encode(_Global(module, name), out)
-        _encode_object(tuple(value.args or ()), out, depth + 1)
+        _encode_object(tuple(value.args or ()), out, depth + 1, memo)
         if value.state is None and not value.dictitems and not value.listitems:
             out += b"R"  # REDUCE: cls(*args), as an Enum member is pickled
             return
@@ -262,16 +304,16 @@ def _encode_object(value: Any, out: bytearray, depth: int) -> None:
         if value.listitems:
             out += b"("
             for item in value.listitems:
-                _encode_object(item, out, depth + 1)
+                _encode_object(item, out, depth + 1, memo)
             out += b"e"
         if value.dictitems:
             out += b"("
             for key, item in value.dictitems.items():
-                _encode_object(key, out, depth + 1)
-                _encode_object(item, out, depth + 1)
+                _encode_object(key, out, depth + 1, memo)
+                _encode_object(item, out, depth + 1, memo)
             out += b"u"
         if value.state is not None:
-            _encode_object(value.state, out, depth + 1)
+            _encode_object(value.state, out, depth + 1, memo)
             out += b"b"  # BUILD
     else:
         raise InputError(f"cannot write a {type(value).__name__} into a torch.save file")
