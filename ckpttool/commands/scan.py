@@ -47,6 +47,9 @@ class FileScan:
     notes: list[str] = field(default_factory=list)  # e.g. "TorchScript archive: holds code"
     error: str | None = None  # why it could not be scanned
     not_a_checkpoint: bool = False
+    # where inside an archive a global was named, by qualname, when not in a torch.save zip's
+    # own data.pkl: {"posix.system": ["data/sample_inputs/model.pt › model/data.pkl"]}
+    places: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def flagged(self) -> list[GlobalUse]:
@@ -96,13 +99,19 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
     except CkptError as error:
         return FileScan(str(path), None, error=_without_path(error, path))
     uses = []
+    places = {f"{module}.{name}": where for (module, name), where in sorted(found.places.items())}
     for (module, name, verdict), count in sorted(found.counts.items()):
         qualname = f"{module}.{name}"
         verdict = Verdict.ALLOWED if qualname in allowed else verdict
         original = found.written.get((module, name))
         uses.append(GlobalUse(qualname, verdict, count, original and ".".join(original)))
     return FileScan(
-        str(path), found.format, uses, found.notes, error="; ".join(found.problems) or None
+        str(path),
+        found.format,
+        uses,
+        found.notes,
+        error="; ".join(found.problems) or None,
+        places=places,
     )
 
 

@@ -82,6 +82,9 @@ class Findings:
     written: Written = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # attacks, ambiguity: "dangerous"
     problems: list[str] = field(default_factory=list)  # where a walk had to stop
+    # where inside an archive each global was named, when not in the plain data.pkl of a
+    # torch.save zip ("data/sample_inputs/model.pt › model/data.pkl")
+    places: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
 
 @dataclass

@@ -70,6 +70,37 @@ def walk_globals(data: bytes, written: Written) -> tuple[Counts, str | None, str
     return counts, attack, problem
 
 
+#: A legacy torch.save stream's pickles: magic number, protocol, system info, the object, keys.
+STREAM_PICKLES = 5
+
+
+def walk_stream_globals(data: bytes, written: Written) -> tuple[Counts, str | None, str | None]:
+    """:func:`walk_globals` over the consecutive pickles of ``data`` (at most
+    ``STREAM_PICKLES``: a legacy ``torch.save`` stream's; a bare pickle is one), for bytes a
+    loader hands to ``torch.load`` when they are not a zip."""
+    counts: Counts = Counter()
+    start = 0
+    for _ in range(STREAM_PICKLES):
+        unpickler = SafeUnpickler(
+            data, start, persistent_load=persistent_placeholder, refuse_dangerous=False
+        )
+        try:
+            result = unpickler.load()
+        except UnsafePickleError as error:
+            tally(counts, written, unpickler.result)
+            add_linear_globals(counts, data, start)
+            return counts, str(error), None
+        except CkptError as error:
+            tally(counts, written, unpickler.result)
+            add_linear_globals(counts, data, start)
+            return counts, None, f"pickle not fully readable: {error}"
+        tally(counts, written, result)
+        start = result.end
+        if start >= len(data):
+            break
+    return counts, None, None
+
+
 __all__ = [
     "Counts",
     "Written",
@@ -77,4 +108,5 @@ __all__ = [
     "persistent_placeholder",
     "tally",
     "walk_globals",
+    "walk_stream_globals",
 ]

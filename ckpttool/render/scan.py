@@ -23,6 +23,8 @@ def render_text(report: ScanReport) -> str:
                 name = use.qualname
                 if use.written_as is not None:
                     name += f" (written {use.written_as})"
+                if use.qualname in scanned.places:
+                    name += f" in {', '.join(scanned.places[use.qualname])}"
                 rows.append([scanned.path, name, use.verdict, use.count])
         rows.extend([scanned.path, "-", Verdict.DANGEROUS, note] for note in scanned.notes)
     rows.extend(
@@ -52,6 +54,7 @@ def render_json(report: ScanReport) -> dict[str, Any]:
         "no_checkpoint_found": report.empty,
         "files": [
             {"path": f.path, "format": f.format, "error": f.error, "notes": f.notes,
+             "places": f.places,
              "globals": [{"name": g.qualname, "verdict": g.verdict, "count": g.count,
                           "written_as": g.written_as} for g in f.globals]}
             for f in report.files

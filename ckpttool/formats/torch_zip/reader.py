@@ -20,6 +20,12 @@ from ckpttool.errors import (
     ResourceLimitError,
 )
 from ckpttool.formats.base import Parsed
+from ckpttool.formats.torch_zip.kinds import (
+    TORCH_EXPORT,
+    TORCH_PACKAGE,
+    TORCHSCRIPT,
+    archive_kind,
+)
 from ckpttool.formats.torch_zip.zip_index import (
     LOCAL_HEADER,
     ZIP_STORED,
@@ -127,10 +133,6 @@ class PickleCache:
         return result
 
 
-def is_torchscript(names: list[str]) -> bool:
-    return any(n.endswith("constants.pkl") or "/code/" in n or n.startswith("code/") for n in names)
-
-
 def open_zip(handle: BinaryIO) -> ZipIndex:
     try:
         return ZipIndex(handle)
@@ -143,12 +145,31 @@ def open_zip(handle: BinaryIO) -> ZipIndex:
         ) from None
 
 
-def find_data_pkl(names: list[str]) -> str:
-    if is_torchscript(names):
+def refuse_other_kind(names: list[str]) -> None:
+    """Refuse, by its name, an archive of another torch loader than ``torch.load``
+    (:mod:`ckpttool.formats.torch_zip.kinds`)."""
+    kind = archive_kind(names)
+    if kind == TORCHSCRIPT:
         raise NotACheckpointError(
             "this is a TorchScript archive (torch.jit.save), not a checkpoint: it holds "
             "code, and only torch.jit.load can open it (do so only if you trust it)"
         )
+    if kind == TORCH_EXPORT:
+        raise NotACheckpointError(
+            "this is a torch.export archive (.pt2, torch.export.save), not a torch.save "
+            "checkpoint: torch.export.load reads it, unpickling what it holds (run "
+            "`ckpttool scan` on it first)"
+        )
+    if kind == TORCH_PACKAGE:
+        raise NotACheckpointError(
+            "this is a torch.package archive (torch.package.PackageExporter), not a torch.save "
+            "checkpoint: PackageImporter reads it, importing any Python source it ships "
+            "(run `ckpttool scan` on it first)"
+        )
+
+
+def find_data_pkl(names: list[str]) -> str:
+    refuse_other_kind(names)
     # torch's reader finds data.pkl whatever its ASCII case (``fold``)
     candidates = [n for n in names if len(n) >= 8 and n.count("/") <= 1]
     candidates = [n for n in candidates if fold(n.rsplit("/", 1)[-1]) == "data.pkl"]

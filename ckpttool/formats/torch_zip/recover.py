@@ -20,7 +20,8 @@ from typing import Any, BinaryIO, NamedTuple
 
 from ckpttool.errors import LayoutError, NotACheckpointError, UnrecoverableError
 from ckpttool.formats.base import OutTensor, Recovered
-from ckpttool.formats.torch_zip.reader import ZIP_ERRORS, find_data_pkl, is_torchscript
+from ckpttool.formats.torch_zip.kinds import TORCH_ZIP, archive_kind, has_pt2_folders
+from ckpttool.formats.torch_zip.reader import ZIP_ERRORS, find_data_pkl, refuse_other_kind
 from ckpttool.formats.torch_zip.writer import (
     CopiedStorage,
     NumpyArray,
@@ -85,8 +86,8 @@ def walk_records(
             return records, damage
         raw = os.pread(fd, name_len, at + LOCAL_HEADER.size)
         name = raw.decode("utf-8" if flags & 0x800 else "cp437", "replace")
-        if is_torchscript([name]):
-            find_data_pkl([name])  # raises the reader's refusal of a TorchScript archive
+        if archive_kind([name]) != TORCH_ZIP:
+            refuse_other_kind([name])  # the reader's refusal of another loader's archive
         if method != ZIP_STORED:
             damage.append(f"record {name!r} is compressed (torch never writes that): walk stops")
             return records, damage
@@ -212,9 +213,12 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
         if broken is not None:
             damage.append(broken)
     by_name = {record.name: record for record in records}
+    refuse_other_kind(list(by_name))  # a .pt2 or a package is no damaged torch.save file
     try:
         pkl_name = find_data_pkl(list(by_name))
     except NotACheckpointError:
+        if has_pt2_folders(by_name):  # a .pt2 cut before its archive_format record
+            refuse_other_kind([f"{next(iter(by_name)).split('/', 1)[0]}/archive_format"])
         pkl_name = ""
     pkl = by_name.get(pkl_name)
     if pkl is None or not pkl.intact:
