@@ -23,6 +23,8 @@ FORMATS = {
     "DeepSpeed)",
     "torchscript": "a TorchScript archive (scan only: never opened as a checkpoint)",
     "torch-tar": "torch's pre-0.4 tar format (scan only: its pickles are walked, never opened)",
+    "torch-export": "a torch.export archive (.pt2): its weights and tensor constants, read by FQN",
+    "torch-package": "a torch.package archive (scan only: never opened as a checkpoint)",
 }
 
 #: Every layout a command reports.

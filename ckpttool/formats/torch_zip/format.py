@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 class TorchZipFormat(FileFormat):
     id = "torch-zip"
-    ids = ("torch-zip",)
+    ids = ("torch-zip", "torch-export")  # a .pt2's weights are read here too (.pt2)
 
     def recognises(self, head: bytes, file_size: int, handle: BinaryIO) -> bool:
         return head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06")
@@ -34,9 +34,17 @@ class TorchZipFormat(FileFormat):
         refuse_dangerous: bool,
         track_spans: bool,
     ) -> Parsed:
-        from ckpttool.formats.torch_zip.reader import read_torch_zip
+        from ckpttool.formats.torch_zip.kinds import is_torch_export
+        from ckpttool.formats.torch_zip.reader import open_zip, read_torch_zip
 
-        return read_torch_zip(handle, refuse_dangerous=refuse_dangerous, track_spans=track_spans)
+        directory = open_zip(handle)
+        if is_torch_export(directory.namelist()):
+            from ckpttool.formats.torch_zip.pt2 import read_pt2
+
+            return read_pt2(handle, directory)
+        return read_torch_zip(
+            handle, refuse_dangerous=refuse_dangerous, track_spans=track_spans, directory=directory
+        )
 
     def verify(
         self, ckpt: Checkpoint, progress: ProgressCallback | None

@@ -157,8 +157,8 @@ def refuse_other_kind(names: list[str]) -> None:
     if kind == TORCH_EXPORT:
         raise NotACheckpointError(
             "this is a torch.export archive (.pt2, torch.export.save), not a torch.save "
-            "checkpoint: torch.export.load reads it, unpickling what it holds (run "
-            "`ckpttool scan` on it first)"
+            "checkpoint: ckpttool reads its weights and constants (show, verify, diff, "
+            "convert) but does not rewrite or repair it"
         )
     if kind == TORCH_PACKAGE:
         raise NotACheckpointError(

@@ -36,6 +36,8 @@ def check_torch_zip(
         archive = open_zip(handle)
         problems = check_archive(source_of(handle), archive, 0, progress, record_owners(ckpt))
         names = archive.namelist()
+    if ckpt.format == "torch-export":  # its data/ holds configs and sample inputs too
+        return problems, []
     # a pickled nn.Module's attributes that its state dict leaves out are stored too
     viewed = ckpt.tensors() if ckpt.objects is ckpt.root else tensors(ckpt.objects)
     used = {r.storage.record for r in stored_records(viewed) if r.storage is not None}
