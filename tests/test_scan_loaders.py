@@ -29,6 +29,7 @@ from ckpttool.formats.torch_zip import kinds
 from ckpttool.formats.torch_zip.scan import MAX_DEPTH
 from tests.support import adversarial
 from tests.support.helpers import FIXTURES
+from tests.test_json_schemas import assert_valid
 
 torch = pytest.importorskip("torch")
 from tests.support import loader_archives  # noqa: E402 - needs torch
@@ -218,6 +219,13 @@ def test_a_pt2_reads_as_torch_export_load_gives_it(
         ), name
     shown = CliRunner().invoke(cli, ["show", str(path)])
     assert shown.exit_code == 0 and "torch-export" in shown.output
+    assert "export:     3 weights, 1 tensor constants (model: model)" in shown.output
+    assert "pickles:    data/sample_inputs/model.pt: not read" in shown.output
+    as_json = json.loads(CliRunner().invoke(cli, ["show", "--json", str(path)]).output)
+    assert as_json["format"] == "torch-export"
+    assert_valid("show", as_json)
+    for archive in sorted(files.iterdir()):  # scan --json of every archive, per its schema
+        assert_valid("scan", _scan(archive)[1])
     verified = CliRunner().invoke(cli, ["verify", str(path)])
     assert verified.exit_code == 0 and "storage records no tensor uses" not in verified.output
     out = tmp_path / "weights.safetensors"

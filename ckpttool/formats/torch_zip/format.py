@@ -58,6 +58,13 @@ class TorchZipFormat(FileFormat):
 
         return scan_zip(path, opener)
 
+    def show_lines(self, details: dict[str, Any]) -> list[str]:
+        if "models" not in details:  # a torch.save zip: no lines of its own
+            return []
+        from ckpttool.formats.torch_zip.pt2 import show_lines
+
+        return show_lines(details)
+
     def recover(self, handle: BinaryIO, file_size: int) -> Recovered | None:
         from ckpttool.formats.torch_zip.recover import recover_torch_zip
 

@@ -79,13 +79,37 @@ def read_pt2(handle: BinaryIO, archive: ZipIndex) -> Parsed:
             found = spans[storage.record] = member_span(handle, archive.getinfo(storage.record))
         return found
 
+    pickled = [
+        kinds.inner_name(n)
+        for n in names
+        if kinds.pt2_member_role(kinds.inner_name(n), set(), configs_readable=True) == "load"
+    ]
     return Parsed(
         format=FORMAT_ID,
         root=tree,
         span=span,
-        details={"prefix": root_folder, "models": models, **counts},
+        details={"prefix": root_folder, "models": models, **counts, "pickled": pickled},
         storages=list(storages.values()),
     )
+
+
+def show_lines(details: dict[str, Any]) -> list[str]:
+    """``show``'s lines: what the archive holds beside the tensors, and what is not read."""
+    lines = [
+        f"export:     {details.get('weights', 0)} weights, {details.get('constants', 0)} "
+        f"tensor constants (model{'s' * (len(details.get('models', ())) != 1)}: "
+        f"{', '.join(details.get('models', ()))})"
+    ]
+    pickled = details.get("pickled") or []
+    if pickled:
+        shown = ", ".join(pickled[:3]) + (
+            f" and {len(pickled) - 3} more" if len(pickled) > 3 else ""
+        )
+        lines.append(
+            f"pickles:    {shown}: not read (torch.export.load unpickles them; "
+            "`ckpttool scan` checks them)"
+        )
+    return lines
 
 
 def _config(data: bytes) -> dict[str, Any]:
