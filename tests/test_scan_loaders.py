@@ -45,6 +45,7 @@ PLACES = {
     "pt2_pickled_constant.pt2": "data/constants/tensor_0 › archive/data.pkl",
     "pt2_opaque_object.pt2": "data/constants/opaque_obj_0",
     "package_pickle.pt": "weights/state.pkl",
+    "package_text_resource.pt": "weights/notes.txt",
 }
 KIND = {".pt2": "torch-export", "package": "torch-package", "torchscript": "torchscript"}
 

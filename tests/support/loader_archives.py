@@ -167,6 +167,19 @@ def package_pickle(path: Path, marker: Path) -> Path:
     return path
 
 
+def package_text_resource(path: Path, marker: Path) -> Path:
+    """A protocol-0 pickle saved as a text resource (``notes.txt``) beside a harmless README:
+    ``load_pickle("weights", "notes.txt")`` runs it."""
+    tensor_package(path)
+    # builtins: PackageImporter imports only the modules the archive lists as extern, and builtins
+    code = f'open("{marker}", "w").close()'
+    payload = f"cbuiltins\nexec\n(S'{code}'\ntR.".encode()
+    readme = b"config files and weights\n"
+    _rewrite(path, lambda inner, data: data,
+             {"weights/notes.txt": payload, "weights/README": readme})  # fmt: skip
+    return path
+
+
 class _Printing(torch.nn.Module):
     """A scripted module whose ``__setstate__`` (TorchScript code, run by torch.jit.load) prints."""
 
@@ -203,6 +216,7 @@ HOSTILE: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
     "pt2_opaque_object.pt2": (pt2_opaque_object, "export"),
     "package_source.pt": (package_source, "package"),
     "package_pickle.pt": (package_pickle, "package"),
+    "package_text_resource.pt": (package_text_resource, "package"),
     "torchscript_code.pt": (torchscript_code, "jit"),
 }
 #: name -> (builder(path), its loader)

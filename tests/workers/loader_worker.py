@@ -2,7 +2,7 @@
 
 ``python -m tests.workers.loader_worker FILES_DIR MARKERS_DIR LOADERS_JSON`` opens every file of
 FILES_DIR with the loader ``LOADERS_JSON`` names for it (``export``: ``torch.export.load``;
-``package``: ``PackageImporter(path).load_pickle`` of every resource; ``jit``: ``torch.jit.load``)
+``package``: ``PackageImporter(path).load_pickle`` of every resource in a package folder but source and READMEs; ``jit``: ``torch.jit.load``)
 in a forked child (torch imported once, before forking; a fresh working directory; stdout kept
 in ``MARKERS_DIR/<name>.stdout``; an alarm after ``HANG_SECONDS``) and prints one JSON object
 ``{file name: {"live": bool, "loaded": bool}}``: ``live`` when the marker ``MARKERS_DIR/<name>``
@@ -36,7 +36,11 @@ def _load(path: Path, loader: str) -> None:
         with zipfile.ZipFile(path) as archive:
             names = [n.split("/", 1)[1] for n in archive.namelist()]
         for name in names:
-            if name.endswith(".pkl") and not name.startswith(".data/"):
+            if (
+                "/" in name
+                and not name.endswith((".py", "README"))
+                and not name.startswith(".data/")
+            ):
                 package, _, resource = name.rpartition("/")
                 importer.load_pickle(package.replace("/", "."), resource)
 

@@ -91,11 +91,11 @@ class _Walk:
                 self.budget -= len(data)
             # a torch.save zip's (or TorchScript archive's) own records need no place
             plain = depth == 0 and kind in (kinds.TORCH_ZIP, kinds.TORCHSCRIPT)
-            if role == "sniff":  # a package resource is unpickled when it is a pickle
-                role = (
-                    "pickle" if data[:1] == b"\x80" and data[1:2] and data[1] in _PROTOCOLS else ""
-                )
-            if role == "pickle":
+            if role == "sniff" and data[:1] == b"\x80" and data[1:2] and data[1] in _PROTOCOLS:
+                role = "pickle"  # a package resource that starts as the exporter's pickles
+            if role == "sniff":
+                self.resource(data, where)
+            elif role == "pickle":
                 self.pickle(data, where, plain, stream=False)
             elif role == "load":
                 self.loaded(data, where, depth)
@@ -113,6 +113,20 @@ class _Walk:
                 self.archive(io.BytesIO(data), where, depth + 1, len(data))
             except CkptError as error:
                 self.findings.problems.append(f"{_place(where)}: {error}")
+
+    def resource(self, data: bytes, where: tuple[str, ...]) -> None:
+        """A package resource that does not start as a protocol 2-5 pickle (text, binary, or a
+        protocol 0-1 pickle ``load_pickle`` would still read when asked for it by name): its
+        globals count when it is a whole pickle, or names an attack; otherwise it is taken for
+        data (no "could not scan": a text or binary resource is no pickle)."""
+        findings = self.findings
+        counts, attack, problem = walk_globals(data, {})
+        if problem and not attack:
+            return
+        findings.counts.update(counts)
+        _record_places(findings, counts, _place(where))
+        if attack:
+            findings.notes.append(f"{_place(where)}: {attack}")
 
     def pickle(self, data: bytes, where: tuple[str, ...], plain: bool, stream: bool) -> None:
         findings = self.findings
