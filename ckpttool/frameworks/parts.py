@@ -10,13 +10,14 @@ own plug-in: this module only knows how a model folder keeps its weights.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import CorruptCheckpointError
 from ckpttool.frameworks.base import INDEX, WEIGHTS, Member, inside, read_json
-from ckpttool.io.source import join
+from ckpttool.io.source import is_url, join
 
 #: Where the parts' details go (``show`` lists them).
 PARTS = "parts"
@@ -119,3 +120,16 @@ def part_lines(details: dict[str, Any]) -> list[str]:
     if isinstance(not_read, list) and not_read:
         lines.append(f"not read:   {', '.join(not_read)}")
     return lines
+
+
+def unlisted_folders(path: str, listed: set[str]) -> list[str]:
+    """Folders beside the parts that the folder's own list (``modules.json``,
+    ``model_index.json``) does not name: its loader never reads them, so neither does ckpttool,
+    and ``show`` says so. None over a URL (a folder there cannot be listed)."""
+    if is_url(path):
+        return []
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError:
+        return []
+    return [f"{e.name}/" for e in entries if e.is_dir() and e.name not in listed]

@@ -23,8 +23,8 @@ import os
 import re
 
 from ckpttool.frameworks.base import CONFIG, OTHER, FrameworkDirectory, Member, list_files
-from ckpttool.frameworks.parts import PARTS, WeightNames, folder_weights
-from ckpttool.io.source import is_dir, is_file, is_url, join
+from ckpttool.frameworks.parts import PARTS, WeightNames, folder_weights, unlisted_folders
+from ckpttool.io.source import is_dir, is_file, join
 
 CONFIG_NAME = "config.json"
 MODEL_INDEX_NAME = "model_index.json"
@@ -162,19 +162,8 @@ def _pipeline(directory: str, files: dict[str, int]) -> FrameworkDirectory:
     ]
     layout.details[PARTS] = parts
     listed = {p["name"] for p in parts} | {k for k in index if not k.startswith("_")}
-    not_read += _unlisted_folders(directory, listed)
+    not_read += unlisted_folders(directory, listed)
     if not_read:
         layout.details["not_read"] = not_read
     layout.complete = not layout.missing and not layout.problems
     return layout
-
-
-def _unlisted_folders(path: str, listed: set[str]) -> list[str]:
-    """Folders of the pipeline that ``model_index.json`` does not name (never loaded)."""
-    if is_url(path):
-        return []
-    try:
-        entries = sorted(os.scandir(path), key=lambda e: e.name)
-    except OSError:
-        return []
-    return [f"{e.name}/" for e in entries if e.is_dir() and e.name not in listed]

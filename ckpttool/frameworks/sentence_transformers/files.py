@@ -12,13 +12,12 @@ those names.
 
 from __future__ import annotations
 
-import os
 import re
 
 from ckpttool.errors import CorruptCheckpointError
 from ckpttool.frameworks.base import CONFIG, OTHER, FrameworkDirectory, Member, inside, list_files
-from ckpttool.frameworks.parts import PARTS, WeightNames, folder_weights
-from ckpttool.io.source import is_dir, is_url, join
+from ckpttool.frameworks.parts import PARTS, WeightNames, folder_weights, unlisted_folders
+from ckpttool.io.source import is_dir, join
 
 MODULES_NAME = "modules.json"
 CONFIG_NAME = "config_sentence_transformers.json"
@@ -105,19 +104,8 @@ def detect(path: str) -> FrameworkDirectory | None:
                 Member(file, CONFIG if file.endswith(".json") else OTHER, None, size)
             )
     layout.details[PARTS] = parts
-    not_read = nested + _unlisted_folders(path, {p["folder"] for p in parts})
+    not_read = nested + unlisted_folders(path, {p["folder"] for p in parts})
     if not_read:
         layout.details["not_read"] = not_read
     layout.complete = not layout.missing and not layout.problems
     return layout
-
-
-def _unlisted_folders(path: str, listed: set[str]) -> list[str]:
-    """Folders beside the modules that ``modules.json`` does not name (never loaded)."""
-    if is_url(path):
-        return []
-    try:
-        entries = sorted(os.scandir(path), key=lambda e: e.name)
-    except OSError:
-        return []
-    return [f"{e.name}/" for e in entries if e.is_dir() and e.name not in listed]
