@@ -42,8 +42,7 @@ class ModuleGroups:
     when each holds the same relative keys with the same signatures (dtype and shape); the
     largest such set of siblings folds (``layers.#.mlp.up_proj``; on a tie, the set met first),
     and every other numbered module keeps its own name (``features.4``, or ``layers.31`` when
-    the last block differs). A set of one is never folded, nor one with a hole (``0`` and ``2``
-    with no ``1``: an ``nn.Sequential``'s layers around a ReLU, a ``ModuleDict``'s names). Deeper numbers are decided the same
+    the last block differs). A set of one is never folded. Deeper numbers are decided the same
     way below each folded parent (``layers.#.experts.#``)."""
 
     def __init__(self, tensors: Iterable[tuple[str, Hashable]]) -> None:
@@ -83,28 +82,15 @@ class ModuleGroups:
 def _repeated(members: dict[tuple[str, ...], list[tuple[str, Hashable]]]) -> list[tuple[str, ...]]:
     """The blocks of one parent that fold: those of the structure (relative keys and
     signatures) that the most block numbers share, two at least (the first met on a tie), or
-    none. Numbers are counted, not blocks: ``mlp.0`` met under every ``layers.#`` is one number.
-    A set folds only without a hole: every number between its first and last names a block
-    (of any structure), as in a ``ModuleList``; the ``0`` and ``2`` of ``Sequential(Linear,
-    ReLU, Linear)`` (no block ``1``: the ReLU holds no tensor) are two layers, not a repeat."""
-    numbers: dict[tuple[tuple[str, Hashable], ...], set[int]] = {}
+    none. Numbers are counted, not blocks: ``mlp.0`` met under every ``layers.#`` is one number."""
+    numbers: dict[tuple[tuple[str, Hashable], ...], set[str]] = {}
     structure = {}
-    present: set[int] = set()
     for block, found in members.items():
         shape = tuple(sorted(found, key=lambda item: item[0]))
         structure[block] = shape
-        number = block_index(block[-1])
-        assert number is not None  # blocks are keyed by their numbered part
-        numbers.setdefault(shape, set()).add(number)
-        present.add(number)
-
-    def repeats(found: set[int]) -> int:
-        first, last = min(found), max(found)
-        whole = len(found) >= 2 and last - first < len(present)  # (a hostile gap: no loop)
-        return len(found) if whole and all(n in present for n in range(first, last + 1)) else 0
-
+        numbers.setdefault(shape, set()).add(block[-1])
     common, count = max(
-        ((s, repeats(n)) for s, n in numbers.items()), key=lambda i: i[1], default=((), 0)
+        ((s, len(n)) for s, n in numbers.items()), key=lambda i: i[1], default=((), 0)
     )
     if count < 2:
         return []
