@@ -12,11 +12,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.commands.diff.modules import ModuleChange, module_groups
+from ckpttool.commands.diff.modules import ModuleChange
 from ckpttool.commands.diff.run import DiffReport, TensorDiff
 from ckpttool.commands.trend import TrendReport
 from ckpttool.errors import InputError
-from ckpttool.model.modules import FOLDED
+from ckpttool.model.modules import block_index, module_group
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -43,20 +43,18 @@ def pyplot(path: str) -> Any:
 
 
 def layer_cells(report: DiffReport) -> tuple[list[int], list[str], list[list[float]]]:
-    """The heatmap's data: layers (the first number of a key that names a repeated block:
-    ``layers.#``; the different layers of an ``nn.Sequential`` are no rows of it), module kinds
-    (the key's module after that number: ``mlp.up_proj``), and per cell the parameter-weighted relative
+    """The heatmap's data: layers (the first block number of a key), module kinds (the key's
+    module after that number: ``mlp.up_proj``), and per cell the parameter-weighted relative
     change of its tensors (NaN where a layer has no such module or nothing was measured)."""
     sums: dict[tuple[int, str], list[float]] = {}
     kinds: list[str] = []
-    grouping = module_groups(report)
     for entry in report.tensors:
         values = entry.values
         if values is None or not values.measured:
             continue
-        parts = grouping.group(entry.key).split(".")
+        parts = module_group(entry.key).split(".")
         raw = entry.key.split(".")
-        at = next((i for i, part in enumerate(parts) if part == FOLDED), None)
+        at = next((i for i, part in enumerate(raw[: len(parts)]) if block_index(part) is not None), None)  # fmt: skip
         if at is None:
             continue
         layer = int(raw[at])

@@ -1,8 +1,7 @@
 """``diff --by-module`` and ``--top N``: where a checkpoint changed, along its module hierarchy.
 
-Tensors are grouped by :class:`ckpttool.model.modules.ModuleGroups` (their module, repeated
-blocks folded: ``layers.#.mlp.up_proj``; the different layers of an ``nn.Sequential`` each a
-group of its own: ``features.0``, ``features.3``). A group's relative change is parameter-weighted:
+Tensors are grouped by :func:`ckpttool.model.modules.module_group` (their module, repeated blocks
+folded: ``layers.#.mlp.up_proj``). A group's relative change is parameter-weighted:
 ``sqrt(sum ‖B - A‖²) / sqrt(sum ‖A‖²)`` over its measured tensors, so a large matrix weighs
 more than a bias, and a group's value is what one would get by flattening all of its tensors
 into one vector. The sums need ‖A‖ of identical tensors too, which ``diff`` measures only when
@@ -15,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from ckpttool.commands.diff.run import IDENTICAL, DiffReport, TensorDiff
-from ckpttool.model.modules import ModuleGroups
+from ckpttool.model.modules import module_group
 
 
 @dataclass
@@ -43,9 +42,8 @@ class ModuleChange:
 def by_module(report: DiffReport) -> list[ModuleChange]:
     """The report's tensors rolled up by module group, in the order groups first appear."""
     groups: dict[str, ModuleChange] = {}
-    grouping = module_groups(report)
     for entry in report.tensors:
-        name = grouping.group(entry.key)
+        name = module_group(entry.key)
         group = groups.get(name)
         if group is None:
             group = groups[name] = ModuleChange(name)
@@ -60,17 +58,6 @@ def by_module(report: DiffReport) -> list[ModuleChange]:
         group.sum_sq_a += values.sum_sq_a
         group.sum_sq_diff += values.sum_sq_diff
     return list(groups.values())
-
-
-def module_groups(report: DiffReport) -> ModuleGroups:
-    """The report's tensors' module groups, each tensor's structure taken from A (from B for
-    a tensor only B holds)."""
-    return ModuleGroups((entry.key, _signature(entry)) for entry in report.tensors)
-
-
-def _signature(entry: TensorDiff) -> tuple[str, tuple[int, ...]] | None:
-    record = entry.a if entry.a is not None else entry.b
-    return None if record is None else (record.dtype, tuple(record.shape))
 
 
 def top_changed(report: DiffReport, count: int) -> list[TensorDiff]:
