@@ -70,7 +70,7 @@ class TensorTrend:
     is not in that checkpoint, or has no numeric values)."""
 
     key: str
-    group: str
+    group: str  # its module group, set once the whole run is read
     norms: list[float | None]
     updates: list[float | None]  # ‖W_i - W_{i-1}‖; None at the first checkpoint
     nan: list[int | None]
@@ -251,9 +251,9 @@ def trend(
                 item.norms[after], item.sum_sq[after] = values.norm_b, values.sum_sq_b
                 item.nan[after], item.inf[after] = values.nan_b, values.inf_b
                 item.updates[after], item.update_sq[after] = values.diff_norm, values.sum_sq_diff
-    names = ModuleGroups((key, tuple(shapes)) for key, shapes in described.items())
+    grouping = ModuleGroups((key, tuple(shapes)) for key, shapes in described.items())
     for item in tensors.values():
-        item.group = names.group(item.key)
+        item.group = grouping.group(item.key)
     groups = _groups(list(tensors.values()), count)
     first, which = _first_nonfinite(list(tensors.values()), count)
     never = [t.key for t in tensors.values() if t.never_changed]
