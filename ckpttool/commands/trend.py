@@ -10,7 +10,8 @@ Each consecutive pair is compared by ``diff``'s streamed value reader with norms
 (:func:`ckpttool.commands.diff.run.run_diff`, ``norms=True``): one tensor of two checkpoints in
 memory at a time, a chunk at a time. Each checkpoint but the first and the last is therefore
 read twice (as the newer side of one pair and the older of the next). From those measures,
-per tensor and per module group (:func:`ckpttool.model.modules.module_group`), at each
+per tensor and per module group (:class:`ckpttool.model.modules.ModuleGroups`: a run of blocks
+folds only when they hold the same tensors, dtypes and shapes at every checkpoint), at each
 checkpoint: its norm ‖W‖, its update ‖W_i - W_{i-1}‖ and relative update
 ‖W_i - W_{i-1}‖ / ‖W_{i-1}‖, and its NaN and Inf counts. And the findings:
 
@@ -42,7 +43,7 @@ from ckpttool.formats.registry import directory_format_of
 from ckpttool.frameworks.base import view_facts
 from ckpttool.frameworks.registry import frameworks
 from ckpttool.io.progress import ProgressCallback
-from ckpttool.model.modules import module_group
+from ckpttool.model.modules import ModuleGroups
 from ckpttool.model.roles import WHOLE_FILE, layout_of, model_part
 
 JUMP_FACTOR = 10.0  # an update this many times the median of the previous ones is a jump
@@ -69,7 +70,7 @@ class TensorTrend:
     is not in that checkpoint, or has no numeric values)."""
 
     key: str
-    group: str
+    group: str  # its module group, set once the whole run is read
     norms: list[float | None]
     updates: list[float | None]  # ‖W_i - W_{i-1}‖; None at the first checkpoint
     nan: list[int | None]
@@ -213,14 +214,16 @@ def trend(
     points, order = _points(listed, names)
     count = len(points)
     tensors: dict[str, TensorTrend] = {}
+    described: dict[str, list[Any]] = {}  # key -> its (dtype, shape) at each checkpoint
     notes: list[str] = []
 
     def trend_of(key: str) -> TensorTrend:
         entry = tensors.get(key)
         if entry is None:
             none: list[Any] = [None] * count
+            described[key] = list(none)
             entry = tensors[key] = TensorTrend(
-                key, module_group(key), list(none), list(none), list(none), list(none),
+                key, key, list(none), list(none), list(none), list(none),
                 list(none), list(none),
             )  # fmt: skip
         return entry
@@ -236,6 +239,9 @@ def trend(
         for entry in report.tensors:
             values = entry.values
             item = trend_of(entry.key)
+            for index, record in ((before, entry.a), (after, entry.b)):
+                if record is not None:
+                    described[entry.key][index] = (record.dtype, tuple(record.shape))
             if values is None or not values.measured:
                 continue
             if before == 0:
@@ -245,6 +251,9 @@ def trend(
                 item.norms[after], item.sum_sq[after] = values.norm_b, values.sum_sq_b
                 item.nan[after], item.inf[after] = values.nan_b, values.inf_b
                 item.updates[after], item.update_sq[after] = values.diff_norm, values.sum_sq_diff
+    grouping = ModuleGroups((key, tuple(shapes)) for key, shapes in described.items())
+    for item in tensors.values():
+        item.group = grouping.group(item.key)
     groups = _groups(list(tensors.values()), count)
     first, which = _first_nonfinite(list(tensors.values()), count)
     never = [t.key for t in tensors.values() if t.never_changed]

@@ -12,11 +12,10 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.commands.diff.modules import ModuleChange
+from ckpttool.commands.diff.modules import ModuleChange, module_groups
 from ckpttool.commands.diff.run import DiffReport, TensorDiff
 from ckpttool.commands.trend import TrendReport
 from ckpttool.errors import InputError
-from ckpttool.model.modules import block_index, module_group
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -43,22 +42,22 @@ def pyplot(path: str) -> Any:
 
 
 def layer_cells(report: DiffReport) -> tuple[list[int], list[str], list[list[float]]]:
-    """The heatmap's data: layers (the first block number of a key), module kinds (the key's
-    module after that number: ``mlp.up_proj``), and per cell the parameter-weighted relative
-    change of its tensors (NaN where a layer has no such module or nothing was measured)."""
+    """The heatmap's data: layers (a key's first block number in a stack of repeated blocks,
+    :meth:`ckpttool.model.modules.ModuleGroups.stack`: numbered modules that repeat no
+    structure are no layers), module kinds (the key's group after that number:
+    ``mlp.up_proj``), and per cell the parameter-weighted relative change of its tensors (NaN
+    where a layer has no such module or nothing was measured)."""
     sums: dict[tuple[int, str], list[float]] = {}
     kinds: list[str] = []
+    groups = module_groups(report)
     for entry in report.tensors:
         values = entry.values
         if values is None or not values.measured:
             continue
-        parts = module_group(entry.key).split(".")
-        raw = entry.key.split(".")
-        at = next((i for i, part in enumerate(raw[: len(parts)]) if block_index(part) is not None), None)  # fmt: skip
-        if at is None:
+        stack = groups.stack(entry.key)
+        if stack is None:
             continue
-        layer = int(raw[at])
-        kind = ".".join(parts[at + 1 :]) or raw[-1]
+        layer, kind = stack.layer, stack.kind
         if kind not in kinds:
             kinds.append(kind)
         cell = sums.setdefault((layer, kind), [0.0, 0.0])
@@ -81,8 +80,8 @@ def _ratio(diff_sq: float, norm_sq: float) -> float:
 def diff_figure(
     report: DiffReport, modules: list[ModuleChange], top: list[TensorDiff], path: str
 ) -> Figure:
-    """Left: relative change per layer x module kind (a heatmap; without numbered layers, a bar
-    per module group). Right: the most changed tensors."""
+    """Left: relative change per layer x module kind (a heatmap; without a stack of repeated
+    blocks, a bar per module group). Right: the most changed tensors."""
     plt = pyplot(path)
     import numpy as np
 

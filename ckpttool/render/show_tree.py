@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.model.modules import MAX_MODULE_DEPTH
+from ckpttool.model.modules import MAX_MODULE_DEPTH, fold_runs
 from ckpttool.model.modules import block_index as _index
 from ckpttool.model.records import OpaqueObject, TensorRecord, children, count_once, with_key
 from ckpttool.render.text import human_count, human_size, plain, plural, short
@@ -31,7 +31,7 @@ class ModuleNode:
     nbytes: int = 0  # of one block, each stored element once
     repeats: int = 1  # identical consecutive numbered blocks this node stands for
     # what makes two blocks identical: relative keys, dtypes and shapes of their tensors
-    signature: tuple[Any, ...] = field(default=(), repr=False)
+    signature: frozenset[Any] = field(default=frozenset(), repr=False)
 
 
 def is_flat_state_dict(node: Any) -> bool:
@@ -77,8 +77,8 @@ def _build(records: list[TensorRecord], depth: int, shared: set[Any]) -> list[Mo
             node.parameters = sum(c.parameters * c.repeats for c in node.children)
             node.nbytes = sum(c.nbytes * c.repeats for c in node.children)
         if _index(name) is not None:  # only numbered blocks are compared
-            node.signature = tuple(
-                ("" if is_tensor else r.key.split(".", depth + 1)[-1], r.dtype, r.shape)
+            node.signature = frozenset(
+                ("" if is_tensor else r.key.split(".", depth + 1)[-1], (r.dtype, tuple(r.shape)))
                 for r in group
             )
         nodes.append(node)
@@ -95,26 +95,30 @@ def _merge_chain(node: ModuleNode) -> ModuleNode:
 
 
 def _collapse_repeats(nodes: list[ModuleNode]) -> list[ModuleNode]:
-    """Runs of consecutive numbered siblings (``0``, ``1``, ...) with the same signature
-    become one node standing for all of them (``0..15``, ``repeats=16``)."""
+    """Each run of numbered siblings that folds (:func:`ckpttool.model.modules.fold_runs`:
+    consecutive numbers, the same signature) becomes one node standing for all of them
+    (``0..15``, ``repeats=16``), where its first member appears; any other stays itself."""
+    numbered: dict[int, ModuleNode] = {}
+    clashes: set[int] = set()  # a number naming a tensor and a module: never folded
+    for node in nodes:
+        number = _index(node.name)
+        if number is not None and numbered.setdefault(number, node) is not node:
+            clashes.add(number)
+    for number in clashes:
+        del numbered[number]
+    standing_for: dict[int, ModuleNode] = {}  # id of a run's member -> the run's node
+    for run in fold_runs({number: node.signature for number, node in numbered.items()}):
+        first = numbered[run[0]]
+        first.name = f"{run[0]}..{run[-1]}"
+        first.repeats = len(run)
+        standing_for.update((id(numbered[number]), first) for number in run)
     out: list[ModuleNode] = []
-    index = 0
-    while index < len(nodes):
-        first = nodes[index]
-        start = _index(first.name)
-        end = index + 1
-        if start is not None:
-            while (
-                end < len(nodes)
-                and _index(nodes[end].name) == start + (end - index)
-                and nodes[end].signature == first.signature
-            ):
-                end += 1
-        if end - index > 1:
-            first.name = f"{first.name}..{nodes[end - 1].name}"
-            first.repeats = end - index
-        out.append(first)
-        index = end
+    placed: set[int] = set()
+    for node in nodes:
+        node = standing_for.get(id(node), node)
+        if id(node) not in placed:
+            placed.add(id(node))
+            out.append(node)
     return out
 
 

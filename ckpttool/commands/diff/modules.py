@@ -1,7 +1,7 @@
 """``diff --by-module`` and ``--top N``: where a checkpoint changed, along its module hierarchy.
 
-Tensors are grouped by :func:`ckpttool.model.modules.module_group` (their module, repeated blocks
-folded: ``layers.#.mlp.up_proj``). A group's relative change is parameter-weighted:
+Tensors are grouped by :func:`module_groups` (their module, runs of blocks of the same structure
+on both sides folded: ``layers.#.mlp.up_proj``; any other numbered module its own group). A group's relative change is parameter-weighted:
 ``sqrt(sum ‖B - A‖²) / sqrt(sum ‖A‖²)`` over its measured tensors, so a large matrix weighs
 more than a bias, and a group's value is what one would get by flattening all of its tensors
 into one vector. The sums need ‖A‖ of identical tensors too, which ``diff`` measures only when
@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 
 from ckpttool.commands.diff.run import IDENTICAL, DiffReport, TensorDiff
-from ckpttool.model.modules import module_group
+from ckpttool.model.modules import ModuleGroups
+from ckpttool.model.records import TensorRecord
 
 
 @dataclass
@@ -39,11 +40,23 @@ class ModuleChange:
         return math.sqrt(self.sum_sq_diff / self.sum_sq_a) if self.sum_sq_a > 0 else math.inf
 
 
+def module_groups(report: DiffReport) -> ModuleGroups:
+    """The report's module groups: a block folds with its neighbours only when its tensors
+    match theirs in dtype and shape on both sides (a layer resized, added or removed in B
+    stands alone)."""
+
+    def side(record: TensorRecord | None) -> tuple[str, tuple[int, ...]] | None:
+        return None if record is None else (record.dtype, tuple(record.shape))
+
+    return ModuleGroups((entry.key, (side(entry.a), side(entry.b))) for entry in report.tensors)
+
+
 def by_module(report: DiffReport) -> list[ModuleChange]:
     """The report's tensors rolled up by module group, in the order groups first appear."""
     groups: dict[str, ModuleChange] = {}
+    names = module_groups(report)
     for entry in report.tensors:
-        name = module_group(entry.key)
+        name = names.group(entry.key)
         group = groups.get(name)
         if group is None:
             group = groups[name] = ModuleChange(name)
