@@ -162,7 +162,8 @@ def _step(ckpt: Checkpoint) -> tuple[int | None, int | float | None]:
     facts = view_facts(ckpt)
     places: list[Any] = [facts.counters if facts is not None else None, ckpt.root]
     if isinstance(ckpt.root, dict):
-        places += [ckpt.root.get("trainer_state"), ckpt.root.get("train_state")]  # torchtitan's
+        # torchtitan's trainer_state/train_state; mmengine's meta (epoch, iter)
+        places += [ckpt.root.get(key) for key in ("trainer_state", "train_state", "meta")]
     step = epoch = None
     for place in places:
         if not isinstance(place, dict):
