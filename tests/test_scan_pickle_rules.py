@@ -280,6 +280,10 @@ def test_getattr_of_an_unknown_class_is_that_class_attribute_unknown() -> None:
         # a non-constant name (built by a call), getattr of an object built from the file
         (_GETATTR + b"cmypkg\nModel\ncmypkg\nname\n)R\x86R.", {"builtins.getattr"}),
         (_GETATTR + b"cmypkg\nModel\n)R" + b"X\x03\x00\x00\x00run\x86R.", {"builtins.getattr"}),
+        # nested constants that reach os: getattr(getattr(Model, 'os'), 'system') is
+        # mypkg.Model.os.system (the inner getattr resolves; the outer one stays dangerous)
+        (b"\x80\x02cbuiltins\ngetattr\nq\x00h\x00cmypkg\nModel\nX\x02\x00\x00\x00os"
+         b"\x86RX\x06\x00\x00\x00system\x86R.", {"builtins.getattr"}),
         # nested: getattr(getattr(Model, '__class__'), 'mro'): the inner one stays dangerous
         (b"\x80\x02cbuiltins\ngetattr\nq\x00h\x00cmypkg\nModel\nX\x09\x00\x00\x00__class__"
          b"\x86RX\x03\x00\x00\x00mro\x86R.", {"builtins.getattr"}),
