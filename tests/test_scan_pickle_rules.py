@@ -215,6 +215,32 @@ def test_getattr_is_resolved_to_the_function_it_names() -> None:
 _GETATTR = b"\x80\x02cbuiltins\ngetattr\n"
 
 
+class HistoryBuffer:
+    """Stands for mmengine's ``HistoryBuffer``: its message hub keeps ``HistoryBuffer.min``,
+    which pickle protocol 2 writes as ``builtins.getattr(HistoryBuffer, 'min')``."""
+
+    def min(self) -> float:
+        return 0.0
+
+
+def test_getattr_of_an_unknown_class_is_that_class_attribute_unknown() -> None:
+    data = pickle.dumps({"statistics": {"min": HistoryBuffer.min}}, protocol=2)
+    assert b"c__builtin__\ngetattr\n" in data  # how the real message hub pickles it
+    here = f"{__name__}.HistoryBuffer"
+    assert _verdicts(data) == {
+        "builtins.getattr": "safe", here: "unknown", f"{here}.min": "unknown"
+    }  # fmt: skip
+    method = load_pickle(data).root["statistics"]["min"]  # read, not refused: a stub
+    assert method.qualname == f"{here}.min"
+    chained = _GETATTR + b"q\x00h\x00cmypkg\nModel\nX\x01\x00\x00\x00a\x86RX\x01\x00\x00\x00b\x86R."
+    assert _verdicts(chained) == {
+        "builtins.getattr": "safe", "mypkg.Model": "unknown", "mypkg.Model.a": "unknown",
+        "mypkg.Model.a.b": "unknown",
+    }  # fmt: skip
+    called = _GETATTR + b"cmypkg\nModel\nX\x03\x00\x00\x00run\x86R)R."
+    assert isinstance(load_pickle(called).root, OpaqueObject)  # never called: a stub
+
+
 @pytest.mark.parametrize(
     ("data", "dangerous"),
     [
@@ -237,6 +263,30 @@ _GETATTR = b"\x80\x02cbuiltins\ngetattr\n"
         # one good use and one bad use of the same partial
         (b"\x80\x02cfunctools\npartial\nq\x00ctorch.nn.functional\nrelu\n\x85R0"
          b"h\x00cmymodule\nfn\n\x85R.", {"functools.partial"}),
+        # getattr of a dangerous global, or one that reaches a dangerous global
+        (_GETATTR + b"cbuiltins\neval\nX\x04\x00\x00\x00read\x86R.",
+         {"builtins.getattr", "builtins.eval"}),
+        (_GETATTR + b"cos\npath\nX\x04\x00\x00\x00join\x86R.", {"builtins.getattr", "os.path"}),
+        (_GETATTR + b"cmypkg\nos\nX\x06\x00\x00\x00system\x86R.", {"builtins.getattr"}),
+        (_GETATTR + b"ctorch\nserialization\nX\x04\x00\x00\x00load\x86R.",
+         {"builtins.getattr"}),
+        (_GETATTR + b"cmypkg\nimportlib\nX\x0d\x00\x00\x00import_module\x86R.",
+         {"builtins.getattr"}),
+        # of an unknown class, names that are not public attributes
+        *[(_GETATTR + b"cmypkg\nModel\nX" + struct.pack("<I", len(name)) + name + b"\x86R.",
+           {"builtins.getattr"})
+          for name in (b"__reduce__", b"__globals__", b"__builtins__", b"__class__", b"_private",
+                       b"not an identifier", b"")],
+        # a non-constant name (built by a call), getattr of an object built from the file
+        (_GETATTR + b"cmypkg\nModel\ncmypkg\nname\n)R\x86R.", {"builtins.getattr"}),
+        (_GETATTR + b"cmypkg\nModel\n)R" + b"X\x03\x00\x00\x00run\x86R.", {"builtins.getattr"}),
+        # nested constants that reach os: getattr(getattr(Model, 'os'), 'system') is
+        # mypkg.Model.os.system (the inner getattr resolves; the outer one stays dangerous)
+        (b"\x80\x02cbuiltins\ngetattr\nq\x00h\x00cmypkg\nModel\nX\x02\x00\x00\x00os"
+         b"\x86RX\x06\x00\x00\x00system\x86R.", {"builtins.getattr"}),
+        # nested: getattr(getattr(Model, '__class__'), 'mro'): the inner one stays dangerous
+        (b"\x80\x02cbuiltins\ngetattr\nq\x00h\x00cmypkg\nModel\nX\x09\x00\x00\x00__class__"
+         b"\x86RX\x03\x00\x00\x00mro\x86R.", {"builtins.getattr"}),
     ],
 )  # fmt: skip
 def test_partial_or_getattr_reaching_anything_else_stays_dangerous(

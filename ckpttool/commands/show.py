@@ -35,6 +35,7 @@ from ckpttool.model.roles import (
     part_node,
     rng_present,
     scalar_fields,
+    scalar_tensors,
     summarize_optimizer,
 )
 
@@ -239,6 +240,9 @@ def build_report(
             weights_key = None
     if pattern:
         records = [r for r in records if fnmatch.fnmatchcase(r.key, pattern)]
+    state_scalars = scalar_tensors(ckpt.root, layout) if not (section or pattern) else {}
+    if state_scalars:  # training state, shown with the other counters (--filter still finds it)
+        records = [r for r in records if r.key not in state_scalars]
     views = storage_views(all_records)
     groups = storage_groups(all_records, views)
     unreferenced = unreferenced_bytes(all_records)
@@ -283,6 +287,10 @@ def build_report(
             part_node(ckpt.root, optimizer_key), part_node(ckpt.root, model_key)
         )
     fields = scalar_fields(ckpt.root)
+    if state_scalars:
+        fields.update({key: scalar_value(ckpt, r) for key, r in state_scalars.items()})
+        order = {key: index for index, key in enumerate(ckpt.root)}
+        fields = dict(sorted(fields.items(), key=lambda kv: order.get(kv[0], len(order))))
     if ckpt.metadata:
         fields.update({f"__metadata__.{k}": v for k, v in ckpt.metadata.items()})
     return ShowReport(
@@ -313,6 +321,24 @@ def build_report(
         parts=_selected_parts(ckpt, section),
         unreferenced=unreferenced,
     )
+
+
+def scalar_value(ckpt: Checkpoint, record: TensorRecord) -> Any:
+    """The value a 0-d tensor holds (4 bytes or so read), or what it is when it has none to
+    read (a meta tensor) or its bytes are damaged."""
+    from ckpttool.io.values import as_float, read_array, stats_unavailable  # NumPy: rare
+
+    if stats_unavailable(record) is None:
+        try:
+            array = read_array(ckpt, record)
+            if record.dtype.startswith(("int", "uint", "bool")):
+                return array.item()
+            value = as_float(record, array)[()]
+            # float32's own shortest text (3.2, not 3.200000047683716)
+            return float(str(value)) if value.dtype.itemsize < 8 else float(value)
+        except CkptError:
+            pass
+    return f"a 0-d {record.dtype} tensor"
 
 
 def _selected_parts(ckpt: Checkpoint, section: str | None) -> dict[str, dict[str, Any]]:

@@ -44,13 +44,10 @@ from ckpttool.frameworks.base import view_facts
 from ckpttool.frameworks.registry import frameworks
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model.modules import ModuleGroups
-from ckpttool.model.roles import WHOLE_FILE, layout_of, model_part
+from ckpttool.model.roles import STEP_KEYS, WHOLE_FILE, layout_of, model_part
 
 JUMP_FACTOR = 10.0  # an update this many times the median of the previous ones is a jump
 JUMP_HISTORY = 2  # previous updates needed before a jump can be called
-#: Counters that number a checkpoint's step, in the order they are looked for at the top of
-#: its tree (a view's counters first: DeepSpeed's ``global_steps``).
-STEP_KEYS = ("global_step", "global_steps", "step", "iteration", "iter", "num_updates")
 
 
 @dataclass(frozen=True)
@@ -166,12 +163,13 @@ def _step(ckpt: Checkpoint) -> tuple[int | None, int | float | None]:
     facts = view_facts(ckpt)
     places: list[Any] = [facts.counters if facts is not None else None, ckpt.root]
     if isinstance(ckpt.root, dict):
-        places += [ckpt.root.get("trainer_state"), ckpt.root.get("train_state")]  # torchtitan's
+        # torchtitan's trainer_state/train_state; mmengine's meta (epoch, iter)
+        places += [ckpt.root.get(key) for key in ("trainer_state", "train_state", "meta")]
     step = epoch = None
     for place in places:
         if not isinstance(place, dict):
             continue
-        for key in STEP_KEYS:
+        for key in STEP_KEYS:  # a view's counters first (DeepSpeed's global_steps), then the top
             value = place.get(key)
             if step is None and isinstance(value, int) and not isinstance(value, bool):
                 step = value

@@ -113,9 +113,13 @@ MODEL_PART_KEYS = (
 EMA_PART_KEYS = ("ema", "model_ema", "ema_state_dict", "ema_model")
 #: Counters a training script stores beside its state dicts.
 COUNTER_KEYS = (
-    "epoch", "step", "global_step", "global_steps", "iteration", "iter", "num_updates",
-    "consumed_samples", "samples_seen", "global_samples",
+    "epoch", "step", "global_step", "global_steps", "iteration", "iter", "iter_num",
+    "num_updates", "consumed_samples", "samples_seen", "global_samples",
 )  # fmt: skip
+#: The counters of :data:`COUNTER_KEYS` that count optimizer steps, in the order they are
+#: trusted: Lightning and the Trainer (``global_step``), DeepSpeed, most scripts (``step``),
+#: mmengine (``iter``), nanoGPT (``iter_num``), fairseq (``num_updates``).
+STEP_KEYS = ("global_step", "global_steps", "step", "iteration", "iter", "iter_num", "num_updates")
 #: The same for the optimizer's ``state_dict()`` (a dict with ``state`` and ``param_groups``).
 OPTIMIZER_PART_KEYS = ("optimizer", "optimizer_state_dict", "optimizer_state")
 #: ``model_part`` for a file that is the model's weights as a whole.
@@ -311,6 +315,19 @@ def is_pickled_module(node: Any) -> bool:
         and isinstance(node.state.get("_parameters"), dict)
         and isinstance(node.state.get("_modules"), dict)
     )
+
+
+def scalar_tensors(root: Any, layout: str) -> dict[str, TensorRecord]:
+    """Top-level 0-d tensors of a training checkpoint beside its model part: values a script
+    kept as tensors (nanoGPT's ``best_val_loss``, ``torch.tensor(3.2)`` after its first eval),
+    training state like ``iter_num``, not weights. Empty for a file that is the weights."""
+    if not isinstance(root, dict) or model_part(root, layout) in (None, WHOLE_FILE):
+        return {}
+    return {
+        key: value
+        for key, value in root.items()
+        if isinstance(key, str) and isinstance(value, TensorRecord) and value.shape == ()
+    }
 
 
 def _find_model_key(root: Any) -> str | None:
@@ -574,6 +591,7 @@ def _tensor_leaves(node: Any) -> list[TensorRecord]:
 
 __all__ = [
     "LAYOUT_TITLES",
+    "STEP_KEYS",
     "OptimizerSummary",
     "detect_layout",
     "is_pickled_module",
@@ -588,6 +606,7 @@ __all__ = [
     "part_node",
     "rng_present",
     "scalar_fields",
+    "scalar_tensors",
     "summarize_optimizer",
     "walk",
 ]

@@ -14,6 +14,13 @@ and ``functools`` calls them dangerous, which they are not when what they reach 
 * ``getattr(CLASS, 'Name')`` with ``CLASS.Name`` a nested data record
   (:data:`~ckpttool.model.data_records.NESTED_RECORDS`: ``ShardedTensor.ProcessGroupState``)
   is resolved to that class by name; the ``getattr`` is then "safe".
+* ``getattr(CLASS, 'name')`` with CLASS a global classed "unknown" (a third-party class, never
+  imported) and a constant public name (an identifier, no leading ``_``: never ``__class__``,
+  ``__reduce__``, ``__globals__``...) is resolved to the global ``CLASS.name``, classed as that
+  global would be: mmengine's message hub pickles ``getattr(HistoryBuffer, 'min')``, an unknown
+  method, not a call of anything; the ``getattr`` is then "safe". When ``CLASS.name`` would be
+  dangerous (``pkg.os`` then ``system``: ``os.system``) or CLASS is not unknown (``os``,
+  ``builtins``, a torch loader, an emulated constructor), the ``getattr`` stays dangerous.
 * ``functools.partial(target, ...)`` is "safe" when its target is a global classed safe or a
   torch class of :data:`PARTIAL_TARGET_MODULES`; ``partial`` itself calls nothing when built.
 
@@ -25,6 +32,7 @@ keeps the verdict the block-list gives it (dangerous for ``torch._C``, ``builtin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ckpttool.model.data_records import NESTED_RECORDS
@@ -117,12 +125,23 @@ class ContextualUses:
 
     ``seen`` is the walk's ``globals_seen`` list; ``safe`` and ``dangerous`` are the verdicts
     (``Verdict.SAFE``, ``Verdict.DANGEROUS``; each name's fallback is :func:`classify_global`'s).
+    ``classify(module, name)`` is :func:`classify_global` and ``unknown`` its third verdict: what
+    ``getattr(CLASS, 'name')`` of an unknown class resolves to is classed by them.
     """
 
-    def __init__(self, seen: list[tuple[str, str, Any]], safe: Any, dangerous: Any) -> None:
+    def __init__(
+        self,
+        seen: list[tuple[str, str, Any]],
+        safe: Any,
+        dangerous: Any,
+        unknown: Any = None,
+        classify: Callable[[str, str], Any] | None = None,
+    ) -> None:
         self.seen = seen
         self.safe = safe
         self.dangerous = dangerous
+        self.unknown = unknown
+        self.classify = classify
         # id(ref) -> [ref, its entry in ``seen``, fallback verdict, used well, used otherwise]
         self.refs: dict[int, list[Any]] = {}
 
@@ -162,6 +181,11 @@ class ContextualUses:
                 nested = GlobalRef(namespace.module, f"{namespace.name}.{name}")
                 self.seen.append((nested.module, nested.name, self.safe))
                 return nested
+            attribute = self._attribute(namespace, name)
+            if attribute is not None:  # getattr(HistoryBuffer, 'min'): an unknown method
+                self._use(func, True)
+                self.seen.append((attribute.module, attribute.name, self.unknown))
+                return attribute
             home = (
                 GETATTR_NAMESPACES.get(namespace.qualname)
                 if isinstance(namespace, GlobalRef)
@@ -184,6 +208,25 @@ class ContextualUses:
             return None
         self._use(func, False)  # a namespace called directly
         return None
+
+    def _attribute(self, namespace: Any, name: Any) -> GlobalRef | None:
+        """``namespace.name`` as a global of its own, when ``namespace`` is an unknown class
+        (not one of :data:`GETATTR_NAMESPACES`), ``name`` a public identifier and the global it
+        makes is unknown too (``pkg.os`` then ``system`` is ``os.system``: dangerous)."""
+        if (
+            self.classify is None
+            or not isinstance(namespace, GlobalRef)
+            or not isinstance(name, str)
+            or not name.isidentifier()
+            or name.startswith("_")
+            or namespace.qualname in GETATTR_NAMESPACES
+            or self.classify(namespace.module, namespace.name) != self.unknown
+        ):
+            return None
+        attribute = GlobalRef(namespace.module, f"{namespace.name}.{name}")
+        if self.classify(attribute.module, attribute.name) != self.unknown:
+            return None
+        return attribute
 
     def refused(self, ref: Any) -> bool:
         """Whether ``ref`` has been used in a way that leaves it dangerous."""

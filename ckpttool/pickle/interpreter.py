@@ -193,7 +193,10 @@ class SafeUnpickler:
         self.frame_pos = self.frame_end = -1
         self.limit = len(self.data)
         self.result = PickleResult(root=None, end=self.start)
-        self.contextual = ContextualUses(self.result.globals_seen, Verdict.SAFE, Verdict.DANGEROUS)
+        self.contextual = ContextualUses(
+            self.result.globals_seen, Verdict.SAFE, Verdict.DANGEROUS, Verdict.UNKNOWN,
+            classify_global,
+        )  # fmt: skip
 
     # -- reading primitives ---------------------------------------------------------------
     def _take(self, n: int) -> memoryview:
@@ -266,7 +269,7 @@ class SafeUnpickler:
         if self.contextual.refs:
             resolved = self.contextual.call(func, args, _verdict_of)
             if resolved is not None:
-                return resolved  # getattr(torch namespace, 'name'): the function it names
+                return resolved  # getattr(namespace, 'name'): the global it names
             if self.refuse_dangerous and self.contextual.refused(func):
                 raise _refused(func.qualname)
         result = emulate_call(self.call, func, args)

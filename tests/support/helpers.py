@@ -26,6 +26,9 @@ def fixture_files() -> list[Path]:
         and p.relative_to(FIXTURES).parts[0] != "gguf"
         # torch.load imports ultralytics' classes: tests/test_ultralytics_fixture.py's manifest
         and p.relative_to(FIXTURES).parts[0] != "ultralytics"
+        # mmengine's Runner checkpoint is one like any other; its manifest is
+        # tests/test_mmengine_fixture.py's
+        and not (p.relative_to(FIXTURES).parts[0] == "mmengine" and p.suffix == ".json")
         # DeepSpeed's rank files are torch.save files like any other; its `latest`, JSON and
         # damaged copies are tests/test_deepspeed_*.py's
         and not (p.relative_to(FIXTURES).parts[0] == "deepspeed"

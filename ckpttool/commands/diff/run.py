@@ -381,6 +381,13 @@ def run_diff(
         notes.append("--quick: values not read; 'identical' means the same dtype and shape")
     elif not rounded:
         notes.extend(_dtype_note(tensors))
+    meta = sum(1 for t in tensors if t.a is not None and t.b is not None and t.a.is_meta
+               and t.b.is_meta and t.a.dtensor is None and t.b.dtensor is None)  # fmt: skip
+    if meta and not quick:
+        notes.append(
+            f"values not compared for {meta} meta tensor{'s' * (meta != 1)} (saved without data"
+            " on both sides): 'identical' means the same dtype and shape"
+        )
     fields = list(plan.fields)
     if not quick:
         fields = [_read_tensor_field(ckpt_a, ckpt_b, entry) for entry in fields]
@@ -537,6 +544,13 @@ def _compare_pair(
         if value_a.shape != value_b.shape:
             changes.append(f"local piece {list(value_a.shape)} -> {list(value_b.shape)}")
             return TensorDiff(pair.key, DIFFER, a, b, pair.alias, tuple(changes))
+    lacking = [side for side, r in (("A", value_a), ("B", value_b)) if r.is_meta]
+    if lacking:  # a meta tensor holds no values: its dtype and shape are all there is to compare
+        if len(lacking) == 1:
+            changes.append(f"values only in {'B' if lacking == ['A'] else 'A'} ({lacking[0]} is "
+                           "a meta tensor, saved without data)")  # fmt: skip
+        return TensorDiff(pair.key, DIFFER if changes else IDENTICAL, a, b, pair.alias,
+                          tuple(changes))  # fmt: skip
     # sparse and quantized tensors compare by their dense meaning, as torch.equal on to_dense()
     dense_a, dense_b = dense_record(ckpt_a, value_a), dense_record(ckpt_b, value_b)
     if dense_a.shape != dense_b.shape:  # nested tensors: buffers of different sizes

@@ -410,7 +410,9 @@ def _same_file(a: Path, b: Path) -> bool:
 #: count batches or optimizer steps per rank, in the order one is chosen. ``epoch`` stays (it
 #: counts passes over the data, whatever the number of ranks), and sample counts
 #: (``consumed_samples``...) are the same on any number of ranks.
-TRAINING_STEP_KEYS = ("step", "global_step", "global_steps", "iteration", "iter", "num_updates")
+TRAINING_STEP_KEYS = (
+    "step", "global_step", "global_steps", "iteration", "iter", "iter_num", "num_updates",
+)  # fmt: skip
 
 
 def training_counter(root: Mapping[str, Any]) -> str | None:
