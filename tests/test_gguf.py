@@ -340,7 +340,7 @@ def test_scan_finds_no_pickle() -> None:
     report = json.loads(result.stdout)
     assert report["clean"]
     assert report["files"] == [
-        {"path": str(Q8), "format": "gguf", "error": None, "notes": [], "globals": []}
+        {"path": str(Q8), "format": "gguf", "error": None, "notes": [], "places": {}, "globals": []}
     ]
 
 
