@@ -34,7 +34,7 @@ def component_option(command: F) -> F:
     of that part's key would pick it (never both)."""
     return click.option(
         "--component", metavar="NAME",
-        help="Only the part NAME of a multi-component folder (a diffusers pipeline's unet; a "
+        help="Only the part NAME of a multi-component folder (a pipeline's unet; a "
         "sentence-transformers module by number or folder): --section of that part.",
     )(command)  # fmt: skip
 
