@@ -136,6 +136,17 @@ def test_a_side_s_component_overrides_a_shared_section() -> None:
     assert json.loads(run(*args, "--json").stdout)["equal"] is True
 
 
+def test_verify_of_a_part_s_folder_checks_only_its_files(tmp_path: Path) -> None:
+    """verify has no --component: the part's own folder is verified, with only its files."""
+    copy = tmp_path / "pipeline"
+    shutil.copytree(PIPELINE, copy)
+    vqvae = copy / "vqvae" / "diffusion_pytorch_model.safetensors"
+    vqvae.write_bytes(vqvae.read_bytes()[: vqvae.stat().st_size // 2])
+    run("verify", copy / "unet")
+    run("verify", copy, exit_code=1)
+    run("verify", copy / "vqvae", exit_code=1)
+
+
 def test_without_a_component_a_pipeline_root_is_every_part() -> None:
     state = ckpttool.load_state_dict(PIPELINE)
     assert {key.split(".", 1)[0] for key in state} == {"unet", "vqvae"}
