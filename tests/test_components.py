@@ -151,3 +151,13 @@ def test_without_a_component_a_pipeline_root_is_every_part() -> None:
     state = ckpttool.load_state_dict(PIPELINE)
     assert {key.split(".", 1)[0] for key in state} == {"unet", "vqvae"}
     assert len(state) == len(COMPONENTS["unet"]) + len(COMPONENTS["vqvae"])
+
+
+def test_the_library_s_diff_takes_components() -> None:
+    from ckpttool.commands.diff.run import diff
+
+    same = diff(PIPELINE, PIPELINE / "unet", component_a="unet", quick=True)
+    assert same.equal
+    assert not diff(PIPELINE, PIPELINE, component_a="unet", component_b="vqvae", quick=True).equal
+    with pytest.raises(InputError, match="no component 'text_encoder'"):
+        diff(PIPELINE, PIPELINE, component="text_encoder", quick=True)
