@@ -24,7 +24,13 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
-from ckpttool.commands.selection import Selection, add_recorded_aliases, select
+from ckpttool.commands.selection import (
+    COMPONENT_OR_SECTION,
+    Selection,
+    add_recorded_aliases,
+    component_section,
+    select,
+)
 from ckpttool.errors import (
     CheckpointKeyError,
     CkptError,
@@ -47,9 +53,12 @@ if TYPE_CHECKING:
 class CheckpointHandle:
     """An opened checkpoint whose tensors are read one at a time (:func:`open`)."""
 
-    def __init__(self, ckpt: Checkpoint) -> None:
+    def __init__(self, ckpt: Checkpoint, records: dict[str, TensorRecord] | None = None) -> None:
+        """``records``: the tensors given, by key (default: every tensor of ``ckpt``)."""
         self._ckpt = ckpt
-        self._records = {record.key: record for record in ckpt.tensors()}
+        if records is None:
+            records = {record.key: record for record in ckpt.tensors()}
+        self._records = records
         # file storage -> torch.UntypedStorage (by the record's fields: a directory's member
         # files each number their storages from "0")
         self._storages: dict[StorageRecord, Any] = {}
@@ -375,22 +384,32 @@ def _without_tensors(node: Any) -> Any:
     return node  # a scalar, text, or an object ckpttool does not rebuild (OpaqueObject)
 
 
-def open(path_or_url: str | os.PathLike[str], *, view: str | None = None) -> CheckpointHandle:
+def open(
+    path_or_url: str | os.PathLike[str], *, view: str | None = None, component: str | None = None
+) -> CheckpointHandle:
     """Open a checkpoint (a file, a directory or a URL) for reading tensors one at a time,
     safely: its pickle is walked, never run. By default (``view=None``) a directory opens as
     ``convert`` and ``diff`` read it, in the view its layout declares
     (:attr:`~ckpttool.frameworks.base.Framework.default_view`: DeepSpeed ZeRO's consolidated
     fp32 weights, any other layout's files); ``view`` names another (``"files"``: the files as
     stored, as ``show`` lists them; ``"weights"``: a framework's consolidated weights). Use it as
-    a context manager. Raises :class:`~ckpttool.errors.CkptError` subclasses with the command
-    line's messages.
+    a context manager. ``component`` names one part of a multi-component folder (a diffusers
+    pipeline's ``"unet"``, a sentence-transformers module): only its tensors, keyed as its own
+    files store them (``--component``). Raises :class:`~ckpttool.errors.CkptError` subclasses
+    with the command line's messages.
 
     Named as safetensors' ``safe_open``, it is ``ckpttool.open`` to callers; it shadows the
     builtin in this module only (which never calls the builtin), and no other module of the
     package imports it by name."""
-    return CheckpointHandle(
-        open_checkpoint(path_or_url, view=DEFAULT_VIEW if view is None else view)
-    )
+    ckpt = open_checkpoint(path_or_url, view=DEFAULT_VIEW if view is None else view)
+    if component is None:
+        return CheckpointHandle(ckpt)
+    try:
+        picked = select(ckpt, section=component_section(ckpt, component)).tensors
+    except BaseException:
+        ckpt.close()
+        raise
+    return CheckpointHandle(ckpt, dict(picked))
 
 
 def load_state_dict(
@@ -403,6 +422,7 @@ def load_state_dict(
     strip_prefix: str | Sequence[str] | None = None,
     ignore_wrappers: bool = False,
     view: str | None = None,
+    component: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's weights as a plain state dict that ``model.load_state_dict`` accepts.
 
@@ -417,11 +437,16 @@ def load_state_dict(
     not there raises). Tied weights a safetensors file stored once and declares in its
     metadata are given back under both names, as ``convert`` gives them back. Tensors are
     :meth:`CheckpointHandle.get_tensor`'s (memory-mapped where the file allows it), moved to
-    ``device`` and cast to ``dtype`` when given.
+    ``device`` and cast to ``dtype`` when given. ``component`` names one part of a
+    multi-component folder instead of a section (:func:`open`'s).
     """
     strip = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix or ())
     with open(path_or_url, view=view) as handle:
         ckpt = handle.checkpoint
+        if component is not None:
+            if section not in ("model", None):
+                raise InputError(COMPONENT_OR_SECTION)
+            section = component_section(ckpt, component)
         if section == "model":
             selected = select(ckpt, strip=strip, ignore_wrappers=ignore_wrappers)
         elif section is None:

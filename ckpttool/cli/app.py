@@ -18,6 +18,7 @@ import click
 
 from ckpttool import __version__
 from ckpttool.cli.options import (
+    component_option,
     force_option,
     jobs_option,
     json_option,
@@ -205,6 +206,7 @@ def _echo_json(data: object) -> None:
     help="Only tensors whose key (as listed, e.g. model.layers.0.*) matches GLOB.",
 )  # fmt: skip
 @section_option()
+@component_option
 @click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")
 @click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
 @click.option("--depth", type=click.IntRange(min=0), help="Limit --tree to this depth.")
@@ -219,6 +221,7 @@ def show(
     as_json: bool,
     pattern: str | None,
     section: str | None,
+    component: str | None,
     stats: bool,
     tree: bool,
     depth: int | None,
@@ -235,10 +238,12 @@ def show(
       ckpttool show checkpoints/pretrain_768_resume.pth
       ckpttool show out/pretrain_768.pth --filter '*layers.0.*' --stats
       ckpttool show ckpt.pth --section optimizer --json
+      ckpttool show pipeline/ --component unet      # one part of a diffusers pipeline
       ckpttool show ckpt.pth --tree --depth 2
       ckpttool show checkpoints/step_1200/    # a DCP directory
     """
     from ckpttool.checkpoint import open_checkpoint
+    from ckpttool.commands.selection import side_section
     from ckpttool.commands.show import build_report
     from ckpttool.errors import CheckpointCollectionError
     from ckpttool.render import show as show_render
@@ -254,6 +259,7 @@ def show(
             click.echo(show_render.collection_text(listing))
         return
     with ckpt:
+        section = side_section(ckpt, section, component)
         if tree or depth is not None or objects:
             whole = ckpt.objects if objects else ckpt.root
             root = ckpt.section(section, objects=objects) if section else whole
@@ -295,6 +301,15 @@ def show(
     metavar="KEY",
     help="Compare only the subtree KEY of B (overrides --section for B).",
 )
+@component_option
+@click.option(
+    "--component-a", metavar="NAME",
+    help="Compare only the part NAME of A (overrides --component for A).",
+)  # fmt: skip
+@click.option(
+    "--component-b", metavar="NAME",
+    help="Compare only the part NAME of B (overrides --component for B).",
+)  # fmt: skip
 @key_prefix_options
 @click.option(
     "--rounded", is_flag=True,
@@ -333,6 +348,9 @@ def diff_command(
     section: str | None,
     section_a: str | None,
     section_b: str | None,
+    component: str | None,
+    component_a: str | None,
+    component_b: str | None,
     strip: tuple[str, ...],
     ignore_wrappers: bool,
     rounded: bool,
@@ -360,6 +378,7 @@ def diff_command(
       ckpttool diff run1/ckpt.pth run2/ckpt.pth --rtol 1e-3 --all
       ckpttool diff ddp.pth model.safetensors --ignore-wrappers
       ckpttool diff tutorial.pt model.pth --section-a model_state_dict
+      ckpttool diff pipeline/ unet/ --component-a unet
       ckpttool diff a_resume.pth b_resume.pth --quick --json
       ckpttool diff checkpoints/step_1200/ model.safetensors
       ckpttool diff base.safetensors finetuned.safetensors --by-module --top 10
@@ -381,11 +400,14 @@ def diff_command(
         pyplot(plot_path)  # the extra is there, the suffix is known: before any work
     selection = Selection(
         section, strip, ignore_wrappers, map=map_name,
-        map_params=tuple(_int_params(map_params).items()),
+        map_params=tuple(_int_params(map_params).items()), component=component,
     )  # fmt: skip
     with open_side(path_a) as opened_a, open_side(path_b) as ckpt_b:
         ckpt_a = with_derived(opened_a) if map_name is not None else opened_a
-        plan = plan_diff(ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b)
+        plan = plan_diff(
+            ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b,
+            component_a=component_a, component_b=component_b,
+        )  # fmt: skip
         options: dict[str, Any] = {"rtol": rtol, "atol": atol, "rounded": rounded}
         if by_module or plot_path:
             options["norms"] = True
@@ -600,6 +622,7 @@ def rescale_step(
 )  # fmt: skip
 @click.option("--allow-overflow", is_flag=True, help="Write values too large for --dtype as inf.")
 @section_option(default="the weights")
+@component_option
 @key_prefix_options
 @click.option(
     "--filter", "pattern", metavar="GLOB",
@@ -635,6 +658,7 @@ def convert_command(
     dtype: str,
     allow_overflow: bool,
     section: str | None,
+    component: str | None,
     strip: tuple[str, ...],
     ignore_wrappers: bool,
     pattern: str | None,
@@ -676,6 +700,7 @@ def convert_command(
       ckpttool convert big.pth shards/ --max-shard-size 2GB
       ckpttool convert checkpoints/step_1200/ model.safetensors
       ckpttool convert output/checkpoint-500/ llama-500/   # a from_pretrained directory
+      ckpttool convert pipeline/ unet.safetensors --component unet
     """
     from ckpttool.commands.convert.options import ConversionOptions
     from ckpttool.commands.convert.run import convert_with
@@ -685,7 +710,7 @@ def convert_command(
 
     selection = Selection(
         section, strip, ignore_wrappers, pattern, drop, rename, map=map_name,
-        map_params=tuple(_int_params(map_params).items()), use_ema=use_ema,
+        map_params=tuple(_int_params(map_params).items()), use_ema=use_ema, component=component,
     )  # fmt: skip
     options = ConversionOptions(
         to=to, dtype=dtype, allow_overflow=allow_overflow, keep_shared=keep_shared,

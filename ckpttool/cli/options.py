@@ -29,6 +29,16 @@ def section_option(default: str | None = None) -> Callable[[F], F]:
     )  # fmt: skip
 
 
+def component_option(command: F) -> F:
+    """``--component NAME``: one named part of a multi-component folder, as ``--section``
+    of that part's key would pick it (never both)."""
+    return click.option(
+        "--component", metavar="NAME",
+        help="Only the part NAME of a multi-component folder (a pipeline's unet; a "
+        "sentence-transformers module by number or folder): --section of that part.",
+    )(command)  # fmt: skip
+
+
 def force_option(command: F) -> F:
     """``--force``: replace outputs that exist (refused without it)."""
     return click.option("--force", is_flag=True, help="Replace outputs that already exist.")(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.errors import InputError, SameKeyError
 from ckpttool.formats.registry import carries_metadata
+from ckpttool.frameworks.base import PARTS
 from ckpttool.model.records import TensorRecord, paths_of, tensors
 from ckpttool.model.roles import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # diff and convert's door
 from ckpttool.model.roles import layout_of, model_section
@@ -25,6 +26,8 @@ VERSION_KEY = "ckpttool.version"
 #: Keys convert computes itself; a safetensors source's values for them are not carried over,
 #: and none of them declares an alias.
 OWN_KEYS = frozenset({"format", SOURCE_KEY, VERSION_KEY, ALIASES_KEY})
+#: A component (``--component``) is a section: naming both for one side is refused.
+COMPONENT_OR_SECTION = "a component and a section both pick a part: give one"
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Selection:
     map: str | None = None
     map_params: tuple[tuple[str, int], ...] = ()
     use_ema: str | None = None  # --use-ema (convert): "" for the one EMA part, or its key
+    component: str | None = None  # --component NAME: a named part's section (component_section)
 
     @property
     def prefixes(self) -> list[str]:
@@ -64,6 +68,48 @@ class Selected:
     # a framework directory compared whole: the section its weights files fill, whose name was
     # taken off the keys under it (they are keyed as the files store them)
     weights: str | None = None
+
+
+def component_section(ckpt: Checkpoint, name: str) -> str:
+    """The section of the part ``name`` of a folder of named parts (a diffusers pipeline's
+    ``unet``, a sentence-transformers folder's ``2`` or ``2_Dense``): its tensors keyed as the
+    part's own files store them, as the part's folder alone reads. Raises
+    :class:`~ckpttool.errors.InputError` where ``ckpt`` has no parts, no part ``name``, or a part
+    without weights."""
+    parts = ckpt.details.get(PARTS)
+    if not isinstance(parts, list) or not parts:
+        raise InputError(
+            f"{ckpt.name}: no components to pick {name!r} from (components are the parts of a "
+            "diffusers pipeline or sentence-transformers model folder)"
+        )
+    for part in parts:
+        if name in (part["name"], part.get("folder") or part["name"]):
+            if not part.get("tensors"):
+                raise InputError(
+                    f"{ckpt.name}: component {part['name']!r} ({part.get('type')}) has no weights"
+                )
+            return str(part["section"])
+    shown = ", ".join(str(part["name"]) for part in parts)
+    raise InputError(f"{ckpt.name}: no component {name!r}; its components: {shown}")
+
+
+def with_component(ckpt: Checkpoint, selection: Selection) -> Selection:
+    """``selection`` with its ``component`` turned into its section (unchanged without one)."""
+    if selection.component is None:
+        return selection
+    if selection.section is not None:
+        raise InputError(COMPONENT_OR_SECTION)
+    section = component_section(ckpt, selection.component)
+    return replace(selection, section=section, component=None)
+
+
+def side_section(ckpt: Checkpoint, section: str | None, component: str | None) -> str | None:
+    """One side's section where ``diff`` names it: ``section``, or ``component``'s."""
+    if component is None:
+        return section
+    if section is not None:
+        raise InputError(COMPONENT_OR_SECTION)
+    return component_section(ckpt, component)
 
 
 def strip_prefixes(key: str, prefixes: Sequence[str]) -> str:

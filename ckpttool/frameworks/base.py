@@ -78,6 +78,10 @@ FORMAT_DATA = "format_data"
 #: frameworks' run directories have layouts of their own, all with ``FrameworkDirectory.collection``.
 COLLECTION = "hf_trainer_output"
 
+#: Where a folder of several model folders lists its named parts (``details[PARTS]``: dicts with
+#: ``name``, ``folder``, ``type``, ``prefix``, ``section`` and ``tensors``; frameworks/parts.py).
+PARTS = "parts"
+
 #: How large a JSON member may be (an index of a million tensors is ~60 MB).
 MAX_JSON_BYTES = 256 << 20
 

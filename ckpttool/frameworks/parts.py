@@ -17,10 +17,8 @@ from typing import Any
 
 from ckpttool.errors import CorruptCheckpointError
 from ckpttool.frameworks.base import INDEX, WEIGHTS, Member, inside, read_json
+from ckpttool.frameworks.base import PARTS as PARTS  # where the parts' details go (show lists them)
 from ckpttool.io.source import is_url, join
-
-#: Where the parts' details go (``show`` lists them).
-PARTS = "parts"
 
 
 @dataclass(frozen=True)

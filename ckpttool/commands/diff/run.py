@@ -55,8 +55,8 @@ from ckpttool.commands.mapped import (
     step_counts,
     with_derived,
 )
-from ckpttool.commands.selection import Selection
-from ckpttool.errors import CkptError
+from ckpttool.commands.selection import COMPONENT_OR_SECTION, Selection, side_section
+from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import DEFAULT_VIEW, reported_layout, view_facts
 from ckpttool.io.progress import ProgressCallback
@@ -185,6 +185,9 @@ def diff(
     section: str | None = None,
     section_a: str | None = None,
     section_b: str | None = None,
+    component: str | None = None,
+    component_a: str | None = None,
+    component_b: str | None = None,
     strip: Sequence[str] = (),
     ignore_wrappers: bool = False,
     rtol: float = DEFAULT_RTOL,
@@ -198,7 +201,9 @@ def diff(
 ) -> DiffReport:
     """Compare checkpoint ``a`` with ``b`` (paths or open checkpoints). Never prints.
 
-    ``section`` names the subtree compared in both, ``section_a``/``section_b`` in one side.
+    ``section`` names the subtree compared in both, ``section_a``/``section_b`` in one side;
+    ``component`` (``component_a``/``component_b``) a named part of a multi-component folder
+    (a diffusers pipeline's ``unet``) instead.
     ``map_name``: a map file or preset (``edit --map``'s) A's tensors go through before they
     are matched with B's (``map_params``: the numbers it needs, else from a ``config.json``
     or ``params.json`` beside A or B).
@@ -216,11 +221,14 @@ def diff(
         ckpt_a, ckpt_b = ckpts
         selection = Selection(
             section, tuple(strip), ignore_wrappers, map=map_name,
-            map_params=tuple((map_params or {}).items()),
+            map_params=tuple((map_params or {}).items()), component=component,
         )  # fmt: skip
         if map_name is not None:
             ckpt_a = with_derived(ckpt_a)
-        plan = plan_diff(ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b)
+        plan = plan_diff(
+            ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b,
+            component_a=component_a, component_b=component_b,
+        )  # fmt: skip
         return run_diff(
             ckpt_a, ckpt_b, plan, rtol=rtol, atol=atol, quick=quick, rounded=rounded,
             norms=norms, progress=progress,
@@ -234,13 +242,21 @@ def plan_diff(
     *,
     section_a: str | None = None,
     section_b: str | None = None,
+    component_a: str | None = None,
+    component_b: str | None = None,
 ) -> DiffPlan:
     """Match tensors and compare fields, from metadata alone (no tensor bytes are read).
-    ``section_a``/``section_b`` override ``selection.section`` for one side. With
+    ``section_a``/``section_b`` override ``selection.section`` for one side, as
+    ``component_a``/``component_b`` override ``selection.component`` (a named part's section:
+    :func:`~ckpttool.commands.selection.component_section`). With
     ``selection.map``, A's tensors are mapped first; ``ckpt_a`` must then be a
     :class:`~ckpttool.commands.mapped.DerivedCheckpoint` (:func:`with_derived`), which reads
     the tensors the map computes."""
     selection = selection or Selection()
+    if selection.component is not None and selection.section is not None:
+        raise InputError(COMPONENT_OR_SECTION)
+    section_a = side_section(ckpt_a, section_a, component_a or selection.component)
+    section_b = side_section(ckpt_b, section_b, component_b or selection.component)
     notes: list[str] = []
     part_a, part_b = choose_parts(
         ckpt_a, ckpt_b, selection, section_a=section_a, section_b=section_b, notes=notes
