@@ -26,6 +26,8 @@ def fixture_files() -> list[Path]:
         and p.relative_to(FIXTURES).parts[0] != "gguf"
         # torch.load imports ultralytics' classes: tests/test_ultralytics_fixture.py's manifest
         and p.relative_to(FIXTURES).parts[0] != "ultralytics"
+        # torch.load gives torchao's subclasses: tests/test_torchao.py's manifest
+        and p.relative_to(FIXTURES).parts[0] != "torchao"
         # DeepSpeed's rank files are torch.save files like any other; its `latest`, JSON and
         # damaged copies are tests/test_deepspeed_*.py's
         and not (p.relative_to(FIXTURES).parts[0] == "deepspeed"
