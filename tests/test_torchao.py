@@ -108,9 +108,9 @@ def test_convert_keeps_the_inner_tensors_and_the_facts(name: str, tmp_path: Path
     state = MANIFEST["files"][name]["state_dict"]
     for key, value in state.items():
         if "inner" not in value:
-            assert f"ckpttool.tensor_subclass.{key}" not in metadata
+            assert f"ckpttool.field.{key}.__tensor_subclass__" not in metadata
             continue
-        assert json.loads(metadata[f"ckpttool.tensor_subclass.{key}"]) == {
+        assert json.loads(metadata[f"ckpttool.field.{key}.__tensor_subclass__"]) == {
             "class": value["class"],
             "dtype": value["dtype"],
             "shape": value["shape"],
@@ -128,7 +128,7 @@ def test_convert_dequantize_writes_what_torchao_dequantizes(name: str, tmp_path:
     written = load_file(out)
     assert {k: _entry(v) for k, v in written.items()} == _dequantized(name)
     with safe_open(out, "pt") as handle:
-        assert not any(k.startswith("ckpttool.tensor_subclass.") for k in handle.metadata())
+        assert not any(k.endswith(".__tensor_subclass__") for k in handle.metadata())
 
 
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])

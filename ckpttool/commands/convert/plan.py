@@ -228,14 +228,15 @@ def _dequantized_subclasses(
     return out
 
 
-#: The metadata field that says what a tensor subclass kept as its inner tensors was.
-SUBCLASS_PREFIX = "ckpttool.tensor_subclass."
+#: The field (after ``ckpttool.field.<key>``) that says what a tensor subclass kept as its
+#: inner tensors was.
+SUBCLASS_FIELD = "__tensor_subclass__"
 
 
 def subclass_fields(root: Any, written: set[str]) -> dict[str, str]:
     """Per tensor subclass whose inner tensors are written (not dequantized), a metadata field
-    ``ckpttool.tensor_subclass.<key>`` naming its class, logical dtype and shape, block size
-    and inner tensors (JSON): what the inner tensors stand for."""
+    ``ckpttool.field.<key>.__tensor_subclass__`` naming its class, logical dtype and shape,
+    block size and inner tensors (JSON): what the inner tensors stand for."""
     fields = {}
     for key, obj in tensor_subclasses(root).items():
         inner = list(obj.inner_tensors())
@@ -249,7 +250,7 @@ def subclass_fields(root: Any, written: set[str]) -> dict[str, str]:
             "block_size": list(block) if isinstance(block, (list, tuple)) else None,
             "inner": inner,
         }
-        fields[SUBCLASS_PREFIX + key] = json.dumps(facts)
+        fields[f"{FIELD_PREFIX}{key}.{SUBCLASS_FIELD}"] = json.dumps(facts)
     return fields
 
 
