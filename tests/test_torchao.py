@@ -214,3 +214,15 @@ def test_live_a_fresh_quantization_round_trips(tmp_path: Path) -> None:
     loaded = ckpttool.load_state_dict(path)
     assert torch.equal(loaded["0.weight.qdata"], model[0].weight.qdata)
     assert torch.equal(loaded["1.weight.scale"], model[1].weight.scale)
+
+
+def test_edit_refuses_to_write_a_subclass_back(tmp_path: Path) -> None:
+    """edit rewrites the pickle: a tensor subclass would come back broken (torchao's
+    ``Int8Tensor.__new__`` needs its arguments), so it is refused in one line, nothing written."""
+    out = tmp_path / "edited.pt"
+    args = ["edit", str(HERE / "int8_weight_only.pt"), "--drop", "2.bias", "-o", str(out)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert "torchao.quantization.Int8Tensor (a tensor subclass" in result.stderr
+    assert "Traceback" not in result.output
+    assert not out.exists()

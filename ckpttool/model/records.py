@@ -611,6 +611,12 @@ class OpaqueObject:
         a copy of the tree fills)."""
         return OpaqueObject(self.cls)
 
+    def rebuilt(self, args: Any, state: Any) -> OpaqueObject:
+        """An object of the same kind and class with these arguments and state (no items)."""
+        out = self.empty_copy()
+        out.args, out.state = args, state
+        return out
+
     def __repr__(self) -> str:
         return f"<{self.cls} object>"
 
