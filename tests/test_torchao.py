@@ -1,14 +1,17 @@
 """torchao quantized state dicts (``tests/fixtures/torchao/``, written by torchao 0.18.0's
-``quantize_`` then ``torch.save(model.state_dict())``: ``tools/torchao_fixture.py``): each tensor
-subclass reads as its inner tensors under ``<key>.<name>``, noted with its logical dtype, shape
-and block size, in every command; ``convert --dequantize`` writes what torchao's own
-``dequantize()`` gives. The frozen ``manifest.json`` is what torchao's load gave; the live tests
-run the installed torchao."""
+``quantize_`` then ``torch.save(model.state_dict())``, and by 0.13.0 for the
+AffineQuantizedTensor / LinearActivationQuantizedTensor it no longer writes:
+``tools/torchao_fixture.py``): each tensor subclass reads as its inner tensors under
+``<key>.<name>``, noted with its logical dtype, shape and block size, in every command;
+``convert --dequantize`` writes what torchao's own ``dequantize()`` gives. The frozen
+``manifest.json`` is what torchao's load gave; the live tests run the installed torchao on the
+files it wrote."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +23,16 @@ from safetensors.torch import load_file
 
 import ckpttool
 from ckpttool.cli import cli
+from ckpttool.errors import InputError
+from ckpttool.io.subclass_values import subclass_scheme
+from ckpttool.model.records import OpaqueObject, StorageRecord, TensorRecord, TensorSubclassObject
 from tests.support.helpers import FIXTURES
 
 HERE = FIXTURES / "torchao"
 MANIFEST = json.loads((HERE / "manifest.json").read_text())
 FILES = sorted(MANIFEST["files"])
+#: The files the installed torchao (the test extra's) wrote: the live tests load them with it.
+CURRENT = [name for name in FILES if MANIFEST["files"][name]["torchao"] == "0.18.0"]
 
 
 def _entry(tensor: torch.Tensor) -> dict[str, Any]:
@@ -54,14 +62,30 @@ def _dequantized(name: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def _subclasses(name: str) -> dict[str, dict[str, Any]]:
+    state = MANIFEST["files"][name]["state_dict"]
+    return {key: value for key, value in state.items() if "inner" in value}
+
+
 def test_the_manifest_is_what_torchao_saves() -> None:
-    assert MANIFEST["torchao"] == "0.18.0"
-    int8 = MANIFEST["files"]["int8_weight_only.pt"]["state_dict"]["0.weight"]
+    files = MANIFEST["files"]
+    int8 = files["int8_weight_only.pt"]["state_dict"]["0.weight"]
     assert int8["class"] == "torchao.quantization.Int8Tensor"
     assert list(int8["inner"]) == ["qdata", "scale", "zero_point"]
-    fp8 = MANIFEST["files"]["float8_weight_only.pt"]["state_dict"]["0.weight"]
+    fp8 = files["float8_weight_only.pt"]["state_dict"]["0.weight"]
     assert fp8["inner"]["qdata"]["dtype"] == "float8_e4m3fn"
-    assert all(path.stat().st_size < 100_000 for path in HERE.glob("*.pt"))
+    aqt = files["aqt_int8_weight_only.pt"]["state_dict"]["0.weight"]
+    assert aqt["class"] == "torchao.dtypes.affine_quantized_tensor.AffineQuantizedTensor"
+    assert list(aqt["inner"]) == [
+        "tensor_impl.int_data",
+        "tensor_impl.scale",
+        "tensor_impl.zero_point",
+    ]
+    dynamic = files["aqt_int8_dynamic_int8_weight.pt"]["state_dict"]["0.weight"]
+    assert dynamic["class"].endswith(".LinearActivationQuantizedTensor")
+    assert "original_weight_tensor.tensor_impl.int_data" in dynamic["inner"]
+    assert {files[name]["torchao"] for name in FILES} == {"0.18.0", "0.13.0"}
+    assert CURRENT and all(path.stat().st_size < 100_000 for path in HERE.glob("*.pt"))
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -92,7 +116,8 @@ def test_show_names_the_quantization(name: str) -> None:
                 f"block_size {value['block_size']}"
             ]
     # the subclass is read, not an opaque object
-    assert not any("torchao.quantization.Int8Tensor" in w for w in report["warnings"])
+    for value in _subclasses(name).values():
+        assert not any(value["class"] in w for w in report["warnings"])
     assert not any("meta" in w for w in report["warnings"])
 
 
@@ -124,7 +149,7 @@ def test_convert_dequantize_writes_what_torchao_dequantizes(name: str, tmp_path:
     out = tmp_path / "out.safetensors"
     result = CliRunner().invoke(cli, ["convert", str(HERE / name), str(out), "--dequantize"])
     assert result.exit_code == 0, result.output
-    assert "dequantized 2 tensor subclass(es)" in result.output
+    assert f"dequantized {len(_subclasses(name))} tensor subclass(es)" in result.output
     written = load_file(out)
     assert {k: _entry(v) for k, v in written.items()} == _dequantized(name)
     with safe_open(out, "pt") as handle:
@@ -156,12 +181,23 @@ def test_diff_compares_the_inner_tensors() -> None:
 
 
 def _torchao_state_dict(path: Path) -> dict[str, Any]:
-    import torchao  # noqa: F401
+    import torchao  # noqa: F401 (the test extra's: an ImportError is a failure, not a skip)
 
     return torch.load(path, weights_only=False)
 
 
-@pytest.mark.parametrize("name", FILES)
+def _inner(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for name in value.__tensor_flatten__()[0]:
+        inner = getattr(value, name)
+        if type(inner) is torch.Tensor:
+            out[prefix + name] = inner
+        else:
+            out.update(_inner(inner, f"{prefix}{name}."))
+    return out
+
+
+@pytest.mark.parametrize("name", CURRENT)
 def test_live_torchao_load_matches(name: str) -> None:
     reference = _torchao_state_dict(HERE / name)
     loaded = ckpttool.load_state_dict(HERE / name)
@@ -170,15 +206,14 @@ def test_live_torchao_load_matches(name: str) -> None:
         if type(value) is torch.Tensor:
             expected[key] = value
         else:
-            names, _ = value.__tensor_flatten__()
-            expected.update({f"{key}.{n}": getattr(value, n) for n in names})
+            expected.update({f"{key}.{n}": t for n, t in _inner(value).items()})
     assert list(loaded) == list(expected)
     for key, tensor in expected.items():
         assert loaded[key].dtype == tensor.dtype
         assert torch.equal(loaded[key].view(torch.uint8), tensor.view(torch.uint8)), key
 
 
-@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("name", CURRENT)
 def test_live_dequantize_matches_torchao(name: str, tmp_path: Path) -> None:
     reference = _torchao_state_dict(HERE / name)
     out = tmp_path / "out.safetensors"
@@ -195,7 +230,7 @@ def test_live_dequantize_matches_torchao(name: str, tmp_path: Path) -> None:
 
 def test_live_a_fresh_quantization_round_trips(tmp_path: Path) -> None:
     """A model quantized here and now (not the frozen files): the installed torchao's format."""
-    _torchao_state_dict(HERE / FILES[0])
+    _torchao_state_dict(HERE / CURRENT[0])
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     torch.manual_seed(1)
@@ -226,3 +261,32 @@ def test_edit_refuses_to_write_a_subclass_back(tmp_path: Path) -> None:
     assert "torchao.quantization.Int8Tensor (a tensor subclass" in result.stderr
     assert "Traceback" not in result.output
     assert not out.exists()
+
+
+def _record(dtype: str, shape: tuple[int, ...]) -> TensorRecord:
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    storage = StorageRecord("0", dtype, math.prod(shape), "cpu", "archive/data/0", 0)
+    return TensorRecord("", dtype, shape, stride, 0, storage)
+
+
+def test_dequantize_refuses_what_it_cannot_decode_in_one_line() -> None:
+    packed = TensorSubclassObject(
+        "torchao.Packed", {"packed_weight": _record("int32", (4, 2))}, "bfloat16", (4, 16)
+    )
+    with pytest.raises(InputError, match="not the quantized data and scale"):
+        subclass_scheme(packed)
+    domain = OpaqueObject("torchao.quantization.quant_primitives.ZeroPointDomain", (2,))
+    state = {"qdata": _record("int8", (4, 16)), "scale": _record("float32", (4, 1))}
+    floating = TensorSubclassObject(
+        "torchao.X", {**state, "zero_point_domain": domain}, "float32", (4, 16)
+    )
+    with pytest.raises(InputError, match=r"ZeroPointDomain\.FLOAT"):
+        subclass_scheme(floating)
+    untiled = TensorSubclassObject("torchao.X", {**state, "block_size": [1, 5]}, "float32", (4, 16))
+    with pytest.raises(InputError, match="does not tile"):
+        subclass_scheme(untiled)
+    # no block_size: the scale's shape says one scale per row
+    scheme = subclass_scheme(TensorSubclassObject("torchao.X", state, "float32", (4, 16)))
+    assert (scheme.data, scheme.scale, scheme.zero_point, scheme.block_size) == (
+        "qdata", "scale", None, (1, 16)
+    )  # fmt: skip

@@ -163,9 +163,9 @@ def subclass_notes(root: Any, weights_key: str | None) -> dict[str, str]:
     [8, 16], block_size [1, 16]")."""
     strip = f"{weights_key}." if weights_key else ""
     notes = {}
-    for key, obj in tensor_subclasses(root).items():
+    for key, obj in tensor_subclasses(root, outermost=True).items():
         key = key.removeprefix(strip)
-        for name in obj.inner_tensors():
+        for name in tensor_keys(obj):
             notes[f"{key}.{name}"] = f"{name} of {key}: {obj.describe()}"
     return notes
 

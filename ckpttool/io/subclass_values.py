@@ -10,51 +10,97 @@ imported and nothing from the file runs.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import InputError
 from ckpttool.io.values import MAX_DENSE_BYTES, read_tensor
 from ckpttool.model.records import (
     ITEMSIZE,
+    OpaqueObject,
     RecordReader,
     StorageRecord,
     TensorRecord,
     TensorSubclassObject,
+    get_path,
 )
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DATA_NAMES", "dequantized_subclass", "subclass_scheme"]
+__all__ = ["DATA_NAMES", "AffineScheme", "dequantized_subclass", "subclass_scheme"]
 
 #: The inner tensor holding the quantized values, by its name in torchao's classes (the
-#: current tensors' ``qdata``; the older AffineQuantizedTensor layouts' ``int_data``).
+#: current tensors' ``qdata``; AffineQuantizedTensor's plain ``tensor_impl``'s ``int_data``).
 DATA_NAMES = ("qdata", "int_data")
 
+#: torchao's ``ZeroPointDomain`` members, by the value an enum member pickles as its argument.
+_INT_DOMAIN, _FLOAT_DOMAIN, _NO_DOMAIN = 1, 2, 3
 
-def subclass_scheme(obj: TensorSubclassObject) -> tuple[str, str, str | None, tuple[int, ...]]:
-    """(data name, scale name, zero point name or None, block size) of an affine-quantized
-    subclass, or an :class:`InputError` saying why ckpttool cannot dequantize it."""
-    inner = obj.inner_tensors()
-    data = next((name for name in DATA_NAMES if name in inner), None)
-    if data is None or "scale" not in inner:
-        raise InputError(
-            f"{obj.cls} holds {', '.join(inner) or 'no tensors'}, not the quantized data and "
-            "scale ckpttool dequantizes; convert without --dequantize keeps its inner tensors"
-        )
+
+@dataclass(frozen=True)
+class AffineScheme:
+    """Where an affine-quantized subclass keeps its parts (dotted paths below it)."""
+
+    data: str  # "qdata", "tensor_impl.int_data"
+    scale: str
+    zero_point: str | None  # None: no zero point (float8, symmetric, ZeroPointDomain.NONE)
+    block_size: tuple[int, ...]  # elements sharing one scale, per dimension
+
+
+def subclass_scheme(obj: TensorSubclassObject) -> AffineScheme:
+    """How ``obj`` (or the one subclass it wraps, down to the one holding the data) maps its
+    stored values to real ones, or an :class:`InputError` saying why ckpttool cannot
+    dequantize it."""
+    holder, path = obj, ""
+    while True:
+        inner = holder.inner_tensors()
+        data = next((name for name in DATA_NAMES if name in inner), None)
+        if data is not None:
+            break
+        nested = holder.nested()
+        if len(nested) != 1:
+            raise InputError(
+                f"{holder.cls} holds {', '.join(inner) or 'no tensors'}, not the quantized data "
+                "and scale ckpttool dequantizes (a packed layout?); convert without "
+                "--dequantize keeps its inner tensors"
+            )
+        path = f"{path}{nested[0][0]}."
+        holder = nested[0][1]
+    if "scale" not in inner:
+        raise InputError(f"{holder.cls} holds no scale; convert without --dequantize")
     shape = inner[data].shape
-    block = obj.fields().get("block_size")
+    block = obj.fact("block_size")
     if isinstance(block, (list, tuple)) and all(isinstance(b, int) and b > 0 for b in block):
         block_size = tuple(block)
     else:  # the scale's shape says it: one scale per block
         scale_shape = inner["scale"].shape
-        if len(scale_shape) != len(shape) or any(not s for s in scale_shape):
+        if len(scale_shape) != len(shape) or not all(scale_shape):
             raise InputError(f"{obj.cls}: no block_size, and its scale does not say one")
         block_size = tuple(n // s for n, s in zip(shape, scale_shape))
     if len(block_size) != len(shape) or any(n % b for n, b in zip(shape, block_size)):
         raise InputError(f"{obj.cls}: block_size {list(block_size)} does not tile {list(shape)}")
-    zero = "zero_point" if "zero_point" in inner else None
-    return data, "scale", zero, block_size
+    domain = _zero_point_domain(obj.fact("zero_point_domain"))
+    if domain == _FLOAT_DOMAIN:
+        raise InputError(
+            f"{obj.cls} with ZeroPointDomain.FLOAT is not dequantized by ckpttool; convert "
+            "without --dequantize keeps its inner tensors"
+        )
+    zero = "zero_point" if "zero_point" in inner and domain != _NO_DOMAIN else None
+    return AffineScheme(
+        path + data, path + "scale", None if zero is None else path + zero, block_size
+    )
+
+
+def _zero_point_domain(value: Any) -> int:
+    """torchao's ``ZeroPointDomain`` as pickled (an enum member: the class with its value)."""
+    if value is None:
+        return _INT_DOMAIN
+    if isinstance(value, OpaqueObject) and value.cls.endswith("ZeroPointDomain"):
+        args = value.args
+        if isinstance(args, tuple) and len(args) == 1 and args[0] in (1, 2, 3):
+            return int(args[0])
+    raise InputError(f"an unknown zero_point_domain {value!r}; convert without --dequantize")
 
 
 def _per_block(
@@ -79,16 +125,16 @@ def dequantized_subclass(ckpt: RecordReader, obj: TensorSubclassObject, key: str
     dtype)."""
     import torch
 
-    data_name, scale_name, zero_name, block_size = subclass_scheme(obj)
-    inner = obj.inner_tensors()
-    data = inner[data_name]
+    scheme = subclass_scheme(obj)
+    block_size = scheme.block_size
+    data = get_path(obj, scheme.data)
     if obj.dtype not in ITEMSIZE or data.numel * max(ITEMSIZE[obj.dtype], 4) > MAX_DENSE_BYTES:
         raise InputError(f"{key}: a {obj.dtype} {list(data.shape)} tensor is not dequantized")
     values = read_tensor(ckpt, data).to(torch.float32)
-    if zero_name is not None:
-        zero = read_tensor(ckpt, inner[zero_name]).to(torch.float32)
+    if scheme.zero_point is not None:
+        zero = read_tensor(ckpt, get_path(obj, scheme.zero_point)).to(torch.float32)
         values = values - _per_block(zero, data.shape, block_size)
-    scale = read_tensor(ckpt, inner[scale_name]).to(torch.float32)
+    scale = read_tensor(ckpt, get_path(obj, scheme.scale)).to(torch.float32)
     values = values * _per_block(scale, data.shape, block_size)
     out: Any = values.to(getattr(torch, obj.dtype)).contiguous()
     if tuple(out.shape) != obj.shape:

@@ -646,12 +646,27 @@ class TensorSubclassObject(OpaqueObject):
         """The inner tensors by their name in the state (``qdata``, ``scale``...)."""
         return {k: v for k, v in self.fields().items() if isinstance(v, TensorRecord)}
 
+    def nested(self) -> list[tuple[str, TensorSubclassObject]]:
+        """The subclasses its state holds (torchao's AffineQuantizedTensor its ``tensor_impl``,
+        LinearActivationQuantizedTensor its ``original_weight_tensor``), by name."""
+        return [(k, v) for k, v in self.fields().items() if isinstance(v, TensorSubclassObject)]
+
+    def fact(self, name: str) -> Any:
+        """A fact of its state (``block_size``...), or of the subclasses it wraps (None)."""
+        holder: TensorSubclassObject | None = self
+        while holder is not None:
+            facts = holder.fields()
+            if facts.get(name) is not None:
+                return facts[name]
+            inner = holder.nested()
+            holder = inner[0][1] if len(inner) == 1 else None
+        return None
+
     def describe(self) -> str:
         """For notes: "torchao Int8Tensor, float32 [8, 16], block_size [1, 16]"."""
         name = self.cls.rpartition(".")[2]
         library = self.cls.partition(".")[0]
-        facts = self.fields()
-        block = facts.get("block_size")
+        block = self.fact("block_size")
         block_text = f", block_size {list(block)}" if isinstance(block, (list, tuple)) else ""
         return f"{library} {name}, {self.dtype} {list(self.shape)}{block_text}"
 
@@ -659,14 +674,19 @@ class TensorSubclassObject(OpaqueObject):
         return f"<{self.cls} {self.dtype}{list(self.shape)}>"
 
 
-def tensor_subclasses(node: Any, prefix: str = "") -> dict[str, TensorSubclassObject]:
-    """Every wrapper tensor subclass under ``node`` by its dotted key, outermost first."""
+def tensor_subclasses(
+    node: Any, prefix: str = "", *, outermost: bool = False
+) -> dict[str, TensorSubclassObject]:
+    """Every wrapper tensor subclass under ``node`` by its dotted key, outer ones first
+    (``outermost``: not those another one wraps)."""
     found: dict[str, TensorSubclassObject] = {}
     stack: list[tuple[str, Any]] = [(prefix, node)]
     while stack:
         key, current = stack.pop()
         if isinstance(current, TensorSubclassObject):
             found[key] = current
+            if outermost:
+                continue
         if is_container(current):
             stack.extend(
                 (join_key(key, name), child)

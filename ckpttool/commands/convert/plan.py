@@ -42,6 +42,7 @@ from ckpttool.model.mapping import load_map
 from ckpttool.model.records import (
     ITEMSIZE,
     TensorRecord,
+    tensor_keys,
     tensor_subclasses,
     walk,
     without_values,
@@ -197,21 +198,20 @@ def _dequantized_subclasses(
     """``named`` with the inner tensors of each quantized tensor subclass (torchao's
     ``0.weight.qdata``, ``.scale``, ``.zero_point``) replaced by its dequantized values under
     its own name (``0.weight``), in the place of its first inner tensor."""
-    subclasses = tensor_subclasses(ckpt.root)
+    subclasses = tensor_subclasses(ckpt.root, outermost=True)
     if not subclasses:
         return named
     name_of = {record.key: name for name, record in named.items()}
     replaced: dict[str, TensorRecord] = {}  # output name of the first inner tensor -> values
     dropped: set[str] = set()
     for key, obj in subclasses.items():
-        inner = [f"{key}.{name}" for name in obj.inner_tensors()]
+        inner = [f"{key}.{name}" for name in tensor_keys(obj)]
         if not inner or not all(k in name_of for k in inner):
-            continue  # not selected (or a wrapper of wrappers: its inner ones are listed)
-        data_name = subclass_scheme(obj)[0]
-        out_name = name_of[f"{key}.{data_name}"].removesuffix(f".{data_name}")
+            continue  # not selected
+        data_path = subclass_scheme(obj).data
+        out_name = name_of[f"{key}.{data_path}"].removesuffix(f".{data_path}")
         replaced[name_of[inner[0]]] = dequantized_subclass(ckpt, obj, key)
         dropped.update(name_of[k] for k in inner)
-        replaced[name_of[inner[0]]].key = key
         name_of[inner[0]] = out_name
     if not replaced:
         return named
@@ -238,11 +238,11 @@ def subclass_fields(root: Any, written: set[str]) -> dict[str, str]:
     ``ckpttool.field.<key>.__tensor_subclass__`` naming its class, logical dtype and shape,
     block size and inner tensors (JSON): what the inner tensors stand for."""
     fields = {}
-    for key, obj in tensor_subclasses(root).items():
-        inner = list(obj.inner_tensors())
+    for key, obj in tensor_subclasses(root, outermost=True).items():
+        inner = tensor_keys(obj)
         if not inner or not all(f"{key}.{name}" in written for name in inner):
             continue
-        block = obj.fields().get("block_size")
+        block = obj.fact("block_size")
         facts = {
             "class": obj.cls,
             "dtype": obj.dtype,
