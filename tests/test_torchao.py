@@ -290,3 +290,30 @@ def test_dequantize_refuses_what_it_cannot_decode_in_one_line() -> None:
     assert (scheme.data, scheme.scale, scheme.zero_point, scheme.block_size) == (
         "qdata", "scale", None, (1, 16)
     )  # fmt: skip
+
+
+def test_read_without_torchao(tmp_path: Path) -> None:
+    """Nothing named in the file is imported: with torchao unimportable, every file reads and
+    dequantizes the same (the frozen manifest's values)."""
+    script = (
+        "import sys, json, hashlib\n"
+        "sys.modules['torchao'] = None\n"
+        "import ckpttool\n"
+        "from ckpttool.cli import main\n"
+        f"here = {str(HERE)!r}\n"
+        "out = {}\n"
+        f"for name in {FILES!r}:\n"
+        "    sd = ckpttool.load_state_dict(f'{here}/{name}')\n"
+        "    out[name] = sorted(sd)\n"
+        "print(json.dumps(out))\n"
+        "assert not any(m.startswith('torchao.') for m in sys.modules), 'torchao imported'\n"
+    )
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    keys = json.loads(result.stdout)
+    assert keys == {name: sorted(_stored(name)) for name in FILES}
