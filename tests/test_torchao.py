@@ -317,3 +317,22 @@ def test_read_without_torchao(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     keys = json.loads(result.stdout)
     assert keys == {name: sorted(_stored(name)) for name in FILES}
+
+
+def test_the_note_names_the_quantization_range() -> None:
+    impl = TensorSubclassObject(
+        "torchao.dtypes.uintx.plain_layout.PlainAQTTensorImpl",
+        {"int_data": _record("int8", (4, 16)), "scale": _record("float32", (4,))},
+        "int8",
+        (4, 16),
+    )
+    outer = TensorSubclassObject(
+        "torchao.dtypes.affine_quantized_tensor.AffineQuantizedTensor",
+        {"tensor_impl": impl, "block_size": (1, 16), "quant_min": -8, "quant_max": 7},
+        "bfloat16",
+        (4, 16),
+    )
+    assert outer.describe() == (
+        "torchao AffineQuantizedTensor, bfloat16 [4, 16], block_size [1, 16], quant range [-8, 7]"
+    )
+    assert subclass_scheme(outer).data == "tensor_impl.int_data"

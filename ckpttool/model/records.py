@@ -667,8 +667,13 @@ class TensorSubclassObject(OpaqueObject):
         name = self.cls.rpartition(".")[2]
         library = self.cls.partition(".")[0]
         block = self.fact("block_size")
-        block_text = f", block_size {list(block)}" if isinstance(block, (list, tuple)) else ""
-        return f"{library} {name}, {self.dtype} {list(self.shape)}{block_text}"
+        text = f"{library} {name}, {self.dtype} {list(self.shape)}"
+        if isinstance(block, (list, tuple)):
+            text += f", block_size {list(block)}"
+        low, high = self.fact("quant_min"), self.fact("quant_max")
+        if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+            text += f", quant range [{low}, {high}]"
+        return text
 
     def __repr__(self) -> str:
         return f"<{self.cls} {self.dtype}{list(self.shape)}>"
