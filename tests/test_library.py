@@ -47,6 +47,8 @@ NO_TORCH_REFERENCE = {
     "frameworks/megatron/glu_tp2/iter_0000030/.metadata": "the same, a SwiGLU layer",
     "ultralytics": "torch.load imports ultralytics' classes (not in the test extra): "
     "tests/test_ultralytics_fixture.py checks them against ultralytics' own load, frozen",
+    "torchao": "torch.load gives torchao's tensor subclasses, ckpttool their inner tensors: "
+    "tests/test_torchao.py checks them against torchao's own load, frozen and live",
 }
 #: Damaged on purpose (tests/fixtures/deepspeed/README.md) so that torch cannot read them:
 #: ``ckpttool.open`` must refuse them too (test_files_torch_cannot_read_are_refused).

@@ -309,7 +309,7 @@ class _Pruned:
                 return _DROP
             new_state = self.prune(state, key) if isinstance(state, dict) else state
             items = self.prune(node.dictitems, key)
-            rebuilt = OpaqueObject(node.cls, node.args, new_state)
+            rebuilt = node.rebuilt(node.args, new_state)
             rebuilt.dictitems = items
             rebuilt.listitems = node.listitems
             return rebuilt

@@ -22,6 +22,7 @@ from ckpttool.model.records import (
     storage_groups,
     storage_views,
     tensor_keys,
+    tensor_subclasses,
     with_key,
     without_values,
 )
@@ -157,6 +158,19 @@ def tensor_notes(
     return notes
 
 
+def subclass_notes(root: Any, weights_key: str | None) -> dict[str, str]:
+    """Per inner tensor of a wrapper subclass (torchao's quantized weights): which tensor it
+    is part of and what that tensor is ("qdata of 0.weight: torchao Int8Tensor, float32
+    [8, 16], block_size [1, 16]")."""
+    strip = f"{weights_key}." if weights_key else ""
+    notes = {}
+    for key, obj in tensor_subclasses(root, outermost=True).items():
+        key = key.removeprefix(strip)
+        for name in tensor_keys(obj):
+            notes[f"{key}.{name}"] = f"{name} of {key}: {obj.describe()}"
+    return notes
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous (row-major) tensor of ``shape``."""
     strides = []
@@ -247,6 +261,8 @@ def build_report(
     groups = storage_groups(all_records, views)
     unreferenced = unreferenced_bytes(all_records)
     notes = tensor_notes(all_records, groups)
+    for key, note in subclass_notes(ckpt.root, weights_key).items():
+        notes.setdefault(key, []).append(note)
     if notes:
         infos = [TensorInfo(r, list(notes.get(r.key, ()))) for r in records]
     else:

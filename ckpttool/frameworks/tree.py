@@ -223,7 +223,8 @@ def _relabel(
             result = tuple(copy(value) for value in node)
             copies[id(node)] = result
             return result
-        opaque = OpaqueObject(node.cls, copy(node.args), copy(node.state))
+        opaque = node.empty_copy()
+        opaque.args, opaque.state = copy(node.args), copy(node.state)
         copies[id(node)] = opaque
         opaque.dictitems = copy(node.dictitems)
         opaque.listitems = copy(node.listitems)

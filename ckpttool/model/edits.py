@@ -118,7 +118,7 @@ def _filter(node: Any, key: str, unwanted: Any, log: EditLog) -> Any:
         _refuse_in_module(node, key, lambda name, record: unwanted(name, record))
         return node
     if isinstance(node, OpaqueObject):
-        rebuilt = OpaqueObject(node.cls, node.args, _filter(node.state, key, unwanted, log))
+        rebuilt = node.rebuilt(node.args, _filter(node.state, key, unwanted, log))
         rebuilt.dictitems = _filter(node.dictitems, key, unwanted, log)
         rebuilt.listitems = node.listitems
         return rebuilt
@@ -185,7 +185,7 @@ def _rename(node: Any, key: str, rules: list[tuple[re.Pattern[str], str]], log: 
         )
         return node
     if isinstance(node, OpaqueObject):
-        rebuilt = OpaqueObject(node.cls, node.args, _rename(node.state, key, rules, log))
+        rebuilt = node.rebuilt(node.args, _rename(node.state, key, rules, log))
         rebuilt.dictitems = _rename(node.dictitems, key, rules, log)
         rebuilt.listitems = node.listitems
         return rebuilt
@@ -311,7 +311,7 @@ def _map_tensors(node: Any, key: str, change: Any) -> Any:
         items = [_map_tensors(v, join_key(key, str(i)), change) for i, v in enumerate(node)]
         return items if isinstance(node, list) else tuple(items)
     if isinstance(node, OpaqueObject):
-        rebuilt = OpaqueObject(node.cls, node.args, _map_tensors(node.state, key, change))
+        rebuilt = node.rebuilt(node.args, _map_tensors(node.state, key, change))
         rebuilt.dictitems = _map_tensors(node.dictitems, key, change)
         rebuilt.listitems = node.listitems
         return rebuilt

@@ -606,8 +606,99 @@ class OpaqueObject:
             out["__items__"] = self.listitems
         return out
 
+    def empty_copy(self) -> OpaqueObject:
+        """An object of the same kind and class, without arguments, state or items yet (what
+        a copy of the tree fills)."""
+        return OpaqueObject(self.cls)
+
+    def rebuilt(self, args: Any, state: Any) -> OpaqueObject:
+        """An object of the same kind and class with these arguments and state (no items)."""
+        out = self.empty_copy()
+        out.args, out.state = args, state
+        return out
+
     def __repr__(self) -> str:
         return f"<{self.cls} object>"
+
+
+class TensorSubclassObject(OpaqueObject):
+    """A wrapper tensor subclass (torchao's ``Int8Tensor``, ``Float8Tensor``,
+    ``AffineQuantizedTensor``...) pickled as ``_rebuild_wrapper_subclass`` plus its state: the
+    tensor torch would rebuild has no storage of its own; its inner tensors (``qdata``,
+    ``scale``, ``zero_point``...) are in the state, each an ordinary record named
+    ``<key>.<inner name>``. ``dtype`` and ``shape`` are the logical tensor's."""
+
+    __slots__ = ("dtype", "requires_grad", "shape")
+
+    def __init__(
+        self, cls: str, state: dict[Any, Any], dtype: str, shape: tuple[int, ...],
+        requires_grad: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__(cls, (), state)
+        self.dtype = dtype
+        self.shape = shape
+        self.requires_grad = requires_grad
+
+    def empty_copy(self) -> TensorSubclassObject:
+        return TensorSubclassObject(self.cls, {}, self.dtype, self.shape, self.requires_grad)
+
+    def inner_tensors(self) -> dict[str, TensorRecord]:
+        """The inner tensors by their name in the state (``qdata``, ``scale``...)."""
+        return {k: v for k, v in self.fields().items() if isinstance(v, TensorRecord)}
+
+    def nested(self) -> list[tuple[str, TensorSubclassObject]]:
+        """The subclasses its state holds (torchao's AffineQuantizedTensor its ``tensor_impl``,
+        LinearActivationQuantizedTensor its ``original_weight_tensor``), by name."""
+        return [(k, v) for k, v in self.fields().items() if isinstance(v, TensorSubclassObject)]
+
+    def fact(self, name: str) -> Any:
+        """A fact of its state (``block_size``...), or of the subclasses it wraps (None)."""
+        holder: TensorSubclassObject | None = self
+        while holder is not None:
+            facts = holder.fields()
+            if facts.get(name) is not None:
+                return facts[name]
+            inner = holder.nested()
+            holder = inner[0][1] if len(inner) == 1 else None
+        return None
+
+    def describe(self) -> str:
+        """For notes: "torchao Int8Tensor, float32 [8, 16], block_size [1, 16]"."""
+        name = self.cls.rpartition(".")[2]
+        library = self.cls.partition(".")[0]
+        block = self.fact("block_size")
+        text = f"{library} {name}, {self.dtype} {list(self.shape)}"
+        if isinstance(block, (list, tuple)):
+            text += f", block_size {list(block)}"
+        low, high = self.fact("quant_min"), self.fact("quant_max")
+        if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+            text += f", quant range [{low}, {high}]"
+        return text
+
+    def __repr__(self) -> str:
+        return f"<{self.cls} {self.dtype}{list(self.shape)}>"
+
+
+def tensor_subclasses(
+    node: Any, prefix: str = "", *, outermost: bool = False
+) -> dict[str, TensorSubclassObject]:
+    """Every wrapper tensor subclass under ``node`` by its dotted key, outer ones first
+    (``outermost``: not those another one wraps)."""
+    found: dict[str, TensorSubclassObject] = {}
+    stack: list[tuple[str, Any]] = [(prefix, node)]
+    while stack:
+        key, current = stack.pop()
+        if isinstance(current, TensorSubclassObject):
+            found[key] = current
+            if outermost:
+                continue
+        if is_container(current):
+            stack.extend(
+                (join_key(key, name), child)
+                for name, child in reversed(list(children(current)))
+                if is_container(child)
+            )
+    return found
 
 
 def children(node: Any) -> Iterator[tuple[str, Any]]:

@@ -32,6 +32,7 @@ from ckpttool.model.records import (
     QuantInfo,
     StorageRecord,
     TensorRecord,
+    TensorSubclassObject,
     fits_int64,
     numel_fits_int64,
 )
@@ -310,8 +311,20 @@ def _rebuild_from_type_v2(call: NestedCall, func: GlobalRef, args: tuple[Any, ..
         if new_type.qualname == SHARDED_TENSOR and tensor.storage is None:
             info = _sharded_tensor_info(state)
             return tensor if info is None else replace(tensor, dtensor=info)
+        if tensor.is_meta and _holds_tensors(state):
+            # a wrapper subclass (torchao's quantized tensors): its data are its inner tensors
+            return TensorSubclassObject(
+                new_type.qualname, state, tensor.dtype, tensor.shape, tensor.requires_grad
+            )
         return tensor
     return OpaqueObject(func.qualname, args)
+
+
+def _holds_tensors(state: Any) -> bool:
+    """Whether a subclass's pickled state (its ``__dict__``) holds inner tensors."""
+    return isinstance(state, dict) and any(
+        isinstance(value, (TensorRecord, TensorSubclassObject)) for value in state.values()
+    )
 
 
 #: Where torch has defined DTensor (2.4 and earlier kept it in ``torch.distributed._tensor``).

@@ -1110,7 +1110,7 @@ def _finalize(
                     total += vs
             out = values if isinstance(node, list) else type(node)(values)
         else:
-            out = OpaqueObject(node.cls)
+            out = node.empty_copy()
             # what most objects leave empty (no arguments, state or items) needs no visit: an
             # object's own dictitems and listitems are nobody else's, so fresh empty ones (as
             # OpaqueObject starts with) are what a visit would make, at the same weight

@@ -35,10 +35,18 @@ from ckpttool.errors import InputError
 from ckpttool.formats.base import OutTensor
 from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import reported_layout
+from ckpttool.io.subclass_values import dequantized_subclass, subclass_scheme
 from ckpttool.model.cast import CASTABLE, TARGETS
 from ckpttool.model.edits import compile_rules, renamed_key
 from ckpttool.model.mapping import load_map
-from ckpttool.model.records import ITEMSIZE, TensorRecord, walk, without_values
+from ckpttool.model.records import (
+    ITEMSIZE,
+    TensorRecord,
+    tensor_keys,
+    tensor_subclasses,
+    walk,
+    without_values,
+)
 
 #: ``__metadata__`` key holding ``{"alias name": "stored name"}`` as a JSON object.
 #: Prefix of the ``__metadata__`` keys that keep a checkpoint's scalar fields (JSON values).
@@ -111,6 +119,8 @@ def build_plan(
     selected_keys = {record.key for record in selection.tensors.values()}
     named = dict(selection.tensors)
     notes: list[str] = []
+    if dequantize:
+        named = _dequantized_subclasses(ckpt, named, notes)
     prefixes = choice.prefixes
     alias_entries = add_recorded_aliases(ckpt, named, prefixes, notes)
     if pattern is not None:
@@ -171,6 +181,7 @@ def build_plan(
         if name not in aliases
     ]
     fields, left_out = collect_fields(ckpt.root, selection.section, selected_keys)
+    fields.update(subclass_fields(ckpt.root, {r.key for r in named.values()}))
     carried = {}
     if carries_metadata(ckpt.format):
         # the file's string metadata travels with it (safetensors: save_model-style alias
@@ -179,6 +190,68 @@ def build_plan(
         carried = {k: v for k, v in ckpt.metadata.items() if k not in skip}
     return Plan(reported_layout(ckpt, selection.layout), selection.section, list(named), stored, aliases, fields,
                 carried, left_out, notes, warnings)  # fmt: skip
+
+
+def _dequantized_subclasses(
+    ckpt: Checkpoint, named: dict[str, TensorRecord], notes: list[str]
+) -> dict[str, TensorRecord]:
+    """``named`` with the inner tensors of each quantized tensor subclass (torchao's
+    ``0.weight.qdata``, ``.scale``, ``.zero_point``) replaced by its dequantized values under
+    its own name (``0.weight``), in the place of its first inner tensor."""
+    subclasses = tensor_subclasses(ckpt.root, outermost=True)
+    if not subclasses:
+        return named
+    name_of = {record.key: name for name, record in named.items()}
+    replaced: dict[str, TensorRecord] = {}  # output name of the first inner tensor -> values
+    dropped: set[str] = set()
+    for key, obj in subclasses.items():
+        inner = [f"{key}.{name}" for name in tensor_keys(obj)]
+        if not inner or not all(k in name_of for k in inner):
+            continue  # not selected
+        data_path = subclass_scheme(obj).data
+        out_name = name_of[f"{key}.{data_path}"].removesuffix(f".{data_path}")
+        replaced[name_of[inner[0]]] = dequantized_subclass(ckpt, obj, key)
+        dropped.update(name_of[k] for k in inner)
+        name_of[inner[0]] = out_name
+    if not replaced:
+        return named
+    out: dict[str, TensorRecord] = {}
+    for name, record in named.items():
+        if name in replaced:
+            out[name_of[record.key]] = replaced[name]
+        elif name not in dropped:
+            out[name] = record
+    notes.append(
+        f"dequantized {len(replaced)} tensor subclass(es) from their inner tensors: "
+        f"{_some([r.key for r in replaced.values()])}"
+    )
+    return out
+
+
+#: The field (after ``ckpttool.field.<key>``) that says what a tensor subclass kept as its
+#: inner tensors was.
+SUBCLASS_FIELD = "__tensor_subclass__"
+
+
+def subclass_fields(root: Any, written: set[str]) -> dict[str, str]:
+    """Per tensor subclass whose inner tensors are written (not dequantized), a metadata field
+    ``ckpttool.field.<key>.__tensor_subclass__`` naming its class, logical dtype and shape,
+    block size and inner tensors (JSON): what the inner tensors stand for."""
+    fields = {}
+    for key, obj in tensor_subclasses(root, outermost=True).items():
+        inner = tensor_keys(obj)
+        if not inner or not all(f"{key}.{name}" in written for name in inner):
+            continue
+        block = obj.fact("block_size")
+        facts = {
+            "class": obj.cls,
+            "dtype": obj.dtype,
+            "shape": list(obj.shape),
+            "block_size": list(block) if isinstance(block, (list, tuple)) else None,
+            "inner": inner,
+        }
+        fields[f"{FIELD_PREFIX}{key}.{SUBCLASS_FIELD}"] = json.dumps(facts)
+    return fields
 
 
 def _wrapper_warning(named: dict[str, TensorRecord]) -> list[str]:

@@ -362,7 +362,7 @@ def write_tree(
         if isinstance(node, tuple):
             return tuple(convert(value) for value in node)
         if isinstance(node, OpaqueObject):
-            out = OpaqueObject(node.cls, convert(node.args), convert(node.state))
+            out = node.rebuilt(convert(node.args), convert(node.state))
             out.dictitems = convert(node.dictitems)
             out.listitems = convert(node.listitems)
             return out

@@ -247,7 +247,7 @@ def _encode_object(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
 
 
 def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
-    from ckpttool.model.records import OpaqueObject
+    from ckpttool.model.records import OpaqueObject, TensorSubclassObject
 
     if depth > 64:
         raise InputError("the object nests too deeply to write")
@@ -291,6 +291,12 @@ def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
         if value.parameter:  # Parameter.__reduce_ex__: _rebuild_parameter(data, grad, hooks)
             call = _Call(_REBUILD_PARAMETER, (call, value.requires_grad, _Call(_ORDERED_DICT, ())))
         _encode(call, out)
+    elif isinstance(value, TensorSubclassObject):
+        raise InputError(
+            f"cannot write a {value.cls} (a tensor subclass, such as torchao's quantized "
+            "weights) back into a torch.save file; ckpttool convert writes its inner tensors, "
+            "or with --dequantize its values"
+        )
     elif isinstance(value, OpaqueObject):
         module, _, name = value.cls.rpartition(".")
         if not module or "\n" in value.cls:
