@@ -219,7 +219,13 @@ def test_fixtures_are_never_dangerous() -> None:
 
 
 def _torch_tensors(obj: Any) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, dtype) of the tensor at every path of what torch.load returned."""
+    """(shape, dtype) of the tensor at every path of what torch.load returned (a DTensor: its
+    global shape); a torchao wrapper subclass, which torch.load(weights_only=True) returns once
+    torchao was imported in this process (it allow-lists its classes), as its inner tensors,
+    as ckpttool lists them."""
+    if isinstance(obj, torch.Tensor) and type(obj).__module__.startswith("torchao."):
+        names, _ = obj.__tensor_flatten__()
+        return [t for name in names for t in _torch_tensors(getattr(obj, name))]
     if isinstance(obj, torch.Tensor):
         return [(tuple(obj.shape), str(obj.dtype).removeprefix("torch."))]
     if isinstance(obj, dict):
