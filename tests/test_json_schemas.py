@@ -28,7 +28,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCHEMAS = DOCS / "schemas"
 COMMANDS = [
     "show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "edit", "lora-merge",
-    "lora-extract", "trend",
+    "lora-extract", "trend", "average",
 ]  # fmt: skip
 #: The page that documents a command's --json, where it is not ``<command>.md``.
 PAGE = {"lora-merge": "lora.md", "lora-extract": "lora.md"}
