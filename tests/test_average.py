@@ -189,3 +189,21 @@ def test_worked_example_of_the_docs(tmp_path: Path) -> None:
     assert load_file(tmp_path / "m.safetensors")["w"].item() == 2.333984375
     average(paths, tmp_path / "e.safetensors", ema=0.5)
     assert load_file(tmp_path / "e.safetensors")["w"].item() == 2.75
+
+
+def test_a_deepspeed_zero2_run_is_averaged_from_its_fp32_weights(tmp_path: Path) -> None:
+    """The DeepSpeed fixture (written by DeepSpeed): each checkpoint's weights as convert
+    consolidates them (the fp32 master weights), averaged by torch here."""
+    from ckpttool.commands.convert.run import convert
+    from tests.support.helpers import FIXTURES
+
+    run = FIXTURES / "deepspeed/stage2_fp32_1proc/checkpoints"
+    states = []
+    for tag in ("global_step2", "global_step4"):
+        convert(run / tag, tmp_path / f"{tag}.safetensors")
+        states.append(load_file(tmp_path / f"{tag}.safetensors"))
+    out = tmp_path / "avg.safetensors"
+    report = average([run], out)
+    assert [(i.name, i.step) for i in report.inputs] == [("global_step2", 2), ("global_step4", 4)]
+    assert_bitwise(load_file(out), states)
+    assert any(not torch.equal(states[0][k], states[1][k]) for k in states[0])

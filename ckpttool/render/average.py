@@ -1,6 +1,8 @@
-"""Rendering an :class:`~ckpttool.commands.average.AverageReport`: the text report and the JSON
-document (docs/schemas/average.schema.json, explained in docs/average.md; change it only by
-adding keys)."""
+"""How ``average`` reports what it wrote: a few lines for people, one JSON object for scripts.
+
+The JSON is docs/schemas/average.schema.json, explained in docs/average.md; change it only by
+adding keys.
+"""
 
 from __future__ import annotations
 
