@@ -207,3 +207,21 @@ def test_a_deepspeed_zero2_run_is_averaged_from_its_fp32_weights(tmp_path: Path)
     assert [(i.name, i.step) for i in report.inputs] == [("global_step2", 2), ("global_step4", 4)]
     assert_bitwise(load_file(out), states)
     assert any(not torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_fp16_and_fp32_inputs_round_to_the_first_and_float8_is_refused(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    values = [torch.randn(5, 3), torch.randn(5, 3)]
+    torch.save({"w": values[0].half()}, tmp_path / "a.pth")
+    torch.save({"w": values[1]}, tmp_path / "b.pth")
+    out = tmp_path / "avg.safetensors"
+    report = average([tmp_path / "a.pth", tmp_path / "b.pth"], out)
+    assert any("other float dtypes" in note and "w" in note for note in report.notes)
+    want = torch.stack([values[0].half().double(), values[1].double()]).mean(0).half()
+    assert torch.equal(load_file(out)["w"], want)
+    for name in ("a", "b"):
+        torch.save({"w": torch.zeros(4).to(torch.float8_e4m3fn)}, tmp_path / f"{name}8.pth")
+    result = CliRunner().invoke(
+        cli, ["average", str(tmp_path / "a8.pth"), str(tmp_path / "b8.pth"), "-o", str(out), "--force"]
+    )  # fmt: skip
+    assert result.exit_code == 2 and "w is float8_e4m3fn, which is not averaged" in result.stderr

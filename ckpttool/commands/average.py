@@ -46,6 +46,8 @@ from ckpttool.model.records import TensorRecord
 #: ``__metadata__`` key of the output holding its provenance as a JSON object.
 PROVENANCE_KEY = "ckpttool.average"
 INTS = ("equal", "last")
+#: Dtypes taken as they are, never averaged: equal in every input, or the last one's.
+EXACT_PREFIXES = ("int", "uint", "bool")
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,12 @@ def average(
         plans = [build_plan(ckpt, Selection(), options) for ckpt in opened]
         plan = plans[0]
         plan.fields, plan.carried, plan.left_out = {}, {}, []  # the first input's, not the mean's
-        sources = _sources(inputs, plans)
+        sources, mixed = _sources(inputs, plans)
+        if mixed:
+            notes.append(
+                f"{len(mixed)} tensor(s) have other float dtypes in other checkpoints, rounded to "
+                f"{inputs[0].name}'s (or --dtype): {_some(mixed)}"
+            )
         equal_mean = method == "mean"
         int_names = [p.name for p in plan.stored if p.dtype not in CASTABLE]
         _check_ints(opened, sources, int_names, inputs, ints)
@@ -221,12 +228,21 @@ def _weights(count: int, weights: Sequence[float] | None, ema: float | None) -> 
     return [w / total for w in weights]
 
 
-def _sources(inputs: list[AverageInput], plans: list[Plan]) -> dict[str, list[TensorRecord]]:
-    """Each stored tensor of the first input, with its record in every input; a tensor an
-    input lacks or holds in another shape or kind is refused."""
+def _sources(
+    inputs: list[AverageInput], plans: list[Plan]
+) -> tuple[dict[str, list[TensorRecord]], list[str]]:
+    """Each stored tensor of the first input, with its record in every input, and the float
+    tensors whose dtype differs between inputs; a tensor an input lacks or holds in another
+    shape or kind, or of a dtype that cannot be averaged exactly (float8, complex), is refused."""
     first = plans[0]
     wanted = set(first.names)
-    problems: list[str] = []
+    problems = [
+        f"{p.name} is {p.record.dtype}, which is not averaged (float16, bfloat16, float32 and "
+        "float64 are; integer and bool tensors are taken as they are)"
+        for p in first.stored
+        if p.record.dtype not in CASTABLE and not p.record.dtype.startswith(EXACT_PREFIXES)
+    ]
+    mixed: set[str] = set()
     found: dict[str, list[TensorRecord]] = {p.name: [] for p in first.stored}
     for item, plan in zip(inputs, plans):
         records = {p.name: p.record for p in plan.stored}
@@ -253,13 +269,15 @@ def _sources(inputs: list[AverageInput], plans: list[Plan]) -> dict[str, list[Te
                     f"{planned.name} is {record.dtype} in {item.name}, "
                     f"{planned.record.dtype} in {inputs[0].name}"
                 )
+            elif record.dtype != planned.record.dtype:
+                mixed.add(planned.name)
             found[planned.name].append(record)
     if problems:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise InputError(
             f"the checkpoints do not hold the same tensors: {'; '.join(problems[:3])}{more}"
         )
-    return found
+    return found, sorted(mixed)
 
 
 def _some(names: list[str]) -> str:
