@@ -225,3 +225,24 @@ def test_fp16_and_fp32_inputs_round_to_the_first_and_float8_is_refused(tmp_path:
         cli, ["average", str(tmp_path / "a8.pth"), str(tmp_path / "b8.pth"), "-o", str(out), "--force"]
     )  # fmt: skip
     assert result.exit_code == 2 and "w is float8_e4m3fn, which is not averaged" in result.stderr
+
+
+def test_memory_holds_a_few_tensors_not_the_inputs(tmp_path: Path) -> None:
+    """3 inputs of 8 float32 tensors of 4 MiB (96 MiB in all): the peak NumPy/Python memory
+    stays a few tensors (loading the inputs, as fairseq's script does, would be 96 MiB)."""
+    import tracemalloc
+
+    numel = 1 << 20
+    tensor_bytes = numel * 4
+    paths = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        paths.append(tmp_path / f"big{seed}.pth")
+        torch.save({f"t{k}": torch.randn(numel) for k in range(8)}, paths[-1])
+    tracemalloc.start()
+    try:
+        average(paths, tmp_path / "avg.safetensors")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 * tensor_bytes  # 8 tensors' worth measured: the float64 sum, one input's
