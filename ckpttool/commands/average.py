@@ -30,7 +30,7 @@ import numpy as np
 
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.commands.convert.options import ConversionOptions
-from ckpttool.commands.convert.output import check_targets, plan_outputs
+from ckpttool.commands.convert.output import PTH_SUFFIXES, check_targets, plan_outputs
 from ckpttool.commands.convert.plan import Plan, Planned, build_plan
 from ckpttool.commands.convert.run import tensor_bytes, write_outputs
 from ckpttool.commands.diff.run import open_side
@@ -117,8 +117,8 @@ def average(
     method = "ema" if ema is not None else "mean" if weights is None else "weighted"
     inputs = [AverageInput(p.path, p.name, p.step, w) for p, w in zip(points, normalised)]
     target = Path(output)
-    if target.is_dir():
-        raise InputError(f"{target}: is a directory; name a .safetensors or .pth file")
+    if target.is_dir() or target.suffix.lower() not in (".safetensors", *PTH_SUFFIXES):
+        raise InputError(f"{target}: name OUT .safetensors or .pth (.pt, .bin)")
     for item in inputs:
         if Path(item.path).resolve() == target.resolve():
             raise InputError(f"{target}: the output would overwrite an input; name another OUT")
