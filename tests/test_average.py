@@ -110,7 +110,7 @@ def test_weights_and_ema(tmp_path: Path) -> None:
     assert_bitwise(load_file(ema), states, weights=[i.weight for i in report.inputs])
     with pytest.raises(InputError, match="2 weight"):
         average(paths, tmp_path / "x.safetensors", weights=[1, 2])
-    with pytest.raises(InputError, match="name OUT .safetensors or .pth"):
+    with pytest.raises(InputError, match=r"name OUT \.safetensors or \.pth"):
         average(paths, tmp_path / "x.txt")
 
 
