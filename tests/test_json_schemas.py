@@ -28,7 +28,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCHEMAS = DOCS / "schemas"
 COMMANDS = [
     "show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "edit", "lora-merge",
-    "lora-extract", "trend",
+    "lora-extract", "trend", "average",
 ]  # fmt: skip
 #: The page that documents a command's --json, where it is not ``<command>.md``.
 PAGE = {"lora-merge": "lora.md", "lora-extract": "lora.md"}
@@ -280,6 +280,18 @@ def test_trend_json_matches_its_schema(path: Path) -> None:
     data = run_json("trend", path)
     assert_valid("trend", data)
     assert data["healthy"] is True and len(data["checkpoints"]) == 2
+
+
+@pytest.mark.parametrize(
+    "options", [[], ["--ema", "0.9", "--dtype", "bf16"], ["--last", "1", "--weights", "2"]],
+    ids=["mean", "ema", "last"],
+)  # fmt: skip
+def test_average_json_matches_its_schema(tmp_path: Path, options: list[str]) -> None:
+    run = FIXTURES / "deepspeed/stage2_fp32_1proc/checkpoints"
+    data = run_json("average", run, *options, "-o", tmp_path / "avg.safetensors")
+    assert_valid("average", data)
+    assert data["verified"] is True and (tmp_path / "avg.safetensors").is_file()
+    assert sum(i["weight"] for i in data["inputs"]) == pytest.approx(1.0)
 
 
 def test_trend_json_with_a_nan_matches_its_schema(tmp_path: Path) -> None:
@@ -667,6 +679,12 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
             tmp_path / "x",
         ),
         "trend": lambda: run_json("trend", FIXTURES / "deepspeed/stage2_fp32_1proc/checkpoints"),
+        "average": lambda: run_json(
+            "average",
+            FIXTURES / "deepspeed/stage2_fp32_1proc/checkpoints",
+            "-o",
+            tmp_path / "a.pth",
+        ),
     }
     data = outputs[command]()
     assert_valid(command, data)
@@ -686,6 +704,7 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "lora-merge": lambda d: d["merged"][0],
         "lora-extract": lambda d: d["extracted"][0],
         "trend": lambda d: d["groups"][0],
+        "average": lambda d: d["inputs"][0],
     }[command]
     if inner is not None:
         nested = json.loads(json.dumps(data))

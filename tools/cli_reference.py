@@ -29,6 +29,7 @@ PAGES = {
     "show": "show.md",
     "diff": "diff.md",
     "trend": "trend.md",
+    "average": "average.md",
     "convert": "convert.md",
     "rescale-step": "rescale-step.md",
     "verify": "verify.md",

@@ -732,6 +732,98 @@ def convert_command(
         click.echo(f"warning: {warning}", err=True)
 
 
+@cli.command("average")
+@click.argument(
+    "paths", metavar="CHECKPOINTS...", nargs=-1, required=True, type=click.Path(path_type=str)
+)
+@click.option(
+    "-o", "--output", "output", metavar="OUT", required=True, type=click.Path(path_type=str),
+    help="The averaged weights: a .safetensors file, or .pth (.pt, .bin).",
+)  # fmt: skip
+@click.option(
+    "--weights", "weights", metavar="W1,W2,...",
+    help="One weight per checkpoint, in the order given (normalised to sum to 1).",
+)  # fmt: skip
+@click.option(
+    "--last", "last", type=int, metavar="N",
+    help="CHECKPOINTS is one run directory: average its N newest complete checkpoints.",
+)  # fmt: skip
+@click.option(
+    "--ema", "ema", type=float, metavar="DECAY",
+    help="An exponential moving average in step order (DECAY between 0 and 1) instead of a mean.",
+)  # fmt: skip
+@click.option(
+    "--dtype", type=click.Choice(["keep", "fp16", "bf16", "fp32"]), default="keep",
+    show_default=True, help="Round floating tensors to this dtype (keep: their own).",
+)  # fmt: skip
+@click.option(
+    "--ints", type=click.Choice(["equal", "last"]), default="equal", show_default=True,
+    help="Integer and bool tensors: refuse unless equal in every checkpoint, or take the last's.",
+)  # fmt: skip
+@click.option(
+    "--no-verify", is_flag=True, help="Skip reading the output back (not advised)."
+)  # fmt: skip
+@force_option
+@json_option("average")
+def average_command(
+    paths: tuple[str, ...],
+    output: str,
+    weights: str | None,
+    last: int | None,
+    ema: float | None,
+    dtype: str,
+    ints: str,
+    no_verify: bool,
+    force: bool,
+    as_json: bool,
+) -> None:
+    """Average the weights of checkpoints, one tensor at a time, into one weights file.
+
+    CHECKPOINTS are files or directories of any layout ckpttool reads (their weights, as
+    convert takes them), or one run directory (with --last N: its N newest complete
+    checkpoints, broken ones skipped and named). Each floating tensor is summed in float64 one
+    checkpoint at a time and rounded once to its dtype (or --dtype): the mean, the weighted
+    mean with --weights, or the EMA in step order with --ema (the oldest weighs DECAY^(n-1),
+    the k-th (1-DECAY)*DECAY^(n-k)). Integer and bool tensors must be equal everywhere (or
+    --ints last). A tensor missing from a checkpoint, or of another shape, is refused by
+    name (exit 2, nothing written). OUT is written atomically and read back; a .safetensors
+    OUT records the inputs, their steps and weights in its __metadata__.
+
+    \b
+    Examples:
+      ckpttool average step_800.pth step_900.pth step_1000.pth -o avg.safetensors
+      ckpttool average --last 5 out/checkpoints/ -o last5.safetensors
+      ckpttool average a.pth b.pth --weights 3,1 -o mix.pth
+      ckpttool average --last 10 output_dir/ --ema 0.9 -o ema.safetensors --json
+    """
+    from ckpttool.commands.average import average
+    from ckpttool.io.progress import Progress
+    from ckpttool.render import average as average_render
+
+    parsed = None
+    if weights is not None:
+        try:
+            parsed = [float(w) for w in weights.split(",")]
+        except ValueError:
+            raise InputError(
+                f"--weights takes numbers separated by commas; got {weights!r}"
+            ) from None
+    with Progress(0, "average") as bar:
+        report = average(
+            paths, output, weights=parsed, last=last, ema=ema, dtype=dtype, ints=ints,
+            force=force, verify=not no_verify, progress=bar.advance,
+            on_total=lambda n: setattr(bar, "total", max(n, 1)),
+        )  # fmt: skip
+    if as_json:
+        _echo_json(average_render.render_json(report))
+    else:
+        click.echo(average_render.render_text(report))
+    for skipped in report.skipped:
+        click.echo(f"skipped: {skipped}", err=True)
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+
+
 @cli.group("lora", cls=CkptGroup)
 def lora_group() -> None:
     """LoRA adapters: merge a PEFT adapter into its base model, or extract one from a fine-tune.

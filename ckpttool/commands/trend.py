@@ -184,7 +184,9 @@ def _section(ckpt: Checkpoint) -> str | None:
     return None if part in (None, WHOLE_FILE) else part
 
 
-def _points(paths: list[str], names: list[str]) -> tuple[list[TrendPoint], str]:
+def ordered_points(paths: list[str], names: list[str]) -> tuple[list[TrendPoint], str]:
+    """Each checkpoint with its step, in step order (else by the numbers in their names, else
+    as given), and which of "step", "name", "given" ordered them."""
     points = []
     for path, name in zip(paths, names):
         with open_side(path) as ckpt:
@@ -209,7 +211,7 @@ def trend(
     if not paths:
         raise InputError("trend: no checkpoint given")
     listed, names = list_run(paths)
-    points, order = _points(listed, names)
+    points, order = ordered_points(listed, names)
     count = len(points)
     tensors: dict[str, TensorTrend] = {}
     described: dict[str, list[Any]] = {}  # key -> its (dtype, shape) at each checkpoint
