@@ -1,7 +1,7 @@
 """`ckpttool show` against each library's own load, on the layouts of issue 40.
 
-    python -m bench.library_layouts [--runs 5] [--group fixtures|pickles|large|all]
-                                    [--ultralytics-site DIR]
+    python -m bench.library_layouts [--runs 5] [--group fixtures|pickles|large|large-read|all]
+                                    [--ultralytics-site DIR] [--torchao-0.13-site DIR]
 
 For each checkpoint, two processes run interleaved by :mod:`bench.harness` (fresh process per
 run, warm page cache, median wall time from spawn to reap, median peak RSS from ``wait4``):
@@ -19,13 +19,17 @@ do, offline (``HF_HUB_OFFLINE=1``, ``YOLO_OFFLINE=1``):
   ``torch.export`` archive built here from a tiny model (``torch.export.load``);
 * ``large``: what users download, built once into ``bench/data/library_layouts/`` with random
   weights: a ``UNet2DConditionModel`` with Stable Diffusion 1.x's layout at 0.4x its widths
-  (138M parameters, 550 MB of fp32 safetensors) and a sentence-transformer around a BERT-base
-  model (110M parameters, 438 MB).
+  (142M parameters, 569 MB of fp32 safetensors) and a sentence-transformer around a BERT-base
+  model (110M parameters, 438 MB);
+* ``large-read``: the same two with every weight in hand and read (summed, as a first inference
+  reads them): ``ckpttool.load_state_dict(dir)`` against the library's load + ``state_dict()``.
 
 The fixtures are tiny: their rows measure start-up and imports (``python -c "import torch"``,
 ``import diffusers``... are printed as floors). ultralytics is not in the virtual environment
 (see ``tests/fixtures/ultralytics/README.md``); its rows are left out unless ``--ultralytics-site``
-names a folder where it was installed with ``pip install --target``, or it is importable.
+names a folder where it was installed with ``pip install --target``, or it is importable. The
+torchao ``aqt_*`` files load only with torchao 0.13 (the release that wrote them): their rows need
+``--torchao-0.13-site``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,13 @@ YOLO_LOAD = "import sys; sys.path.append(sys.argv[2]); from ultralytics import Y
 # the aqt_* files load only with the torchao that wrote them (0.13), put first on the path
 LEGACY_LOAD = "import sys; sys.path.insert(0, sys.argv[2]); import torch\n" \
     "torch.load(sys.argv[1], weights_only=False)"  # fmt: skip
+# "large-read": every weight in hand and read (summed), as a first inference would read them
+SUM = "print(sum(float(t.float().sum()) for t in state.values()))"
+UNET_READ = "import sys; from diffusers import UNet2DConditionModel\n" \
+    "state = UNet2DConditionModel.from_pretrained(sys.argv[1]).state_dict()\n" + SUM  # fmt: skip
+ST_READ = "import sys; from sentence_transformers import SentenceTransformer\n" \
+    "state = SentenceTransformer(sys.argv[1], device='cpu').state_dict()\n" + SUM  # fmt: skip
+TOOL_READ = "import sys, ckpttool\nstate = ckpttool.load_state_dict(sys.argv[1])\n" + SUM
 
 
 def _python(code: str, *args: str) -> list[str]:
@@ -173,6 +184,18 @@ def pairs(
         rows["unet_large (UNet2DConditionModel)"] = (build_large_unet(out), UNET_LOAD, ())
         st = build_large_sentence_transformer(out)
         rows["st_bert_base (SentenceTransformer)"] = (st, ST_LOAD, ())
+    elif group == "large-read":
+        unet, st = build_large_unet(out), build_large_sentence_transformer(out)
+        return {
+            "unet_large (UNet2DConditionModel)": (
+                _python(TOOL_READ, str(unet)),
+                _python(UNET_READ, str(unet)),
+            ),
+            "st_bert_base (SentenceTransformer)": (
+                _python(TOOL_READ, str(st)),
+                _python(ST_READ, str(st)),
+            ),
+        }
     else:
         raise ValueError(group)
     return {
@@ -195,11 +218,14 @@ def _size(path: Path) -> str:
 
 
 def report(
-    rows: dict[str, tuple[list[str], list[str]]], results: dict[str, Result], floors: bool
+    rows: dict[str, tuple[list[str], list[str]]],
+    results: dict[str, Result],
+    floors: bool,
+    ours: str = "show",
 ) -> str:
     lines = [
-        "| checkpoint | size | show wall (s) | load wall (s) | wall show/load "
-        "| show RSS (MB) | load RSS (MB) | RSS show/load |",
+        f"| checkpoint | size | {ours} wall (s) | load wall (s) | wall {ours}/load "
+        f"| {ours} RSS (MB) | load RSS (MB) | RSS {ours}/load |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, (show, _) in rows.items():
@@ -225,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--group", choices=("fixtures", "pickles", "large", "all"), default="all")
+    parser.add_argument(
+        "--group", choices=("fixtures", "pickles", "large", "large-read", "all"), default="all"
+    )
     parser.add_argument("--no-floors", action="store_true", help="skip the import-only rows")
     parser.add_argument(
         "--ultralytics-site", type=Path, help="folder of a `pip install --target` of ultralytics"
@@ -242,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false",
     )  # fmt: skip
     site = _ultralytics_site(args.ultralytics_site)
-    groups = ("fixtures", "pickles", "large") if args.group == "all" else (args.group,)
+    groups = (
+        ("fixtures", "pickles", "large", "large-read") if args.group == "all" else (args.group,)
+    )
     for index, group in enumerate(groups):
         rows = pairs(group, args.out, site, args.torchao_site)
         commands: dict[str, list[str]] = {}
@@ -253,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             commands.update(FLOORS)
         results = measure_all(commands, runs=args.runs, warmup=args.warmup)
         print(f"### {group} (median of {args.runs} runs)\n")
-        print(report(rows, results, floors))
+        ours = "load_state_dict" if group == "large-read" else "show"
+        print(report(rows, results, floors, ours))
         if group == "pickles" and site is None:
             print("\n(ultralytics rows left out: not importable; see --ultralytics-site)")
         if group == "pickles" and args.torchao_site is None:
