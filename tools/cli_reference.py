@@ -30,6 +30,7 @@ PAGES = {
     "diff": "diff.md",
     "trend": "trend.md",
     "average": "average.md",
+    "merge": "merge.md",
     "convert": "convert.md",
     "rescale-step": "rescale-step.md",
     "verify": "verify.md",

@@ -824,6 +824,101 @@ def average_command(
         click.echo(f"note: {note}", err=True)
 
 
+@cli.command("merge")
+@click.argument("base", metavar="BASE", type=click.Path(path_type=str))
+@click.argument(
+    "models", metavar="MODEL...", nargs=-1, required=True, type=click.Path(path_type=str)
+)
+@click.option(
+    "-o", "--output", "output", metavar="OUT", required=True, type=click.Path(path_type=str),
+    help="The merged weights: a .safetensors file, or .pth (.pt, .bin).",
+)  # fmt: skip
+@click.option(
+    "--method", type=click.Choice(["linear", "task-arithmetic", "ties", "slerp"]),
+    required=True, help="How to merge (mergekit's formulas; docs/merge.md).",
+)  # fmt: skip
+@click.option(
+    "--weights", "weights", metavar="W1,W2,...",
+    help="linear: one per input, BASE first (normalised); task-arithmetic, ties: one per MODEL "
+    "(default 1 each).",
+)  # fmt: skip
+@click.option(
+    "--lambda", "lam", type=float, default=1.0, show_default=True,
+    help="task-arithmetic, ties: the scale of the mixed task vector.",
+)  # fmt: skip
+@click.option(
+    "--density", type=float, default=1.0, show_default=True,
+    help="ties: the fraction of each task vector kept, largest magnitudes first.",
+)  # fmt: skip
+@click.option("--t", "t", type=float, help="slerp: 0 gives BASE, 1 gives MODEL.")
+@click.option(
+    "--dtype", type=click.Choice(["keep", "fp16", "bf16", "fp32"]), default="keep",
+    show_default=True, help="Round floating tensors to this dtype (keep: the base's).",
+)  # fmt: skip
+@click.option(
+    "--no-verify", is_flag=True, help="Skip reading the output back (not advised)."
+)  # fmt: skip
+@force_option
+@json_option("merge")
+def merge_command(
+    base: str,
+    models: tuple[str, ...],
+    output: str,
+    method: str,
+    weights: str | None,
+    lam: float,
+    density: float,
+    t: float | None,
+    dtype: str,
+    no_verify: bool,
+    force: bool,
+    as_json: bool,
+) -> None:
+    """Merge fine-tunes of one base model, one tensor at a time, into one weights file.
+
+    BASE and MODELs are files or directories of any layout ckpttool reads (their weights, as
+    convert takes them), holding the same tensors in the same shapes. Each floating tensor is
+    read in float64 from every input, merged with mergekit's formula for --method, and rounded
+    once to the base's dtype (or --dtype): linear (sum w_i x_i / sum w_i over BASE and the
+    MODELs), task-arithmetic (BASE + lambda * sum w_i (MODEL_i - BASE)), ties (each task vector
+    trimmed to its top --density by magnitude, the sign elected by total mass, the agreeing
+    entries averaged) or slerp (BASE and one MODEL, --t). Integer and bool tensors must be
+    equal everywhere. A missing tensor or another shape is refused by name (exit 2, nothing
+    written). OUT is written atomically and read back.
+
+    \b
+    Examples:
+      ckpttool merge base/ chat/ code/ -o mix.safetensors --method linear --weights 0,1,1
+      ckpttool merge base/ chat/ code/ -o ta.safetensors --method task-arithmetic --lambda 0.8
+      ckpttool merge base/ chat/ code/ -o ties.safetensors --method ties --density 0.5
+      ckpttool merge base/ chat/ -o half.safetensors --method slerp --t 0.5 --json
+    """
+    from ckpttool.commands.merge import merge
+    from ckpttool.io.progress import Progress
+    from ckpttool.render import merge as merge_render
+
+    parsed = None
+    if weights is not None:
+        try:
+            parsed = [float(w) for w in weights.split(",")]
+        except ValueError:
+            raise InputError(
+                f"--weights takes numbers separated by commas; got {weights!r}"
+            ) from None
+    with Progress(0, "merge") as bar:
+        report = merge(
+            base, models, output, method=method, weights=parsed, lam=lam, density=density, t=t,
+            dtype=dtype, force=force, verify=not no_verify, progress=bar.advance,
+            on_total=lambda n: setattr(bar, "total", max(n, 1)),
+        )  # fmt: skip
+    if as_json:
+        _echo_json(merge_render.render_json(report))
+    else:
+        click.echo(merge_render.render_text(report))
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+
+
 @cli.group("lora", cls=CkptGroup)
 def lora_group() -> None:
     """LoRA adapters: merge a PEFT adapter into its base model, or extract one from a fine-tune.

@@ -128,7 +128,7 @@ def average(
         plans = [build_plan(ckpt, Selection(), options) for ckpt in opened]
         plan = plans[0]
         plan.fields, plan.carried, plan.left_out = {}, {}, []  # the first input's, not the mean's
-        sources, mixed = _sources(inputs, plans)
+        found, mixed = sources(inputs, plans)
         if mixed:
             notes.append(
                 f"{len(mixed)} tensor(s) have other float dtypes in other checkpoints, rounded to "
@@ -136,9 +136,9 @@ def average(
             )
         equal_mean = method == "mean"
         int_names = [p.name for p in plan.stored if p.dtype not in CASTABLE]
-        _check_ints(opened, sources, int_names, inputs, ints)
+        check_ints(opened, found, int_names, inputs, ints)
         replaced: dict[str, Callable[[], bytes | bytearray | memoryview]] = {
-            p.name: _computer(opened, sources[p.name], p, normalised, equal_mean, ints)
+            p.name: _computer(opened, found[p.name], p, normalised, equal_mean, ints)
             for p in plan.stored
         }
         files = plan_outputs(Path(inputs[0].path), target, None, None, plan)
@@ -228,7 +228,7 @@ def _weights(count: int, weights: Sequence[float] | None, ema: float | None) -> 
     return [w / total for w in weights]
 
 
-def _sources(
+def sources(
     inputs: list[AverageInput], plans: list[Plan]
 ) -> tuple[dict[str, list[TensorRecord]], list[str]]:
     """Each stored tensor of the first input, with its record in every input, and the float
@@ -284,7 +284,7 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
 
-def _check_ints(
+def check_ints(
     opened: list[Checkpoint],
     sources: dict[str, list[TensorRecord]],
     names: list[str],
@@ -298,8 +298,8 @@ def _check_ints(
     unequal = []
     for name in names:
         records = sources[name]
-        first = bytes(_raw(opened[0], records[0]))
-        if any(bytes(_raw(c, r)) != first for c, r in zip(opened[1:], records[1:])):
+        first = bytes(raw(opened[0], records[0]))
+        if any(bytes(raw(c, r)) != first for c, r in zip(opened[1:], records[1:])):
             unequal.append(name)
     if unequal:
         raise InputError(
@@ -308,11 +308,11 @@ def _check_ints(
         )
 
 
-def _raw(ckpt: Checkpoint, record: TensorRecord) -> bytes | bytearray | memoryview:
+def raw(ckpt: Checkpoint, record: TensorRecord) -> bytes | bytearray | memoryview:
     return tensor_bytes(ckpt, Planned(record.key, record, record.dtype))[0]
 
 
-def _float64(ckpt: Checkpoint, record: TensorRecord) -> np.ndarray:
+def float64(ckpt: Checkpoint, record: TensorRecord) -> np.ndarray:
     """One input's tensor as flat float64 values (exact: every castable dtype widens exactly)."""
     values = np.ascontiguousarray(read_array(ckpt, dense_record(ckpt, record))).reshape(-1)
     if values.dtype.byteorder == ">":
@@ -332,10 +332,10 @@ def _computer(
 
     def compute() -> bytes | bytearray | memoryview:
         if planned.dtype not in CASTABLE:  # equal everywhere (checked), or the newest's
-            return _raw(opened[-1], records[-1])
+            return raw(opened[-1], records[-1])
         total: np.ndarray | None = None
         for ckpt, record, weight in zip(opened, records, weights):
-            values = _float64(ckpt, record)  # one input's tensor at a time
+            values = float64(ckpt, record)  # one input's tensor at a time
             if not equal_mean:
                 values *= weight
             if total is None:

@@ -1,0 +1,234 @@
+"""``merge``: one model from a base and its fine-tunes (linear, task arithmetic, TIES, SLERP),
+one tensor at a time, with mergekit's formulas (:mod:`ckpttool.model.merge_methods`).
+
+Built on ``average``: the inputs are opened and matched as ``average`` matches them (the same
+tensors, shapes and dtype kinds in every input, else refused by name; integer and bool tensors
+equal everywhere, taken as they are), each floating tensor is read as float64 from every input,
+combined, rounded once to the base's dtype (or ``dtype``), and written by ``convert``'s writer,
+atomically and read back. A safetensors OUT records the method and its parameters in its
+``__metadata__`` (:data:`PROVENANCE_KEY`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ckpttool.checkpoint import Checkpoint
+from ckpttool.commands.average import AverageInput, check_ints, float64, raw, sources
+from ckpttool.commands.convert.options import ConversionOptions
+from ckpttool.commands.convert.output import PTH_SUFFIXES, check_targets, plan_outputs
+from ckpttool.commands.convert.plan import Planned, build_plan
+from ckpttool.commands.convert.run import write_outputs
+from ckpttool.commands.diff.run import open_side
+from ckpttool.commands.selection import Selection
+from ckpttool.errors import InputError, OverflowRefusedError
+from ckpttool.io.progress import ProgressCallback
+from ckpttool.model import merge_methods
+from ckpttool.model.cast import CASTABLE, cast_array
+from ckpttool.model.records import TensorRecord
+
+PROVENANCE_KEY = "ckpttool.merge"
+METHODS = ("linear", "task-arithmetic", "ties", "slerp")
+
+
+@dataclass(frozen=True)
+class MergeInput:
+    """One model merged: the base (``role`` "base") or a fine-tune ("model")."""
+
+    path: str
+    role: str
+    weight: float | None  # as given (not normalised); None: slerp (t weighs them)
+
+
+@dataclass
+class MergeReport:
+    """What ``merge`` wrote."""
+
+    method: str
+    inputs: list[MergeInput]
+    output: Path
+    format: str  # "safetensors" or "pth"
+    tensors: int
+    merged: int  # floating tensors merged
+    ints: list[str]  # integer and bool tensors, equal everywhere, taken as they are
+    dtype: str
+    lam: float | None  # task-arithmetic, ties
+    density: float | None  # ties
+    t: float | None  # slerp
+    verified: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def merge(
+    base: str | os.PathLike[str],
+    models: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    *,
+    method: str,
+    weights: Sequence[float] | None = None,
+    lam: float = 1.0,
+    density: float = 1.0,
+    t: float | None = None,
+    dtype: str = "keep",
+    force: bool = False,
+    verify: bool = True,
+    progress: ProgressCallback | None = None,
+    on_total: ProgressCallback | None = None,
+) -> MergeReport:
+    """Merge ``models`` with ``base`` by ``method`` into ``output`` (.safetensors or .pth);
+    :class:`InputError` (exit 2, nothing written) for bad parameters or unmatched inputs."""
+    if method not in METHODS:
+        raise InputError(f"--method must be one of {', '.join(METHODS)}; got {method!r}")
+    if not models:
+        raise InputError("merge: give the BASE and at least one MODEL")
+    paths = [str(base), *(str(m) for m in models)]
+    roles = ["base"] + ["model"] * len(models)
+    given = _weights(method, len(models), weights, lam, density, t)
+    target = Path(output)
+    if target.is_dir() or target.suffix.lower() not in (".safetensors", *PTH_SUFFIXES):
+        raise InputError(f"{target}: name OUT .safetensors or .pth (.pt, .bin)")
+    for path in paths:
+        if Path(path).resolve() == target.resolve():
+            raise InputError(f"{target}: the output would overwrite an input; name another OUT")
+    inputs = [MergeInput(p, r, w) for p, r, w in zip(paths, roles, given)]
+    named = [AverageInput(p, p, None, 0.0) for p in paths]
+    notes: list[str] = []
+    with ExitStack() as stack:
+        opened = [stack.enter_context(open_side(p)) for p in paths]
+        options = ConversionOptions(dtype=dtype)
+        plans = [build_plan(ckpt, Selection(), options) for ckpt in opened]
+        plan = plans[0]
+        plan.fields, plan.carried, plan.left_out = {}, {}, []
+        found, mixed = sources(named, plans)
+        if mixed:
+            notes.append(
+                f"{len(mixed)} tensor(s) have other float dtypes in other models, rounded to "
+                f"the base's (or --dtype): {', '.join(mixed[:3])}"
+            )
+        int_names = [p.name for p in plan.stored if p.dtype not in CASTABLE]
+        check_ints(opened, found, int_names, named, "equal")
+        combine = _combiner(method, given, lam, density, t)
+        replaced = {p.name: _computer(opened, found[p.name], p, combine) for p in plan.stored}
+        files = plan_outputs(Path(paths[0]), target, None, None, plan)
+        check_targets(Path(paths[0]), files, force)
+        if files[0].kind == "safetensors":
+            files[0].metadata[PROVENANCE_KEY] = json.dumps(
+                {"method": method, "lambda": lam, "density": density, "t": t,
+                 "base": paths[0], "models": [
+                    {"path": i.path, "weight": i.weight} for i in inputs[1:]
+                ]}, sort_keys=True,
+            )  # fmt: skip
+        else:
+            notes.append("a .pth state dict holds tensors only: the provenance is not written")
+        if on_total is not None:
+            on_total(plan.tensor_bytes * (2 if verify else 1))
+        write_outputs(opened[0], plan, files, allow_overflow=False, verify=verify,
+                      progress=progress or (lambda n: None), replaced=replaced)  # fmt: skip
+    return MergeReport(
+        method=method,
+        inputs=inputs,
+        output=target,
+        format=files[0].kind,
+        tensors=len(plan.stored),
+        merged=len(plan.stored) - len(int_names),
+        ints=int_names,
+        dtype=dtype,
+        lam=lam if method in ("task-arithmetic", "ties") else None,
+        density=density if method == "ties" else None,
+        t=t if method == "slerp" else None,
+        verified=verify,
+        notes=[*plan.notes, *notes],
+    )
+
+
+def _weights(
+    method: str,
+    models: int,
+    weights: Sequence[float] | None,
+    lam: float,
+    density: float,
+    t: float | None,
+) -> list[float | None]:
+    """Each input's weight as given (the base's: linear only), after checking the parameters."""
+    if method == "slerp":
+        if models != 1:
+            raise InputError(f"--method slerp merges two models: BASE and one MODEL; got {models}")
+        if t is None or not 0.0 <= t <= 1.0:
+            raise InputError(f"--method slerp needs --t between 0 and 1; got {t}")
+        if weights is not None:
+            raise InputError("--method slerp takes --t, not --weights")
+        return [None, None]
+    if t is not None:
+        raise InputError("--t is for --method slerp")
+    count = models + 1 if method == "linear" else models
+    if weights is None:
+        weights = [1.0] * count
+    if len(weights) != count:
+        whose = "BASE and each MODEL" if method == "linear" else "each MODEL (not BASE)"
+        raise InputError(
+            f"--weights gives {len(weights)} weight(s); {method} takes one for {whose}: {count}"
+        )
+    if any(not math.isfinite(w) for w in weights):
+        raise InputError("--weights must be finite numbers")
+    if method == "linear" and math.fsum(weights) == 0:
+        raise InputError("--weights of a linear merge must not sum to 0")
+    if not math.isfinite(lam):
+        raise InputError(f"--lambda must be a finite number; got {lam}")
+    if not 0.0 < density <= 1.0:
+        raise InputError(
+            f"--density is the fraction of each task vector kept, in (0, 1]; got {density}"
+        )
+    if density < 1.0 and method != "ties":
+        raise InputError("--density is for --method ties")
+    return ([] if method == "linear" else [None]) + list(weights)
+
+
+def _combiner(
+    method: str, weights: list[float | None], lam: float, density: float, t: float | None
+) -> Callable[[list[np.ndarray]], np.ndarray]:
+    """The per-tensor arithmetic: the float64 values of base then each model, in, merged, out."""
+    numbers = [w for w in weights if w is not None]
+    if method == "linear":
+        return lambda xs: merge_methods.linear(xs, numbers)
+    if method == "slerp":
+        assert t is not None
+        return lambda xs: merge_methods.slerp(t, xs[0], xs[1])
+    ties = method == "ties"
+    return lambda xs: merge_methods.task_arithmetic(
+        xs[0], xs[1:], numbers, lam, density=density, consensus=ties, normalize=ties
+    )
+
+
+def _computer(
+    opened: list[Checkpoint],
+    records: list[TensorRecord],
+    planned: Planned,
+    combine: Callable[[list[np.ndarray]], np.ndarray],
+) -> Callable[[], bytes | bytearray | memoryview]:
+    """The bytes of ``planned`` in the output, computed when the writer asks for them."""
+
+    def compute() -> bytes | bytearray | memoryview:
+        if planned.dtype not in CASTABLE:  # equal everywhere (checked)
+            return raw(opened[0], records[0])
+        merged = np.ascontiguousarray(
+            combine([float64(c, r) for c, r in zip(opened, records)]), dtype=np.float64
+        )
+        if planned.dtype == "float64":
+            return merged.view(np.uint8).data
+        narrow, counts = cast_array(merged, "float64", planned.dtype)
+        if counts.overflow:
+            raise OverflowRefusedError(
+                f"{planned.name}: the merge overflows {planned.dtype} in {counts.overflow:,} "
+                "value(s); nothing was written. Choose --dtype fp32 (or bf16)"
+            )
+        return narrow.view(np.uint8).data
+
+    return compute
