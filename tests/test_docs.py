@@ -89,7 +89,7 @@ def test_the_walk_finds_every_command_and_option() -> None:
     """Guards the tests below against an empty walk."""
     assert [t for t, _ in COMMANDS] == [
         "ckpttool average", "ckpttool convert", "ckpttool diff", "ckpttool edit", "ckpttool lora",
-        "ckpttool lora extract", "ckpttool lora merge", "ckpttool repair",
+        "ckpttool lora extract", "ckpttool lora merge", "ckpttool merge", "ckpttool repair",
         "ckpttool rescale-step",
         "ckpttool scan", "ckpttool show", "ckpttool trend", "ckpttool verify",
     ]  # fmt: skip

@@ -28,7 +28,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCHEMAS = DOCS / "schemas"
 COMMANDS = [
     "show", "diff", "convert", "rescale-step", "verify", "scan", "repair", "edit", "lora-merge",
-    "lora-extract", "trend", "average",
+    "lora-extract", "trend", "average", "merge",
 ]  # fmt: skip
 #: The page that documents a command's --json, where it is not ``<command>.md``.
 PAGE = {"lora-merge": "lora.md", "lora-extract": "lora.md"}
@@ -292,6 +292,20 @@ def test_average_json_matches_its_schema(tmp_path: Path, options: list[str]) -> 
     assert_valid("average", data)
     assert data["verified"] is True and (tmp_path / "avg.safetensors").is_file()
     assert sum(i["weight"] for i in data["inputs"]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["--method", "linear", "--weights", "1,3"], ["--method", "task-arithmetic", "--lambda", "0.5"],
+     ["--method", "ties", "--density", "0.5"], ["--method", "slerp", "--t", "0.3"]],
+    ids=["linear", "task-arithmetic", "ties", "slerp"],
+)  # fmt: skip
+def test_merge_json_matches_its_schema(tmp_path: Path, options: list[str]) -> None:
+    base, model = FRAMEWORKS / "peft/base", FRAMEWORKS / "peft/lora_merged"
+    data = run_json("merge", base, model, *options, "-o", tmp_path / "m.safetensors")
+    assert_valid("merge", data)
+    assert data["verified"] is True and (tmp_path / "m.safetensors").is_file()
+    assert data["method"] == options[1] and [i["role"] for i in data["inputs"]] == ["base", "model"]
 
 
 def test_trend_json_with_a_nan_matches_its_schema(tmp_path: Path) -> None:
@@ -685,6 +699,17 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
             "-o",
             tmp_path / "a.pth",
         ),
+        "merge": lambda: run_json(
+            "merge",
+            FRAMEWORKS / "peft/base",
+            FRAMEWORKS / "peft/lora_merged",
+            "-o",
+            tmp_path / "m.safetensors",
+            "--method",
+            "ties",
+            "--density",
+            "0.5",
+        ),
     }
     data = outputs[command]()
     assert_valid(command, data)
@@ -705,6 +730,7 @@ def test_a_renamed_or_missing_field_fails_validation(tmp_path: Path, command: st
         "lora-extract": lambda d: d["extracted"][0],
         "trend": lambda d: d["groups"][0],
         "average": lambda d: d["inputs"][0],
+        "merge": lambda d: d["inputs"][0],
     }[command]
     if inner is not None:
         nested = json.loads(json.dumps(data))

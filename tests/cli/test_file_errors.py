@@ -32,11 +32,12 @@ def _commands(bad: Path, tmp_path: Path) -> dict[str, list[object]]:
         "diff B": ["diff", GOOD, bad],
         "rescale-step": ["rescale-step", bad, "--world-size", 2],
         "average": ["average", GOOD, bad, "-o", tmp_path / "avg.safetensors"],
+        "merge": ["merge", GOOD, bad, "-o", tmp_path / "m.safetensors", "--method", "linear"],
     }
 
 
 @pytest.mark.parametrize("command", ["show", "show --stats", "convert", "diff A", "diff B",
-                                     "rescale-step", "average"])  # fmt: skip
+                                     "rescale-step", "average", "merge"])  # fmt: skip
 @pytest.mark.parametrize(("name", "content", "fragment"), BAD_FILES, ids=["json", "cut_zip"])
 def test_the_error_line_names_the_file(
     tmp_path: Path, command: str, name: str, content: bytes, fragment: str
