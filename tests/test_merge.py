@@ -339,6 +339,8 @@ def test_unequal_integer_tensors_are_refused(tmp_path: Path) -> None:
         (3, ["--method", "task-arithmetic", "--density", "0.5"], "--density is for"),
         (3, ["--method", "linear", "--weights", "1,x,2"], "--weights takes numbers"),
         (3, ["--method", "linear", "--weights", "1,-1,0"], "sum to 0"),
+        (3, ["--method", "linear", "--lambda", "0.5"], "--lambda is for"),
+        (3, ["--method", "ties", "--density", "0.1"], "keeps no entry of model.norm.weight"),
     ],
 )
 def test_bad_parameters_are_refused(
@@ -373,3 +375,24 @@ def test_slerp_of_a_zero_tensor_follows_mergekit() -> None:
     got = merge_methods.slerp(0.3, zero, v)
     np.testing.assert_allclose(got, np.sin(0.3 * np.pi / 2) * v, rtol=1e-15)
     np.testing.assert_allclose(got, mk_slerp(0.3, torch.zeros(4), torch.from_numpy(v)).numpy())
+
+
+def test_the_worked_example_of_docs_merge_md(tmp_path: Path) -> None:
+    values = {"base": [1, 2, 3, 4], "chat": [1.5, 1, 3, 6], "code": [0, 2.7, 3.4, 4.5]}
+    paths = []
+    for name, value in values.items():
+        paths.append(tmp_path / f"{name}.safetensors")
+        save_file({"w": torch.tensor(value, dtype=torch.float64)}, paths[-1])
+    out = tmp_path / "out.safetensors"
+
+    def merged(*args: object) -> list[float]:
+        assert run(*args, "-o", out, "--force").exit_code == 0
+        return load_file(out)["w"].tolist()
+
+    assert merged(*paths, "--method", "ties", "--density", "0.5") == [0, 1, 3, 6]
+    ta = merged(*paths, "--method", "task-arithmetic", "--lambda", "0.5")
+    np.testing.assert_allclose(ta, [0.75, 1.85, 3.2, 5.25], rtol=1e-15)
+    linear = merged(*paths, "--method", "linear", "--weights", "0,1,1")
+    np.testing.assert_allclose(linear, [0.75, 1.85, 3.2, 5.25], rtol=1e-15)
+    slerp = merged(*paths[:2], "--method", "slerp", "--t", "0.5")
+    np.testing.assert_allclose(slerp, [1.2629, 1.5155, 3.0309, 5.0516], atol=1e-4)

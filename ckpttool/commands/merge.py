@@ -115,6 +115,8 @@ def merge(
             )
         int_names = [p.name for p in plan.stored if p.dtype not in CASTABLE]
         check_ints(opened, found, int_names, named, "equal")
+        if method == "ties":
+            _check_density(plan.stored, int_names, density)
         combine = _combiner(method, given, lam, density, t)
         replaced = {p.name: _computer(opened, found[p.name], p, combine) for p in plan.stored}
         files = plan_outputs(Path(paths[0]), target, None, None, plan)
@@ -188,7 +190,25 @@ def _weights(
         )
     if density < 1.0 and method != "ties":
         raise InputError("--density is for --method ties")
+    if lam != 1.0 and method == "linear":
+        raise InputError("--lambda is for --method task-arithmetic and ties")
     return ([] if method == "linear" else [None]) + list(weights)
+
+
+def _check_density(stored: list[Planned], int_names: list[str], density: float) -> None:
+    """TIES keeps ``int(density * size)`` entries of each task vector: refused (as mergekit
+    refuses it) where that is none, naming the tensors, before anything is written."""
+    ints = set(int_names)
+    empty = [
+        p.name
+        for p in stored
+        if p.name not in ints and int(density * math.prod(p.record.shape)) == 0
+    ]
+    if empty:
+        more = f" (+{len(empty) - 3} more)" if len(empty) > 3 else ""
+        raise InputError(
+            f"--density {density} keeps no entry of {', '.join(empty[:3])}{more}: raise --density"
+        )
 
 
 def _combiner(
