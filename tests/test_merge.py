@@ -396,3 +396,27 @@ def test_the_worked_example_of_docs_merge_md(tmp_path: Path) -> None:
     np.testing.assert_allclose(linear, [0.75, 1.85, 3.2, 5.25], rtol=1e-15)
     slerp = merged(*paths[:2], "--method", "slerp", "--t", "0.5")
     np.testing.assert_allclose(slerp, [1.2629, 1.5155, 3.0309, 5.0516], atol=1e-4)
+
+
+def test_ties_of_minimind_resume_files_through_the_library(tmp_path: Path) -> None:
+    """Any layout ckpttool reads: three MiniMind resume .pth files (model, int buffer,
+    optimizer), merged with the library call, the tied embedding stored once."""
+    from ckpttool.commands.merge import merge
+    from tests.test_average import STEPS, TIED, resume_files
+
+    states = resume_files(tmp_path / "run", torch.float32)
+    paths = [tmp_path / "run" / f"resume_{s}.pth" for s in STEPS]
+    out = tmp_path / "ties.safetensors"
+    report = merge(paths[0], paths[1:], out, method="ties", density=0.4, lam=0.8,
+                   weights=[0.6, 1.2])  # fmt: skip
+    assert report.ints == ["model.position_ids"] and report.merged == report.tensors - 1
+    got = load_file(out)
+    assert set(states[0]) - set(got) <= TIED
+    for key, tensor in got.items():
+        xs = [s[key].double() for s in states]
+        if key == "model.position_ids":
+            assert torch.equal(tensor, states[0][key])
+            continue
+        want = mk_gta(xs[0], xs[1:], [0.6, 1.2], density=0.4, consensus=True, normalize=True,
+                      lam=0.8).float()  # fmt: skip
+        torch.testing.assert_close(tensor, want, rtol=1e-6, atol=1e-7)
