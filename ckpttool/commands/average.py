@@ -116,59 +116,126 @@ def average(
     normalised = _weights(len(points), weights, ema)
     method = "ema" if ema is not None else "mean" if weights is None else "weighted"
     inputs = [AverageInput(p.path, p.name, p.step, w) for p, w in zip(points, normalised)]
-    target = Path(output)
-    if target.is_dir() or target.suffix.lower() not in (".safetensors", *PTH_SUFFIXES):
-        raise InputError(f"{target}: name OUT .safetensors or .pth (.pt, .bin)")
-    for item in inputs:
-        if Path(item.path).resolve() == target.resolve():
-            raise InputError(f"{target}: the output would overwrite an input; name another OUT")
-    with ExitStack() as stack:
-        opened = [stack.enter_context(open_side(item.path)) for item in inputs]
-        options = ConversionOptions(dtype=dtype)
-        plans = [build_plan(ckpt, Selection(), options) for ckpt in opened]
-        plan = plans[0]
-        plan.fields, plan.carried, plan.left_out = {}, {}, []  # the first input's, not the mean's
-        found, mixed = sources(inputs, plans)
-        if mixed:
-            notes.append(
-                f"{len(mixed)} tensor(s) have other float dtypes in other checkpoints, rounded to "
-                f"{inputs[0].name}'s (or --dtype): {_some(mixed)}"
-            )
-        equal_mean = method == "mean"
-        int_names = [p.name for p in plan.stored if p.dtype not in CASTABLE]
-        check_ints(opened, found, int_names, inputs, ints)
-        replaced: dict[str, Callable[[], bytes | bytearray | memoryview]] = {
-            p.name: _computer(opened, found[p.name], p, normalised, equal_mean, ints)
-            for p in plan.stored
-        }
-        files = plan_outputs(Path(inputs[0].path), target, None, None, plan)
-        check_targets(Path(inputs[0].path), files, force)
-        if files[0].kind == "safetensors":
-            files[0].metadata[PROVENANCE_KEY] = json.dumps(
-                {"method": method, "decay": ema, "inputs": [
-                    {"path": i.path, "step": i.step, "weight": i.weight} for i in inputs
-                ]}, sort_keys=True,
-            )  # fmt: skip
-        else:
-            notes.append("a .pth state dict holds tensors only: the provenance is not written")
-        if on_total is not None:
-            on_total(plan.tensor_bytes * (2 if verify else 1))
-        write_outputs(opened[0], plan, files, allow_overflow=False, verify=verify,
-                      progress=progress or (lambda n: None), replaced=replaced)  # fmt: skip
+    target = output_path(output, [item.path for item in inputs])
+    written = write_combined(
+        inputs, target, dtype=dtype, ints=ints, force=force, verify=verify, progress=progress,
+        on_total=on_total, rounded_to=f"{inputs[0].name}'s",
+        computer=lambda opened, records, planned: _computer(
+            opened, records, planned, normalised, method == "mean", ints
+        ),
+        provenance=(PROVENANCE_KEY, {"method": method, "decay": ema, "inputs": [
+            {"path": i.path, "step": i.step, "weight": i.weight} for i in inputs
+        ]}),
+    )  # fmt: skip
+    plan, int_names = written.plan, written.ints
     return AverageReport(
         inputs=inputs,
         method=method,
         decay=ema,
         output=target,
-        format=files[0].kind,
+        format=written.format,
         tensors=len(plan.stored),
         averaged=len(plan.stored) - len(int_names),
         ints=int_names,
         dtype=dtype,
         skipped=skipped,
         verified=verify,
-        notes=[*plan.notes, *notes],
+        notes=[*notes, *written.notes],
     )
+
+
+def output_path(output: str | os.PathLike[str], inputs: Sequence[str]) -> Path:
+    """``output`` as a weights file that is none of ``inputs`` (else :class:`InputError`)."""
+    target = Path(output)
+    if target.is_dir() or target.suffix.lower() not in (".safetensors", *PTH_SUFFIXES):
+        raise InputError(f"{target}: name OUT .safetensors or .pth (.pt, .bin)")
+    for path in inputs:
+        if Path(path).resolve() == target.resolve():
+            raise InputError(f"{target}: the output would overwrite an input; name another OUT")
+    return target
+
+
+#: Makes one output tensor's producer from every input's checkpoint and record of it.
+Computer = Callable[
+    [list[Checkpoint], list[TensorRecord], Planned], Callable[[], bytes | bytearray | memoryview]
+]
+
+
+@dataclass
+class Written:
+    """What :func:`write_combined` wrote."""
+
+    plan: Plan  # the first input's weights: the output's tensors
+    format: str  # "safetensors" or "pth"
+    ints: list[str]  # integer and bool tensors (taken as they are, not combined)
+    notes: list[str]
+
+
+def write_combined(
+    inputs: list[AverageInput],
+    target: Path,
+    *,
+    dtype: str,
+    ints: str,
+    computer: Computer,
+    provenance: tuple[str, dict[str, object]],
+    rounded_to: str,
+    force: bool,
+    verify: bool,
+    progress: ProgressCallback | None,
+    on_total: ProgressCallback | None,
+    check: Callable[[list[Planned], list[str]], None] | None = None,
+) -> Written:
+    """Write ``target`` from ``inputs``, tensor by tensor: each input opened through the door,
+    its weights planned as ``convert`` plans them, matched with the first's (:func:`sources`),
+    integer tensors checked (:func:`check_ints`) and ``check`` run before anything is written;
+    then every tensor produced by ``computer`` and written by ``convert``'s writer (atomic, read
+    back), with ``provenance`` (metadata key, facts) in a safetensors output's metadata. ``rounded_to``: whose dtype
+    a float tensor of mixed dtypes takes ("the base's")."""
+    notes: list[str] = []
+    with ExitStack() as stack:
+        opened = [stack.enter_context(open_side(item.path)) for item in inputs]
+        options = ConversionOptions(dtype=dtype)
+        plans = [build_plan(ckpt, Selection(), options) for ckpt in opened]
+        plan = plans[0]
+        plan.fields, plan.carried, plan.left_out = {}, {}, []  # the first input's, not the output's
+        found, mixed = sources(inputs, plans)
+        if mixed:
+            notes.append(
+                f"{len(mixed)} tensor(s) have other float dtypes in other inputs, rounded to "
+                f"{rounded_to} (or --dtype): {_some(mixed)}"
+            )
+        int_names = [p.name for p in plan.stored if p.dtype not in CASTABLE]
+        check_ints(opened, found, int_names, inputs, ints)
+        if check is not None:
+            check(plan.stored, int_names)
+        replaced = {p.name: computer(opened, found[p.name], p) for p in plan.stored}
+        files = plan_outputs(Path(inputs[0].path), target, None, None, plan)
+        check_targets(Path(inputs[0].path), files, force)
+        if files[0].kind == "safetensors":
+            key, facts = provenance
+            files[0].metadata[key] = json.dumps(facts, sort_keys=True)
+        else:
+            notes.append("a .pth state dict holds tensors only: the provenance is not written")
+        if on_total is not None:
+            on_total(plan.tensor_bytes * (2 if verify else 1))
+        write_outputs(opened[0], plan, files, allow_overflow=False, verify=verify,
+                      progress=progress or (lambda n: None), replaced=replaced)  # fmt: skip
+    return Written(plan, files[0].kind, int_names, [*plan.notes, *notes])
+
+
+def rounded(values: np.ndarray, planned: Planned, what: str) -> bytes | bytearray | memoryview:
+    """Float64 ``values`` as ``planned``'s dtype, rounded once; a value past its range is
+    refused (nothing written), naming the tensor. ``what``: "average", "merge"."""
+    if planned.dtype == "float64":
+        return values.view(np.uint8).data
+    narrow, counts = cast_array(values, "float64", planned.dtype)
+    if counts.overflow:
+        raise OverflowRefusedError(
+            f"{planned.name}: the {what} overflows {planned.dtype} in {counts.overflow:,} "
+            "value(s); nothing was written. Choose --dtype fp32 (or bf16)"
+        )
+    return narrow.view(np.uint8).data
 
 
 def _inputs(
@@ -345,14 +412,6 @@ def _computer(
         assert total is not None
         if equal_mean:  # summed in input order, divided once: torch's mean(0) in float64
             total /= len(records)
-        if planned.dtype == "float64":
-            return total.view(np.uint8).data
-        narrow, counts = cast_array(total, "float64", planned.dtype)
-        if counts.overflow:
-            raise OverflowRefusedError(
-                f"{planned.name}: the average overflows {planned.dtype} in {counts.overflow:,} "
-                "value(s); nothing was written. Choose --dtype fp32 (or bf16)"
-            )
-        return narrow.view(np.uint8).data
+        return rounded(total, planned, "average")
 
     return compute

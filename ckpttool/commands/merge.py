@@ -11,28 +11,28 @@ atomically and read back. A safetensors OUT records the method and its parameter
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ckpttool.checkpoint import Checkpoint
-from ckpttool.commands.average import AverageInput, check_ints, float64, raw, sources
-from ckpttool.commands.convert.options import ConversionOptions
-from ckpttool.commands.convert.output import PTH_SUFFIXES, check_targets, plan_outputs
-from ckpttool.commands.convert.plan import Planned, build_plan
-from ckpttool.commands.convert.run import write_outputs
-from ckpttool.commands.diff.run import open_side
-from ckpttool.commands.selection import Selection
-from ckpttool.errors import InputError, OverflowRefusedError
+from ckpttool.commands.average import (
+    AverageInput,
+    float64,
+    output_path,
+    raw,
+    rounded,
+    write_combined,
+)
+from ckpttool.commands.convert.plan import Planned
+from ckpttool.errors import InputError
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model import merge_methods
-from ckpttool.model.cast import CASTABLE, cast_array
+from ckpttool.model.cast import CASTABLE
 from ckpttool.model.records import TensorRecord
 
 PROVENANCE_KEY = "ckpttool.merge"
@@ -92,53 +92,27 @@ def merge(
     paths = [str(base), *(str(m) for m in models)]
     roles = ["base"] + ["model"] * len(models)
     given = _weights(method, len(models), weights, lam, density, t)
-    target = Path(output)
-    if target.is_dir() or target.suffix.lower() not in (".safetensors", *PTH_SUFFIXES):
-        raise InputError(f"{target}: name OUT .safetensors or .pth (.pt, .bin)")
-    for path in paths:
-        if Path(path).resolve() == target.resolve():
-            raise InputError(f"{target}: the output would overwrite an input; name another OUT")
+    target = output_path(output, paths)
     inputs = [MergeInput(p, r, w) for p, r, w in zip(paths, roles, given)]
     named = [AverageInput(p, p, None, 0.0) for p in paths]
-    notes: list[str] = []
-    with ExitStack() as stack:
-        opened = [stack.enter_context(open_side(p)) for p in paths]
-        options = ConversionOptions(dtype=dtype)
-        plans = [build_plan(ckpt, Selection(), options) for ckpt in opened]
-        plan = plans[0]
-        plan.fields, plan.carried, plan.left_out = {}, {}, []
-        found, mixed = sources(named, plans)
-        if mixed:
-            notes.append(
-                f"{len(mixed)} tensor(s) have other float dtypes in other models, rounded to "
-                f"the base's (or --dtype): {', '.join(mixed[:3])}"
-            )
-        int_names = [p.name for p in plan.stored if p.dtype not in CASTABLE]
-        check_ints(opened, found, int_names, named, "equal")
-        if method == "ties":
-            _check_density(plan.stored, int_names, density)
-        combine = _combiner(method, given, lam, density, t)
-        replaced = {p.name: _computer(opened, found[p.name], p, combine) for p in plan.stored}
-        files = plan_outputs(Path(paths[0]), target, None, None, plan)
-        check_targets(Path(paths[0]), files, force)
-        if files[0].kind == "safetensors":
-            files[0].metadata[PROVENANCE_KEY] = json.dumps(
-                {"method": method, "lambda": lam, "density": density, "t": t,
-                 "base": paths[0], "models": [
-                    {"path": i.path, "weight": i.weight} for i in inputs[1:]
-                ]}, sort_keys=True,
-            )  # fmt: skip
-        else:
-            notes.append("a .pth state dict holds tensors only: the provenance is not written")
-        if on_total is not None:
-            on_total(plan.tensor_bytes * (2 if verify else 1))
-        write_outputs(opened[0], plan, files, allow_overflow=False, verify=verify,
-                      progress=progress or (lambda n: None), replaced=replaced)  # fmt: skip
+    combine = _combiner(method, given, lam, density, t)
+    written = write_combined(
+        named, target, dtype=dtype, ints="equal", force=force, verify=verify,
+        progress=progress, on_total=on_total, rounded_to="the base's",
+        computer=lambda opened, records, planned: _computer(opened, records, planned, combine),
+        check=(lambda stored, ints: _check_density(stored, ints, density))
+        if method == "ties" else None,
+        provenance=(PROVENANCE_KEY, {"method": method, "lambda": lam, "density": density,
+                                     "t": t, "base": paths[0], "models": [
+            {"path": i.path, "weight": i.weight} for i in inputs[1:]
+        ]}),
+    )  # fmt: skip
+    plan, int_names = written.plan, written.ints
     return MergeReport(
         method=method,
         inputs=inputs,
         output=target,
-        format=files[0].kind,
+        format=written.format,
         tensors=len(plan.stored),
         merged=len(plan.stored) - len(int_names),
         ints=int_names,
@@ -147,7 +121,7 @@ def merge(
         density=density if method == "ties" else None,
         t=t if method == "slerp" else None,
         verified=verify,
-        notes=[*plan.notes, *notes],
+        notes=written.notes,
     )
 
 
@@ -241,14 +215,6 @@ def _computer(
         merged = np.ascontiguousarray(
             combine([float64(c, r) for c, r in zip(opened, records)]), dtype=np.float64
         )
-        if planned.dtype == "float64":
-            return merged.view(np.uint8).data
-        narrow, counts = cast_array(merged, "float64", planned.dtype)
-        if counts.overflow:
-            raise OverflowRefusedError(
-                f"{planned.name}: the merge overflows {planned.dtype} in {counts.overflow:,} "
-                "value(s); nothing was written. Choose --dtype fp32 (or bf16)"
-            )
-        return narrow.view(np.uint8).data
+        return rounded(merged, planned, "merge")
 
     return compute
