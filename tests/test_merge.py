@@ -420,3 +420,16 @@ def test_ties_of_minimind_resume_files_through_the_library(tmp_path: Path) -> No
         want = mk_gta(xs[0], xs[1:], [0.6, 1.2], density=0.4, consensus=True, normalize=True,
                       lam=0.8).float()  # fmt: skip
         torch.testing.assert_close(tensor, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("command", ["merge", "average"])
+def test_weights_that_are_not_numbers_are_one_line(tmp_path: Path, command: str) -> None:
+    for name in ("a", "b"):
+        save_file({"w": torch.ones(2)}, tmp_path / f"{name}.safetensors")
+    out = tmp_path / "out.safetensors"
+    args = [command, str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
+    args += ["--method", "linear"] if command == "merge" else []
+    result = CliRunner().invoke(cli, [*args, "-o", str(out), "--weights", "1,x"])
+    assert result.exit_code == 2
+    assert result.stderr == "Error: --weights takes numbers separated by commas; got '1,x'\n"
+    assert not out.exists()

@@ -800,14 +800,7 @@ def average_command(
     from ckpttool.io.progress import Progress
     from ckpttool.render import average as average_render
 
-    parsed = None
-    if weights is not None:
-        try:
-            parsed = [float(w) for w in weights.split(",")]
-        except ValueError:
-            raise InputError(
-                f"--weights takes numbers separated by commas; got {weights!r}"
-            ) from None
+    parsed = _weights(weights)
     with Progress(0, "average") as bar:
         report = average(
             paths, output, weights=parsed, last=last, ema=ema, dtype=dtype, ints=ints,
@@ -897,14 +890,7 @@ def merge_command(
     from ckpttool.io.progress import Progress
     from ckpttool.render import merge as merge_render
 
-    parsed = None
-    if weights is not None:
-        try:
-            parsed = [float(w) for w in weights.split(",")]
-        except ValueError:
-            raise InputError(
-                f"--weights takes numbers separated by commas; got {weights!r}"
-            ) from None
+    parsed = _weights(weights)
     with Progress(0, "merge") as bar:
         report = merge(
             base, models, output, method=method, weights=parsed, lam=lam, density=density, t=t,
@@ -1202,6 +1188,16 @@ def edit_command(
         _echo_json(edit_render.render_json(report))
     else:
         click.echo(edit_render.render_text(report))
+
+
+def _weights(text: str | None) -> list[float] | None:
+    """``--weights 1,2,0.5`` as numbers (average and merge)."""
+    if text is None:
+        return None
+    try:
+        return [float(w) for w in text.split(",")]
+    except ValueError:
+        raise InputError(f"--weights takes numbers separated by commas; got {text!r}") from None
 
 
 def _int_params(pairs: tuple[str, ...]) -> dict[str, int]:
