@@ -55,6 +55,17 @@ def emit(value: Any) -> bytes:
     return bytes(out)
 
 
+def memo_put(index: int) -> bytes:
+    """BINPUT (LONG_BINPUT past 255): store the value just written at memo ``index``."""
+    return b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+
+
+def memo_get(index: int) -> bytes:
+    """BINGET (LONG_BINGET past 255): the value stored at memo ``index`` again (an object met
+    twice, written once)."""
+    return b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
+
+
 def emit_ndarray(
     code: str, order: str, shape: tuple[int, ...], fortran: bool, data: bytes
 ) -> bytes:

@@ -24,7 +24,7 @@ from ckpttool.model.records import (
     rebuildable_storage,
     with_fields,
 )
-from ckpttool.pickle.edit import emit, emit_ndarray
+from ckpttool.pickle.edit import emit, emit_ndarray, memo_get, memo_put
 
 #: The first three pickles of a legacy file as torch.save writes them (protocol 2, little-endian):
 #: the magic number, the protocol version (1001) and the system info dict.
@@ -84,7 +84,7 @@ def _encode(
         known = memo.get(id(value))
         if known is not None:
             index = known[0]
-            out += b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
+            out += memo_get(index)
             return
         if isinstance(value, TensorRecord):
             _encode_tensor(value, out, regions, memo)
@@ -92,7 +92,7 @@ def _encode(
             _encode_object(value, out, regions, depth, memo)
         index = len(memo)
         memo[id(value)] = (index, value)
-        out += b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+        out += memo_put(index)
         return
     if depth > _MAX_DEPTH:
         raise LayoutError("the object nests too deeply to write")

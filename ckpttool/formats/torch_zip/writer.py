@@ -20,7 +20,7 @@ from ckpttool.formats.base import OutTensor
 from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter
 from ckpttool.model import dtypes
 from ckpttool.model.records import ITEMSIZE
-from ckpttool.pickle.edit import emit_ndarray
+from ckpttool.pickle.edit import emit_ndarray, memo_get, memo_put
 
 #: The zip folder of a written .pth (what torch.save uses when saving to a buffer).
 PTH_PREFIX = "archive"
@@ -236,12 +236,12 @@ def _encode_object(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
         known = memo.get(id(value))
         if known is not None:
             index = known[0]
-            out += b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
+            out += memo_get(index)
             return
         _encode_shared(value, out, depth, memo)
         index = len(memo)
         memo[id(value)] = (index, value)
-        out += b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+        out += memo_put(index)
         return
     _encode_shared(value, out, depth, memo)
 
