@@ -344,3 +344,103 @@ def test_a_router_module_is_named_as_not_read(tmp_path: Path) -> None:
         ]
         assert ckpt.details["missing"] == []
     assert "not read:   2_Dense/ (module 2, a Router" in run("show", folder).stdout
+
+
+def sharded_pipeline(tmp_path: Path) -> Path:
+    """The pipeline with its unet replaced by the sharded save of unet_sharded."""
+    folder = tmp_path / "pipe_sharded"
+    shutil.copytree(HERE / "ldm_pipeline", folder)
+    shutil.rmtree(folder / "unet")
+    shutil.copytree(HERE / "unet_sharded", folder / "unet")
+    return folder
+
+
+def sharded_sentence_transformer(tmp_path: Path) -> Path:
+    """st_dense with its Transformer module's weights in two shards and an index, as
+    transformers' save_pretrained(max_shard_size=...) writes them."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "st_sharded"
+    shutil.copytree(HERE / "st_dense", folder)
+    weights = load_file(folder / "model.safetensors")
+    names = sorted(weights)
+    halves = {"model-00001-of-00002.safetensors": names[:10],
+              "model-00002-of-00002.safetensors": names[10:]}  # fmt: skip
+    for shard, keys in halves.items():
+        save_file({k: weights[k] for k in keys}, folder / shard)
+    index = {"metadata": {}, "weight_map": {k: s for s, keys in halves.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+#: Every multi-component layout, a file of one component cut in half: (layout, the damaged
+#: file, the component that holds it, another component whose files are whole).
+COMPONENT_DAMAGE = [
+    ("st_dense", "2_Dense/model.safetensors", "2", "0"),
+    ("st_dense", "model.safetensors", "0", "2_Dense"),
+    ("st_sharded", "model-00002-of-00002.safetensors", "0", "2"),
+    ("ldm_pipeline", "vqvae/diffusion_pytorch_model.safetensors", "vqvae", "unet"),
+    ("ldm_pipeline", "unet/diffusion_pytorch_model.safetensors", "unet", "vqvae"),
+    ("pipe_sharded", "unet/diffusion_pytorch_model-00003-of-00005.safetensors", "unet", "vqvae"),
+]
+
+
+def damaged_copy(tmp_path: Path, layout: str, member: str) -> Path:
+    if layout == "st_sharded":
+        folder = sharded_sentence_transformer(tmp_path)
+    elif layout == "pipe_sharded":
+        folder = sharded_pipeline(tmp_path)
+    else:
+        folder = tmp_path / layout
+        shutil.copytree(HERE / layout, folder)
+    os.truncate(folder / member, (folder / member).stat().st_size // 2)
+    return folder
+
+
+@pytest.mark.parametrize(("layout", "member", "owner", "other"), COMPONENT_DAMAGE)
+def test_verify_component_checks_that_part_s_files_only(
+    tmp_path: Path, layout: str, member: str, owner: str, other: str
+) -> None:
+    folder = damaged_copy(tmp_path, layout, member)
+    assert member in run("verify", folder, exit_code=1).stdout  # the whole folder: found
+    found = run("verify", folder, "--component", owner, exit_code=1)
+    assert member in found.stdout and f"component {owner} (" in found.stdout
+    clean = run("verify", folder, "--component", other)  # the other part's files are whole
+    assert member not in clean.stdout and "OK" in clean.stdout
+    [result] = ckpttool.verify([folder], component=owner)  # the library call, the same
+    assert any(problem.startswith(member) for problem in result.problems)
+    [result] = ckpttool.verify([folder], component=other)
+    assert result.ok and not result.problems
+
+
+@pytest.mark.parametrize(("case", "component"), [("ldm_pipeline", "unet"), ("st_dense", "2_Dense")])
+def test_verify_component_counts_only_that_part_s_tensors(case: str, component: str) -> None:
+    with open_checkpoint(HERE / case) as ckpt:
+        part = next(p for p in ckpt.details["parts"] if component in (p["name"], p["folder"]))
+    text = run("verify", HERE / case, "--component", component).stdout
+    assert f"structure (directory), {part['tensors']} tensor extent" in text
+    assert "1 member file verified" in text
+
+
+def test_verify_component_of_a_pipeline_component_that_is_gone(tmp_path: Path) -> None:
+    folder = tmp_path / "pipe"
+    shutil.copytree(HERE / "ldm_pipeline", folder)
+    shutil.rmtree(folder / "vqvae")
+    assert "incomplete: vqvae/" in run("verify", folder, "--component", "vqvae", exit_code=1).stdout
+    assert "vqvae/" not in run("verify", folder, "--component", "unet").stdout
+
+
+@pytest.mark.parametrize(
+    ("path", "component"),
+    [("ldm_pipeline", "scheduler"), ("st_dense", "3"), ("unet", "unet"), ("st_dense/2_Dense", "x")],
+)
+def test_verify_refuses_an_unknown_component_as_the_other_commands_do(
+    tmp_path: Path, path: str, component: str
+) -> None:
+    shown = run("show", HERE / path, "--component", component, exit_code=2).stderr
+    checked = run("verify", HERE / path, "--component", component, exit_code=2)
+    assert checked.stderr == shown and shown.startswith("Error: ") and shown.count("\n") == 1
+    converted = run("convert", HERE / path, tmp_path / "o.safetensors", "--component", component,
+                    exit_code=2)  # fmt: skip
+    assert converted.stderr == shown

@@ -1214,10 +1214,13 @@ def _int_params(pairs: tuple[str, ...]) -> dict[str, int]:
 @cli.command("verify")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--values", is_flag=True, help="Also read every floating tensor: NaN/Inf.")
+@component_option
 @json_option("verify")
 @remote_options
 @jobs_option
-def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
+def verify_command(
+    paths: tuple[str, ...], values: bool, component: str | None, as_json: bool
+) -> None:
     """Check files' integrity without trusting them.
 
     Zip structure (central directory vs local headers, CRC-32 of every record, duplicate
@@ -1229,7 +1232,8 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     Each path gets its own verdict and the run goes on: a path that cannot be checked at all
     (missing, unreadable) gets an "Error: PATH: ..." line on stderr; a file that is there but
     is no checkpoint (empty, torn, unrecognised) is a problem. A directory that is no
-    checkpoint layout is walked: each checkpoint in it gets its verdict. Exit 0 when every
+    checkpoint layout is walked: each checkpoint in it gets its verdict. --component NAME checks
+    only that part's files of a multi-component folder (a pipeline's unet). Exit 0 when every
     path was checked and is clean, 1 when a problem (or a leftover temp file) was found in any
     (this wins), 2 when some path could not be checked. --json always prints the JSON report.
 
@@ -1238,6 +1242,7 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
       ckpttool verify checkpoints/pretrain_768_resume.pth
       ckpttool verify out/*.pth --values --json
       ckpttool verify checkpoints/step_1200/
+      ckpttool verify pipeline/ --component unet
     """
     from ckpttool.commands.verify import verify, verify_exit_code
     from ckpttool.io.progress import Progress
@@ -1245,7 +1250,7 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
 
     total = sum(_input_bytes(p) for p in paths)
     with Progress(total, "verify") as bar:
-        results = verify(paths, values=values, progress=bar.advance)
+        results = verify(paths, values=values, progress=bar.advance, component=component)
     if as_json:
         _echo_json(verify_render.render_json(results))
     else:

@@ -8,8 +8,10 @@ Lightning checkpoint's under ``state_dict``; DDP and ``torch.compile`` add ``mod
 from __future__ import annotations
 
 import json
+import posixpath
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.errors import InputError, SameKeyError
@@ -76,6 +78,20 @@ def component_section(ckpt: Checkpoint, name: str) -> str:
     part's own files store them, as the part's folder alone reads. Raises
     :class:`~ckpttool.errors.InputError` where ``ckpt`` has no parts, no part ``name``, or a part
     without weights."""
+    part = find_part(ckpt, name)
+    if part is None:
+        raise InputError(unknown_component(ckpt, name))
+    if not part.get("tensors"):
+        raise InputError(
+            f"{ckpt.name}: component {part['name']!r} ({part.get('type')}) has no weights"
+        )
+    return str(part["section"])
+
+
+def find_part(ckpt: Checkpoint, name: str) -> dict[str, Any] | None:
+    """The part ``name`` (its name or its folder) of a folder of named parts, as
+    ``details["parts"]`` lists it; None where it has no such part. Raises
+    :class:`~ckpttool.errors.InputError` where ``ckpt`` has no parts at all."""
     parts = ckpt.details.get(PARTS)
     if not isinstance(parts, list) or not parts:
         raise InputError(
@@ -84,13 +100,24 @@ def component_section(ckpt: Checkpoint, name: str) -> str:
         )
     for part in parts:
         if name in (part["name"], part.get("folder") or part["name"]):
-            if not part.get("tensors"):
-                raise InputError(
-                    f"{ckpt.name}: component {part['name']!r} ({part.get('type')}) has no weights"
-                )
-            return str(part["section"])
-    shown = ", ".join(str(part["name"]) for part in parts)
-    raise InputError(f"{ckpt.name}: no component {name!r}; its components: {shown}")
+            return dict(part)
+    return None
+
+
+def unknown_component(ckpt: Checkpoint, name: str) -> str:
+    """The message for a component ``name`` that ``ckpt`` does not have, listing those it has."""
+    shown = ", ".join(str(part["name"]) for part in ckpt.details.get(PARTS) or [])
+    return f"{ckpt.name}: no component {name!r}; its components: {shown}"
+
+
+def in_folder(path: str, folder: str | None) -> bool:
+    """Whether ``path`` (a file relative to a directory checkpoint, or a folder ``name/``) lies
+    in ``folder`` itself ("": the root; None: anywhere), as the part of a multi-component folder
+    kept there owns it."""
+    if folder is None:
+        return True
+    owner = path.rstrip("/") if path.endswith("/") else posixpath.dirname(path)
+    return posixpath.normpath(owner or ".") == posixpath.normpath(folder or ".")
 
 
 def with_component(ckpt: Checkpoint, selection: Selection) -> Selection:

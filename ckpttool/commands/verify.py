@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpttool.checkpoint import CHECKPOINT_SUFFIXES, Checkpoint, open_checkpoint
+from ckpttool.commands.selection import find_part, in_folder, unknown_component
 from ckpttool.errors import (
     EXIT_ERROR,
     EXIT_FOUND,
@@ -36,6 +37,7 @@ from ckpttool.io.atomic import temp_name_pattern
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import is_url
 from ckpttool.io.values import tensor_stats
+from ckpttool.model.records import TensorRecord
 from ckpttool.pickle.policy import Verdict, never_load_problem
 
 
@@ -68,8 +70,11 @@ def verify_file(
     *,
     values: bool = False,
     progress: ProgressCallback | None = None,
+    component: str | None = None,
 ) -> VerifyResult:
-    """Check one file. Raises InputError/NotACheckpointError only when no check can run."""
+    """Check one file. Raises InputError/NotACheckpointError only when no check can run.
+    ``component`` names one part of a multi-component folder: only its files are checked
+    (:func:`component_folder`)."""
     path = os.fspath(path) if is_url(path) else Path(path)
     result = VerifyResult(str(path), None, leftovers=_leftovers(path))
     try:
@@ -81,37 +86,67 @@ def verify_file(
         return result
     with ckpt:
         result.format = ckpt.format
-        extents = len(ckpt.tensors())
+        folder = None if component is None else component_folder(ckpt, component)
+        records = _records(ckpt, folder)
+        extents = len(records)
         result.checked.append(
             f"structure ({ckpt.format}), {extents} tensor extent{'s' * (extents != 1)}"
         )
-        result.problems.extend(ckpt.problems)
+        if folder is not None:
+            result.checked.append(f"component {component} ({folder or '.'}/): its files only")
+        result.problems.extend(p for p in ckpt.problems if in_folder(p.split(": ", 1)[0], folder))
         dangerous = {f"{m}.{n}" for m, n, v in _globals(ckpt) if v is Verdict.DANGEROUS}
         if dangerous:
             result.problems.append(never_load_problem("the pickle calls", dangerous))
-        format_problems, format_checked = _format_checks(ckpt, progress)
+        format_problems, format_checked = _format_checks(ckpt, progress, folder)
         result.problems.extend(format_problems)
         result.checked.extend(format_checked)
         if values and not result.problems:
-            result.problems.extend(_non_finite(ckpt))
+            result.problems.extend(_non_finite(ckpt, records))
             result.checked.append("values: NaN/Inf in floating tensors")
         ckpt.check_unchanged()  # a remote file replaced while it was checked: no verdict
     return result
 
 
 def _format_checks(
-    ckpt: Checkpoint, progress: ProgressCallback | None
+    ckpt: Checkpoint, progress: ProgressCallback | None, folder: str | None = None
 ) -> tuple[list[str], list[str]]:
     """(problems, what was checked) by the checkpoint's format's own hook (a zip's records,
-    DCP's items...), or, for a framework's directory, of its member files."""
+    DCP's items...), or, for a framework's directory, of its member files (those in ``folder``
+    only, where a component is checked)."""
     fmt = find_format(ckpt.format)
     if fmt is not None:
         return fmt.verify(ckpt, progress)
     if ckpt.format == "directory":
         from ckpttool.commands.verify_directory import check_directory
 
-        return check_directory(ckpt, progress, verify_file)
+        return check_directory(ckpt, progress, verify_file, folder)
     return [], []
+
+
+def component_folder(ckpt: Checkpoint, name: str) -> str:
+    """The folder ("" for the root) of the part ``name`` of a multi-component folder, whose
+    files alone ``verify --component`` checks. A pipeline component whose folder or weights are
+    gone is no part, but it is that component's problem to report, not an unknown name. Raises
+    :class:`~ckpttool.errors.InputError` as ``--component`` does in the other commands."""
+    part = find_part(ckpt, name)
+    if part is not None:
+        return str(part.get("folder") or "")
+    if any(str(entry).startswith(f"{name}/") for entry in ckpt.details.get("missing", [])):
+        return name
+    raise InputError(unknown_component(ckpt, name))
+
+
+def _records(ckpt: Checkpoint, folder: str | None) -> list[TensorRecord]:
+    """The checkpoint's tensors; where a component is checked, those its folder's files hold."""
+    records = ckpt.tensors()
+    if folder is None:
+        return records
+    sections = tuple(
+        f"{m['section']}." for m in ckpt.details.get("members", [])
+        if m.get("section") and in_folder(m["name"], folder)
+    )  # fmt: skip
+    return [r for r in records if r.key.startswith(sections)]
 
 
 def _leftovers(path: str | Path) -> list[str]:
@@ -123,12 +158,11 @@ def _globals(ckpt: Checkpoint) -> list[tuple[str, str, Verdict]]:
     return list(ckpt.pickle.globals_seen) if ckpt.pickle is not None else []
 
 
-def _non_finite(ckpt: Checkpoint) -> list[str]:
+def _non_finite(ckpt: Checkpoint, records: list[TensorRecord]) -> list[str]:
     """NaN/Inf in every floating tensor, and in the decoded values of a tensor quantized in its
     format's blocks (a GGUF block whose scale is NaN); the block types its format does not
     decode are left out."""
     problems = []
-    records = ckpt.tensors()
     ckpt.plan_reads(records)  # a URL: few large requests
     for record in records:
         in_blocks = record.quant is not None and record.quant.in_blocks
@@ -156,16 +190,21 @@ def verify(
     *,
     values: bool = False,
     progress: ProgressCallback | None = None,
+    component: str | None = None,
 ) -> list[VerifyResult]:
     """Check every path on its own: one that cannot be checked at all (missing, unreadable, a
     directory without checkpoints) gets a result with ``error`` set, and the run goes on. A
     file that is no checkpoint is a problem; a plain directory gives one result per checkpoint
-    in it."""
+    in it. ``component`` checks only that part of each path, a multi-component folder (a path
+    without it cannot be checked)."""
     results = []
     for raw in paths:
         try:
-            results.append(verify_file(raw, values=values, progress=progress))
+            results.append(verify_file(raw, values=values, progress=progress, component=component))
         except NotADirectoryCheckpointError as error:
+            if component is not None:  # a plain directory has no parts
+                results.append(_unchecked(raw, error))
+                continue
             results.extend(_verify_directory_files(Path(raw), error, values, progress))
         except (EmptyFileError, NotACheckpointError) as error:  # there, but no checkpoint
             results.append(_unreadable(raw, error))

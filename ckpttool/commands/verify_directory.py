@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.commands.selection import in_folder
 from ckpttool.errors import CkptError
 from ckpttool.frameworks.registry import framework_of
 from ckpttool.io.parallel import ordered_map, serialized
@@ -32,10 +33,14 @@ NOT_CHECKPOINTS = (
 
 
 def check_directory(
-    ckpt: Checkpoint, progress: ProgressCallback | None, verify_file: Callable[..., Any]
+    ckpt: Checkpoint,
+    progress: ProgressCallback | None,
+    verify_file: Callable[..., Any],
+    folder: str | None = None,
 ) -> tuple[list[str], list[str]]:
     """(problems, what was checked) for a directory opened by the reader; each member file is
-    checked by ``verify_file`` (``verify``'s own, handed in: this module is below it)."""
+    checked by ``verify_file`` (``verify``'s own, handed in: this module is below it). With
+    ``folder`` (a part's, ``verify --component``), only the members and missing files there."""
     details = ckpt.details
     directory = str(details.get("directory", ckpt.name))
     problems: list[str] = []
@@ -44,7 +49,9 @@ def check_directory(
     members = [
         m
         for m in details.get("members", [])
-        if m.get("role") not in NOT_CHECKPOINTS and m.get("name") not in named
+        if m.get("role") not in NOT_CHECKPOINTS
+        and m.get("name") not in named
+        and in_folder(m["name"], folder)
     ]
     shared_progress = serialized(progress)
 
@@ -62,6 +69,7 @@ def check_directory(
     problems += [
         f"incomplete: {missing} is missing (written by the framework; its resume needs it)"
         for missing in details.get("missing", [])
+        if in_folder(missing.split(" (", 1)[0], folder)  # "2_Dense/ (module 2, Dense)"
     ]
     title = details.get("layout_title", "directory")
     checked = [
