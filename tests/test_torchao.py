@@ -5,7 +5,10 @@ AffineQuantizedTensor / LinearActivationQuantizedTensor it no longer writes:
 ``<key>.<name>``, noted with its logical dtype, shape and block size, in every command;
 ``convert --dequantize`` writes what torchao's own ``dequantize()`` gives. The frozen
 ``manifest.json`` is what torchao's load gave; the live tests run the installed torchao on the
-files it wrote."""
+files it wrote. The Int4 file (``Int4TilePackedTo4dTensor``) was written on a CUDA GPU
+(``tools/torchao_int4_fixture.py``): its dequantized values in the manifest are torchao's tinygemm
+linear on the identity (no Int4 tensor of torchao 0.18 has a ``dequantize()``), held to bit
+for bit here without a GPU."""
 
 from __future__ import annotations
 
@@ -33,6 +36,9 @@ MANIFEST = json.loads((HERE / "manifest.json").read_text())
 FILES = sorted(MANIFEST["files"])
 #: The files the installed torchao (the test extra's) wrote: the live tests load them with it.
 CURRENT = [name for name in FILES if MANIFEST["files"][name]["torchao"] == "0.18.0"]
+#: Those whose subclasses have a ``dequantize()`` to compare with here (not the Int4 one).
+DEQUANTIZABLE = [name for name in CURRENT if "dequantize_by" not in MANIFEST["files"][name]]
+INT4 = "int4_tile_packed.pt"
 
 
 def _entry(tensor: torch.Tensor) -> dict[str, Any]:
@@ -213,7 +219,7 @@ def test_live_torchao_load_matches(name: str) -> None:
         assert torch.equal(loaded[key].view(torch.uint8), tensor.view(torch.uint8)), key
 
 
-@pytest.mark.parametrize("name", CURRENT)
+@pytest.mark.parametrize("name", DEQUANTIZABLE)
 def test_live_dequantize_matches_torchao(name: str, tmp_path: Path) -> None:
     reference = _torchao_state_dict(HERE / name)
     out = tmp_path / "out.safetensors"
@@ -336,3 +342,70 @@ def test_the_note_names_the_quantization_range() -> None:
         "torchao AffineQuantizedTensor, bfloat16 [4, 16], block_size [1, 16], quant range [-8, 7]"
     )
     assert subclass_scheme(outer).data == "tensor_impl.int_data"
+
+
+def test_the_int4_file_is_torchao_s_tile_packed_layout() -> None:
+    entry = MANIFEST["files"][INT4]
+    assert (entry["config"], entry["packing_format"], entry["saved_from"]) == (
+        "Int4WeightOnlyConfig", "tile_packed_to_4d", "cpu"
+    )  # fmt: skip
+    weight = entry["state_dict"]["0.weight"]
+    assert weight["class"] == "torchao.quantization.Int4TilePackedTo4dTensor"
+    assert (weight["inner"]["qdata"]["shape"], weight["inner"]["scale_and_zero"]["shape"]) == (
+        [4, 8, 32, 4], [32, 32, 2]
+    )  # fmt: skip
+    assert INT4 in CURRENT and INT4 in FILES and INT4 not in DEQUANTIZABLE
+
+
+def test_the_int4_tile_layout_is_the_one_torch_packs() -> None:
+    """torch's ``_convert_weight_to_int4pack`` (CUDA, inner_k_tiles 8) on grids whose elements
+    are the hex digits of their index: every nibble comes back where it was."""
+    from ckpttool.io.subclass_values import tinygemm_int4
+
+    probes = load_file(HERE / "int4_tile_probes.safetensors")
+    index = torch.arange(8 * 1024, dtype=torch.int64).reshape(8, 1024)
+    for digit in range(4):
+        unpacked = tinygemm_int4(probes[f"digit{digit}"])
+        assert torch.equal(unpacked, (index >> (4 * digit)) & 15), digit
+
+
+def test_int4_dequantize_is_torchao_s_linear_bit_for_bit(tmp_path: Path) -> None:
+    """The padded tiles (64 of 1024 columns used) cut to the logical shape, bfloat16 values
+    equal to the tinygemm kernel's: float32 arithmetic gives them exactly, no tolerance."""
+    out = tmp_path / "int4.pth"
+    result = CliRunner().invoke(cli, ["convert", str(HERE / INT4), str(out), "--dequantize"])
+    assert result.exit_code == 0, result.output
+    written = torch.load(out, weights_only=True)
+    assert written["0.weight"].dtype == torch.bfloat16 and written["0.weight"].shape == (32, 64)
+    assert {k: _entry(v) for k, v in written.items()} == _dequantized(INT4)
+
+
+def test_an_int4_tile_layout_ckpttool_does_not_read_is_refused() -> None:
+    """Other inner_k_tiles (the last dimension) or a scale_and_zero that does not fit: one line."""
+    tiles = {
+        "qdata": _record("int32", (1, 8, 32, 2)),
+        "scale_and_zero": _record("bfloat16", (32, 8, 2)),
+    }
+    other = TensorSubclassObject("torchao.X", tiles, "bfloat16", (8, 32))
+    with pytest.raises(InputError, match="not the int4 tile layout ckpttool reads"):
+        subclass_scheme(other)
+    tiles["qdata"] = _record("int32", (1, 8, 32, 4))
+    scheme = subclass_scheme(TensorSubclassObject("torchao.X", tiles, "bfloat16", (8, 32)))
+    assert (scheme.data, scheme.scale, scheme.block_size) == ("qdata", "scale_and_zero", (1, 32))
+    too_wide = TensorSubclassObject("torchao.X", tiles, "bfloat16", (8, 2048))
+    with pytest.raises(InputError, match="not the int4 tile layout"):
+        subclass_scheme(too_wide)
+
+
+def test_a_packed_int4_tensor_is_refused_not_misread() -> None:
+    """torchao's plain ``Int4Tensor`` (two 4-bit values per int8 of ``qdata``, written only with
+    mslk's CUDA kernels): its bytes are not one value each, so no affine reading of them."""
+    state = {
+        "qdata": _record("int8", (8, 16)),
+        "scale": _record("bfloat16", (1, 8)),
+        "zero_point": _record("bfloat16", (1, 8)),
+        "block_size": [1, 32],
+    }
+    plain = TensorSubclassObject("torchao.quantization.Int4Tensor", state, "bfloat16", (8, 32))
+    with pytest.raises(InputError, match=r"packs \[8, 32\] \(several values per element\)"):
+        subclass_scheme(plain)

@@ -3,8 +3,11 @@ computed from its inner tensors, as its own ``dequantize()`` would: ``convert --
 
 torchao's affine scheme: each block of ``block_size`` elements of ``qdata`` shares one
 ``scale`` (and ``zero_point``): value = (q - zero_point) * scale, in float32, cast to the
-logical dtype. Float8 tensors have no zero point. torch does the arithmetic; torchao is never
-imported and nothing from the file runs.
+logical dtype. Float8 tensors have no zero point. torchao's Int4 weights for the tinygemm
+kernel (``Int4TilePackedTo4dTensor``) keep eight 4-bit values per int32 in the kernel's tiles and
+one bfloat16 scale and zero per group in ``scale_and_zero``: value = (q - 8) * scale + zero
+(:func:`_tinygemm_values`). torch does the arithmetic; torchao is never imported and nothing
+from the file runs.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ckpttool.model.records import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DATA_NAMES", "AffineScheme", "dequantized_subclass", "subclass_scheme"]
+__all__ = ["DATA_NAMES", "AffineScheme", "dequantized_subclass", "subclass_scheme", "tinygemm_int4"]
 
 #: The inner tensor holding the quantized values, by its name in torchao's classes (the
 #: current tensors' ``qdata``; AffineQuantizedTensor's plain ``tensor_impl``'s ``int_data``).
@@ -46,6 +49,16 @@ class AffineScheme:
     scale: str
     zero_point: str | None  # None: no zero point (float8, symmetric, ZeroPointDomain.NONE)
     block_size: tuple[int, ...]  # elements sharing one scale, per dimension
+    packing: str | None = None  # TINYGEMM: data in tinygemm's tiles, scale the scale_and_zero
+
+
+#: torchao's ``tile_packed_to_4d`` Int4 layout (``Int4TilePackedTo4dTensor``: ``qdata``,
+#: ``scale_and_zero``), the one its CUDA tinygemm kernel ``_weight_int4pack_mm`` reads.
+TINYGEMM = "tinygemm"
+#: The layout of tinygemm's tiles ckpttool reads: inner_k_tiles 8 (the one torchao's
+#: ``Int4TilePackedTo4dTensor`` writes), checked nibble by nibble against torch's own
+#: ``_convert_weight_to_int4pack`` (tests/fixtures/torchao/README.md).
+_TILE_LANES, _TILE_WORDS = 32, 4
 
 
 def subclass_scheme(obj: TensorSubclassObject) -> AffineScheme:
@@ -67,9 +80,17 @@ def subclass_scheme(obj: TensorSubclassObject) -> AffineScheme:
             )
         path = f"{path}{nested[0][0]}."
         holder = nested[0][1]
+    if "scale" not in inner and "scale_and_zero" in inner and data == "qdata":
+        return _tinygemm_scheme(obj, path, inner)
     if "scale" not in inner:
         raise InputError(f"{holder.cls} holds no scale; convert without --dequantize")
     shape = inner[data].shape
+    if obj.shape and math.prod(shape) != math.prod(obj.shape):  # torchao's plain Int4Tensor...
+        raise InputError(
+            f"{obj.cls}: {data} {inner[data].dtype} {list(shape)} packs {list(obj.shape)} "
+            "(several values per element), a layout ckpttool does not dequantize; convert "
+            "without --dequantize keeps its inner tensors"
+        )
     block = obj.fact("block_size")
     if isinstance(block, (list, tuple)) and all(isinstance(b, int) and b > 0 for b in block):
         block_size = tuple(block)
@@ -90,6 +111,68 @@ def subclass_scheme(obj: TensorSubclassObject) -> AffineScheme:
     return AffineScheme(
         path + data, path + "scale", None if zero is None else path + zero, block_size
     )
+
+
+def _tinygemm_scheme(
+    obj: TensorSubclassObject, path: str, inner: dict[str, TensorRecord]
+) -> AffineScheme:
+    """The scheme of torchao's tile-packed Int4 weight, once its tensors' shapes are the ones
+    :func:`_tinygemm_values` reads: ``qdata`` int32 ``[N/8, K/128, 32, 4]``, ``scale_and_zero``
+    ``[K/group, N, 2]``, a 2-d logical shape inside ``[N, K]`` (torchao pads both)."""
+    packed, pairs = inner["qdata"], inner["scale_and_zero"]
+    shape = packed.shape
+    if (
+        packed.dtype != "int32"
+        or len(shape) != 4
+        or shape[2:] != (_TILE_LANES, _TILE_WORDS)
+        or len(pairs.shape) != 3
+        or pairs.shape[1:] != (shape[0] * 8, 2)
+        or not pairs.shape[0]
+        or (shape[1] * 128) % pairs.shape[0]
+        or len(obj.shape) != 2
+        or obj.shape[0] > shape[0] * 8
+        or obj.shape[1] > shape[1] * 128
+    ):
+        raise InputError(
+            f"{obj.cls}: qdata {packed.dtype} {list(shape)} with scale_and_zero "
+            f"{list(pairs.shape)} for {list(obj.shape)} is not the int4 tile layout ckpttool "
+            "reads (inner_k_tiles 8); convert without --dequantize keeps its inner tensors"
+        )
+    group = shape[1] * 128 // pairs.shape[0]
+    return AffineScheme(path + "qdata", path + "scale_and_zero", None, (1, group), TINYGEMM)
+
+
+def tinygemm_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The 4-bit values (int64, ``[N, K]``, padding included) of tinygemm's tiles ``packed``
+    (int32 ``[N/8, K/128, 32, 4]``, eight values per word).
+
+    Nibble ``i`` (lowest first) of word ``j`` of lane ``L`` in tile ``(n, k)`` holds the element
+    at row ``8n + L // 4``, column ``128k + 32j + 8(i % 4) + 2(L % 4) + i // 4``: the layout
+    torch's ``_convert_weight_to_int4pack`` writes with inner_k_tiles 8, as its output on known
+    grids reads (``tests/fixtures/torchao/int4_tile_probes.safetensors``)."""
+    import torch
+
+    n_tiles, k_tiles = packed.shape[:2]
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    nibbles = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1)
+    # [n, k, L: (row 8, t 4), j, i: (hi 2, lo 4)] -> rows (n, row), columns (k, j, lo, t, hi)
+    tiles = nibbles.reshape(n_tiles, k_tiles, 8, 4, _TILE_WORDS, 2, 4)
+    return tiles.permute(0, 2, 1, 4, 6, 3, 5).reshape(n_tiles * 8, k_tiles * 128)
+
+
+def _tinygemm_values(packed: torch.Tensor, scale_and_zero: torch.Tensor) -> torch.Tensor:
+    """The float32 values ``[N, K]`` (padding included) of a tile-packed Int4 weight: each
+    group of columns has one scale and one zero, value = (q - 8) * scale + zero, the tinygemm
+    kernel's; in float32 this gives its bfloat16 results bit for bit (the fixture's
+    manifest)."""
+    import torch
+
+    q = tinygemm_int4(packed)
+    group = q.shape[1] // scale_and_zero.shape[0]
+    pairs = scale_and_zero.to(torch.float32).transpose(0, 1)  # [N, groups, 2]
+    scale = pairs[..., 0].repeat_interleave(group, dim=1)
+    zero = pairs[..., 1].repeat_interleave(group, dim=1)
+    return (q - 8).to(torch.float32) * scale + zero
 
 
 def _zero_point_domain(value: Any) -> int:
@@ -130,12 +213,27 @@ def dequantized_subclass(ckpt: RecordReader, obj: TensorSubclassObject, key: str
     data = get_path(obj, scheme.data)
     if obj.dtype not in ITEMSIZE or data.numel * max(ITEMSIZE[obj.dtype], 4) > MAX_DENSE_BYTES:
         raise InputError(f"{key}: a {obj.dtype} {list(data.shape)} tensor is not dequantized")
+    if scheme.packing == TINYGEMM:
+        padded = _tinygemm_values(
+            read_tensor(ckpt, data), read_tensor(ckpt, get_path(obj, scheme.scale))
+        )
+        rows, columns = obj.shape
+        return _inline(padded[:rows, :columns], obj, data, key)
     values = read_tensor(ckpt, data).to(torch.float32)
     if scheme.zero_point is not None:
         zero = read_tensor(ckpt, get_path(obj, scheme.zero_point)).to(torch.float32)
         values = values - _per_block(zero, data.shape, block_size)
     scale = read_tensor(ckpt, get_path(obj, scheme.scale)).to(torch.float32)
     values = values * _per_block(scale, data.shape, block_size)
+    return _inline(values, obj, data, key)
+
+
+def _inline(
+    values: torch.Tensor, obj: TensorSubclassObject, data: TensorRecord, key: str
+) -> TensorRecord:
+    """``values`` (float32) cast to ``obj``'s logical dtype, as a record holding them inline."""
+    import torch
+
     out: Any = values.to(getattr(torch, obj.dtype)).contiguous()
     if tuple(out.shape) != obj.shape:
         out = out.reshape(obj.shape)
