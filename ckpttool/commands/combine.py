@@ -158,9 +158,13 @@ def write_combined(
         if check is not None:
             check(plan.stored, int_names)
 
-        def producers(stored: list[Planned], renamed: dict[str, str]) -> dict[str, Callable[[], Data]]:
+        def producers(
+            stored: list[Planned], renamed: dict[str, str]
+        ) -> dict[str, Callable[[], Data]]:
             """Each tensor's producer, run ahead on ``jobs - 1`` threads with ``jobs`` > 1."""
-            made = {p.name: computer(reading, found[renamed.get(p.name, p.name)], p) for p in stored}
+            made = {
+                p.name: computer(reading, found[renamed.get(p.name, p.name)], p) for p in stored
+            }
             if jobs < 2 or len(stored) < 2:
                 return made
             ahead = AheadMap(lambda p: made[p.name](), stored, jobs - 1, jobs)
@@ -334,4 +338,3 @@ def jobs_for(jobs: int | None) -> int:
     if jobs < 1:
         raise InputError(f"--jobs must be at least 1; got {jobs}")
     return jobs
-

@@ -30,7 +30,7 @@ from ckpttool.errors import InputError, OutputExistsError
 from ckpttool.formats.registry import recover_file
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model import edits
-from ckpttool.model.records import ITEMSIZE, StorageRecord, TensorRecord, walk, with_fields
+from ckpttool.model.records import StorageRecord, TensorRecord, walk, with_fields
 
 Data = bytes | bytearray | memoryview
 #: Makes each tensor's producer: (the tensors in the order they will be asked for, output name
@@ -54,7 +54,8 @@ def write_like(
     notes: list[str],
 ) -> str:
     """Write ``target`` in the layout of ``ckpt`` (the first input, at ``path``) with ``plan``'s
-    tensors produced by ``producers``; the format written ("safetensors", "torch-zip"...)."""
+    tensors produced by ``producers``; what was written: "safetensors", "pth" (a torch zip or
+    legacy file, a pickle) or "directory" (a model directory)."""
     advance = progress or (lambda n: None)
     output = model_dir.model_directory(ckpt)
     if output is not None:
@@ -116,7 +117,7 @@ def write_like(
             on_total(plan.tensor_bytes * (2 if verify else 1))
         sources = _Sources(handle.fileno(), found.intact, derived)
         write_checked(found, root, target, sources.read_range, sources.read)
-    return found.format
+    return "safetensors" if found.format == "safetensors" else "pth"
 
 
 def _view(record: TensorRecord) -> tuple[Any, ...] | None:
@@ -126,7 +127,9 @@ def _view(record: TensorRecord) -> tuple[Any, ...] | None:
     return (storage.key, record.storage_offset, record.shape, record.stride, record.dtype)
 
 
-def _counted(produce: Callable[[], Data], nbytes: int, advance: ProgressCallback) -> Callable[[], bytes]:
+def _counted(
+    produce: Callable[[], Data], nbytes: int, advance: ProgressCallback
+) -> Callable[[], bytes]:
     def run() -> bytes:
         data = bytes(produce())
         advance(nbytes)

@@ -199,8 +199,14 @@ def _combiner(
         assert t is not None
         return lambda xs: merge_methods.slerp(t, next(xs), next(xs))
     ties = method == "ties"
-    return lambda xs: merge_methods.task_arithmetic(
-        next(xs), xs, numbers, lam, density=density, consensus=ties, normalize=ties
+    return lambda xs: merge_methods.task_arithmetic(  # the base as read dropped once widened
+        merge_methods.as_float64(next(xs)),
+        xs,
+        numbers,
+        lam,
+        density=density,
+        consensus=ties,
+        normalize=ties,
     )
 
 

@@ -7,10 +7,11 @@ The inputs of a method are taken one at a time (an iterable: the caller reads ea
 tensor when it is asked for it) and added into float64 accumulators in place, widened a
 :data:`CHUNK` at a time: no float64 copy of an input is made where the formula does not keep
 one. What each method holds at once, in float64 copies of the tensor (``E`` bytes each): linear
-1 (the sum), task arithmetic 2 (the base, the mixed task vector), TIES ``n + 3`` (the base,
-the n weighted trimmed task vectors, which the disjoint merge needs after the sign election,
-the mass then mixed sum, the divisor), SLERP 2 (both inputs); plus one input's tensor as read
-and ``E`` of temporaries while a task vector is trimmed.
+1 (the sum), task arithmetic 2 (the base, the mixed task vector), TIES ``n + 3`` for n models,
+that is (inputs + 2) (the base; the n weighted trimmed task vectors, which the disjoint merge
+needs after the sign election; the mass, then the mixed sum; the magnitudes of the task vector
+being trimmed, then the divisor), SLERP 1 (the result); plus one input's tensor as read
+and, for TIES, three bool masks (3/8 E).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def chunks(size: int) -> Iterator[slice]:
 
 
 def as_float64(values: np.ndarray) -> np.ndarray:
-    """``values`` (float16, float32 or float64) as a float64 array of their own (exact)."""
-    return values.astype(np.float64)  # always a copy: it is added into
+    """``values`` (float16, float32 or float64) as a float64 array of their own (exact): a
+    base to keep while the models are read, without keeping the base as read."""
+    return values.astype(np.float64)
 
 
 def add_scaled(total: np.ndarray, values: np.ndarray, weight: float | None = None) -> None:
@@ -54,10 +56,13 @@ def add_scaled(total: np.ndarray, values: np.ndarray, weight: float | None = Non
 def linear(tensors: Iterable[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     """mergekit ``linear`` (normalize: true): ``sum_i w_i x_i / sum_i w_i``."""
     total: np.ndarray | None = None
-    for x, w in zip(tensors, weights):
+    inputs = iter(tensors)  # (not zip: its reused result tuple would keep the last input)
+    for w in weights:
+        x = next(inputs)
         if total is None:
             total = np.zeros(x.shape, dtype=np.float64)
         add_scaled(total, x, w)
+        del x
     assert total is not None
     total /= float(np.sum(np.asarray(weights, dtype=np.float64)))
     return total
@@ -72,18 +77,19 @@ def magnitude(delta: np.ndarray, density: float) -> np.ndarray:
     return trim(delta.copy(), density)
 
 
-def trim(delta: np.ndarray, density: float) -> np.ndarray:
+def trim(delta: np.ndarray, density: float, scratch: np.ndarray | None = None) -> np.ndarray:
     """:func:`magnitude` in place on the float64 ``delta`` (returned): the k-th largest
     magnitude found by a partition (no argsort, no index arrays); every entry above it kept,
     and of those equal to it the first ones in index order (where a stable argsort by
-    descending magnitude would put them). Temporaries: one float64 copy and two bool masks."""
+    descending magnitude would put them). Temporaries: the magnitudes (in ``scratch``, a
+    float64 array of ``delta``'s size, where given) and two bool masks."""
     if density >= 1:
         return delta
     size = delta.size
     k = int(density * size)
     if k <= 0:
         raise ValueError(f"--density {density} keeps no entry of a tensor of {size}")
-    magnitudes = np.abs(delta)
+    magnitudes = np.abs(delta, out=scratch)
     magnitudes.partition(size - k)
     threshold = magnitudes[size - k]
     np.abs(delta, out=magnitudes)
@@ -124,8 +130,12 @@ def task_arithmetic(
     base = base.astype(np.float64, copy=False)
     weights = list(weights)
     mixed = np.zeros_like(base)
+    # the magnitudes of each task vector as it is trimmed, then the divisor: one buffer
+    scratch = np.empty_like(base) if density < 1 or consensus else None
+    inputs = iter(models)  # (not zip: its reused result tuple would keep the last input)
     if not consensus:
-        for x, w in zip(models, weights):
+        for w in weights:
+            x = next(inputs)
             if density >= 1:  # w (x - b), a chunk at a time
                 for part in chunks(base.size):
                     delta = x[part] - base[part]
@@ -133,7 +143,8 @@ def task_arithmetic(
                     mixed[part] += delta
             else:
                 delta = np.subtract(x, base, dtype=np.float64)
-                trim(delta, density)
+                del x  # the input as read: not needed once its task vector is made
+                trim(delta, density, scratch)
                 delta *= w
                 mixed += delta
                 del delta
@@ -141,31 +152,38 @@ def task_arithmetic(
         divisor: float | np.ndarray = 1.0 if abs(total) < 1e-8 else total
     else:
         weighted: deque[np.ndarray] = deque()  # e_i = w_i trim(x_i - b): needed after the vote
-        for x, w in zip(models, weights):
+        for w in weights:
+            x = next(inputs)
             delta = np.subtract(x, base, dtype=np.float64)
-            trim(delta, density)
+            del x  # the input as read: not needed once its task vector is made
+            trim(delta, density, scratch)
             delta *= w
             mixed += delta  # the total mass, first
             weighted.append(delta)
             del delta
         elected = mixed >= 0  # mergekit: (sum >= 0) * 2 - 1
         mixed[...] = 0.0
-        divisor = np.zeros_like(base)
+        assert scratch is not None
+        divisor = scratch
+        divisor[...] = 0.0
         agree = np.empty(base.shape, dtype=bool)
+        negative = np.empty(base.shape, dtype=bool)
         for w in weights[: len(weighted)]:
             delta = weighted.popleft()  # dropped once added: memory falls as the merge goes
             # an entry agrees when its sign is the elected one (a zero agrees with neither)
             np.greater(delta, 0, out=agree)
-            np.logical_and(agree, elected, out=agree)
-            agree |= (delta < 0) & ~elected
+            agree &= elected
+            np.less(delta, 0, out=negative)
+            np.greater(negative, elected, out=negative)  # negative where - was elected
+            agree |= negative
             np.add(mixed, delta, out=mixed, where=agree)
             np.add(divisor, w, out=divisor, where=agree)
             del delta
-        del agree, elected
+        del agree, negative, elected
         divisor[divisor == 0] = 1
     if normalize:
         mixed /= divisor
-    del divisor
+    del divisor, scratch
     if lam != 1:
         mixed *= lam
     mixed += base
