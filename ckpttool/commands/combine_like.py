@@ -98,7 +98,7 @@ def write_like(
         produce = producers(order, {})
         derived: dict[str, Callable[[], bytes]] = {}
         for planned, storage in zip(order, made.values()):
-            derived[storage.key] = _counted(produce[planned.name], planned.nbytes, advance)
+            derived[storage.key] = _counted(produce[planned.name], planned.nbytes, advance, 1 + verify)
 
         def combined(record: TensorRecord, key: str) -> TensorRecord:
             storage = made.get(_view(record) or ())
@@ -128,11 +128,18 @@ def _view(record: TensorRecord) -> tuple[Any, ...] | None:
 
 
 def _counted(
-    produce: Callable[[], Data], nbytes: int, advance: ProgressCallback
+    produce: Callable[[], Data], nbytes: int, advance: ProgressCallback, times: int
 ) -> Callable[[], bytes]:
+    """``produce`` as bytes, its first ``times`` calls counted (written, read back: a tensor
+    tied to another may be made once more for the read-back of the other name)."""
+    calls = 0
+
     def run() -> bytes:
+        nonlocal calls
         data = bytes(produce())
-        advance(nbytes)
+        calls += 1
+        if calls <= times:
+            advance(nbytes)
         return data
 
     return run
