@@ -107,7 +107,7 @@ def test_merge_map_renames_each_model_into_the_base_names(tmp_path: Path) -> Non
 
 
 def test_merge_map_errors_name_the_tensors_it_leaves(tmp_path: Path) -> None:
-    states, (base, _, other), map_file = named_models(tmp_path)
+    _, (base, _, other), map_file = named_models(tmp_path)
     out = tmp_path / "out.safetensors"
     extra = tmp_path / "extra.pth"
     torch.save({**torch.load(other), "head": torch.ones(2)}, extra)
@@ -295,7 +295,9 @@ def test_jobs_write_the_same_bytes_for_every_n(tmp_path: Path, case: str) -> Non
 
 @pytest.mark.parametrize("like_input", [False, True])
 @pytest.mark.parametrize("jobs", [1, 3])
-def test_progress_adds_up_to_the_total_announced(tmp_path: Path, like_input: bool, jobs: int) -> None:
+def test_progress_adds_up_to_the_total_announced(
+    tmp_path: Path, like_input: bool, jobs: int
+) -> None:
     _, paths = resume_run(tmp_path)
     totals: list[int] = []
     steps: list[int] = []

@@ -98,7 +98,9 @@ def write_like(
         produce = producers(order, {})
         derived: dict[str, Callable[[], bytes]] = {}
         for planned, storage in zip(order, made.values()):
-            derived[storage.key] = _counted(produce[planned.name], planned.nbytes, advance, 1 + verify)
+            derived[storage.key] = _counted(
+                produce[planned.name], planned.nbytes, advance, 1 + verify
+            )
 
         def combined(record: TensorRecord, key: str) -> TensorRecord:
             storage = made.get(_view(record) or ())
