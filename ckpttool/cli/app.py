@@ -18,6 +18,7 @@ import click
 
 from ckpttool import __version__
 from ckpttool.cli.options import (
+    combine_jobs_option,
     component_option,
     force_option,
     jobs_option,
@@ -776,7 +777,7 @@ def convert_command(
 )  # fmt: skip
 @force_option
 @json_option("average")
-@jobs_option
+@combine_jobs_option
 def average_command(
     paths: tuple[str, ...],
     output: str,
@@ -880,7 +881,7 @@ def average_command(
 )  # fmt: skip
 @force_option
 @json_option("merge")
-@jobs_option
+@combine_jobs_option
 def merge_command(
     base: str,
     models: tuple[str, ...],

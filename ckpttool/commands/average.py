@@ -2,18 +2,18 @@
 
 Each input is opened through the one door (:func:`ckpttool.checkpoint.open_checkpoint`, its
 default view) and its weights chosen as ``convert`` chooses them
-(:func:`ckpttool.commands.convert.plan.build_plan`). For each floating tensor,
-``avg = (x_1 + ... + x_n) / n`` (``--weights``: ``w_1 x_1 + ... + w_n x_n`` with the weights
-normalised to sum to 1; ``--ema d``: the weights ``d^(n-1)`` for the oldest and
-``(1 - d) d^(n-k)`` for the k-th, in step order) is accumulated in float64, one input's tensor
-at a time, and rounded once to the tensor's dtype (or ``dtype``). Integer and bool tensors
-must be equal in every input (else refused, naming them, or ``ints="last"``: the newest's).
-A tensor some inputs lack, or whose shape or dtype kind differs, is refused by name.
+(:func:`ckpttool.commands.convert.plan.build_plan`, with ``--filter`` and ``--map``). For each
+floating tensor, ``avg = (x_1 + ... + x_n) / n`` (``--weights``: ``w_1 x_1 + ... + w_n x_n``
+with the weights normalised to sum to 1; ``--ema d``: the weights ``d^(n-1)`` for the oldest
+and ``(1 - d) d^(n-k)`` for the k-th, in step order) is accumulated in float64, one input's
+tensor at a time, and rounded once to the tensor's dtype (or ``dtype``). Integer and bool
+tensors must be equal in every input (else refused, naming them, or ``ints="last"``: the
+newest's). A tensor some inputs lack, or whose shape or dtype kind differs, is refused by name.
 
-The output is written by ``convert``'s writer (:func:`ckpttool.commands.convert.run.write_outputs`):
-every tensor is a computed one, written atomically and read back against the CRC-32 of the
-bytes computed. Its ``__metadata__`` (safetensors) says what it was averaged from
-(:data:`PROVENANCE_KEY`).
+The output is written by the pipeline ``merge`` shares (:mod:`ckpttool.commands.combine`):
+by ``convert``'s writer, atomically, read back against the CRC-32 of the bytes computed, its
+``__metadata__`` (safetensors) saying what it was averaged from (:data:`PROVENANCE_KEY`); or,
+``like_input``, in the first input's own layout (:mod:`ckpttool.commands.combine_like`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """``merge``: one model from a base and its fine-tunes (linear, task arithmetic, TIES, SLERP),
 one tensor at a time, with mergekit's formulas (:mod:`ckpttool.model.merge_methods`).
 
-Built on ``average``: the inputs are opened and matched as ``average`` matches them (the same
-tensors, shapes and dtype kinds in every input, else refused by name; integer and bool tensors
-equal everywhere, taken as they are), each floating tensor is read as float64 from every input,
-combined, rounded once to the base's dtype (or ``dtype``), and written by ``convert``'s writer,
-atomically and read back. A safetensors OUT records the method and its parameters in its
-``__metadata__`` (:data:`PROVENANCE_KEY`).
+Built on the pipeline ``average`` uses (:mod:`ckpttool.commands.combine`): the inputs are
+opened and matched as ``average`` matches them (the same tensors, shapes and dtype kinds in
+every input, else refused by name; integer and bool tensors equal everywhere, taken as they
+are; ``--map`` maps each MODEL's names into BASE's), each floating tensor read from one input
+at a time as the method asks for it, combined in float64, rounded once to the base's dtype (or
+``dtype``), and written by ``convert``'s writer, atomically and read back. A safetensors OUT
+records the method and its parameters in its ``__metadata__`` (:data:`PROVENANCE_KEY`).
 """
 
 from __future__ import annotations
