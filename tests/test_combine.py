@@ -189,6 +189,26 @@ def test_like_input_of_resume_files_is_a_resume_file_with_the_average(tmp_path: 
     assert model["lm_head.weight"].data_ptr() == model["model.embed_tokens.weight"].data_ptr()
 
 
+def test_merge_like_input_writes_the_base_resume_file(tmp_path: Path) -> None:
+    states, paths = resume_run(tmp_path, torch.float32)
+    out = tmp_path / "merged_resume.pth"
+    result = invoke("merge", *paths, "-o", out, "--method", "task-arithmetic", "--lambda", "0.5",
+                    "--like-input", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert_valid("merge", data)
+    assert data["like_input"] is True and data["format"] == "pth"
+    written, base = torch.load(out, weights_only=True), torch.load(paths[0], weights_only=True)
+    assert written["step"] == base["step"] and written["optimizer"] == base["optimizer"]
+    for key, tensor in written["model"].items():
+        if not tensor.is_floating_point():
+            assert torch.equal(tensor, states[0][key])
+            continue
+        b = states[0][key].double()
+        want = b + 0.5 * ((states[1][key].double() - b) + (states[2][key].double() - b))
+        torch.testing.assert_close(tensor, want.float(), rtol=1e-6, atol=1e-7)
+
+
 def test_like_input_of_a_safetensors_file_keeps_its_metadata(tmp_path: Path) -> None:
     states = []
     for index in range(3):
@@ -263,6 +283,12 @@ def dcp_run(tmp_path: Path) -> list[Path]:
     return paths
 
 
+def merge_with_map(tmp_path: Path) -> list[object]:
+    """A TIES merge whose third input is mapped (renamed, transposed) into BASE's names."""
+    _, paths, map_file = named_models(tmp_path)
+    return ["merge", *paths, "--method", "ties", "--density", "0.5", "--map", map_file]
+
+
 CASES = {
     "resume-pth": lambda tmp: ["average", *resume_run(tmp)[1], "--ints", "last"],
     "resume-like-input": lambda tmp: ["average", *resume_run(tmp)[1], "--ints", "last",
@@ -273,6 +299,7 @@ CASES = {
     "deepspeed-zero2": lambda tmp: ["average", DEEPSPEED_RUN],
     "merge-ties": lambda tmp: ["merge", *hf_models(tmp, 3), "--method", "ties", "--density",
                                "0.3", "--weights", "1,2"],
+    "merge-map": lambda tmp: merge_with_map(tmp),
     "merge-slerp": lambda tmp: ["merge", *resume_run(tmp)[1][:2], "--method", "slerp", "--t",
                                 "0.4"],
 }  # fmt: skip

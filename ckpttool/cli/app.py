@@ -877,6 +877,11 @@ def average_command(
 @map_options("each MODEL's names and layout into BASE's (a MODEL named as BASE: as it is)",
              "beside each MODEL")  # fmt: skip
 @click.option(
+    "--like-input", is_flag=True,
+    help="Write OUT in BASE's own layout (a resume .pth with its other entries, a safetensors "
+    "file, a model directory) instead of a weights file.",
+)  # fmt: skip
+@click.option(
     "--no-verify", is_flag=True, help="Skip reading the output back (not advised)."
 )  # fmt: skip
 @force_option
@@ -895,6 +900,7 @@ def merge_command(
     pattern: str | None,
     map_name: str | None,
     map_params: tuple[str, ...],
+    like_input: bool,
     no_verify: bool,
     force: bool,
     as_json: bool,
@@ -910,7 +916,8 @@ def merge_command(
     entries averaged) or slerp (BASE and one MODEL, --t). Integer and bool tensors must be
     equal everywhere. A missing tensor or another shape is refused by name (exit 2, nothing
     written). --filter picks BASE's tensors; --map maps each MODEL's names into BASE's (as
-    convert's --map). OUT is written atomically and read back. Memory: about (inputs + 2)
+    convert's --map). OUT is written atomically and read back; --like-input writes it in
+    BASE's own layout (a resume file keeps its other entries). Memory: about (inputs + 2)
     float64 copies of the largest tensor for ties, 2 for the others (--jobs N: N times that).
 
     \b
@@ -930,7 +937,7 @@ def merge_command(
         report = merge(
             base, models, output, method=method, weights=parsed, lam=lam, density=density, t=t,
             dtype=dtype, pattern=pattern, map_name=map_name, map_params=_int_params(map_params),
-            force=force, verify=not no_verify, progress=bar.advance,
+            like_input=like_input, force=force, verify=not no_verify, progress=bar.advance,
             on_total=lambda n: setattr(bar, "total", max(n, 1)),
         )  # fmt: skip
     if as_json:

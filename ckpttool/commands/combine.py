@@ -28,7 +28,7 @@ from ckpttool.commands.convert.output import PTH_SUFFIXES, OutFile, check_target
 from ckpttool.commands.convert.plan import Plan, Planned, build_plan
 from ckpttool.commands.convert.run import tensor_bytes, write_outputs
 from ckpttool.commands.diff.run import open_side
-from ckpttool.commands.mapped import with_derived
+from ckpttool.commands.mapped import DerivedCheckpoint, with_derived
 from ckpttool.commands.selection import Selection
 from ckpttool.errors import InputError, OverflowRefusedError
 from ckpttool.io.parallel import AheadMap
@@ -57,7 +57,13 @@ class Inputs:
 
     def __init__(self, opened: list[Checkpoint]) -> None:
         self.opened = opened
-        self._locks = [nullcontext() if c.concurrent_reads else threading.Lock() for c in opened]
+        # a map's computed tensors are made through one cache per checkpoint: one thread
+        self._locks = [
+            nullcontext()
+            if c.concurrent_reads and not isinstance(c, DerivedCheckpoint)
+            else threading.Lock()
+            for c in opened
+        ]
 
     def raw(self, index: int, record: TensorRecord) -> Data:
         """The tensor's bytes as stored (an integer tensor is taken as it is)."""

@@ -61,10 +61,15 @@ def write_like(
     if output is not None:
         return _model_directory(ckpt, path, plan, target, output, producers, provenance,
                                 force, verify, advance, on_total, notes)  # fmt: skip
-    if ckpt.format == "directory" or not path.is_file():
+    if ckpt.format == "directory" or path.is_dir():
         raise InputError(
             f"--like-input: {path} is a {ckpt.details.get('layout') or ckpt.format} directory, "
             "which is not written in its own layout; write a .safetensors or .pth OUT instead"
+        )
+    if not path.is_file():
+        raise InputError(
+            f"--like-input: {path} is not a local file (it is rewritten from its own bytes); "
+            "write a .safetensors or .pth OUT instead"
         )
     if target.is_dir():
         raise InputError(f"{target}: is a directory; --like-input of a file writes a file")

@@ -49,7 +49,7 @@ class MergeReport:
     method: str
     inputs: list[MergeInput]
     output: Path
-    format: str  # "safetensors" or "pth"
+    format: str  # "safetensors" or "pth"; --like-input: also "directory" (a model directory)
     tensors: int
     merged: int  # floating tensors merged
     ints: list[str]  # integer and bool tensors, equal everywhere, taken as they are
@@ -57,6 +57,7 @@ class MergeReport:
     lam: float | None  # task-arithmetic, ties
     density: float | None  # ties
     t: float | None  # slerp
+    like_input: bool = False  # written in BASE's own layout
     verified: bool = True
     notes: list[str] = field(default_factory=list)
 
@@ -75,6 +76,7 @@ def merge(
     pattern: str | None = None,
     map_name: str | None = None,
     map_params: Mapping[str, int] | None = None,
+    like_input: bool = False,
     force: bool = False,
     verify: bool = True,
     jobs: int | None = None,
@@ -85,7 +87,8 @@ def merge(
     :class:`InputError` (exit 2, nothing written) for bad parameters or unmatched inputs.
     ``pattern`` (``--filter``) picks BASE's tensors, the output's; ``map_name`` (``--map``)
     maps each MODEL's names (and layout) into BASE's, unless the MODEL already holds BASE's
-    names. ``jobs``: tensors computed ahead on ``jobs - 1`` threads (default: ``--jobs``,
+    names. ``like_input``: OUT in BASE's own layout (a resume file's other entries, a model
+    directory; :mod:`ckpttool.commands.combine_like`). ``jobs``: tensors computed ahead on ``jobs - 1`` threads (default: ``--jobs``,
     else 1)."""
     if method not in METHODS:
         raise InputError(f"--method must be one of {', '.join(METHODS)}; got {method!r}")
@@ -100,7 +103,7 @@ def merge(
                        map_params=tuple((map_params or {}).items()))  # fmt: skip
     written = write_combined(
         [Source(p, p, mapped=index > 0) for index, p in enumerate(paths)], output,
-        choice=choice, dtype=dtype, ints="equal", force=force, verify=verify, like_input=False,
+        choice=choice, dtype=dtype, ints="equal", force=force, verify=verify, like_input=like_input,
         jobs=jobs_for(jobs), progress=progress, on_total=on_total, rounded_to="the base's",
         computer=lambda reading, records, planned: _computer(reading, records, planned, combine),
         check=(lambda stored, ints: _check_density(stored, ints, density))
@@ -123,6 +126,7 @@ def merge(
         lam=lam if method in ("task-arithmetic", "ties") else None,
         density=density if method == "ties" else None,
         t=t if method == "slerp" else None,
+        like_input=like_input,
         verified=verify,
         notes=written.notes,
     )
