@@ -5,6 +5,7 @@ directories and a DeepSpeed ZeRO-2 run."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import shutil
 from pathlib import Path
@@ -162,6 +163,39 @@ def test_average_filter_and_map_apply_to_every_checkpoint(tmp_path: Path) -> Non
     assert set(got) == {"output.weight", "final_norm"} and report.tensors == 2
     assert torch.equal(got["output.weight"], mean(states, "lm_head.weight"))
     assert torch.equal(got["final_norm"], mean(states, "model.norm.weight"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize(
+    ("layout", "pattern"),
+    [("dcp", "layers.1.*"), ("deepspeed-zero2", "*.bias"), ("hf-folders", "*layers.0.*")],
+)
+def test_average_filter_over_layouts_is_the_mean_of_what_convert_selects(
+    tmp_path: Path, layout: str, pattern: str
+) -> None:
+    """Each input converted with the same --filter (convert's own selection), averaged by torch
+    here: the same tensors, bit for bit."""
+    from ckpttool.commands.convert.run import convert
+
+    paths = {
+        "dcp": lambda: dcp_run(tmp_path),
+        "deepspeed-zero2": lambda: [DEEPSPEED_RUN / "global_step2", DEEPSPEED_RUN / "global_step4"],
+        "hf-folders": lambda: hf_models(tmp_path, 3),
+    }[layout]()
+    states = []
+    for index, path in enumerate(paths):
+        convert(path, tmp_path / f"c{index}.safetensors", pattern=pattern)
+        states.append(load_file(tmp_path / f"c{index}.safetensors"))
+    out = tmp_path / "avg.safetensors"
+    result = invoke("average", *paths, "-o", out, "--filter", pattern, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert_valid("average", json.loads(result.stdout))
+    got = load_file(out)
+    assert set(got) == set(states[0]) and 0 < len(got)
+    assert all(fnmatch.fnmatchcase(key, pattern) for key in got)
+    for key, tensor in got.items():
+        want = mean(states, key) if tensor.is_floating_point() else states[0][key]
+        assert torch.equal(tensor, want), key
 
 
 # --- --like-input ------------------------------------------------------------------------------
