@@ -191,7 +191,7 @@ def test_average_filter_over_layouts_is_the_mean_of_what_convert_selects(
     assert result.exit_code == 0, result.stderr
     assert_valid("average", json.loads(result.stdout))
     got = load_file(out)
-    assert set(got) == set(states[0]) and 0 < len(got)
+    assert set(got) == set(states[0]) and len(got) > 0
     assert all(fnmatch.fnmatchcase(key, pattern) for key in got)
     for key, tensor in got.items():
         want = mean(states, key) if tensor.is_floating_point() else states[0][key]
