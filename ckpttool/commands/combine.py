@@ -92,7 +92,7 @@ class Written:
     """What :func:`write_combined` wrote."""
 
     plan: Plan  # the first input's weights: the output's tensors
-    format: str  # "safetensors", "pth", or the first input's format (--like-input)
+    format: str  # "safetensors" or "pth"; --like-input: also "directory" (a model directory)
     ints: list[str]  # integer and bool tensors (taken as they are, not combined)
     notes: list[str]
     output: Path
@@ -213,26 +213,27 @@ def _plans(
     options: ConversionOptions,
     notes: list[str],
 ) -> tuple[list[Plan], list[Checkpoint]]:
-    """Each input's weights as ``convert`` plans them. ``--filter`` picks the first input's
-    tensors (the output's); an input ``--map`` applies to is mapped (read through a
-    :class:`~ckpttool.commands.mapped.DerivedCheckpoint`), unless it is not the first and
-    already holds the first's names, which are the output's (merge: a MODEL already named as
-    BASE is taken as it is)."""
+    """Each input's weights as ``convert`` plans them, ``--filter`` included. An input ``--map``
+    applies to is mapped (read through a :class:`~ckpttool.commands.mapped.DerivedCheckpoint`),
+    unless it is not the first and already holds the first's names, which are the output's
+    (merge: a MODEL already named as BASE is taken as it is); a mapped input is not filtered
+    (its names before the map are not the output's): what it holds beyond the first's
+    tensors is then ignored (:func:`sources`)."""
     plans: list[Plan] = []
     out: list[Checkpoint] = []
+    unmapped = replace(choice, map=None)
     for index, (item, ckpt) in enumerate(zip(inputs, opened)):
         mapping = choice.map is not None and item.mapped
-        pattern = choice.pattern if index == 0 else None  # the others: the first's names
         if mapping and index > 0:
-            plain = build_plan(ckpt, replace(choice, pattern=None, map=None), options)
-            if set(plans[0].names) <= set(plain.names):
+            names = build_plan(ckpt, replace(unmapped, pattern=None), options).names
+            if set(plans[0].names) <= set(names):
                 notes.append(f"{item.name} holds {inputs[0].name}'s names: --map not applied")
-                plans.append(plain)
-                out.append(ckpt)
-                continue
+                mapping = False
         if mapping:
             ckpt = with_derived(ckpt)
-        own = replace(choice, pattern=pattern, map=choice.map if mapping else None)
+            own = choice if index == 0 else replace(choice, pattern=None)
+        else:
+            own = unmapped
         plans.append(build_plan(ckpt, own, options))
         out.append(ckpt)
     return plans, out
