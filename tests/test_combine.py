@@ -370,3 +370,51 @@ def test_progress_adds_up_to_the_total_announced(
     merge(paths[0], paths[1:], tmp_path / "m.safetensors", method="ties", density=0.5,
           jobs=jobs, progress=merged.append, on_total=totals.append)  # fmt: skip
     assert sum(merged) == totals[1]
+
+
+# --- the streaming arithmetic ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 18])
+def test_trim_keeps_what_a_stable_argsort_by_magnitude_keeps(
+    monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """The partition-based trim against mergekit's rule (the first k of a stable argsort by
+    descending magnitude), on values full of ties (zeros, equal magnitudes of both signs),
+    with chunks smaller than the ties' run."""
+    import numpy as np
+
+    from ckpttool.model import merge_methods
+
+    monkeypatch.setattr(merge_methods, "CHUNK", chunk)
+    rng = np.random.default_rng(1)
+    for size, density in ((50, 0.3), (64, 0.5), (1000, 0.05), (1000, 0.999), (7, 0.2)):
+        delta = rng.integers(-3, 4, size).astype(np.float64) / 2
+        keep = np.argsort(-np.abs(delta), kind="stable")[: int(density * size)]
+        want = np.zeros_like(delta)
+        want[keep] = delta[keep]
+        got = merge_methods.trim(delta.copy(), density, np.empty_like(delta))
+        assert got.tolist() == want.tolist(), (size, density)
+
+
+def test_streamed_methods_take_each_input_once_in_order() -> None:
+    """The methods ask for the inputs one at a time, in order, each once."""
+    import numpy as np
+
+    from ckpttool.model import merge_methods
+
+    asked: list[int] = []
+
+    def inputs(count: int):  # type: ignore[no-untyped-def]
+        for index in range(count):
+            asked.append(index)
+            yield np.full(4, float(index + 1), dtype=np.float32)
+
+    assert merge_methods.linear(inputs(3), [1, 1, 2]).tolist() == [2.25] * 4
+    assert asked == [0, 1, 2]
+    asked.clear()
+    models = inputs(3)
+    next(models)  # the base, 1.0
+    base = np.ones(4)
+    got = merge_methods.task_arithmetic(base, models, [1, 1], consensus=True, normalize=True)
+    assert got.tolist() == [2.5] * 4 and asked == [0, 1, 2]
