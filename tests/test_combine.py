@@ -289,7 +289,7 @@ def test_like_input_of_hugging_face_folders_is_a_model_folder(tmp_path: Path) ->
      lambda tmp: [FIXTURES / "dcp/checkpoint", FIXTURES / "dcp/checkpoint"]],
     ids=["deepspeed", "dcp"],
 )  # fmt: skip
-def test_like_input_refuses_layouts_it_cannot_write_in_one_line(tmp_path: Path, inputs) -> None:  # type: ignore[no-untyped-def]
+def test_like_input_refuses_layouts_it_cannot_write_in_one_line(tmp_path: Path, inputs) -> None:
     out = tmp_path / "out"
     one_line_error(invoke("average", *inputs(tmp_path), "-o", out, "--like-input"),
                    "which is not written in its own layout")  # fmt: skip
@@ -405,7 +405,7 @@ def test_streamed_methods_take_each_input_once_in_order() -> None:
 
     asked: list[int] = []
 
-    def inputs(count: int):  # type: ignore[no-untyped-def]
+    def inputs(count: int):
         for index in range(count):
             asked.append(index)
             yield np.full(4, float(index + 1), dtype=np.float32)
