@@ -739,7 +739,8 @@ def convert_command(
 )
 @click.option(
     "-o", "--output", "output", metavar="OUT", required=True, type=click.Path(path_type=str),
-    help="The averaged weights: a .safetensors file, or .pth (.pt, .bin).",
+    help="The averaged weights: a .safetensors file, or .pth (.pt, .bin); with --like-input, "
+    "a file (or directory) like the first checkpoint.",
 )  # fmt: skip
 @click.option(
     "--weights", "weights", metavar="W1,W2,...",
@@ -846,7 +847,8 @@ def average_command(
 )
 @click.option(
     "-o", "--output", "output", metavar="OUT", required=True, type=click.Path(path_type=str),
-    help="The merged weights: a .safetensors file, or .pth (.pt, .bin).",
+    help="The merged weights: a .safetensors file, or .pth (.pt, .bin); with --like-input, a "
+    "file (or directory) like BASE.",
 )  # fmt: skip
 @click.option(
     "--method", type=click.Choice(["linear", "task-arithmetic", "ties", "slerp"]),
