@@ -283,6 +283,32 @@ def test_like_input_of_hugging_face_folders_is_a_model_folder(tmp_path: Path) ->
         assert torch.equal(tensor, want), key
 
 
+def test_like_input_of_sharded_folders_is_sharded_as_they_are(tmp_path: Path) -> None:
+    from safetensors.torch import load_file as load
+
+    folders = []
+    for index in range(2):
+        folder = tmp_path / f"sharded_{index}"
+        shutil.copytree(FIXTURES / "frameworks/hf_sharded", folder)
+        for shard in folder.glob("*.safetensors"):
+            state = {
+                k: v * (index + 1) if v.is_floating_point() else v for k, v in load(shard).items()
+            }
+            save_file(state, shard, metadata={"format": "pt"})
+        folders.append(folder)
+    out = tmp_path / "avg"
+    average(folders, out, like_input=True)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(p.name for p in folders[0].iterdir())  # 3 shards and the index
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, shard in index.items():
+        got = load(out / shard)[name]
+        first = load(folders[0] / json.loads(
+            (folders[0] / "model.safetensors.index.json").read_text())["weight_map"][name])[name]  # fmt: skip
+        want = (first.double() * 1.5).to(first.dtype) if first.is_floating_point() else first
+        assert torch.equal(got, want), name
+
+
 @pytest.mark.parametrize(
     "inputs",
     [lambda tmp: [DEEPSPEED_RUN / "global_step2", DEEPSPEED_RUN / "global_step4"],

@@ -7,8 +7,8 @@ as ``edit`` writes it (:func:`ckpttool.commands.rewrite.write_checked`): the sam
 combined tensor a new contiguous storage computed when the writer asks for it, the other
 storages copied from the first input, read back before it replaces anything (the combined
 tensors are computed a second time for the read-back). A Hugging Face model directory gives a
-model directory, as ``convert`` writes one (``model.safetensors``, ``config.json`` and
-``generation_config.json`` copied). Other layouts (a DCP or DeepSpeed directory) are refused.
+model directory, as ``convert`` writes one (``model.safetensors``, or shards of at most the
+input's largest shard and their index; ``config.json`` and ``generation_config.json`` copied). Other layouts (a DCP or DeepSpeed directory) are refused.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.commands.convert import model_dir
-from ckpttool.commands.convert.output import OutFile, plan_outputs
+from ckpttool.commands.convert.output import INDEX_SUFFIX, OutFile, plan_outputs
 from ckpttool.commands.convert.plan import Plan, Planned
 from ckpttool.commands.convert.run import write_outputs
 from ckpttool.commands.mapped import contiguous
@@ -199,8 +199,10 @@ def _model_directory(
     plan.fields, plan.carried, plan.left_out = {}, {}, []
     renamed = {p.name: matched[id(p.record)] for p in plan.stored}
     model_dir.check_target(output, target, force)
+    shard_size = _shard_size(output)
     with model_dir.staged_directory(target) as staging:
-        files: list[OutFile] = plan_outputs(path, staging / output.weights_name, None, None, plan)
+        weights = staging / output.weights_name if shard_size is None else staging
+        files: list[OutFile] = plan_outputs(path, weights, None, shard_size, plan)
         key, facts = provenance
         files[0].metadata[key] = json.dumps(facts, sort_keys=True)
         if on_total is not None:
@@ -210,3 +212,16 @@ def _model_directory(
                       replaced=producers(order, renamed))  # fmt: skip
         model_dir.copy_files(output, staging)
     return "directory"
+
+
+def _shard_size(output: Any) -> int | None:
+    """A sharded model directory's largest weights file (the shards written are at most that),
+    or None: one weights file (unsharded, or a directory that is not local)."""
+    directory = output.directory
+    if (
+        not isinstance(directory, Path)
+        or not (directory / (Path(output.weights_name).stem + INDEX_SUFFIX)).is_file()
+    ):
+        return None
+    shards = [p.stat().st_size for p in directory.glob("*.safetensors") if p.is_file()]
+    return max(shards) if shards else None
