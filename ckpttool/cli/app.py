@@ -18,6 +18,7 @@ import click
 
 from ckpttool import __version__
 from ckpttool.cli.options import (
+    combine_jobs_option,
     component_option,
     force_option,
     jobs_option,
@@ -738,7 +739,8 @@ def convert_command(
 )
 @click.option(
     "-o", "--output", "output", metavar="OUT", required=True, type=click.Path(path_type=str),
-    help="The averaged weights: a .safetensors file, or .pth (.pt, .bin).",
+    help="The averaged weights: a .safetensors file, or .pth (.pt, .bin); with --like-input, "
+    "a file (or directory) like the first checkpoint.",
 )  # fmt: skip
 @click.option(
     "--weights", "weights", metavar="W1,W2,...",
@@ -761,10 +763,22 @@ def convert_command(
     help="Integer and bool tensors: refuse unless equal in every checkpoint, or take the last's.",
 )  # fmt: skip
 @click.option(
+    "--filter", "pattern", metavar="GLOB",
+    help="Only tensors whose key (as show lists it) or written name matches GLOB (as convert's).",
+)  # fmt: skip
+@map_options("every checkpoint's names and layout before they are matched (as convert)",
+             "beside each checkpoint")  # fmt: skip
+@click.option(
+    "--like-input", is_flag=True,
+    help="Write OUT in the first checkpoint's own layout (a resume .pth with its other "
+    "entries, a safetensors file, a model directory) instead of a weights file.",
+)  # fmt: skip
+@click.option(
     "--no-verify", is_flag=True, help="Skip reading the output back (not advised)."
 )  # fmt: skip
 @force_option
 @json_option("average")
+@combine_jobs_option
 def average_command(
     paths: tuple[str, ...],
     output: str,
@@ -773,6 +787,10 @@ def average_command(
     ema: float | None,
     dtype: str,
     ints: str,
+    pattern: str | None,
+    map_name: str | None,
+    map_params: tuple[str, ...],
+    like_input: bool,
     no_verify: bool,
     force: bool,
     as_json: bool,
@@ -786,8 +804,11 @@ def average_command(
     mean with --weights, or the EMA in step order with --ema (the oldest weighs DECAY^(n-1),
     the k-th (1-DECAY)*DECAY^(n-k)). Integer and bool tensors must be equal everywhere (or
     --ints last). A tensor missing from a checkpoint, or of another shape, is refused by
-    name (exit 2, nothing written). OUT is written atomically and read back; a .safetensors
-    OUT records the inputs, their steps and weights in its __metadata__.
+    name (exit 2, nothing written). --filter and --map work as convert's, on every checkpoint.
+    OUT is written atomically and read back; a .safetensors OUT records the inputs, their
+    steps and weights in its __metadata__. With --like-input OUT is the first checkpoint
+    again (a resume file keeps its optimizer and counters) with the averaged weights.
+    Memory: the float64 sum and one checkpoint's tensor at a time (--jobs N: N times that).
 
     \b
     Examples:
@@ -795,6 +816,7 @@ def average_command(
       ckpttool average --last 5 out/checkpoints/ -o last5.safetensors
       ckpttool average a.pth b.pth --weights 3,1 -o mix.pth
       ckpttool average --last 10 output_dir/ --ema 0.9 -o ema.safetensors --json
+      ckpttool average --last 3 out/ -o avg_resume.pth --like-input
     """
     from ckpttool.commands.average import average
     from ckpttool.io.progress import Progress
@@ -804,7 +826,8 @@ def average_command(
     with Progress(0, "average") as bar:
         report = average(
             paths, output, weights=parsed, last=last, ema=ema, dtype=dtype, ints=ints,
-            force=force, verify=not no_verify, progress=bar.advance,
+            pattern=pattern, map_name=map_name, map_params=_int_params(map_params),
+            like_input=like_input, force=force, verify=not no_verify, progress=bar.advance,
             on_total=lambda n: setattr(bar, "total", max(n, 1)),
         )  # fmt: skip
     if as_json:
@@ -824,7 +847,8 @@ def average_command(
 )
 @click.option(
     "-o", "--output", "output", metavar="OUT", required=True, type=click.Path(path_type=str),
-    help="The merged weights: a .safetensors file, or .pth (.pt, .bin).",
+    help="The merged weights: a .safetensors file, or .pth (.pt, .bin); with --like-input, a "
+    "file (or directory) like BASE.",
 )  # fmt: skip
 @click.option(
     "--method", type=click.Choice(["linear", "task-arithmetic", "ties", "slerp"]),
@@ -849,10 +873,22 @@ def average_command(
     show_default=True, help="Round floating tensors to this dtype (keep: the base's).",
 )  # fmt: skip
 @click.option(
+    "--filter", "pattern", metavar="GLOB",
+    help="Only BASE's tensors whose key (as show lists it) or written name matches GLOB.",
+)  # fmt: skip
+@map_options("each MODEL's names and layout into BASE's (a MODEL named as BASE: as it is)",
+             "beside each MODEL")  # fmt: skip
+@click.option(
+    "--like-input", is_flag=True,
+    help="Write OUT in BASE's own layout (a resume .pth with its other entries, a safetensors "
+    "file, a model directory) instead of a weights file.",
+)  # fmt: skip
+@click.option(
     "--no-verify", is_flag=True, help="Skip reading the output back (not advised)."
 )  # fmt: skip
 @force_option
 @json_option("merge")
+@combine_jobs_option
 def merge_command(
     base: str,
     models: tuple[str, ...],
@@ -863,6 +899,10 @@ def merge_command(
     density: float,
     t: float | None,
     dtype: str,
+    pattern: str | None,
+    map_name: str | None,
+    map_params: tuple[str, ...],
+    like_input: bool,
     no_verify: bool,
     force: bool,
     as_json: bool,
@@ -877,7 +917,10 @@ def merge_command(
     trimmed to its top --density by magnitude, the sign elected by total mass, the agreeing
     entries averaged) or slerp (BASE and one MODEL, --t). Integer and bool tensors must be
     equal everywhere. A missing tensor or another shape is refused by name (exit 2, nothing
-    written). OUT is written atomically and read back.
+    written). --filter picks BASE's tensors; --map maps each MODEL's names into BASE's (as
+    convert's --map). OUT is written atomically and read back; --like-input writes it in
+    BASE's own layout (a resume file keeps its other entries). Memory: about (inputs + 2)
+    float64 copies of the largest tensor for ties, 2 for the others (--jobs N: N times that).
 
     \b
     Examples:
@@ -885,6 +928,7 @@ def merge_command(
       ckpttool merge base/ chat/ code/ -o ta.safetensors --method task-arithmetic --lambda 0.8
       ckpttool merge base/ chat/ code/ -o ties.safetensors --method ties --density 0.5
       ckpttool merge base/ chat/ -o half.safetensors --method slerp --t 0.5 --json
+      ckpttool merge llama-hf/ tuned.gguf -o mix.safetensors --method linear --map llama-gguf-to-hf
     """
     from ckpttool.commands.merge import merge
     from ckpttool.io.progress import Progress
@@ -894,7 +938,8 @@ def merge_command(
     with Progress(0, "merge") as bar:
         report = merge(
             base, models, output, method=method, weights=parsed, lam=lam, density=density, t=t,
-            dtype=dtype, force=force, verify=not no_verify, progress=bar.advance,
+            dtype=dtype, pattern=pattern, map_name=map_name, map_params=_int_params(map_params),
+            like_input=like_input, force=force, verify=not no_verify, progress=bar.advance,
             on_total=lambda n: setattr(bar, "total", max(n, 1)),
         )  # fmt: skip
     if as_json:

@@ -142,6 +142,24 @@ def jobs_option(command: F) -> F:
     """``--jobs N``: a directory checkpoint's members worked on by N threads (default: the CPU
     count); the report is the same with any N. Sets :func:`ckpttool.io.parallel.using` for the
     library calls the command makes."""
+    return _jobs(
+        command,
+        "Work on N member files of a directory checkpoint at once (default: the CPU count); "
+        "the report is the same with any N, memory grows with N.",
+    )
+
+
+def combine_jobs_option(command: F) -> F:
+    """``--jobs N`` of average and merge: N tensors computed at once (default 1: each thread
+    holds several float64 copies of a tensor); the output bytes are the same with any N."""
+    return _jobs(
+        command,
+        "Compute N output tensors at once, N - 1 of them ahead while one is written (default "
+        "1); the output is the same with any N, memory grows N-fold.",
+    )
+
+
+def _jobs(command: F, help_text: str) -> F:
     import functools
 
     @functools.wraps(command)
@@ -152,7 +170,5 @@ def jobs_option(command: F) -> F:
             return command(*args, **kwargs)
 
     return click.option(  # type: ignore[return-value]
-        "--jobs", "-j", type=click.IntRange(min=1), metavar="N",
-        help="Work on N member files of a directory checkpoint at once (default: the CPU "
-        "count); the report is the same with any N, memory grows with N.",
-    )(run)  # fmt: skip
+        "--jobs", "-j", type=click.IntRange(min=1), metavar="N", help=help_text
+    )(run)

@@ -1,34 +1,28 @@
 """``merge``: one model from a base and its fine-tunes (linear, task arithmetic, TIES, SLERP),
 one tensor at a time, with mergekit's formulas (:mod:`ckpttool.model.merge_methods`).
 
-Built on ``average``: the inputs are opened and matched as ``average`` matches them (the same
-tensors, shapes and dtype kinds in every input, else refused by name; integer and bool tensors
-equal everywhere, taken as they are), each floating tensor is read as float64 from every input,
-combined, rounded once to the base's dtype (or ``dtype``), and written by ``convert``'s writer,
-atomically and read back. A safetensors OUT records the method and its parameters in its
-``__metadata__`` (:data:`PROVENANCE_KEY`).
+Built on the pipeline ``average`` uses (:mod:`ckpttool.commands.combine`): the inputs are
+opened and matched as ``average`` matches them (the same tensors, shapes and dtype kinds in
+every input, else refused by name; integer and bool tensors equal everywhere, taken as they
+are; ``--map`` maps each MODEL's names into BASE's), each floating tensor read from one input
+at a time as the method asks for it, combined in float64, rounded once to the base's dtype (or
+``dtype``), and written by ``convert``'s writer, atomically and read back. A safetensors OUT
+records the method and its parameters in its ``__metadata__`` (:data:`PROVENANCE_KEY`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ckpttool.checkpoint import Checkpoint
-from ckpttool.commands.average import (
-    AverageInput,
-    float64,
-    output_path,
-    raw,
-    rounded,
-    write_combined,
-)
+from ckpttool.commands.combine import Inputs, Source, jobs_for, rounded, write_combined
 from ckpttool.commands.convert.plan import Planned
+from ckpttool.commands.selection import Selection
 from ckpttool.errors import InputError
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model import merge_methods
@@ -55,7 +49,7 @@ class MergeReport:
     method: str
     inputs: list[MergeInput]
     output: Path
-    format: str  # "safetensors" or "pth"
+    format: str  # "safetensors" or "pth"; --like-input: also "directory" (a model directory)
     tensors: int
     merged: int  # floating tensors merged
     ints: list[str]  # integer and bool tensors, equal everywhere, taken as they are
@@ -63,6 +57,7 @@ class MergeReport:
     lam: float | None  # task-arithmetic, ties
     density: float | None  # ties
     t: float | None  # slerp
+    like_input: bool = False  # written in BASE's own layout
     verified: bool = True
     notes: list[str] = field(default_factory=list)
 
@@ -78,13 +73,23 @@ def merge(
     density: float = 1.0,
     t: float | None = None,
     dtype: str = "keep",
+    pattern: str | None = None,
+    map_name: str | None = None,
+    map_params: Mapping[str, int] | None = None,
+    like_input: bool = False,
     force: bool = False,
     verify: bool = True,
+    jobs: int | None = None,
     progress: ProgressCallback | None = None,
     on_total: ProgressCallback | None = None,
 ) -> MergeReport:
     """Merge ``models`` with ``base`` by ``method`` into ``output`` (.safetensors or .pth);
-    :class:`InputError` (exit 2, nothing written) for bad parameters or unmatched inputs."""
+    :class:`InputError` (exit 2, nothing written) for bad parameters or unmatched inputs.
+    ``pattern`` (``--filter``) picks BASE's tensors, the output's; ``map_name`` (``--map``)
+    maps each MODEL's names (and layout) into BASE's, unless the MODEL already holds BASE's
+    names. ``like_input``: OUT in BASE's own layout (a resume file's other entries, a model
+    directory; :mod:`ckpttool.commands.combine_like`). ``jobs``: tensors computed ahead on ``jobs - 1`` threads (default: ``--jobs``,
+    else 1)."""
     if method not in METHODS:
         raise InputError(f"--method must be one of {', '.join(METHODS)}; got {method!r}")
     if not models:
@@ -92,14 +97,15 @@ def merge(
     paths = [str(base), *(str(m) for m in models)]
     roles = ["base"] + ["model"] * len(models)
     given = _weights(method, len(models), weights, lam, density, t)
-    target = output_path(output, paths)
     inputs = [MergeInput(p, r, w) for p, r, w in zip(paths, roles, given)]
-    named = [AverageInput(p, p, None, 0.0) for p in paths]
     combine = _combiner(method, given, lam, density, t)
+    choice = Selection(pattern=pattern, map=map_name,
+                       map_params=tuple((map_params or {}).items()))  # fmt: skip
     written = write_combined(
-        named, target, dtype=dtype, ints="equal", force=force, verify=verify,
-        progress=progress, on_total=on_total, rounded_to="the base's",
-        computer=lambda opened, records, planned: _computer(opened, records, planned, combine),
+        [Source(p, p, mapped=index > 0) for index, p in enumerate(paths)], output,
+        choice=choice, dtype=dtype, ints="equal", force=force, verify=verify, like_input=like_input,
+        jobs=jobs_for(jobs), progress=progress, on_total=on_total, rounded_to="the base's",
+        computer=lambda reading, records, planned: _computer(reading, records, planned, combine),
         check=(lambda stored, ints: _check_density(stored, ints, density))
         if method == "ties" else None,
         provenance=(PROVENANCE_KEY, {"method": method, "lambda": lam, "density": density,
@@ -111,7 +117,7 @@ def merge(
     return MergeReport(
         method=method,
         inputs=inputs,
-        output=target,
+        output=written.output,
         format=written.format,
         tensors=len(plan.stored),
         merged=len(plan.stored) - len(int_names),
@@ -120,6 +126,7 @@ def merge(
         lam=lam if method in ("task-arithmetic", "ties") else None,
         density=density if method == "ties" else None,
         t=t if method == "slerp" else None,
+        like_input=like_input,
         verified=verify,
         notes=written.notes,
     )
@@ -187,34 +194,40 @@ def _check_density(stored: list[Planned], int_names: list[str], density: float) 
 
 def _combiner(
     method: str, weights: list[float | None], lam: float, density: float, t: float | None
-) -> Callable[[list[np.ndarray]], np.ndarray]:
-    """The per-tensor arithmetic: the float64 values of base then each model, in, merged, out."""
+) -> Callable[[Iterator[np.ndarray]], np.ndarray]:
+    """The per-tensor arithmetic: base's then each model's values, read one at a time as the
+    method asks for them, in; the merged float64 values out."""
     numbers = [w for w in weights if w is not None]
     if method == "linear":
         return lambda xs: merge_methods.linear(xs, numbers)
     if method == "slerp":
         assert t is not None
-        return lambda xs: merge_methods.slerp(t, xs[0], xs[1])
+        return lambda xs: merge_methods.slerp(t, next(xs), next(xs))
     ties = method == "ties"
-    return lambda xs: merge_methods.task_arithmetic(
-        xs[0], xs[1:], numbers, lam, density=density, consensus=ties, normalize=ties
+    return lambda xs: merge_methods.task_arithmetic(  # the base as read dropped once widened
+        merge_methods.as_float64(next(xs)),
+        xs,
+        numbers,
+        lam,
+        density=density,
+        consensus=ties,
+        normalize=ties,
     )
 
 
 def _computer(
-    opened: list[Checkpoint],
+    reading: Inputs,
     records: list[TensorRecord],
     planned: Planned,
-    combine: Callable[[list[np.ndarray]], np.ndarray],
+    combine: Callable[[Iterator[np.ndarray]], np.ndarray],
 ) -> Callable[[], bytes | bytearray | memoryview]:
-    """The bytes of ``planned`` in the output, computed when the writer asks for them."""
+    """The bytes of ``planned`` in the output, computed when the writer asks for them; each
+    input's tensor read when the method asks for it (:mod:`ckpttool.model.merge_methods`)."""
 
     def compute() -> bytes | bytearray | memoryview:
         if planned.dtype not in CASTABLE:  # equal everywhere (checked)
-            return raw(opened[0], records[0])
-        merged = np.ascontiguousarray(
-            combine([float64(c, r) for c, r in zip(opened, records)]), dtype=np.float64
-        )
-        return rounded(merged, planned, "merge")
+            return reading.raw(0, records[0])
+        values = (reading.values(i, r) for i, r in enumerate(records))
+        return rounded(combine(values), planned, "merge")
 
     return compute

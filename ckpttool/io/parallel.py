@@ -41,6 +41,13 @@ def jobs() -> int:
     return cpu_count() if value is None else value
 
 
+def chosen() -> int | None:
+    """What :func:`using` set here (the CLI's ``--jobs``), or None: the commands whose threads
+    each hold much memory (average, merge) use one thread unless asked for more."""
+    value: int | None = getattr(_setting, "jobs", None)
+    return value
+
+
 @contextmanager
 def using(count: int | None) -> Iterator[None]:
     """Within this block (this thread), :func:`ordered_map` uses ``count`` threads (None: the

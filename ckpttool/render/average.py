@@ -19,6 +19,7 @@ def render_json(report: AverageReport) -> dict[str, Any]:
         "schema": SCHEMA_VERSION,
         "output": str(report.output),
         "format": report.format,
+        "like_input": report.like_input,
         "method": report.method,
         "decay": report.decay,
         "inputs": [
@@ -38,9 +39,10 @@ def render_json(report: AverageReport) -> dict[str, Any]:
 def render_text(report: AverageReport) -> str:
     """``wrote OUT (...)`` and one line per input with its step and weight."""
     how = {"mean": "mean", "weighted": "weighted mean", "ema": f"EMA, decay {report.decay}"}
+    like = f"{report.inputs[0].name}'s layout, " if report.like_input else ""
     verified = "verified" if report.verified else "not verified"
     lines = [
-        f"wrote {report.output} ({report.format}, {how[report.method]} of "
+        f"wrote {report.output} ({like}{report.format}, {how[report.method]} of "
         f"{len(report.inputs)} checkpoint(s), {report.tensors} tensors, {verified})"
     ]
     for item in report.inputs:

@@ -19,6 +19,7 @@ def render_json(report: MergeReport) -> dict[str, Any]:
         "schema": SCHEMA_VERSION,
         "output": str(report.output),
         "format": report.format,
+        "like_input": report.like_input,
         "method": report.method,
         "lambda": report.lam,
         "density": report.density,
@@ -42,8 +43,9 @@ def render_text(report: MergeReport) -> str:
         "slerp": f", t {report.t}",
     }[report.method]
     verified = "verified" if report.verified else "not verified"
+    like = "the base's layout, " if report.like_input else ""
     lines = [
-        f"wrote {report.output} ({report.format}, {report.method}{params}, "
+        f"wrote {report.output} ({like}{report.format}, {report.method}{params}, "
         f"{report.tensors} tensors, {verified})"
     ]
     for item in report.inputs:
