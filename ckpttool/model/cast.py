@@ -21,10 +21,8 @@ from typing import Any
 
 import numpy as np
 
-#: The dtypes ``convert --dtype`` reads and writes (float8 & co. are left as they are).
-CASTABLE = frozenset({"float16", "bfloat16", "float32", "float64"})
-#: ``--dtype`` spellings and the torch dtype names they mean.
-TARGETS = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+from ckpttool.model.dtypes import CASTABLE as CASTABLE  # re-exported: the commands import them here
+from ckpttool.model.dtypes import TARGETS as TARGETS
 
 # How each castable dtype is held in NumPy (bfloat16 as its raw bits).
 _STORED: dict[str, np.dtype[Any]] = {
