@@ -31,7 +31,9 @@ _STORED: dict[str, np.dtype[Any]] = {
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
 }
-_CHUNK = 1 << 22  # elements per step: bounds the float32 temporaries at ~16 MB each
+# elements per step: float32 temporaries of 1 MiB, which stay in the CPU cache between the
+# passes of a cast (4 M elements were measured slower: bench/README.md, issue 43)
+_CHUNK = 1 << 18
 
 
 @dataclass(frozen=True)
