@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.build import weights_and_resume
+from bench.build import build_resume, build_weights
 from bench.harness import compare, measure_all, table
 
 DATA = Path("bench/data")
@@ -123,6 +123,14 @@ def scale(runs: int, warmup: int, torchrun: bool) -> None:
                 "--force",
             ]  # fmt: skip
     rows["start-up floor (ckpttool --version)"] = _ckpttool("--version")
+    # the disk's part: the bytes convert writes (its first output), copied and synced
+    first = DATA / "scale_bf16_first"
+    if not (first / "model.safetensors.index.json").is_file():
+        command = _ckpttool("convert", source, first, "--dtype", "bf16")
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    rows["write floor (cp -r of the bf16 output + sync)"] = _sh(
+        'rm -rf "$2" && cp -r "$1" "$2" && sync -f "$2"', first, DATA / "scale_bf16_cp"
+    )
     baseline = "convert --dtype bf16 --jobs 1"
     results = measure_all(rows, runs=runs, warmup=warmup)
     print(f"\n#### `convert` of scale_hf16/ ({read / 1e9:.2f} GB, {SHARDS} fp32 shards) to bf16\n")
@@ -134,7 +142,7 @@ def scale(runs: int, warmup: int, torchrun: bool) -> None:
         print(f"- output of {name}: {same} `--jobs 1`'s ({_size(output) / 1e9:.2f} GB)")
     print()
     for name, result in results.items():
-        if name.startswith("start-up"):
+        if not name.startswith(("convert", "torchrun")):
             continue
         processes = int(name.split()[-1]) if "--jobs" in name else int(name.split()[2])
         rate = read / result.median_wall_s
@@ -161,7 +169,7 @@ def _projection(per_process: float) -> None:
 
 
 def floors(runs: int, warmup: int) -> None:
-    weights, resume = weights_and_resume(DATA)
+    weights, resume = build_weights(DATA), build_resume(DATA)
     work = DATA / "scale_floors"
     work.mkdir(exist_ok=True)
     _warm(weights, resume)
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         if args.clean:
             for name in ("scale_hf16", "scale_floors", *(f"scale_bf16_{s}" for s in
-                         ("j1", "j2", "j4", "r1", "r2", "r4"))):  # fmt: skip
+                         ("j1", "j2", "j4", "r1", "r2", "r4", "first", "cp"))):  # fmt: skip
                 shutil.rmtree(DATA / name, ignore_errors=True)
     return 0
 
