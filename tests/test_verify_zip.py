@@ -102,3 +102,26 @@ def test_records_checked_on_threads_report_as_one_thread(damage: str, tmp_path: 
     assert len(alone) == {"none": 0, "two_records": 2, "zeroed_header": 1}[damage]
     if damage == "two_records":
         assert [p.split(":")[0] for p in alone] == ["large/data/3", "large/data/9"]
+
+
+def test_cli_report_of_a_damaged_file_is_the_same_with_any_jobs(tmp_path: Path) -> None:
+    """``verify --jobs 1`` and ``--jobs 4`` of one file: the same text and the same JSON bytes,
+    exit 1, each damaged record named once."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import cli
+
+    path = tmp_path / "large.pth"
+    torch.save({f"t{i}": torch.full((300_000,), float(i)) for i in range(12)}, path)
+    data = bytearray(path.read_bytes())
+    for i in (2, 10):
+        data[data.index(torch.full((4,), float(i)).numpy().tobytes()) + 9_000] ^= 0x04
+    path.write_bytes(bytes(data))
+    for extra in ([], ["--json"]):
+        one, four = (
+            CliRunner().invoke(cli, ["verify", str(path), "--jobs", jobs, *extra])
+            for jobs in ("1", "4")
+        )
+        assert (one.exit_code, four.exit_code) == (1, 1)
+        assert four.output == one.output
+        assert one.output.count("large/data/2:") == one.output.count("large/data/10:") == 1
