@@ -125,7 +125,7 @@ def scale(runs: int, warmup: int, torchrun: bool) -> None:
     rows["start-up floor (ckpttool --version)"] = _ckpttool("--version")
     # the disk's part: the bytes convert writes (its first output), copied and synced
     first = DATA / "scale_bf16_first"
-    if not (first / "model.safetensors.index.json").is_file():
+    if not first.is_dir():
         command = _ckpttool("convert", source, first, "--dtype", "bf16")
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     rows["write floor (cp -r of the bf16 output + sync)"] = _sh(
