@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckpttool.commands.convert.run as convert_run
+import ckpttool.model.cast as cast_module
 from ckpttool.commands.convert.run import convert
 from ckpttool.commands.mapped import DerivedCheckpoint
 from ckpttool.errors import VerificationError
@@ -25,13 +26,13 @@ MINIMIND = FIXTURES / "minimind/pretrain_32.pth"  # fp16
 
 def test_a_cast_tensor_is_cast_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    real = convert_run.cast_array
+    real = cast_module.cast_array  # imported by convert when a tensor is cast (NumPy's cost)
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(convert_run, "cast_array", counting)
+    monkeypatch.setattr(cast_module, "cast_array", counting)
     report = convert(MINIMIND, tmp_path / "out.safetensors", dtype="fp32")
     assert report.verified
     assert sum(report.cast.values()) == report.tensors > 0

@@ -137,3 +137,14 @@ def test_dir_lists_the_lazy_public_names_without_importing_them() -> None:
     assert set(report["all"]) <= set(report["names"])
     assert report["names"] == sorted(report["names"])
     assert report["loaded"] == []
+
+
+def test_convert_without_a_cast_does_not_import_numpy(tmp_path: Path) -> None:
+    """NumPy's import is a tenth of converting the MiniMind-768 fp16 file (bench/README.md,
+    "Near the floors"): only a cast needs it. Positive control: ``--dtype bf16`` does."""
+    source = str(FIXTURES / "minimind/pretrain_32.pth")
+    plain = _modules_after("convert", source, str(tmp_path / "plain.safetensors"))
+    assert "ckpttool.commands.convert.run" in plain
+    assert "numpy" not in plain
+    cast = _modules_after("convert", source, str(tmp_path / "bf16.safetensors"), "--dtype", "bf16")
+    assert "numpy" in cast

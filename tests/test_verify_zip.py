@@ -12,6 +12,7 @@ import torch
 from ckpttool.checkpoint import open_checkpoint
 from ckpttool.commands.verify import verify
 from ckpttool.formats.torch_zip import verify as verify_zip
+from ckpttool.io import parallel
 
 
 def save_many(path: Path) -> bytes:
@@ -77,3 +78,50 @@ def test_a_file_cut_short_is_reported_as_one_by_one(
     assert batched == alone
     assert "data/30: the file ends inside this record (truncated)" in alone[0]
     assert len(alone) >= 30
+
+
+@pytest.mark.parametrize("damage", ["none", "two_records", "zeroed_header"])
+def test_records_checked_on_threads_report_as_one_thread(damage: str, tmp_path: Path) -> None:
+    """The runs' CRCs are taken on ``--jobs`` threads: the problems, and their order, are the
+    same with 1 and 4 (records large enough that each is a run of its own)."""
+    path = tmp_path / "large.pth"
+    torch.save({f"t{i}": torch.full((300_000,), float(i)) for i in range(12)}, path)
+    data = bytearray(path.read_bytes())
+    for i in (3, 9) if damage == "two_records" else ():
+        data[data.index(torch.full((4,), float(i)).numpy().tobytes()) + 5_000] ^= 0x01
+    if damage == "zeroed_header":  # record 5's local header
+        start = data.index(torch.full((4,), 5.0).numpy().tobytes())
+        header = data.rindex(b"PK\x03\x04", 0, start)
+        data[header : header + 30] = bytes(30)
+    path.write_bytes(bytes(data))
+    with parallel.using(1):
+        alone = problems(path)
+    with parallel.using(4):
+        threaded = problems(path)
+    assert threaded == alone
+    assert len(alone) == {"none": 0, "two_records": 2, "zeroed_header": 1}[damage]
+    if damage == "two_records":
+        assert [p.split(":")[0] for p in alone] == ["large/data/3", "large/data/9"]
+
+
+def test_cli_report_of_a_damaged_file_is_the_same_with_any_jobs(tmp_path: Path) -> None:
+    """``verify --jobs 1`` and ``--jobs 4`` of one file: the same text and the same JSON bytes,
+    exit 1, each damaged record named once."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import cli
+
+    path = tmp_path / "large.pth"
+    torch.save({f"t{i}": torch.full((300_000,), float(i)) for i in range(12)}, path)
+    data = bytearray(path.read_bytes())
+    for i in (2, 10):
+        data[data.index(torch.full((4,), float(i)).numpy().tobytes()) + 9_000] ^= 0x04
+    path.write_bytes(bytes(data))
+    for extra in ([], ["--json"]):
+        one, four = (
+            CliRunner().invoke(cli, ["verify", str(path), "--jobs", jobs, *extra])
+            for jobs in ("1", "4")
+        )
+        assert (one.exit_code, four.exit_code) == (1, 1)
+        assert four.output == one.output
+        assert one.output.count("large/data/2:") == one.output.count("large/data/10:") == 1

@@ -706,8 +706,11 @@ def convert_command(
     from ckpttool.commands.convert.options import ConversionOptions
     from ckpttool.commands.convert.run import convert_with
     from ckpttool.commands.selection import Selection
+    from ckpttool.io.memory import reuse_freed_memory
     from ckpttool.io.progress import Progress
     from ckpttool.render import convert as convert_render
+
+    reuse_freed_memory()  # each tensor's buffers without page faults (this process is ours)
 
     selection = Selection(
         section, strip, ignore_wrappers, pattern, drop, rename, map=map_name,

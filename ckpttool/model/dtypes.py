@@ -119,8 +119,16 @@ NUMPY_CODES: dict[str, str] = {name: code for code, name in NUMPY_DTYPES.items()
 #: NumPy type code -> the struct module's code for one element (a NumPy scalar's bytes).
 STRUCT_CODES: dict[str, str] = {d.numpy: d.struct for d in DTYPES if d.numpy and d.struct}
 
+#: The dtypes ``convert --dtype`` reads and writes (float8 & co. are left as they are); here,
+#: not in :mod:`ckpttool.model.cast`, so that planning a conversion does not import NumPy.
+CASTABLE = frozenset({"float16", "bfloat16", "float32", "float64"})
+#: ``--dtype`` spellings and the torch dtype names they mean.
+TARGETS = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
 __all__ = [
     "BY_NAME",
+    "CASTABLE",
     "DTYPES",
     "ELEMENTS_PER_BYTE",
     "FLOATING_DTYPES",
@@ -132,6 +140,7 @@ __all__ = [
     "STORAGE_CLASSES",
     "STORAGE_DTYPES",
     "STRUCT_CODES",
+    "TARGETS",
     "TORCH_DTYPES",
     "Dtype",
 ]

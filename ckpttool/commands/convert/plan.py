@@ -36,7 +36,7 @@ from ckpttool.formats.base import OutTensor
 from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import reported_layout
 from ckpttool.io.subclass_values import dequantized_subclass, subclass_scheme
-from ckpttool.model.cast import CASTABLE, TARGETS
+from ckpttool.model.dtypes import CASTABLE, TARGETS
 from ckpttool.model.edits import compile_rules, renamed_key
 from ckpttool.model.mapping import load_map
 from ckpttool.model.records import (

@@ -22,9 +22,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.convert import model_dir, torch_kinds
@@ -56,10 +54,12 @@ from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK
 from ckpttool.io.source import is_url, local_path
 from ckpttool.io.values import dense_record, read_array
-from ckpttool.model.cast import CastCounts, cast_array, stored_dtype
 from ckpttool.model.edits import EditLog, use_ema
 from ckpttool.model.records import TensorRecord
 from ckpttool.model.roles import layout_of
+
+if TYPE_CHECKING:  # NumPy (its import) only when a tensor is cast: bench/README.md, item 3
+    from ckpttool.model.cast import CastCounts
 
 Produce = Callable[["Planned"], "bytes | bytearray | memoryview"]
 Keep = Callable[["Planned"], Any]  # a kept (sparse, nested, quantized) tensor, as torch's
@@ -513,6 +513,10 @@ def tensor_bytes(
             return b"", None
         data, first = ckpt.read_bytes(record)
         return memoryview(data)[first * record.itemsize :], None
+    import numpy as np
+
+    from ckpttool.model.cast import cast_array, stored_dtype
+
     values = np.ascontiguousarray(read_array(ckpt, record))
     if values.dtype.byteorder == ">":
         values = values.astype(values.dtype.newbyteorder("<"))
@@ -739,9 +743,12 @@ def _stored_bytes(written: Checkpoint, record: TensorRecord) -> memoryview | Non
 def _same_bytes(want: bytes | bytearray | memoryview, got: memoryview) -> bool:
     if len(want) != len(got):
         return False
-    if len(got) <= 4096:  # most of a checkpoint of many small tensors: no NumPy call
-        return bytes(want) == bytes(got)
-    return bool(np.array_equal(np.frombuffer(want, np.uint8), np.frombuffer(got, np.uint8)))
+    want_view, got_view = memoryview(want), memoryview(got)
+    step = 1 << 20  # compared in copies of 1 MiB: memory bounded, and no NumPy import
+    return all(
+        want_view[at : at + step].tobytes() == got_view[at : at + step].tobytes()
+        for at in range(0, got_view.nbytes, step)
+    )
 
 
 def _same_view(a: TensorRecord, b: TensorRecord) -> bool:
