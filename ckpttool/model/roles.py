@@ -16,7 +16,7 @@ Pure functions over the reader's tree: no file access, no torch. ``diff``, ``con
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,10 +296,19 @@ def _holds_module(node: Any, depth: int) -> bool:
     if depth >= _MODULE_SEARCH_DEPTH:
         return False
     if node.__class__ is dict:
-        return any(_holds_module(value, depth + 1) for value in node.values())
-    if node.__class__ in (list, tuple):
-        return any(_holds_module(value, depth + 1) for value in node)
-    return False
+        values: Any = node.values()
+    elif node.__class__ in (list, tuple):
+        values = node
+    else:
+        return False
+    # a plain leaf is neither a module nor a container (bench/object_table.py: 525,000 of them)
+    return any(
+        _holds_module(value, depth + 1) for value in values if value.__class__ not in _NOT_MODULES
+    )
+
+
+#: Exact classes of leaves that neither are nor hold a pickled module.
+_NOT_MODULES = frozenset({int, float, str, bool, type(None), bytes, TensorRecord})
 
 
 #: How deep in dicts and lists a pickled module is looked for: ultralytics keeps it at the
@@ -378,10 +387,15 @@ _SCALARS = (int, float, str, bool)
 _SCALAR_CLASSES = frozenset({int, float, str, bool, type(None)})
 
 
-def scalar_fields(root: Any, max_siblings: int = 64) -> dict[str, Any]:
+def scalar_fields(
+    root: Any, max_siblings: int = 64, *, below: Callable[[str], bool] | None = None
+) -> dict[str, Any]:
     """Scalar values by dotted key, skipping long runs of numbers (RNG states, param lists).
 
     Top-level fields come first, in the file's order; nested ones after, sorted by key.
+    ``below``: the keys of the containers to look into (the root's is ""); without it, all.
+    What it leaves out is left out of the same result, in the same order (``show``'s text
+    needs only a few fields, bench/object_table.py's table half a million).
     """
     out: dict[str, Any] = {}
     stack: list[tuple[str, Any]] = [("", root)]
@@ -399,7 +413,7 @@ def scalar_fields(root: Any, max_siblings: int = 64) -> dict[str, Any]:
             if child.__class__ in scalar_classes:
                 out[prefix + name] = child
             elif isinstance(child, _TREES):
-                if name != "params":
+                if name != "params" and (below is None or below(prefix + name)):
                     stack.append((prefix + name, child))
             elif isinstance(child, _SCALARS):
                 out[prefix + name] = child
