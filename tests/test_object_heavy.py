@@ -6,6 +6,8 @@ that begins another key, a rescale history, tensors beside a lookup table)."""
 
 from __future__ import annotations
 
+import _pickle
+import io
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 from ckpttool.checkpoint import open_checkpoint
 from ckpttool.commands.convert.plan import MAX_FIELDS_PER_ENTRY, _is_small_scalar, collect_fields
 from ckpttool.commands.show import build_report, text_field_parent
+from ckpttool.errors import CkptError
 from ckpttool.model.records import (
     OpaqueObject,
     StorageRecord,
@@ -28,6 +31,7 @@ from ckpttool.model.records import (
     walk,
 )
 from ckpttool.model.roles import _holds_module, is_pickled_module, module_view, scalar_fields
+from ckpttool.pickle.interpreter import MAX_LONG_BYTES, MAX_MARKS, load_pickle
 from ckpttool.render.show import render_text
 from tests.support.helpers import FIXTURES, fixture_files
 
@@ -236,3 +240,34 @@ def test_show_text_is_the_same_without_the_nested_fields(path: Path) -> None:
         text = build_report(ckpt, all_fields=False)
     assert render_text(text) == render_text(full)
     assert set(text.fields) <= set(full.fields)
+
+
+#: Pickles the C unpickler (``_pickle.Unpickler``, find_class refused) reads without an error
+#: and ckpttool's walker refuses, each for a limit or a check it keeps: why a C fast path
+#: would need an opcode-by-opcode pre-check in Python first (docs/safety.md, "Why the walker
+#: is Python, not the C unpickler").
+C_READS_WALKER_REFUSES = {
+    "MARKs still open at STOP": b"((N.",
+    "items left on the stack at STOP": b"NN.",
+    "BUILD of an object the pickle did not create": b")Nb.",
+    "a NUL inside a text INT": b"I12\x00junk\n.",
+    "MARKs nested past MAX_MARKS": b"(" * (MAX_MARKS + 1) + b"1" * (MAX_MARKS + 1) + b"N.",
+    "a LONG4 past MAX_LONG_BYTES": b"\x8b"
+    + (MAX_LONG_BYTES + 1).to_bytes(4, "little")
+    + b"\x01" * (MAX_LONG_BYTES + 1)
+    + b"0N.",
+    "a FRAME whose end is not between two opcodes": (
+        b"\x80\x04\x95\x03\x00\x00\x00\x00\x00\x00\x00K\x01K\x02."
+    ),
+}
+
+
+@pytest.mark.parametrize("data", C_READS_WALKER_REFUSES.values(), ids=list(C_READS_WALKER_REFUSES))
+def test_the_c_unpickler_reads_what_the_walker_refuses(data: bytes) -> None:
+    class Refusing(_pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            raise AssertionError("no global in these pickles")
+
+    Refusing(io.BytesIO(data)).load()  # no error
+    with pytest.raises(CkptError):
+        load_pickle(data)

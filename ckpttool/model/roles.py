@@ -591,10 +591,10 @@ def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list
             f"{len(wrapped)} keys carry DDP/torch.compile wrapper prefixes (module., _orig_mod.), "
             f"e.g. {wrapped[0]!r}: use --ignore-wrappers in diff/convert"
         )
-    read = {obj.cls for obj in tensor_subclasses(root).values()}  # their inner tensors are read
-    opaque = sorted(
-        cls for cls in object_classes(root) if not is_data_record(cls) and cls not in read
-    )
+    opaque = [cls for cls in object_classes(root) if not is_data_record(cls)]
+    if opaque:  # (most files have none: no second walk of their tree)
+        read = {obj.cls for obj in tensor_subclasses(root).values()}  # inner tensors are read
+        opaque = sorted(cls for cls in opaque if cls not in read)
     if opaque:
         warnings.append(
             "the pickle builds objects of classes ckpttool does not reconstruct (shown as "
