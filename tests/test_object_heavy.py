@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import _pickle
 import io
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from ckpttool.model.records import (
     holds_instance,
     is_container,
     join_key,
+    nodes,
     tensor_keys,
     tensor_subclasses,
     walk,
@@ -271,3 +273,43 @@ def test_the_c_unpickler_reads_what_the_walker_refuses(data: bytes) -> None:
     Refusing(io.BytesIO(data)).load()  # no error
     with pytest.raises(CkptError):
         load_pickle(data)
+
+
+class Point:  # pickled by reference: the walker reads it as an opaque object, never imports it
+    def __init__(self, x: Any) -> None:
+        self.x = x
+
+
+def _distinct_objects(root: Any) -> int:
+    return len({id(node) for node in nodes(root) if isinstance(node, OpaqueObject)})
+
+
+def _pickles() -> list[tuple[str, bytes]]:
+    shared = Point(1)
+    looped = Point(None)
+    looped.x = [looped]
+    return [
+        ("no object", pickle.dumps({"a": [1, (2, "b")], "c": {"d": 1.5}}, protocol=2)),
+        ("one shared twice", pickle.dumps({"a": shared, "b": [shared, Point(2)]}, protocol=2)),
+        ("a cycle", pickle.dumps({"loop": looped}, protocol=4)),
+        ("nested", pickle.dumps(Point(Point(Point({"k": Point(0)}))), protocol=2)),
+    ]
+
+
+@pytest.mark.parametrize(("name", "data"), _pickles(), ids=[name for name, _ in _pickles()])
+def test_the_walk_counts_the_objects_of_its_tree(name: str, data: bytes) -> None:
+    result = load_pickle(data, refuse_dangerous=False)
+    assert result.objects == _distinct_objects(result.root)
+    assert (result.objects == 0) is (name == "no object")
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[str(p.relative_to(FIXTURES)) for p in PATHS])
+def test_every_fixture_walk_counts_its_objects(path: Path) -> None:
+    """(``_read_pickled_module`` skips the module search where the count is 0.)"""
+    with open_checkpoint(path) as ckpt:
+        result = ckpt.pickle
+        if result is None:
+            return  # not a pickle: safetensors, GGUF
+        assert result.objects == _distinct_objects(result.root)
+        if ckpt.root is not result.root:  # a view: a pickled module read as its state dict
+            assert result.objects and ckpt.objects is result.root
