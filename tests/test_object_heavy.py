@@ -28,6 +28,7 @@ from ckpttool.model.records import (
     is_container,
     join_key,
     nodes,
+    object_classes,
     tensor_keys,
     tensor_subclasses,
     walk,
@@ -313,3 +314,24 @@ def test_every_fixture_walk_counts_its_objects(path: Path) -> None:
         assert result.objects == _distinct_objects(result.root)
         if ckpt.root is not result.root:  # a view: a pickled module read as its state dict
             assert result.objects and ckpt.objects is result.root
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[str(p.relative_to(FIXTURES)) for p in PATHS])
+def test_a_tree_without_objects_has_nothing_the_shortcuts_skip(path: Path) -> None:
+    """What ``Checkpoint.without_objects`` lets show and convert skip is empty indeed."""
+    with open_checkpoint(path) as ckpt:
+        if not ckpt.without_objects:
+            assert ckpt.pickle is None or ckpt.pickle.objects or ckpt.root is not ckpt.pickle.root
+            return
+        assert not holds_instance(ckpt.root, OpaqueObject)
+        assert tensor_subclasses(ckpt.root) == {} and object_classes(ckpt.root) == set()
+        assert module_view(ckpt.root) is None
+
+
+def test_some_fixtures_hold_objects_and_some_do_not() -> None:
+    """(So the test above checks both sides.)"""
+    seen = set()
+    for path in PATHS:
+        with open_checkpoint(path) as ckpt:
+            seen.add(ckpt.without_objects)
+    assert seen == {True, False}

@@ -274,13 +274,16 @@ def build_report(
     groups = storage_groups(all_records, views)
     unreferenced = unreferenced_bytes(all_records)
     notes = tensor_notes(all_records, groups)
-    for key, note in subclass_notes(ckpt.root, weights_key).items():
+    subclassed = {} if ckpt.without_objects else subclass_notes(ckpt.root, weights_key)
+    for key, note in subclassed.items():
         notes.setdefault(key, []).append(note)
     if notes:
         infos = [TensorInfo(r, list(notes.get(r.key, ()))) for r in records]
     else:
         infos = [TensorInfo(r, []) for r in records]
-    warnings = layout_warnings(ckpt.root, layout, all_records) + list(ckpt.problems)
+    warnings = layout_warnings(
+        ckpt.root, layout, all_records, objects=not ckpt.without_objects
+    ) + list(ckpt.problems)
     warnings += [f"of the tensors listed, {reason}" for reason in without_values(records)]
     warnings += same_key_warnings(ckpt.root, all_records)
     if stats:

@@ -569,7 +569,11 @@ def rng_present(root: Any) -> list[str]:
     return found
 
 
-def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list[str]:
+def layout_warnings(
+    root: Any, layout: str, records: list[TensorRecord], *, objects: bool = True
+) -> list[str]:
+    """What ``show`` warns of a tree: a lossy resume file, wrapper prefixes, classes it does
+    not reconstruct (``objects`` False: the tree is known to hold no opaque object)."""
     warnings = []
     if is_resume(layout) and isinstance(root, dict):
         model_dtypes = {r.dtype for r in _tensor_leaves(root.get("model")) if r.is_floating}
@@ -591,7 +595,7 @@ def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list
             f"{len(wrapped)} keys carry DDP/torch.compile wrapper prefixes (module., _orig_mod.), "
             f"e.g. {wrapped[0]!r}: use --ignore-wrappers in diff/convert"
         )
-    opaque = [cls for cls in object_classes(root) if not is_data_record(cls)]
+    opaque = [cls for cls in object_classes(root) if not is_data_record(cls)] if objects else []
     if opaque:  # (most files have none: no second walk of their tree)
         read = {obj.cls for obj in tensor_subclasses(root).values()}  # inner tensors are read
         opaque = sorted(cls for cls in opaque if cls not in read)

@@ -183,7 +183,8 @@ def build_plan(
         if name not in aliases
     ]
     fields, left_out = collect_fields(ckpt.root, selection.section, selected_keys)
-    fields.update(subclass_fields(ckpt.root, {r.key for r in named.values()}))
+    if not ckpt.without_objects:  # (no tensor subclass in a tree without objects)
+        fields.update(subclass_fields(ckpt.root, {r.key for r in named.values()}))
     carried = {}
     if carries_metadata(ckpt.format):
         # the file's string metadata travels with it (safetensors: save_model-style alias
