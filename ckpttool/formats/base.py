@@ -285,7 +285,7 @@ class Checkpoint:
         (``PickleResult.objects``): no tensor subclass, no pickled module, no class to name,
         so questions about objects need no walk of it (bench/object_table.py)."""
         result = self.pickle
-        return result is not None and self.root is result.root and not result.objects
+        return result is not None and self.root is result.root and result.objects == 0
 
     @property
     def path(self) -> Path:

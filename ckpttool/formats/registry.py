@@ -307,7 +307,7 @@ def _read_pickled_module(parsed: Parsed) -> None:
     from ckpttool.model.roles import PICKLED_MODULE, module_view
 
     result = parsed.pickle
-    if result is not None and parsed.root is result.root and not result.objects:
+    if result is not None and parsed.root is result.root and result.objects == 0:
         return  # the walk's tree holds no object, so no module: no walk of it (object_table)
     view = module_view(parsed.root)
     if view is None:

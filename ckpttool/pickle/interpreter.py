@@ -103,8 +103,9 @@ class PickleResult:
     memo_puts: dict[int, int] = field(default_factory=dict)  # memo index -> offset of its PUT
     memo_gets: list[tuple[int, int]] = field(default_factory=list)  # (memo index, offset)
     # opaque objects (OpaqueObject, subclasses included) in ``root``, each counted once: none,
-    # and no question about objects needs a walk of the tree (bench/object_table.py)
-    objects: int = 0
+    # and no question about objects needs a walk of the tree (bench/object_table.py); -1 until
+    # finalize counted them
+    objects: int = -1
 
 
 PersistentLoad = Callable[[Any], Any]
