@@ -269,7 +269,9 @@ def show(
             else:
                 click.echo(show_tree.render_text(root, depth))
             return
-        report = build_report(ckpt, section=section, pattern=pattern, stats=stats)
+        report = build_report(
+            ckpt, section=section, pattern=pattern, stats=stats, all_fields=as_json
+        )
     if as_json:
         for chunk in show_render.json_chunks(report):  # each tensor's line made as written
             click.echo(chunk, nl=False)

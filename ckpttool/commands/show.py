@@ -60,7 +60,7 @@ class ShowReport:
     layout: str
     details: dict[str, Any]
     metadata: dict[str, str]
-    fields: dict[str, Any]
+    fields: dict[str, Any]  # every scalar field; from the CLI's text only those it prints
     tensors: list[TensorInfo]  # the selected ones (all, or those --section/--filter keep)
     # elements of the selected tensors that belong to the model, each stored element once
     # (records.count_once); None when the file has no model part ckpttool can name, or the
@@ -234,13 +234,26 @@ def stored_keys(records: list[TensorRecord], section: str) -> list[TensorRecord]
     return [with_key(r, r.key[len(start) :]) if r.key.startswith(start) else r for r in records]
 
 
+#: The top-level key of ``rescale-step``'s history (``rescaled_from.N.<key>`` fields).
+RESCALE_HISTORY = "rescaled_from"
+
+
+def text_field_parent(key: str) -> bool:
+    """Whether a container at ``key`` may hold a field ``show``'s text prints (one of the
+    root's, or of its rescale history): keys under another hold a dot, and are not printed."""
+    return not key or key == RESCALE_HISTORY or key.startswith(RESCALE_HISTORY + ".")
+
+
 def build_report(
     ckpt: Checkpoint,
     *,
     section: str | None = None,
     pattern: str | None = None,
     stats: bool = False,
+    all_fields: bool = True,
 ) -> ShowReport:
+    """What ``show`` reports of ``ckpt``; without ``all_fields``, ``fields`` holds only those
+    the text prints (``text_field_parent``)."""
     layout = layout_of(ckpt)
     all_records = ckpt.tensors()
     records = ckpt.tensors(section) if section else all_records
@@ -261,13 +274,16 @@ def build_report(
     groups = storage_groups(all_records, views)
     unreferenced = unreferenced_bytes(all_records)
     notes = tensor_notes(all_records, groups)
-    for key, note in subclass_notes(ckpt.root, weights_key).items():
+    subclassed = {} if ckpt.without_objects else subclass_notes(ckpt.root, weights_key)
+    for key, note in subclassed.items():
         notes.setdefault(key, []).append(note)
     if notes:
         infos = [TensorInfo(r, list(notes.get(r.key, ()))) for r in records]
     else:
         infos = [TensorInfo(r, []) for r in records]
-    warnings = layout_warnings(ckpt.root, layout, all_records) + list(ckpt.problems)
+    warnings = layout_warnings(
+        ckpt.root, layout, all_records, objects=not ckpt.without_objects
+    ) + list(ckpt.problems)
     warnings += [f"of the tensors listed, {reason}" for reason in without_values(records)]
     warnings += same_key_warnings(ckpt.root, all_records)
     if stats:
@@ -302,7 +318,7 @@ def build_report(
         optimizer = summarize_optimizer(
             part_node(ckpt.root, optimizer_key), part_node(ckpt.root, model_key)
         )
-    fields = scalar_fields(ckpt.root)
+    fields = scalar_fields(ckpt.root, below=None if all_fields else text_field_parent)
     if state_scalars:
         fields.update({key: scalar_value(ckpt, r) for key, r in state_scalars.items()})
         order = {key: index for index, key in enumerate(ckpt.root)}

@@ -280,6 +280,14 @@ class Checkpoint:
     _expected: InOrder | None = field(default=None, repr=False)  # see expect_reads
 
     @property
+    def without_objects(self) -> bool:
+        """Whether ``root`` is a pickle walk's tree that holds no opaque object
+        (``PickleResult.objects``): no tensor subclass, no pickled module, no class to name,
+        so questions about objects need no walk of it (bench/object_table.py)."""
+        result = self.pickle
+        return result is not None and self.root is result.root and result.objects == 0
+
+    @property
     def path(self) -> Path:
         from pathlib import Path  # not at import: listing a file never needs pathlib
 

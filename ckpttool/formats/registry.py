@@ -306,6 +306,9 @@ def _read_pickled_module(parsed: Parsed) -> None:
     names: make that the tree (the object tree as pickled stays in ``parsed.objects``)."""
     from ckpttool.model.roles import PICKLED_MODULE, module_view
 
+    result = parsed.pickle
+    if result is not None and parsed.root is result.root and result.objects == 0:
+        return  # the walk's tree holds no object, so no module: no walk of it (object_table)
     view = module_view(parsed.root)
     if view is None:
         return

@@ -685,6 +685,8 @@ def tensor_subclasses(
     """Every wrapper tensor subclass under ``node`` by its dotted key, outer ones first
     (``outermost``: not those another one wraps)."""
     found: dict[str, TensorSubclassObject] = {}
+    if not holds_instance(node, TensorSubclassObject):  # most files: no key made for any node
+        return found
     stack: list[tuple[str, Any]] = [(prefix, node)]
     while stack:
         key, current = stack.pop()
@@ -699,6 +701,33 @@ def tensor_subclasses(
                 if is_container(child)
             )
     return found
+
+
+def holds_instance(node: Any, kind: type) -> bool:
+    """Whether ``node``, or a node under it, is a ``kind``: the containers :func:`children`
+    descends into, walked without a name or a step per plain leaf (a table of 150,000 small
+    objects is half a million leaves: bench/object_table.py)."""
+    plain = _PLAIN_LEAVES
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, kind):
+            return True
+        cls = current.__class__
+        if cls is dict:
+            values: Any = current.values()
+        elif cls is list or cls is tuple:
+            values = current
+        elif isinstance(current, OpaqueObject):
+            values = current.fields().values()
+        elif isinstance(current, dict):
+            values = current.values()
+        elif isinstance(current, (list, tuple)):
+            values = current
+        else:
+            continue
+        stack.extend([value for value in values if value.__class__ not in plain])
+    return False
 
 
 def children(node: Any) -> Iterator[tuple[str, Any]]:

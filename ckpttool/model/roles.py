@@ -16,7 +16,7 @@ Pure functions over the reader's tree: no file access, no torch. ``diff``, ``con
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,10 +296,19 @@ def _holds_module(node: Any, depth: int) -> bool:
     if depth >= _MODULE_SEARCH_DEPTH:
         return False
     if node.__class__ is dict:
-        return any(_holds_module(value, depth + 1) for value in node.values())
-    if node.__class__ in (list, tuple):
-        return any(_holds_module(value, depth + 1) for value in node)
-    return False
+        values: Any = node.values()
+    elif node.__class__ in (list, tuple):
+        values = node
+    else:
+        return False
+    # a plain leaf is neither a module nor a container (bench/object_table.py: 525,000 of them)
+    return any(
+        _holds_module(value, depth + 1) for value in values if value.__class__ not in _NOT_MODULES
+    )
+
+
+#: Exact classes of leaves that neither are nor hold a pickled module.
+_NOT_MODULES = frozenset({int, float, str, bool, type(None), bytes, TensorRecord})
 
 
 #: How deep in dicts and lists a pickled module is looked for: ultralytics keeps it at the
@@ -378,10 +387,15 @@ _SCALARS = (int, float, str, bool)
 _SCALAR_CLASSES = frozenset({int, float, str, bool, type(None)})
 
 
-def scalar_fields(root: Any, max_siblings: int = 64) -> dict[str, Any]:
+def scalar_fields(
+    root: Any, max_siblings: int = 64, *, below: Callable[[str], bool] | None = None
+) -> dict[str, Any]:
     """Scalar values by dotted key, skipping long runs of numbers (RNG states, param lists).
 
     Top-level fields come first, in the file's order; nested ones after, sorted by key.
+    ``below``: the keys of the containers to look into (the root's is ""); without it, all.
+    What it leaves out is left out of the same result, in the same order (``show``'s text
+    needs only a few fields, bench/object_table.py's table half a million).
     """
     out: dict[str, Any] = {}
     stack: list[tuple[str, Any]] = [("", root)]
@@ -399,7 +413,7 @@ def scalar_fields(root: Any, max_siblings: int = 64) -> dict[str, Any]:
             if child.__class__ in scalar_classes:
                 out[prefix + name] = child
             elif isinstance(child, _TREES):
-                if name != "params":
+                if name != "params" and (below is None or below(prefix + name)):
                     stack.append((prefix + name, child))
             elif isinstance(child, _SCALARS):
                 out[prefix + name] = child
@@ -555,7 +569,11 @@ def rng_present(root: Any) -> list[str]:
     return found
 
 
-def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list[str]:
+def layout_warnings(
+    root: Any, layout: str, records: list[TensorRecord], *, objects: bool = True
+) -> list[str]:
+    """What ``show`` warns of a tree: a lossy resume file, wrapper prefixes, classes it does
+    not reconstruct (``objects`` False: the tree is known to hold no opaque object)."""
     warnings = []
     if is_resume(layout) and isinstance(root, dict):
         model_dtypes = {r.dtype for r in _tensor_leaves(root.get("model")) if r.is_floating}
@@ -577,10 +595,10 @@ def layout_warnings(root: Any, layout: str, records: list[TensorRecord]) -> list
             f"{len(wrapped)} keys carry DDP/torch.compile wrapper prefixes (module., _orig_mod.), "
             f"e.g. {wrapped[0]!r}: use --ignore-wrappers in diff/convert"
         )
-    read = {obj.cls for obj in tensor_subclasses(root).values()}  # their inner tensors are read
-    opaque = sorted(
-        cls for cls in object_classes(root) if not is_data_record(cls) and cls not in read
-    )
+    opaque = [cls for cls in object_classes(root) if not is_data_record(cls)] if objects else []
+    if opaque:  # (most files have none: no second walk of their tree)
+        read = {obj.cls for obj in tensor_subclasses(root).values()}  # inner tensors are read
+        opaque = sorted(cls for cls in opaque if cls not in read)
     if opaque:
         warnings.append(
             "the pickle builds objects of classes ckpttool does not reconstruct (shown as "

@@ -102,6 +102,10 @@ class PickleResult:
     frames: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) of FRAME ops
     memo_puts: dict[int, int] = field(default_factory=dict)  # memo index -> offset of its PUT
     memo_gets: list[tuple[int, int]] = field(default_factory=list)  # (memo index, offset)
+    # opaque objects (OpaqueObject, subclasses included) in ``root``, each counted once: none,
+    # and no question about objects needs a walk of the tree (bench/object_table.py); -1 until
+    # finalize counted them
+    objects: int = -1
 
 
 PersistentLoad = Callable[[Any], Any]
@@ -561,9 +565,11 @@ class SafeUnpickler:
         created.clear()
         try:
             reuse = REUSE_BASE + (self.pos - self.start) // REUSE_BYTES
-            self.result.root = finalize(
-                self.result.root, max_reuse=reuse, compacts=self.compacts, records=self._records()
-            )
+            objects: list[int] = []
+            self.result.root = _finalize(
+                self.result.root, MAX_NODES, reuse, self.compacts, self._records(), objects
+            )[0]
+            self.result.objects = objects[0]
         except (TypeError, ValueError, RecursionError) as error:
             raise _bad(self.pos, f"{type(error).__name__}: {error}") from None
         self.result.end = self.pos
@@ -1017,10 +1023,18 @@ def finalize(
 
 
 def _finalize(
-    root: Any, max_nodes: int, max_reuse: int, compacts: int, records: tuple[type, ...] = ()
+    root: Any,
+    max_nodes: int,
+    max_reuse: int,
+    compacts: int,
+    records: tuple[type, ...] = (),
+    objects_out: list[int] | None = None,
 ) -> tuple[Any, int, int]:
-    """``finalize``, and the tree's expanded size and its reused weight (for the tests)."""
+    """``finalize``, and the tree's expanded size and its reused weight (for the tests); how
+    many opaque objects the tree holds, each once, appended to ``objects_out`` if given
+    (``PickleResult.objects``)."""
     done: dict[int, Any] = {}
+    objects = 0  # OpaqueObjects copied into the tree (the only way one gets there)
     sizes: dict[int, int] = {}
     on_path: set[int] = set()
     leaves_seen: set[int] = set()  # ids of tensors and long strings met so far
@@ -1036,6 +1050,7 @@ def _finalize(
             )
 
     def visit(node: Any, depth: int) -> tuple[Any, int]:
+        nonlocal objects
         cls = type(node)
         if depth > MAX_DEPTH:
             raise ResourceLimitError(f"the pickle nests containers more than {MAX_DEPTH} deep")
@@ -1110,6 +1125,7 @@ def _finalize(
                     total += vs
             out = values if isinstance(node, list) else type(node)(values)
         else:
+            objects += 1
             out = node.empty_copy()
             # what most objects leave empty (no arguments, state or items) needs no visit: an
             # object's own dictitems and listitems are nobody else's, so fresh empty ones (as
@@ -1142,6 +1158,9 @@ def _finalize(
         return out, total
 
     def compact(node: Any, depth: int) -> tuple[Any, int]:
+        nonlocal objects
+        if isinstance(node, OpaqueObject):  # (a format's records are not, today)
+            objects += 1
         if id(node) in leaves_seen:
             raise Redo  # shared: the general loop's objects would be counted as reused
         leaves_seen.add(id(node))
@@ -1156,6 +1175,8 @@ def _finalize(
         return node, total
 
     tree, total = visit(root, 0)
+    if objects_out is not None:
+        objects_out.append(objects)
     return tree, total, reused
 
 

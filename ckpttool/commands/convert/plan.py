@@ -41,7 +41,9 @@ from ckpttool.model.edits import compile_rules, renamed_key
 from ckpttool.model.mapping import load_map
 from ckpttool.model.records import (
     ITEMSIZE,
+    OpaqueObject,
     TensorRecord,
+    is_container,
     tensor_keys,
     tensor_subclasses,
     walk,
@@ -181,7 +183,8 @@ def build_plan(
         if name not in aliases
     ]
     fields, left_out = collect_fields(ckpt.root, selection.section, selected_keys)
-    fields.update(subclass_fields(ckpt.root, {r.key for r in named.values()}))
+    if not ckpt.without_objects:  # (no tensor subclass in a tree without objects)
+        fields.update(subclass_fields(ckpt.root, {r.key for r in named.values()}))
     carried = {}
     if carries_metadata(ckpt.format):
         # the file's string metadata travels with it (safetensors: save_model-style alias
@@ -431,23 +434,85 @@ def collect_fields(
     any other (optimizer state, RNG state, bytes) is listed as left out, never dropped silently.
     """
     groups: dict[str, list[tuple[str, Any]]] = {}
-    for key, leaf in walk(root):
-        if isinstance(leaf, TensorRecord) and key in selected_keys:
+    too_many: dict[str, int] = {}  # entries left out for sure: how many other values they hold
+    # the root's children in walk's order where it is a dict, else the root itself
+    tops = [(str(n), c) for n, c in root.items()] if root.__class__ is dict else [("", root)]
+    for top, node in tops:
+        # every leaf under a child is of the child's entry unless the section's name may start
+        # its key (a key under it is the child's name or begins with it and a dot)
+        by_child = bool(top) and not (
+            section and (top.startswith(section) or f"{section}.".startswith(top))
+        )
+        entry = _entry_name(top, section)
+        count = _plain_leaf_count(node) if by_child else None
+        if count is not None:  # no key made for what is only counted
+            groups.setdefault(entry, [])
+            too_many[entry] = too_many.get(entry, 0) + count
             continue
-        groups.setdefault(_entry_name(key, section), []).append((key, leaf))
+        for key, leaf in walk(node, top):
+            if isinstance(leaf, TensorRecord) and key in selected_keys:
+                continue
+            groups.setdefault(entry if by_child else _entry_name(key, section), []).append(
+                (key, leaf)
+            )
     fields: dict[str, str] = {}
     left_out: list[str] = []
     for entry, leaves in groups.items():
-        if len(leaves) <= MAX_FIELDS_PER_ENTRY and all(_is_small_scalar(v) for _, v in leaves):
+        if (
+            entry not in too_many
+            and len(leaves) <= MAX_FIELDS_PER_ENTRY
+            and all(_is_small_scalar(v) for _, v in leaves)
+        ):
             fields.update({FIELD_PREFIX + key: json.dumps(value) for key, value in leaves})
             continue
         count = sum(isinstance(v, TensorRecord) for _, v in leaves)
         parts = [f"{count} tensor{'s' * (count != 1)}"] if count else []
-        others = len(leaves) - count
+        others = len(leaves) - count + too_many.get(entry, 0)
         if others:
             parts.append(f"{others} other value{'s' * (others != 1)}")
         left_out.append(f"{entry or '(root)'} ({', '.join(parts)})")
     return fields, left_out
+
+
+def _plain_leaf_count(node: Any) -> int | None:
+    """How many leaves :func:`walk` yields under the container ``node`` when none of them is a
+    tensor and the entry holding them is left out whatever else it holds (more than
+    ``MAX_FIELDS_PER_ENTRY`` leaves, or one that is not a small scalar); else None. A
+    keyless count: a lookup table of 150,000 small objects is half a million leaves
+    (bench/object_table.py), and its keys were most of ``convert``'s time after the walk."""
+    if not is_container(node):
+        return None
+    count = 0
+    small = True
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        cls = current.__class__
+        if cls is dict:
+            values: Any = current.values()
+        elif cls is list or cls is tuple:
+            values = current
+        elif isinstance(current, OpaqueObject):
+            values = current.fields().values()
+        elif isinstance(current, dict):
+            values = current.values()
+        else:
+            values = current
+        for value in values:
+            kind = value.__class__
+            if kind is int or kind is float or kind is bool or value is None:
+                count += 1
+            elif kind is str:
+                count += 1
+                small = small and len(value) <= MAX_FIELD_CHARS
+            elif isinstance(value, TensorRecord):
+                return None
+            elif is_container(value):
+                stack.append(value)
+            else:
+                count += 1
+                small = small and _is_small_scalar(value)
+    return count if count > MAX_FIELDS_PER_ENTRY or not small else None
 
 
 def _entry_name(key: str, section: str | None) -> str:
