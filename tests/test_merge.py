@@ -1,6 +1,6 @@
 """ckpttool merge: linear, task arithmetic, TIES and SLERP of tiny Hugging Face-style state
-dicts (safetensors), against mergekit's formulas written out in torch here (mergekit's own
-code is not installed: see docs/merge.md), and the refusals."""
+dicts (safetensors), against mergekit's formulas written out in torch here (against mergekit's
+own run_merge: tests/test_merge_mergekit.py), and the refusals."""
 
 from __future__ import annotations
 
