@@ -23,14 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: What the combination step measured holds, in E: the float64 sum, one input's tensor as read
 #: (E/2), the rounded output (E/2) and the cast's chunk temporaries; task arithmetic adds the
-#: base; TIES holds the base, the 3 trimmed task vectors, the mass and a scratch buffer:
-#: inputs + 2, plus one input as read and its bool masks.
+#: base; TIES holds the base and the 3 models as read (E/2 each), a bool mask of each model's
+#: kept entries (E/8 each), the mass and the magnitudes (then the result): 4.375 E.
 BOUNDS = {
     "average": 2.25,
     "linear": 2.25,
     "task-arithmetic": 3.25,
     "slerp": 2.25,  # 2 inputs: the result, both inputs as read
-    "ties": INPUTS + 2 + 1.0,
+    "ties": 0.5 * INPUTS + (INPUTS - 1) / 8 + 2,
 }
 MARGIN = 1.1
 

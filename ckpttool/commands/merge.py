@@ -106,8 +106,7 @@ def merge(
         choice=choice, dtype=dtype, ints="equal", force=force, verify=verify, like_input=like_input,
         jobs=jobs_for(jobs), progress=progress, on_total=on_total, rounded_to="the base's",
         computer=lambda reading, records, planned: _computer(reading, records, planned, combine),
-        check=(lambda stored, ints: _check_density(stored, ints, density))
-        if method == "ties" else None,
+        check=None,
         provenance=(PROVENANCE_KEY, {"method": method, "lambda": lam, "density": density,
                                      "t": t, "base": paths[0], "models": [
             {"path": i.path, "weight": i.weight} for i in inputs[1:]
@@ -176,22 +175,6 @@ def _weights(
     return ([] if method == "linear" else [None]) + list(weights)
 
 
-def _check_density(stored: list[Planned], int_names: list[str], density: float) -> None:
-    """TIES keeps ``int(density * size)`` entries of each task vector: refused (as mergekit
-    refuses it) where that is none, naming the tensors, before anything is written."""
-    ints = set(int_names)
-    empty = [
-        p.name
-        for p in stored
-        if p.name not in ints and int(density * math.prod(p.record.shape)) == 0
-    ]
-    if empty:
-        more = f" (+{len(empty) - 3} more)" if len(empty) > 3 else ""
-        raise InputError(
-            f"--density {density} keeps no entry of {', '.join(empty[:3])}{more}: raise --density"
-        )
-
-
 def _combiner(
     method: str, weights: list[float | None], lam: float, density: float, t: float | None
 ) -> Callable[[Iterator[np.ndarray]], np.ndarray]:
@@ -204,8 +187,8 @@ def _combiner(
         assert t is not None
         return lambda xs: merge_methods.slerp(t, next(xs), next(xs))
     ties = method == "ties"
-    return lambda xs: merge_methods.task_arithmetic(  # the base as read dropped once widened
-        merge_methods.as_float64(next(xs)),
+    return lambda xs: merge_methods.task_arithmetic(  # TIES keeps the base as read
+        next(xs) if ties else merge_methods.as_float64(next(xs)),
         xs,
         numbers,
         lam,

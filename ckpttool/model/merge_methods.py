@@ -7,17 +7,16 @@ The inputs of a method are taken one at a time (an iterable: the caller reads ea
 tensor when it is asked for it) and added into float64 accumulators in place, widened a
 :data:`CHUNK` at a time: no float64 copy of an input is made where the formula does not keep
 one. What each method holds at once, in float64 copies of the tensor (``E`` bytes each): linear
-1 (the sum), task arithmetic 2 (the base, the mixed task vector), TIES ``n + 3`` for n models,
-that is (inputs + 2) (the base; the n weighted trimmed task vectors, which the disjoint merge
-needs after the sign election; the mass, then the mixed sum; the magnitudes of the task vector
-being trimmed, then the divisor), SLERP 1 (the result); plus one input's tensor as read
-and, for TIES, three bool masks (3/8 E).
+1 (the sum), task arithmetic 2 (the base, the mixed task vector), SLERP 1 (the result); plus
+one input's tensor as read. TIES (:func:`_ties`) keeps the base and each model as read, with a
+bool mask of each model's kept entries (its task vectors recomputed exactly a chunk at a time
+when needed), and 2 E: the mass and the magnitudes, then the elected signs and the result.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 
 import numpy as np
 
@@ -69,47 +68,72 @@ def linear(tensors: Iterable[np.ndarray], weights: Sequence[float]) -> np.ndarra
 
 
 def magnitude(delta: np.ndarray, density: float) -> np.ndarray:
-    """mergekit ``sparsify.magnitude`` without rescaling: keep the ``int(density * n)`` entries
-    of largest magnitude (the first of an argsort by descending magnitude), zero the others.
-    ``delta`` itself at ``density`` 1, else a trimmed copy (:func:`trim`)."""
+    """mergekit ``sparsify.magnitude`` without rescaling: keep the ``max(1, int(density * n))``
+    entries of largest magnitude (the first of an argsort by descending magnitude), zero the
+    others. ``delta`` itself at ``density`` 1, else a trimmed copy (:func:`trim`)."""
     if density >= 1:
         return delta
     return trim(delta.copy(), density)
 
 
+def kept_count(size: int, density: float) -> int:
+    """How many entries of a task vector of ``size`` TIES keeps: mergekit 0.1.5's
+    ``max(1, int(density * size))`` (at least one of a non-empty tensor)."""
+    return min(size, max(1, int(density * size)))
+
+
 def trim(delta: np.ndarray, density: float, scratch: np.ndarray | None = None) -> np.ndarray:
-    """:func:`magnitude` in place on the float64 ``delta`` (returned): the k-th largest
-    magnitude found by a partition (no argsort, no index arrays); every entry above it kept,
-    and of those equal to it the first ones in index order (where a stable argsort by
-    descending magnitude would put them). Temporaries: the magnitudes (in ``scratch``, a
-    float64 array of ``delta``'s size, where given) and two bool masks."""
-    if density >= 1:
+    """:func:`magnitude` in place on the float64 ``delta`` (returned). Temporaries: the
+    magnitudes (in ``scratch``, a float64 array of ``delta``'s size, where given) and a mask."""
+    if density >= 1 or delta.size == 0:
         return delta
-    size = delta.size
-    k = int(density * size)
-    if k <= 0:
-        raise ValueError(f"--density {density} keeps no entry of a tensor of {size}")
-    magnitudes = np.abs(delta, out=scratch)
-    magnitudes.partition(size - k)
-    threshold = magnitudes[size - k]
-    np.abs(delta, out=magnitudes)
-    keep = magnitudes > threshold
-    at = magnitudes == threshold
-    del magnitudes
-    ties = k - int(np.count_nonzero(keep))  # entries equal to the threshold still kept
-    for part in chunks(size):
-        if ties <= 0:
-            at[part] = False
-            continue
-        here = np.flatnonzero(at[part])
-        if len(here) > ties:
-            at[part.start + int(here[ties]) : part.stop] = False
-        ties -= min(len(here), ties)
-    keep |= at
-    del at
+    keep = _kept(delta.size, lambda part: np.abs(delta[part]), density, scratch)
     np.logical_not(keep, out=keep)
     delta[keep] = 0.0
     return delta
+
+
+def _kept(
+    size: int,
+    magnitudes_of: Callable[[slice], np.ndarray],
+    density: float,
+    scratch: np.ndarray | None = None,
+) -> np.ndarray:
+    """The bool mask of the :func:`kept_count` entries of largest magnitude, the magnitudes
+    given a chunk at a time by ``magnitudes_of``: the k-th largest found by a partition of a
+    float64 copy (``scratch``: no argsort, no index arrays); every entry above it kept, and of
+    those equal to it the first ones in index order (where a stable argsort by descending
+    magnitude would put them)."""
+    k = kept_count(size, density)
+    magnitudes = np.empty(size, dtype=np.float64) if scratch is None else scratch.reshape(-1)
+    for part in chunks(size):
+        magnitudes[part] = magnitudes_of(part)
+    magnitudes.partition(size - k)
+    threshold = magnitudes[size - k]
+    del magnitudes
+    keep = np.empty(size, dtype=bool)
+    above = 0
+    for part in chunks(size):
+        np.greater(magnitudes_of(part), threshold, out=keep[part])
+        above += int(np.count_nonzero(keep[part]))
+    ties = k - above  # entries equal to the threshold still kept, first in index order
+    for part in chunks(size):
+        if ties <= 0:
+            break
+        here = np.flatnonzero(magnitudes_of(part) == threshold)[:ties]
+        keep[part.start + here] = True
+        ties -= len(here)
+    return keep
+
+
+def _task_vector(x: np.ndarray, base: np.ndarray, part: slice) -> np.ndarray:
+    """``x - base`` over ``part`` of the flat arrays, exact in float64 (both widened first)."""
+    return np.subtract(x[part], base[part], dtype=np.float64)
+
+
+def _magnitudes(x: np.ndarray, base: np.ndarray, part: slice) -> np.ndarray:
+    """``|x - base|`` over ``part``, exact in float64."""
+    return np.abs(_task_vector(x, base, part))
 
 
 def task_arithmetic(
@@ -125,69 +149,102 @@ def task_arithmetic(
     """mergekit's generalised task arithmetic: ``task_arithmetic`` (no trimming, no consensus,
     normalize false) and ``ties`` (``magnitude`` trimming, sign consensus by total mass,
     normalize true). ``lam`` scales the mixed delta (mergekit's ``lambda``). ``models`` are
-    taken one at a time; without ``consensus`` each is added into the mixed delta and dropped,
-    with it each weighted trimmed task vector is kept until the disjoint merge."""
-    base = base.astype(np.float64, copy=False)
+    taken one at a time; without ``consensus`` each is added into the mixed delta and dropped;
+    with it, :func:`_ties`."""
     weights = list(weights)
-    mixed = np.zeros_like(base)
-    # the magnitudes of each task vector as it is trimmed, then the divisor: one buffer
-    scratch = np.empty_like(base) if density < 1 or consensus else None
     inputs = iter(models)  # (not zip: its reused result tuple would keep the last input)
-    if not consensus:
-        for w in weights:
-            x = next(inputs)
-            if density >= 1:  # w (x - b), a chunk at a time
-                for part in chunks(base.size):
-                    delta = x[part] - base[part]
-                    delta *= w
-                    mixed[part] += delta
-            else:
-                delta = np.subtract(x, base, dtype=np.float64)
-                del x  # the input as read: not needed once its task vector is made
-                trim(delta, density, scratch)
+    if consensus:
+        return _ties(base, inputs, weights, lam, density, normalize)
+    base = base.astype(np.float64, copy=False)
+    mixed = np.zeros_like(base)
+    # the magnitudes of each task vector as it is trimmed
+    scratch = np.empty_like(base) if density < 1 else None
+    for w in weights:
+        x = next(inputs)
+        if density >= 1:  # w (x - b), a chunk at a time
+            for part in chunks(base.size):
+                delta = x[part] - base[part]
                 delta *= w
-                mixed += delta
-                del delta
-        total = float(np.sum(np.asarray(weights, dtype=np.float64)))
-        divisor: float | np.ndarray = 1.0 if abs(total) < 1e-8 else total
-    else:
-        weighted: deque[np.ndarray] = deque()  # e_i = w_i trim(x_i - b): needed after the vote
-        for w in weights:
-            x = next(inputs)
+                mixed[part] += delta
+        else:
             delta = np.subtract(x, base, dtype=np.float64)
             del x  # the input as read: not needed once its task vector is made
             trim(delta, density, scratch)
             delta *= w
-            mixed += delta  # the total mass, first
-            weighted.append(delta)
+            mixed += delta
             del delta
-        elected = mixed >= 0  # mergekit: (sum >= 0) * 2 - 1
-        mixed[...] = 0.0
-        assert scratch is not None
-        divisor = scratch
-        divisor[...] = 0.0
-        agree = np.empty(base.shape, dtype=bool)
-        negative = np.empty(base.shape, dtype=bool)
-        for w in weights[: len(weighted)]:
-            delta = weighted.popleft()  # dropped once added: memory falls as the merge goes
-            # an entry agrees when its sign is the elected one (a zero agrees with neither)
-            np.greater(delta, 0, out=agree)
-            agree &= elected
-            np.less(delta, 0, out=negative)
-            np.greater(negative, elected, out=negative)  # negative where - was elected
-            agree |= negative
-            np.add(mixed, delta, out=mixed, where=agree)
-            np.add(divisor, w, out=divisor, where=agree)
-            del delta
-        del agree, negative, elected
-        divisor[divisor == 0] = 1
+    del scratch
+    total = float(np.sum(np.asarray(weights, dtype=np.float64)))
     if normalize:
-        mixed /= divisor
-    del divisor, scratch
+        mixed /= 1.0 if abs(total) < 1e-8 else total
     if lam != 1:
         mixed *= lam
     mixed += base
     return mixed
+
+
+def _ties(
+    base: np.ndarray,
+    inputs: Iterator[np.ndarray],
+    weights: list[float],
+    lam: float,
+    density: float,
+    normalize: bool,
+) -> np.ndarray:
+    """TIES: ``e_i = w_i trim(x_i - b)``; the elected sign of each entry is that of the total
+    mass ``sum_i e_i``; the merge is ``b + lam * sum_(agreeing i) e_i / sum_(agreeing i) w_i``.
+
+    The disjoint merge needs every task vector after the vote, so each model is kept as read
+    (its own dtype) with the bool mask of its kept entries, and its task vector recomputed
+    exactly, a chunk at a time, in both passes; the base is kept as read too. Held at once,
+    in float64 copies ``E`` of the tensor: while a model is trimmed, the mass and the
+    magnitudes (2 E) beside the base and the models read so far; then the elected signs
+    (E/8) and the result (1 E, in the magnitudes' place)."""
+    size = base.size
+    flat_base = base.reshape(-1)
+    mass = np.zeros(size, dtype=np.float64)
+    scratch = np.empty(size, dtype=np.float64) if density < 1 else None
+    kept: list[tuple[np.ndarray, np.ndarray | None, float]] = []
+    for w in weights:
+        x = next(inputs).reshape(-1)
+        keep = (
+            None
+            if density >= 1 or size == 0
+            else _kept(size, partial(_magnitudes, x, flat_base), density, scratch)
+        )  # fmt: skip
+        for part in chunks(size):
+            delta = _task_vector(x, flat_base, part)
+            if keep is not None:
+                delta[~keep[part]] = 0.0
+            delta *= w
+            mass[part] += delta
+        kept.append((x, keep, w))
+        del x, keep
+    elected = mass >= 0  # mergekit: (sum >= 0) * 2 - 1
+    del mass
+    result = np.empty(size, dtype=np.float64) if scratch is None else scratch
+    del scratch
+    for part in chunks(size):
+        mixed = np.zeros(part.stop - part.start, dtype=np.float64)
+        divisor = np.zeros_like(mixed)
+        positive = elected[part]
+        for x, keep, w in kept:
+            delta = _task_vector(x, flat_base, part)
+            if keep is not None:
+                delta[~keep[part]] = 0.0
+            delta *= w
+            # an entry agrees when its sign is the elected one (a zero agrees with neither)
+            agree = ((delta > 0) & positive) | ((delta < 0) & ~positive)
+            np.add(mixed, delta, out=mixed, where=agree)
+            np.add(divisor, w, out=divisor, where=agree)
+        if normalize:
+            divisor[divisor == 0] = 1
+            mixed /= divisor
+        if lam != 1:
+            mixed *= lam
+        mixed += flat_base[part]
+        result[part] = mixed
+    return result.reshape(base.shape)
 
 
 def slerp(t: float, v0: np.ndarray, v1: np.ndarray) -> np.ndarray:
