@@ -29,6 +29,7 @@ from ckpttool.cli.options import (
     use_ema_option,
     written_output_options,
 )
+from ckpttool.cli.ranks import on_ranks
 from ckpttool.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -651,6 +652,7 @@ def rescale_step(
 @json_option("convert")
 @remote_options
 @jobs_option
+@on_ranks
 def convert_command(
     src: str,
     dst: str | None,
@@ -704,6 +706,7 @@ def convert_command(
     """
     from ckpttool.commands.convert.options import ConversionOptions
     from ckpttool.commands.convert.run import convert_with
+    from ckpttool.commands.convert.spread import lead_result
     from ckpttool.commands.selection import Selection
     from ckpttool.io.progress import Progress
     from ckpttool.render import convert as convert_render
@@ -718,9 +721,11 @@ def convert_command(
         max_shard_size=max_shard_size, verify=not no_verify,
     )  # fmt: skip
     with Progress(0, "convert") as bar:
-        report = convert_with(
-            src, dst, selection, options, force=force, progress=bar.advance,
-            on_total=lambda n: setattr(bar, "total", max(n, 1)),
+        report = lead_result(
+            lambda: convert_with(
+                src, dst, selection, options, force=force, progress=bar.advance,
+                on_total=lambda n: setattr(bar, "total", max(n, 1)),
+            )
         )  # fmt: skip
     if as_json:
         _echo_json(convert_render.render_json(report))

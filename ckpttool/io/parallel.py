@@ -41,6 +41,12 @@ def jobs() -> int:
     return cpu_count() if value is None else value
 
 
+def requested() -> int | None:
+    """The N the user asked for (``--jobs N``, :func:`using`), None when it is the default."""
+    value: int | None = getattr(_setting, "jobs", None)
+    return value
+
+
 @contextmanager
 def using(count: int | None) -> Iterator[None]:
     """Within this block (this thread), :func:`ordered_map` uses ``count`` threads (None: the

@@ -18,8 +18,9 @@ under the target's name and an existing target is left as it was.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -27,7 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
-from ckpttool.commands.convert import model_dir, torch_kinds
+from ckpttool.commands.convert import model_dir, spread, torch_kinds
 from ckpttool.commands.convert.options import ConversionOptions
 from ckpttool.commands.convert.output import (
     FORMATS,
@@ -152,9 +153,57 @@ def convert_with(
     :class:`OverflowRefusedError` if a cast overflows and not ``options.allow_overflow``,
     :class:`VerificationError` (exit code 1) if the output does not read back identical.
     """
-    to, dtype, verify = options.to, options.dtype, options.verify
+    to, verify = options.to, options.verify
     if to is not None and to not in FORMATS:
         raise InputError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
+    src_path = _local_name(src, dst)
+    job = spread.Job(write_share, os.fspath(src), None if dst is None else os.fspath(dst),
+                     choice, options)  # fmt: skip
+    with _planned(job) as (ckpt, plan, files, output):
+        if on_total is not None:
+            on_total(plan.tensor_bytes * (2 if verify else 1))
+        spreader = spread.chosen(job, files)
+
+        def write(files: list[OutFile], sweep_in: Path | None = None) -> dict[str, CastCounts]:
+            def local(files: list[OutFile]) -> dict[str, CastCounts]:
+                return write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
+                                     verify=verify, progress=progress or (lambda n: None))  # fmt: skip
+
+            if spreader is None:
+                return local(files)
+            return spreader.write(files, local, progress or (lambda n: None), sweep_in=sweep_in)
+
+        if output is not None:
+            assert dst is not None
+            target = Path(dst)
+            model_dir.check_target(output, target, force)
+            leads = spreader is None or spreader.leads
+            staged = model_dir.staged_directory(target) if leads else contextlib.nullcontext(target)
+            with staged as staging:
+                counts = write(model_dir.moved(files, staging), sweep_in=target)
+                copied = model_dir.copy_files(output, staging)
+            report = _build_report(src_path, plan, files, counts, dtype=options.dtype,
+                                   verified=verify)  # fmt: skip
+            _name_remote_source(report, src, verify)
+            report.directory = target
+            report.copied = copied
+            return report
+        check_targets(src_path, files, force)
+        counts = write(files)
+    report = _build_report(src_path, plan, files, counts, dtype=options.dtype, verified=verify)
+    _name_remote_source(report, src, verify)
+    return report
+
+
+@contextlib.contextmanager
+def _planned(
+    job: spread.Job,
+) -> Iterator[tuple[Checkpoint, Plan, list[OutFile], model_dir.ModelDirectoryOutput | None]]:
+    """The source opened and the conversion planned: the files to write (a model directory's
+    named in DST, with ``output`` its framework's description; else ``output`` is None).
+    Deterministic: every process that plans ``job`` gets the same files."""
+    src, dst, choice, options = job.src, job.dst, job.choice, job.options
+    to = options.to
     max_shard_size = options.max_shard_size
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     src_path = _local_name(src, dst)
@@ -164,42 +213,36 @@ def convert_with(
         plan = build_plan(ckpt, choice, options, keep_kinds=writes_pth(dst, to))
         facts = view_facts(ckpt)
         plan.notes[:0] = [*(facts.notes if facts is not None else ()), *edited]
-        if on_total is not None:
-            on_total(plan.tensor_bytes * (2 if verify else 1))
-
-        def write(plan: Plan, files: list[OutFile]) -> dict[str, CastCounts]:
-            return write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
-                                  verify=verify, progress=progress or (lambda n: None))  # fmt: skip
-
         output = model_dir.model_directory(ckpt)
         if model_dir.wants_model_dir(output, dst):
-            assert dst is not None
+            assert dst is not None and output is not None
             if to == "pth":
                 raise InputError(
                     "a model directory is written as safetensors, as from_pretrained loads it; "
                     "drop --to pth or name a .pth DST"
                 )
-            assert output is not None
             plan = model_dir.for_transformers(plan, output)
             target = Path(dst)
-            model_dir.check_target(output, target, force)
-            with model_dir.staged_directory(target) as staging:
-                weights = staging / output.weights_name if shard_size is None else staging
-                files = plan_outputs(src_path, weights, None, shard_size, plan)
-                counts = write(plan, files)
-                copied = model_dir.copy_files(output, staging)
-            files = model_dir.moved(files, target)
-            report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
-            _name_remote_source(report, src, verify)
-            report.directory = target
-            report.copied = copied
-            return report
-        files = plan_outputs(src_path, dst, to, shard_size, plan)
-        check_targets(src_path, files, force)
-        counts = write(plan, files)
-    report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
-    _name_remote_source(report, src, verify)
-    return report
+            weights = target / output.weights_name if shard_size is None else f"{target}{os.sep}"
+            yield ckpt, plan, plan_outputs(src_path, weights, None, shard_size, plan), output
+            return
+        yield ckpt, plan, plan_outputs(src_path, dst, to, shard_size, plan), None
+
+
+def write_share(
+    job: spread.Job, share: list[int], parts_dir: Path, token: str
+) -> list[spread.Part]:
+    """In a worker process (``--jobs N``): plan ``job`` again and write the data files
+    ``share`` names as verified parts in ``parts_dir`` (:mod:`.spread`)."""
+    options = job.options
+    with _planned(job) as (ckpt, plan, files, _):
+        data = [f for f in files if f.kind != "index"]
+
+        def local(files: list[OutFile]) -> dict[str, CastCounts]:
+            return write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
+                                 verify=options.verify, progress=lambda n: None)  # fmt: skip
+
+        return spread.write_share(share, data, parts_dir, token, local)
 
 
 def _edited(ckpt: Checkpoint, choice: Selection) -> tuple[Checkpoint, list[str]]:

@@ -1,0 +1,63 @@
+"""Commands under ``torchrun``: the ranks joined, the work shared, one report printed.
+
+A command that shares its work over torchrun's ranks (``convert``, ``verify``, ``scan``,
+``edit``) is wrapped by :func:`on_ranks`. When torchrun's variables say there are several ranks,
+the ranks join one gloo process group (:class:`ckpttool.io.units.Ranks`); rank 0 prints the
+report and every error, once (the error names the rank it happened on); the other ranks print
+nothing (no progress bar) and exit with the same code. A rank that loses the others (one was
+killed) says so on its stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def on_ranks(command: F) -> F:
+    """Run ``command`` as one rank of torchrun's job when there is one (see the module doc)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from ckpttool.io import units
+
+        launched = units.launched_ranks()
+        if launched is None:
+            return command(*args, **kwargs)
+        ranks = units.Ranks.join(*launched)
+        units.set_current(ranks)
+        try:
+            if ranks.leads:
+                return command(*args, **kwargs)
+            return _quietly(command, args, kwargs)
+        finally:
+            units.set_current(None)
+            ranks.close()
+
+    return run  # type: ignore[return-value]
+
+
+def _quietly(command: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Off rank 0: no report, no progress bar, no error line (rank 0 prints it), the same exit
+    code; only a lost connection to the others is said here, where rank 0 may be gone."""
+    from ckpttool.errors import CkptError
+    from ckpttool.io.units import UnitError
+
+    stdout, stderr = sys.stdout, sys.stderr
+    with open(os.devnull, "w") as null:
+        sys.stdout = sys.stderr = null
+        try:
+            return command(*args, **kwargs)
+        except UnitError as error:
+            if error.lost:
+                print(f"Error: {error}", file=stderr)
+            raise SystemExit(error.exit_code) from None
+        except CkptError as error:
+            raise SystemExit(error.exit_code) from None
+        finally:
+            sys.stdout, sys.stderr = stdout, stderr

@@ -1,0 +1,231 @@
+"""``convert``'s output files written by several processes (``--jobs N``) or torchrun's ranks.
+
+Every process plans the same conversion from the same metadata (:mod:`.plan`, :mod:`.output`):
+the same files, names, tensors, headers. Each output file (a shard) is one unit, weighed by its
+tensor bytes and assigned by :func:`ckpttool.io.units.assign`. A unit is written by the one
+writer ``convert`` always uses, to a part file ``.<shard name>.<token>.ckpttool-tmp`` in the
+directory the output goes to, fsynced and read back tensor by tensor before it counts as done.
+The lead (the parent process; rank 0) then renames the parts to their names, writes the index
+last and fsyncs the directory: the files are byte for byte those one process writes.
+
+Before writing, the lead removes what a killed earlier run to the same output left (its part
+files and temp files, recognised by name); after a failure every process removes its own parts
+and the lead sweeps again, so nothing is left under the output's names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ckpttool.commands.convert.options import ConversionOptions
+from ckpttool.commands.convert.output import OutFile
+from ckpttool.commands.selection import Selection
+from ckpttool.io import units
+from ckpttool.io.atomic import TMP_SUFFIX, atomic_write, fsync_dir
+from ckpttool.io.parallel import requested
+from ckpttool.io.progress import ProgressCallback
+from ckpttool.model.cast import CastCounts
+
+WriteFiles = Callable[[list[OutFile]], dict[str, CastCounts]]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a worker process needs to plan the same conversion again and write its share:
+    ``write_share`` is a module-level function (pickled by name), called as
+    ``write_share(job, share, parts_dir, token)`` and returning :class:`Part`\\ s."""
+
+    write_share: Callable[..., list[Part]]
+    src: str
+    dst: str | None
+    choice: Selection
+    options: ConversionOptions
+
+
+@dataclass(frozen=True)
+class Part:
+    """One output file written under a part name, read back, ready to be renamed."""
+
+    index: int  # among the output's data files (the index file excluded)
+    path: Path
+    counts: dict[str, CastCounts]
+
+
+def part_path(directory: Path, name: str, token: str) -> Path:
+    return directory / f".{name}.{token}{TMP_SUFFIX}"
+
+
+def leftovers(directory: Path, names: Sequence[str]) -> list[Path]:
+    """What interrupted writes of ``names`` in ``directory`` may have left: part files, the
+    temp files of their writes, temp files and staging directories of the outputs."""
+    if not directory.is_dir():
+        return []
+    patterns = [p for name in names for p in (f".{name}.*{TMP_SUFFIX}", f"..{name}.*{TMP_SUFFIX}")]
+    return [
+        directory / entry
+        for entry in sorted(os.listdir(directory))
+        if any(fnmatch.fnmatchcase(entry, pattern) for pattern in patterns)
+    ]
+
+
+def sweep(directory: Path, names: Sequence[str], keep: Path | None = None) -> None:
+    for path in leftovers(directory, names):
+        if keep is not None and path == keep:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def write_share(
+    share: Sequence[int], data: list[OutFile], parts_dir: Path, token: str, write: WriteFiles
+) -> list[Part]:
+    """Write the data files ``share`` names as parts (each verified by ``write``); on an error
+    the parts already written are removed."""
+    parts: list[Part] = []
+    try:
+        for index in share:
+            out = data[index]
+            path = part_path(parts_dir, out.target.name, token)
+            counts = write([replace(out, target=path)])
+            parts.append(Part(index, path, counts))
+    except BaseException:
+        remove(parts)
+        raise
+    return parts
+
+
+def remove(parts: Sequence[Part]) -> None:
+    for part in parts:
+        with contextlib.suppress(FileNotFoundError):
+            part.path.unlink()
+
+
+class Spreader:
+    """Writes a conversion's files over processes or ranks (see the module doc)."""
+
+    def __init__(self, ranks: units.Ranks | None, workers: int, job: Job) -> None:
+        self.ranks = ranks
+        self.workers = workers
+        self.job = job
+
+    @property
+    def leads(self) -> bool:
+        return self.ranks is None or self.ranks.leads
+
+    def write(
+        self,
+        files: list[OutFile],
+        write: WriteFiles,
+        progress: ProgressCallback,
+        *,
+        sweep_in: Path | None = None,
+    ) -> dict[str, CastCounts]:
+        """Write ``files`` (data files, then an index) to their targets; returns the casts'
+        losses by tensor, as one process's write would. Off the lead, raises
+        :class:`~ckpttool.io.units.Delegated` once this rank's share is written and every
+        rank's is done. ``sweep_in``: also remove leftovers of that directory's name there
+        (a model directory's staging directories)."""
+        data = [f for f in files if f.kind != "index"]
+        weights = [max(1, sum(p.nbytes for p in f.tensors)) for f in data]
+        parts_dir = files[0].target.parent
+        names = [f.target.name for f in files]
+
+        def prepare() -> Path:
+            if sweep_in is not None:
+                sweep(sweep_in.parent, [sweep_in.name], keep=parts_dir)
+            sweep(parts_dir, names)
+            return parts_dir
+
+        if self.ranks is not None:
+            ranks = self.ranks
+            parts_dir = ranks.agree(lambda: prepare() if ranks.leads else None)[0]
+            share = units.assign(weights, ranks.world)[ranks.rank]
+            mine: list[Part] = []
+
+            def work() -> list[Part]:
+                mine.extend(write_share(share, data, parts_dir, secrets.token_hex(4), write))
+                return mine
+
+            try:
+                gathered = ranks.agree(work)
+            except BaseException:
+                remove(mine)
+                if ranks.leads:
+                    sweep(parts_dir, names)
+                raise
+            parts = [part for found in gathered for part in found]
+            if not ranks.leads:
+                raise units.Delegated
+        else:
+            prepare()
+            shares = [s for s in units.assign(weights, self.workers) if s]
+            job = self.job
+            token = secrets.token_hex(4)
+            arguments = [(job, share, parts_dir, f"{token}{n}") for n, share in enumerate(shares)]
+            try:
+                results = units.process_map(job.write_share, arguments, self.workers)
+                units.raise_first(results)
+            except BaseException:
+                sweep(parts_dir, names)
+                raise
+            parts = [part for found in results for part in found]
+        progress(sum(weights))
+        try:
+            return commit(files, sorted(parts, key=lambda p: p.index))
+        except BaseException:
+            sweep(parts_dir, names)
+            raise
+
+
+def commit(files: list[OutFile], parts: list[Part]) -> dict[str, CastCounts]:
+    """Rename every part to its file's name, then write the index (last: readers start from
+    it), fsync the directory; the casts' losses in the files' order."""
+    data = [f for f in files if f.kind != "index"]
+    counts: dict[str, CastCounts] = {}
+    for part in parts:
+        target = data[part.index].target
+        data[part.index].expected_size = part.path.stat().st_size
+        os.replace(part.path, target)
+        counts.update(part.counts)
+    for out in files:
+        if out.kind == "index":
+            with atomic_write(out.target) as handle:
+                handle.write(out.content)
+            if out.target.read_bytes() != out.content:
+                raise OSError(f"{out.target} does not hold the index written")
+            out.expected_size = len(out.content)
+    fsync_dir(files[0].target.parent)
+    return counts
+
+
+def chosen(job: Job, files: list[OutFile]) -> Spreader | None:
+    """How ``files`` are written: over torchrun's ranks, over ``--jobs N`` processes (asked for
+    explicitly, and at least two data files), or None: by this process, as always."""
+    ranks = units.current()
+    if ranks is not None:
+        return Spreader(ranks, ranks.world, job)
+    count = requested()
+    data = sum(1 for f in files if f.kind != "index")
+    if count is None or count < 2 or data < 2:
+        return None
+    return Spreader(None, min(count, data), job)
+
+
+def lead_result(function: Callable[[], Any]) -> Any:
+    """Under torchrun, ``function()`` on every rank and the lead's result on all; else just
+    ``function()``."""
+    ranks = units.current()
+    if ranks is None:
+        return function()
+    return ranks.lead_result(function)
