@@ -13,10 +13,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Seconds a failing rank other than 0 waits after rank 0 let it go, before it exits.
+LEAD_GRACE = 1.0
 
 
 def on_ranks(command: F) -> F:
@@ -33,8 +37,8 @@ def on_ranks(command: F) -> F:
         units.set_current(ranks)
         try:
             if ranks.leads:
-                return command(*args, **kwargs)
-            return _quietly(command, args, kwargs)
+                return _leading(ranks, command, args, kwargs)
+            return _quietly(ranks, command, args, kwargs)
         finally:
             units.set_current(None)
             ranks.close()
@@ -42,22 +46,45 @@ def on_ranks(command: F) -> F:
     return run  # type: ignore[return-value]
 
 
-def _quietly(command: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+def _leading(ranks: Any, command: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Rank 0: the command, its report or its error line, then the others let go (so that
+    torchrun sees rank 0 end first, with its own exit code, and stops nobody)."""
+    from ckpttool.errors import CkptError
+
+    try:
+        result = command(*args, **kwargs)
+    except CkptError as error:
+        sys.stdout.flush()
+        print("Error: " + " ".join(str(error).split()), file=sys.stderr, flush=True)
+        ranks.finish()
+        raise SystemExit(error.exit_code) from None
+    ranks.finish()
+    return result
+
+
+def _quietly(ranks: Any, command: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """Off rank 0: no report, no progress bar, no error line (rank 0 prints it), the same exit
-    code; only a lost connection to the others is said here, where rank 0 may be gone."""
+    code, after rank 0 has ended; only a lost connection to the others is said here, where rank
+    0 may be gone."""
     from ckpttool.errors import CkptError
     from ckpttool.io.units import UnitError
 
     stdout, stderr = sys.stdout, sys.stderr
+    code = 0
     with open(os.devnull, "w") as null:
         sys.stdout = sys.stderr = null
         try:
-            return command(*args, **kwargs)
+            result = command(*args, **kwargs)
         except UnitError as error:
             if error.lost:
                 print(f"Error: {error}", file=stderr)
-            raise SystemExit(error.exit_code) from None
+            code = error.exit_code
         except CkptError as error:
-            raise SystemExit(error.exit_code) from None
+            code = error.exit_code
         finally:
             sys.stdout, sys.stderr = stdout, stderr
+    ranks.finish()
+    if code:
+        time.sleep(LEAD_GRACE)  # rank 0 ends first: torchrun names it, with its error, first
+        raise SystemExit(code)
+    return result

@@ -28,6 +28,7 @@ from typing import Any
 from ckpttool.commands.convert.options import ConversionOptions
 from ckpttool.commands.convert.output import OutFile
 from ckpttool.commands.selection import Selection
+from ckpttool.errors import CkptError
 from ckpttool.io import units
 from ckpttool.io.atomic import TMP_SUFFIX, atomic_write, fsync_dir
 from ckpttool.io.parallel import requested
@@ -153,8 +154,15 @@ class Spreader:
             share = units.assign(weights, ranks.world)[ranks.rank]
             mine: list[Part] = []
 
+            token = secrets.token_hex(4)
+
             def work() -> list[Part]:
-                mine.extend(write_share(share, data, parts_dir, secrets.token_hex(4), write))
+                for index in share:  # an error names the file this rank was writing
+                    try:
+                        mine.extend(write_share([index], data, parts_dir, token, write))
+                    except CkptError as error:
+                        where = f"writing {data[index].target.name}: {error}"
+                        raise units.UnitError(where, error.exit_code) from error
                 return mine
 
             try:
