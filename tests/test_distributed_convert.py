@@ -18,11 +18,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
+from ckpttool.io import units
 from ckpttool.io.units import assign
 from tests.support.timeouts import scaled
 
@@ -111,6 +113,38 @@ def test_assignment_is_balanced_by_bytes_and_deterministic() -> None:
     assert assign([5, 1, 1, 1, 4, 3], 2) == [[0, 1, 2, 3], [4, 5]]  # loads 8 and 7
     assert assign([1, 1, 1], 4) == [[0], [1], [2], []]
     assert assign([], 3) == [[], [], []]
+
+
+class _TwoRanks(units.Ranks):
+    """Rank 0 of 2, with rank 1's outcome computed here: what :meth:`exchange` would gather."""
+
+    def __init__(self, rank1: Callable[[], object]) -> None:
+        super().__init__(0, 2)
+        self.rank1 = rank1
+
+    def exchange(self, outcome: object) -> list[object]:
+        return [outcome, self.rank1()]
+
+
+def test_shared_map_computes_only_its_share_and_merges_in_item_order() -> None:
+    items = [10, 1, 1, 1, 40, 30]
+    called: list[int] = []
+
+    def square(item: int) -> int:
+        called.append(item)
+        return item * item
+
+    mine, theirs = assign(items, 2)
+    units.set_current(_TwoRanks(lambda: [(i, items[i] ** 2) for i in theirs]))
+    try:
+        assert units.shared_map(square, items, items) == [i * i for i in items]
+        assert sorted(called) == sorted(items[i] for i in mine) and len(called) < len(items)
+        units.set_current(_TwoRanks(lambda: [(theirs[0], units.Failure("bad shard", 1))]))
+        with pytest.raises(units.UnitError, match=r"^rank 1: bad shard$") as raised:
+            units.shared_map(square, items, items)
+        assert raised.value.exit_code == 1
+    finally:
+        units.set_current(None)
 
 
 @pytest.mark.slow
@@ -297,3 +331,33 @@ def test_rank_killed_mid_write_leaves_no_output_and_rerun_is_clean(tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # the leftovers swept
     want = _one_process(src, tmp_path / "one", "--max-shard-size", "4MB")
     assert _files(out) == want
+
+
+CHECKS = {
+    "verify_hf_sharded": ["verify", str(SOURCES["hf_sharded"])],
+    "verify_dcp_json": ["verify", "--json", str(SOURCES["dcp"])],
+    "verify_zero3": ["verify", str(SOURCES["zero3"])],
+    "verify_megatron": ["verify", str(SOURCES["megatron_torch_dist"])],
+    "scan_frameworks": ["scan", str(FIXTURES / "frameworks")],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_verify_and_scan_report_the_same_under_torchrun(check: str) -> None:
+    arguments = CHECKS[check]
+    one = _run([sys.executable, "-m", "ckpttool", *arguments])
+    ranks = _run([*_torchrun(3), *arguments])
+    assert (ranks.returncode, ranks.stdout) == (one.returncode, one.stdout), ranks.stderr
+
+
+@pytest.mark.slow
+def test_verify_damaged_shard_under_torchrun_is_found_once(tmp_path: Path) -> None:
+    src = _copy(SOURCES["hf_sharded"], tmp_path / "src")
+    shard = src / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-3])
+    one = _run([sys.executable, "-m", "ckpttool", "verify", str(src)])
+    ranks = _ranks(2, ["verify", str(src)])
+    assert [code for code, _, _ in ranks] == [1, 1] and one.returncode == 1
+    assert ranks[0][1] == one.stdout and "model-00002-of-00003.safetensors" in one.stdout
+    assert ranks[1][1:] == ("", "")

@@ -1222,6 +1222,7 @@ def _int_params(pairs: tuple[str, ...]) -> dict[str, int]:
 @json_option("verify")
 @remote_options
 @jobs_option
+@on_ranks
 def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
     """Check files' integrity without trusting them.
 
@@ -1271,6 +1272,7 @@ def verify_command(paths: tuple[str, ...], values: bool, as_json: bool) -> None:
 )  # fmt: skip
 @json_option("scan")
 @remote_options
+@on_ranks
 def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) -> None:
     """List every global the pickles reference, classed safe / unknown / dangerous.
 

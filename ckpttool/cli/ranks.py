@@ -58,6 +58,10 @@ def _leading(ranks: Any, command: Callable[..., Any], args: Any, kwargs: Any) ->
         print("Error: " + " ".join(str(error).split()), file=sys.stderr, flush=True)
         ranks.finish()
         raise SystemExit(error.exit_code) from None
+    except SystemExit:  # a verdict's exit code (verify: 1, found)
+        sys.stdout.flush()
+        ranks.finish()
+        raise
     ranks.finish()
     return result
 
@@ -70,7 +74,8 @@ def _quietly(ranks: Any, command: Callable[..., Any], args: Any, kwargs: Any) ->
     from ckpttool.io.units import UnitError
 
     stdout, stderr = sys.stdout, sys.stderr
-    code = 0
+    code: int | None = None
+    result = None
     with open(os.devnull, "w") as null:
         sys.stdout = sys.stderr = null
         try:
@@ -81,10 +86,13 @@ def _quietly(ranks: Any, command: Callable[..., Any], args: Any, kwargs: Any) ->
             code = error.exit_code
         except CkptError as error:
             code = error.exit_code
+        except SystemExit as stop:  # the same verdict as rank 0's
+            code = stop.code if isinstance(stop.code, int) else 2
         finally:
             sys.stdout, sys.stderr = stdout, stderr
     ranks.finish()
     if code:
         time.sleep(LEAD_GRACE)  # rank 0 ends first: torchrun names it, with its error, first
+    if code is not None:
         raise SystemExit(code)
     return result

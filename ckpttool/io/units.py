@@ -253,6 +253,55 @@ def _delegated(function: Callable[[], Any]) -> Any:
         return None
 
 
+def shared_map(
+    function: Callable[[Any], Any], items: Sequence[Any], weights: Sequence[int] | None = None
+) -> list[Any]:
+    """``[function(item) for item in items]``, the same list on every rank: under torchrun,
+    each rank computes its share (:func:`assign` by ``weights``, default equal) and the
+    results are exchanged; else, and inside a share (a nested call), :func:`ordered_map`
+    (``--jobs`` threads). Every rank must make the same calls in the same order (they are
+    collective). The first error in item order is raised on every rank, naming the rank.
+    Results and errors cross processes: they must pickle."""
+    from ckpttool.io.parallel import ordered_map
+
+    ranks = _current
+    if ranks is None or _inside:
+        return ordered_map(function, items)
+    share = assign(list(weights) if weights is not None else [1] * len(items), ranks.world)
+    mine = share[ranks.rank]
+
+    def work() -> list[tuple[int, Any]]:
+        global _inside
+        _inside = True
+        try:
+            done: list[tuple[int, Any]] = []
+            for index in mine:  # stops at the first error, as a loop would
+                try:
+                    done.append((index, function(items[index])))
+                except Exception as error:  # sent to every rank, raised in item order
+                    done.append((index, failure_of(error)))
+                    break
+            return done
+        finally:
+            _inside = False
+
+    gathered = ranks.exchange(work())
+    found: dict[int, Any] = {}
+    where: dict[int, int] = {}
+    for rank, done in enumerate(gathered):
+        if isinstance(done, Failure):  # the rank failed outside this map
+            raise UnitError(f"rank {rank}: {done.message}", done.exit_code)
+        for index, result in done:
+            found[index] = result
+            where[index] = rank
+    for index in sorted(found):
+        if isinstance(found[index], Failure):
+            failure = found[index]
+            raise UnitError(f"rank {where[index]}: {failure.message}", failure.exit_code)
+    return [found[index] for index in range(len(items))]
+
+
+_inside = False  # in a rank's share of a shared_map: nested maps run here
 _current: Ranks | None = None
 
 
