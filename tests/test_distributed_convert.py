@@ -361,3 +361,30 @@ def test_verify_damaged_shard_under_torchrun_is_found_once(tmp_path: Path) -> No
     assert [code for code, _, _ in ranks] == [1, 1] and one.returncode == 1
     assert ranks[0][1] == one.stdout and "model-00002-of-00003.safetensors" in one.stdout
     assert ranks[1][1:] == ("", "")
+
+
+EDITS = {
+    # a Hugging Face directory: its weights files shared by the ranks
+    "hf_sharded": (SOURCES["hf_sharded"], ["--dtype", "bf16", "--drop", "model.layers.0.*"]),
+    # one file, and a DCP directory: rank 0 alone, the others wait
+    "file": (FIXTURES / "dcp" / "model.safetensors", ["--dtype", "bf16"]),
+    "dcp": (SOURCES["dcp"], ["--for-inference"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(EDITS))
+def test_edit_under_torchrun_writes_the_same_bytes_and_report(case: str, tmp_path: Path) -> None:
+    src, options = EDITS[case]
+    suffix = src.suffix
+    one = _run([sys.executable, "-m", "ckpttool", "edit", str(src), "-o",
+                str(tmp_path / f"one{suffix}"), *options])  # fmt: skip
+    ranks = _run([*_torchrun(2), "edit", str(src), "-o", str(tmp_path / f"two{suffix}"), *options])
+    assert (one.returncode, ranks.returncode) == (0, 0), (one.stderr, ranks.stderr)
+    assert ranks.stdout.replace(f"two{suffix}", f"one{suffix}") == one.stdout
+    a, b = tmp_path / f"one{suffix}", tmp_path / f"two{suffix}"
+    if a.is_dir():
+        assert _files(a) == _files(b)
+    else:
+        assert a.read_bytes() == b.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"one{suffix}", f"two{suffix}"]

@@ -29,7 +29,7 @@ from ckpttool.cli.options import (
     use_ema_option,
     written_output_options,
 )
-from ckpttool.cli.ranks import on_ranks
+from ckpttool.cli.ranks import lead_result, on_ranks
 from ckpttool.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -706,7 +706,6 @@ def convert_command(
     """
     from ckpttool.commands.convert.options import ConversionOptions
     from ckpttool.commands.convert.run import convert_with
-    from ckpttool.commands.convert.spread import lead_result
     from ckpttool.commands.selection import Selection
     from ckpttool.io.progress import Progress
     from ckpttool.render import convert as convert_render
@@ -1137,6 +1136,7 @@ def repair_command(
 @click.option("--dry-run", is_flag=True, help="Print what would change; write nothing.")
 @force_option
 @json_option("edit")
+@on_ranks
 def edit_command(
     src: str,
     dst: str | None,
@@ -1184,11 +1184,11 @@ def edit_command(
     from ckpttool.commands.edit_directory import edit
     from ckpttool.render import edit as edit_render
 
-    report = edit(
+    report = lead_result(lambda: edit(
         src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
         use_ema=use_ema, map_name=map_name, map_params=_int_params(map_params), compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
         in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
-    )  # fmt: skip
+    ))  # fmt: skip
     if as_json:
         _echo_json(edit_render.render_json(report))
     else:

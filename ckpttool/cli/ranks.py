@@ -46,6 +46,17 @@ def on_ranks(command: F) -> F:
     return run  # type: ignore[return-value]
 
 
+def lead_result(function: Callable[[], Any]) -> Any:
+    """Under torchrun, ``function()`` on every rank and rank 0's result on all; else just
+    ``function()``."""
+    from ckpttool.io import units
+
+    ranks = units.current()
+    if ranks is None:
+        return function()
+    return ranks.lead_result(function)
+
+
 def _leading(ranks: Any, command: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """Rank 0: the command, its report or its error line, then the others let go (so that
     torchrun sees rank 0 end first, with its own exit code, and stops nobody)."""

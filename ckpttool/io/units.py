@@ -301,6 +301,20 @@ def shared_map(
     return [found[index] for index in range(len(items))]
 
 
+def lead_only() -> None:
+    """Under torchrun, off rank 0: raise :class:`Delegated` (what follows is rank 0's alone:
+    work that is not shared, done once)."""
+    if _current is not None and not _current.leads:
+        raise Delegated
+
+
+def from_lead(value: Any) -> Any:
+    """Under torchrun, rank 0's ``value`` on every rank (a collective call); else ``value``."""
+    if _current is None:
+        return value
+    return _current.agree(lambda: value)[0]
+
+
 _inside = False  # in a rank's share of a shared_map: nested maps run here
 _current: Ranks | None = None
 

@@ -23,7 +23,6 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from ckpttool.commands.convert.options import ConversionOptions
 from ckpttool.commands.convert.output import OutFile
@@ -228,12 +227,3 @@ def chosen(job: Job, files: list[OutFile]) -> Spreader | None:
     if count is None or count < 2 or data < 2:
         return None
     return Spreader(None, min(count, data), job)
-
-
-def lead_result(function: Callable[[], Any]) -> Any:
-    """Under torchrun, ``function()`` on every rank and the lead's result on all; else just
-    ``function()``."""
-    ranks = units.current()
-    if ranks is None:
-        return function()
-    return ranks.lead_result(function)
