@@ -388,3 +388,26 @@ def test_edit_under_torchrun_writes_the_same_bytes_and_report(case: str, tmp_pat
     else:
         assert a.read_bytes() == b.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"one{suffix}", f"two{suffix}"]
+
+
+@pytest.mark.slow
+def test_convert_from_a_url_under_torchrun_same_bytes(tmp_path: Path) -> None:
+    """Every rank reads SRC through HTTP ranges (a loopback server): the same bytes as one
+    process reading it."""
+    from tests.support.range_server import RangeServer
+
+    source = FIXTURES / "dcp" / "model.safetensors"
+    server = RangeServer().start()
+    try:
+        url = server.add("model.safetensors", source.read_bytes())
+        one = _run([sys.executable, "-m", "ckpttool", *CONVERT, url, f"{tmp_path / 'one'}/"])
+        assert one.returncode == 0, one.stderr
+        fetched_by_one = len(server.requests)
+        ranks = _run([*_torchrun(2), *CONVERT, url, f"{tmp_path / 'two'}/"])
+        assert ranks.returncode == 0, ranks.stderr
+    finally:
+        server.stop()
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")
+    assert sum(name.endswith(".safetensors") for name in _files(tmp_path / "one")) >= 2
+    assert ranks.stdout.replace("two", "one") == one.stdout
+    assert len(server.requests) > fetched_by_one  # the ranks' requests came on top
