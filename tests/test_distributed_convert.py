@@ -408,3 +408,18 @@ def test_convert_from_a_url_under_torchrun_same_bytes(tmp_path: Path) -> None:
     assert sum(name.endswith(".safetensors") for name in _files(tmp_path / "one")) >= 2
     assert ranks.stdout.replace("two", "one") == one.stdout
     assert len(server.requests) > fetched_by_one  # the ranks' requests came on top
+
+
+@pytest.mark.slow
+def test_convert_to_one_file_under_torchrun_is_written_by_rank_0(tmp_path: Path) -> None:
+    """One output file is one unit: rank 0 writes it, the other ranks wait; the same bytes."""
+    src = str(SOURCES["dcp"])
+    one = _run(
+        [sys.executable, "-m", "ckpttool", "convert", src, str(tmp_path / "one.safetensors")]
+    )
+    ranks = _run([*_torchrun(2), "convert", src, str(tmp_path / "two.safetensors")])
+    assert (one.returncode, ranks.returncode) == (0, 0), ranks.stderr
+    assert (tmp_path / "one.safetensors").read_bytes() == (
+        tmp_path / "two.safetensors"
+    ).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.safetensors", "two.safetensors"]
