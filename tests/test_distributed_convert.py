@@ -423,3 +423,27 @@ def test_convert_to_one_file_under_torchrun_is_written_by_rank_0(tmp_path: Path)
         tmp_path / "two.safetensors"
     ).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.safetensors", "two.safetensors"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_jobs_process_and_leaves_nothing(tmp_path: Path) -> None:
+    """SIGINT to the command's process group (a terminal's Ctrl-C) while the workers write:
+    exit 130, every worker gone, no output and no temporary file."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    _big_source(src)
+    command = [sys.executable, "-m", "ckpttool", "convert", "--max-shard-size", "4MB",
+               "--dtype", "bf16", "--jobs", "2", str(src), f"{out}/"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=_env(), cwd=ROOT, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + scaled(60)
+    while time.monotonic() < deadline and process.poll() is None and not _writing(tmp_path):
+        time.sleep(0.002)
+    assert _writing(tmp_path), "the workers were not caught writing"
+    workers = psutil.Process(process.pid).children(recursive=True)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=scaled(60))
+    assert process.returncode == 130, stderr
+    # the workers, and the forkserver once it sees its parent gone
+    _, alive = psutil.wait_procs(workers, timeout=scaled(10))
+    assert not alive
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
