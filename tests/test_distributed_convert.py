@@ -68,7 +68,7 @@ def _run(command: list[str], timeout: float = 120) -> subprocess.CompletedProces
 
 def _ranks(world: int, arguments: list[str]) -> list[tuple[int, str, str]]:
     """``python -m ckpttool ARGUMENTS`` as ``world`` ranks, launched as torchrun launches them
-    (its variables) but by the test, so that each rank's exit code and output are seen (torchrun
+    (its variables, and CKPTTOOL_DIST=1: no torchrun parent) but by the test, so that each rank's exit code and output are seen (torchrun
     stops the other ranks with SIGTERM once one has failed): (code, stdout, stderr) by rank."""
     port = str(_free_port())
     processes = [
@@ -84,6 +84,7 @@ def _ranks(world: int, arguments: list[str]) -> list[tuple[int, str, str]]:
                 WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=port,
+                CKPTTOOL_DIST="1",
             ),
         )
         for rank in range(world)
@@ -447,3 +448,15 @@ def test_ctrl_c_stops_every_jobs_process_and_leaves_nothing(tmp_path: Path) -> N
     _, alive = psutil.wait_procs(workers, timeout=scaled(10))
     assert not alive
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.slow
+def test_inherited_rank_variables_alone_do_not_join(tmp_path: Path) -> None:
+    """A ckpttool run from inside a training job inherits RANK and WORLD_SIZE: without a
+    torchrun parent (or CKPTTOOL_DIST=1) it runs alone, at once, as always."""
+    env = _env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    done = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "verify", str(SOURCES["dcp"])],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=scaled(60),
+    )  # fmt: skip
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr

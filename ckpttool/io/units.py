@@ -120,9 +120,17 @@ def process_map(
 # --- torchrun's ranks -----------------------------------------------------------------------
 
 
+#: Set to 1 to join the ranks that ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
+#: describe when this process was not started by torchrun itself (another launcher).
+JOIN_ENV = "CKPTTOOL_DIST"
+
+
 def launched_ranks() -> tuple[int, int] | None:
-    """``(rank, world size)`` when this process was started by torchrun (or ``srun`` with
-    its variables) with more than one rank; else None."""
+    """``(rank, world size)`` when torchrun started this process as one of several ranks (or
+    :data:`JOIN_ENV` is 1); else None. A process that merely inherited a training rank's
+    variables (a ``ckpttool`` run from inside a training job) runs alone, as always."""
+    if os.environ.get(JOIN_ENV) != "1" and not _parent_is_torchrun():
+        return None
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
@@ -131,6 +139,17 @@ def launched_ranks() -> tuple[int, int] | None:
     if world < 2 or not 0 <= rank < world:
         return None
     return rank, world
+
+
+def _parent_is_torchrun() -> bool:
+    """Whether the parent process is torchrun's agent (``torchrun`` or ``python -m
+    torch.distributed.run``), read from /proc (where there is no /proc: assumed)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
+            words = handle.read().split(b"\0")
+    except OSError:
+        return True
+    return any(w.endswith(b"torchrun") or w == b"torch.distributed.run" for w in words[:4])
 
 
 def timeout_seconds() -> float:
