@@ -451,6 +451,28 @@ def test_ctrl_c_stops_every_jobs_process_and_leaves_nothing(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+def test_a_jobs_worker_killed_is_one_error_and_leaves_nothing(tmp_path: Path) -> None:
+    src, out = tmp_path / "src", tmp_path / "out"
+    _big_source(src)
+    command = [sys.executable, "-m", "ckpttool", "convert", "--max-shard-size", "4MB",
+               "--dtype", "bf16", "--jobs", "2", str(src), f"{out}/"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=_env(), cwd=ROOT)  # fmt: skip
+    deadline = time.monotonic() + scaled(60)
+    while time.monotonic() < deadline and process.poll() is None and not _writing(tmp_path):
+        time.sleep(0.002)
+    writers = [p for p in tmp_path.glob(".out.*.ckpttool-tmp")]
+    assert writers, "the workers were not caught writing"
+    # a worker: a child of the forkserver, the parent's one child that has children
+    server = next(c for c in psutil.Process(process.pid).children() if c.children())
+    server.children()[0].send_signal(signal.SIGKILL)
+    _, stderr = process.communicate(timeout=scaled(60))
+    assert process.returncode == 2, stderr
+    assert stderr.startswith("Error: a worker process died"), stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.slow
 def test_inherited_rank_variables_alone_do_not_join(tmp_path: Path) -> None:
     """A ckpttool run from inside a training job inherits RANK and WORLD_SIZE: without a
     torchrun parent (or CKPTTOOL_DIST=1) it runs alone, at once, as always."""

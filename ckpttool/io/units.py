@@ -98,10 +98,10 @@ def process_map(
     function: Callable[..., Any], arguments: Sequence[tuple[Any, ...]], workers: int
 ) -> list[Any]:
     """``[function(*a) for a in arguments]`` on ``workers`` processes, in order; an error in a
-    worker comes back as a :class:`Failure` in its place (the caller raises it). Ctrl-C stops
-    every worker (they share the terminal's process group) and cancels what had not started."""
+    worker comes back as a :class:`Failure` in its place (the caller raises it). The workers
+    ignore Ctrl-C: the parent, which gets it, stops them all (SIGTERM) before it goes on, so
+    that its cleanup runs once no worker writes any more."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
@@ -109,12 +109,29 @@ def process_map(
         # the server imports the function's module once; each worker is forked from it
         # instead of importing it again (measured: most of a worker's start-up)
         context.set_forkserver_preload([function.__module__])
-    pool = ProcessPoolExecutor(min(workers, len(arguments)), mp_context=context)
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    pool = ProcessPoolExecutor(
+        min(workers, len(arguments)), mp_context=context, initializer=_ignore_interrupts
+    )
     try:
         futures = [pool.submit(guarded, function, *args) for args in arguments]
         return [future.result() for future in futures]
+    except BrokenProcessPool:
+        raise UnitError("a worker process died (killed, or out of memory)") from None
+    except BaseException:
+        for process in multiprocessing.active_children():  # the pool's workers
+            process.terminate()
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _ignore_interrupts() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # --- torchrun's ranks -----------------------------------------------------------------------
