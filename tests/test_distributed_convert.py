@@ -11,6 +11,7 @@ no output, and a rerun sweeps what it left and writes the same bytes.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import signal
@@ -146,6 +147,24 @@ def test_shared_map_computes_only_its_share_and_merges_in_item_order() -> None:
         assert raised.value.exit_code == 1
     finally:
         units.set_current(None)
+
+
+def test_one_file_is_cut_into_runs_of_about_equal_bytes() -> None:
+    from ckpttool.commands.convert.output import OutFile
+    from ckpttool.commands.convert.plan import Planned
+    from ckpttool.commands.convert.spread import ranges
+    from ckpttool.model.records import TensorRecord
+
+    sizes = [100, 1, 1, 1, 50, 50, 1, 100, 3, 3]
+    tensors = [
+        Planned(f"t{i}", TensorRecord(f"t{i}", "uint8", (n,), (1,), 0, None), "uint8")
+        for i, n in enumerate(sizes)
+    ]
+    cut = ranges(OutFile(Path("x.safetensors"), "safetensors", tensors), 2)
+    assert [b for _, b in cut][-1] == len(sizes) and cut[0][0] == 0
+    assert all(a < b == c for (a, b), (c, _) in itertools.pairwise(cut))  # contiguous, in order
+    assert 3 <= len(cut) <= 8  # a few per worker
+    assert ranges(OutFile(Path("x.safetensors"), "safetensors", tensors[:1]), 4) == [(0, 1)]
 
 
 @pytest.mark.slow
@@ -412,8 +431,8 @@ def test_convert_from_a_url_under_torchrun_same_bytes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_convert_to_one_file_under_torchrun_is_written_by_rank_0(tmp_path: Path) -> None:
-    """One output file is one unit: rank 0 writes it, the other ranks wait; the same bytes."""
+def test_convert_to_one_small_file_under_torchrun_same_bytes(tmp_path: Path) -> None:
+    """One output file: its tensor ranges shared by the ranks, in place; the same bytes."""
     src = str(SOURCES["dcp"])
     one = _run(
         [sys.executable, "-m", "ckpttool", "convert", src, str(tmp_path / "one.safetensors")]
@@ -482,3 +501,26 @@ def test_inherited_rank_variables_alone_do_not_join(tmp_path: Path) -> None:
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=scaled(60),
     )  # fmt: skip
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr
+
+
+@pytest.mark.slow
+def test_one_large_file_split_by_byte_range_same_bytes(tmp_path: Path) -> None:
+    """One output file of 32 MiB: its tensor ranges written in place by --jobs 3 processes
+    and by 2 ranks; the same bytes as one process, nothing else left."""
+    _big_source(tmp_path / "src")
+    big = tmp_path / "big.safetensors"
+    made = _run([sys.executable, "-m", "ckpttool", "convert", str(tmp_path / "src"), str(big)])
+    assert made.returncode == 0, made.stderr
+    convert = ["convert", str(big), "--dtype", "bf16"]
+    runs = {
+        "one": [sys.executable, "-m", "ckpttool", *convert],
+        "jobs3": [sys.executable, "-m", "ckpttool", *convert, "--jobs", "3"],
+        "ranks2": [*_torchrun(2), *convert],
+    }
+    for name, command in runs.items():
+        done = _run([*command, str(tmp_path / f"{name}.safetensors")])
+        assert done.returncode == 0, (name, done.stderr)
+    want = (tmp_path / "one.safetensors").read_bytes()
+    assert (tmp_path / "jobs3.safetensors").read_bytes() == want
+    assert (tmp_path / "ranks2.safetensors").read_bytes() == want
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -158,7 +158,7 @@ def convert_with(
         raise InputError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
     src_path = _local_name(src, dst)
     job = spread.Job(write_share, os.fspath(src), None if dst is None else os.fspath(dst),
-                     choice, options)  # fmt: skip
+                     choice, options, write_range_share)  # fmt: skip
     with _planned(job) as (ckpt, plan, files, output):
         if on_total is not None:
             on_total(plan.tensor_bytes * (2 if verify else 1))
@@ -171,7 +171,10 @@ def convert_with(
 
             if spreader is None:
                 return local(files)
-            return spreader.write(files, local, progress or (lambda n: None), sweep_in=sweep_in)
+            return spreader.write(
+                files, local, progress or (lambda n: None), sweep_in=sweep_in,
+                write_range=lambda out, bounds, path: write_range(ckpt, out, bounds, path, options),
+            )  # fmt: skip
 
         if output is not None:
             assert dst is not None
@@ -243,6 +246,50 @@ def write_share(
                                  verify=options.verify, progress=lambda n: None)  # fmt: skip
 
         return spread.write_share(share, data, parts_dir, token, local)
+
+
+def write_range(
+    ckpt: Checkpoint, out: OutFile, bounds: tuple[int, int], path: Path, options: ConversionOptions
+) -> dict[str, CastCounts]:
+    """``out.tensors[first:stop]`` written where they go in ``path`` (a safetensors file the
+    lead made: header written, full size), fsynced, and read back tensor by tensor against
+    the source (a computed one computed again). Returns what each cast lost."""
+    first, stop = bounds
+    counts: dict[str, CastCounts] = {}
+    with open(path, "r+b") as handle:
+        handle.seek(out.expected_size - sum(p.nbytes for p in out.tensors[first:]))
+        for planned in out.tensors[first:stop]:
+            data, cast = tensor_bytes(ckpt, planned)
+            if cast is not None:
+                counts[planned.name] = cast
+                if cast.overflow and not options.allow_overflow:
+                    raise OverflowRefusedError(_overflow_message(planned, cast))
+            handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if options.verify:
+        with open_checkpoint(path) as written:
+            found = {record.key: record for record in written.tensors()}
+            for planned in out.tensors[first:stop]:
+                got = _stored_bytes(written, found[planned.name])
+                if got is None or not _same_bytes(tensor_bytes(ckpt, planned)[0], got):
+                    raise VerificationError(
+                        f"the output did not read back identical to the source, so it was "
+                        f"removed: {out.target.name}: {planned.name} does not read back "
+                        "bit-for-bit equal"
+                    )
+    return counts
+
+
+def write_range_share(
+    job: spread.Job, share: list[tuple[int, int]], path: Path
+) -> list[dict[str, CastCounts]]:
+    """In a worker process (``--jobs N``): plan ``job`` again and write the tensor ranges
+    ``share`` names into the one output file at ``path`` (:func:`write_range`)."""
+    with _planned(job) as (ckpt, _, files, _):
+        out = next(f for f in files if f.kind != "index")
+        out.expected_size = spread.planned_size(out)
+        return [write_range(ckpt, out, bounds, path, job.options) for bounds in share]
 
 
 def _edited(ckpt: Checkpoint, choice: Selection) -> tuple[Checkpoint, list[str]]:

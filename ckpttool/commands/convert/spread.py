@@ -35,6 +35,11 @@ from ckpttool.io.progress import ProgressCallback
 from ckpttool.model.cast import CastCounts
 
 WriteFiles = Callable[[list[OutFile]], dict[str, CastCounts]]
+#: (the output file, (first, stop) of its tensors, the file to write them in) -> casts' losses
+WriteRange = Callable[[OutFile, tuple[int, int], Path], dict[str, CastCounts]]
+#: One output file of at least this many bytes is split by byte range over ``--jobs`` processes
+#: (under it, a worker's start-up costs more than it saves).
+RANGE_MIN_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class Job:
     dst: str | None
     choice: Selection
     options: ConversionOptions
+    # (job, [(first, stop)...], path) -> casts' losses per range: one file's tensor ranges
+    write_range_share: Callable[..., list[dict[str, CastCounts]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,7 @@ class Spreader:
         progress: ProgressCallback,
         *,
         sweep_in: Path | None = None,
+        write_range: WriteRange | None = None,
     ) -> dict[str, CastCounts]:
         """Write ``files`` (data files, then an index) to their targets; returns the casts'
         losses by tensor, as one process's write would. Off the lead, raises
@@ -137,6 +145,8 @@ class Spreader:
         rank's is done. ``sweep_in``: also remove leftovers of that directory's name there
         (a model directory's staging directories)."""
         data = [f for f in files if f.kind != "index"]
+        if write_range is not None and len(data) == 1 and _splits(data[0], self.workers):
+            return self._write_ranges(files, data[0], write_range, progress, sweep_in)
         weights = [max(1, sum(p.nbytes for p in f.tensors)) for f in data]
         parts_dir = files[0].target.parent
         names = [f.target.name for f in files]
@@ -194,6 +204,112 @@ class Spreader:
             sweep(parts_dir, names)
             raise
 
+    def _write_ranges(
+        self,
+        files: list[OutFile],
+        out: OutFile,
+        write_range: WriteRange,
+        progress: ProgressCallback,
+        sweep_in: Path | None,
+    ) -> dict[str, CastCounts]:
+        """One output file written by byte range: the lead makes it (header, full size) under
+        a part name; each worker writes, fsyncs and reads back its tensor ranges in place."""
+        head = header(out)
+        out.expected_size = len(head) + sum(p.nbytes for p in out.tensors)
+        groups = ranges(out, self.workers)
+        weights = [max(1, sum(p.nbytes for p in out.tensors[a:b])) for a, b in groups]
+        parts_dir = out.target.parent
+        names = [f.target.name for f in files]
+
+        def prepare() -> Path:
+            if sweep_in is not None:
+                sweep(sweep_in.parent, [sweep_in.name], keep=parts_dir)
+            sweep(parts_dir, names)
+            path = part_path(parts_dir, out.target.name, secrets.token_hex(4))
+            with open(path, "wb") as handle:
+                handle.write(head)
+                handle.truncate(out.expected_size)
+            return path
+
+        try:
+            if self.ranks is not None:
+                ranks = self.ranks
+                path = ranks.agree(lambda: prepare() if ranks.leads else None)[0]
+                share = units.assign(weights, ranks.world)[ranks.rank]
+
+                def work() -> list[tuple[int, dict[str, CastCounts]]]:
+                    return [(i, write_range(out, groups[i], path)) for i in share]
+
+                done = [item for found in ranks.agree(work) for item in found]
+                if not ranks.leads:
+                    raise units.Delegated
+            else:
+                job = self.job
+                assert job.write_range_share is not None
+                path = prepare()
+                shares = [s for s in units.assign(weights, self.workers) if s]
+                arguments = [(job, [groups[i] for i in share], path) for share in shares]
+                results = units.process_map(job.write_range_share, arguments, self.workers)
+                units.raise_first(results)
+                done = [item for share, found in zip(shares, results) for item in zip(share, found)]
+            if path.stat().st_size != out.expected_size:
+                raise OSError(f"{out.target.name}: the file written is not its planned size")
+            counts: dict[str, CastCounts] = {}
+            for _, found in sorted(done, key=lambda item: item[0]):
+                counts.update(found)
+            progress(sum(weights))
+            return commit(files, [Part(0, path, counts)])
+        except units.Delegated:
+            raise
+        except BaseException:
+            if self.leads:
+                sweep(parts_dir, names)
+            raise
+
+
+def header(out: OutFile) -> bytes:
+    """The bytes before ``out``'s tensors: its format's writer, given no tensor data."""
+    from io import BytesIO
+
+    from ckpttool.formats.registry import format_by_id
+
+    buffer = BytesIO()
+    names = [p.name for p in out.tensors]
+    format_by_id(out.kind).write(buffer, [p.out for p in out.tensors], iter(()), names,
+                                 out.aliases, out.metadata)  # fmt: skip
+    return buffer.getvalue()
+
+
+def planned_size(out: OutFile) -> int:
+    return len(header(out)) + sum(p.nbytes for p in out.tensors)
+
+
+def _splits(out: OutFile, workers: int) -> bool:
+    """Whether one output file is split by byte range: a safetensors file (its tensors lie
+    one after another after the header), of plain tensors, more than one."""
+    return (
+        workers > 1
+        and out.kind == "safetensors"
+        and len(out.tensors) > 1
+        and not any(p.kept for p in out.tensors)
+    )
+
+
+def ranges(out: OutFile, workers: int) -> list[tuple[int, int]]:
+    """``out``'s tensors cut into runs of about equal bytes, a few per worker (so that the
+    byte-balanced assignment can even them out): (first, stop) index pairs."""
+    count = min(len(out.tensors), workers * 4)
+    total = sum(p.nbytes for p in out.tensors)
+    bounds: list[tuple[int, int]] = []
+    first, running = 0, 0
+    for index, planned in enumerate(out.tensors):
+        running += planned.nbytes
+        if running * count >= total * (len(bounds) + 1) and index + 1 < len(out.tensors):
+            bounds.append((first, index + 1))
+            first = index + 1
+    bounds.append((first, len(out.tensors)))
+    return bounds
+
 
 def commit(files: list[OutFile], parts: list[Part]) -> dict[str, CastCounts]:
     """Rename every part to its file's name, then write the index (last: readers start from
@@ -223,7 +339,10 @@ def chosen(job: Job, files: list[OutFile]) -> Spreader | None:
     if ranks is not None:
         return Spreader(ranks, ranks.world, job)
     count = requested()
-    data = sum(1 for f in files if f.kind != "index")
-    if count is None or count < 2 or data < 2:
+    data = [f for f in files if f.kind != "index"]
+    if count is None or count < 2:
         return None
-    return Spreader(None, min(count, data), job)
+    if len(data) == 1:  # one file: by byte range, when it is large enough to be worth it
+        big = sum(p.nbytes for p in data[0].tensors) >= RANGE_MIN_BYTES
+        return Spreader(None, count, job) if big and _splits(data[0], count) else None
+    return Spreader(None, min(count, len(data)), job)
