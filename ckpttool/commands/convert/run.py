@@ -278,6 +278,7 @@ def write_range(
                         f"removed: {out.target.name}: {planned.name} does not read back "
                         "bit-for-bit equal"
                     )
+    ckpt.check_unchanged()  # a remote source replaced mid-read must not be committed
     return counts
 
 
