@@ -2,4 +2,5 @@
 
 from ckpttool.cli import main
 
-main()
+if __name__ == "__main__":  # not when a --jobs worker process imports it
+    main()

@@ -30,6 +30,7 @@ from ckpttool.cli.options import (
     use_ema_option,
     written_output_options,
 )
+from ckpttool.cli.ranks import lead_result, on_ranks
 from ckpttool.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -654,6 +655,7 @@ def rescale_step(
 @json_option("convert")
 @remote_options
 @jobs_option
+@on_ranks
 def convert_command(
     src: str,
     dst: str | None,
@@ -724,9 +726,11 @@ def convert_command(
         max_shard_size=max_shard_size, verify=not no_verify,
     )  # fmt: skip
     with Progress(0, "convert") as bar:
-        report = convert_with(
-            src, dst, selection, options, force=force, progress=bar.advance,
-            on_total=lambda n: setattr(bar, "total", max(n, 1)),
+        report = lead_result(
+            lambda: convert_with(
+                src, dst, selection, options, force=force, progress=bar.advance,
+                on_total=lambda n: setattr(bar, "total", max(n, 1)),
+            )
         )  # fmt: skip
     if as_json:
         _echo_json(convert_render.render_json(report))
@@ -1182,6 +1186,7 @@ def repair_command(
 @click.option("--dry-run", is_flag=True, help="Print what would change; write nothing.")
 @force_option
 @json_option("edit")
+@on_ranks
 def edit_command(
     src: str,
     dst: str | None,
@@ -1229,11 +1234,11 @@ def edit_command(
     from ckpttool.commands.edit_directory import edit
     from ckpttool.render import edit as edit_render
 
-    report = edit(
+    report = lead_result(lambda: edit(
         src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
         use_ema=use_ema, map_name=map_name, map_params=_int_params(map_params), compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
         in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
-    )  # fmt: skip
+    ))  # fmt: skip
     if as_json:
         _echo_json(edit_render.render_json(report))
     else:
@@ -1268,6 +1273,7 @@ def _int_params(pairs: tuple[str, ...]) -> dict[str, int]:
 @json_option("verify")
 @remote_options
 @jobs_option
+@on_ranks
 def verify_command(
     paths: tuple[str, ...], values: bool, component: str | None, as_json: bool
 ) -> None:
@@ -1321,6 +1327,7 @@ def verify_command(
 )  # fmt: skip
 @json_option("scan")
 @remote_options
+@on_ranks
 def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) -> None:
     """List every global the pickles reference, classed safe / unknown / dangerous.
 

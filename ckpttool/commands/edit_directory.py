@@ -11,6 +11,8 @@ that becomes the output whole, or nothing.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
@@ -23,6 +25,7 @@ from ckpttool.errors import CkptError, InputError, OutputExistsError, name_file
 from ckpttool.formats.registry import directory_formats
 from ckpttool.frameworks.base import INDEX, WEIGHTS
 from ckpttool.frameworks.registry import detect_directory, framework_of
+from ckpttool.io import units
 from ckpttool.io.atomic import staged_directory
 
 #: The config keys transformers reads the weights' dtype from (``dtype`` since 4.56).
@@ -39,8 +42,12 @@ def edit(
     if Path(src).is_dir():
         fmt = next((f for f in directory_formats() if f.recognises_directory(src)), None)
         if fmt is not None:
+            units.lead_only()  # under torchrun: rank 0's alone
             return edit_format_directory(src, dst, fmt, **options)
+        if options.get("dry_run"):
+            units.lead_only()
         return edit_directory(src, dst, **options)
+    units.lead_only()
     return edit_file(src, dst, **options)
 
 
@@ -98,14 +105,21 @@ def edit_directory(
             for name in weights:
                 reports.append(edit_file(source / name, dry_run=True, **operations))
             return _combined(source, output, layout.kind, reports, leave_out, False, True)
-        with staged_directory(output, replace_existing=True, parent=output.parent) as stage:
-            for name in weights:
-                target = stage / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                report = edit_file(source / name, target, overwrite=True, **operations)
-                if not report.written:
-                    shutil.copyfile(source / name, target)  # nothing changed in this file
-                reports.append(report)
+        # under torchrun, the weights files are shared by the ranks, each written into rank
+        # 0's staging directory; rank 0 alone does the rest
+        ranks = units.current()
+        leads = ranks is None or ranks.leads
+        staged = (
+            staged_directory(output, replace_existing=True, parent=output.parent)
+            if leads
+            else contextlib.nullcontext(None)
+        )
+        with staged as lead_stage:
+            stage = Path(units.from_lead(str(lead_stage)))
+            sizes = [(source / name).stat().st_size for name in weights]
+            edit_one = functools.partial(_edit_member, source, stage, operations)
+            reports = units.shared_map(edit_one, weights, sizes)
+            units.lead_only()
             if not leave_out and not any(r.changed for r in reports):
                 raise _Unchanged
             for path in sorted(source.rglob("*")):
@@ -125,6 +139,16 @@ def edit_directory(
     except CkptError as error:
         raise name_file(error, str(source)) from None
     return _combined(source, output, layout.kind, reports, leave_out, True, False)
+
+
+def _edit_member(source: Path, stage: Path, operations: dict[str, Any], name: str) -> EditReport:
+    """One weights file edited into ``stage`` (copied as it is when nothing in it changes)."""
+    target = stage / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    report = edit_file(source / name, target, overwrite=True, **operations)
+    if not report.written:
+        shutil.copyfile(source / name, target)  # nothing changed in this file
+    return report
 
 
 class _Unchanged(Exception):

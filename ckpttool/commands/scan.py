@@ -25,6 +25,7 @@ from ckpttool.errors import AmbiguousFileError, CkptError, NotACheckpointError, 
 from ckpttool.formats.base import Findings
 from ckpttool.formats.registry import directory_format_of, salvage, scan_findings
 from ckpttool.io.source import is_url
+from ckpttool.io.units import shared_map
 from ckpttool.pickle.policy import Verdict
 from ckpttool.pickle.scan import tally
 
@@ -180,6 +181,12 @@ def _files_under(directory: Path) -> list[Path]:
     return sorted(found)
 
 
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+
+
 def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> ScanReport:
     """Scan files (and directories, recursively), each path on its own: a missing one is a
     file that could not be scanned, a directory without a checkpoint is listed in ``empty``."""
@@ -199,8 +206,10 @@ def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> 
             files.extend(scan_file(loose, allow) for loose in loose_files(path))
         elif path.is_dir():
             found = 0
-            for child in _files_under(path):
-                result = scan_file(child, allow)
+            children = _files_under(path)
+            sizes = [_size(child) for child in children]  # torchrun's ranks share them by size
+            scanned = shared_map(lambda child: scan_file(child, allow), children, sizes)
+            for child, result in zip(children, scanned):
                 if result.not_a_checkpoint:
                     skipped.append(str(child))
                 else:

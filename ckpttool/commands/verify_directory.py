@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.commands.selection import in_folder
 from ckpttool.errors import CkptError
 from ckpttool.frameworks.registry import framework_of
-from ckpttool.io.parallel import ordered_map, serialized
+from ckpttool.io.parallel import serialized
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import join
+from ckpttool.io.units import shared_map
 
 if TYPE_CHECKING:
     from ckpttool.checkpoint import Checkpoint
@@ -64,7 +65,8 @@ def check_directory(
             f"{member['name']}: leftover temp file {left}" for left in result.leftovers
         ]
 
-    for found in ordered_map(check, members):  # --jobs: members at once, reported in order
+    # --jobs: members at once, reported in order; under torchrun, shared by the ranks by size
+    for found in shared_map(check, members, [m.get("size") or 1 for m in members]):
         problems += found
     problems += [
         f"incomplete: {missing} is missing (written by the framework; its resume needs it)"

@@ -43,7 +43,8 @@ def jobs() -> int:
 
 def chosen() -> int | None:
     """What :func:`using` set here (the CLI's ``--jobs``), or None: the commands whose threads
-    each hold much memory (average, merge) use one thread unless asked for more."""
+    each hold much memory (average, merge) use one thread unless asked for more, and convert
+    uses processes only where asked."""
     value: int | None = getattr(_setting, "jobs", None)
     return value
 

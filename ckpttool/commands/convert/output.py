@@ -197,4 +197,4 @@ def check_targets(src: Path, files: list[OutFile], force: bool) -> None:
     if not directory.exists():
         if len(files) == 1:
             raise InputError(f"{directory}: no such directory for the output")
-        directory.mkdir(parents=True)
+        directory.mkdir(parents=True, exist_ok=True)  # torchrun's ranks check it at once

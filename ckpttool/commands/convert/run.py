@@ -18,14 +18,15 @@ under the target's name and an existing target is left as it was.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
-from ckpttool.commands.convert import model_dir, torch_kinds
+from ckpttool.commands.convert import model_dir, spread, torch_kinds
 from ckpttool.commands.convert.options import ConversionOptions
 from ckpttool.commands.convert.output import (
     FORMATS,
@@ -152,9 +153,60 @@ def convert_with(
     :class:`OverflowRefusedError` if a cast overflows and not ``options.allow_overflow``,
     :class:`VerificationError` (exit code 1) if the output does not read back identical.
     """
-    to, dtype, verify = options.to, options.dtype, options.verify
+    to, verify = options.to, options.verify
     if to is not None and to not in FORMATS:
         raise InputError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
+    src_path = _local_name(src, dst)
+    job = spread.Job(write_share, os.fspath(src), None if dst is None else os.fspath(dst),
+                     choice, options, write_range_share)  # fmt: skip
+    with _planned(job) as (ckpt, plan, files, output):
+        if on_total is not None:
+            on_total(plan.tensor_bytes * (2 if verify else 1))
+        spreader = spread.chosen(job, files)
+
+        def write(files: list[OutFile], sweep_in: Path | None = None) -> dict[str, CastCounts]:
+            def local(files: list[OutFile]) -> dict[str, CastCounts]:
+                return write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
+                                     verify=verify, progress=progress or (lambda n: None))  # fmt: skip
+
+            if spreader is None:
+                return local(files)
+            return spreader.write(
+                files, local, progress or (lambda n: None), sweep_in=sweep_in,
+                write_range=lambda out, bounds, path: write_range(ckpt, out, bounds, path, options),
+            )  # fmt: skip
+
+        if output is not None:
+            assert dst is not None
+            target = Path(dst)
+            model_dir.check_target(output, target, force)
+            leads = spreader is None or spreader.leads
+            staged = model_dir.staged_directory(target) if leads else contextlib.nullcontext(target)
+            with staged as staging:
+                counts = write(model_dir.moved(files, staging), sweep_in=target)
+                copied = model_dir.copy_files(output, staging)
+            report = _build_report(src_path, plan, files, counts, dtype=options.dtype,
+                                   verified=verify)  # fmt: skip
+            _name_remote_source(report, src, verify)
+            report.directory = target
+            report.copied = copied
+            return report
+        check_targets(src_path, files, force)
+        counts = write(files)
+    report = _build_report(src_path, plan, files, counts, dtype=options.dtype, verified=verify)
+    _name_remote_source(report, src, verify)
+    return report
+
+
+@contextlib.contextmanager
+def _planned(
+    job: spread.Job,
+) -> Iterator[tuple[Checkpoint, Plan, list[OutFile], model_dir.ModelDirectoryOutput | None]]:
+    """The source opened and the conversion planned: the files to write (a model directory's
+    named in DST, with ``output`` its framework's description; else ``output`` is None).
+    Deterministic: every process that plans ``job`` gets the same files."""
+    src, dst, choice, options = job.src, job.dst, job.choice, job.options
+    to = options.to
     max_shard_size = options.max_shard_size
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     src_path = _local_name(src, dst)
@@ -164,42 +216,81 @@ def convert_with(
         plan = build_plan(ckpt, choice, options, keep_kinds=writes_pth(dst, to))
         facts = view_facts(ckpt)
         plan.notes[:0] = [*(facts.notes if facts is not None else ()), *edited]
-        if on_total is not None:
-            on_total(plan.tensor_bytes * (2 if verify else 1))
-
-        def write(plan: Plan, files: list[OutFile]) -> dict[str, CastCounts]:
-            return write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
-                                  verify=verify, progress=progress or (lambda n: None))  # fmt: skip
-
         output = model_dir.model_directory(ckpt)
         if model_dir.wants_model_dir(output, dst):
-            assert dst is not None
+            assert dst is not None and output is not None
             if to == "pth":
                 raise InputError(
                     "a model directory is written as safetensors, as from_pretrained loads it; "
                     "drop --to pth or name a .pth DST"
                 )
-            assert output is not None
             plan = model_dir.for_transformers(plan, output)
             target = Path(dst)
-            model_dir.check_target(output, target, force)
-            with model_dir.staged_directory(target) as staging:
-                weights = staging / output.weights_name if shard_size is None else staging
-                files = plan_outputs(src_path, weights, None, shard_size, plan)
-                counts = write(plan, files)
-                copied = model_dir.copy_files(output, staging)
-            files = model_dir.moved(files, target)
-            report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
-            _name_remote_source(report, src, verify)
-            report.directory = target
-            report.copied = copied
-            return report
-        files = plan_outputs(src_path, dst, to, shard_size, plan)
-        check_targets(src_path, files, force)
-        counts = write(plan, files)
-    report = _build_report(src_path, plan, files, counts, dtype=dtype, verified=verify)
-    _name_remote_source(report, src, verify)
-    return report
+            weights = target / output.weights_name if shard_size is None else f"{target}{os.sep}"
+            yield ckpt, plan, plan_outputs(src_path, weights, None, shard_size, plan), output
+            return
+        yield ckpt, plan, plan_outputs(src_path, dst, to, shard_size, plan), None
+
+
+def write_share(
+    job: spread.Job, share: list[int], parts_dir: Path, token: str
+) -> list[spread.Part]:
+    """In a worker process (``--jobs N``): plan ``job`` again and write the data files
+    ``share`` names as verified parts in ``parts_dir`` (:mod:`.spread`)."""
+    options = job.options
+    with _planned(job) as (ckpt, plan, files, _):
+        data = [f for f in files if f.kind != "index"]
+
+        def local(files: list[OutFile]) -> dict[str, CastCounts]:
+            return write_outputs(ckpt, plan, files, allow_overflow=options.allow_overflow,
+                                 verify=options.verify, progress=lambda n: None)  # fmt: skip
+
+        return spread.write_share(share, data, parts_dir, token, local)
+
+
+def write_range(
+    ckpt: Checkpoint, out: OutFile, bounds: tuple[int, int], path: Path, options: ConversionOptions
+) -> dict[str, CastCounts]:
+    """``out.tensors[first:stop]`` written where they go in ``path`` (a safetensors file the
+    lead made: header written, full size), fsynced, and read back tensor by tensor against
+    the source (a computed one computed again). Returns what each cast lost."""
+    first, stop = bounds
+    counts: dict[str, CastCounts] = {}
+    with open(path, "r+b") as handle:
+        handle.seek(out.expected_size - sum(p.nbytes for p in out.tensors[first:]))
+        for planned in out.tensors[first:stop]:
+            data, cast = tensor_bytes(ckpt, planned)
+            if cast is not None:
+                counts[planned.name] = cast
+                if cast.overflow and not options.allow_overflow:
+                    raise OverflowRefusedError(_overflow_message(planned, cast))
+            handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if options.verify:
+        with open_checkpoint(path) as written:
+            found = {record.key: record for record in written.tensors()}
+            for planned in out.tensors[first:stop]:
+                got = _stored_bytes(written, found[planned.name])
+                if got is None or not _same_bytes(tensor_bytes(ckpt, planned)[0], got):
+                    raise VerificationError(
+                        f"the output did not read back identical to the source, so it was "
+                        f"removed: {out.target.name}: {planned.name} does not read back "
+                        "bit-for-bit equal"
+                    )
+    ckpt.check_unchanged()  # a remote source replaced mid-read must not be committed
+    return counts
+
+
+def write_range_share(
+    job: spread.Job, share: list[tuple[int, int]], path: Path
+) -> list[dict[str, CastCounts]]:
+    """In a worker process (``--jobs N``): plan ``job`` again and write the tensor ranges
+    ``share`` names into the one output file at ``path`` (:func:`write_range`)."""
+    with _planned(job) as (ckpt, _, files, _):
+        out = next(f for f in files if f.kind != "index")
+        out.expected_size = spread.planned_size(out)
+        return [write_range(ckpt, out, bounds, path, job.options) for bounds in share]
 
 
 def _edited(ckpt: Checkpoint, choice: Selection) -> tuple[Checkpoint, list[str]]:

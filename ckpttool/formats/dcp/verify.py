@@ -14,9 +14,10 @@ from ckpttool.formats.base import Checkpoint
 from ckpttool.formats.dcp.directory import METADATA, DcpFiles, load_metadata, present, tensor_record
 from ckpttool.formats.dcp.metadata import StorageSpan, TensorEntry, span_of
 from ckpttool.formats.torch_zip.verify import check_archive
-from ckpttool.io.parallel import ordered_map, serialized
+from ckpttool.io.parallel import serialized
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import join, list_names, open_source
+from ckpttool.io.units import shared_map
 from ckpttool.model.records import ChunkRecord, StorageRecord
 from ckpttool.pickle.policy import Verdict, never_load_problem
 
@@ -65,7 +66,9 @@ def check_dcp(
 
     results: list[tuple[list[str], set[str]]] = [([], set())] * count
     # --jobs: data files checked at once (reading and CRC-32 release the GIL); in item order
-    for numbers, found in zip(by_file.values(), ordered_map(check_file, list(by_file.values()))):
+    # under torchrun, shared by the ranks (by items: a data file's size is not at hand here)
+    files = list(by_file.values())
+    for numbers, found in zip(files, shared_map(check_file, files, [len(n) for n in files])):
         for number, result in zip(numbers, found):
             results[number] = result
     for item_problems, seen in results:
