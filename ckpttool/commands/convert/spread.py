@@ -23,6 +23,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckpttool.commands.convert.options import ConversionOptions
 from ckpttool.commands.convert.output import OutFile
@@ -32,11 +33,13 @@ from ckpttool.io import units
 from ckpttool.io.atomic import TMP_SUFFIX, atomic_write, fsync_dir
 from ckpttool.io.parallel import chosen as jobs_asked
 from ckpttool.io.progress import ProgressCallback
-from ckpttool.model.cast import CastCounts
 
-WriteFiles = Callable[[list[OutFile]], dict[str, CastCounts]]
+if TYPE_CHECKING:  # NumPy (its import) only when a tensor is cast: bench/README.md, item 3
+    from ckpttool.model.cast import CastCounts
+
+WriteFiles = Callable[[list[OutFile]], "dict[str, CastCounts]"]
 #: (the output file, (first, stop) of its tensors, the file to write them in) -> casts' losses
-WriteRange = Callable[[OutFile, tuple[int, int], Path], dict[str, CastCounts]]
+WriteRange = Callable[[OutFile, tuple[int, int], Path], "dict[str, CastCounts]"]
 #: One output file of at least this many bytes is split by byte range over ``--jobs`` processes
 #: (under it, a worker's start-up costs more than it saves).
 RANGE_MIN_BYTES = 32 << 20
