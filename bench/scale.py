@@ -102,20 +102,20 @@ def _same_tree(a: Path, b: Path) -> bool:
     )
 
 
-def scale(runs: int, warmup: int, torchrun: bool) -> None:
+def scale(runs: int, warmup: int, torchrun: bool, counts: tuple[int, ...] = (1, 2, 4)) -> None:
     source = build_shards(DATA)
     _warm(source)
     read = _size(source)
     rows: dict[str, list[str]] = {}
     outputs = {}
-    for jobs in (1, 2, 4):
+    for jobs in counts:
         outputs[f"--jobs {jobs}"] = DATA / f"scale_bf16_j{jobs}"
         rows[f"convert --dtype bf16 --jobs {jobs}"] = _ckpttool(
             "convert", source, outputs[f"--jobs {jobs}"], "--dtype", "bf16", "--jobs", jobs,
             "--force",
         )  # fmt: skip
     if torchrun:
-        for ranks in (1, 2, 4):
+        for ranks in counts:
             outputs[f"torchrun {ranks}"] = DATA / f"scale_bf16_r{ranks}"
             rows[f"torchrun --nproc-per-node {ranks} convert --dtype bf16"] = [
                 "torchrun", "--standalone", f"--nproc-per-node={ranks}", "-m", "ckpttool",
@@ -194,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--torchrun", action="store_true", help="also torchrun with 1, 2, 4 ranks")
+    parser.add_argument("--torchrun", action="store_true", help="also torchrun with --counts ranks")
     parser.add_argument("--only", choices=["scale", "floors"])
+    parser.add_argument(
+        "--counts", default="1,2,4", help="the --jobs and rank counts of (a), e.g. 1,2,4,8"
+    )
     parser.add_argument("--clean", action="store_true", help="delete the 2 GB data when done")
     args = parser.parse_args(argv)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -203,13 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "floors"):
             floors(args.runs, args.warmup)
         if args.only in (None, "scale"):
-            scale(args.runs, args.warmup, args.torchrun)
+            counts = tuple(int(count) for count in args.counts.split(","))
+            scale(args.runs, args.warmup, args.torchrun, counts)
     finally:
         print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         if args.clean:
-            for name in ("scale_hf16", "scale_floors", *(f"scale_bf16_{s}" for s in
-                         ("j1", "j2", "j4", "r1", "r2", "r4", "first", "cp"))):  # fmt: skip
-                shutil.rmtree(DATA / name, ignore_errors=True)
+            for path in [DATA / "scale_hf16", DATA / "scale_floors", *DATA.glob("scale_bf16_*")]:
+                shutil.rmtree(path, ignore_errors=True)
     return 0
 
 
