@@ -24,6 +24,7 @@ from ckpttool.formats.registry import directory_formats
 from ckpttool.frameworks.base import INDEX, WEIGHTS
 from ckpttool.frameworks.registry import detect_directory, framework_of
 from ckpttool.io.atomic import staged_directory
+from ckpttool.io.parallel import chosen, ordered_map, using
 
 #: The config keys transformers reads the weights' dtype from (``dtype`` since 4.56).
 DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -95,17 +96,25 @@ def edit_directory(
         index = next((m.name for m in layout.members if m.role == INDEX), None)
         reports: list[EditReport] = []
         if dry_run:
-            for name in weights:
-                reports.append(edit_file(source / name, dry_run=True, **operations))
+            with using(chosen() or 1):
+                reports = ordered_map(
+                    lambda name: edit_file(source / name, dry_run=True, **operations), weights
+                )
             return _combined(source, output, layout.kind, reports, leave_out, False, True)
         with staged_directory(output, replace_existing=True, parent=output.parent) as stage:
-            for name in weights:
+
+            def rewrite(name: str) -> EditReport:
                 target = stage / name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 report = edit_file(source / name, target, overwrite=True, **operations)
                 if not report.written:
                     shutil.copyfile(source / name, target)  # nothing changed in this file
-                reports.append(report)
+                return report
+
+            # --jobs: N weights files rewritten at once (each into its own staged name; memory
+            # N times one file's edit, so 1 unless asked), the reports in the members' order
+            with using(chosen() or 1):
+                reports = ordered_map(rewrite, weights)
             if not leave_out and not any(r.changed for r in reports):
                 raise _Unchanged
             for path in sorted(source.rglob("*")):

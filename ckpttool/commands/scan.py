@@ -24,6 +24,7 @@ from ckpttool.checkpoint import checkpoint_names, open_checkpoint
 from ckpttool.errors import AmbiguousFileError, CkptError, NotACheckpointError, UnsafePickleError
 from ckpttool.formats.base import Findings
 from ckpttool.formats.registry import directory_format_of, salvage, scan_findings
+from ckpttool.io.parallel import ordered_map
 from ckpttool.io.source import is_url
 from ckpttool.pickle.policy import Verdict
 from ckpttool.pickle.scan import tally
@@ -182,34 +183,41 @@ def _files_under(directory: Path) -> list[Path]:
 
 def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> ScanReport:
     """Scan files (and directories, recursively), each path on its own: a missing one is a
-    file that could not be scanned, a directory without a checkpoint is listed in ``empty``."""
+    file that could not be scanned, a directory without a checkpoint is listed in ``empty``.
+    The files are scanned on :func:`~ckpttool.io.parallel.jobs` threads (``--jobs``), the
+    report built in the order a loop would build it."""
     allow = list(allow)
-    files: list[FileScan] = []
-    skipped: list[str] = []
-    empty: list[str] = []
+    # what to scan, in report order: (the path, the directory it was found under, or None)
+    units: list[tuple[str | Path, str | None]] = []
+    listed: list[str] = []  # directories walked, in order: each may turn out empty
     for raw in paths:
         if is_url(raw):  # a file or a DCP directory read by ranges
-            files.append(scan_file(os.fspath(raw), allow))
+            units.append((os.fspath(raw), None))
             continue
         path = Path(raw)
-        if not path.exists():
-            files.append(FileScan(str(path), None, error="no such file or directory"))
-        elif path.is_dir() and is_directory_checkpoint(path):
-            files.append(scan_file(path, allow))
-            files.extend(scan_file(loose, allow) for loose in loose_files(path))
-        elif path.is_dir():
-            found = 0
-            for child in _files_under(path):
-                result = scan_file(child, allow)
-                if result.not_a_checkpoint:
-                    skipped.append(str(child))
-                else:
-                    files.append(result)
-                    found += 1
-            if not found:
-                empty.append(str(path))
-        else:
-            files.append(scan_file(path, allow))
+        if path.is_dir() and not is_directory_checkpoint(path):
+            listed.append(str(path))
+            units.extend((child, str(path)) for child in _files_under(path))
+        else:  # a file, a DCP directory (and its loose files), or a missing path
+            units.append((path, None))
             if path.is_dir():
-                files.extend(scan_file(loose, allow) for loose in loose_files(path))
+                units.extend((loose, None) for loose in loose_files(path))
+
+    def scan_unit(unit: tuple[str | Path, str | None]) -> FileScan:
+        path = unit[0]
+        if not isinstance(path, str) and not path.exists():
+            return FileScan(str(path), None, error="no such file or directory")
+        return scan_file(path, allow)
+
+    files: list[FileScan] = []
+    skipped: list[str] = []
+    found: set[str] = set()
+    for (scanned, directory), result in zip(units, ordered_map(scan_unit, units)):
+        if directory is not None and result.not_a_checkpoint:
+            skipped.append(str(scanned))
+            continue
+        files.append(result)
+        if directory is not None:
+            found.add(directory)
+    empty = [directory for directory in listed if directory not in found]
     return ScanReport(files, skipped, empty)
