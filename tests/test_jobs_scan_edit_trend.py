@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -218,3 +220,110 @@ def test_pairs_are_compared_at_once(run_directory: Path, monkeypatch: pytest.Mon
     with parallel.using(2):
         report = trend_module.trend([run_directory])
     assert not report.healthy and len(report.checkpoints) == 5 and sorted(met) == [0, 0, 1, 1]
+
+
+# -- forked workers (scan) ------------------------------------------------------------------------
+# The test process has imported torch, where ordered_map keeps to threads: the forked path runs
+# in a fresh interpreter, as the CLI's scan does (it never imports torch).
+
+FORKED = r"""
+import multiprocessing, os, sys
+from pathlib import Path
+from ckpttool.commands import scan as scan_module
+from ckpttool.io.parallel import using
+
+meet = multiprocessing.get_context("fork").Barrier(2, timeout=60)
+original = scan_module.scan_file
+
+def traced(path, allow=()):
+    if Path(path).name in ("pretrain_32.pth", "pretrain_32_moe.pth"):
+        meet.wait()  # passed only by two workers at once
+    result = original(path, allow)
+    result.notes.append(f"pid {os.getpid()}")
+    return result
+
+scan_module.scan_file = traced
+with using(2):
+    report = scan_module.scan([sys.argv[1]])
+pids = {note for f in report.files for note in f.notes if note.startswith("pid ")}
+print(len(pids), f"pid {os.getpid()}" in pids, "torch" in sys.modules, report.found)
+"""
+
+
+def test_scan_walks_on_forked_workers(scanned: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED, str(scanned / "downloads")],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "False", "False", "True"]
+
+
+ERRORS = r"""
+import sys, threading
+from ckpttool.io import parallel
+
+class Odd(Exception):
+    def __init__(self, what, why):  # two arguments: does not unpickle from a worker
+        super().__init__(f"{what}: {why}")
+
+second_failed = __import__("multiprocessing").get_context("fork").Event()
+
+def work(item):
+    if item == 2:
+        second_failed.set()
+        raise ValueError("second")
+    if item == 1:
+        second_failed.wait(60)
+        raise Odd("first", "item 1")
+    return item * item
+
+assert parallel._can_fork()
+with parallel.using(3):
+    assert parallel.ordered_map(work, [0, 3, 4], processes=True) == [0, 9, 16]
+    try:
+        parallel.ordered_map(work, [0, 1, 2], processes=True)
+    except Odd as error:
+        print(error)
+assert threading.active_count() == 1  # the pool's threads ended with it
+"""
+
+
+def test_forked_map_raises_the_first_error_in_item_order() -> None:
+    """Item 2 fails first in time; item 1's error (one that cannot travel back from a worker)
+    is raised, as a loop would raise it."""
+    done = subprocess.run(
+        [sys.executable, "-c", ERRORS], capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert (done.returncode, done.stdout) == (0, "first: item 1\n"), done.stderr
+
+
+def test_a_process_with_torch_maps_on_threads() -> None:
+    """Forking after torch is loaded (its thread pools, its locks) is never done."""
+    assert "torch" in sys.modules and not parallel._can_fork()
+    names: list[str] = []
+
+    def record(item: int) -> int:
+        names.append(threading.current_thread().name)
+        return item
+
+    with parallel.using(2):
+        assert parallel.ordered_map(record, [1, 2, 3], processes=True) == [1, 2, 3]
+    assert all(name.startswith("ckpttool-jobs") for name in names)
+
+
+def test_scan_cli_reports_the_same_with_any_jobs_on_processes(scanned: Path) -> None:
+    outputs = []
+    for jobs in ("1", "4"):
+        done = subprocess.run(
+            [sys.executable, "-m", "ckpttool", "scan", str(scanned / "downloads"), "--json",
+             "-j", jobs],
+            capture_output=True, text=True, timeout=120, env=_env(),
+        )  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        outputs.append(done.stdout)
+    assert outputs[0] == outputs[1] and "posix.system" in outputs[0]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

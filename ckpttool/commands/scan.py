@@ -184,8 +184,8 @@ def _files_under(directory: Path) -> list[Path]:
 def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> ScanReport:
     """Scan files (and directories, recursively), each path on its own: a missing one is a
     file that could not be scanned, a directory without a checkpoint is listed in ``empty``.
-    The files are scanned on :func:`~ckpttool.io.parallel.jobs` threads (``--jobs``), the
-    report built in the order a loop would build it."""
+    The files are scanned by :func:`~ckpttool.io.parallel.jobs` workers (``--jobs``: forked
+    processes where that is safe, else threads), the report built as a loop would build it."""
     allow = list(allow)
     # what to scan, in report order: (the path, the directory it was found under, or None)
     units: list[tuple[str | Path, str | None]] = []
@@ -212,7 +212,11 @@ def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> 
     files: list[FileScan] = []
     skipped: list[str] = []
     found: set[str] = set()
-    for (scanned, directory), result in zip(units, ordered_map(scan_unit, units)):
+    # a walk is Python holding the GIL: forked workers, unless a URL's reader is involved
+    # (its connections are not to be shared by forks)
+    local = not any(isinstance(path, str) for path, _ in units)
+    results = ordered_map(scan_unit, units, processes=local)
+    for (scanned, directory), result in zip(units, results):
         if directory is not None and result.not_a_checkpoint:
             skipped.append(str(scanned))
             continue
