@@ -103,12 +103,14 @@ _forked: tuple[Callable[[Any], Any], Sequence[Any]] | None = None  # set before 
 
 def _can_fork() -> bool:
     """A fork copies only the calling thread: safe while this process runs no other thread
-    (a progress bar's, a reader's) and has not imported torch (its thread pools and locks)."""
+    (a progress bar's, a reader's) and has not imported torch (its thread pools and locks).
+    Linux only: macOS's system libraries are not safe across a fork (Python spawns there)."""
     import multiprocessing
     import sys
 
     return (
-        "fork" in multiprocessing.get_all_start_methods()
+        sys.platform.startswith("linux")
+        and "fork" in multiprocessing.get_all_start_methods()
         and "torch" not in sys.modules
         and threading.active_count() == 1
     )
