@@ -20,13 +20,16 @@ from ckpttool import __version__
 from ckpttool.cli.options import (
     combine_jobs_option,
     component_option,
+    edit_jobs_option,
     force_option,
     jobs_option,
     json_option,
     key_prefix_options,
     map_options,
     remote_options,
+    scan_jobs_option,
     section_option,
+    trend_jobs_option,
     use_ema_option,
     written_output_options,
 )
@@ -457,6 +460,7 @@ def diff_command(
     "NaN/Inf marked, into FILE (.png or .svg; needs pip install 'ckpttool[plot]').",
 )  # fmt: skip
 @json_option("trend")
+@trend_jobs_option
 def trend_command(
     paths: tuple[str, ...], by_tensor: bool, plot_path: str | None, as_json: bool
 ) -> None:
@@ -1186,6 +1190,7 @@ def repair_command(
 @click.option("--dry-run", is_flag=True, help="Print what would change; write nothing.")
 @force_option
 @json_option("edit")
+@edit_jobs_option
 @on_ranks
 def edit_command(
     src: str,
@@ -1327,6 +1332,7 @@ def verify_command(
 )  # fmt: skip
 @json_option("scan")
 @remote_options
+@scan_jobs_option
 @on_ranks
 def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) -> None:
     """List every global the pickles reference, classed safe / unknown / dangerous.

@@ -159,6 +159,33 @@ def combine_jobs_option(command: F) -> F:
     )
 
 
+def scan_jobs_option(command: F) -> F:
+    """``--jobs N`` of scan: N files scanned at once (default: the CPU count)."""
+    return _jobs(
+        command,
+        "Scan N files at once (default: the CPU count); the report is the same with any N.",
+    )
+
+
+def trend_jobs_option(command: F) -> F:
+    """``--jobs N`` of trend: N consecutive pairs of checkpoints compared at once."""
+    return _jobs(
+        command,
+        "Compare N pairs of consecutive checkpoints at once (default: the CPU count); the "
+        "report is the same with any N, memory grows with N.",
+    )
+
+
+def edit_jobs_option(command: F) -> F:
+    """``--jobs N`` of edit: N weights files of a directory rewritten at once (default 1: each
+    holds a file's edit); the output bytes are the same with any N."""
+    return _jobs(
+        command,
+        "Rewrite N weights files of a directory at once (default 1); the output and the "
+        "report are the same with any N, memory grows N-fold.",
+    )
+
+
 def _jobs(command: F, help_text: str) -> F:
     import functools
 

@@ -27,6 +27,7 @@ from ckpttool.frameworks.base import INDEX, WEIGHTS
 from ckpttool.frameworks.registry import detect_directory, framework_of
 from ckpttool.io import units
 from ckpttool.io.atomic import staged_directory
+from ckpttool.io.parallel import chosen, ordered_map, using
 
 #: The config keys transformers reads the weights' dtype from (``dtype`` since 4.56).
 DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -102,8 +103,10 @@ def edit_directory(
         index = next((m.name for m in layout.members if m.role == INDEX), None)
         reports: list[EditReport] = []
         if dry_run:
-            for name in weights:
-                reports.append(edit_file(source / name, dry_run=True, **operations))
+            with using(chosen() or 1):
+                reports = ordered_map(
+                    lambda name: edit_file(source / name, dry_run=True, **operations), weights
+                )
             return _combined(source, output, layout.kind, reports, leave_out, False, True)
         # under torchrun, the weights files are shared by the ranks, each written into rank
         # 0's staging directory; rank 0 alone does the rest
@@ -118,7 +121,10 @@ def edit_directory(
             stage = Path(units.from_lead(str(lead_stage)))
             sizes = [(source / name).stat().st_size for name in weights]
             edit_one = functools.partial(_edit_member, source, stage, operations)
-            reports = units.shared_map(edit_one, weights, sizes)
+            # --jobs: N weights files rewritten at once (each into its own staged name; memory
+            # N times one file's edit, so 1 unless asked), the reports in the members' order
+            with using(chosen() or 1):
+                reports = units.shared_map(edit_one, weights, sizes)
             units.lead_only()
             if not leave_out and not any(r.changed for r in reports):
                 raise _Unchanged

@@ -184,41 +184,54 @@ def _files_under(directory: Path) -> list[Path]:
 def _size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
+    if not path.is_dir():
+        return 0  # missing: its error line costs nothing
     return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
 
 
 def scan(paths: Iterable[str | os.PathLike[str]], allow: Iterable[str] = ()) -> ScanReport:
     """Scan files (and directories, recursively), each path on its own: a missing one is a
-    file that could not be scanned, a directory without a checkpoint is listed in ``empty``."""
+    file that could not be scanned, a directory without a checkpoint is listed in ``empty``.
+    The files are scanned by :func:`~ckpttool.io.parallel.jobs` workers (``--jobs``: forked
+    processes where that is safe, else threads), the report built as a loop would build it."""
     allow = list(allow)
-    files: list[FileScan] = []
-    skipped: list[str] = []
-    empty: list[str] = []
+    # what to scan, in report order: (the path, the directory it was found under, or None)
+    units: list[tuple[str | Path, str | None]] = []
+    listed: list[str] = []  # directories walked, in order: each may turn out empty
     for raw in paths:
         if is_url(raw):  # a file or a DCP directory read by ranges
-            files.append(scan_file(os.fspath(raw), allow))
+            units.append((os.fspath(raw), None))
             continue
         path = Path(raw)
-        if not path.exists():
-            files.append(FileScan(str(path), None, error="no such file or directory"))
-        elif path.is_dir() and is_directory_checkpoint(path):
-            files.append(scan_file(path, allow))
-            files.extend(scan_file(loose, allow) for loose in loose_files(path))
-        elif path.is_dir():
-            found = 0
-            children = _files_under(path)
-            sizes = [_size(child) for child in children]  # torchrun's ranks share them by size
-            scanned = shared_map(lambda child: scan_file(child, allow), children, sizes)
-            for child, result in zip(children, scanned):
-                if result.not_a_checkpoint:
-                    skipped.append(str(child))
-                else:
-                    files.append(result)
-                    found += 1
-            if not found:
-                empty.append(str(path))
-        else:
-            files.append(scan_file(path, allow))
+        if path.is_dir() and not is_directory_checkpoint(path):
+            listed.append(str(path))
+            units.extend((child, str(path)) for child in _files_under(path))
+        else:  # a file, a DCP directory (and its loose files), or a missing path
+            units.append((path, None))
             if path.is_dir():
-                files.extend(scan_file(loose, allow) for loose in loose_files(path))
+                units.extend((loose, None) for loose in loose_files(path))
+
+    def scan_unit(unit: tuple[str | Path, str | None]) -> FileScan:
+        path = unit[0]
+        if not isinstance(path, str) and not path.exists():
+            return FileScan(str(path), None, error="no such file or directory")
+        return scan_file(path, allow)
+
+    files: list[FileScan] = []
+    skipped: list[str] = []
+    found: set[str] = set()
+    # a walk is Python holding the GIL: forked workers, unless a URL's reader is involved
+    # (its connections are not to be shared by forks)
+    local = not any(isinstance(path, str) for path, _ in units)
+    # under torchrun the ranks share the units by size
+    sizes = [1 if isinstance(path, str) else _size(path) for path, _ in units]
+    results = shared_map(scan_unit, units, sizes, processes=local)
+    for (scanned, directory), result in zip(units, results):
+        if directory is not None and result.not_a_checkpoint:
+            skipped.append(str(scanned))
+            continue
+        files.append(result)
+        if directory is not None:
+            found.add(directory)
+    empty = [directory for directory in listed if directory not in found]
     return ScanReport(files, skipped, empty)

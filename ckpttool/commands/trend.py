@@ -35,13 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.checkpoint import Checkpoint
-from ckpttool.commands.diff.run import open_side, plan_diff, run_diff
+from ckpttool.commands.diff.run import DiffReport, open_side, plan_diff, run_diff
 from ckpttool.commands.repair_directory import STEP, checkpoint_files
 from ckpttool.commands.selection import Selection
 from ckpttool.errors import InputError
 from ckpttool.formats.registry import directory_format_of
 from ckpttool.frameworks.base import view_facts
 from ckpttool.frameworks.registry import frameworks
+from ckpttool.io.parallel import ordered_map, serialized
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model.modules import ModuleGroups
 from ckpttool.model.roles import STEP_KEYS, WHOLE_FILE, layout_of, model_part
@@ -187,11 +188,14 @@ def _section(ckpt: Checkpoint) -> str | None:
 def ordered_points(paths: list[str], names: list[str]) -> tuple[list[TrendPoint], str]:
     """Each checkpoint with its step, in step order (else by the numbers in their names, else
     as given), and which of "step", "name", "given" ordered them."""
-    points = []
-    for path, name in zip(paths, names):
+
+    def point(listed: tuple[str, str]) -> TrendPoint:
+        path, name = listed
         with open_side(path) as ckpt:
             step, epoch = _step(ckpt)
-            points.append(TrendPoint(path, name, step, epoch, _section(ckpt)))
+            return TrendPoint(path, name, step, epoch, _section(ckpt))
+
+    points = ordered_map(point, list(zip(paths, names)))
     if all(p.step is not None for p in points):
         ordered = sorted(points, key=lambda p: (p.epoch if p.epoch is not None else -1, p.step))
         return ordered, "step"
@@ -229,13 +233,20 @@ def trend(
         return entry
 
     pairs = [(0, 0)] if count == 1 else [(i - 1, i) for i in range(1, count)]
-    for before, after in pairs:
+    advance = serialized(progress)
+
+    def compared(pair: tuple[int, int]) -> DiffReport:
+        before, after = pair
         with open_side(points[before].path) as ckpt_a, open_side(points[after].path) as ckpt_b:
             plan = plan_diff(
                 ckpt_a, ckpt_b, Selection(),
                 section_a=points[before].section, section_b=points[after].section,
             )  # fmt: skip
-            report = run_diff(ckpt_a, ckpt_b, plan, norms=True, progress=progress)
+            return run_diff(ckpt_a, ckpt_b, plan, norms=True, progress=advance)
+
+    # --jobs: N pairs compared at once (each holds one tensor of its two checkpoints), their
+    # measures folded in pair order, as a loop would
+    for (before, after), report in zip(pairs, ordered_map(compared, pairs)):
         for entry in report.tensors:
             values = entry.values
             item = trend_of(entry.key)

@@ -1,7 +1,8 @@
 """``--jobs N``: a directory checkpoint's members worked on by N threads, results in order.
 
 The heavy parts of checking a member release the GIL (reading, ISA-L's CRC-32), so threads
-suffice. :func:`ordered_map` gives exactly what a loop would: results in the items' order, and
+suffice; a long pickle walk (scan) holds it, and runs on forked processes where that is safe
+(``processes=True``). :func:`ordered_map` gives exactly what a loop would: results in the items' order, and
 the first error in that order raised (the others' work is dropped), so a report, and an error
 line, are the same with any N. A worker's own calls to :func:`ordered_map` run in that worker,
 one after the other: N threads at most, and memory at most N times what one member's check
@@ -71,18 +72,98 @@ def _in_worker(function: Callable[[Item], Result]) -> Callable[[Item], Result]:
     return run
 
 
-def ordered_map(function: Callable[[Item], Result], items: Sequence[Item]) -> list[Result]:
+def ordered_map(
+    function: Callable[[Item], Result], items: Sequence[Item], *, processes: bool = False
+) -> list[Result]:
     """``[function(item) for item in items]`` on :func:`jobs` threads: the same results in the
-    same order, and the same first error (the one of the earliest item that fails)."""
+    same order, and the same first error (the one of the earliest item that fails).
+
+    ``processes``: on :func:`jobs` forked processes instead, where the work is Python that
+    holds the GIL (scan's pickle walks) and a fork is safe here (:func:`_can_fork`), else on
+    threads. The results must pickle; ``function`` and ``items`` are inherited, not sent."""
     count = min(jobs(), len(items))
     if count <= 1:
         return [function(item) for item in items]
+    if processes and _can_fork():
+        return _forked_map(function, items, count)
     pool = ThreadPoolExecutor(count, thread_name_prefix="ckpttool-jobs")
     try:
         futures = [pool.submit(_in_worker(function), item) for item in items]
         return [future.result() for future in futures]
     finally:  # after an error or Ctrl-C: items not started are dropped, running ones end
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+# -- forked workers -------------------------------------------------------------------------
+# Measured in bench/README.md (issue 43, "threads or a fork pool"): a fork costs a few
+# milliseconds where a spawned worker re-imports ckpttool; on a long pickle walk two forked
+# workers beat two threads, which contend for the GIL.
+
+_forked: tuple[Callable[[Any], Any], Sequence[Any]] | None = None  # set before the fork
+
+
+def _can_fork() -> bool:
+    """A fork copies only the calling thread: safe while this process runs no other thread
+    (a progress bar's, a reader's) and has not imported torch (its thread pools and locks).
+    Linux only: macOS's system libraries are not safe across a fork (Python spawns there)."""
+    import multiprocessing
+    import sys
+
+    return (
+        sys.platform.startswith("linux")
+        and "fork" in multiprocessing.get_all_start_methods()
+        and "torch" not in sys.modules
+        and threading.active_count() == 1
+    )
+
+
+def _start_worker() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which ends them
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked at the fork)
+    _setting.jobs = 1  # nested maps run in this worker
+
+
+def _call_forked(index: int) -> Any:
+    assert _forked is not None
+    function, items = _forked
+    return function(items[index])
+
+
+def _forked_map(
+    function: Callable[[Item], Result], items: Sequence[Item], count: int
+) -> list[Result]:
+    import multiprocessing
+    import signal
+    from concurrent.futures import ProcessPoolExecutor
+
+    global _forked
+    _forked = (function, items)
+    pool = ProcessPoolExecutor(
+        count, mp_context=multiprocessing.get_context("fork"), initializer=_start_worker
+    )
+    try:
+        # the first submit forks every worker, then starts the pool's thread: a Ctrl-C there
+        # would land in an at-fork hook, which drops it; held until all is started instead
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            futures = [pool.submit(_call_forked, index) for index in range(len(items))]
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        results = []
+        for index, future in enumerate(futures):
+            try:
+                results.append(future.result())
+            except Exception:
+                # the earliest failing item, run again here: its own error, as a loop raises
+                # it (one a worker raised may not survive the pickling back, or be its pipe's)
+                results.append(function(items[index]))
+                raise
+        return results
+    finally:  # after an error or Ctrl-C: items not started are dropped, running ones end
+        pool.shutdown(wait=True, cancel_futures=True)
+        _forked = None
 
 
 def serialized(callback: Callable[..., Any] | None) -> Callable[..., Any] | None:

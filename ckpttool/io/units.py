@@ -290,19 +290,23 @@ def _delegated(function: Callable[[], Any]) -> Any:
 
 
 def shared_map(
-    function: Callable[[Any], Any], items: Sequence[Any], weights: Sequence[int] | None = None
+    function: Callable[[Any], Any],
+    items: Sequence[Any],
+    weights: Sequence[int] | None = None,
+    *,
+    processes: bool = False,
 ) -> list[Any]:
     """``[function(item) for item in items]``, the same list on every rank: under torchrun,
     each rank computes its share (:func:`assign` by ``weights``, default equal) and the
     results are exchanged; else, and inside a share (a nested call), :func:`ordered_map`
-    (``--jobs`` threads). Every rank must make the same calls in the same order (they are
+    (``--jobs`` threads, or forked processes with ``processes``). Every rank must make the same calls in the same order (they are
     collective). The first error in item order is raised on every rank, naming the rank.
     Results and errors cross processes: they must pickle."""
     from ckpttool.io.parallel import ordered_map
 
     ranks = _current
     if ranks is None or _inside:
-        return ordered_map(function, items)
+        return ordered_map(function, items, processes=processes)
     share = assign(list(weights) if weights is not None else [1] * len(items), ranks.world)
     mine = share[ranks.rank]
 

@@ -8,11 +8,14 @@ before the command has written what it has to write.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,95 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_no_temp_file(tmp_path: Path) 
     assert stdout == ""
     assert _temps(out) == []
     assert target.read_bytes() == b"the user's own file"
+
+
+def _children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (Linux's /proc)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found.update(int(c) for c in (task / "children").read_text().split())
+    return found
+
+
+def _interrupt_when(command: subprocess.Popen[str], ready: Callable[[], bool]) -> tuple[str, str]:
+    """SIGINT to ``command`` once ``ready()`` (polled), then its output; a test that misses
+    the moment fails rather than passes."""
+    deadline = time.monotonic() + timeouts.scaled(120)
+    try:
+        while not ready():
+            if command.poll() is not None or time.monotonic() > deadline:
+                command.kill()
+                _, err = command.communicate()
+                pytest.fail(f"the command ended ({command.returncode}) before its moment: {err}")
+            time.sleep(0.002)
+        command.send_signal(signal.SIGINT)
+        return command.communicate(timeout=timeouts.scaled(120))
+    finally:
+        if command.poll() is None:
+            os.killpg(command.pid, signal.SIGKILL)
+            command.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
+def test_ctrl_c_stops_an_edit_with_jobs_and_leaves_nothing(tmp_path: Path) -> None:
+    """edit of a 4-shard directory with --jobs 2, stopped once its members are being written
+    into the staged directory: exit 130, one line, no output, no staged directory or temp
+    file, no process left in its group."""
+    source = tmp_path / "model"
+    source.mkdir()
+    weight_map = {}
+    for shard in range(4):
+        name = f"model-{shard + 1:05d}-of-00004.safetensors"
+        (source / name).write_bytes(_safetensors(tensors=4, elements=2 << 20))
+        weight_map.update({f"layers.{shard}.t{i}": name for i in range(4)})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    (source / "config.json").write_text('{"torch_dtype": "float32"}')
+    before, listed = sorted(os.listdir(tmp_path)), sorted(os.listdir(source))
+    command = subprocess.Popen(
+        [*CKPTTOOL_WITH_SIGINT, "edit", source, "--dtype", "bf16", "-o", tmp_path / "out",
+         "--jobs", "2"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+    def writing() -> bool:  # a member's file exists in the staged directory
+        return any(any(stage.iterdir()) for stage in _temps(tmp_path) if stage.is_dir())
+
+    stdout, stderr = _interrupt_when(command, writing)
+    assert command.returncode == EXIT_INTERRUPTED, stderr
+    assert (stdout, stderr) == ("", "Error: interrupted\n")
+    assert sorted(os.listdir(tmp_path)) == before  # no out, no staged directory
+    assert sorted(os.listdir(source)) == listed  # the input as it was
+    with pytest.raises(ProcessLookupError):
+        os.killpg(command.pid, 0)  # nothing of its group is left
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
+def test_ctrl_c_stops_a_scan_on_forked_workers_and_leaves_none(tmp_path: Path) -> None:
+    """scan of 8 long pickles with --jobs 2 runs on two forked workers; Ctrl-C once both are
+    running: exit 130, one line, and both workers gone."""
+    import pickle
+
+    table = pickle.dumps({f"layers.{i}.weight": [i, i + 1] for i in range(200_000)}, protocol=2)
+    for number in range(8):
+        (tmp_path / f"table_{number}.pkl").write_bytes(table)
+    command = subprocess.Popen(
+        [*CKPTTOOL_WITH_SIGINT, "scan", tmp_path, "--jobs", "2"], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    workers: set[int] = set()
+
+    def both_running() -> bool:
+        workers.update(_children(command.pid))
+        return len(workers) >= 2
+
+    stdout, stderr = _interrupt_when(command, both_running)
+    assert command.returncode == EXIT_INTERRUPTED, stderr
+    assert (stdout, stderr) == ("", "Error: interrupted\n")
+    with pytest.raises(ProcessLookupError):
+        os.killpg(command.pid, 0)  # the workers (in its group) are gone too
 
 
 # -- a closed stdout ----------------------------------------------------------------------------
