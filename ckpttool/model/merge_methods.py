@@ -10,7 +10,7 @@ one. What each method holds at once, in float64 copies of the tensor (``E`` byte
 1 (the sum), task arithmetic 2 (the base, the mixed task vector), SLERP 1 (the result); plus
 one input's tensor as read. TIES (:func:`_ties`) keeps the base and each model as read, with a
 bool mask of each model's kept entries (its task vectors recomputed exactly a chunk at a time
-when needed), and 2 E: the mass and the magnitudes, then the elected signs and the result.
+when needed), and 1 E: the magnitudes of the model being trimmed, then the result.
 """
 
 from __future__ import annotations
@@ -194,15 +194,14 @@ def _ties(
     """TIES: ``e_i = w_i trim(x_i - b)``; the elected sign of each entry is that of the total
     mass ``sum_i e_i``; the merge is ``b + lam * sum_(agreeing i) e_i / sum_(agreeing i) w_i``.
 
-    The disjoint merge needs every task vector after the vote, so each model is kept as read
+    The vote and the disjoint merge need every task vector, so each model is kept as read
     (its own dtype) with the bool mask of its kept entries, and its task vector recomputed
-    exactly, a chunk at a time, in both passes; the base is kept as read too. Held at once,
-    in float64 copies ``E`` of the tensor: while a model is trimmed, the mass and the
-    magnitudes (2 E) beside the base and the models read so far; then the elected signs
-    (E/8) and the result (1 E, in the magnitudes' place)."""
+    exactly, a chunk at a time, for the vote and the merge of that chunk; the base is kept as
+    read too. Held at once, beside the base and the models: while a model is trimmed, its
+    magnitudes (1 E, in float64 copies ``E`` of the tensor); then the result, in their place.
+    The mass and the elected signs are a chunk's."""
     size = base.size
     flat_base = base.reshape(-1)
-    mass = np.zeros(size, dtype=np.float64)
     scratch = np.empty(size, dtype=np.float64) if density < 1 else None
     kept: list[tuple[np.ndarray, np.ndarray | None, float]] = []
     for w in weights:
@@ -212,27 +211,24 @@ def _ties(
             if density >= 1 or size == 0
             else _kept(size, partial(_magnitudes, x, flat_base), density, scratch)
         )  # fmt: skip
-        for part in chunks(size):
-            delta = _task_vector(x, flat_base, part)
-            if keep is not None:
-                delta[~keep[part]] = 0.0
-            delta *= w
-            mass[part] += delta
         kept.append((x, keep, w))
         del x, keep
-    elected = mass >= 0  # mergekit: (sum >= 0) * 2 - 1
-    del mass
     result = np.empty(size, dtype=np.float64) if scratch is None else scratch
     del scratch
     for part in chunks(size):
-        mixed = np.zeros(part.stop - part.start, dtype=np.float64)
-        divisor = np.zeros_like(mixed)
-        positive = elected[part]
+        deltas = []
+        mass = np.zeros(part.stop - part.start, dtype=np.float64)
         for x, keep, w in kept:
             delta = _task_vector(x, flat_base, part)
             if keep is not None:
                 delta[~keep[part]] = 0.0
             delta *= w
+            mass += delta
+            deltas.append(delta)
+        positive = mass >= 0  # mergekit: (sum >= 0) * 2 - 1
+        mixed = np.zeros_like(mass)
+        divisor = np.zeros_like(mass)
+        for (_, _, w), delta in zip(kept, deltas):
             # an entry agrees when its sign is the elected one (a zero agrees with neither)
             agree = ((delta > 0) & positive) | ((delta < 0) & ~positive)
             np.add(mixed, delta, out=mixed, where=agree)
