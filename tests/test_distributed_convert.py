@@ -174,11 +174,8 @@ def test_convert_same_bytes_for_jobs_and_ranks(layout: str, tmp_path: Path) -> N
     want = _one_process(src, tmp_path / "one")
     runs = {
         "jobs4": [sys.executable, "-m", "ckpttool", *CONVERT, "--jobs", "4"],
-        "ranks2": [*_torchrun(2), *CONVERT],
+        **{f"ranks{n}": [*_torchrun(n), *CONVERT] for n in (1, 2, 4)},
     }
-    if layout == "hf_sharded":  # the launch counts, once
-        runs["ranks1"] = [*_torchrun(1), *CONVERT]
-        runs["ranks4"] = [*_torchrun(4), *CONVERT]
     for name, command in runs.items():
         started = time.monotonic()
         done = _run([*command, str(src), f"{tmp_path / name}/"])
@@ -189,8 +186,9 @@ def test_convert_same_bytes_for_jobs_and_ranks(layout: str, tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_convert_two_launchers_as_two_nodes(tmp_path: Path) -> None:
-    src = SOURCES["megatron_torch_dist"]
+@pytest.mark.parametrize("layout", sorted(SOURCES))
+def test_convert_two_launchers_as_two_nodes(layout: str, tmp_path: Path) -> None:
+    src = SOURCES[layout]
     want = _one_process(src, tmp_path / "one")
     port = _free_port()
     launchers = [
@@ -529,3 +527,40 @@ def test_one_large_file_split_by_byte_range_same_bytes(tmp_path: Path) -> None:
     assert (tmp_path / "jobs3.safetensors").read_bytes() == want
     assert (tmp_path / "ranks2.safetensors").read_bytes() == want
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_byte_range_that_reads_back_otherwise_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's share of one output file is checked after its fsync: each tensor's CRC-32
+    read back against that of the bytes written. One byte changed on the way: refused."""
+    from ckpttool.commands.convert import run, spread
+    from ckpttool.commands.convert.options import ConversionOptions
+    from ckpttool.commands.selection import Selection
+    from ckpttool.errors import VerificationError
+
+    dst = tmp_path / "out.safetensors"
+    job = spread.Job(run.write_share, str(FIXTURES / "minimind/pretrain_32.pth"), str(dst),
+                     Selection(), ConversionOptions(dtype="bf16"), run.write_range_share)  # fmt: skip
+    with run._planned(job) as (ckpt, _, files, _):
+        out = next(f for f in files if f.kind != "index")
+        out.expected_size = spread.planned_size(out)
+        path = tmp_path / "part"
+        with open(path, "wb") as handle:
+            handle.write(spread.header(out))
+            handle.truncate(out.expected_size)
+        bounds = (0, len(out.tensors))
+        assert run.write_range(ckpt, out, bounds, path, job.options)  # the casts' counts
+        stored = run._stored_bytes
+
+        def changed(written: object, record: object) -> memoryview | None:
+            data = stored(written, record)  # type: ignore[arg-type]
+            if data is None or getattr(record, "key", "") != out.tensors[-1].name:
+                return data
+            flipped = bytearray(data)
+            flipped[0] ^= 1
+            return memoryview(flipped)
+
+        monkeypatch.setattr(run, "_stored_bytes", changed)
+        with pytest.raises(VerificationError, match=re.escape(out.tensors[-1].name)):
+            run.write_range(ckpt, out, bounds, path, job.options)

@@ -252,10 +252,12 @@ def write_range(
     ckpt: Checkpoint, out: OutFile, bounds: tuple[int, int], path: Path, options: ConversionOptions
 ) -> dict[str, CastCounts]:
     """``out.tensors[first:stop]`` written where they go in ``path`` (a safetensors file the
-    lead made: header written, full size), fsynced, and read back tensor by tensor against
-    the source (a computed one computed again). Returns what each cast lost."""
+    lead made: header written, full size), fsynced, and read back tensor by tensor: each one's
+    CRC-32 against that of the bytes written (as one process checks them, :class:`_Hashing`).
+    Returns what each cast lost."""
     first, stop = bounds
     counts: dict[str, CastCounts] = {}
+    digests: dict[str, bytes] = {}
     with open(path, "r+b") as handle:
         handle.seek(out.expected_size - sum(p.nbytes for p in out.tensors[first:]))
         for planned in out.tensors[first:stop]:
@@ -264,7 +266,10 @@ def write_range(
                 counts[planned.name] = cast
                 if cast.overflow and not options.allow_overflow:
                     raise OverflowRefusedError(_overflow_message(planned, cast))
+            if options.verify:
+                digests[planned.name] = _digest(data)
             handle.write(data)
+            del data
         handle.flush()
         os.fsync(handle.fileno())
     if options.verify:
@@ -272,7 +277,7 @@ def write_range(
             found = {record.key: record for record in written.tensors()}
             for planned in out.tensors[first:stop]:
                 got = _stored_bytes(written, found[planned.name])
-                if got is None or not _same_bytes(tensor_bytes(ckpt, planned)[0], got):
+                if got is None or _digest(got) != digests[planned.name]:
                     raise VerificationError(
                         f"the output did not read back identical to the source, so it was "
                         f"removed: {out.target.name}: {planned.name} does not read back "
