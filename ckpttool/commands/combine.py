@@ -129,12 +129,11 @@ def write_combined(
     jobs: int,
     progress: ProgressCallback | None,
     on_total: ProgressCallback | None,
-    check: Callable[[list[Planned], list[str]], None] | None = None,
 ) -> Written:
     """Write ``output`` from ``inputs``, tensor by tensor: each input opened through the door,
     its weights planned as ``convert`` plans them with ``choice`` (``--filter``, and ``--map``
     for the inputs it applies to), matched with the first's (:func:`sources`), integer tensors
-    checked (:func:`check_ints`) and ``check`` run before anything is written; then every
+    checked (:func:`check_ints`) before anything is written; then every
     tensor produced by ``computer`` (``jobs`` > 1: ahead, on ``jobs`` - 1 threads) and written
     by ``convert``'s writer (atomic, read back), or in the first input's layout
     (``like_input``), with ``provenance`` (metadata key, facts) in a safetensors output's
@@ -161,8 +160,6 @@ def write_combined(
         reading = Inputs(opened)
         int_names = [p.name for p in plan.stored if p.dtype not in CASTABLE]
         check_ints(reading, found, int_names, inputs, ints)
-        if check is not None:
-            check(plan.stored, int_names)
 
         def producers(
             stored: list[Planned], renamed: dict[str, str]

@@ -106,7 +106,6 @@ def merge(
         choice=choice, dtype=dtype, ints="equal", force=force, verify=verify, like_input=like_input,
         jobs=jobs_for(jobs), progress=progress, on_total=on_total, rounded_to="the base's",
         computer=lambda reading, records, planned: _computer(reading, records, planned, combine),
-        check=None,
         provenance=(PROVENANCE_KEY, {"method": method, "lambda": lam, "density": density,
                                      "t": t, "base": paths[0], "models": [
             {"path": i.path, "weight": i.weight} for i in inputs[1:]

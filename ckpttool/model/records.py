@@ -18,7 +18,7 @@ Everything else (reading values, layout recognition, rendering) works on these r
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol
 
@@ -713,21 +713,29 @@ def holds_instance(node: Any, kind: type) -> bool:
         current = stack.pop()
         if isinstance(current, kind):
             return True
-        cls = current.__class__
-        if cls is dict:
-            values: Any = current.values()
-        elif cls is list or cls is tuple:
-            values = current
-        elif isinstance(current, OpaqueObject):
-            values = current.fields().values()
-        elif isinstance(current, dict):
-            values = current.values()
-        elif isinstance(current, (list, tuple)):
-            values = current
-        else:
-            continue
-        stack.extend([value for value in values if value.__class__ not in plain])
+        values = container_values(current)
+        if values is not None:
+            stack.extend([value for value in values if value.__class__ not in plain])
     return False
+
+
+def container_values(node: Any) -> Iterable[Any] | None:
+    """What the container ``node`` holds, in file order (a dict's values, a list's or tuple's
+    items, an opaque object's fields), without a generator; None for a leaf. The exact
+    classes are tested first: the passes over every node of a large table call it once per
+    container."""
+    cls = node.__class__
+    if cls is dict:
+        return node.values()
+    if cls is list or cls is tuple:
+        return node
+    if isinstance(node, OpaqueObject):
+        return node.fields().values()
+    if isinstance(node, dict):
+        return node.values()
+    if isinstance(node, (list, tuple)):
+        return node
+    return None
 
 
 def children(node: Any) -> Iterator[tuple[str, Any]]:
@@ -824,14 +832,9 @@ def object_classes(node: Any) -> set[str]:
         current = stack.pop()
         if isinstance(current, OpaqueObject):
             found.add(current.cls)
-            values: Any = current.fields().values()
-        elif isinstance(current, dict):
-            values = current.values()
-        elif isinstance(current, (list, tuple)):
-            values = current
-        else:
-            continue
-        stack.extend([value for value in values if isinstance(value, _CONTAINERS)])
+        values = container_values(current)
+        if values is not None:
+            stack.extend([value for value in values if isinstance(value, _CONTAINERS)])
     return found
 
 

@@ -41,8 +41,8 @@ from ckpttool.model.edits import compile_rules, renamed_key
 from ckpttool.model.mapping import load_map
 from ckpttool.model.records import (
     ITEMSIZE,
-    OpaqueObject,
     TensorRecord,
+    container_values,
     is_container,
     tensor_keys,
     tensor_subclasses,
@@ -487,18 +487,7 @@ def _plain_leaf_count(node: Any) -> int | None:
     stack = [node]
     while stack:
         current = stack.pop()
-        cls = current.__class__
-        if cls is dict:
-            values: Any = current.values()
-        elif cls is list or cls is tuple:
-            values = current
-        elif isinstance(current, OpaqueObject):
-            values = current.fields().values()
-        elif isinstance(current, dict):
-            values = current.values()
-        else:
-            values = current
-        for value in values:
+        for value in container_values(current) or ():
             kind = value.__class__
             if kind is int or kind is float or kind is bool or value is None:
                 count += 1
