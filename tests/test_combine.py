@@ -322,6 +322,15 @@ def test_like_input_refuses_layouts_it_cannot_write_in_one_line(tmp_path: Path, 
     assert not out.exists()
 
 
+def test_like_input_of_files_into_a_directory_is_refused(tmp_path: Path) -> None:
+    _, paths = resume_run(tmp_path)
+    out = tmp_path / "already_a_dir"
+    out.mkdir()
+    result = invoke("average", *paths, "-o", out, "--like-input", "--ints", "last")
+    one_line_error(result, "is a directory; --like-input of a file writes a file: name a file")
+    assert list(out.iterdir()) == []
+
+
 def test_like_input_with_filter_is_refused(tmp_path: Path) -> None:
     _, paths = resume_run(tmp_path)
     result = invoke("average", *paths, "-o", tmp_path / "o.pth", "--like-input", "--filter", "x*")

@@ -72,7 +72,9 @@ def write_like(
             "write a .safetensors or .pth OUT instead"
         )
     if target.is_dir():
-        raise InputError(f"{target}: is a directory; --like-input of a file writes a file")
+        raise InputError(
+            f"{target}: is a directory; --like-input of a file writes a file: name a file as OUT"
+        )
     if (target.exists() or target.is_symlink()) and not force:
         raise OutputExistsError(f"{target} exists; pass --force to overwrite it")
     with open(path, "rb") as handle:
