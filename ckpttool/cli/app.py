@@ -33,7 +33,7 @@ from ckpttool.cli.options import (
     use_ema_option,
     written_output_options,
 )
-from ckpttool.cli.ranks import lead_result, on_ranks
+from ckpttool.cli.ranks import lead_result, on_ranks, runs_alone_off_lead
 from ckpttool.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -64,6 +64,14 @@ class CkptGroup(click.Group):
     ) -> click.Context:  # fmt: skip
         with _stopped_quietly():  # parsing, --help, --version
             return super().make_context(info_name, args, parent, **extra)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        if command is not None and runs_alone_off_lead(command.callback):
+            sys.exit(0)  # under torchrun, off rank 0: rank 0 runs this command alone
+        return name, command, rest
 
     def invoke(self, ctx: click.Context) -> object:
         with _stopped_quietly():

@@ -1,7 +1,10 @@
 """Commands under ``torchrun``: the ranks joined, the work shared, one report printed.
 
 A command that shares its work over torchrun's ranks (``convert``, ``verify``, ``scan``,
-``edit``) is wrapped by :func:`on_ranks`. When torchrun's variables say there are several ranks,
+``edit``) is wrapped by :func:`on_ranks`. Every other command (``show``, ``diff``, ``trend``,
+``average``...) runs on rank 0 alone: the other ranks exit 0 at once, without reading or
+writing anything and without joining a process group (:func:`runs_alone_off_lead`), so that
+a report is printed once and an output is written once. When torchrun's variables say there are several ranks,
 the ranks join one gloo process group (:class:`ckpttool.io.units.Ranks`); rank 0 prints the
 report and every error, once (the error names the rank it happened on); the other ranks print
 nothing (no progress bar) and exit with the same code. A rank that loses the others (one was
@@ -43,7 +46,25 @@ def on_ranks(command: F) -> F:
             units.set_current(None)
             ranks.close()
 
+    run.shares_ranks = True  # type: ignore[attr-defined]
     return run  # type: ignore[return-value]
+
+
+def shares_ranks(callback: Callable[..., Any] | None) -> bool:
+    """Whether a command's callback is wrapped by :func:`on_ranks` (through any wrappers
+    made with :func:`functools.wraps`, which copy the mark)."""
+    return bool(getattr(callback, "shares_ranks", False))
+
+
+def runs_alone_off_lead(callback: Callable[..., Any] | None) -> bool:
+    """Whether this process is a rank other than 0 of a torchrun job and the command does not
+    share its work over ranks: then it has nothing to do (rank 0 does the whole command)."""
+    from ckpttool.io import units
+
+    if shares_ranks(callback):
+        return False
+    launched = units.launched_ranks()
+    return launched is not None and launched[0] != 0
 
 
 def lead_result(function: Callable[[], Any]) -> Any:

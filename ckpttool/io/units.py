@@ -138,7 +138,8 @@ def _ignore_interrupts() -> None:
 
 
 #: Set to 1 to join the ranks that ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
-#: describe when this process was not started by torchrun itself (another launcher).
+#: describe when this process was not started by torchrun itself (another launcher); set to 0
+#: never to join (the command runs alone whatever started it).
 JOIN_ENV = "CKPTTOOL_DIST"
 
 
@@ -146,7 +147,8 @@ def launched_ranks() -> tuple[int, int] | None:
     """``(rank, world size)`` when torchrun started this process as one of several ranks (or
     :data:`JOIN_ENV` is 1); else None. A process that merely inherited a training rank's
     variables (a ``ckpttool`` run from inside a training job) runs alone, as always."""
-    if os.environ.get(JOIN_ENV) != "1" and not _parent_is_torchrun():
+    join = os.environ.get(JOIN_ENV)
+    if join == "0":
         return None
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -155,18 +157,39 @@ def launched_ranks() -> tuple[int, int] | None:
         return None
     if world < 2 or not 0 <= rank < world:
         return None
+    if join != "1" and not _parent_is_torchrun():
+        return None
     return rank, world
 
 
 def _parent_is_torchrun() -> bool:
     """Whether the parent process is torchrun's agent (``torchrun`` or ``python -m
-    torch.distributed.run``), read from /proc (where there is no /proc: assumed)."""
+    torch.distributed.run``), from its command line (:func:`parent_command`); a parent whose
+    command line cannot be read is taken not to be (the command runs alone: :data:`JOIN_ENV`
+    makes it join)."""
+    words = parent_command()
+    return any(w.endswith("torchrun") or w == "torch.distributed.run" for w in words[:4])
+
+
+def parent_command(ppid: int | None = None, *, proc: str = "/proc") -> list[str]:
+    """The words of the parent process's command line: from ``/proc`` (Linux), else from
+    ``ps`` (macOS, the BSDs; its words split at spaces); ``[]`` where neither tells."""
+    ppid = os.getppid() if ppid is None else ppid
     try:
-        with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
-            words = handle.read().split(b"\0")
+        with open(f"{proc}/{ppid}/cmdline", "rb") as handle:
+            return [w.decode("utf-8", "replace") for w in handle.read().split(b"\0") if w]
     except OSError:
-        return True
-    return any(w.endswith(b"torchrun") or w == b"torch.distributed.run" for w in words[:4])
+        pass
+    import subprocess
+
+    try:
+        found = subprocess.run(
+            ["ps", "-ww", "-o", "command=", "-p", str(ppid)],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return found.stdout.split() if found.returncode == 0 else []
 
 
 def timeout_seconds() -> float:
