@@ -63,6 +63,9 @@ class Parsed:
     # to find them (a zip member's local header), known without reading: the plan a remote
     # file fetches in few large requests (Checkpoint.plan_reads). None: no plan.
     region: Callable[[StorageRecord], tuple[int, int]] | None = None
+    # storage -> the CRC-32 the format keeps of its bytes (a torch zip record's, when torch
+    # computed them), or None: what a copy of those bytes can be checked against. None: no CRCs.
+    crc: Callable[[StorageRecord], int | None] | None = None
     # Whether several threads may read values at once (--jobs reads a directory's members
     # ahead): a framework directory's members are checkpoints of their own, each read by pread
     # or ranged requests; DCP's reads take a lock. Assembled views (DeepSpeed's fp32, per-rank
@@ -339,6 +342,11 @@ class Checkpoint:
         for storage, span in zip(wanted, spread(locate, wanted)):
             if span is not None:
                 self._spans[storage.key] = span
+
+    def stored_crc(self, storage: StorageRecord) -> int | None:
+        """The CRC-32 this checkpoint's format keeps of ``storage``'s bytes (the bytes
+        :meth:`storage_span` gives), or None where it keeps none."""
+        return self._parsed.crc(storage) if self._parsed.crc is not None else None
 
     @property
     def concurrent_reads(self) -> bool:

@@ -279,11 +279,17 @@ def read_torch_zip(
             regions.update(archive.regions())
         return regions[members[storage.record].filename]
 
+    def crc(storage: StorageRecord) -> int | None:
+        member = members[storage.record]
+        stored = member.compress_type == 0 and member.compress_size == member.file_size
+        return member.CRC if archive.crc_computed and stored else None
+
     return Parsed(
         format="torch-zip",
         root=result.root,
         span=span,
         region=region,
+        crc=crc,
         pickle=result,
         details={
             "prefix": prefix.rstrip("/"),
