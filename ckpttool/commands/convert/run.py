@@ -825,9 +825,12 @@ def _equal_in_files(
     # is settled by comparing the bytes
     assert source.storage is not None
     stored = ckpt.stored_crc(source.storage)
-    if stored is not None and ckpt.storage_span(source.storage) == span:
-        if crc_range(written.read_file_into, written_span[0], planned.nbytes) == stored:
-            return True
+    if (
+        stored is not None
+        and ckpt.storage_span(source.storage) == span
+        and crc_range(written.read_file_into, written_span[0], planned.nbytes) == stored
+    ):
+        return True
     return equal_ranges(
         ckpt.read_file_into, span[0], written.read_file_into, written_span[0], planned.nbytes
     )
