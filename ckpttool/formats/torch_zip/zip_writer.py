@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from ckpttool.io.blocks import copy_range
+from ckpttool.io.blocks import copy_range, write_data
 from ckpttool.io.crc import crc32
 from ckpttool.io.progress import ProgressCallback
 
@@ -57,7 +57,7 @@ class TorchZipWriter:
         for chunk in chunks:
             crc = crc32(chunk, crc)
             size += len(chunk)
-            self.handle.write(chunk)
+            write_data(self.handle, chunk)  # a large chunk: its writeback starts at once
         self._finish(encoded, offset, crc, size)
 
     def write_copy(
