@@ -99,3 +99,17 @@ def test_large_arrays_are_cast_in_chunks(monkeypatch: pytest.MonkeyPatch) -> Non
     ours, counts = cast_array(values, "float32", "float16")
     assert_same_bits(ours, torch_cast(values.reshape(-1), "float32", "float16"), "float16")
     assert counts.overflow == int((np.abs(values) >= 65520).sum())
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_underflow_is_counted_per_chunk_with_and_without_zeros(
+    monkeypatch: pytest.MonkeyPatch, target: str
+) -> None:
+    """Chunks whose output holds no zero are not counted again (none of their values can have
+    underflowed); the others are: the total is the same as over the whole array."""
+    monkeypatch.setattr("ckpttool.model.cast._CHUNK", 3)
+    tiny = 1e-9 if target == "float16" else float(np.array([1], "<u4").view("<f4")[0])
+    values = np.array([1.0, 2.0, 3.0, tiny, 0.0, -tiny, 4.0, 5.0, 6.0, 0.0, 7.0], "<f4")
+    cast, counts = cast_array(values, "float32", target)
+    assert counts.underflow == 2  # tiny and -tiny; the input zeros are not counted
+    assert_same_bits(cast, torch_cast(values, "float32", target), target)

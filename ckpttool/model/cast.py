@@ -110,10 +110,11 @@ def cast_array(values: np.ndarray, source: str, target: str) -> tuple[np.ndarray
         max_abs = max(max_abs, largest)
         # zeros (either sign) that were not zeros before; NaN is non-zero on both sides
         out_bits = narrow.view(np.uint32 if target == "float32" else np.uint16)
-        out_nonzero = np.count_nonzero(
-            out_bits & (0x7FFFFFFF if target == "float32" else _SIGNLESS)
+        out_nonzero = int(
+            np.count_nonzero(out_bits & (0x7FFFFFFF if target == "float32" else _SIGNLESS))
         )
-        underflow += int(np.count_nonzero(wide)) - int(out_nonzero)
+        if out_nonzero < narrow.size:  # no zero out means no zero in: nothing underflowed
+            underflow += int(np.count_nonzero(wide)) - out_nonzero
     return out, CastCounts(overflow, underflow, max_abs)
 
 
