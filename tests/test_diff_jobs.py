@@ -219,3 +219,36 @@ def test_runs_are_neighbours_in_order_of_about_equal_bytes(sizes: list[int]) -> 
     if sizes[0] == 10_000_000:
         assert runs[0] == pairs[:1]  # the heavy one alone, the rest shared out
         assert len(runs) > 1
+
+
+def test_what_is_read_in_order_stays_on_one_thread(
+    pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL (its ranges fetched in order) and an assembled view (DeepSpeed's fp32 weights) are
+    compared on the calling thread whatever N, with the same report; two local files on N."""
+    from tests.support.helpers import FIXTURES
+    from tests.support.range_server import RangeServer
+
+    threads: list[str] = []
+    original = diff_run._compare_run
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name.split("_")[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(diff_run, "_compare_run", recording)
+    a, b = pair
+    assert run("diff", a, b, "-j", 2).exit_code == 1
+    assert set(threads) == {"ckpttool-jobs"}
+    steps = FIXTURES / "deepspeed/stage2_fp32_2proc/checkpoints"
+    server = RangeServer().start()
+    try:
+        url_b = server.add_path(b.name, b)
+        for first, second in ((a, url_b), (steps / "global_step2", steps / "global_step4")):
+            threads.clear()
+            one, four = run("diff", first, second, "-j", 1), run("diff", first, second, "-j", 4)
+            assert one.exit_code == four.exit_code and one.exit_code in (0, 1), one.output
+            assert one.stdout == four.stdout
+            assert set(threads) == {"MainThread"}
+    finally:
+        server.stop()
