@@ -469,7 +469,7 @@ def _compare_run(
         plain = [pair for pair, flag in zip(window, settled) if flag and _small(pair)]
         records_a = [pair.a for pair in plain if pair.a is not None]
         records_b = [pair.b for pair in plain if pair.b is not None]
-        bytes_a = _ahead(ckpt_a, read_many(ckpt_a, records_a))  # --jobs: on threads of their own
+        bytes_a = _ahead(ckpt_a, read_many(ckpt_a, records_a))  # (on threads: _ahead)
         bytes_b = _ahead(ckpt_b, read_many(ckpt_b, records_b))
         for pair, flag in zip(window, settled):
             if stop is not None and stop.is_set():
@@ -521,8 +521,10 @@ def _compare_run(
 def _ahead(
     ckpt: Checkpoint, reads: Iterator[tuple[bytes | bytearray, int]]
 ) -> Iterator[tuple[bytes | bytearray, int]]:
-    """--jobs N > 1 on a directory whose members may be read at once: its tensors read on a
-    thread of their own, up to N ahead, while the pairs are compared."""
+    """--jobs N > 1 on a directory whose members may be read at once, compared on one thread
+    (the other side must be read in order: a URL, an assembled view): its tensors read on a
+    thread of their own, up to N ahead, while the pairs are compared. In a run of
+    :func:`_compare_all`'s threads N is 1: read on that thread."""
     from ckpttool.io.parallel import jobs, read_ahead
 
     count = jobs() if ckpt.concurrent_reads else 1
