@@ -240,7 +240,8 @@ def test_diff_reports_the_same_with_any_jobs(a: Path, b: Path) -> None:
     assert one.stdout == four.stdout
 
 
-def test_diff_reads_a_directory_ahead_with_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_diff_reads_a_directory_on_threads_with_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--jobs 2: runs of tensors compared (and read) on the jobs' threads (issue 43)."""
     from ckpttool.commands.diff import run as diff_run
 
     threads: set[str] = set()
@@ -257,7 +258,7 @@ def test_diff_reads_a_directory_ahead_with_jobs(monkeypatch: pytest.MonkeyPatch)
     assert threads == {"MainThread"}
     threads.clear()
     assert run("diff", a, b, "-j", 2).exit_code in (0, 1)
-    assert threads == {"ckpttool-ahead"}
+    assert threads == {"ckpttool-jobs"}
 
 
 def test_threads_sharing_a_zip_handle_read_their_own_headers() -> None:

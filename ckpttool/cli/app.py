@@ -20,6 +20,7 @@ from ckpttool import __version__
 from ckpttool.cli.options import (
     combine_jobs_option,
     component_option,
+    diff_jobs_option,
     edit_jobs_option,
     force_option,
     jobs_option,
@@ -354,7 +355,7 @@ def show(
 )  # fmt: skip
 @json_option("diff")
 @remote_options
-@jobs_option
+@diff_jobs_option
 def diff_command(
     path_a: str,
     path_b: str,

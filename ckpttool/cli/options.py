@@ -149,6 +149,16 @@ def jobs_option(command: F) -> F:
     )
 
 
+def diff_jobs_option(command: F) -> F:
+    """``--jobs N`` of diff: N runs of tensors compared at once, of a file or a directory
+    (default: the CPU count); the report is the same with any N."""
+    return _jobs(
+        command,
+        "Compare N runs of tensors at once, of one file or of a directory's members (default: "
+        "the CPU count); the report is the same with any N, memory grows with N.",
+    )
+
+
 def combine_jobs_option(command: F) -> F:
     """``--jobs N`` of average and merge: N tensors computed at once (default 1: each thread
     holds several float64 copies of a tensor); the output bytes are the same with any N."""

@@ -238,6 +238,11 @@ class DerivedCheckpoint(Checkpoint):
     derived: dict[str, Produce] = field(default_factory=dict, repr=False)
     _made: tuple[str, bytes] | None = field(default=None, repr=False)  # the last one made
 
+    @property
+    def parallel_reads(self) -> bool:
+        """One thread at a time once a map computes tensors (:attr:`_made` is shared)."""
+        return not self.derived and super().parallel_reads
+
     def read_storage(
         self, storage: StorageRecord, start: int, stop: int, key: str = ""
     ) -> bytearray:

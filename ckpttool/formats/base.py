@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol
 
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
-from ckpttool.io.source import read_into, read_range, shown_name, source_of
+from ckpttool.io.source import is_url, read_into, read_range, shown_name, source_of
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
     ITEMSIZE,
@@ -352,6 +352,22 @@ class Checkpoint:
     def concurrent_reads(self) -> bool:
         """Whether several threads may read this checkpoint's values at once (see Parsed)."""
         return self._parsed.concurrent_reads
+
+    @property
+    def parallel_reads(self) -> bool:
+        """Whether several threads may read this checkpoint's values at once, each its own
+        tensors (``diff --jobs`` compares runs of tensors on threads): :attr:`concurrent_reads`,
+        or one local file whose storages are spans of it: every read is a ``pread`` of its
+        descriptor, and a zip's local headers are read under a lock. A URL's file is read on
+        one thread (its planned windows, in order), as are storages the format assembles."""
+        if self._parsed.concurrent_reads:
+            return True
+        if self._parsed.read is not None or self._handle is None or is_url(self.name):
+            return False
+        try:
+            return isinstance(source_of(self._handle), int)
+        except (AttributeError, OSError, ValueError):  # a stream without a descriptor
+            return False
 
     def plan_reads(self, records: Sequence[TensorRecord]) -> bool:
         """A hint: the bytes of ``records`` will be read, in this order. A remote file then

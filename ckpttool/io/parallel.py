@@ -73,14 +73,20 @@ def _in_worker(function: Callable[[Item], Result]) -> Callable[[Item], Result]:
 
 
 def ordered_map(
-    function: Callable[[Item], Result], items: Sequence[Item], *, processes: bool = False
+    function: Callable[[Item], Result],
+    items: Sequence[Item],
+    *,
+    processes: bool = False,
+    stop: threading.Event | None = None,
 ) -> list[Result]:
     """``[function(item) for item in items]`` on :func:`jobs` threads: the same results in the
     same order, and the same first error (the one of the earliest item that fails).
 
     ``processes``: on :func:`jobs` forked processes instead, where the work is Python that
     holds the GIL (scan's pickle walks) and a fork is safe here (:func:`_can_fork`), else on
-    threads. The results must pickle; ``function`` and ``items`` are inherited, not sent."""
+    threads. The results must pickle; ``function`` and ``items`` are inherited, not sent.
+    ``stop`` (threads): set when the map ends with an error or Ctrl-C, before it waits for the
+    items running, so that long ones that look at it end early."""
     count = min(jobs(), len(items))
     if count <= 1:
         return [function(item) for item in items]
@@ -90,6 +96,10 @@ def ordered_map(
     try:
         futures = [pool.submit(_in_worker(function), item) for item in items]
         return [future.result() for future in futures]
+    except BaseException:
+        if stop is not None:
+            stop.set()
+        raise
     finally:  # after an error or Ctrl-C: items not started are dropped, running ones end
         pool.shutdown(wait=True, cancel_futures=True)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -121,11 +122,7 @@ class DiffPlan:
     @property
     def value_bytes(self) -> int:
         """Bytes read from both files when values are compared (for a progress bar)."""
-        return sum(
-            p.a.nbytes + p.b.nbytes
-            for p in self.pairs
-            if p.a is not None and p.b is not None and p.a.shape == p.b.shape
-        )
+        return sum(_value_bytes(pair) for pair in self.pairs)
 
 
 @dataclass
@@ -340,17 +337,143 @@ def run_diff(
     ``rounded``: floats of different precision in the narrower dtype)."""
     if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
         raise ValueError("rtol and atol must be non-negative numbers")
+    tensors = _compare_all(
+        ckpt_a, ckpt_b, plan.pairs,
+        rtol=rtol, atol=atol, quick=quick, rounded=rounded, norms=norms, progress=progress,
+    )  # fmt: skip
+    notes = list(plan.notes)
+    if quick:
+        notes.append("--quick: values not read; 'identical' means the same dtype and shape")
+    elif not rounded:
+        notes.extend(_dtype_note(tensors))
+    meta = sum(1 for t in tensors if t.a is not None and t.b is not None and t.a.is_meta
+               and t.b.is_meta and t.a.dtensor is None and t.b.dtensor is None)  # fmt: skip
+    if meta and not quick:
+        notes.append(
+            f"values not compared for {meta} meta tensor{'s' * (meta != 1)} (saved without data"
+            " on both sides): 'identical' means the same dtype and shape"
+        )
+    fields = list(plan.fields)
+    if not quick:
+        fields = [_read_tensor_field(ckpt_a, ckpt_b, entry) for entry in fields]
+    return DiffReport(plan.a, plan.b, rtol, atol, quick, notes, fields, tensors, rounded=rounded)
+
+
+WINDOW = 256  # pairs whose small tensors are read together (ckpttool.io.read_batch)
+RUNS_PER_JOB = 4  # runs of pairs per thread: a thread that drew light ones takes another
+PAIR_COST = 1 << 15  # bytes a pair weighs beyond its values (its Python), in balancing runs
+
+
+class Stopped(Exception):
+    """A run of pairs left early: the comparison as a whole has failed or was interrupted."""
+
+
+def _compare_all(
+    ckpt_a: Checkpoint,
+    ckpt_b: Checkpoint,
+    pairs: list[TensorPair],
+    *,
+    rtol: float,
+    atol: float,
+    quick: bool,
+    rounded: bool,
+    norms: bool,
+    progress: ProgressCallback | None,
+) -> list[TensorDiff]:
+    """Every pair's verdict, in plan order. With ``--jobs N`` > 1 (:func:`~ckpttool.io.parallel.jobs`)
+    and two checkpoints that threads may read at once (:attr:`Checkpoint.parallel_reads`: a
+    local file, a directory whose members allow it), the pairs are cut into runs of neighbours
+    of about equal bytes, compared on N threads (``pread``, ``memcmp`` and NumPy's loops let go
+    of the GIL: bench/README.md), and their verdicts put back in order. A verdict depends on
+    its pair alone, so the report is the same with any N; the first error in plan order is the
+    one raised; memory is N times one run's (its blocks of small tensors, a large one's
+    buffers or chunks). After an error or Ctrl-C every thread stops at its next tensor or
+    chunk."""
+    from ckpttool.io.parallel import jobs, ordered_map, serialized
+
+    count = jobs()
+    if (
+        quick  # nothing is read
+        or count < 2
+        or len(pairs) < 2
+        or not (ckpt_a.parallel_reads and ckpt_b.parallel_reads)
+    ):
+        return _compare_run(
+            ckpt_a, ckpt_b, pairs, rtol=rtol, atol=atol, quick=quick, rounded=rounded,
+            norms=norms, progress=progress,
+        )  # fmt: skip
+    stop = threading.Event()
+    shared = serialized(progress)
+
+    def advance(done: int) -> None:  # a thread's progress, and where it hears of a stop
+        if stop.is_set():
+            raise Stopped
+        if shared is not None:
+            shared(done)
+
+    def compare(run: list[TensorPair]) -> list[TensorDiff]:
+        return _compare_run(
+            ckpt_a, ckpt_b, run, rtol=rtol, atol=atol, quick=quick, rounded=rounded,
+            norms=norms, progress=advance, stop=stop,
+        )  # fmt: skip
+
+    runs = _runs(pairs, count * RUNS_PER_JOB)
+    return [entry for part in ordered_map(compare, runs, stop=stop) for entry in part]
+
+
+def _runs(pairs: list[TensorPair], pieces: int) -> list[list[TensorPair]]:
+    """``pairs`` cut into at most ``pieces`` runs of neighbours of about equal weight (the
+    bytes read to compare them, :data:`PAIR_COST` more each); a tensor heavier than a run's
+    share is a run of its own."""
+    weights = [PAIR_COST + _value_bytes(pair) for pair in pairs]
+    total = sum(weights)
+    runs: list[list[TensorPair]] = []
+    first = done = 0
+    cut = 1  # the next run ends where the weight so far reaches cut * total / pieces
+    for index, weight in enumerate(weights):
+        done += weight
+        if done * pieces >= total * cut and index + 1 < len(pairs):
+            runs.append(pairs[first : index + 1])
+            first = index + 1
+            cut = done * pieces // total + 1
+    runs.append(pairs[first:])
+    return runs
+
+
+def _value_bytes(pair: TensorPair) -> int:
+    """The bytes read to compare a pair's values (none where they are not compared)."""
+    a, b = pair.a, pair.b
+    return a.nbytes + b.nbytes if a is not None and b is not None and a.shape == b.shape else 0
+
+
+def _compare_run(
+    ckpt_a: Checkpoint,
+    ckpt_b: Checkpoint,
+    pairs: list[TensorPair],
+    *,
+    rtol: float,
+    atol: float,
+    quick: bool,
+    rounded: bool,
+    norms: bool,
+    progress: ProgressCallback | None,
+    stop: threading.Event | None = None,
+) -> list[TensorDiff]:
+    """The verdicts of consecutive ``pairs``, one pair at a time (a window of small ones read
+    in blocks first); ``stop`` set: raise :class:`Stopped` before the next pair."""
     tensors: list[TensorDiff] = []
-    for start in range(0, len(plan.pairs), WINDOW):
-        window = plan.pairs[start : start + WINDOW]
+    for start in range(0, len(pairs), WINDOW):
+        window = pairs[start : start + WINDOW]
         # pairs whose equal bytes settle the verdict: read in blocks, compared as bytes
         settled = [not quick and _bytes_settle(pair) for pair in window]
         plain = [pair for pair, flag in zip(window, settled) if flag and _small(pair)]
         records_a = [pair.a for pair in plain if pair.a is not None]
         records_b = [pair.b for pair in plain if pair.b is not None]
-        bytes_a = _ahead(ckpt_a, read_many(ckpt_a, records_a))  # --jobs: on threads of their own
+        bytes_a = _ahead(ckpt_a, read_many(ckpt_a, records_a))  # (on threads: _ahead)
         bytes_b = _ahead(ckpt_b, read_many(ckpt_b, records_b))
         for pair, flag in zip(window, settled):
+            if stop is not None and stop.is_set():
+                raise Stopped
             if pair.a is None or pair.b is None:
                 status = ONLY_A if pair.b is None else ONLY_B
                 tensors.append(TensorDiff(pair.key, status, pair.a, pair.b, pair.alias))
@@ -392,32 +515,16 @@ def run_diff(
                 progress=progress,
             )
             tensors.append(entry)
-    notes = list(plan.notes)
-    if quick:
-        notes.append("--quick: values not read; 'identical' means the same dtype and shape")
-    elif not rounded:
-        notes.extend(_dtype_note(tensors))
-    meta = sum(1 for t in tensors if t.a is not None and t.b is not None and t.a.is_meta
-               and t.b.is_meta and t.a.dtensor is None and t.b.dtensor is None)  # fmt: skip
-    if meta and not quick:
-        notes.append(
-            f"values not compared for {meta} meta tensor{'s' * (meta != 1)} (saved without data"
-            " on both sides): 'identical' means the same dtype and shape"
-        )
-    fields = list(plan.fields)
-    if not quick:
-        fields = [_read_tensor_field(ckpt_a, ckpt_b, entry) for entry in fields]
-    return DiffReport(plan.a, plan.b, rtol, atol, quick, notes, fields, tensors, rounded=rounded)
-
-
-WINDOW = 256  # pairs whose small tensors are read together (ckpttool.io.read_batch)
+    return tensors
 
 
 def _ahead(
     ckpt: Checkpoint, reads: Iterator[tuple[bytes | bytearray, int]]
 ) -> Iterator[tuple[bytes | bytearray, int]]:
-    """--jobs N > 1 on a directory whose members may be read at once: its tensors read on a
-    thread of their own, up to N ahead, while the pairs are compared."""
+    """--jobs N > 1 on a directory whose members may be read at once, compared on one thread
+    (the other side must be read in order: a URL, an assembled view): its tensors read on a
+    thread of their own, up to N ahead, while the pairs are compared. In a run of
+    :func:`_compare_all`'s threads N is 1: read on that thread."""
     from ckpttool.io.parallel import jobs, read_ahead
 
     count = jobs() if ckpt.concurrent_reads else 1
