@@ -259,9 +259,10 @@ import resource, sys
 import numpy as np
 from safetensors.numpy import save_file
 from ckpttool.commands.diff.run import diff
-from ckpttool.io.allocator import keep_freed_memory
+from ckpttool.io.memory import reuse_freed_memory
 
 a, b = sys.argv[1], sys.argv[2]
+kept = reuse_freed_memory() if sys.argv[3] == "reuse" else None  # as `ckpttool diff` does
 values = np.random.default_rng(0).standard_normal(8 << 20, dtype=np.float32)  # 16 chunks
 save_file({"w": values}, a)
 save_file({"w": values * np.float32(1.001)}, b)
@@ -269,22 +270,45 @@ del values
 diff(a, b)  # the first: imports, and the heaps grown once
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 assert diff(a, b).counts()["differ"] == 1
-print(keep_freed_memory(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def test_chunk_temporaries_reuse_memory_instead_of_new_pages(tmp_path: Path) -> None:
-    """Comparing two differing 32 MB tensors (16 chunks, a dozen temporaries of 4 MB each)
-    faults in no new pages once the heaps have grown: ~68,000 page faults without
-    :func:`~ckpttool.io.allocator.keep_freed_memory`, half of diff's time on large files.
-    In a process of its own: the allocator's settings are the process's."""
+def _chunk_faults(tmp_path: Path, mode: str) -> tuple[str, int]:
     import subprocess
     import sys
 
     paths = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
     found = subprocess.run(
-        [sys.executable, "-c", ALLOCATIONS, *paths], capture_output=True, text=True, check=True
-    )
+        [sys.executable, "-c", ALLOCATIONS, *paths, mode],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
     kept, faults = found.stdout.split()
+    return kept, int(faults)
+
+
+def test_chunk_temporaries_reuse_memory_instead_of_new_pages(tmp_path: Path) -> None:
+    """Comparing two differing 32 MB tensors (16 chunks, a dozen temporaries of 4 MB each)
+    faults in no new pages once the heaps have grown, with glibc told to keep freed blocks
+    (:func:`~ckpttool.io.memory.reuse_freed_memory`, which ``ckpttool diff`` calls); without
+    it, tens of thousands of faults: half of diff's time on large files. In a process of its
+    own: the allocator's settings are the process's."""
+    kept, faults = _chunk_faults(tmp_path, "reuse")
     assert kept == "True"
-    assert int(faults) < 5000, faults
+    assert faults < 5000, faults
+    _, without = _chunk_faults(tmp_path, "default")
+    assert without > 5 * max(faults, 1000), (faults, without)
+
+
+def test_the_diff_command_keeps_freed_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpttool.io import memory
+
+    calls: list[bool] = []
+    monkeypatch.setattr(memory, "reuse_freed_memory", lambda: calls.append(True) or True)
+    path = tmp_path / "a.safetensors"
+    save_file({"w": torch.zeros(3)}, str(path))
+    result = CliRunner().invoke(cli, ["diff", str(path), str(path)])
+    assert result.exit_code == 0, result.output
+    assert calls == [True]

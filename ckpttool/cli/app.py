@@ -410,6 +410,10 @@ def diff_command(
         raise click.UsageError(
             "--by-module, --top and --plot measure values, which --quick does not read"
         )
+    if not quick:
+        from ckpttool.io.memory import reuse_freed_memory
+
+        reuse_freed_memory()  # value chunks' temporaries without page faults (our process)
     if plot_path is not None:
         from ckpttool.render.plot import pyplot
 

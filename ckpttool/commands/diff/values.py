@@ -484,9 +484,6 @@ def compare_values(
     """
     import numpy as np
 
-    from ckpttool.io.allocator import keep_freed_memory
-
-    keep_freed_memory()  # each chunk's temporaries reuse the last one's memory, not new pages
     narrow = narrower_dtype(record_a.dtype, record_b.dtype) if rounded else None
     common = narrow or compare_dtype(record_a.dtype, record_b.dtype)
     if common is None:
