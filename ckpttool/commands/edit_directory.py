@@ -48,8 +48,7 @@ def edit(
         if options.get("dry_run"):
             units.lead_only()
         return edit_directory(src, dst, **options)
-    units.lead_only()
-    return edit_file(src, dst, **options)
+    return edit_file(src, dst, **options)  # under torchrun: its casts shared by the ranks
 
 
 def default_output(src: Path) -> Path:

@@ -364,6 +364,12 @@ def current() -> Ranks | None:
     return _current
 
 
+def sharing() -> Ranks | None:
+    """The ranks a collective call made here is made among: None off torchrun, and inside a
+    rank's share of a :func:`shared_map` (where each rank works on its own items)."""
+    return None if _inside else _current
+
+
 def set_current(ranks: Ranks | None) -> None:
     global _current
     _current = ranks
