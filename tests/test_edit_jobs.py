@@ -1,7 +1,8 @@
-"""``edit --jobs N`` and ``edit`` under torchrun on ONE file (issue 43): its derived storages
-(``--dtype``'s casts) computed by several workers, the output bytes and the report the same
-with any N and any number of ranks, the read-back still checking every cast storage (by the
-CRC-32 of the bytes the writer was given), and nothing left behind by a failure."""
+"""``edit --jobs N`` and ``edit`` under torchrun on ONE file and on a DCP directory (issue 43):
+a file's derived storages (``--dtype``'s casts) computed by several workers, a DCP directory's
+data files written by several workers; the output bytes and the report the same with any N and
+any number of ranks, the read-back still checking every cast storage (by the CRC-32 of the
+bytes the writer was given), and nothing left behind by a failure."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ckpttool.commands import edit as edit_module
 from ckpttool.commands.edit import edit_file
 from ckpttool.errors import ReadBackError
 from ckpttool.io.parallel import using
+from tests.support.helpers import FIXTURES
 from tests.support.timeouts import scaled
 from tests.test_distributed_convert import ROOT, _env, _ranks, _run, _torchrun
 
@@ -109,9 +111,14 @@ def test_storages_are_cast_at_once_with_two_jobs(
     barrier = threading.Barrier(2, timeout=60)
     original = edit_module.cast_array
     met: list[int] = []
+    entered: list[str] = []  # the first two casts wait for each other, the others pass
+    lock = threading.Lock()
 
     def meeting(values: Any, source: str, target: str) -> Any:
-        if len(met) < 2:
+        with lock:
+            entered.append(threading.current_thread().name)
+            first_two = len(entered) <= 2
+        if first_two:
             met.append(barrier.wait())
         return original(values, source, target)
 
@@ -236,3 +243,117 @@ def test_torchrun_overflow_on_a_rank_every_rank_exits_with_it(tmp_path: Path) ->
     assert errors.count("Error:") == 1 and "'layers.2.w'" in errors, errors
     assert ranks[1][1:] == ("", "")
     assert sorted(os.listdir(tmp_path)) == ["big_values.pth"]
+
+
+# -- a DCP directory ----------------------------------------------------------------------------
+
+
+def _dcp(directory: Path, *, overflow: bool = False) -> Path:
+    """A single-process ``dcp.save`` whose writer spreads the items over four data files (the
+    largest first: ``layers.5.w`` in ``__0_0.distcp``, ``layers.1.w`` in another)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    generator = torch.Generator().manual_seed(4)
+    model = {f"layers.{i}.w": torch.randn(64, 16 * (i + 1), generator=generator)
+             for i in range(6)}  # fmt: skip
+    if overflow:
+        model["layers.1.w"][0, 0] = 1e6
+        model["layers.5.w"][0, 0] = 2e6
+    state = {"model": model, "step": 7, "ids": torch.arange(5)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # single process: DCP warns it is not distributed
+        dcp.save(state, storage_writer=FileSystemWriter(str(directory), thread_count=4))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def dcp_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _dcp(tmp_path_factory.mktemp("dcp") / "checkpoint")
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {
+        path.relative_to(directory).as_posix(): path.read_bytes()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+DCP_EDITS = {
+    "bf16": ["--dtype", "bf16"],
+    "drop_rename": ["--drop", "model.layers.2.w", "--rename", r"^model\.layers=model.blocks"],
+}
+
+
+@pytest.mark.parametrize("edits", sorted(DCP_EDITS))
+def test_dcp_same_bytes_and_report_with_any_jobs(
+    dcp_source: Path, edits: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = []
+    for jobs in (1, 2, 4):
+        (tmp_path / str(jobs)).mkdir()
+        monkeypatch.chdir(tmp_path / str(jobs))
+        results.append(run("edit", dcp_source, *DCP_EDITS[edits], "-o", "out", "-j", jobs))
+        assert results[-1].exit_code == 0, results[-1].output
+        assert os.listdir(tmp_path / str(jobs)) == ["out"]  # no staged leftovers
+    assert results[0].stdout == results[1].stdout == results[2].stdout
+    trees = [_tree(tmp_path / str(jobs) / "out") for jobs in (1, 2, 4)]
+    assert trees[0] == trees[1] == trees[2]
+    assert sum(name.endswith(".distcp") for name in trees[0]) == 4
+
+
+def test_dcp_data_files_are_written_at_once_with_two_jobs(
+    dcp_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpttool.formats.dcp import write
+
+    barrier = threading.Barrier(2, timeout=60)
+    original = write._write_file
+    met: list[int] = []
+
+    def meeting(*args: Any) -> Any:
+        if args[-1] in ("__0_0.distcp", "__0_1.distcp"):
+            met.append(barrier.wait())
+        return original(*args)
+
+    monkeypatch.setattr(write, "_write_file", meeting)
+    with using(2):
+        report = edit_module_directory().edit(dcp_source, tmp_path / "out", dtype="bf16")
+    assert report.written and sorted(met) == [0, 1]
+
+
+def edit_module_directory() -> Any:
+    from ckpttool.commands import edit_directory
+
+    return edit_directory
+
+
+def test_dcp_overflow_in_a_worker_is_the_same_one_line_error(tmp_path: Path) -> None:
+    source = _dcp(tmp_path / "big_values", overflow=True)
+    results = [run("edit", source, "--dtype", "fp16", "-o", tmp_path / "out", "-j", jobs)
+               for jobs in (1, 4)]  # fmt: skip
+    assert results[0].exit_code == results[1].exit_code == 2, results[0].output
+    assert results[0].stderr == results[1].stderr
+    # the first data file's (DCP's writer put the largest tensor in __0_0), with any N
+    assert "'model.layers.5.w'" in results[0].stderr and results[0].stderr.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == ["big_values"]  # no output, no staged directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["generated", "fixture"])
+def test_torchrun_ranks_write_a_dcp_directory_the_same_bytes(
+    dcp_source: Path, source: str, tmp_path: Path
+) -> None:
+    src = dcp_source if source == "generated" else FIXTURES / "dcp" / "checkpoint"
+    edits = ["--dtype", "bf16", "--drop", "model.layers.2.w"] if source == "generated" else [
+        "--dtype", "bf16"]  # fmt: skip
+    one = _run([sys.executable, "-m", "ckpttool", "edit", str(src), *edits, "-o",
+                str(tmp_path / "one")])  # fmt: skip
+    ranks = _run([*_torchrun(2), "edit", str(src), *edits, "-o", str(tmp_path / "two")])
+    assert (one.returncode, ranks.returncode) == (0, 0), (one.stderr, ranks.stderr)
+    assert ranks.stdout.replace("two", "one") == one.stdout
+    assert _tree(tmp_path / "one") == _tree(tmp_path / "two")
+    assert sorted(os.listdir(tmp_path)) == ["one", "two"]
