@@ -1,21 +1,24 @@
-"""``edit``'s derived storages (a ``--dtype`` cast, a ``--map`` operation, an FP8
-dequantization: bytes computed from the source's) computed once each, by this process or
-shared over ``--jobs N`` workers or torchrun's ranks (issue 43).
+"""``edit``'s computed storages (casts) made once each, alone or by ``--jobs`` or torchrun.
 
-Either way the format's writer is given the same bytes in the same order, so the file is byte
+A derived storage is one whose bytes ``edit`` computes from the source's (a ``--dtype`` cast, a
+``--map`` operation, an FP8 dequantization), not copies (issue 43).
+
+Every way the format's writer is given the same bytes in the same order, so the file is byte
 for byte the same with any N, and the read-back checks each derived storage by the CRC-32 of
 the bytes the writer was given instead of computing it a second time.
 
 * One process (``--jobs 1``): each storage is computed when the writer asks for it, its CRC-32
   taken on the way (:func:`recorded`).
-* Shared (:func:`compute_shared`): the storages, in the order the tree holds them, cut into runs
-  of about equal bytes (a few per worker: the byte-balanced assignment evens them out). A
-  worker computes a run into a part file beside the output, named as the output's temp files
-  (``.<output name>.<token>-<run>.ckpttool-tmp``: a rerun's sweep and ``verify`` know it),
-  one storage in memory at a time, and returns where each storage lies in it with its CRC-32.
-  The writer then reads them from the parts. Before the parts are made, the lead sweeps what a
-  killed earlier write to the same output left; the parts are removed once the output is
-  written, or on any failure.
+* ``--jobs N`` (:func:`computed_ahead`): the same, on N threads, up to N storages ahead of the
+  writer, in its order (threads, not processes: bench/README.md, issue 43).
+* torchrun's ranks (:func:`compute_shared`): the storages, in the order the tree holds them,
+  cut into runs of about equal bytes (a few per rank: the byte-balanced assignment evens them
+  out). A rank computes a run into a part file beside the output, named as the output's temp
+  files (``.<output name>.<token>-<run>.ckpttool-tmp``: a rerun's sweep and ``verify`` know
+  it), one storage in memory at a time, and returns where each storage lies in it with its
+  CRC-32. Rank 0 then writes the file from the parts. Before the parts are made, rank 0 sweeps
+  what a killed earlier write to the same output left; the parts are removed once the output
+  is written, or on any failure.
 """
 
 from __future__ import annotations
