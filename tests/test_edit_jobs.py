@@ -183,23 +183,39 @@ def _big(path: Path) -> Path:
     return path
 
 
+def _stopped_while_writing(command: list[str], directory: Path, how: signal.Signals) -> int:
+    """Run ``command``, send ``how`` to its process group once a temp file of ``out.pth``
+    appears in ``directory`` (a terminal's Ctrl-C, or a kill); its exit code."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=_env(), cwd=ROOT, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + scaled(60)
+    caught = False
+    while time.monotonic() < deadline and process.poll() is None and not caught:
+        caught = any(p.name.startswith(".out.pth.") for p in directory.iterdir())
+        if not caught:
+            time.sleep(0.001)
+    os.killpg(process.pid, how)
+    process.communicate(timeout=scaled(60))
+    assert caught, "the write was not caught"
+    return process.returncode
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_write_stops_and_leaves_nothing(tmp_path: Path) -> None:
+    source = _big(tmp_path / "src.pth")
+    command = [sys.executable, "-m", "ckpttool", "edit", str(source), "--dtype", "bf16",
+               "-j", "2", "-o", str(tmp_path / "out.pth")]  # fmt: skip
+    assert _stopped_while_writing(command, tmp_path, signal.SIGINT) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pth"]
+
+
 @pytest.mark.slow
 def test_killed_mid_write_leaves_no_output_and_a_rerun_is_clean(tmp_path: Path) -> None:
     source = _big(tmp_path / "src.pth")
     out = tmp_path / "out.pth"
     command = [sys.executable, "-m", "ckpttool", "edit", str(source), "--dtype", "bf16",
                "-j", "2", "-o", str(out)]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env=_env(), cwd=ROOT, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + scaled(60)
-    caught = False
-    while time.monotonic() < deadline and process.poll() is None and not caught:
-        caught = any(p.name.startswith(".out.pth.") for p in tmp_path.iterdir())
-        if not caught:
-            time.sleep(0.001)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.communicate(timeout=scaled(60))
-    assert caught, "the write was not caught"
+    _stopped_while_writing(command, tmp_path, signal.SIGKILL)
     assert not out.exists()
     # what a killed run leaves (a temp file; a rank's part file), made here where the kill
     # came after the process removed its own, so that the rerun's sweep is always tested
