@@ -187,12 +187,14 @@ def trend_jobs_option(command: F) -> F:
 
 
 def edit_jobs_option(command: F) -> F:
-    """``--jobs N`` of edit: N weights files of a directory rewritten at once (default 1: each
-    holds a file's edit); the output bytes are the same with any N."""
+    """``--jobs N`` of edit: N weights files of a directory, N data files of a DCP directory,
+    or N of one file's cast storages worked on at once (default 1: each holds a file's edit or
+    a tensor's cast); the output bytes are the same with any N."""
     return _jobs(
         command,
-        "Rewrite N weights files of a directory at once (default 1); the output and the "
-        "report are the same with any N, memory grows N-fold.",
+        "Work on N weights files of a directory, N data files of a DCP directory, or N of "
+        "one file's casts at once (default 1); the output and the report are the same with "
+        "any N, memory grows N-fold.",
     )
 
 

@@ -15,12 +15,21 @@ replaces anything; a storage no kept tensor views is not written.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from ckpttool.commands.edit_derived import (
+    compute_shared,
+    computed_ahead,
+    derived_in_order,
+    recorded,
+    sweep_leftovers,
+    workers,
+)
 from ckpttool.commands.mapped import contiguous, mapped_records, strided
 from ckpttool.commands.rewrite import write_checked
 from ckpttool.errors import (
@@ -33,6 +42,7 @@ from ckpttool.errors import (
     name_file,
 )
 from ckpttool.formats.registry import recover_file
+from ckpttool.io import units
 from ckpttool.model import edits
 from ckpttool.model.cast import CASTABLE, TARGETS, cast_array, stored_dtype
 from ckpttool.model.mapping import MapSpec, load_map, plan
@@ -188,15 +198,22 @@ def edit_file(
             if write and backup_path is not None and os.path.lexists(backup_path):
                 raise OutputExistsError(f"{backup_path} already exists: move it away first")
 
+            # --jobs N, torchrun's ranks: the derived storages (casts...) shared by the workers
+            ranks = units.sharing()
+            order = derived_in_order(root, sources.derived) if write else {}
+            shared = bool(order) and (ranks is not None or workers() > 1)
+            if ranks is not None and not shared:
+                units.lead_only()  # the rest is rank 0's alone
             if write:
-                if backup_path is not None:
-                    os.link(source, backup_path)  # the original's inode, kept under a new name
-                try:
-                    write_checked(found, root, output, sources.read_range, sources.read)
-                except BaseException:
+                with _derived(sources, order, output, shared) as crcs:
                     if backup_path is not None:
-                        backup_path.unlink(missing_ok=True)
-                    raise
+                        os.link(source, backup_path)  # the original's inode, kept by a new name
+                    try:
+                        write_checked(found, root, output, sources.read_range, sources.read, crcs)
+                    except BaseException:
+                        if backup_path is not None:
+                            backup_path.unlink(missing_ok=True)
+                        raise
     except CkptError as error:
         raise name_file(error, str(source)) from None
     return EditReport(
@@ -244,6 +261,30 @@ def _stored_bytes(tensors: list[tuple[str, TensorRecord]]) -> int:
     return sum(storages.values())
 
 
+@contextmanager
+def _derived(
+    sources: _Sources, order: dict[str, int], output: Path, shared: bool
+) -> Iterator[dict[str, int]]:
+    """The derived storages ``order`` names made ready for the writer, each computed once
+    (:mod:`ckpttool.commands.edit_derived`): by torchrun's ranks into part files, ahead of the
+    writer on ``--jobs`` threads, or as the writer asks for them; yields their CRC-32s by key
+    (filled as they are computed)."""
+    if shared and units.sharing() is not None:
+        with compute_shared(sources.derived, order, output) as parts:
+            assert parts is not None
+            sources.derived.update(parts.producers)
+            yield parts.crcs
+        return
+    sweep_leftovers(output)
+    crcs: dict[str, int] = {}
+    recorded(sources.derived, list(order), crcs)
+    if not shared:
+        yield crcs
+        return
+    with computed_ahead(sources.derived, list(order)):
+        yield crcs
+
+
 class _Sources:
     """Where each storage of the edited tree comes from: the source file (``intact``: key ->
     offset, length), a range of one of its storages (``regions``: ``--compact``), or bytes
@@ -269,9 +310,10 @@ class _Sources:
     def read(self, storage_key: str) -> bytes:
         producer = self.derived.get(storage_key)
         if producer is not None:
-            if self._last is None or self._last[0] != storage_key:
-                self._last = (storage_key, producer())
-            return self._last[1]
+            last = self._last  # read once: worker threads share it
+            if last is None or last[0] != storage_key:
+                last = self._last = (storage_key, producer())
+            return last[1]
         if storage_key in self.regions:
             _, first, end = self.regions[storage_key]
             return self.read_range(storage_key, 0, end - first)

@@ -42,14 +42,12 @@ def edit(
     Hugging Face model directory ``src`` (:func:`edit_directory`)."""
     if Path(src).is_dir():
         fmt = next((f for f in directory_formats() if f.recognises_directory(src)), None)
-        if fmt is not None:
-            units.lead_only()  # under torchrun: rank 0's alone
+        if fmt is not None:  # under torchrun: its data files shared by the ranks
             return edit_format_directory(src, dst, fmt, **options)
         if options.get("dry_run"):
             units.lead_only()
         return edit_directory(src, dst, **options)
-    units.lead_only()
-    return edit_file(src, dst, **options)
+    return edit_file(src, dst, **options)  # under torchrun: its casts shared by the ranks
 
 
 def default_output(src: Path) -> Path:

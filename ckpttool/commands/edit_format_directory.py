@@ -11,6 +11,7 @@ are refused (a stored piece of a tensor is only that piece's bytes: nothing to c
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from fnmatch import fnmatchcase
@@ -21,7 +22,9 @@ from ckpttool.checkpoint import open_checkpoint
 from ckpttool.commands.edit import EditReport
 from ckpttool.errors import CkptError, InputError, OutputExistsError, ReadBackError, name_file
 from ckpttool.formats.base import FileFormat
+from ckpttool.io import units
 from ckpttool.io.atomic import staged_directory
+from ckpttool.io.parallel import chosen, using
 from ckpttool.model import edits
 from ckpttool.model.cast import CASTABLE, TARGETS, cast_array
 from ckpttool.model.records import ChunkedStorageRecord, TensorRecord, walk
@@ -89,9 +92,23 @@ def edit_format_directory(
             casts = _casts(after, dtype, list(keep_dtype), allow_overflow, log)
             changed = bool(log.dropped or log.renamed or log.cast)
             write = changed and not dry_run
+            ranks = units.sharing()
+            if ranks is not None and not write:
+                units.lead_only()
             if write:
-                with staged_directory(output, replace_existing=True, parent=output.parent) as stage:
-                    fmt.rewrite_directory(source, root, stage, casts)
+                # under torchrun the data files are shared by the ranks (--jobs: by threads),
+                # each written into rank 0's staging directory; rank 0 alone does the rest
+                leads = ranks is None or ranks.leads
+                staged = (
+                    staged_directory(output, replace_existing=True, parent=output.parent)
+                    if leads
+                    else contextlib.nullcontext(None)
+                )
+                with staged as lead_stage:
+                    stage = Path(units.from_lead(str(lead_stage)))
+                    with using(chosen() or 1):
+                        fmt.rewrite_directory(source, root, stage, casts)
+                    units.lead_only()
                     _read_back(ckpt, stage, root, after, casts)
     except CkptError as error:
         raise name_file(error, str(source)) from None

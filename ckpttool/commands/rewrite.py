@@ -26,14 +26,21 @@ def write_checked(
     output: Path,
     read_range: Callable[[str, int, int], bytes],
     read: Callable[[str], bytes],
+    derived_crcs: dict[str, int] | None = None,
 ) -> list[tuple[str, TensorRecord]]:
     """Write ``root`` (a tree of ``found``'s records) to ``output`` in ``found``'s format,
     atomically, read back by :func:`read_back` before it replaces anything; the tensors written,
-    by key. ``read(key)`` / ``read_range(key, start, length)`` give a source storage's bytes."""
+    by key. ``read(key)`` / ``read_range(key, start, length)`` give a source storage's bytes.
+    ``derived_crcs``: storage key -> the CRC-32 of the bytes ``read`` gave for a storage that
+    is not the source's (``edit``'s casts), filled by the time the file is written: such a
+    storage is read back by its CRC-32, not compared with ``read_range``'s bytes."""
     kept = [(key, record) for key, record in walk(root) if isinstance(record, TensorRecord)]
+    extra = derived_crcs if derived_crcs is not None else {}
     with atomic_group(
         [output],
-        check=lambda temps: read_back(temps[0], found.format, kept, read_range, found.crcs),
+        check=lambda temps: read_back(
+            temps[0], found.format, kept, read_range, {**found.crcs, **extra}
+        ),
     ) as (out,):
         found.write(out, root, read)
     return kept
@@ -49,8 +56,8 @@ def read_back(
     """The written file opens as a file of format ``fmt``, and holds every salvaged (or
     filled) tensor, as the same view of its storage, with the bytes it was written from, and
     no other tensor. A storage copied whole from the source is read back once and checked
-    against the CRC-32 its source bytes were checked with (``crcs``, by source storage key);
-    other tensors are compared with the source's bytes. A window at a time: memory stays
+    against the CRC-32 its source bytes were checked with (``crcs``, by source storage key;
+    a derived storage's: of the bytes it was written from); other tensors are compared with the source's bytes. A window at a time: memory stays
     bounded."""
     from ckpttool.checkpoint import open_checkpoint
 

@@ -10,10 +10,16 @@ DCP's ``FileSystemWriter`` writes for a chunk (``torch.save`` of the chunk's ten
 ``.metadata`` is the pickle of torch's own ``Metadata`` classes that ``FileSystemWriter.finish``
 writes, built with torch: each key's path in the nested state dict (``planner_data``), its
 properties and chunks (``state_dict_metadata``), and each item's place (``storage_data``).
+
+The data files are shared out (:func:`ckpttool.io.units.shared_map`, weighed by their bytes):
+over ``--jobs`` threads, or over torchrun's ranks, each writing its files into the directory
+rank 0 staged and returning where each item lies; rank 0 alone writes ``.metadata`` (from its
+own items, so that the pickle is byte for byte the one process's) and copies the other files.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import shutil
@@ -27,6 +33,7 @@ from ckpttool.formats.dcp.directory import load_metadata, tensor_record
 from ckpttool.formats.dcp.files import DcpFiles
 from ckpttool.formats.dcp.metadata import BytesEntry, StorageSpan, TensorEntry, span_of
 from ckpttool.formats.dcp.names import DCP_METADATA
+from ckpttool.io import units
 from ckpttool.io.source import member_sizes
 from ckpttool.model.records import ChunkedStorageRecord, ChunkRecord, TensorRecord
 
@@ -107,25 +114,25 @@ def rewrite_dcp(source: Path, root: Any, target: Path, casts: Mapping[str, Cast]
     by_file: dict[str, list[_Item]] = {}
     for item in items:
         by_file.setdefault(item.span.file, []).append(item)
+    # each data file written by one worker (--jobs threads, or a torchrun rank: into the
+    # directory rank 0 staged), weighed by its bytes; the rest is rank 0's
+    names = sorted(by_file)
+    sizes = member_sizes(str(source), names)
+    weights = [max(1, sum(item.span.length for item in by_file[name])) for name in names]
+    write = functools.partial(_write_file, source, target, by_file, sizes)
+    spans: list[list[tuple[int, int]]] = units.shared_map(write, names, weights)
+    units.lead_only()
     storage_data: dict[Any, Any] = {}
-    files = DcpFiles(source, member_sizes(str(source), list(by_file)))
-    try:
-        for name, file_items in sorted(by_file.items()):
-            file_items.sort(key=lambda item: item.span.offset)
-            with open(target / name, "wb") as out:
-                for item in file_items:
-                    offset = out.tell()
-                    _write_item(files, item, out)
-                    index = (
-                        dcp_metadata.MetadataIndex(item.fqn)
-                        if item.chunk is None
-                        else dcp_metadata.MetadataIndex(
-                            item.fqn, item.chunk.offsets, _chunk_index(item)
-                        )
-                    )
-                    storage_data[index] = _StorageInfo(name, offset, out.tell() - offset)
-    finally:
-        files.close()
+    for name, found in zip(names, spans):
+        # the keys from this process's own items: the pickle's references to the strings the
+        # metadata shares are then those one process writes (the same bytes under torchrun)
+        for item, (offset, length) in zip(_in_file_order(by_file[name]), found, strict=True):
+            index = (
+                dcp_metadata.MetadataIndex(item.fqn)
+                if item.chunk is None
+                else dcp_metadata.MetadataIndex(item.fqn, item.chunk.offsets, _chunk_index(item))
+            )
+            storage_data[index] = _StorageInfo(name, offset, length)
     _copy_others(source, target, {DCP_METADATA, *meta.files})
     written = dcp_metadata.Metadata(
         state_dict_metadata=state_dict_metadata,
@@ -135,6 +142,29 @@ def rewrite_dcp(source: Path, root: Any, target: Path, casts: Mapping[str, Cast]
     )
     with open(target / DCP_METADATA, "wb") as out:
         pickle.dump(written, out)
+
+
+def _in_file_order(items: list[_Item]) -> list[_Item]:
+    return sorted(items, key=lambda item: item.span.offset)
+
+
+def _write_file(
+    source: Path, target: Path, by_file: dict[str, list[_Item]], sizes: dict[str, int], name: str
+) -> list[tuple[int, int]]:
+    """The data file ``name`` of the output written into ``target``, its items in the order
+    they lie in the source's file of that name (each worker reads its own file): where each
+    was written (offset, length), in that order."""
+    files = DcpFiles(source, {name: sizes[name]})
+    placed: list[tuple[int, int]] = []
+    try:
+        with open(target / name, "wb") as out:
+            for item in _in_file_order(by_file[name]):
+                offset = out.tell()
+                _write_item(files, item, out)
+                placed.append((offset, out.tell() - offset))
+    finally:
+        files.close()
+    return placed
 
 
 def _copy_others(source: Path, target: Path, owned: set[str]) -> None:
