@@ -113,7 +113,7 @@ def process_map(
     from concurrent.futures.process import BrokenProcessPool
 
     pool = ProcessPoolExecutor(
-        min(workers, len(arguments)), mp_context=context, initializer=_ignore_interrupts
+        min(workers, len(arguments)), mp_context=context, initializer=_start_worker
     )
     try:
         futures = [pool.submit(guarded, function, *args) for args in arguments]
@@ -128,10 +128,25 @@ def process_map(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _ignore_interrupts() -> None:
+#: Thread pools of the numerical libraries a worker may load (NumPy's BLAS), held to one
+#: thread: a worker's work is elementwise, and N workers each starting a pool of every core's
+#: threads take the cores the other workers need (measured: BLAS threads spinning).
+ONE_THREAD = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _start_worker() -> None:
+    """A worker process's set-up: Ctrl-C ignored (the parent stops the workers); freed
+    buffers kept for reuse (:mod:`ckpttool.io.memory`: the worker is ckpttool's own process,
+    and a fresh one, so the parent's setting is not inherited); numerical libraries on one
+    thread (:data:`ONE_THREAD`, where the user has not set them), before they are loaded."""
     import signal
 
+    from ckpttool.io.memory import reuse_freed_memory
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    reuse_freed_memory()
+    for name in ONE_THREAD:
+        os.environ.setdefault(name, "1")
 
 
 # --- torchrun's ranks -----------------------------------------------------------------------
