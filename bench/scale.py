@@ -102,8 +102,17 @@ def _same_tree(a: Path, b: Path) -> bool:
     )
 
 
-def scale(runs: int, warmup: int, torchrun: bool, counts: tuple[int, ...] = (1, 2, 4)) -> None:
+def scale(
+    runs: int,
+    warmup: int,
+    torchrun: bool,
+    counts: tuple[int, ...] = (1, 2, 4),
+    shard_size: str | None = None,
+) -> None:
+    """``shard_size``: convert's ``--max-shard-size`` (the output in several files, each a
+    unit of its own), else convert's default (one 1.07 GB file, split by byte range)."""
     source = build_shards(DATA)
+    sharding = ["--max-shard-size", shard_size] if shard_size else []
     _warm(source)
     read = _size(source)
     rows: dict[str, list[str]] = {}
@@ -112,7 +121,7 @@ def scale(runs: int, warmup: int, torchrun: bool, counts: tuple[int, ...] = (1, 
         outputs[f"--jobs {jobs}"] = DATA / f"scale_bf16_j{jobs}"
         rows[f"convert --dtype bf16 --jobs {jobs}"] = _ckpttool(
             "convert", source, outputs[f"--jobs {jobs}"], "--dtype", "bf16", "--jobs", jobs,
-            "--force",
+            "--force", *sharding,
         )  # fmt: skip
     if torchrun:
         for ranks in counts:
@@ -120,20 +129,23 @@ def scale(runs: int, warmup: int, torchrun: bool, counts: tuple[int, ...] = (1, 
             rows[f"torchrun --nproc-per-node {ranks} convert --dtype bf16"] = [
                 "torchrun", "--standalone", f"--nproc-per-node={ranks}", "-m", "ckpttool",
                 "convert", str(source), str(outputs[f"torchrun {ranks}"]), "--dtype", "bf16",
-                "--force",
+                "--force", *sharding,
             ]  # fmt: skip
     rows["start-up floor (ckpttool --version)"] = _ckpttool("--version")
     # the disk's part: the bytes convert writes (its first output), copied and synced
-    first = DATA / "scale_bf16_first"
+    first = DATA / ("scale_bf16_first_sharded" if shard_size else "scale_bf16_first")
     if not first.is_dir():
-        command = _ckpttool("convert", source, first, "--dtype", "bf16")
+        command = _ckpttool("convert", source, first, "--dtype", "bf16", *sharding)
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     rows["write floor (cp -r of the bf16 output + sync)"] = _sh(
         'rm -rf "$2" && cp -r "$1" "$2" && sync -f "$2"', first, DATA / "scale_bf16_cp"
     )
     baseline = "convert --dtype bf16 --jobs 1"
     results = measure_all(rows, runs=runs, warmup=warmup)
-    print(f"\n#### `convert` of scale_hf16/ ({read / 1e9:.2f} GB, {SHARDS} fp32 shards) to bf16\n")
+    into = f", into files of at most {shard_size}" if shard_size else ", into one file"
+    print(
+        f"\n#### `convert` of scale_hf16/ ({read / 1e9:.2f} GB, {SHARDS} fp32 shards) to bf16{into}\n"
+    )
     print(table(results, baseline))
     reference = outputs["--jobs 1"]
     print()
@@ -199,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--counts", default="1,2,4", help="the --jobs and rank counts of (a), e.g. 1,2,4,8"
     )
+    parser.add_argument(
+        "--max-shard-size", help="(a): convert into files of at most this size (e.g. 70MB)"
+    )
     parser.add_argument("--clean", action="store_true", help="delete the 2 GB data when done")
     args = parser.parse_args(argv)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -207,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             floors(args.runs, args.warmup)
         if args.only in (None, "scale"):
             counts = tuple(int(count) for count in args.counts.split(","))
-            scale(args.runs, args.warmup, args.torchrun, counts)
+            scale(args.runs, args.warmup, args.torchrun, counts, args.max_shard_size)
     finally:
         print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         if args.clean:
