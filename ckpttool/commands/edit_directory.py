@@ -11,7 +11,6 @@ that becomes the output whole, or nothing.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -20,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.commands.edit import EditReport, edit_file
-from ckpttool.commands.edit_format_directory import edit_format_directory
+from ckpttool.commands.edit_format_directory import edit_format_directory, lead_staged
 from ckpttool.errors import CkptError, InputError, OutputExistsError, name_file
 from ckpttool.formats.registry import directory_formats
 from ckpttool.frameworks.base import INDEX, WEIGHTS
 from ckpttool.frameworks.registry import detect_directory, framework_of
 from ckpttool.io import units
-from ckpttool.io.atomic import staged_directory
 from ckpttool.io.parallel import chosen, ordered_map, using
 
 #: The config keys transformers reads the weights' dtype from (``dtype`` since 4.56).
@@ -108,15 +106,7 @@ def edit_directory(
             return _combined(source, output, layout.kind, reports, leave_out, False, True)
         # under torchrun, the weights files are shared by the ranks, each written into rank
         # 0's staging directory; rank 0 alone does the rest
-        ranks = units.current()
-        leads = ranks is None or ranks.leads
-        staged = (
-            staged_directory(output, replace_existing=True, parent=output.parent)
-            if leads
-            else contextlib.nullcontext(None)
-        )
-        with staged as lead_stage:
-            stage = Path(units.from_lead(str(lead_stage)))
+        with lead_staged(output) as stage:
             sizes = [(source / name).stat().st_size for name in weights]
             edit_one = functools.partial(_edit_member, source, stage, operations)
             # --jobs: N weights files rewritten at once (each into its own staged name; memory

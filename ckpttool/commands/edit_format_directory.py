@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -98,14 +98,7 @@ def edit_format_directory(
             if write:
                 # under torchrun the data files are shared by the ranks (--jobs: by threads),
                 # each written into rank 0's staging directory; rank 0 alone does the rest
-                leads = ranks is None or ranks.leads
-                staged = (
-                    staged_directory(output, replace_existing=True, parent=output.parent)
-                    if leads
-                    else contextlib.nullcontext(None)
-                )
-                with staged as lead_stage:
-                    stage = Path(units.from_lead(str(lead_stage)))
+                with lead_staged(output) as stage:
                     with using(chosen() or 1):
                         fmt.rewrite_directory(source, root, stage, casts)
                     units.lead_only()
@@ -132,6 +125,21 @@ def edit_format_directory(
         ),
         written=write,
     )
+
+
+@contextlib.contextmanager
+def lead_staged(output: Path) -> Iterator[Path]:
+    """A staged replacement of the directory ``output``, made by rank 0 under torchrun (or by
+    the one process), and its path on every rank: each rank writes its share into it; when the
+    block ends, rank 0 alone puts it in place (or drops it, on an error)."""
+    ranks = units.sharing()
+    staged = (
+        staged_directory(output, replace_existing=True, parent=output.parent)
+        if ranks is None or ranks.leads
+        else contextlib.nullcontext(None)
+    )
+    with staged as lead_stage:
+        yield Path(units.from_lead(str(lead_stage)))
 
 
 def _itemsize(dtype: str) -> int:
