@@ -117,6 +117,17 @@ def test_assignment_is_balanced_by_bytes_and_deterministic() -> None:
     assert assign([], 3) == [[], [], []]
 
 
+def test_runs_are_neighbours_of_about_equal_weight() -> None:
+    """The one cut of items into runs (convert's byte ranges, edit's casts, diff's pairs)."""
+    assert units.runs([1] * 8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert units.runs([100, 1, 1, 1, 1], 4) == [(0, 1), (1, 5)]  # the heavy one alone
+    assert units.runs([1, 1, 1, 100], 4) == [(0, 3), (3, 4)]  # and when it comes last
+    assert len(units.runs([10, 30] * 3, 4)) == 4  # never more runs than asked
+    assert units.runs([0, 0, 0], 2) == [(0, 3)]  # nothing to balance: one run
+    assert units.runs([], 3) == [(0, 0)]
+    assert units.runs([5, 5], 8) == [(0, 1), (1, 2)]  # never more runs than items
+
+
 class _TwoRanks(units.Ranks):
     """Rank 0 of 2, with rank 1's outcome computed here: what :meth:`exchange` would gather."""
 

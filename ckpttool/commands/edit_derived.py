@@ -100,22 +100,6 @@ def computed_ahead(derived: dict[str, Producer], keys: list[str]) -> Iterator[No
         ahead.close()
 
 
-def runs(sizes: Sequence[int], count: int) -> list[tuple[int, int]]:
-    """``sizes`` cut into at most ``count`` runs of consecutive items of about equal bytes:
-    (first, stop) index pairs, every item in one."""
-    count = max(1, min(count, len(sizes)))
-    total = sum(sizes)
-    bounds: list[tuple[int, int]] = []
-    first, running = 0, 0
-    for index, size in enumerate(sizes):
-        running += size
-        if running * count >= total * (len(bounds) + 1) and index + 1 < len(sizes):
-            bounds.append((first, index + 1))
-            first = index + 1
-    bounds.append((first, len(sizes)))
-    return bounds
-
-
 def part_name(output: Path, token: str, run: int) -> Path:
     return output.parent / f".{output.name}.{token}-{run}{TMP_SUFFIX}"
 
@@ -157,7 +141,7 @@ def compute_shared(
     leads = ranks is None or ranks.leads
     count = workers()
     keys = list(order)
-    bounds = runs([order[key] for key in keys], count * RUNS_PER_WORKER)
+    bounds = units.runs([order[key] for key in keys], count * RUNS_PER_WORKER)
     weights = [max(1, sum(order[key] for key in keys[a:b])) for a, b in bounds]
 
     def prepare() -> str:
@@ -236,6 +220,9 @@ _READ_STEP = 1 << 30
 
 
 def _reader(fd: int, offset: int, length: int) -> Producer:
+    """A part's storage as ``bytes`` (what a producer returns), read by ``pread`` itself: no
+    buffer copied again, as :func:`~ckpttool.io.source.read_at`'s ``bytearray`` would be."""
+
     def read() -> bytes:
         if length <= _READ_STEP:
             data = os.pread(fd, length, offset)

@@ -45,6 +45,33 @@ def assign(weights: Sequence[int], workers: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
+def runs(weights: Sequence[int], pieces: int) -> list[tuple[int, int]]:
+    """Items of these weights cut into at most ``pieces`` runs of neighbours of about equal
+    weight: ``(first, stop)`` index pairs that cover every item, in order. An item of at least
+    a run's share starts a run of its own, and the runs after it share out the rest."""
+    total = sum(weights)
+    pieces = max(1, min(pieces, len(weights)))
+    bounds: list[tuple[int, int]] = []
+    first = done = 0
+    cut = 1  # the next run ends where the weight so far reaches cut * total / pieces
+    for index, weight in enumerate(weights):
+        if index > first and weight * pieces >= total > 0 and len(bounds) + 1 < pieces:
+            bounds.append((first, index))  # a heavy item: not the tail of a light run
+            first = index
+        done += weight
+        if (
+            total
+            and done * pieces >= total * cut
+            and index + 1 < len(weights)
+            and len(bounds) + 1 < pieces
+        ):
+            bounds.append((first, index + 1))
+            first = index + 1
+            cut = done * pieces // total + 1
+    bounds.append((first, len(weights)))
+    return bounds
+
+
 @dataclass(frozen=True)
 class Failure:
     """A unit's error as it crosses to another process: its line and its exit code."""

@@ -301,17 +301,7 @@ def _splits(out: OutFile, workers: int) -> bool:
 def ranges(out: OutFile, workers: int) -> list[tuple[int, int]]:
     """``out``'s tensors cut into runs of about equal bytes, a few per worker (so that the
     byte-balanced assignment can even them out): (first, stop) index pairs."""
-    count = min(len(out.tensors), workers * 4)
-    total = sum(p.nbytes for p in out.tensors)
-    bounds: list[tuple[int, int]] = []
-    first, running = 0, 0
-    for index, planned in enumerate(out.tensors):
-        running += planned.nbytes
-        if running * count >= total * (len(bounds) + 1) and index + 1 < len(out.tensors):
-            bounds.append((first, index + 1))
-            first = index + 1
-    bounds.append((first, len(out.tensors)))
-    return bounds
+    return units.runs([p.nbytes for p in out.tensors], workers * 4)
 
 
 def commit(files: list[OutFile], parts: list[Part]) -> dict[str, CastCounts]:

@@ -423,21 +423,11 @@ def _compare_all(
 
 def _runs(pairs: list[TensorPair], pieces: int) -> list[list[TensorPair]]:
     """``pairs`` cut into at most ``pieces`` runs of neighbours of about equal weight (the
-    bytes read to compare them, :data:`PAIR_COST` more each); a tensor heavier than a run's
-    share is a run of its own."""
+    bytes read to compare them, :data:`PAIR_COST` more each): :func:`ckpttool.io.units.runs`."""
+    from ckpttool.io.units import runs
+
     weights = [PAIR_COST + _value_bytes(pair) for pair in pairs]
-    total = sum(weights)
-    runs: list[list[TensorPair]] = []
-    first = done = 0
-    cut = 1  # the next run ends where the weight so far reaches cut * total / pieces
-    for index, weight in enumerate(weights):
-        done += weight
-        if done * pieces >= total * cut and index + 1 < len(pairs):
-            runs.append(pairs[first : index + 1])
-            first = index + 1
-            cut = done * pieces // total + 1
-    runs.append(pairs[first:])
-    return runs
+    return [pairs[first:stop] for first, stop in runs(weights, pieces)]
 
 
 def _value_bytes(pair: TensorPair) -> int:
