@@ -766,7 +766,7 @@ def convert_command(
 @click.option(
     "-o", "--output", "output", metavar="OUT", required=True, type=click.Path(path_type=str),
     help="The averaged weights: a .safetensors file, or .pth (.pt, .bin); with --like-input, "
-    "a file (or directory) like the first checkpoint.",
+    "a file (or directory) like the newest checkpoint.",
 )  # fmt: skip
 @click.option(
     "--weights", "weights", metavar="W1,W2,...",
@@ -774,7 +774,8 @@ def convert_command(
 )  # fmt: skip
 @click.option(
     "--last", "last", type=int, metavar="N",
-    help="CHECKPOINTS is one run directory: average its N newest complete checkpoints.",
+    help="CHECKPOINTS is one run directory: average its N newest complete checkpoints "
+    "(fewer there: those, with a note).",
 )  # fmt: skip
 @click.option(
     "--ema", "ema", type=float, metavar="DECAY",
@@ -796,8 +797,9 @@ def convert_command(
              "beside each checkpoint")  # fmt: skip
 @click.option(
     "--like-input", is_flag=True,
-    help="Write OUT in the first checkpoint's own layout (a resume .pth with its other "
-    "entries, a safetensors file, a model directory) instead of a weights file.",
+    help="Write OUT in the newest checkpoint's own layout (a resume .pth with its step, "
+    "optimizer and other entries, a safetensors file, a model directory) instead of a weights "
+    "file.",
 )  # fmt: skip
 @click.option(
     "--no-verify", is_flag=True, help="Skip reading the output back (not advised)."
@@ -825,15 +827,15 @@ def average_command(
 
     CHECKPOINTS are files or directories of any layout ckpttool reads (their weights, as
     convert takes them), or one run directory (with --last N: its N newest complete
-    checkpoints, broken ones skipped and named). Each floating tensor is summed in float64 one
-    checkpoint at a time and rounded once to its dtype (or --dtype): the mean, the weighted
+    checkpoints, broken ones skipped and named; fewer than N: those, with a note, exit 0).
+    Each floating tensor is summed in float64 one checkpoint at a time and rounded once to its dtype (or --dtype): the mean, the weighted
     mean with --weights, or the EMA in step order with --ema (the oldest weighs DECAY^(n-1),
     the k-th (1-DECAY)*DECAY^(n-k)). Integer and bool tensors must be equal everywhere (or
     --ints last). A tensor missing from a checkpoint, or of another shape, is refused by
     name (exit 2, nothing written). --filter and --map work as convert's, on every checkpoint.
     OUT is written atomically and read back; a .safetensors OUT records the inputs, their
-    steps and weights in its __metadata__. With --like-input OUT is the first checkpoint
-    again (a resume file keeps its optimizer and counters) with the averaged weights.
+    steps and weights in its __metadata__. With --like-input OUT is the newest checkpoint
+    (by step) again (a resume file keeps its optimizer and counters) with the averaged weights.
     Memory: the float64 sum and one checkpoint's tensor at a time (--jobs N: N times that).
 
     \b
