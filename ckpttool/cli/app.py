@@ -1058,10 +1058,22 @@ def lora_merge_command(
     "--strict", is_flag=True,
     help="Refuse a difference no LoRA holds (a bias, a norm) instead of saving its module whole.",
 )  # fmt: skip
+@click.option(
+    "--task-type", "task_type", metavar="TYPE",
+    help="adapter_config.json's task_type: CAUSAL_LM, SEQ_2_SEQ_LM, SEQ_CLS, TOKEN_CLS, "
+    "QUESTION_ANS or FEATURE_EXTRACTION (default: from BASE's config.json architectures).",
+)  # fmt: skip
 @force_option
 @json_option("lora-extract")
 def lora_extract_command(
-    base: str, tuned: str, rank: int, output: str, strict: bool, force: bool, as_json: bool
+    base: str,
+    tuned: str,
+    rank: int,
+    output: str,
+    strict: bool,
+    task_type: str | None,
+    force: bool,
+    as_json: bool,
 ) -> None:
     """Extract a LoRA adapter from a fine-tune: TUNED - BASE at rank R, by truncated SVD.
 
@@ -1070,7 +1082,10 @@ def lora_extract_command(
     the fraction of its energy (squared singular values) the rank keeps is reported. A differing
     tensor that is not a 2-D weight (a bias, a norm) puts its module in modules_to_save, saved
     whole from TUNED (--strict refuses it). ADAPTER_DIR is a PEFT adapter directory that
-    PeftModel.from_pretrained loads and lora merge merges back, written all or nothing.
+    PeftModel.from_pretrained loads and lora merge merges back, written all or nothing. Its
+    task_type comes from BASE's config.json architectures (or --task-type; none found: a note),
+    so AutoPeftModelForCausalLM & co load it too; base_model_name_or_path is BASE's absolute
+    path when BASE is local.
 
     \b
     Examples:
@@ -1079,11 +1094,15 @@ def lora_extract_command(
     from ckpttool.commands.lora.extract import extract_adapter
     from ckpttool.render import lora as lora_render
 
-    report = extract_adapter(base, tuned, output, rank=rank, strict=strict, force=force)
+    report = extract_adapter(
+        base, tuned, output, rank=rank, strict=strict, force=force, task_type=task_type
+    )
     if as_json:
         _echo_json(lora_render.render_extract_json(report))
     else:
         click.echo(lora_render.render_extract_text(report))
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
 
 
 @cli.command("repair")
