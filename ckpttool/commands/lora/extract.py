@@ -187,7 +187,9 @@ def _task_type(base: Checkpoint, name: str, notes: list[str]) -> str | None:
     """PEFT's task type for the base's ``config.json`` ``architectures`` (:data:`TASK_TYPES`),
     or None with a note saying what loads the adapter then."""
     config = base.root.get("config") if isinstance(base.root, dict) else None
-    classes = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        config = {}
+    classes = config.get("architectures")
     found = set()
     for cls in classes if isinstance(classes, list) else []:
         if not isinstance(cls, str):
