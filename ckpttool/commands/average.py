@@ -28,6 +28,7 @@ import numpy as np
 
 from ckpttool.commands.combine import Inputs, Source, jobs_for, rounded, write_combined
 from ckpttool.commands.convert.plan import Planned
+from ckpttool.commands.lora import combine as lora_combine
 from ckpttool.commands.selection import Selection
 from ckpttool.commands.trend import list_run, ordered_points
 from ckpttool.commands.verify import verify_file
@@ -124,6 +125,19 @@ def average(
     layout = next(i for i, item in enumerate(inputs) if item.path == newest)
     choice = Selection(pattern=pattern, map=map_name,
                        map_params=tuple((map_params or {}).items()))  # fmt: skip
+    provenance: tuple[str, dict[str, object]] = (PROVENANCE_KEY, {"method": method, "decay": ema, "inputs": [
+        {"path": i.path, "step": i.step, "weight": i.weight} for i in inputs
+    ]})  # fmt: skip
+    if lora_combine.all_adapters([i.path for i in inputs]):  # one adapter of summed rank
+        lora_combine.refuse_options(dtype=dtype, pattern=pattern, map_name=map_name,
+                                    like_input=like_input)  # fmt: skip
+        made = lora_combine.combine_adapters(
+            [i.path for i in inputs], [i.name for i in inputs], normalised, output,
+            provenance=provenance, force=force,
+        )  # fmt: skip
+        return AverageReport(inputs, method, ema, made.output, "adapter", made.tensors,
+                             made.tensors, [], dtype, skipped=skipped,
+                             notes=[*notes, *made.notes])  # fmt: skip
     written = write_combined(
         [Source(i.path, i.name) for i in inputs], output, choice=choice, dtype=dtype, ints=ints,
         force=force, verify=verify, like_input=like_input, jobs=jobs_for(jobs),
@@ -132,9 +146,7 @@ def average(
         computer=lambda reading, records, planned: _computer(
             reading, records, planned, normalised, method == "mean"
         ),
-        provenance=(PROVENANCE_KEY, {"method": method, "decay": ema, "inputs": [
-            {"path": i.path, "step": i.step, "weight": i.weight} for i in inputs
-        ]}),
+        provenance=provenance,
     )  # fmt: skip
     plan, int_names = written.plan, written.ints
     return AverageReport(

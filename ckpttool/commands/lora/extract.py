@@ -115,7 +115,7 @@ def extract_adapter(
             f"--task-type must be one of {', '.join(TASK_TYPE_NAMES)}; got {task_type!r}"
         )
     target = Path(output)
-    _check_output(target, force)
+    check_output(target, force)
     base_name, tuned_name = os.fspath(base), os.fspath(tuned)
     with (
         open_checkpoint(base, view=DEFAULT_VIEW) as a,
@@ -178,7 +178,7 @@ def extract_adapter(
         raise InputError(f"{tuned_name}: holds the same weights as {base_name}; nothing to extract")
     config = _config(rank, extracted, sorted(saved_modules), patterns, _base_path(base_name))
     config["task_type"] = task_type
-    _write(target, config, tensors, force)
+    write_adapter(target, config, tensors, force)
     return ExtractReport(base_name, tuned_name, target, rank, extracted, sorted(saved_modules),
                          unchanged, task_type, notes=notes)  # fmt: skip
 
@@ -214,7 +214,9 @@ def _base_path(base: str) -> str:
     return str(Path(base).resolve()) if os.path.exists(base) else base
 
 
-def _check_output(target: Path, force: bool) -> None:
+def check_output(target: Path, force: bool) -> None:
+    """``target`` can become an adapter directory (empty, absent, or one to replace with
+    ``force``), else :class:`InputError` / :class:`OutputExistsError`."""
     if target.exists() and not target.is_dir():
         raise InputError(f"{target}: exists and is not a directory")
     if target.is_dir() and any(target.iterdir()):
@@ -321,9 +323,16 @@ def _config(
     }
 
 
-def _write(
-    target: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], force: bool
+def write_adapter(
+    target: Path,
+    config: dict[str, Any],
+    tensors: dict[str, np.ndarray],
+    force: bool,
+    metadata: dict[str, str] | None = None,
 ) -> None:
+    """The adapter directory ``target`` (``adapter_config.json``, ``adapter_model.safetensors``
+    of ``tensors`` with ``metadata`` beside PEFT's ``format``), all or nothing, its weights read
+    back before it appears."""
     names = sorted(tensors)
     out = [OutTensor(n, "float32" if tensors[n].dtype == np.float32 else str(tensors[n].dtype),
                      tuple(tensors[n].shape)) for n in names]  # fmt: skip
@@ -332,7 +341,9 @@ def _write(
     with staged_directory(target, replace_existing=force) as staging:
         (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         with open(staging / WEIGHTS_NAME, "wb") as handle:
-            format_by_id("safetensors").write(handle, out, data, names, {}, {"format": "pt"})
+            format_by_id("safetensors").write(
+                handle, out, data, names, {}, {**(metadata or {}), "format": "pt"}
+            )
             handle.flush()
             os.fsync(handle.fileno())
         with open_checkpoint(staging / WEIGHTS_NAME) as written:
