@@ -837,6 +837,8 @@ def average_command(
     steps and weights in its __metadata__. With --like-input OUT is the newest checkpoint
     (by step) again (a resume file keeps its optimizer and counters) with the averaged weights.
     Memory: the float64 sum and one checkpoint's tensor at a time (--jobs N: N times that).
+    PEFT LoRA adapters (every checkpoint): OUT is one adapter directory of summed rank whose
+    delta is the mean of theirs, as PEFT's add_weighted_adapter "cat" (DoRA is refused).
 
     \b
     Examples:
@@ -949,6 +951,9 @@ def merge_command(
     convert's --map). OUT is written atomically and read back; --like-input writes it in
     BASE's own layout (a resume file keeps its other entries). Memory: about (inputs + 2)
     float64 copies of the largest tensor for ties, 2 for the others (--jobs N: N times that).
+    PEFT LoRA adapters (BASE and every MODEL): linear and task-arithmetic write one adapter
+    directory of summed rank whose delta is the merge of theirs; ties and slerp are refused
+    (lora merge each into its base first).
 
     \b
     Examples:
