@@ -215,3 +215,7 @@ def test_convert_of_an_adapter_directory_is_an_adapter_directory_peft_loads(
     want = original.merge_and_unload().state_dict()
     for key, value in loaded.merge_and_unload().state_dict().items():
         assert torch.equal(value, want[key]), key
+    result = run("convert", PEFT / source, tmp_path / "sharded", "--max-shard-size", "4KB",
+                 exit_code=2)  # fmt: skip
+    assert "not shards: drop --max-shard-size" in result.stderr
+    assert not (tmp_path / "sharded").exists()

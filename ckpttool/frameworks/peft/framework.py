@@ -59,6 +59,7 @@ class Peft(Framework):
             tied_output_names=(),
             config_entries=(files.CONFIG_SECTION,),
             owns=lambda name: name in ADAPTER_DIR_FILES,
+            shardable=False,
         )
 
     def verify_checks(self, details: dict[str, Any]) -> list[str]:
