@@ -146,6 +146,7 @@ def one_line_error(args: list[Any], fragment: str, out: Path) -> None:
         (["average", "{a}", str(PEFT / "base")], "is a LoRA adapter and"),
         (["average", "{a}", "{b}", "--like-input"], "--like-input is not for LoRA adapters"),
         (["average", "{a}", str(PEFT / "lora")], "saves the modules"),
+        (["average", str(PEFT / "embedding"), str(PEFT / "embedding")], "is adapted and saved whole"),
     ],
 )  # fmt: skip
 def test_what_no_adapter_holds_is_refused_in_one_line(

@@ -160,8 +160,8 @@ def _factors(
         for item in adapter.factors:
             if item.module in copied:
                 raise InputError(
-                    f"{name}: {item.module} is a LoRA target here and saved whole elsewhere; "
-                    f"{MERGE_FIRST}"
+                    f"{name}: {item.module} is adapted and saved whole (a base_layer copy or "
+                    f"modules_to_save), which is not combined; {MERGE_FIRST}"
                 )
             by_module.setdefault(item.module, []).append((coefficient, item, name))
     tensors: dict[str, np.ndarray] = {}
