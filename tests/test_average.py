@@ -127,8 +127,33 @@ def test_last_skips_a_broken_newest_file(tmp_path: Path) -> None:
     assert len(data["skipped"]) == 1 and data["skipped"][0].startswith("resume_300.pth: ")
     assert "skipped: resume_300.pth" in result.stderr
     assert_bitwise(load_file(tmp_path / "a.safetensors"), states[:2])
-    with pytest.raises(InputError, match="2 complete checkpoint"):
-        average([tmp_path / "run"], tmp_path / "b.safetensors", last=3)
+
+
+def test_last_with_fewer_checkpoints_averages_those_with_a_note(tmp_path: Path) -> None:
+    # --last 5 over a run of 3 (one of them broken): the 2 complete ones, said on stderr and
+    # in the JSON, exit 0 (it used to refuse)
+    states = resume_files(tmp_path / "run", torch.float32)
+    newest = tmp_path / "run" / "resume_300.pth"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    out = tmp_path / "a.safetensors"
+    result = CliRunner().invoke(
+        cli, ["average", "--last", "5", str(tmp_path / "run"), "-o", str(out), "--json"]
+    )
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert [i["name"] for i in data["inputs"]] == ["resume_100.pth", "resume_200.pth"]
+    note = (
+        "--last 5: "
+        + str(tmp_path / "run")
+        + " holds 2 complete checkpoint(s) of 3; averaged those 2"
+    )
+    assert data["notes"] == [note] and f"note: {note}" in result.stderr
+    assert_bitwise(load_file(out), states[:2])
+    for path in (tmp_path / "run").glob("resume_[12]*.pth"):
+        path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(InputError, match="no complete checkpoint of 3 to average"):
+        average([tmp_path / "run"], tmp_path / "b.safetensors", last=5)
+    assert not (tmp_path / "b.safetensors").exists()
 
 
 def test_missing_key_and_shape_mismatch_are_named(tmp_path: Path) -> None:

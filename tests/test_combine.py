@@ -210,17 +210,36 @@ def test_like_input_of_resume_files_is_a_resume_file_with_the_average(tmp_path: 
     assert_valid("average", data)
     assert data["like_input"] is True and data["format"] == "pth"
     assert "the provenance is not written" in " ".join(data["notes"])
+    assert data["layout"] == str(paths[-1])
     written = torch.load(out, weights_only=True)
-    first = torch.load(paths[0], weights_only=True)
-    assert set(written) == set(first)
-    assert written["step"] == first["step"] == STEPS[0] and written["epoch"] == first["epoch"]
-    assert written["optimizer"] == first["optimizer"]
+    newest = torch.load(paths[-1], weights_only=True)  # the run goes on from the newest
+    assert set(written) == set(newest)
+    assert written["step"] == newest["step"] == STEPS[-1] and written["epoch"] == newest["epoch"]
+    assert written["optimizer"] == newest["optimizer"]
     assert set(written["model"]) == set(states[0])
     for key, tensor in written["model"].items():
         want = mean(states, key) if tensor.is_floating_point() else states[-1][key]
         assert tensor.dtype == want.dtype and torch.equal(tensor, want), key
     model = written["model"]  # the tied embedding and head are still one tensor
     assert model["lm_head.weight"].data_ptr() == model["model.embed_tokens.weight"].data_ptr()
+
+
+@pytest.mark.parametrize("ema", [False, True])
+def test_like_input_of_the_last_n_is_the_newest_resume_file(tmp_path: Path, ema: bool) -> None:
+    # --last N RUN/ --like-input: the step, optimizer and scheduler of the newest checkpoint,
+    # whatever order the run lists them in (it used to be the oldest's)
+    states, paths = resume_run(tmp_path, torch.float32)
+    out = tmp_path / "avg_resume.pth"
+    report = average([tmp_path / "run"], out, last=3, like_input=True, ints="last",
+                     ema=0.5 if ema else None)  # fmt: skip
+    assert report.layout == "resume_300.pth"
+    written, newest = torch.load(out, weights_only=True), torch.load(paths[-1], weights_only=True)
+    assert written["step"] == STEPS[-1] and written["optimizer"] == newest["optimizer"]
+    weights = [i.weight for i in report.inputs]
+    for key, tensor in written["model"].items():
+        if tensor.is_floating_point():
+            want = sum(w * s[key].double() for w, s in zip(weights, states))
+            torch.testing.assert_close(tensor, want.float(), rtol=1e-6, atol=1e-7)  # type: ignore[union-attr]
 
 
 def test_merge_like_input_writes_the_base_resume_file(tmp_path: Path) -> None:

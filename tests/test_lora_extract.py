@@ -137,3 +137,49 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(
     result = run("lora", "extract", base, tuned, "--rank", rank, "-o", out, exit_code=2)
     assert message in result.stderr and result.stderr.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_auto_peft_model_loads_the_adapter_from_another_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # task_type from the base's architectures (LlamaForCausalLM: CAUSAL_LM) and the base as an
+    # absolute path: AutoPeftModelForCausalLM finds both from any cwd (task_type used to be
+    # null and the base path relative as typed)
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.chdir(FIXTURES.parent.parent)  # the repository root: BASE typed relative
+    base = PEFT.relative_to(Path.cwd()) / "base"
+    adapter = tmp_path / "adapter"
+    report = extract_adapter(base, PEFT / "rslora_merged", adapter, rank=4)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    merged = AutoPeftModelForCausalLM.from_pretrained(adapter).merge_and_unload().state_dict()
+    from transformers import AutoModelForCausalLM
+
+    tuned = AutoModelForCausalLM.from_pretrained(PEFT / "rslora_merged").state_dict()
+    for key, value in tuned.items():
+        assert torch.allclose(merged[key], value, rtol=RTOL, atol=ATOL), key
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert report.task_type == config["task_type"] == "CAUSAL_LM" and report.notes == []
+    assert config["base_model_name_or_path"] == str((PEFT / "base").resolve())
+
+
+def test_task_type_is_an_option_and_a_base_without_config_gets_a_note(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    adapter = tmp_path / "adapter"
+    result = run("lora", "extract", PEFT / "base", PEFT / "rslora_merged", "--rank", "4",
+                 "-o", adapter, "--task-type", "SEQ_CLS", "--json")  # fmt: skip
+    assert json.loads(result.stdout)["task_type"] == "SEQ_CLS"
+    assert json.loads((adapter / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
+    save_file(load_file(PEFT / "base" / "model.safetensors"), tmp_path / "base.safetensors")
+    result = run("lora", "extract", tmp_path / "base.safetensors", PEFT / "rslora_merged",
+                 "--rank", "4", "-o", tmp_path / "bare", "--json")  # fmt: skip
+    data = json.loads(result.stdout)
+    assert data["task_type"] is None and "pass --task-type" in data["notes"][0]
+    assert "note: task_type not set" in result.stderr
+    result = run("lora", "extract", PEFT / "base", PEFT / "rslora_merged", "--rank", "4",
+                 "-o", tmp_path / "x", "--task-type", "LM", exit_code=2)  # fmt: skip
+    assert "--task-type must be one of CAUSAL_LM" in result.stderr
+    assert not (tmp_path / "x").exists()

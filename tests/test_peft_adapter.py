@@ -183,3 +183,39 @@ def test_another_peft_type_is_shown_by_type_and_not_merged(tmp_path: Path) -> No
         "lora", "merge", PEFT / "base", tmp_path / "ia3", "-o", tmp_path / "m", exit_code=2
     )
     assert "peft_type is IA3; only LoRA merges" in result.stderr
+
+
+@pytest.mark.parametrize("source", ["lora_bin", "trainer/checkpoint-2"])
+def test_convert_of_an_adapter_directory_is_an_adapter_directory_peft_loads(
+    tmp_path: Path, source: str
+) -> None:
+    # convert ADAPTER_DIR/ OUT/ used to stop ("cannot tell the output format"): it writes
+    # adapter_model.safetensors and the config copied, which PeftModel loads, tensors equal
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    run("convert", PEFT / source, out)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json",
+                                                     "adapter_model.safetensors"]  # fmt: skip
+    config = (PEFT / source / "adapter_config.json").read_bytes()
+    assert (out / "adapter_config.json").read_bytes() == config
+    written = load_file(out / "adapter_model.safetensors")
+    weights = PEFT / source / "adapter_model.bin"
+    stored = (torch.load(weights, weights_only=True) if weights.exists()
+              else load_file(weights.with_suffix(".safetensors")))  # fmt: skip
+    assert sorted(written) == sorted(stored)
+    assert all(torch.equal(written[k], stored[k]) for k in stored)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(PEFT / "base"), out)
+    original = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(PEFT / "base"), PEFT / source
+    )
+    want = original.merge_and_unload().state_dict()
+    for key, value in loaded.merge_and_unload().state_dict().items():
+        assert torch.equal(value, want[key]), key
+    result = run("convert", PEFT / source, tmp_path / "sharded", "--max-shard-size", "4KB",
+                 exit_code=2)  # fmt: skip
+    assert "not shards: drop --max-shard-size" in result.stderr
+    assert not (tmp_path / "sharded").exists()

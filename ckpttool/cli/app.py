@@ -766,7 +766,7 @@ def convert_command(
 @click.option(
     "-o", "--output", "output", metavar="OUT", required=True, type=click.Path(path_type=str),
     help="The averaged weights: a .safetensors file, or .pth (.pt, .bin); with --like-input, "
-    "a file (or directory) like the first checkpoint.",
+    "a file (or directory) like the newest checkpoint.",
 )  # fmt: skip
 @click.option(
     "--weights", "weights", metavar="W1,W2,...",
@@ -774,7 +774,8 @@ def convert_command(
 )  # fmt: skip
 @click.option(
     "--last", "last", type=int, metavar="N",
-    help="CHECKPOINTS is one run directory: average its N newest complete checkpoints.",
+    help="CHECKPOINTS is one run directory: average its N newest complete checkpoints "
+    "(fewer there: those, with a note).",
 )  # fmt: skip
 @click.option(
     "--ema", "ema", type=float, metavar="DECAY",
@@ -796,8 +797,9 @@ def convert_command(
              "beside each checkpoint")  # fmt: skip
 @click.option(
     "--like-input", is_flag=True,
-    help="Write OUT in the first checkpoint's own layout (a resume .pth with its other "
-    "entries, a safetensors file, a model directory) instead of a weights file.",
+    help="Write OUT in the newest checkpoint's own layout (a resume .pth with its step, "
+    "optimizer and other entries, a safetensors file, a model directory) instead of a weights "
+    "file.",
 )  # fmt: skip
 @click.option(
     "--no-verify", is_flag=True, help="Skip reading the output back (not advised)."
@@ -825,16 +827,18 @@ def average_command(
 
     CHECKPOINTS are files or directories of any layout ckpttool reads (their weights, as
     convert takes them), or one run directory (with --last N: its N newest complete
-    checkpoints, broken ones skipped and named). Each floating tensor is summed in float64 one
-    checkpoint at a time and rounded once to its dtype (or --dtype): the mean, the weighted
+    checkpoints, broken ones skipped and named; fewer than N: those, with a note, exit 0).
+    Each floating tensor is summed in float64 one checkpoint at a time and rounded once to its dtype (or --dtype): the mean, the weighted
     mean with --weights, or the EMA in step order with --ema (the oldest weighs DECAY^(n-1),
     the k-th (1-DECAY)*DECAY^(n-k)). Integer and bool tensors must be equal everywhere (or
     --ints last). A tensor missing from a checkpoint, or of another shape, is refused by
     name (exit 2, nothing written). --filter and --map work as convert's, on every checkpoint.
     OUT is written atomically and read back; a .safetensors OUT records the inputs, their
-    steps and weights in its __metadata__. With --like-input OUT is the first checkpoint
-    again (a resume file keeps its optimizer and counters) with the averaged weights.
+    steps and weights in its __metadata__. With --like-input OUT is the newest checkpoint
+    (by step) again (a resume file keeps its optimizer and counters) with the averaged weights.
     Memory: the float64 sum and one checkpoint's tensor at a time (--jobs N: N times that).
+    PEFT LoRA adapters (every checkpoint): OUT is one adapter directory of summed rank whose
+    delta is the mean of theirs, as PEFT's add_weighted_adapter "cat" (DoRA is refused).
 
     \b
     Examples:
@@ -947,6 +951,9 @@ def merge_command(
     convert's --map). OUT is written atomically and read back; --like-input writes it in
     BASE's own layout (a resume file keeps its other entries). Memory: about (inputs + 2)
     float64 copies of the largest tensor for ties, 2 for the others (--jobs N: N times that).
+    PEFT LoRA adapters (BASE and every MODEL): linear and task-arithmetic write one adapter
+    directory of summed rank whose delta is the merge of theirs; ties and slerp are refused
+    (lora merge each into its base first).
 
     \b
     Examples:
@@ -1056,10 +1063,22 @@ def lora_merge_command(
     "--strict", is_flag=True,
     help="Refuse a difference no LoRA holds (a bias, a norm) instead of saving its module whole.",
 )  # fmt: skip
+@click.option(
+    "--task-type", "task_type", metavar="TYPE",
+    help="adapter_config.json's task_type: CAUSAL_LM, SEQ_2_SEQ_LM, SEQ_CLS, TOKEN_CLS, "
+    "QUESTION_ANS or FEATURE_EXTRACTION (default: from BASE's config.json architectures).",
+)  # fmt: skip
 @force_option
 @json_option("lora-extract")
 def lora_extract_command(
-    base: str, tuned: str, rank: int, output: str, strict: bool, force: bool, as_json: bool
+    base: str,
+    tuned: str,
+    rank: int,
+    output: str,
+    strict: bool,
+    task_type: str | None,
+    force: bool,
+    as_json: bool,
 ) -> None:
     """Extract a LoRA adapter from a fine-tune: TUNED - BASE at rank R, by truncated SVD.
 
@@ -1068,7 +1087,10 @@ def lora_extract_command(
     the fraction of its energy (squared singular values) the rank keeps is reported. A differing
     tensor that is not a 2-D weight (a bias, a norm) puts its module in modules_to_save, saved
     whole from TUNED (--strict refuses it). ADAPTER_DIR is a PEFT adapter directory that
-    PeftModel.from_pretrained loads and lora merge merges back, written all or nothing.
+    PeftModel.from_pretrained loads and lora merge merges back, written all or nothing. Its
+    task_type comes from BASE's config.json architectures (or --task-type; none found: a note),
+    so AutoPeftModelForCausalLM & co load it too; base_model_name_or_path is BASE's absolute
+    path when BASE is local.
 
     \b
     Examples:
@@ -1077,11 +1099,15 @@ def lora_extract_command(
     from ckpttool.commands.lora.extract import extract_adapter
     from ckpttool.render import lora as lora_render
 
-    report = extract_adapter(base, tuned, output, rank=rank, strict=strict, force=force)
+    report = extract_adapter(
+        base, tuned, output, rank=rank, strict=strict, force=force, task_type=task_type
+    )
     if as_json:
         _echo_json(lora_render.render_extract_json(report))
     else:
         click.echo(lora_render.render_extract_text(report))
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
 
 
 @cli.command("repair")

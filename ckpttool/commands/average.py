@@ -13,7 +13,7 @@ newest's). A tensor some inputs lack, or whose shape or dtype kind differs, is r
 The output is written by the pipeline ``merge`` shares (:mod:`ckpttool.commands.combine`):
 by ``convert``'s writer, atomically, read back against the CRC-32 of the bytes computed, its
 ``__metadata__`` (safetensors) saying what it was averaged from (:data:`PROVENANCE_KEY`); or,
-``like_input``, in the first input's own layout (:mod:`ckpttool.commands.combine_like`).
+``like_input``, in the newest input's own layout (:mod:`ckpttool.commands.combine_like`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 
 from ckpttool.commands.combine import Inputs, Source, jobs_for, rounded, write_combined
 from ckpttool.commands.convert.plan import Planned
+from ckpttool.commands.lora import combine as lora_combine
 from ckpttool.commands.selection import Selection
 from ckpttool.commands.trend import list_run, ordered_points
 from ckpttool.commands.verify import verify_file
@@ -65,7 +66,8 @@ class AverageReport:
     averaged: int  # floating tensors averaged
     ints: list[str]  # integer and bool tensors, taken as they are (equal, or the newest's)
     dtype: str  # "keep", "fp16", "bf16", "fp32"
-    like_input: bool = False  # written in the first input's layout
+    like_input: bool = False  # written in an input's layout: ``layout``'s
+    layout: str | None = None  # --like-input: the newest input's name (the run goes on from it)
     skipped: list[str] = field(default_factory=list)  # --last: "NAME: problem", newest first
     verified: bool = True
     notes: list[str] = field(default_factory=list)
@@ -93,8 +95,11 @@ def average(
     """Average the weights of ``checkpoints`` (see the module doc) into ``output`` (.safetensors,
     or .pth/.pt/.bin; ``like_input``: in the first checkpoint's own layout). ``pattern`` and
     ``map_name`` are ``convert``'s ``--filter`` and ``--map``, applied to every checkpoint;
-    ``jobs``: tensors computed ahead on ``jobs - 1`` threads (default: ``--jobs``, else 1). ``last``: ``checkpoints`` is one run directory, and its ``last`` newest
-    complete checkpoints are averaged (broken ones skipped and named). Raises
+    ``jobs``: tensors computed ahead on ``jobs - 1`` threads (default: ``--jobs``, else 1).
+    ``last``: ``checkpoints`` is one run directory, and its ``last`` newest complete
+    checkpoints are averaged (broken ones skipped and named; fewer than ``last``: those, with a
+    note). ``like_input``: OUT is the newest input (by step, else by the numbers in the names,
+    else the last given) written again in its own layout with the averaged weights. Raises
     :class:`InputError` (exit 2, nothing written) for inputs that do not match."""
     if ints not in INTS:
         raise InputError(f"--ints must be one of {', '.join(INTS)}; got {ints!r}")
@@ -102,9 +107,10 @@ def average(
         raise InputError("--weights and --ema are two ways to weigh the inputs: give one")
     if ema is not None and not 0.0 < ema < 1.0:
         raise InputError(f"--ema is a decay between 0 and 1 (0.999 for instance); got {ema}")
-    paths, names, skipped = _inputs(checkpoints, last)
+    paths, names, skipped, notes = _inputs(checkpoints, last)
     points, order = ordered_points(paths, names)
-    notes: list[str] = []
+    # the run goes on from its newest checkpoint: --like-input writes that one's layout
+    newest = points[-1].path if order != "given" else paths[-1]
     if ema is None:  # the order given (the run's with --last): --weights follow it
         by_path = {p.path: p for p in points}
         points = [by_path[path] for path in paths]
@@ -116,18 +122,31 @@ def average(
     normalised = _weights(len(points), weights, ema)
     method = "ema" if ema is not None else "mean" if weights is None else "weighted"
     inputs = [AverageInput(p.path, p.name, p.step, w) for p, w in zip(points, normalised)]
+    layout = next(i for i, item in enumerate(inputs) if item.path == newest)
     choice = Selection(pattern=pattern, map=map_name,
                        map_params=tuple((map_params or {}).items()))  # fmt: skip
+    provenance: tuple[str, dict[str, object]] = (PROVENANCE_KEY, {"method": method, "decay": ema, "inputs": [
+        {"path": i.path, "step": i.step, "weight": i.weight} for i in inputs
+    ]})  # fmt: skip
+    if lora_combine.all_adapters([i.path for i in inputs]):  # one adapter of summed rank
+        lora_combine.refuse_options(dtype=dtype, pattern=pattern, map_name=map_name,
+                                    like_input=like_input)  # fmt: skip
+        made = lora_combine.combine_adapters(
+            [i.path for i in inputs], [i.name for i in inputs], normalised, output,
+            provenance=provenance, force=force,
+        )  # fmt: skip
+        return AverageReport(inputs, method, ema, made.output, "adapter", made.tensors,
+                             made.tensors, [], dtype, skipped=skipped,
+                             notes=[*notes, *made.notes])  # fmt: skip
     written = write_combined(
         [Source(i.path, i.name) for i in inputs], output, choice=choice, dtype=dtype, ints=ints,
         force=force, verify=verify, like_input=like_input, jobs=jobs_for(jobs),
-        progress=progress, on_total=on_total, rounded_to=f"{inputs[0].name}'s",
+        progress=progress, on_total=on_total, layout=layout if like_input else 0,
+        rounded_to=f"{inputs[layout if like_input else 0].name}'s",
         computer=lambda reading, records, planned: _computer(
             reading, records, planned, normalised, method == "mean"
         ),
-        provenance=(PROVENANCE_KEY, {"method": method, "decay": ema, "inputs": [
-            {"path": i.path, "step": i.step, "weight": i.weight} for i in inputs
-        ]}),
+        provenance=provenance,
     )  # fmt: skip
     plan, int_names = written.plan, written.ints
     return AverageReport(
@@ -141,6 +160,7 @@ def average(
         ints=int_names,
         dtype=dtype,
         like_input=like_input,
+        layout=inputs[layout].name if like_input else None,
         skipped=skipped,
         verified=verify,
         notes=[*notes, *written.notes],
@@ -149,14 +169,15 @@ def average(
 
 def _inputs(
     checkpoints: Sequence[str | os.PathLike[str]], last: int | None
-) -> tuple[list[str], list[str], list[str]]:
+) -> tuple[list[str], list[str], list[str], list[str]]:
     """The paths to average and their names; with ``last``, the run directory's newest
-    complete checkpoints (oldest first) and the broken ones skipped on the way."""
+    complete checkpoints (oldest first), the broken ones skipped on the way, and a note when
+    fewer than ``last`` are complete (those are averaged; none: :class:`InputError`)."""
     if not checkpoints:
         raise InputError("average: no checkpoint given")
     if last is None:
         paths, names = list_run(checkpoints)
-        return paths, names, []
+        return paths, names, [], []
     if last < 1:
         raise InputError(f"--last takes a number of checkpoints, at least 1; got {last}")
     if len(checkpoints) != 1 or not os.path.isdir(checkpoints[0]):
@@ -172,14 +193,19 @@ def _inputs(
             skipped.append(f"{names[index]}: {problems[0]}")
         else:
             taken.append(index)
-    if len(taken) < last:
+    broken = f" (skipped {'; '.join(skipped)})" if skipped else ""
+    if not taken:
         raise InputError(
-            f"{checkpoints[0]}: {len(taken)} complete checkpoint(s) of {len(paths)}, "
-            f"--last {last} asked for {last}"
-            + (f" (skipped {'; '.join(skipped)})" if skipped else "")
+            f"{checkpoints[0]}: no complete checkpoint of {len(paths)} to average{broken}"
+        )
+    notes = []
+    if len(taken) < last:
+        notes.append(
+            f"--last {last}: {checkpoints[0]} holds {len(taken)} complete checkpoint(s) of "
+            f"{len(paths)}; averaged those {len(taken)}"
         )
     taken.reverse()
-    return [paths[i] for i in taken], [names[i] for i in taken], skipped
+    return [paths[i] for i in taken], [names[i] for i in taken], skipped, notes
 
 
 def _problems(path: str) -> list[str]:

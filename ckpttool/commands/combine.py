@@ -1,7 +1,7 @@
 """The pipeline ``average`` and ``merge`` share: open N checkpoints through the one door, plan
 each one's weights as ``convert`` plans them (``--filter``, ``--map``), match them tensor by
 tensor, then produce every output tensor from one tensor of each input at a time and write it
-by ``convert``'s writer (atomic, read back), or in the first input's own layout
+by ``convert``'s writer (atomic, read back), or in one input's own layout
 (``--like-input``: :mod:`ckpttool.commands.combine_like`).
 
 ``--jobs N`` (N > 1): the next N - 1 output tensors are computed on N - 1 threads while this one
@@ -129,15 +129,16 @@ def write_combined(
     jobs: int,
     progress: ProgressCallback | None,
     on_total: ProgressCallback | None,
+    layout: int = 0,
 ) -> Written:
     """Write ``output`` from ``inputs``, tensor by tensor: each input opened through the door,
     its weights planned as ``convert`` plans them with ``choice`` (``--filter``, and ``--map``
     for the inputs it applies to), matched with the first's (:func:`sources`), integer tensors
     checked (:func:`check_ints`) before anything is written; then every
     tensor produced by ``computer`` (``jobs`` > 1: ahead, on ``jobs`` - 1 threads) and written
-    by ``convert``'s writer (atomic, read back), or in the first input's layout
-    (``like_input``), with ``provenance`` (metadata key, facts) in a safetensors output's
-    metadata. ``rounded_to``: whose dtype a float tensor of mixed dtypes takes ("the base's")."""
+    by ``convert``'s writer (atomic, read back), or in one input's layout
+    (``like_input``: input number ``layout``'s, its other entries kept), with ``provenance``
+    (metadata key, facts) in a safetensors output's metadata. ``rounded_to``: whose dtype a float tensor of mixed dtypes takes ("the base's")."""
     paths = [item.path for item in inputs]
     if like_input and (choice.pattern is not None or choice.map is not None):
         raise InputError(
@@ -177,9 +178,11 @@ def write_combined(
         if like_input:
             from ckpttool.commands import combine_like
 
+            plan = plans[layout]  # the same names as the first's (no --map, no --filter)
             kind = combine_like.write_like(
-                opened[0], Path(paths[0]), plan, target, producers, provenance=provenance,
-                force=force, verify=verify, progress=progress, on_total=on_total, notes=notes,
+                opened[layout], Path(paths[layout]), plan, target, producers,
+                provenance=provenance, force=force, verify=verify, progress=progress,
+                on_total=on_total, notes=notes,
             )  # fmt: skip
             return Written(plan, kind, int_names, [*plan.notes, *notes], target)
         plan.fields, plan.carried, plan.left_out = {}, {}, []  # the first input's, not the output's

@@ -17,11 +17,13 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ckpttool.commands.combine import Inputs, Source, jobs_for, rounded, write_combined
 from ckpttool.commands.convert.plan import Planned
+from ckpttool.commands.lora import combine as lora_combine
 from ckpttool.commands.selection import Selection
 from ckpttool.errors import InputError
 from ckpttool.io.progress import ProgressCallback
@@ -101,15 +103,23 @@ def merge(
     combine = _combiner(method, given, lam, density, t)
     choice = Selection(pattern=pattern, map=map_name,
                        map_params=tuple((map_params or {}).items()))  # fmt: skip
+    provenance: tuple[str, dict[str, object]] = (PROVENANCE_KEY, {"method": method, "lambda": lam, "density": density, "t": t,
+                                   "base": paths[0], "models": [
+        {"path": i.path, "weight": i.weight} for i in inputs[1:]
+    ]})  # fmt: skip
+    if lora_combine.all_adapters(paths):  # one adapter of summed rank
+        made = _merge_adapters(paths, method, given, lam, output, provenance, force,
+                               dtype=dtype, pattern=pattern, map_name=map_name,
+                               like_input=like_input)  # fmt: skip
+        return MergeReport(method, inputs, made.output, "adapter", made.tensors, made.tensors,
+                           [], dtype, lam if method == "task-arithmetic" else None, None, None,
+                           notes=made.notes)  # fmt: skip
     written = write_combined(
         [Source(p, p, mapped=index > 0) for index, p in enumerate(paths)], output,
         choice=choice, dtype=dtype, ints="equal", force=force, verify=verify, like_input=like_input,
         jobs=jobs_for(jobs), progress=progress, on_total=on_total, rounded_to="the base's",
         computer=lambda reading, records, planned: _computer(reading, records, planned, combine),
-        provenance=(PROVENANCE_KEY, {"method": method, "lambda": lam, "density": density,
-                                     "t": t, "base": paths[0], "models": [
-            {"path": i.path, "weight": i.weight} for i in inputs[1:]
-        ]}),
+        provenance=provenance,
     )  # fmt: skip
     plan, int_names = written.plan, written.ints
     return MergeReport(
@@ -128,6 +138,35 @@ def merge(
         verified=verify,
         notes=written.notes,
     )
+
+
+def _merge_adapters(
+    paths: list[str],
+    method: str,
+    given: list[float | None],
+    lam: float,
+    output: str | os.PathLike[str],
+    provenance: tuple[str, dict[str, object]],
+    force: bool,
+    **options: Any,
+) -> lora_combine.CombinedAdapter:
+    """BASE and MODELS that are LoRA adapters: a linear or task-arithmetic merge of their
+    deltas is one adapter (:mod:`ckpttool.commands.lora.combine`); TIES and SLERP are not."""
+    if method not in ("linear", "task-arithmetic"):
+        raise InputError(
+            f"--method {method} of LoRA adapters would act on lora_A and lora_B, not on the "
+            f"deltas they make, and no adapter holds the {method} of the deltas; "
+            f"{lora_combine.MERGE_FIRST}, or use --method linear or task-arithmetic"
+        )
+    lora_combine.refuse_options(**options)
+    numbers = [w for w in given if w is not None]
+    if method == "linear":  # sum_i w_i x_i / sum_i w_i
+        total = math.fsum(numbers)
+        coefficients = [w / total for w in numbers]
+    else:  # base + lambda * sum_i w_i (x_i - base)
+        coefficients = [1.0 - lam * math.fsum(numbers), *(lam * w for w in numbers)]
+    return lora_combine.combine_adapters(paths, paths, coefficients, output,
+                                         provenance=provenance, force=force)  # fmt: skip
 
 
 def _weights(

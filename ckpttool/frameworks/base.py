@@ -445,6 +445,7 @@ class ModelDirectoryOutput:
     # endings of the input embedding's name that the loader ties the output embedding to when
     # the directory does not store one of ``tied_output_names`` ("embed_tokens.weight")
     tied_input_endings: tuple[str, ...] = ()
+    shardable: bool = True  # its loader reads shards and an index (a PEFT adapter: no)
 
 
 @dataclass(frozen=True)

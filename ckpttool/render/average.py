@@ -20,6 +20,7 @@ def render_json(report: AverageReport) -> dict[str, Any]:
         "output": str(report.output),
         "format": report.format,
         "like_input": report.like_input,
+        "layout": report.layout,
         "method": report.method,
         "decay": report.decay,
         "inputs": [
@@ -39,7 +40,7 @@ def render_json(report: AverageReport) -> dict[str, Any]:
 def render_text(report: AverageReport) -> str:
     """``wrote OUT (...)`` and one line per input with its step and weight."""
     how = {"mean": "mean", "weighted": "weighted mean", "ema": f"EMA, decay {report.decay}"}
-    like = f"{report.inputs[0].name}'s layout, " if report.like_input else ""
+    like = f"{report.layout}'s layout, " if report.like_input else ""
     verified = "verified" if report.verified else "not verified"
     lines = [
         f"wrote {report.output} ({like}{report.format}, {how[report.method]} of "

@@ -78,7 +78,9 @@ def render_extract_json(report: ExtractReport) -> dict[str, Any]:
         ],
         "modules_to_save": report.modules_to_save,
         "unchanged": report.unchanged,
+        "task_type": report.task_type,
         "verified": report.verified,
+        "notes": report.notes,
     }
 
 

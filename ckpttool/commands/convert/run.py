@@ -224,6 +224,11 @@ def _planned(
                     "a model directory is written as safetensors, as from_pretrained loads it; "
                     "drop --to pth or name a .pth DST"
                 )
+            if shard_size is not None and not output.shardable:
+                raise InputError(
+                    f"{src}: its loader reads one {output.weights_name}, not shards: drop "
+                    "--max-shard-size"
+                )
             plan = model_dir.for_transformers(plan, output)
             target = Path(dst)
             weights = target / output.weights_name if shard_size is None else f"{target}{os.sep}"

@@ -13,7 +13,10 @@ A tensor that differs but is not a 2-D weight (a bias, a norm's scale) cannot be
 module goes to ``modules_to_save``, saved whole from TUNED (all of that module's tensors, and no
 LoRA of it), unless ``strict``, which refuses it. The adapter directory (``adapter_config.json``,
 ``adapter_model.safetensors``) is what ``PeftModel.from_pretrained`` loads; it appears
-all-or-nothing and is read back before it does.
+all-or-nothing and is read back before it does. Its ``task_type`` is inferred from the base's
+``config.json`` ``architectures`` (:data:`TASK_TYPES`), so that PEFT's ``AutoPeftModelFor...``
+load it too, and ``base_model_name_or_path`` is the base's absolute path when the base is
+local (they load the base from it, from whatever directory they are run in).
 """
 
 from __future__ import annotations
@@ -48,6 +51,16 @@ FLOATS = ("float32", "float16", "bfloat16", "float64")
 PREFIX = "base_model.model."
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+#: PEFT's ``TaskType`` for a transformers class name ending so (``AutoPeftModelFor...`` loads
+#: the base with the matching ``AutoModelFor...``); ``ForConditionalGeneration`` only for an
+#: encoder-decoder config (``is_encoder_decoder``), the others (vision-language) have none.
+TASK_TYPES = (
+    ("ForCausalLM", "CAUSAL_LM"), ("ForSeq2SeqLM", "SEQ_2_SEQ_LM"),
+    ("ForSequenceClassification", "SEQ_CLS"), ("ForTokenClassification", "TOKEN_CLS"),
+    ("ForQuestionAnswering", "QUESTION_ANS"), ("Model", "FEATURE_EXTRACTION"),
+)  # fmt: skip
+TASK_TYPE_NAMES = ("CAUSAL_LM", "SEQ_2_SEQ_LM", "SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS",
+                   "FEATURE_EXTRACTION")  # fmt: skip
 #: Input embeddings (PEFT wraps them as ``lora.Embedding``): names ending so.
 EMBEDDING_ENDINGS = (
     "embed_tokens", "wte", "wpe", "word_embeddings", "embed_in", "tok_embeddings", "shared",
@@ -75,6 +88,7 @@ class ExtractReport:
     extracted: list[Extracted]
     modules_to_save: list[str]  # modules saved whole (a differing bias or norm)
     unchanged: int  # tensors equal in both
+    task_type: str | None = None  # adapter_config.json's (None: PeftModel only, a note says so)
     verified: bool = True
     notes: list[str] = field(default_factory=list)
 
@@ -87,20 +101,30 @@ def extract_adapter(
     rank: int,
     strict: bool = False,
     force: bool = False,
+    task_type: str | None = None,
 ) -> ExtractReport:
     """Write the PEFT adapter directory ``output`` that turns ``base`` into ``tuned`` at
-    ``rank`` (see the module doc). Raises :class:`InputError` (nothing written) for inputs whose
-    tensors do not pair up, a non-2-D difference with ``strict``, or a bad rank."""
+    ``rank`` (see the module doc); ``task_type``: the config's (one of
+    :data:`TASK_TYPE_NAMES`; None: inferred from the base's config). Raises
+    :class:`InputError` (nothing written) for inputs whose tensors do not pair up, a non-2-D
+    difference with ``strict``, or a bad rank."""
     if rank < 1:
         raise InputError(f"--rank must be at least 1; got {rank}")
+    if task_type is not None and task_type not in TASK_TYPE_NAMES:
+        raise InputError(
+            f"--task-type must be one of {', '.join(TASK_TYPE_NAMES)}; got {task_type!r}"
+        )
     target = Path(output)
-    _check_output(target, force)
+    check_output(target, force)
     base_name, tuned_name = os.fspath(base), os.fspath(tuned)
     with (
         open_checkpoint(base, view=DEFAULT_VIEW) as a,
         open_checkpoint(tuned, view=DEFAULT_VIEW) as b,
     ):
         names_a, names_b = _weights(a), _weights(b)
+        notes: list[str] = []
+        if task_type is None:
+            task_type = _task_type(a, base_name, notes)
         if sorted(names_a) != sorted(names_b):
             only = sorted(set(names_a) ^ set(names_b))
             side = base_name if only[0] in names_a else tuned_name
@@ -152,13 +176,47 @@ def extract_adapter(
                         np.ascontiguousarray(_raw(b, record)))  # fmt: skip
     if not extracted and not saved_modules:
         raise InputError(f"{tuned_name}: holds the same weights as {base_name}; nothing to extract")
-    config = _config(rank, extracted, sorted(saved_modules), patterns, base_name)
-    _write(target, config, tensors, force)
+    config = _config(rank, extracted, sorted(saved_modules), patterns, _base_path(base_name))
+    config["task_type"] = task_type
+    write_adapter(target, config, tensors, force)
     return ExtractReport(base_name, tuned_name, target, rank, extracted, sorted(saved_modules),
-                         unchanged)  # fmt: skip
+                         unchanged, task_type, notes=notes)  # fmt: skip
 
 
-def _check_output(target: Path, force: bool) -> None:
+def _task_type(base: Checkpoint, name: str, notes: list[str]) -> str | None:
+    """PEFT's task type for the base's ``config.json`` ``architectures`` (:data:`TASK_TYPES`),
+    or None with a note saying what loads the adapter then."""
+    config = base.root.get("config") if isinstance(base.root, dict) else None
+    if not isinstance(config, dict):
+        config = {}
+    classes = config.get("architectures")
+    found = set()
+    for cls in classes if isinstance(classes, list) else []:
+        if not isinstance(cls, str):
+            continue
+        if cls.endswith("ForConditionalGeneration") and config.get("is_encoder_decoder"):
+            found.add("SEQ_2_SEQ_LM")
+        found.update(task for ending, task in TASK_TYPES if cls.endswith(ending))
+    if len(found) == 1:
+        return found.pop()
+    what = (f"its architectures {classes} give {len(found)} task types" if classes
+            else "it has no config.json with architectures")  # fmt: skip
+    notes.append(
+        f"task_type not set ({name}: {what}): PeftModel.from_pretrained loads the adapter, "
+        "AutoPeftModelFor... do not; pass --task-type to set it"
+    )
+    return None
+
+
+def _base_path(base: str) -> str:
+    """``base_model_name_or_path``: a local base as an absolute path (PEFT's Auto classes load
+    the base from it, wherever they are run); a URL or hub name as given."""
+    return str(Path(base).resolve()) if os.path.exists(base) else base
+
+
+def check_output(target: Path, force: bool) -> None:
+    """``target`` can become an adapter directory (empty, absent, or one to replace with
+    ``force``), else :class:`InputError` / :class:`OutputExistsError`."""
     if target.exists() and not target.is_dir():
         raise InputError(f"{target}: exists and is not a directory")
     if target.is_dir() and any(target.iterdir()):
@@ -265,9 +323,16 @@ def _config(
     }
 
 
-def _write(
-    target: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], force: bool
+def write_adapter(
+    target: Path,
+    config: dict[str, Any],
+    tensors: dict[str, np.ndarray],
+    force: bool,
+    metadata: dict[str, str] | None = None,
 ) -> None:
+    """The adapter directory ``target`` (``adapter_config.json``, ``adapter_model.safetensors``
+    of ``tensors`` with ``metadata`` beside PEFT's ``format``), all or nothing, its weights read
+    back before it appears."""
     names = sorted(tensors)
     out = [OutTensor(n, "float32" if tensors[n].dtype == np.float32 else str(tensors[n].dtype),
                      tuple(tensors[n].shape)) for n in names]  # fmt: skip
@@ -276,7 +341,9 @@ def _write(
     with staged_directory(target, replace_existing=force) as staging:
         (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         with open(staging / WEIGHTS_NAME, "wb") as handle:
-            format_by_id("safetensors").write(handle, out, data, names, {}, {"format": "pt"})
+            format_by_id("safetensors").write(
+                handle, out, data, names, {}, {**(metadata or {}), "format": "pt"}
+            )
             handle.flush()
             os.fsync(handle.fileno())
         with open_checkpoint(staging / WEIGHTS_NAME) as written:

@@ -81,7 +81,7 @@ class MergeReport:
 
 
 @dataclass(frozen=True)
-class _Factors:
+class Factors:
     """One adapted module, read from the adapter (float32 or float64)."""
 
     module: str
@@ -113,7 +113,8 @@ def merge_adapter(
     output does not read back."""
     base_name, adapter_name = os.fspath(base), os.fspath(adapter)
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
-    factors, copies, notes = _read_adapter(adapter_name)
+    read = read_adapter(adapter_name)
+    factors, copies, notes = read.factors, read.copies, read.notes
     with open_checkpoint(base, view=DEFAULT_VIEW) as ckpt:
         if isinstance(ckpt.details.get(ADAPTER), dict):
             raise InputError(
@@ -146,10 +147,22 @@ def merge_adapter(
 # --- the adapter --------------------------------------------------------------------------------
 
 
-def _read_adapter(adapter: str) -> tuple[list[_Factors], dict[str, np.ndarray], list[str]]:
+@dataclass
+class Adapter:
+    """A LoRA adapter read whole (it is small)."""
+
+    factors: list[Factors]  # the adapted modules, factors as floats
+    copies: dict[str, np.ndarray]  # full copies (modules_to_save), by the base tensor's name
+    notes: list[str]
+    summary: dict[str, Any]  # details["adapter"]
+    config: dict[str, Any]  # adapter_config.json as parsed
+
+
+def read_adapter(adapter: str) -> Adapter:
     """The adapter's modules (factors read as floats) and full copies (by module name), or a
     refusal naming the adapter."""
     with open_checkpoint(adapter) as ckpt:
+        config = ckpt.root.get("adapter_config") if isinstance(ckpt.root, dict) else None
         summary = ckpt.details.get(ADAPTER)
         if not isinstance(summary, dict) or not summary:
             raise InputError(
@@ -195,14 +208,14 @@ def _read_adapter(adapter: str) -> tuple[list[_Factors], dict[str, np.ndarray], 
                 raise InputError(f"{adapter}: {module['module']}: use_dora without a magnitude")
             kind = module["kind"] if not fan_in_fan_out else f"{module['kind']}+fan_in_fan_out"
             factors.append(
-                _Factors(module["module"], kind, a, b, float(module["scaling"]), a.shape[0],
+                Factors(module["module"], kind, a, b, float(module["scaling"]), a.shape[0],
                          magnitude.reshape(-1) if magnitude is not None else None)
             )  # fmt: skip
         copies = {saved["module"]: values(saved["key"]) for saved in summary.get("saved", [])}
     notes = []
     if summary.get("base_model"):
         notes.append(f"the adapter names its base model {summary['base_model']!r}")
-    return factors, copies, notes
+    return Adapter(factors, copies, notes, summary, config if isinstance(config, dict) else {})
 
 
 def _floats(ckpt: Checkpoint, record: TensorRecord, path: str) -> np.ndarray:
@@ -286,12 +299,12 @@ def _same_tail(stored: str, wanted: str) -> bool:
 def _plan_merge(
     ckpt: Checkpoint,
     resolve: _Resolver,
-    factors: list[_Factors],
+    factors: list[Factors],
     copies: dict[str, np.ndarray],
 ) -> tuple[dict[str, Callable[[], bytes | bytearray | memoryview]], list[Merged]]:
     """For each base tensor the adapter changes, the function that computes its bytes (called
     when it is written), after every name and shape was checked: nothing is written before."""
-    by_name: dict[str, tuple[_Factors | None, np.ndarray | None, str]] = {}
+    by_name: dict[str, tuple[Factors | None, np.ndarray | None, str]] = {}
     for module, copy in copies.items():
         name = resolve(module)
         by_name[name] = (None, copy, module)
@@ -314,7 +327,7 @@ def _plan_merge(
 
 
 def _check_shape(
-    base: str, name: str, record: TensorRecord, item: _Factors | None, copy: np.ndarray | None
+    base: str, name: str, record: TensorRecord, item: Factors | None, copy: np.ndarray | None
 ) -> None:
     if record.dtype not in FLOATS:
         raise InputError(f"{base}: {name} is {record.dtype}; only float weights are merged")
@@ -333,7 +346,7 @@ def _check_shape(
             )
 
 
-def _delta_shape(item: _Factors) -> tuple[int, ...]:
+def _delta_shape(item: Factors) -> tuple[int, ...]:
     out, inputs = item.b.shape[0], item.a.shape[1]
     transposed = item.kind.startswith("embedding") != item.kind.endswith("fan_in_fan_out")
     return (inputs, out) if transposed else (out, inputs)
@@ -342,7 +355,7 @@ def _delta_shape(item: _Factors) -> tuple[int, ...]:
 def _computer(
     ckpt: Checkpoint,
     record: TensorRecord,
-    item: _Factors | None,
+    item: Factors | None,
     copy: np.ndarray | None,
     base: str,
 ) -> Callable[[], bytes | bytearray | memoryview]:
@@ -364,7 +377,7 @@ def _computer(
     return compute
 
 
-def merged_weight(weight: np.ndarray, item: _Factors) -> np.ndarray:
+def merged_weight(weight: np.ndarray, item: Factors) -> np.ndarray:
     """``weight`` (the base's layout, float32 or float64) with the module's update applied."""
     dtype = weight.dtype
     delta = (item.b.astype(dtype) @ item.a.astype(dtype)) * dtype.type(item.scaling)

@@ -3,14 +3,20 @@ their config and tensors say (adapter.py), and ``show``'s lines for them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from ckpttool.frameworks.base import Framework, FrameworkDirectory
+from ckpttool.frameworks.base import Framework, FrameworkDirectory, ModelDirectoryOutput
 from ckpttool.frameworks.peft import files
 from ckpttool.frameworks.peft.adapter import summarize
+from ckpttool.io.source import is_url
 
 #: Where the summary goes in ``details`` (also what ``lora merge`` reads).
 ADAPTER = "adapter"
+#: What ``save_pretrained`` writes into an adapter directory (``--force`` replaces only such).
+ADAPTER_DIR_FILES = frozenset(
+    {files.CONFIG_NAME, files.SAFETENSORS_WEIGHTS_NAME, files.WEIGHTS_NAME, "README.md"}
+)
 
 
 class Peft(Framework):
@@ -38,6 +44,23 @@ class Peft(Framework):
     def show_lines(self, details: dict[str, Any]) -> list[str]:
         summary = details.get(ADAPTER)
         return adapter_lines(summary) if isinstance(summary, dict) and summary else []
+
+    def model_directory(self, details: dict[str, Any]) -> ModelDirectoryOutput | None:
+        """``convert ADAPTER_DIR OUT/``: an adapter directory as ``save_pretrained`` writes it
+        (``adapter_model.safetensors``, ``adapter_config.json`` copied byte for byte), which
+        ``PeftModel.from_pretrained`` loads; an ``adapter_model.bin`` becomes safetensors."""
+        if details.get("layout") != files.PEFT_ADAPTER:
+            return None
+        directory = str(details["directory"])
+        return ModelDirectoryOutput(
+            directory=directory if is_url(directory) else Path(directory),
+            weights_name=files.SAFETENSORS_WEIGHTS_NAME,
+            copied_files=(files.CONFIG_NAME,),
+            tied_output_names=(),
+            config_entries=(files.CONFIG_SECTION,),
+            owns=lambda name: name in ADAPTER_DIR_FILES,
+            shardable=False,
+        )
 
     def verify_checks(self, details: dict[str, Any]) -> list[str]:
         if ADAPTER not in details:
