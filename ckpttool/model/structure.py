@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.model.records import TensorRecord, join_key
+from ckpttool.model.records import OpaqueObject, TensorRecord, join_key, nodes
 
 #: The counters of a trainer's own state (ignite's ``Engine.state_dict()``, Composer's
 #: ``timestamp``): a dict of scalars holding one of them is training state, not settings.
@@ -81,7 +81,7 @@ def find_parts(root: Any) -> FoundParts:
             reversed([
                 (join_key(key, str(name)), child, depth + 1)
                 for name, child in items
-                if child.__class__ in (dict, list, tuple)
+                if child.__class__ in (dict, list, tuple) or isinstance(child, TensorRecord)
             ])
         )  # fmt: skip
     return FoundParts(**{role: tuple(keys) for role, keys in found.items()})
@@ -180,7 +180,7 @@ def is_trainer_state(node: Any) -> bool:
     """Whether ``node`` is training state other than an optimizer's: an LR scheduler's
     ``state_dict()`` (``last_epoch`` with ``base_lrs`` or ``_step_count``), a ``GradScaler``'s
     (``scale``, ``growth_factor``, ``backoff_factor``), or a trainer's counters (a dict of
-    scalars only, one of them one of :data:`TRAINER_COUNTERS`)."""
+    scalars (or small objects) only, one of them one of :data:`TRAINER_COUNTERS`)."""
     if node.__class__ is not dict or not node:
         return False
     names = set(node)
@@ -189,7 +189,17 @@ def is_trainer_state(node: Any) -> bool:
     if {"scale", "growth_factor", "backoff_factor"} <= names:
         return True
     return bool(names & TRAINER_COUNTERS) and all(
-        isinstance(value, _SCALARS) for value in node.values()
+        isinstance(value, _SCALARS) or _is_small_object(value) for value in node.values()
+    )
+
+
+def _is_small_object(value: Any) -> bool:
+    """An object that holds no tensor and no container (Composer's ``timestamp`` keeps its
+    wall-clock times as ``datetime.timedelta``)."""
+    return isinstance(value, OpaqueObject) and not any(
+        isinstance(field, (TensorRecord, dict, list, OpaqueObject))
+        for field in nodes(value)
+        if field is not value
     )
 
 
