@@ -76,7 +76,9 @@ def test_rng_states_are_found_by_their_shapes_and_types(tmp_path: Path) -> None:
         "o": opt.state_dict(),
         "gen_cpu": torch.get_rng_state(),  # uint8[5056]
         "np_legacy": np.random.get_state(),  # ('MT19937', uint32[624], pos, has_gauss, cached)
-        "np_generator": np.random.default_rng(1).bit_generator.state,  # {'bit_generator': 'PCG64'...}
+        "np_generator": np.random.default_rng(
+            1
+        ).bit_generator.state,  # {'bit_generator': 'PCG64'...}
         "py": random.getstate(),  # (3, 625 ints, None)
         "per_device": [torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)],
         "ranks": [{"python": random.getstate(), "torch": torch.get_rng_state()}],

@@ -17,7 +17,6 @@ from ckpttool.checkpoint import Checkpoint
 from ckpttool.errors import InputError, LayoutError, SameKeyError
 from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import PARTS
-from ckpttool.io.subclass_values import dequantized_subclass, subclass_scheme
 from ckpttool.model.records import (
     TensorRecord,
     paths_of,
@@ -255,6 +254,9 @@ def dequantized_subclasses(
     subclasses = tensor_subclasses(ckpt.root, outermost=True)
     if not subclasses:
         return named, []
+    # (here: listing a file, as show does through this module, never reads values)
+    from ckpttool.io.subclass_values import dequantized_subclass, subclass_scheme
+
     name_of = {record.key: name for name, record in named.items()}
     replaced: dict[str, TensorRecord] = {}  # output name of the first inner tensor -> values
     dropped: set[str] = set()

@@ -19,11 +19,13 @@ from typing import Any
 
 from ckpttool.model.records import OpaqueObject, TensorRecord, join_key, nodes
 
-#: The counters of a trainer's own state (ignite's ``Engine.state_dict()``, Composer's
-#: ``timestamp``): a dict of scalars holding one of them is training state, not settings.
+#: The counters of a trainer's own state (ignite's ``Engine.state_dict()``: ``iteration``,
+#: ``epoch_length``, ``max_epochs``; Composer's ``timestamp``: ``epoch``, ``iteration``...): a
+#: dict of scalars holding two of them is training state, not settings (a config's ``batch``
+#: or a lone ``epoch`` is not enough).
 TRAINER_COUNTERS = frozenset({
-    "epoch", "step", "global_step", "iteration", "iter", "iter_num", "num_updates", "batch",
-    "epoch_length", "max_epochs", "samples", "tokens",
+    "epoch", "step", "global_step", "iteration", "iter", "iter_num", "num_updates",
+    "epoch_length", "max_epochs",
 })  # fmt: skip
 #: Bytes of torch's CPU generator state (``torch.get_rng_state()``: MT19937) and of a CUDA
 #: generator's (``torch.cuda.get_rng_state()``: Philox seed and offset).
@@ -35,7 +37,6 @@ PYTHON_RNG_WORDS = 625
 SEARCH_DEPTH = 5
 #: A key of a module's state dict: dotted identifiers (``layers.0.attn.weight``).
 _MODULE_NAME = re.compile(r"[A-Za-z_0-9][\w\-]*(?:\.[\w\-]+)*\Z").match
-_SCALARS = (int, float, str, bool, type(None))
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,8 @@ def is_trainer_state(node: Any) -> bool:
     """Whether ``node`` is training state other than an optimizer's: an LR scheduler's
     ``state_dict()`` (``last_epoch`` with ``base_lrs`` or ``_step_count``), a ``GradScaler``'s
     (``scale``, ``growth_factor``, ``backoff_factor``), or a trainer's counters (a dict of
-    scalars (or small objects) only, one of them one of :data:`TRAINER_COUNTERS`)."""
+    numbers (or small objects: a ``timedelta``) only, two of them :data:`TRAINER_COUNTERS`;
+    mmengine's ``meta``, with its strings, is not one)."""
     if node.__class__ is not dict or not node:
         return False
     names = set(node)
@@ -188,8 +190,9 @@ def is_trainer_state(node: Any) -> bool:
         return True
     if {"scale", "growth_factor", "backoff_factor"} <= names:
         return True
-    return bool(names & TRAINER_COUNTERS) and all(
-        isinstance(value, _SCALARS) or _is_small_object(value) for value in node.values()
+    return len(names & TRAINER_COUNTERS) >= 2 and all(
+        (isinstance(value, (int, float)) and not isinstance(value, bool)) or _is_small_object(value)
+        for value in node.values()
     )
 
 

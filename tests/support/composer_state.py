@@ -52,18 +52,19 @@ def composer_checkpoint(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> dict[str, Any]:
     """The object Composer's ``save_checkpoint`` pickles, for one rank without CUDA."""
+    timestamp = {
+        "iteration": 0, "epoch": 1, "batch": 5, "sample": 40, "token": 0,
+        "epoch_in_iteration": 1, "batch_in_epoch": 0, "sample_in_epoch": 0, "token_in_epoch": 0,
+        "total_wct": datetime.timedelta(seconds=12), "epoch_wct": datetime.timedelta(seconds=2),
+        "batch_wct": datetime.timedelta(0),
+    }  # fmt: skip
     state = {
         "model": model.state_dict(),
         "optimizers": {type(optimizer).__qualname__: optimizer.state_dict()},
         "schedulers": {type(scheduler).__qualname__: scheduler.state_dict()},
         "algorithms": [],
         "callbacks": {},
-        "timestamp": {
-            "iteration": 0, "epoch": 1, "batch": 5, "sample": 40, "token": 0,
-            "epoch_in_iteration": 1, "batch_in_epoch": 0, "sample_in_epoch": 0,
-            "token_in_epoch": 0, "total_wct": datetime.timedelta(seconds=12),
-            "epoch_wct": datetime.timedelta(seconds=2), "batch_wct": datetime.timedelta(0),
-        },  # fmt: skip
+        "timestamp": timestamp,
         "rank_zero_seed": 17,
         "run_name": "structure-test",
         "integrations": {},
