@@ -284,7 +284,7 @@ def refuse_without_model(
     ckpt: Checkpoint,
     layout: str,
     what: str,
-    hint: str = "name a part with --section to take its tensors anyway",
+    hint: str = "name a part with --section (or pick tensors with --filter) to take them anyway",
 ) -> None:
     """Raise :class:`~ckpttool.errors.LayoutError` where ``ckpt`` holds no model weights, only
     training state: every tensor lies in an optimizer, RNG or trainer state found by its
