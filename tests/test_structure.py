@@ -240,6 +240,34 @@ def test_for_inference_drops_composers_optimizer_scheduler_counters_and_rng(
     assert all(torch.equal(kept["state"]["model"][k], v) for k, v in model.state_dict().items())
 
 
+def test_edit_maps_and_refuses_an_ema_of_a_model_found_deeper(
+    composer: tuple[Path, ComposerClassifier], tmp_path: Path
+) -> None:
+    """``--map`` and ``--use-ema`` reach Composer's ``state.model`` (a dotted part): the map
+    renames there, an EMA that is not the model's is one line, not a KeyError."""
+    path, model = composer
+    rules = {"unmatched": "keep", "rules": [{"from": "module.{L}.weight", "to": "net.{L}.w"}]}
+    spec = tmp_path / "map.json"
+    spec.write_text(json.dumps(rules))
+    out = tmp_path / "mapped.pt"
+    result = run("edit", path, "--map", spec, "-o", out)
+    assert result.exit_code == 0, result.output
+    kept = torch.load(out, weights_only=False)
+    assert sorted(kept["state"]["model"]) == [
+        "module.0.bias",
+        "module.2.bias",
+        "net.0.w",
+        "net.2.w",
+    ]
+    assert torch.equal(kept["state"]["model"]["net.2.w"], model.state_dict()["module.2.weight"])
+    assert "Adam" in kept["state"]["optimizers"] and len(kept["rng"]) == 1
+    refused = run("edit", path, "--use-ema", "rng", "-o", tmp_path / "ema.pt")
+    assert refused.exit_code == 2
+    assert (
+        refused.stderr.count("\n") == 1 and "none of its tensors names a tensor" in refused.stderr
+    )
+
+
 # -- a file with no model: convert refuses it ---------------------------------------------------
 
 

@@ -39,6 +39,8 @@ from ckpttool.model.roles import (
     is_resume,
     model_part,
     module_state_dict,
+    part_node,
+    with_part,
 )
 from ckpttool.model.structure import find_parts
 
@@ -427,11 +429,10 @@ def use_ema(root: Any, layout: str, where: str | None, log: EditLog) -> Any:
         log.ema_taken.append(key)
         return average
 
-    model = map_tensors({model_key: root[model_key]}, take)[model_key]
+    model = map_tensors({model_key: part_node(root, model_key)}, take)[model_key]
     if not log.ema_taken:
         raise InputError(f"--use-ema {where}: none of its tensors names a tensor of the model")
-    out = {key: (model if key == model_key else value) for key, value in root.items()}
-    return drop(out, [where], log)
+    return drop(with_part(root, model_key, model), [where], log)
 
 
 def _use_ema_module(root: Any, where: str | None, log: EditLog) -> Any:
