@@ -294,7 +294,7 @@ def test_convert_refuses_a_bare_optimizer_file(tmp_path: Path) -> None:
     torch.save(opt.state_dict(), path)
     result = run("convert", path, tmp_path / "o.safetensors")
     assert result.exit_code == 2
-    assert "an optimizer state (the whole file) (12 tensors)" in result.stderr
+    assert "it holds only an optimizer state (12 tensors: the whole file)" in result.stderr
     assert not (tmp_path / "o.safetensors").exists()
 
 

@@ -27,6 +27,7 @@ from ckpttool.model.records import (
 from ckpttool.model.roles import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # diff and convert's door
 from ckpttool.model.roles import layout_of, model_part, model_section
 from ckpttool.model.structure import find_parts
+from ckpttool.model.text import plural
 
 #: safetensors ``__metadata__`` key under which ``convert`` records ``{alias: stored name}``.
 ALIASES_KEY = "ckpttool.aliases"
@@ -308,13 +309,19 @@ def refuse_without_model(
         )
         for key in found
     }
-    described = [f"{kind} {_where(key)} ({n} tensors)" for (kind, key), n in counted.items() if n]
+    described = [
+        f"{kind} in {key!r} ({n} {plural(n, 'tensor')})"
+        if key
+        else f"{kind} ({n} {plural(n, 'tensor')}: the whole file)"
+        for (kind, key), n in counted.items()
+        if n
+    ]
     root = ckpt.root
     scalars = [str(k) for k, v in root.items() if isinstance(v, (int, float, str, bool))
                or v is None] if isinstance(root, dict) else []  # fmt: skip
     if scalars:
         shown = ", ".join(scalars[:4]) + (", ..." if len(scalars) > 4 else "")
-        described.append(f"{len(scalars)} other value(s) ({shown})")
+        described.append(f"{len(scalars)} other {plural(len(scalars), 'value')} ({shown})")
     raise LayoutError(
         f"{ckpt.name}: no model weights, {what}: it holds only {', '.join(described)}; {hint}"
     )
@@ -322,10 +329,6 @@ def refuse_without_model(
 
 def _under_any(key: str, parts: Iterable[str]) -> bool:
     return any(not part or key == part or key.startswith(f"{part}.") for part in parts)
-
-
-def _where(key: str) -> str:
-    return f"in {key!r}" if key else "(the whole file)"
 
 
 def rekey(record: TensorRecord, key: str) -> TensorRecord:
