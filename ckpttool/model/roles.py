@@ -11,6 +11,8 @@ directory (:mod:`ckpttool.frameworks`), nor a tensor's strides.
 
 Pure functions over the reader's tree: no file access, no torch. ``diff``, ``convert`` and
 ``rescale-step`` use :func:`detect_layout` and :func:`model_section` to find the weights.
+Names decide first (a layout's, :data:`MODEL_PART_KEYS`, :data:`OPTIMIZER_PART_KEYS`); where
+they say nothing, :mod:`ckpttool.model.structure` finds the parts by what they are.
 """
 
 from __future__ import annotations
