@@ -107,6 +107,13 @@ def test_a_parameter_named_state_and_a_uint8_buffer_stay_weights(tmp_path: Path)
     assert shown(path)["layout"] == "state_dict"
     loaded = ckpttool.load_state_dict(path)
     assert sorted(loaded) == sorted(model) and torch.equal(loaded["lut"], model["lut"])
+    training = tmp_path / "training.pt"
+    torch.save({"net": model, "opt": opt.state_dict(), "gen": torch.get_rng_state()}, training)
+    out = tmp_path / "inference.pt"
+    result = run("edit", training, "--for-inference", "-o", out)
+    assert result.exit_code == 0, result.output
+    kept = torch.load(out)
+    assert list(kept) == ["net"] and sorted(kept["net"]) == sorted(model)
 
 
 # -- a learner's {'model', 'opt'} --------------------------------------------------------------
