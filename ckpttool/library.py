@@ -29,6 +29,8 @@ from ckpttool.commands.selection import (
     Selection,
     add_recorded_aliases,
     component_section,
+    dequantized_subclasses,
+    refuse_without_model,
     select,
 )
 from ckpttool.errors import (
@@ -423,6 +425,7 @@ def load_state_dict(
     ignore_wrappers: bool = False,
     view: str | None = None,
     component: str | None = None,
+    dequantize: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The model's weights as a plain state dict that ``model.load_state_dict`` accepts.
 
@@ -439,6 +442,15 @@ def load_state_dict(
     :meth:`CheckpointHandle.get_tensor`'s (memory-mapped where the file allows it), moved to
     ``device`` and cast to ``dtype`` when given. ``component`` names one part of a
     multi-component folder instead of a section (:func:`open`'s).
+
+    The model is found by its structure where no name says where it is (a learner's
+    ``{'model', 'opt'}``, Composer's ``state.model`` beside its RNG state): a file that holds
+    only training state (an optimizer, RNG, scheduler state: torchtune's ``recipe_state.pt``)
+    raises :class:`~ckpttool.errors.LayoutError` with the default section. ``dequantize``:
+    quantized tensors as ``convert --dequantize`` writes them, by the same code: a torchao
+    tensor subclass as its dequantized tensor under its own name (``0.weight``, not its inner
+    ``0.weight.qdata``, ``.scale``, ``.zero_point``), in its logical dtype; a torch quantized
+    tensor (``qint8``...) and a GGUF block-quantized one as their float32 values.
     """
     strip = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix or ())
     with open(path_or_url, view=view) as handle:
@@ -455,7 +467,16 @@ def load_state_dict(
             )
         else:
             selected = select(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
+        if section == "model" and selected.section is None and selected.weights is None:
+            refuse_without_model(
+                ckpt, selected.layout, "no state dict to load",
+                "pass section= to take its tensors anyway (section=None: every tensor)",
+            )  # fmt: skip
         records = dict(selected.tensors)
+        if dequantize:
+            from ckpttool.io.values import dense_record
+
+            records = dequantized_subclasses(ckpt, records)[0]
         prefixes = Selection(strip=strip, ignore_wrappers=ignore_wrappers).prefixes
         add_recorded_aliases(ckpt, records, prefixes, [])
         if keys is not None:
@@ -469,6 +490,8 @@ def load_state_dict(
             records = {key: records[key] for key in keys}
         out: dict[str, torch.Tensor] = {}
         for key, record in records.items():
+            if dequantize and record.quant is not None:
+                record = dense_record(ckpt, record)  # (convert's write reads it so too)
             tensor = handle._tensor(record)
             if isinstance(tensor, _parameter_class()):
                 tensor = tensor.data

@@ -710,7 +710,9 @@ def convert_command(
     .safetensors suffix (.pth with --to pth), or NAME.converted.SUFFIX when that would be SRC
     itself (c_ddp.pth --to pth writes c_ddp.converted.pth); a directory DST gets that name in
     it. Tied tensors are stored once, their names kept in __metadata__. The output is written
-    atomically and read back before it replaces anything.
+    atomically and read back before it replaces anything. A file with no model weights (only
+    optimizer, RNG or scheduler state: torchtune's recipe_state.pt) is refused (exit 2) unless
+    --section or --filter picks its tensors.
 
     \b
     Examples:
@@ -1208,7 +1210,8 @@ def repair_command(
 @click.option(
     "--for-inference", is_flag=True,
     help="Drop what only resuming training needs (the optimizer, scaler, scheduler, RNG "
-    "states; a Lightning .ckpt's optimizer_states and lr_schedulers).",
+    "states, by name or found by their structure at any key; a Lightning .ckpt's "
+    "optimizer_states and lr_schedulers).",
 )  # fmt: skip
 @use_ema_option
 @map_options("the model's names and layout", "beside SRC")

@@ -60,6 +60,8 @@ from ckpttool.model.roles import (
     detect_layout,
     model_part,
     module_view,
+    part_node,
+    with_part,
 )
 
 
@@ -406,7 +408,7 @@ def _apply_map(root: Any, layout: str, spec: MapSpec, sources: _Sources, log: ed
     part = model_part(root, layout)
     if part is None or not isinstance(root, dict):
         raise InputError(f"--map {spec.name}: the checkpoint has no model state dict to map")
-    model = root if part == WHOLE_FILE else root[part]
+    model = part_node(root, part)
     if not isinstance(model, dict) or not all(isinstance(k, str) for k in model):
         raise InputError(f"--map {spec.name}: the model part is not a state dict")
     tensors = {k: v for k, v in model.items() if isinstance(v, TensorRecord)}
@@ -427,9 +429,7 @@ def _apply_map(root: Any, layout: str, spec: MapSpec, sources: _Sources, log: ed
         for target, made in zip(step.targets, made_records):
             out[target] = made
     log.dropped.extend(join_key(part, k) for k in unmatched if spec.unmatched == "drop")
-    if part == WHOLE_FILE:
-        return out
-    return {key: (out if key == part else value) for key, value in root.items()}
+    return out if part == WHOLE_FILE else with_part(root, part, out)
 
 
 def _values(record: TensorRecord, sources: _Sources) -> Any:

@@ -14,12 +14,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckpttool.checkpoint import Checkpoint
-from ckpttool.errors import InputError, SameKeyError
+from ckpttool.errors import InputError, LayoutError, SameKeyError
 from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import PARTS
-from ckpttool.model.records import TensorRecord, paths_of, tensors
+from ckpttool.model.records import (
+    TensorRecord,
+    paths_of,
+    tensor_keys,
+    tensor_subclasses,
+    tensors,
+)
 from ckpttool.model.roles import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # diff and convert's door
-from ckpttool.model.roles import layout_of, model_section
+from ckpttool.model.roles import layout_of, model_part, model_section
+from ckpttool.model.structure import find_parts
+from ckpttool.model.text import plural
 
 #: safetensors ``__metadata__`` key under which ``convert`` records ``{alias: stored name}``.
 ALIASES_KEY = "ckpttool.aliases"
@@ -234,6 +242,93 @@ def select(
     except SameKeyError as error:
         raise InputError(same_key_message(ckpt, error.key)) from None
     return Selected(layout, section, auto, keyed, weights)
+
+
+def dequantized_subclasses(
+    ckpt: Checkpoint, named: dict[str, TensorRecord]
+) -> tuple[dict[str, TensorRecord], list[str]]:
+    """``named`` with the inner tensors of each quantized tensor subclass (torchao's
+    ``0.weight.qdata``, ``.scale``, ``.zero_point``) replaced by its dequantized values under
+    its own name (``0.weight``), in the place of its first inner tensor; and the keys of the
+    subclasses so replaced. The one path of ``convert --dequantize`` and
+    ``ckpttool.load_state_dict(dequantize=True)``."""
+    subclasses = tensor_subclasses(ckpt.root, outermost=True)
+    if not subclasses:
+        return named, []
+    # (here: listing a file, as show does through this module, never reads values)
+    from ckpttool.io.subclass_values import dequantized_subclass, subclass_scheme
+
+    name_of = {record.key: name for name, record in named.items()}
+    replaced: dict[str, TensorRecord] = {}  # output name of the first inner tensor -> values
+    dropped: set[str] = set()
+    for key, obj in subclasses.items():
+        inner = [f"{key}.{name}" for name in tensor_keys(obj)]
+        if not inner or not all(k in name_of for k in inner):
+            continue  # not selected
+        data_path = subclass_scheme(obj).data
+        out_name = name_of[f"{key}.{data_path}"].removesuffix(f".{data_path}")
+        replaced[name_of[inner[0]]] = dequantized_subclass(ckpt, obj, key)
+        dropped.update(name_of[k] for k in inner)
+        name_of[inner[0]] = out_name
+    if not replaced:
+        return named, []
+    out: dict[str, TensorRecord] = {}
+    for name, record in named.items():
+        if name in replaced:
+            out[name_of[record.key]] = replaced[name]
+        elif name not in dropped:
+            out[name] = record
+    return out, [record.key for record in replaced.values()]
+
+
+def refuse_without_model(
+    ckpt: Checkpoint,
+    layout: str,
+    what: str,
+    hint: str = "name a part with --section (or pick tensors with --filter) to take them anyway",
+) -> None:
+    """Raise :class:`~ckpttool.errors.LayoutError` where ``ckpt`` holds no model weights, only
+    training state: every tensor lies in an optimizer, RNG or trainer state found by its
+    structure (torchtune's ``recipe_state.pt``, a bare ``optimizer.pt``). ``what``: the
+    operation refused, for the message ("nothing to convert"); ``hint``: how to take the
+    tensors anyway. A file whose model part is
+    known, or that holds any other tensor, passes: its weights are what it holds."""
+    if model_part(ckpt.root, layout) is not None:
+        return
+    parts = find_parts(ckpt.root)
+    held = parts.training_only
+    keys = [record.key for record in ckpt.tensors()]
+    if not held or not keys or not all(_under_any(key, held) for key in keys):
+        return
+    counted = {
+        (kind, key): sum(_under_any(k, (key,)) for k in keys)
+        for kind, found in (
+            ("an optimizer state", parts.optimizers),
+            ("an RNG state", parts.rng),
+            ("a scheduler/trainer state", parts.trainer),
+        )
+        for key in found
+    }
+    described = [
+        f"{kind} in {key!r} ({n} {plural(n, 'tensor')})"
+        if key
+        else f"{kind} ({n} {plural(n, 'tensor')}: the whole file)"
+        for (kind, key), n in counted.items()
+        if n
+    ]
+    root = ckpt.root
+    scalars = [str(k) for k, v in root.items() if isinstance(v, (int, float, str, bool))
+               or v is None] if isinstance(root, dict) else []  # fmt: skip
+    if scalars:
+        shown = ", ".join(scalars[:4]) + (", ..." if len(scalars) > 4 else "")
+        described.append(f"{len(scalars)} other {plural(len(scalars), 'value')} ({shown})")
+    raise LayoutError(
+        f"{ckpt.name}: no model weights, {what}: it holds only {', '.join(described)}; {hint}"
+    )
+
+
+def _under_any(key: str, parts: Iterable[str]) -> bool:
+    return any(not part or key == part or key.startswith(f"{part}.") for part in parts)
 
 
 def rekey(record: TensorRecord, key: str) -> TensorRecord:

@@ -73,7 +73,9 @@ class ShowReport:
     # a framework directory: the section its weights files fill, whose keys are shown (and
     # --filter matched) as the files store them, without the section's name before them
     weights_section: str | None = None
-    model_part: str | None = None  # top-level key of the model ("" the whole file; None unknown)
+    # key of the model: top-level, or a dotted path found by structure ("" the whole file;
+    # None unknown)
+    model_part: str | None = None
     optimizer_part: str | None = None
     shared: list[list[str]] = field(default_factory=list)  # selected keys, by shared storage
     optimizer: OptimizerSummary | None = None

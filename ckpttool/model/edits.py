@@ -39,7 +39,10 @@ from ckpttool.model.roles import (
     is_resume,
     model_part,
     module_state_dict,
+    part_node,
+    with_part,
 )
+from ckpttool.model.structure import find_parts
 
 #: What a resume checkpoint holds only to go on training: its optimizer is found by role.
 TRAINING_ONLY_KEYS = (
@@ -76,13 +79,42 @@ def inference_drops(root: Any, layout: str) -> list[str]:
         return [key for key in LIGHTNING_TRAINING_KEYS if key in root]
     if is_resume(layout) or layout == TRAINING:
         names = (*OPTIMIZER_PART_KEYS, *TRAINING_ONLY_KEYS)
-        return [key for key in root if isinstance(key, str) and key in names]
+        named = [key for key in root if isinstance(key, str) and key in names]
+        # and wherever they sit, whatever their names: optimizer, RNG and trainer states by
+        # their structure (a learner's ``opt``, ignite's ``trainer``, Composer's
+        # ``state.optimizers``), never inside the model or a part already dropped
+        model = model_part(root, layout) or None
+        for key in find_parts(root).training_only:
+            if _in_dicts(root, key) and not any(
+                key == other or key.startswith(f"{other}.") for other in (*named, model) if other
+            ):
+                named.append(_literal(key))
+        return named
     if any(isinstance(node, TensorRecord) for node in root.values()):
         return []  # a state dict: weights only already
     raise InputError(
         f"--for-inference knows what training-only parts a {layout} holds only for resume "
         "checkpoints, Lightning .ckpt files and state dicts: name them with --drop"
     )
+
+
+def _in_dicts(root: Any, key: str) -> bool:
+    """Whether ``key`` names an entry reached through dicts only (an entry of a list cannot be
+    dropped alone: its whole dict entry would go)."""
+    node = root
+    for name in key.split(".") if key else ():
+        if node.__class__ is not dict:
+            return False
+        found = [child for k, child in node.items() if str(k) == name]
+        if not found:
+            return False
+        node = found[0]
+    return bool(key)
+
+
+def _literal(key: str) -> str:
+    """``key`` as an ``fnmatch`` pattern that matches only itself."""
+    return re.sub(r"([*?\[])", r"[\1]", key)
 
 
 def drop(root: Any, patterns: list[str], log: EditLog) -> Any:
@@ -397,11 +429,10 @@ def use_ema(root: Any, layout: str, where: str | None, log: EditLog) -> Any:
         log.ema_taken.append(key)
         return average
 
-    model = map_tensors({model_key: root[model_key]}, take)[model_key]
+    model = map_tensors({model_key: part_node(root, model_key)}, take)[model_key]
     if not log.ema_taken:
         raise InputError(f"--use-ema {where}: none of its tensors names a tensor of the model")
-    out = {key: (model if key == model_key else value) for key, value in root.items()}
-    return drop(out, [where], log)
+    return drop(with_part(root, model_key, model), [where], log)
 
 
 def _use_ema_module(root: Any, where: str | None, log: EditLog) -> Any:

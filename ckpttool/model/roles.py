@@ -11,6 +11,8 @@ directory (:mod:`ckpttool.frameworks`), nor a tensor's strides.
 
 Pure functions over the reader's tree: no file access, no torch. ``diff``, ``convert`` and
 ``rescale-step`` use :func:`detect_layout` and :func:`model_section` to find the weights.
+Names decide first (a layout's, :data:`MODEL_PART_KEYS`, :data:`OPTIMIZER_PART_KEYS`); where
+they say nothing, :mod:`ckpttool.model.structure` finds the parts by what they are.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ckpttool.model.records import (
     tensors,
     walk,
 )
+from ckpttool.model.structure import FoundParts, find_parts
 
 STATE_DICT = "state_dict"
 MINIMIND_RESUME = "minimind_resume"
@@ -164,9 +167,21 @@ def detect_layout(root: Any, file_format: str, declared: Any = None) -> str:
         return SCHEDULER_STATE
     if {"scale", "growth_factor", "backoff_factor"} <= set(root):
         return SCALER_STATE
-    if _find_model_key(root) is not None:
+    if _find_model_key(root) is not None or structural_parts(root).model:
         return TRAINING
     return NESTED
+
+
+def structural_parts(root: Any) -> FoundParts:
+    """The parts of a dict of parts found by their structure (:mod:`ckpttool.model.structure`),
+    where its names say nothing: the model only beside an optimizer, RNG or trainer state (a
+    dict of weights and settings alone stays a nested dict, as it always read)."""
+    if not isinstance(root, dict):
+        return FoundParts()
+    parts = find_parts(root)
+    if parts.models and not parts.training_only:
+        return FoundParts(trainer=parts.trainer)
+    return parts
 
 
 def _saved_by_ckpttool(root: dict[Any, Any]) -> bool:
@@ -204,7 +219,8 @@ def model_section(layout: str, root: Any = None) -> str | None:
     if layout == DEEPSPEED:  # the module's weights (ZeRO-0 holds them all; convert of ZeRO-1..3
         return "model_states.module"  # consolidates the fp32 master weights instead)
     if layout == TRAINING:
-        return _find_model_key(root)
+        named = _find_model_key(root)
+        return named if named is not None else structural_parts(root).model or None
     return None
 
 
@@ -361,15 +377,40 @@ def optimizer_part(root: Any, layout: str) -> str | None:
         return WHOLE_FILE
     if is_resume(layout) or layout in (NESTED, TRAINING, HF_TRAINER, ACCELERATE):
         found = [k for k in OPTIMIZER_PART_KEYS if _is_optimizer_state(root.get(k))]
-        return found[0] if len(found) == 1 else None
+        if found:
+            return found[0] if len(found) == 1 else None
+        # named by no key of OPTIMIZER_PART_KEYS: the one optimizer state by its structure
+        # (a learner's ``opt``, Composer's ``state.optimizers.Adam``)
+        by_structure = find_parts(root).optimizers
+        return by_structure[0] if len(by_structure) == 1 else None
     return None
 
 
 def part_node(root: Any, part: str | None) -> Any:
-    """The subtree a ``model_part``/``optimizer_part`` names (None for None)."""
+    """The subtree a ``model_part``/``optimizer_part`` names (None for None): a top-level key,
+    or a dotted path to a part found deeper (``state.model``)."""
     if part is None:
         return None
-    return root if part == WHOLE_FILE else root.get(part)
+    if part == WHOLE_FILE:
+        return root
+    if part in root:
+        return root[part]
+    try:
+        return get_path(root, part)
+    except KeyError:
+        return None
+
+
+def with_part(root: dict[Any, Any], part: str, value: Any) -> dict[Any, Any]:
+    """``root`` with the part at ``part`` (a top-level key or a dotted path of dict keys)
+    replaced by ``value``; the dicts on the way are copied, the rest shared."""
+    if part in root or "." not in part:
+        return {key: (value if key == part else old) for key, old in root.items()}
+    head, rest = part.split(".", 1)
+    for key, child in root.items():
+        if str(key) == head and isinstance(child, dict):
+            return {k: (with_part(child, rest, value) if k == key else v) for k, v in root.items()}
+    raise KeyError(part)
 
 
 def _has_tensor(node: Any) -> bool:
@@ -557,7 +598,8 @@ def _state_matches(entry: Any, shape: tuple[int, ...]) -> bool:
 
 
 def rng_present(root: Any) -> list[str]:
-    """Which RNG states a checkpoint carries (ckpttool's ``rng`` dict or common top-level keys)."""
+    """Which RNG states a checkpoint carries: ckpttool's ``rng`` dict or common top-level keys,
+    else where RNG states sit by their structure (Composer's ``rng`` list of per-rank states)."""
     found: list[str] = []
     rng = root.get("rng") if isinstance(root, dict) else None
     if isinstance(rng, dict):
@@ -566,6 +608,8 @@ def rng_present(root: Any) -> list[str]:
         for key in root:
             if isinstance(key, str) and "rng" in key.lower() and key != "rng":
                 found.append(key)
+        if not found:
+            found.extend(key for key in find_parts(root).rng if key)
     return found
 
 
@@ -586,9 +630,16 @@ def layout_warnings(
                 "ckpttool.save_checkpoint keeps the training dtype"
             )
     # DeepSpeed's model-states files keep the weights under the key "module" itself
-    wrapped_key = _has_wrapper_prefix if model_part(root, layout) == WHOLE_FILE else (
+    part = model_part(root, layout)
+    wrapped_key: Callable[[str], Any] = _has_wrapper_prefix if part == WHOLE_FILE else (
         _has_wrapper_prefix_in_part
     )  # fmt: skip
+    if part and "." in part:  # a part found deeper (Composer's state.model.module.*)
+        below = len(part) + 1
+
+        def wrapped_key(key: str) -> Any:
+            return key.startswith(f"{part}.") and _has_wrapper_prefix(key, below)
+
     wrapped = [] if layout == DEEPSPEED else [r.key for r in records if wrapped_key(r.key)]
     if wrapped:
         warnings.append(

@@ -28,6 +28,8 @@ from ckpttool.commands.selection import (
     OWN_KEYS,
     Selection,
     add_recorded_aliases,
+    dequantized_subclasses,
+    refuse_without_model,
     select,
     wrapper_hint,
 )
@@ -35,7 +37,6 @@ from ckpttool.errors import InputError
 from ckpttool.formats.base import OutTensor
 from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import reported_layout
-from ckpttool.io.subclass_values import dequantized_subclass, subclass_scheme
 from ckpttool.model.dtypes import CASTABLE, TARGETS
 from ckpttool.model.edits import compile_rules, renamed_key
 from ckpttool.model.mapping import load_map
@@ -118,11 +119,18 @@ def build_plan(
     if dtype != "keep" and dtype not in TARGETS:
         raise InputError(f"--dtype must be one of keep, {', '.join(TARGETS)}; got {dtype!r}")
     selection = select(ckpt, section=section, strip=strip, ignore_wrappers=ignore_wrappers)
+    if selection.section is None and selection.weights is None and pattern is None:
+        refuse_without_model(ckpt, selection.layout, "nothing to convert")
     selected_keys = {record.key for record in selection.tensors.values()}
     named = dict(selection.tensors)
     notes: list[str] = []
     if dequantize:
-        named = _dequantized_subclasses(ckpt, named, notes)
+        named, replaced = dequantized_subclasses(ckpt, named)
+        if replaced:
+            notes.append(
+                f"dequantized {len(replaced)} tensor subclass(es) from their inner tensors: "
+                f"{_some(replaced)}"
+            )
     prefixes = choice.prefixes
     alias_entries = add_recorded_aliases(ckpt, named, prefixes, notes)
     if pattern is not None:
@@ -193,42 +201,6 @@ def build_plan(
         carried = {k: v for k, v in ckpt.metadata.items() if k not in skip}
     return Plan(reported_layout(ckpt, selection.layout), selection.section, list(named), stored, aliases, fields,
                 carried, left_out, notes, warnings)  # fmt: skip
-
-
-def _dequantized_subclasses(
-    ckpt: Checkpoint, named: dict[str, TensorRecord], notes: list[str]
-) -> dict[str, TensorRecord]:
-    """``named`` with the inner tensors of each quantized tensor subclass (torchao's
-    ``0.weight.qdata``, ``.scale``, ``.zero_point``) replaced by its dequantized values under
-    its own name (``0.weight``), in the place of its first inner tensor."""
-    subclasses = tensor_subclasses(ckpt.root, outermost=True)
-    if not subclasses:
-        return named
-    name_of = {record.key: name for name, record in named.items()}
-    replaced: dict[str, TensorRecord] = {}  # output name of the first inner tensor -> values
-    dropped: set[str] = set()
-    for key, obj in subclasses.items():
-        inner = [f"{key}.{name}" for name in tensor_keys(obj)]
-        if not inner or not all(k in name_of for k in inner):
-            continue  # not selected
-        data_path = subclass_scheme(obj).data
-        out_name = name_of[f"{key}.{data_path}"].removesuffix(f".{data_path}")
-        replaced[name_of[inner[0]]] = dequantized_subclass(ckpt, obj, key)
-        dropped.update(name_of[k] for k in inner)
-        name_of[inner[0]] = out_name
-    if not replaced:
-        return named
-    out: dict[str, TensorRecord] = {}
-    for name, record in named.items():
-        if name in replaced:
-            out[name_of[record.key]] = replaced[name]
-        elif name not in dropped:
-            out[name] = record
-    notes.append(
-        f"dequantized {len(replaced)} tensor subclass(es) from their inner tensors: "
-        f"{_some([r.key for r in replaced.values()])}"
-    )
-    return out
 
 
 #: The field (after ``ckpttool.field.<key>``) that says what a tensor subclass kept as its
