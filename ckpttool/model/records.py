@@ -621,6 +621,24 @@ class OpaqueObject:
         return f"<{self.cls} object>"
 
 
+class CalledObject(OpaqueObject):
+    """What a pickle builds by calling an object it built itself rather than a global: how
+    cloudpickle and dill write a bound method (``_builtin_type('MethodType')(func, obj)``) or a
+    function by value (``_builtin_type('CodeType')(...)``). Nothing is called: ``args[0]`` is
+    the object called (an :class:`OpaqueObject`), ``args[1:]`` its arguments; ``cls`` names
+    what was called (``"cloudpickle.cloudpickle._builtin_type(...)"``). ``new``: built by
+    ``NEWOBJ`` (``callee.__new__(callee, *args)``), else by ``REDUCE`` (``callee(*args)``)."""
+
+    __slots__ = ("new",)
+
+    def __init__(self, cls: str, args: Any = (), state: Any = None, new: bool = False) -> None:
+        super().__init__(cls, args, state)
+        self.new = new
+
+    def empty_copy(self) -> CalledObject:
+        return CalledObject(self.cls, new=self.new)
+
+
 class TensorSubclassObject(OpaqueObject):
     """A wrapper tensor subclass (torchao's ``Int8Tensor``, ``Float8Tensor``,
     ``AffineQuantizedTensor``...) pickled as ``_rebuild_wrapper_subclass`` plus its state: the

@@ -37,6 +37,7 @@ from ckpttool.errors import (
 )
 from ckpttool.model.records import (
     BackReference,
+    CalledObject,
     GlobalRef,
     OpaqueObject,
     StorageRecord,
@@ -263,11 +264,18 @@ class SafeUnpickler:
             raise _refused(f"{module}.{name}")
         return global_value(module, name)
 
-    def call(self, func: Any, args: Any) -> Any:
-        if not isinstance(func, GlobalRef):
-            raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
+    def call(self, func: Any, args: Any, new: bool = False) -> Any:
+        """What ``func(*args)`` builds (``new``: ``NEWOBJ``'s ``func.__new__(func, *args)``)."""
         if not isinstance(args, tuple):
             raise _bad(self.pos, "call arguments are not a tuple")
+        if not isinstance(func, GlobalRef):
+            if not isinstance(func, OpaqueObject):
+                raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
+            # an object the file built, called (cloudpickle's ``_builtin_type('MethodType')``):
+            # nothing is called; what it would build is as opaque as what it was built from
+            result = CalledObject(f"{func.cls}(...)", (func, *args), new=new)
+            self.created.add(id(result))
+            return result
         if self.compacts and _holds_compact(args, self._records()):
             raise Redo  # the emulation would have seen the objects a record replaced
         if self.contextual.refs:
@@ -817,7 +825,7 @@ def _op_stack_global(u: SafeUnpickler, pos: int) -> bool:
 def _op_newobj(u: SafeUnpickler, pos: int) -> bool:
     args, _ = u._pop()
     cls, start = u._pop()
-    u._push(u.call(cls, args), start)
+    u._push(u.call(cls, args, new=True), start)
     return False
 
 
@@ -825,7 +833,7 @@ def _op_newobj_ex(u: SafeUnpickler, pos: int) -> bool:
     kwargs, _ = u._pop()
     args, _ = u._pop()
     cls, start = u._pop()
-    result = u.call(cls, args)
+    result = u.call(cls, args, new=True)
     if isinstance(result, OpaqueObject) and kwargs:
         result.state = {"__kwargs__": kwargs}
     u._push(result, start)
