@@ -29,7 +29,7 @@ from typing import Any
 from ckpttool.errors import LayoutError
 from ckpttool.pickle.interpreter import ItemSpan, PickleResult
 
-__all__ = ["Edit", "emit", "root_edits", "splice"]
+__all__ = ["Edit", "emit", "emit_global", "root_edits", "splice"]
 
 _MARK, _STOP, _SETITEMS, _APPENDS = b"(", b".", b"u", b"e"
 _MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
@@ -58,6 +58,24 @@ def emit(value: Any) -> bytes:
 def memo_put(index: int) -> bytes:
     """BINPUT (LONG_BINPUT past 255): store the value just written at memo ``index``."""
     return b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+
+
+def emit_global(module: str, name: str) -> bytes | None:
+    """Protocol-2 opcodes that push the global ``module.name`` (a class, a function), as
+    protocol 2 writes it: ``GLOBAL``, and for a nested name (``HistoryBuffer.min``, a class's
+    staticmethod or nested class) the ``getattr`` chain pickle writes below protocol 4, which
+    is the only form a protocol-2 ``find_class`` follows (and the reader reads back as the same
+    name: :func:`ckpttool.pickle.callables.lookup_name`). None for a name no ``GLOBAL`` line
+    can hold (not ASCII, a newline, an empty part)."""
+    first, *attributes = name.split(".")
+    text = f"{module}{name}"
+    if not module or not all((first, *attributes)) or "\n" in text or not text.isascii():
+        return None
+    out = bytearray(b"cbuiltins\ngetattr\n" * len(attributes))
+    out += f"c{module}\n{first}\n".encode("ascii")
+    for attribute in attributes:
+        out += emit(attribute) + b"\x86R"  # TUPLE2 REDUCE: getattr(outer, attribute)
+    return bytes(out)
 
 
 def memo_get(index: int) -> bytes:

@@ -20,7 +20,7 @@ from ckpttool.formats.base import OutTensor
 from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter
 from ckpttool.model import dtypes
 from ckpttool.model.records import ITEMSIZE
-from ckpttool.pickle.edit import emit_ndarray, memo_get, memo_put
+from ckpttool.pickle.edit import emit_global, emit_ndarray, memo_get, memo_put
 
 #: The zip folder of a written .pth (what torch.save uses when saving to a buffer).
 PTH_PREFIX = "archive"
@@ -247,7 +247,7 @@ def _encode_object(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
 
 
 def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
-    from ckpttool.model.records import OpaqueObject, TensorSubclassObject
+    from ckpttool.model.records import CalledObject, GlobalRef, OpaqueObject, TensorSubclassObject
 
     if depth > 64:
         raise InputError("the object nests too deeply to write")
@@ -297,6 +297,16 @@ def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
             "weights) back into a torch.save file; ckpttool convert writes its inner tensors, "
             "or with --dequantize its values"
         )
+    elif isinstance(value, GlobalRef):  # a class or function held as a value
+        opcodes = emit_global(value.module, value.name)
+        if opcodes is None:
+            raise InputError(f"cannot write the global {value.qualname!r}")
+        out += opcodes
+    elif isinstance(value, CalledObject):  # what an object the file built made, called
+        _encode_object(value.args[0], out, depth + 1, memo)
+        _encode_object(tuple(value.args[1:]), out, depth + 1, memo)
+        out += b"\x81" if value.new else b"R"  # NEWOBJ or REDUCE, as read
+        _encode_contents(value, out, depth, memo)
     elif isinstance(value, OpaqueObject):
         module, _, name = value.cls.rpartition(".")
         if not module or "\n" in value.cls:
@@ -307,22 +317,27 @@ def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
             out += b"R"  # REDUCE: cls(*args), as an Enum member is pickled
             return
         out += b"\x81"  # NEWOBJ: cls.__new__(cls, *args)
-        if value.listitems:
-            out += b"("
-            for item in value.listitems:
-                _encode_object(item, out, depth + 1, memo)
-            out += b"e"
-        if value.dictitems:
-            out += b"("
-            for key, item in value.dictitems.items():
-                _encode_object(key, out, depth + 1, memo)
-                _encode_object(item, out, depth + 1, memo)
-            out += b"u"
-        if value.state is not None:
-            _encode_object(value.state, out, depth + 1, memo)
-            out += b"b"  # BUILD
+        _encode_contents(value, out, depth, memo)
     else:
         raise InputError(f"cannot write a {type(value).__name__} into a torch.save file")
+
+
+def _encode_contents(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
+    """An object's list items, dict items and state, onto the object just built."""
+    if value.listitems:
+        out += b"("
+        for item in value.listitems:
+            _encode_object(item, out, depth + 1, memo)
+        out += b"e"
+    if value.dictitems:
+        out += b"("
+        for key, item in value.dictitems.items():
+            _encode_object(key, out, depth + 1, memo)
+            _encode_object(item, out, depth + 1, memo)
+        out += b"u"
+    if value.state is not None:
+        _encode_object(value.state, out, depth + 1, memo)
+        out += b"b"  # BUILD
 
 
 def _encode_numpy(array: NumpyArray, out: bytearray) -> None:
