@@ -119,7 +119,9 @@ def test_edit_for_inference_writes_the_message_hub_back(tmp_path: Path) -> None:
     from torch import nn
 
     output = tmp_path / "inference.pth"
-    result = CliRunner().invoke(cli, ["edit", "--for-inference", str(CHECKPOINT), "-o", str(output)])
+    result = CliRunner().invoke(
+        cli, ["edit", "--for-inference", str(CHECKPOINT), "-o", str(output)]
+    )
     assert result.exit_code == 0, result.output
     source = torch.load(CHECKPOINT, map_location="cpu", weights_only=False)
     edited = torch.load(output, map_location="cpu", weights_only=False)
