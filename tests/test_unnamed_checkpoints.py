@@ -260,3 +260,68 @@ def test_a_call_of_an_object_the_file_built_is_opaque() -> None:
     assert isinstance(created, CalledObject) and created.new and created.state == {"x": 3}
     with pytest.raises(Exception, match="call of a non-global"):  # not an object: not callable
         load_pickle(b"\x80\x02K\x01)R.")
+
+
+def test_edit_of_a_stable_baselines3_policy_loads_back_as_it_was(sb3: Path, tmp_path: Path) -> None:
+    """What ``edit`` keeps is written as the file built it: the spaces' NumPy dtypes as dtypes
+    (not their text), objects a custom ``__reduce__`` builds by ``REDUCE`` (not ``NEWOBJ``,
+    which torch.load refuses for a function), ``BasePolicy._dummy_schedule`` by its name."""
+    from stable_baselines3.common.policies import ActorCriticPolicy
+
+    output = tmp_path / "edited.pth"
+    result = CliRunner().invoke(
+        cli, ["edit", str(sb3 / "policy.pth"), "--drop", "data.ortho_init", "-o", str(output)]
+    )
+    assert result.exit_code == 0, result.output
+    source = torch.load(sb3 / "policy.pth", weights_only=False)
+    edited = torch.load(output, weights_only=False)
+    assert list(edited["data"]) == [key for key in source["data"] if key != "ortho_init"]
+    for key, value in edited["data"].items():
+        assert value == source["data"][key], key
+    assert edited["data"]["observation_space"].dtype == source["data"]["observation_space"].dtype
+    policy = ActorCriticPolicy.load(str(output), device="cpu")
+    oracle = source["state_dict"]
+    assert all(torch.equal(policy.state_dict()[key], tensor) for key, tensor in oracle.items())
+
+
+class Reduced:
+    """Built by a custom ``__reduce__`` (a function and its arguments) with state: ``REDUCE``
+    then ``BUILD``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.note = "set by BUILD"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_make_reduced, (self.size,), {"note": self.note})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Reduced) and vars(other) == vars(self)
+
+
+def _make_reduced(size: int) -> Reduced:
+    return Reduced(size)
+
+
+@pytest.mark.parametrize("zipped", [True, False])
+def test_edit_writes_dtypes_and_reduced_objects_back(tmp_path: Path, zipped: bool) -> None:
+    import numpy as np
+
+    values = {
+        "torch_dtype": torch.bfloat16,
+        "numpy_dtypes": [np.dtype(">i4"), np.dtype("<f8"), np.dtype("u1"), np.dtype("?")],
+        "reduced": Reduced(3),
+        "nested": Policy._dummy_schedule,
+    }
+    source = tmp_path / "source.pt"
+    torch.save({"weight": torch.ones(2), "drop": 1, **values}, source,
+               _use_new_zipfile_serialization=zipped)  # fmt: skip
+    output = tmp_path / "edited.pt"
+    result = CliRunner().invoke(cli, ["edit", str(source), "--drop", "drop", "-o", str(output)])
+    assert result.exit_code == 0, result.output
+    edited = torch.load(output, weights_only=False)
+    assert list(edited) == ["weight", *values]
+    for key, value in values.items():
+        assert edited[key] == value, key
+        assert type(edited[key]) is type(value), key
+    assert [d.byteorder for d in edited["numpy_dtypes"]] == [">", "=", "|", "|"]

@@ -27,9 +27,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import LayoutError
+from ckpttool.model.records import NumpyDtypeText, TorchDtypeText
 from ckpttool.pickle.interpreter import ItemSpan, PickleResult
 
-__all__ = ["Edit", "emit", "emit_global", "root_edits", "splice"]
+__all__ = [
+    "Edit",
+    "dtype_opcodes",
+    "emit",
+    "emit_global",
+    "emit_numpy_dtype",
+    "root_edits",
+    "splice",
+]
 
 _MARK, _STOP, _SETITEMS, _APPENDS = b"(", b".", b"u", b"e"
 _MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
@@ -94,10 +103,27 @@ def emit_ndarray(
     out = bytearray(b"cnumpy.core.multiarray\n_reconstruct\n")
     out += b"cnumpy\nndarray\n" + emit(0) + b"\x85" + _emit_bytes(b"b") + b"\x87R"
     out += _MARK + emit(1) + _MARK + b"".join(emit(n) for n in shape) + b"t"
-    out += b"cnumpy\ndtype\n" + emit(code) + emit(False) + emit(True) + b"\x87R"
-    out += _MARK + emit(3) + emit(order) + b"NNN" + emit(-1) + emit(-1) + emit(0) + b"tb"
+    out += emit_numpy_dtype(code, order)
     out += emit(fortran) + _emit_bytes(data) + b"tb"
     return bytes(out)
+
+
+def dtype_opcodes(text: TorchDtypeText | NumpyDtypeText) -> bytes:
+    """Protocol-2 opcodes that push the dtype the reader held as ``text`` (``torch.float16``:
+    the global; ``numpy.dtype('<f4')``: the dtype NumPy pickles)."""
+    if isinstance(text, NumpyDtypeText):
+        order, code = text.order_and_code
+        return emit_numpy_dtype(code, order)
+    opcodes = emit_global("torch", text.removeprefix("torch."))
+    assert opcodes is not None  # a dtype's name
+    return opcodes
+
+
+def emit_numpy_dtype(code: str, order: str) -> bytes:
+    """Protocol-2 opcodes that push ``numpy.dtype(code)`` with the byte ``order`` ("<", ">",
+    "|"), as NumPy's ``__reduce__`` gives it: ``numpy.dtype(code, False, True)``, then BUILD."""
+    out = b"cnumpy\ndtype\n" + emit(code) + emit(False) + emit(True) + b"\x87R"
+    return out + _MARK + emit(3) + emit(order) + b"NNN" + emit(-1) + emit(-1) + emit(0) + b"tb"
 
 
 def _emit_bytes(data: bytes) -> bytes:

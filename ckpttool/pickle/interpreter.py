@@ -39,9 +39,11 @@ from ckpttool.model.records import (
     BackReference,
     CalledObject,
     GlobalRef,
+    NumpyDtypeText,
     OpaqueObject,
     StorageRecord,
     TensorRecord,
+    TorchDtypeText,
 )
 from ckpttool.pickle.callables import ContextualUses, is_contextual
 from ckpttool.pickle.emulation import (
@@ -287,6 +289,8 @@ class SafeUnpickler:
         result = emulate_call(self.call, func, args)
         if isinstance(result, _MUTABLE):  # what BUILD may then touch
             self.created.add(id(result))
+            if result.__class__ is OpaqueObject and result.new is None:
+                result.new = new  # REDUCE or NEWOBJ: written back the same way
         return result
 
     def _records(self) -> tuple[type, ...]:
@@ -1082,9 +1086,11 @@ def _finalize(
             return compact(node, depth)
         if isinstance(node, NdarrayBuilder):
             node = node.record
-        elif isinstance(node, NumpyDtype):
-            return f"numpy.dtype('{node.byteorder}{node.code}')", 1
-        elif isinstance(node, (TorchDtype, TorchLayout)):
+        elif isinstance(node, NumpyDtype):  # text a writer knows to be a dtype
+            return NumpyDtypeText(f"numpy.dtype('{node.byteorder}{node.code}')"), 1
+        elif isinstance(node, TorchDtype):
+            return TorchDtypeText(node), 1
+        elif isinstance(node, TorchLayout):
             return str(node), 1
         elif isinstance(node, StorageRecord):  # a storage saved on its own (torch.FloatStorage)
             node = TensorRecord("", node.dtype, (node.numel,), (1,), 0, node, kind="storage")

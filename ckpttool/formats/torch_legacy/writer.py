@@ -21,12 +21,21 @@ from ckpttool.model.records import (
     ITEMSIZE,
     CalledObject,
     GlobalRef,
+    NumpyDtypeText,
     OpaqueObject,
     TensorRecord,
+    TorchDtypeText,
     rebuildable_storage,
     with_fields,
 )
-from ckpttool.pickle.edit import emit, emit_global, emit_ndarray, memo_get, memo_put
+from ckpttool.pickle.edit import (
+    dtype_opcodes,
+    emit,
+    emit_global,
+    emit_ndarray,
+    memo_get,
+    memo_put,
+)
 
 #: The first three pickles of a legacy file as torch.save writes them (protocol 2, little-endian):
 #: the magic number, the protocol version (1001) and the system info dict.
@@ -98,7 +107,9 @@ def _encode(
         return
     if depth > _MAX_DEPTH:
         raise LayoutError("the object nests too deeply to write")
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, (TorchDtypeText, NumpyDtypeText)):
+        out += dtype_opcodes(value)
+    elif value is None or isinstance(value, (bool, int, float, str)):
         out += emit(value)
     elif isinstance(value, tuple):
         if not value:
@@ -164,10 +175,11 @@ def _encode_object(value: OpaqueObject, out: bytearray, regions: dict[_Region, t
             raise LayoutError(f"cannot write an object of class {value.cls!r}")
         out += _global(module, name)
         _encode(tuple(value.args or ()), out, regions, depth + 1, memo)
-        if value.state is None and not value.dictitems and not value.listitems:
-            out += b"R"  # REDUCE
-            return
-        out += b"\x81"  # NEWOBJ
+        if value.new is None:  # not said (INST, OBJ): cls(*args) where nothing follows
+            new = value.state is not None or bool(value.dictitems or value.listitems)
+        else:
+            new = value.new
+        out += b"\x81" if new else b"R"  # NEWOBJ: cls.__new__(cls, *args); REDUCE: cls(*args)
     if value.listitems:
         out += b"("
         for item in value.listitems:

@@ -20,7 +20,7 @@ from ckpttool.formats.base import OutTensor
 from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter
 from ckpttool.model import dtypes
 from ckpttool.model.records import ITEMSIZE
-from ckpttool.pickle.edit import emit_global, emit_ndarray, memo_get, memo_put
+from ckpttool.pickle.edit import dtype_opcodes, emit_global, emit_ndarray, memo_get, memo_put
 
 #: The zip folder of a written .pth (what torch.save uses when saving to a buffer).
 PTH_PREFIX = "archive"
@@ -247,7 +247,14 @@ def _encode_object(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
 
 
 def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
-    from ckpttool.model.records import CalledObject, GlobalRef, OpaqueObject, TensorSubclassObject
+    from ckpttool.model.records import (
+        CalledObject,
+        GlobalRef,
+        NumpyDtypeText,
+        OpaqueObject,
+        TensorSubclassObject,
+        TorchDtypeText,
+    )
 
     if depth > 64:
         raise InputError("the object nests too deeply to write")
@@ -255,6 +262,8 @@ def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
         out += b"N"
     elif isinstance(value, float):
         out += b"G" + struct.pack(">d", value)  # BINFLOAT
+    elif isinstance(value, (TorchDtypeText, NumpyDtypeText)):
+        out += dtype_opcodes(value)
     elif isinstance(value, (bool, int, str)):
         _encode(value, out)
     elif isinstance(value, tuple):
@@ -313,10 +322,13 @@ def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
             raise InputError(f"cannot write an object of class {value.cls!r}")
         _encode(_Global(module, name), out)
         _encode_object(tuple(value.args or ()), out, depth + 1, memo)
-        if value.state is None and not value.dictitems and not value.listitems:
-            out += b"R"  # REDUCE: cls(*args), as an Enum member is pickled
-            return
-        out += b"\x81"  # NEWOBJ: cls.__new__(cls, *args)
+        if value.new is None:  # not said (INST, OBJ): cls(*args) where nothing follows
+            new = value.state is not None or bool(value.dictitems or value.listitems)
+        else:
+            new = value.new
+        # NEWOBJ: cls.__new__(cls, *args), as copyreg's protocol 2 writes an instance; REDUCE:
+        # cls(*args), as an Enum member or a custom __reduce__ is written
+        out += b"\x81" if new else b"R"
         _encode_contents(value, out, depth, memo)
     else:
         raise InputError(f"cannot write a {type(value).__name__} into a torch.save file")
