@@ -637,6 +637,15 @@ class OpaqueObject:
             out["__items__"] = self.listitems
         return out
 
+    def built_new(self) -> bool:
+        """Whether a writer builds it with ``NEWOBJ`` (``cls.__new__(cls, *args)``, as
+        copyreg's protocol 2 writes an instance) rather than ``REDUCE`` (``cls(*args)``, as an
+        Enum member or a custom ``__reduce__`` is written): as the pickle built it, or, not said,
+        where state or items follow."""
+        if self.new is not None:
+            return self.new
+        return self.state is not None or bool(self.dictitems or self.listitems)
+
     def empty_copy(self) -> OpaqueObject:
         """An object of the same kind and class, without arguments, state or items yet (what
         a copy of the tree fills)."""

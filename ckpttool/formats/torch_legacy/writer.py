@@ -163,23 +163,20 @@ def _global(module: str, name: str) -> bytes:
 
 def _encode_object(value: OpaqueObject, out: bytearray, regions: dict[_Region, tuple[str, str]],
                    depth: int, memo: _Memo) -> None:  # fmt: skip
-    """An object read as opaque, rebuilt by class name: ``cls(*args)``, or
-    ``cls.__new__(cls, *args)`` then its items and state (the class is named, never imported)."""
+    """An object read as opaque, rebuilt as the pickle built it: by class name, ``cls(*args)``
+    or ``cls.__new__(cls, *args)`` (the class is named, never imported), or by calling the object
+    a :class:`~ckpttool.model.records.CalledObject` was built from; then its items and state."""
     if isinstance(value, CalledObject):  # what an object the file built made, called
         _encode(value.args[0], out, regions, depth + 1, memo)
         _encode(tuple(value.args[1:]), out, regions, depth + 1, memo)
-        out += b"\x81" if value.new else b"R"  # NEWOBJ or REDUCE, as read
+        out += b"\x81" if value.built_new() else b"R"  # NEWOBJ or REDUCE, as read
     else:
         module, _, name = value.cls.rpartition(".")
         if not module or "\n" in value.cls or not value.cls.isascii():
             raise LayoutError(f"cannot write an object of class {value.cls!r}")
         out += _global(module, name)
         _encode(tuple(value.args or ()), out, regions, depth + 1, memo)
-        if value.new is None:  # not said (INST, OBJ): cls(*args) where nothing follows
-            new = value.state is not None or bool(value.dictitems or value.listitems)
-        else:
-            new = value.new
-        out += b"\x81" if new else b"R"  # NEWOBJ: cls.__new__(cls, *args); REDUCE: cls(*args)
+        out += b"\x81" if value.built_new() else b"R"  # NEWOBJ or REDUCE
     if value.listitems:
         out += b"("
         for item in value.listitems:

@@ -215,9 +215,12 @@ StorageBytes = bytes | bytearray | memoryview | CopiedStorage
 
 def object_pickle(value: Any) -> bytes:
     """``data.pkl`` of ``torch.save(value)`` for a tree of plain values (None, bool, int,
-    float, str, tuple, list, dict), :class:`StoredTensor` s and objects read as
-    :class:`~ckpttool.model.records.OpaqueObject` (rebuilt by class name: ``cls(*args)``, or
-    ``cls.__new__(cls, *args)`` then its state). The class is named, never imported here."""
+    float, str, tuple, list, dict), :class:`StoredTensor` s and what the reader read: objects
+    read as :class:`~ckpttool.model.records.OpaqueObject` (rebuilt by class name as the pickle
+    built them, ``cls(*args)`` or ``cls.__new__(cls, *args)``, then their items and state; a
+    :class:`~ckpttool.model.records.CalledObject` by calling the object it was built from),
+    classes and functions held as values (``GlobalRef``) and dtypes (``TorchDtypeText``,
+    ``NumpyDtypeText``). The class is named, never imported here."""
     out = bytearray(b"\x80\x02")
     _encode_object(value, out, 0, {})
     return bytes(out + b".")
@@ -314,7 +317,7 @@ def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
     elif isinstance(value, CalledObject):  # what an object the file built made, called
         _encode_object(value.args[0], out, depth + 1, memo)
         _encode_object(tuple(value.args[1:]), out, depth + 1, memo)
-        out += b"\x81" if value.new else b"R"  # NEWOBJ or REDUCE, as read
+        out += b"\x81" if value.built_new() else b"R"  # NEWOBJ or REDUCE, as read
         _encode_contents(value, out, depth, memo)
     elif isinstance(value, OpaqueObject):
         module, _, name = value.cls.rpartition(".")
@@ -322,13 +325,7 @@ def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
             raise InputError(f"cannot write an object of class {value.cls!r}")
         _encode(_Global(module, name), out)
         _encode_object(tuple(value.args or ()), out, depth + 1, memo)
-        if value.new is None:  # not said (INST, OBJ): cls(*args) where nothing follows
-            new = value.state is not None or bool(value.dictitems or value.listitems)
-        else:
-            new = value.new
-        # NEWOBJ: cls.__new__(cls, *args), as copyreg's protocol 2 writes an instance; REDUCE:
-        # cls(*args), as an Enum member or a custom __reduce__ is written
-        out += b"\x81" if new else b"R"
+        out += b"\x81" if value.built_new() else b"R"  # NEWOBJ or REDUCE
         _encode_contents(value, out, depth, memo)
     else:
         raise InputError(f"cannot write a {type(value).__name__} into a torch.save file")
