@@ -153,6 +153,8 @@ def test_stable_baselines3_policy_reads_as_its_own_loader_reads_it(
     shown = runner.invoke(cli, ["show", str(path)])
     assert shown.exit_code == 0, shown.output
     assert "state_dict.action_net.weight" in shown.output
+    compared = runner.invoke(cli, ["diff", str(path), str(path)])
+    assert compared.exit_code == 0, compared.output
     output = tmp_path / "policy.safetensors"
     converted = runner.invoke(cli, ["convert", str(path), str(output)])
     assert converted.exit_code == 0, converted.output
