@@ -106,3 +106,49 @@ def test_trend_orders_runner_checkpoints_by_meta_iter(tmp_path: Path) -> None:
     report = trend([later, earlier])
     assert report.order == "step"
     assert [Path(point.path) for point in report.checkpoints] == [earlier, later]
+
+
+def test_edit_for_inference_writes_the_message_hub_back(tmp_path: Path) -> None:
+    """Issue 51, item 5: the message hub holds ``HistoryBuffer.min`` (a class's function, a
+    GlobalRef to the reader); ``edit --for-inference`` wrote "cannot write a GlobalRef". It is
+    written back as protocol 2 names it (``getattr(HistoryBuffer, 'min')``): torch.load and
+    mmengine's own loading into a model read the output, everything but the optimizer as it was
+    (mmengine's ``load_checkpoint`` calls ``torch.load`` with torch's default
+    ``weights_only=True``, which refuses the source file as well)."""
+    from mmengine.runner.checkpoint import _load_checkpoint_to_model
+    from torch import nn
+
+    output = tmp_path / "inference.pth"
+    result = CliRunner().invoke(
+        cli, ["edit", "--for-inference", str(CHECKPOINT), "-o", str(output)]
+    )
+    assert result.exit_code == 0, result.output
+    source = torch.load(CHECKPOINT, map_location="cpu", weights_only=False)
+    edited = torch.load(output, map_location="cpu", weights_only=False)
+    assert "optimizer" in source and "optimizer" not in edited
+    assert list(edited) == [key for key in source if key != "optimizer"]
+    assert edited["meta"] == source["meta"]
+    assert edited["param_schedulers"] == source["param_schedulers"]
+    hub, original = edited["message_hub"], source["message_hub"]
+    assert hub["runtime_info"] == original["runtime_info"]
+    assert list(hub["log_scalars"]) == list(original["log_scalars"])
+    for name, history in hub["log_scalars"].items():
+        assert type(history) is type(original["log_scalars"][name])
+        state, before = history.__getstate__(), original["log_scalars"][name].__getstate__()
+        assert set(state) == set(before)
+        methods = state["statistics_methods"]  # the functions the GlobalRefs name
+        assert methods == before["statistics_methods"] and methods["min"] is type(history).min
+        for field, value in state.items():
+            if field != "statistics_methods":
+                assert repr(value) == repr(before[field]), field
+    assert _described(edited["state_dict"]) == MANIFEST["state_dict"]
+
+    class TinyNet(nn.Module):  # the fixture's model (tools/mmengine_fixture.py)
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU())
+            self.head = nn.Linear(8, 2)
+
+    model = TinyNet()
+    _load_checkpoint_to_model(model, edited, strict=True)
+    assert _described(model.state_dict()) == MANIFEST["state_dict"]

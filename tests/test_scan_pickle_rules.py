@@ -275,8 +275,8 @@ def test_getattr_of_an_unknown_class_is_that_class_attribute_unknown() -> None:
         # of an unknown class, names that are not public attributes
         *[(_GETATTR + b"cmypkg\nModel\nX" + struct.pack("<I", len(name)) + name + b"\x86R.",
            {"builtins.getattr"})
-          for name in (b"__reduce__", b"__globals__", b"__builtins__", b"__class__", b"_private",
-                       b"not an identifier", b"")],
+          for name in (b"__reduce__", b"__globals__", b"__builtins__", b"__class__", b"__private",
+                       b"_Model__private", b"not an identifier", b"")],
         # a non-constant name (built by a call), getattr of an object built from the file
         (_GETATTR + b"cmypkg\nModel\ncmypkg\nname\n)R\x86R.", {"builtins.getattr"}),
         (_GETATTR + b"cmypkg\nModel\n)R" + b"X\x03\x00\x00\x00run\x86R.", {"builtins.getattr"}),

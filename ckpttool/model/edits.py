@@ -137,6 +137,9 @@ def keep(root: Any, patterns: list[str], log: EditLog) -> Any:
 
 
 def _filter(node: Any, key: str, unwanted: Any, log: EditLog) -> Any:
+    """``node`` without what is unwanted; a dict or object in which nothing changed is
+    ``node`` itself, so what two places share (a bound method's object, a shared config) is
+    still one object when written back."""
     if isinstance(node, dict):
         out = {}
         for name, value in node.items():
@@ -145,13 +148,19 @@ def _filter(node: Any, key: str, unwanted: Any, log: EditLog) -> Any:
                 log.dropped.append(child)
                 continue
             out[name] = _filter(value, child, unwanted, log)
+        if len(out) == len(node) and all(out[name] is value for name, value in node.items()):
+            return node
         return out
     if is_pickled_module(node):
         _refuse_in_module(node, key, lambda name, record: unwanted(name, record))
         return node
     if isinstance(node, OpaqueObject):
-        rebuilt = node.rebuilt(node.args, _filter(node.state, key, unwanted, log))
-        rebuilt.dictitems = _filter(node.dictitems, key, unwanted, log)
+        state = _filter(node.state, key, unwanted, log)
+        dictitems = _filter(node.dictitems, key, unwanted, log)
+        if state is node.state and dictitems is node.dictitems:
+            return node
+        rebuilt = node.rebuilt(node.args, state)
+        rebuilt.dictitems = dictitems
         rebuilt.listitems = node.listitems
         return rebuilt
     return node

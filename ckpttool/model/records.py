@@ -562,6 +562,31 @@ class GlobalRef:
         return f"<global {self.qualname}>"
 
 
+class TorchDtypeText(str):
+    """A torch dtype the pickle named (``torch.float16``), held in the tree as its text; a
+    writer writes the dtype back, not a string."""
+
+    __slots__ = ()
+
+
+class NumpyDtypeText(str):
+    """A NumPy dtype the pickle built (``numpy.dtype('<f4')``: byte order, then the type's
+    code), held in the tree as that text; a writer writes the dtype back, not a string."""
+
+    __slots__ = ()
+
+    @property
+    def order_and_code(self) -> tuple[str, str]:
+        """The byte order ("<", ">", or "|" where the order means nothing) and the code."""
+        inner = self[len("numpy.dtype('") : -len("')")]
+        code = inner[1:]
+        return ("|" if code in _ONE_BYTE_CODES else inner[:1]), code
+
+
+#: NumPy type codes of one-byte types, whose byte order NumPy pickles as "|".
+_ONE_BYTE_CODES = frozenset({"?", "b", "B", "b1", "i1", "u1"})
+
+
 @dataclass(frozen=True, slots=True)
 class BackReference:
     """Where an object refers back to one that contains it (an omegaconf node's ``_parent``, a
@@ -577,14 +602,20 @@ class BackReference:
 class OpaqueObject:
     """An object of a class ckpttool does not reconstruct: its name and the data it carries."""
 
-    __slots__ = ("args", "cls", "dictitems", "listitems", "state")
+    __slots__ = ("args", "cls", "dictitems", "listitems", "new", "state")
 
-    def __init__(self, cls: str, args: Any = (), state: Any = None) -> None:
+    def __init__(
+        self, cls: str, args: Any = (), state: Any = None, new: bool | None = None
+    ) -> None:
         self.cls = cls  # "__main__.TrainConfig", "mymodel.Config", ...
         self.args = args  # what the pickle passed to the class (or its reconstructor)
         self.state = state  # what BUILD would have set (usually the instance __dict__)
         self.dictitems: dict[Any, Any] = {}  # items SETITEMS added (dict subclasses)
         self.listitems: list[Any] = []  # items APPENDS added (list subclasses)
+        # how the pickle built it, for a writer to build it alike: ``NEWOBJ``'s
+        # ``cls.__new__(cls, *args)`` (True), ``REDUCE``'s ``cls(*args)`` (False; a custom
+        # ``__reduce__``: numpy's ``__generator_ctor``), or not said (None: ``INST``/``OBJ``)
+        self.new = new
 
     def fields(self) -> dict[str, Any]:
         """The plain data this object carries, by name, for display and flattening."""
@@ -606,10 +637,19 @@ class OpaqueObject:
             out["__items__"] = self.listitems
         return out
 
+    def built_new(self) -> bool:
+        """Whether a writer builds it with ``NEWOBJ`` (``cls.__new__(cls, *args)``, as
+        copyreg's protocol 2 writes an instance) rather than ``REDUCE`` (``cls(*args)``, as an
+        Enum member or a custom ``__reduce__`` is written): as the pickle built it, or, not said,
+        where state or items follow."""
+        if self.new is not None:
+            return self.new
+        return self.state is not None or bool(self.dictitems or self.listitems)
+
     def empty_copy(self) -> OpaqueObject:
         """An object of the same kind and class, without arguments, state or items yet (what
         a copy of the tree fills)."""
-        return OpaqueObject(self.cls)
+        return OpaqueObject(self.cls, new=self.new)
 
     def rebuilt(self, args: Any, state: Any) -> OpaqueObject:
         """An object of the same kind and class with these arguments and state (no items)."""
@@ -619,6 +659,20 @@ class OpaqueObject:
 
     def __repr__(self) -> str:
         return f"<{self.cls} object>"
+
+
+class CalledObject(OpaqueObject):
+    """What a pickle builds by calling an object it built itself rather than a global: how
+    cloudpickle and dill write a bound method (``_builtin_type('MethodType')(func, obj)``) or a
+    function by value (``_builtin_type('CodeType')(...)``). Nothing is called: ``args[0]`` is
+    the object called (an :class:`OpaqueObject`), ``args[1:]`` its arguments; ``cls`` names
+    what was called (``"cloudpickle.cloudpickle._builtin_type(...)"``); ``new`` as for any
+    object."""
+
+    __slots__ = ()
+
+    def empty_copy(self) -> CalledObject:
+        return CalledObject(self.cls, new=self.new)
 
 
 class TensorSubclassObject(OpaqueObject):

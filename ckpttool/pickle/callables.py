@@ -14,13 +14,18 @@ and ``functools`` calls them dangerous, which they are not when what they reach 
 * ``getattr(CLASS, 'Name')`` with ``CLASS.Name`` a nested data record
   (:data:`~ckpttool.model.data_records.NESTED_RECORDS`: ``ShardedTensor.ProcessGroupState``)
   is resolved to that class by name; the ``getattr`` is then "safe".
-* ``getattr(CLASS, 'name')`` with CLASS a global classed "unknown" (a third-party class, never
-  imported) and a constant public name (an identifier, no leading ``_``: never ``__class__``,
-  ``__reduce__``, ``__globals__``...) is resolved to the global ``CLASS.name``, classed as that
-  global would be: mmengine's message hub pickles ``getattr(HistoryBuffer, 'min')``, an unknown
-  method, not a call of anything; the ``getattr`` is then "safe". When ``CLASS.name`` would be
-  dangerous (``pkg.os`` then ``system``: ``os.system``) or CLASS is not unknown (``os``,
-  ``builtins``, a torch loader, an emulated constructor), the ``getattr`` stays dangerous.
+* ``getattr(GLOBAL, 'name')`` with GLOBAL a global classed "unknown" (a class never imported,
+  or what such a ``getattr`` resolved to), and a constant name that is a name lookup (an
+  identifier without ``__``: never ``__class__``, ``__reduce__``, ``__globals__``, nor a private
+  ``__secret`` or its mangled ``_Model__secret``) is resolved to the global ``GLOBAL.name``,
+  classed as that global would be (:func:`lookup_name`). This is how pickle writes a nested qualname below protocol 4
+  (``getattr(BasePolicy, '_dummy_schedule')``, a staticmethod: stable-baselines3's
+  ``policy.save()``; mmengine's message hub's ``getattr(HistoryBuffer, 'min')``): the same name
+  protocol 4 writes as one ``STACK_GLOBAL 'BasePolicy._dummy_schedule'``, not a call of
+  anything; the ``getattr`` is then "safe". When ``GLOBAL.name`` would be dangerous
+  (``pkg.os`` then ``system``: ``os.system``; ``pkg._os`` likewise) or GLOBAL is not unknown
+  (``os``, ``builtins``, a torch loader; a safe data record's method, ``PosixPath.unlink``),
+  the ``getattr`` stays dangerous.
 * ``functools.partial(target, ...)`` is "safe" when its target is a global classed safe or a
   torch class of :data:`PARTIAL_TARGET_MODULES`; ``partial`` itself calls nothing when built.
 
@@ -115,6 +120,21 @@ def torch_function(qualname: str) -> str | None:
     return None
 
 
+def lookup_name(namespace: GlobalRef, name: Any) -> GlobalRef | None:
+    """The global ``getattr(namespace, name)`` names, or None where it is no name lookup.
+
+    ``name`` must be a constant identifier without ``__``: a dunder (``__globals__``,
+    ``__class__``, ``__builtins__``, ``__subclasses__``) reaches the interpreter's machinery
+    rather than a name the class defines, and a private name (``__secret``, mangled
+    ``_Model__secret``) belongs to its class alone. One leading ``_`` is an ordinary name
+    (stable-baselines3's ``BasePolicy._dummy_schedule``). The result is what protocol 4 writes
+    as one dotted ``STACK_GLOBAL`` name, and is classed as such by the policy.
+    """
+    if not isinstance(name, str) or not name.isidentifier() or "__" in name:
+        return None
+    return GlobalRef(namespace.module, f"{namespace.name}.{name}")
+
+
 def is_contextual(qualname: str) -> bool:
     """A global whose verdict depends on how the pickle uses it (:class:`ContextualUses`)."""
     return qualname in (PARTIAL, GETATTR) or qualname in GETATTR_NAMESPACES
@@ -125,8 +145,8 @@ class ContextualUses:
 
     ``seen`` is the walk's ``globals_seen`` list; ``safe`` and ``dangerous`` are the verdicts
     (``Verdict.SAFE``, ``Verdict.DANGEROUS``; each name's fallback is :func:`classify_global`'s).
-    ``classify(module, name)`` is :func:`classify_global` and ``unknown`` its third verdict: what
-    ``getattr(CLASS, 'name')`` of an unknown class resolves to is classed by them.
+    ``classify(module, name)`` is :func:`classify_global` (``unknown`` its third verdict): what
+    ``getattr(GLOBAL, 'name')`` resolves to is classed by it.
     """
 
     def __init__(
@@ -182,9 +202,11 @@ class ContextualUses:
                 self.seen.append((nested.module, nested.name, self.safe))
                 return nested
             attribute = self._attribute(namespace, name)
-            if attribute is not None:  # getattr(HistoryBuffer, 'min'): an unknown method
+            if attribute is not None:  # getattr(HistoryBuffer, 'min'): a name, looked up
+                assert self.classify is not None
                 self._use(func, True)
-                self.seen.append((attribute.module, attribute.name, self.unknown))
+                verdict = self.classify(attribute.module, attribute.name)
+                self.seen.append((attribute.module, attribute.name, verdict))
                 return attribute
             home = (
                 GETATTR_NAMESPACES.get(namespace.qualname)
@@ -210,21 +232,20 @@ class ContextualUses:
         return None
 
     def _attribute(self, namespace: Any, name: Any) -> GlobalRef | None:
-        """``namespace.name`` as a global of its own, when ``namespace`` is an unknown class
-        (not one of :data:`GETATTR_NAMESPACES`), ``name`` a public identifier and the global it
-        makes is unknown too (``pkg.os`` then ``system`` is ``os.system``: dangerous)."""
+        """``namespace.name`` as a global of its own (:func:`lookup_name`), when ``namespace``
+        is a global classed unknown (a class the reader knows nothing of, or a name an earlier
+        ``getattr`` resolved to) and the global it makes is not dangerous. The methods of a
+        class classed safe (``pathlib.PosixPath.unlink``) are not what the allow-list vouches
+        for, and :data:`GETATTR_NAMESPACES` are resolved above."""
         if (
             self.classify is None
             or not isinstance(namespace, GlobalRef)
-            or not isinstance(name, str)
-            or not name.isidentifier()
-            or name.startswith("_")
             or namespace.qualname in GETATTR_NAMESPACES
             or self.classify(namespace.module, namespace.name) != self.unknown
         ):
             return None
-        attribute = GlobalRef(namespace.module, f"{namespace.name}.{name}")
-        if self.classify(attribute.module, attribute.name) != self.unknown:
+        attribute = lookup_name(namespace, name)
+        if attribute is None or self.classify(attribute.module, attribute.name) == self.dangerous:
             return None
         return attribute
 
@@ -249,5 +270,6 @@ __all__ = [
     "TORCH_FUNCTIONS",
     "ContextualUses",
     "is_contextual",
+    "lookup_name",
     "torch_function",
 ]

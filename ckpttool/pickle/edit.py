@@ -27,9 +27,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import LayoutError
+from ckpttool.model.records import NumpyDtypeText, TorchDtypeText
 from ckpttool.pickle.interpreter import ItemSpan, PickleResult
 
-__all__ = ["Edit", "emit", "root_edits", "splice"]
+__all__ = [
+    "Edit",
+    "dtype_opcodes",
+    "emit",
+    "emit_global",
+    "emit_numpy_dtype",
+    "root_edits",
+    "splice",
+]
 
 _MARK, _STOP, _SETITEMS, _APPENDS = b"(", b".", b"u", b"e"
 _MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
@@ -60,6 +69,24 @@ def memo_put(index: int) -> bytes:
     return b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
 
 
+def emit_global(module: str, name: str) -> bytes | None:
+    """Protocol-2 opcodes that push the global ``module.name`` (a class, a function), as
+    protocol 2 writes it: ``GLOBAL``, and for a nested name (``HistoryBuffer.min``, a class's
+    staticmethod or nested class) the ``getattr`` chain pickle writes below protocol 4, which
+    is the only form a protocol-2 ``find_class`` follows (and the reader reads back as the same
+    name: :func:`ckpttool.pickle.callables.lookup_name`). None for a name no ``GLOBAL`` line
+    can hold (not ASCII, a newline, an empty part)."""
+    first, *attributes = name.split(".")
+    text = f"{module}{name}"
+    if not module or not all((first, *attributes)) or "\n" in text or not text.isascii():
+        return None
+    out = bytearray(b"cbuiltins\ngetattr\n" * len(attributes))
+    out += f"c{module}\n{first}\n".encode("ascii")
+    for attribute in attributes:
+        out += emit(attribute) + b"\x86R"  # TUPLE2 REDUCE: getattr(outer, attribute)
+    return bytes(out)
+
+
 def memo_get(index: int) -> bytes:
     """BINGET (LONG_BINGET past 255): the value stored at memo ``index`` again (an object met
     twice, written once)."""
@@ -76,10 +103,27 @@ def emit_ndarray(
     out = bytearray(b"cnumpy.core.multiarray\n_reconstruct\n")
     out += b"cnumpy\nndarray\n" + emit(0) + b"\x85" + _emit_bytes(b"b") + b"\x87R"
     out += _MARK + emit(1) + _MARK + b"".join(emit(n) for n in shape) + b"t"
-    out += b"cnumpy\ndtype\n" + emit(code) + emit(False) + emit(True) + b"\x87R"
-    out += _MARK + emit(3) + emit(order) + b"NNN" + emit(-1) + emit(-1) + emit(0) + b"tb"
+    out += emit_numpy_dtype(code, order)
     out += emit(fortran) + _emit_bytes(data) + b"tb"
     return bytes(out)
+
+
+def dtype_opcodes(text: TorchDtypeText | NumpyDtypeText) -> bytes:
+    """Protocol-2 opcodes that push the dtype the reader held as ``text`` (``torch.float16``:
+    the global; ``numpy.dtype('<f4')``: the dtype NumPy pickles)."""
+    if isinstance(text, NumpyDtypeText):
+        order, code = text.order_and_code
+        return emit_numpy_dtype(code, order)
+    opcodes = emit_global("torch", text.removeprefix("torch."))
+    assert opcodes is not None  # a dtype's name
+    return opcodes
+
+
+def emit_numpy_dtype(code: str, order: str) -> bytes:
+    """Protocol-2 opcodes that push ``numpy.dtype(code)`` with the byte ``order`` ("<", ">",
+    "|"), as NumPy's ``__reduce__`` gives it: ``numpy.dtype(code, False, True)``, then BUILD."""
+    out = b"cnumpy\ndtype\n" + emit(code) + emit(False) + emit(True) + b"\x87R"
+    return out + _MARK + emit(3) + emit(order) + b"NNN" + emit(-1) + emit(-1) + emit(0) + b"tb"
 
 
 def _emit_bytes(data: bytes) -> bytes:

@@ -37,10 +37,13 @@ from ckpttool.errors import (
 )
 from ckpttool.model.records import (
     BackReference,
+    CalledObject,
     GlobalRef,
+    NumpyDtypeText,
     OpaqueObject,
     StorageRecord,
     TensorRecord,
+    TorchDtypeText,
 )
 from ckpttool.pickle.callables import ContextualUses, is_contextual
 from ckpttool.pickle.emulation import (
@@ -263,11 +266,18 @@ class SafeUnpickler:
             raise _refused(f"{module}.{name}")
         return global_value(module, name)
 
-    def call(self, func: Any, args: Any) -> Any:
-        if not isinstance(func, GlobalRef):
-            raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
+    def call(self, func: Any, args: Any, new: bool = False) -> Any:
+        """What ``func(*args)`` builds (``new``: ``NEWOBJ``'s ``func.__new__(func, *args)``)."""
         if not isinstance(args, tuple):
             raise _bad(self.pos, "call arguments are not a tuple")
+        if not isinstance(func, GlobalRef):
+            if not isinstance(func, OpaqueObject):
+                raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
+            # an object the file built, called (cloudpickle's ``_builtin_type('MethodType')``):
+            # nothing is called; what it would build is as opaque as what it was built from
+            result = CalledObject(f"{func.cls}(...)", (func, *args), new=new)
+            self.created.add(id(result))
+            return result
         if self.compacts and _holds_compact(args, self._records()):
             raise Redo  # the emulation would have seen the objects a record replaced
         if self.contextual.refs:
@@ -279,6 +289,8 @@ class SafeUnpickler:
         result = emulate_call(self.call, func, args)
         if isinstance(result, _MUTABLE):  # what BUILD may then touch
             self.created.add(id(result))
+            if result.__class__ is OpaqueObject and result.new is None:
+                result.new = new  # REDUCE or NEWOBJ: written back the same way
         return result
 
     def _records(self) -> tuple[type, ...]:
@@ -817,7 +829,7 @@ def _op_stack_global(u: SafeUnpickler, pos: int) -> bool:
 def _op_newobj(u: SafeUnpickler, pos: int) -> bool:
     args, _ = u._pop()
     cls, start = u._pop()
-    u._push(u.call(cls, args), start)
+    u._push(u.call(cls, args, new=True), start)
     return False
 
 
@@ -825,7 +837,7 @@ def _op_newobj_ex(u: SafeUnpickler, pos: int) -> bool:
     kwargs, _ = u._pop()
     args, _ = u._pop()
     cls, start = u._pop()
-    result = u.call(cls, args)
+    result = u.call(cls, args, new=True)
     if isinstance(result, OpaqueObject) and kwargs:
         result.state = {"__kwargs__": kwargs}
     u._push(result, start)
@@ -1074,9 +1086,11 @@ def _finalize(
             return compact(node, depth)
         if isinstance(node, NdarrayBuilder):
             node = node.record
-        elif isinstance(node, NumpyDtype):
-            return f"numpy.dtype('{node.byteorder}{node.code}')", 1
-        elif isinstance(node, (TorchDtype, TorchLayout)):
+        elif isinstance(node, NumpyDtype):  # text a writer knows to be a dtype
+            return NumpyDtypeText(f"numpy.dtype('{node.byteorder}{node.code}')"), 1
+        elif isinstance(node, TorchDtype):
+            return TorchDtypeText(node), 1
+        elif isinstance(node, TorchLayout):
             return str(node), 1
         elif isinstance(node, StorageRecord):  # a storage saved on its own (torch.FloatStorage)
             node = TensorRecord("", node.dtype, (node.numel,), (1,), 0, node, kind="storage")

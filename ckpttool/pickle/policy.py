@@ -211,8 +211,12 @@ def classify_global(module: str, name: str) -> Verdict:
     if (
         qualname in _DANGEROUS_NAMES
         # from protocol 4 find_class follows a dotted name: ("torch.serialization",
-        # "os.system") is os.system, reached through a module that imports os
-        or any(part in _DANGEROUS_MODULES or part == "builtins" for part in name.split(".")[:-1])
+        # "os.system") is os.system, reached through a module that imports os (as ``os`` or
+        # as a private alias, ``import os as _os``); a protocol-2 getattr chain is the same name
+        or any(
+            part.lstrip("_") in _DANGEROUS_MODULES or part.lstrip("_") == "builtins"
+            for part in name.split(".")[:-1]
+        )
         or root in _DANGEROUS_MODULES
         or module.startswith(_DANGEROUS_PREFIXES)
         or module == "builtins"  # every builtin the emulation does not know (eval, getattr...)

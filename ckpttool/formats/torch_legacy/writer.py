@@ -19,12 +19,23 @@ from ckpttool.errors import LayoutError
 from ckpttool.model.dtypes import NUMPY_CODES, STORAGE_CLASSES
 from ckpttool.model.records import (
     ITEMSIZE,
+    CalledObject,
+    GlobalRef,
+    NumpyDtypeText,
     OpaqueObject,
     TensorRecord,
+    TorchDtypeText,
     rebuildable_storage,
     with_fields,
 )
-from ckpttool.pickle.edit import emit, emit_ndarray, memo_get, memo_put
+from ckpttool.pickle.edit import (
+    dtype_opcodes,
+    emit,
+    emit_global,
+    emit_ndarray,
+    memo_get,
+    memo_put,
+)
 
 #: The first three pickles of a legacy file as torch.save writes them (protocol 2, little-endian):
 #: the magic number, the protocol version (1001) and the system info dict.
@@ -96,7 +107,9 @@ def _encode(
         return
     if depth > _MAX_DEPTH:
         raise LayoutError("the object nests too deeply to write")
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, (TorchDtypeText, NumpyDtypeText)):
+        out += dtype_opcodes(value)
+    elif value is None or isinstance(value, (bool, int, float, str)):
         out += emit(value)
     elif isinstance(value, tuple):
         if not value:
@@ -126,6 +139,11 @@ def _encode(
                 _encode(item, out, regions, depth + 1, memo)
             out += b"e"
         out += b"tR"
+    elif isinstance(value, GlobalRef):  # a class or function held as a value
+        opcodes = emit_global(value.module, value.name)
+        if opcodes is None:
+            raise LayoutError(f"cannot write the global {value.qualname!r}")
+        out += opcodes
     else:
         raise LayoutError(f"cannot write a {type(value).__name__} into a legacy torch.save file")
 
@@ -145,17 +163,20 @@ def _global(module: str, name: str) -> bytes:
 
 def _encode_object(value: OpaqueObject, out: bytearray, regions: dict[_Region, tuple[str, str]],
                    depth: int, memo: _Memo) -> None:  # fmt: skip
-    """An object read as opaque, rebuilt by class name: ``cls(*args)``, or
-    ``cls.__new__(cls, *args)`` then its items and state (the class is named, never imported)."""
-    module, _, name = value.cls.rpartition(".")
-    if not module or "\n" in value.cls or not value.cls.isascii():
-        raise LayoutError(f"cannot write an object of class {value.cls!r}")
-    out += _global(module, name)
-    _encode(tuple(value.args or ()), out, regions, depth + 1, memo)
-    if value.state is None and not value.dictitems and not value.listitems:
-        out += b"R"  # REDUCE
-        return
-    out += b"\x81"  # NEWOBJ
+    """An object read as opaque, rebuilt as the pickle built it: by class name, ``cls(*args)``
+    or ``cls.__new__(cls, *args)`` (the class is named, never imported), or by calling the object
+    a :class:`~ckpttool.model.records.CalledObject` was built from; then its items and state."""
+    if isinstance(value, CalledObject):  # what an object the file built made, called
+        _encode(value.args[0], out, regions, depth + 1, memo)
+        _encode(tuple(value.args[1:]), out, regions, depth + 1, memo)
+        out += b"\x81" if value.built_new() else b"R"  # NEWOBJ or REDUCE, as read
+    else:
+        module, _, name = value.cls.rpartition(".")
+        if not module or "\n" in value.cls or not value.cls.isascii():
+            raise LayoutError(f"cannot write an object of class {value.cls!r}")
+        out += _global(module, name)
+        _encode(tuple(value.args or ()), out, regions, depth + 1, memo)
+        out += b"\x81" if value.built_new() else b"R"  # NEWOBJ or REDUCE
     if value.listitems:
         out += b"("
         for item in value.listitems:

@@ -20,7 +20,7 @@ from ckpttool.formats.base import OutTensor
 from ckpttool.formats.torch_zip.zip_writer import TorchZipWriter
 from ckpttool.model import dtypes
 from ckpttool.model.records import ITEMSIZE
-from ckpttool.pickle.edit import emit_ndarray, memo_get, memo_put
+from ckpttool.pickle.edit import dtype_opcodes, emit_global, emit_ndarray, memo_get, memo_put
 
 #: The zip folder of a written .pth (what torch.save uses when saving to a buffer).
 PTH_PREFIX = "archive"
@@ -215,9 +215,12 @@ StorageBytes = bytes | bytearray | memoryview | CopiedStorage
 
 def object_pickle(value: Any) -> bytes:
     """``data.pkl`` of ``torch.save(value)`` for a tree of plain values (None, bool, int,
-    float, str, tuple, list, dict), :class:`StoredTensor` s and objects read as
-    :class:`~ckpttool.model.records.OpaqueObject` (rebuilt by class name: ``cls(*args)``, or
-    ``cls.__new__(cls, *args)`` then its state). The class is named, never imported here."""
+    float, str, tuple, list, dict), :class:`StoredTensor` s and what the reader read: objects
+    read as :class:`~ckpttool.model.records.OpaqueObject` (rebuilt by class name as the pickle
+    built them, ``cls(*args)`` or ``cls.__new__(cls, *args)``, then their items and state; a
+    :class:`~ckpttool.model.records.CalledObject` by calling the object it was built from),
+    classes and functions held as values (``GlobalRef``) and dtypes (``TorchDtypeText``,
+    ``NumpyDtypeText``). The class is named, never imported here."""
     out = bytearray(b"\x80\x02")
     _encode_object(value, out, 0, {})
     return bytes(out + b".")
@@ -247,7 +250,14 @@ def _encode_object(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
 
 
 def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
-    from ckpttool.model.records import OpaqueObject, TensorSubclassObject
+    from ckpttool.model.records import (
+        CalledObject,
+        GlobalRef,
+        NumpyDtypeText,
+        OpaqueObject,
+        TensorSubclassObject,
+        TorchDtypeText,
+    )
 
     if depth > 64:
         raise InputError("the object nests too deeply to write")
@@ -255,6 +265,8 @@ def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
         out += b"N"
     elif isinstance(value, float):
         out += b"G" + struct.pack(">d", value)  # BINFLOAT
+    elif isinstance(value, (TorchDtypeText, NumpyDtypeText)):
+        out += dtype_opcodes(value)
     elif isinstance(value, (bool, int, str)):
         _encode(value, out)
     elif isinstance(value, tuple):
@@ -297,32 +309,44 @@ def _encode_shared(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
             "weights) back into a torch.save file; ckpttool convert writes its inner tensors, "
             "or with --dequantize its values"
         )
+    elif isinstance(value, GlobalRef):  # a class or function held as a value
+        opcodes = emit_global(value.module, value.name)
+        if opcodes is None:
+            raise InputError(f"cannot write the global {value.qualname!r}")
+        out += opcodes
+    elif isinstance(value, CalledObject):  # what an object the file built made, called
+        _encode_object(value.args[0], out, depth + 1, memo)
+        _encode_object(tuple(value.args[1:]), out, depth + 1, memo)
+        out += b"\x81" if value.built_new() else b"R"  # NEWOBJ or REDUCE, as read
+        _encode_contents(value, out, depth, memo)
     elif isinstance(value, OpaqueObject):
         module, _, name = value.cls.rpartition(".")
         if not module or "\n" in value.cls:
             raise InputError(f"cannot write an object of class {value.cls!r}")
         _encode(_Global(module, name), out)
         _encode_object(tuple(value.args or ()), out, depth + 1, memo)
-        if value.state is None and not value.dictitems and not value.listitems:
-            out += b"R"  # REDUCE: cls(*args), as an Enum member is pickled
-            return
-        out += b"\x81"  # NEWOBJ: cls.__new__(cls, *args)
-        if value.listitems:
-            out += b"("
-            for item in value.listitems:
-                _encode_object(item, out, depth + 1, memo)
-            out += b"e"
-        if value.dictitems:
-            out += b"("
-            for key, item in value.dictitems.items():
-                _encode_object(key, out, depth + 1, memo)
-                _encode_object(item, out, depth + 1, memo)
-            out += b"u"
-        if value.state is not None:
-            _encode_object(value.state, out, depth + 1, memo)
-            out += b"b"  # BUILD
+        out += b"\x81" if value.built_new() else b"R"  # NEWOBJ or REDUCE
+        _encode_contents(value, out, depth, memo)
     else:
         raise InputError(f"cannot write a {type(value).__name__} into a torch.save file")
+
+
+def _encode_contents(value: Any, out: bytearray, depth: int, memo: _Memo) -> None:
+    """An object's list items, dict items and state, onto the object just built."""
+    if value.listitems:
+        out += b"("
+        for item in value.listitems:
+            _encode_object(item, out, depth + 1, memo)
+        out += b"e"
+    if value.dictitems:
+        out += b"("
+        for key, item in value.dictitems.items():
+            _encode_object(key, out, depth + 1, memo)
+            _encode_object(item, out, depth + 1, memo)
+        out += b"u"
+    if value.state is not None:
+        _encode_object(value.state, out, depth + 1, memo)
+        out += b"b"  # BUILD
 
 
 def _encode_numpy(array: NumpyArray, out: bytearray) -> None:
