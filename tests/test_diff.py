@@ -121,7 +121,10 @@ def test_minimind_resume_model_section_equals_its_weights_file() -> None:
             f"and B ({'MiniMind-style resume checkpoint' if side == 'b' else 'plain state dict'})"
             " are different kinds: comparing "
             + ("all of A with B's 'model' section" if side == "b" else "A's 'model' section with all of B")
-            + " (use --section-a/--section-b to choose)"
+            + " (use --section-a/--section-b to choose)",
+            f"not compared: {'B' if side == 'b' else 'A'}'s optimizer, epoch, step, world_size, "
+            "wandb_id, scaler (outside its 'model' section): the other side holds nothing under "
+            "those names",
         ]  # fmt: skip
 
 

@@ -36,7 +36,7 @@ from ckpttool.commands.diff.match import (
     metadata_aliases,
     wrapper_note,
 )
-from ckpttool.commands.diff.sections import Part, choose_parts
+from ckpttool.commands.diff.sections import Part, choose_parts, compare_rest
 from ckpttool.commands.diff.values import (
     SameMeasures,
     ValueDiff,
@@ -278,17 +278,30 @@ def plan_diff(
     fields, pairs = merge_type_changes(fields, pairs, part_a.prefixes, part_b.prefixes)
     if part_a.stored is not None or part_b.stored is not None:
         pairs, fields = _as_stored(pairs, fields, part_a.stored, part_b.stored)
+    # the layouts differ and only their weights were taken: the rest is compared too
+    rest_pairs, rest_fields = compare_rest(
+        ckpt_a, part_a, ckpt_b, part_b, {pair.key for pair in pairs}, notes
+    )
+    pairs += rest_pairs
+    fields += rest_fields
     if carries_metadata(ckpt_a.format) and carries_metadata(ckpt_b.format):
         fields += compare_fields(described_metadata(ckpt_a), described_metadata(ckpt_b))
     counters_a, counters_b = _counters(ckpt_a), _counters(ckpt_b)
     if counters_a is not None and counters_b is not None:  # two DeepSpeed tags
         fields += compare_fields(counters_a, counters_b)
-    side_a = _side(ckpt_a, part_a)
+    side_a, side_b = _side(ckpt_a, part_a), _side(ckpt_b, part_b)
     if selection.map is not None:
         side_a = replace(side_a, num_tensors=len(tensors_a), map=selection.map)
+    if rest_pairs:
+        side_a = replace(
+            side_a, num_tensors=side_a.num_tensors + sum(p.a is not None for p in rest_pairs)
+        )
+        side_b = replace(
+            side_b, num_tensors=side_b.num_tensors + sum(p.b is not None for p in rest_pairs)
+        )
     return DiffPlan(
         a=side_a,
-        b=_side(ckpt_b, part_b),
+        b=side_b,
         pairs=pairs,
         fields=fields,
         notes=notes,
