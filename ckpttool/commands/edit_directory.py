@@ -12,7 +12,6 @@ that becomes the output whole, or nothing.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 from pathlib import Path
@@ -22,13 +21,10 @@ from ckpttool.commands.edit import EditReport, edit_file
 from ckpttool.commands.edit_format_directory import edit_format_directory, lead_staged
 from ckpttool.errors import CkptError, InputError, OutputExistsError, name_file
 from ckpttool.formats.registry import directory_formats
-from ckpttool.frameworks.base import INDEX, WEIGHTS
+from ckpttool.frameworks.base import INDEX, MODEL_CONFIG, WEIGHTS, config_with_dtype
 from ckpttool.frameworks.registry import detect_directory, framework_of
 from ckpttool.io import units
 from ckpttool.io.parallel import chosen, ordered_map, using
-
-#: The config keys transformers reads the weights' dtype from (``dtype`` since 4.56).
-DTYPE_KEYS = ("torch_dtype", "dtype")
 
 
 def edit(
@@ -122,7 +118,7 @@ def edit_directory(
                     continue
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, stage / name)
-            _config_dtype(stage / "config.json", reports)
+            _config_dtype(stage / MODEL_CONFIG, reports)
             if index is not None:
                 rebuilt = framework.rebuild_index(str(stage))
                 if rebuilt is not None and rebuilt.content is not None:
@@ -155,18 +151,9 @@ def _config_dtype(config: Path, reports: list[EditReport]) -> None:
     dtypes = {r.dtype for r in reports if r.cast}
     if not config.is_file() or not dtypes:
         return
-    data = json.loads(config.read_text())
     (dtype,) = dtypes
-    for key in DTYPE_KEYS:
-        if key in data:
-            data[key] = dtype
-    if not any(key in data for key in DTYPE_KEYS):
-        data["torch_dtype"] = dtype
-    quantization = data.get("quantization_config")
     scales = any(d.endswith(("_scale_inv", "_scale")) for r in reports for d in r.dropped)
-    if isinstance(quantization, dict) and quantization.get("quant_method") == "fp8" and scales:
-        del data["quantization_config"]
-    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    config_with_dtype(config, dtype, dequantized=scales)
 
 
 def _combined(

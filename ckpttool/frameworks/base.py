@@ -252,6 +252,31 @@ def read_json(path: str) -> object:
         raise CorruptCheckpointError(f"{path}: not valid JSON ({error})") from None
 
 
+#: A model directory's config (transformers, diffusers), and the keys in it transformers
+#: reads the weights' dtype from (``dtype`` since 4.56; ``torch_dtype`` before).
+MODEL_CONFIG = "config.json"
+DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def config_with_dtype(config: Path, dtype: str, *, dequantized: bool = False) -> None:
+    """Rewrite the model config ``config`` to say the dtype its weights were cast to (every
+    dtype key it has; ``torch_dtype`` when it has none), so that ``from_pretrained`` loads them
+    in it; without an FP8 ``quantization_config`` once its weights are ``dequantized``. The one
+    place ``edit --dtype`` and ``convert --dtype`` of a model directory bring it in line."""
+    data = json.loads(config.read_text())
+    if not isinstance(data, dict):
+        return
+    for key in DTYPE_KEYS:
+        if key in data:
+            data[key] = dtype
+    if not any(key in data for key in DTYPE_KEYS):
+        data["torch_dtype"] = dtype
+    quantization = data.get("quantization_config")
+    if dequantized and isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
+        del data["quantization_config"]
+    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def open_member(
     path: str | os.PathLike[str],
     *,

@@ -88,7 +88,7 @@ class ConvertReport:
     warnings: list[str] = field(default_factory=list)  # e.g. names kept with wrapper prefixes
     verified: bool = False
     directory: Path | None = None  # the model directory written, for a Hugging Face source
-    copied: list[str] = field(default_factory=list)  # its files copied byte for byte
+    copied: list[str] = field(default_factory=list)  # its files copied (config.json's dtype set)
 
 
 def convert(
@@ -185,11 +185,14 @@ def convert_with(
             with staged as staging:
                 counts = write(model_dir.moved(files, staging), sweep_in=target)
                 copied = model_dir.copy_files(output, staging)
+                retyped = model_dir.config_dtype(plan, staging, copied)
             report = _build_report(src_path, plan, files, counts, dtype=options.dtype,
                                    verified=verify)  # fmt: skip
             _name_remote_source(report, src, verify)
             report.directory = target
             report.copied = copied
+            if retyped is not None:
+                report.notes.append(retyped)
             return report
         check_targets(src_path, files, force)
         counts = write(files)
