@@ -1188,13 +1188,20 @@ def repair_command(
 @map_options("the model's names and layout", "beside SRC")
 @click.option(
     "--dtype", type=click.Choice(["fp16", "bf16", "fp32"]),
-    help="Cast floating tensors (integer and float8 tensors are never cast).",
+    help="Cast the floating weights, on a file and on a directory alike (integer and float8 "
+    "tensors, step counters and an optimizer's state are never cast; values that become 0 "
+    "are reported).",
 )  # fmt: skip
 @click.option(
     "--keep-dtype", multiple=True, metavar="PATTERN",
     help="With --dtype: leave the tensors whose key matches alone (norms, routers); repeatable.",
 )  # fmt: skip
 @click.option("--allow-overflow", is_flag=True, help="With --dtype: write values too large as inf.")
+@click.option(
+    "--cast-optimizer", is_flag=True,
+    help="With --dtype: cast the optimizer's state too (its step counters never); a resumed "
+    "run then continues from the cast state.",
+)  # fmt: skip
 @click.option(
     "--compact", is_flag=True,
     help="Cut every storage to the bytes its tensors view (a view saved whole keeps only its "
@@ -1220,6 +1227,7 @@ def edit_command(
     dtype: str | None,
     keep_dtype: tuple[str, ...],
     allow_overflow: bool,
+    cast_optimizer: bool,
     compact: bool,
     dry_run: bool,
     force: bool,
@@ -1255,7 +1263,7 @@ def edit_command(
     report = lead_result(lambda: edit(
         src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
         use_ema=use_ema, map_name=map_name, map_params=_int_params(map_params), compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
-        in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
+        cast_optimizer=cast_optimizer, in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
     ))  # fmt: skip
     if as_json:
         _echo_json(edit_render.render_json(report))

@@ -21,7 +21,7 @@ from ckpttool.commands.edit import EditReport, edit_file
 from ckpttool.commands.edit_format_directory import edit_format_directory, lead_staged
 from ckpttool.errors import CkptError, InputError, OutputExistsError, name_file
 from ckpttool.formats.registry import directory_formats
-from ckpttool.frameworks.base import INDEX, MODEL_CONFIG, WEIGHTS, config_with_dtype
+from ckpttool.frameworks.base import INDEX, MODEL_CONFIG, OPTIMIZER, WEIGHTS, config_with_dtype
 from ckpttool.frameworks.registry import detect_directory, framework_of
 from ckpttool.io import units
 from ckpttool.io.parallel import chosen, ordered_map, using
@@ -93,11 +93,25 @@ def edit_directory(
                 raise OutputExistsError(f"{output} already exists (pass overwrite=True)")
         weights = [m.name for m in layout.members if m.role == WEIGHTS]
         index = next((m.name for m in layout.members if m.role == INDEX), None)
+        if operations.get("cast_optimizer"):
+            if operations.get("dtype") is None:
+                raise InputError("--cast-optimizer goes with --dtype")
+            # the optimizer's files cast as a file's optimizer part is: the same option, the
+            # same tensors (its step counters never)
+            casts = {k: operations.get(k) for k in _CAST_OPTIONS if k in operations}
+            optimizers = [
+                m.name for m in layout.members if m.role == OPTIMIZER and m.name not in leave_out
+            ]
+            weights += optimizers
+            operations = {**operations, "only_cast": {name: casts for name in optimizers}}
         reports: list[EditReport] = []
         if dry_run:
             with using(chosen() or 1):
                 reports = ordered_map(
-                    lambda name: edit_file(source / name, dry_run=True, **operations), weights
+                    lambda name: edit_file(
+                        source / name, dry_run=True, **_member_operations(operations, name)
+                    ),
+                    weights,
                 )
             return _combined(source, output, layout.kind, reports, leave_out, False, True)
         # under torchrun, the weights files are shared by the ranks, each written into rank
@@ -131,14 +145,30 @@ def edit_directory(
     return _combined(source, output, layout.kind, reports, leave_out, True, False)
 
 
+#: The options of ``edit_file`` that an optimizer's file gets with ``--cast-optimizer``.
+_CAST_OPTIONS = ("dtype", "keep_dtype", "allow_overflow", "cast_optimizer")
+
+
 def _edit_member(source: Path, stage: Path, operations: dict[str, Any], name: str) -> EditReport:
-    """One weights file edited into ``stage`` (copied as it is when nothing in it changes)."""
+    """One weights file (or, ``--cast-optimizer``, optimizer file: ``only_cast``) edited into
+    ``stage`` (copied as it is when nothing in it changes)."""
     target = stage / name
     target.parent.mkdir(parents=True, exist_ok=True)
-    report = edit_file(source / name, target, overwrite=True, **operations)
+    report = edit_file(
+        source / name, target, overwrite=True, **_member_operations(operations, name)
+    )
     if not report.written:
         shutil.copyfile(source / name, target)  # nothing changed in this file
     return report
+
+
+def _member_operations(operations: dict[str, Any], name: str) -> dict[str, Any]:
+    """The operations for the member file ``name``: an optimizer's file (``only_cast``) is
+    cast only."""
+    only_cast = operations.get("only_cast") or {}
+    if name in only_cast:
+        return dict(only_cast[name])
+    return {k: v for k, v in operations.items() if k != "only_cast"}
 
 
 class _Unchanged(Exception):
@@ -148,7 +178,7 @@ class _Unchanged(Exception):
 def _config_dtype(config: Path, reports: list[EditReport]) -> None:
     """``config.json`` saying the dtype the weights were cast to, without an FP8
     ``quantization_config`` once its weights are dequantized."""
-    dtypes = {r.dtype for r in reports if r.cast}
+    dtypes = {r.dtype for r in reports if r.cast and r.dtype}
     if not config.is_file() or not dtypes:
         return
     (dtype,) = dtypes
@@ -189,6 +219,8 @@ def _combined(
         compacted=joined("compacted"),
         cast=joined("cast"),
         dtype=next((r.dtype for r in reports if r.dtype), None),
+        not_cast=joined("not_cast"),
+        underflow=joined("underflow"),
         mapped=joined("mapped"),
         dry_run=dry_run,
     )

@@ -380,6 +380,11 @@ def _is_optimizer_state(node: Any) -> bool:
     return isinstance(node, dict) and isinstance(node.get("state"), dict) and "param_groups" in node
 
 
+def is_optimizer_state(node: Any) -> bool:
+    """Whether ``node`` is an optimizer's ``state_dict()`` (its ``state`` and ``param_groups``)."""
+    return _is_optimizer_state(node)
+
+
 _TREES = (dict, list, tuple, OpaqueObject)
 _SCALARS = (int, float, str, bool)
 #: The exact classes of most leaves, tested before ``isinstance`` (bench/object_table.py: a

@@ -55,6 +55,7 @@ from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK
 from ckpttool.io.source import is_url, local_path
 from ckpttool.io.values import dense_record, read_array
+from ckpttool.model.dtypes import underflow_note
 from ckpttool.model.edits import EditLog, use_ema
 from ckpttool.model.records import TensorRecord
 from ckpttool.model.roles import layout_of
@@ -545,10 +546,7 @@ def _notes(plan: Plan, output_format: str, underflow: dict[str, int]) -> list[st
         names = [f"{e} ({n} values)" if n > 1 else e for e, n in entries.items()]
         notes.append(f"a .pth state dict holds tensors only; not written: {', '.join(names)}")
     if underflow:
-        target = plan.stored[0].dtype
-        shown = ", ".join(f"{name} ({count:,})" for name, count in list(underflow.items())[:5])
-        more = f" (+{len(underflow) - 5} more tensors)" if len(underflow) > 5 else ""
-        notes.append(f"values that became 0 in {target} (underflow): {shown}{more}")
+        notes.append(underflow_note(plan.stored[0].dtype, underflow))
     return notes
 
 
