@@ -42,6 +42,7 @@ from ckpttool.errors import (
     name_file,
 )
 from ckpttool.formats.registry import recover_file
+from ckpttool.frameworks.registry import file_placeholders
 from ckpttool.io import units
 from ckpttool.model import edits
 from ckpttool.model.cast import CASTABLE, TARGETS, cast_array, stored_dtype
@@ -100,6 +101,15 @@ class EditReport:
             self.dropped or self.renamed or self.compacted or self.cast or self.ema_taken
             or self.mapped or self.files_dropped
         )  # fmt: skip
+
+
+def _refuse_placeholders(root: Any, source: Path) -> None:
+    """The edits that make or change weights (``--for-inference``, ``--use-ema``, ``--map``,
+    ``--dtype``) refused for a file whose model is 0-element placeholders (a DeepSpeed ZeRO-3
+    rank's model states): the result would pass for the weights."""
+    found = file_placeholders(root, str(source))
+    if found is not None:
+        raise InputError(found.refusal(list(found.shapes)))
 
 
 def default_output(src: Path) -> Path:
@@ -175,6 +185,8 @@ def edit_file(
             viewed = found.root if modules is None else modules.root
             whole_module = modules is not None and "" in modules.classes
             layout = detect_layout(viewed, found.format, PICKLED_MODULE if whole_module else None)
+            if for_inference or use_ema is not None or map_name is not None or dtype is not None:
+                _refuse_placeholders(found.root, source)
             log = edits.EditLog()
             root = found.root
             sources = _Sources(handle.fileno(), found.intact)

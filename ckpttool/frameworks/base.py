@@ -501,6 +501,25 @@ class RunLayout:
     aside: Callable[[str], str] | None = None
 
 
+@dataclass(frozen=True)
+class Placeholders:
+    """Tensors of one file that stand for values the file does not hold: 0-element placeholders
+    where the file records the real shape (a DeepSpeed ZeRO-3 rank's ``model_states.pt``). No
+    command writes, returns or compares them as weights (:meth:`refusal`)."""
+
+    shapes: dict[str, tuple[int, ...]]  # tensor key -> the real shape the file records
+    what: str  # what the file is: "a DeepSpeed ZeRO-3 rank's model states"
+    where: str  # where the values are, and what to read instead (one clause)
+
+    def refusal(self, keys: list[str]) -> str:
+        """The one-line error for a command asked to use ``keys`` (placeholders) as weights."""
+        shown = ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+        return (
+            f"{self.what}: {len(keys)} tensor(s) hold 0 elements standing for the real ones "
+            f"({shown}); {self.where}"
+        )
+
+
 class Framework:
     """One framework's directory checkpoints. Subclass it in the framework's folder, and list
     the instance in :mod:`ckpttool.frameworks.registry`. Every hook but :meth:`detect` has a
@@ -562,6 +581,12 @@ class Framework:
         file it was found in): add what ``show`` prints to ``details`` and return the problems
         between the files (an index naming the wrong shard, ranks that disagree)."""
         return []
+
+    def file_placeholders(self, root: Any, path: str) -> Placeholders | None:
+        """The placeholders in one file of this framework read alone (``root``, its tree;
+        ``path``, its name), asked by :func:`ckpttool.frameworks.registry.file_placeholders`
+        when the file's top level holds this framework's mark; None: it holds none."""
+        return None
 
     def show_lines(self, details: dict[str, Any]) -> list[str]:
         """4. Lines ``show`` prints under the header, from the checkpoint's ``details``."""

@@ -28,6 +28,7 @@ from ckpttool.commands.selection import (
     OWN_KEYS,
     Selection,
     add_recorded_aliases,
+    refuse_placeholders,
     select,
     wrapper_hint,
 )
@@ -143,6 +144,8 @@ def build_plan(
         named = _renamed(named, choice.rename, notes)
     if choice.map is not None:
         named = _mapped(ckpt, named, choice, notes, decode=options.dequantize)
+    # a ZeRO-3 rank file's 0-element stand-ins: never written as the weights
+    refuse_placeholders(ckpt, [r.key for r in named.values()])
     warnings = [] if ignore_wrappers else _wrapper_warning(named)
     kept = {k for k, r in named.items() if keep_kinds and _keeps(r, densify, dequantize)}
     _refuse_unwritable(

@@ -56,7 +56,12 @@ from ckpttool.commands.mapped import (
     step_counts,
     with_derived,
 )
-from ckpttool.commands.selection import COMPONENT_OR_SECTION, Selection, side_section
+from ckpttool.commands.selection import (
+    COMPONENT_OR_SECTION,
+    Selection,
+    refuse_placeholders,
+    side_section,
+)
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import DEFAULT_VIEW, reported_layout, view_facts
@@ -266,6 +271,9 @@ def plan_diff(
         tensors_a = _mapped_side(ckpt_a, ckpt_b, tensors_a, selection, notes)
         aliases_a = {}  # declared under A's own names
     pairs = match_tensors(tensors_a, sel_b.tensors, aliases_a, aliases_b)
+    # a ZeRO-3 rank file's 0-element stand-ins would compare "identical": never as weights
+    refuse_placeholders(ckpt_a, [pair.a.key for pair in pairs if pair.a is not None])
+    refuse_placeholders(ckpt_b, [pair.b.key for pair in pairs if pair.b is not None])
     for pair in pairs:
         if pair.alias is not None:
             notes.append(alias_note(pair))
