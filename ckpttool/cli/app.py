@@ -221,7 +221,7 @@ def _echo_json(data: object) -> None:
 )  # fmt: skip
 @section_option()
 @component_option
-@click.option("--stats", is_flag=True, help="Read values: min/max/mean/std (ddof=0), NaN/Inf counts.")
+@click.option("--stats", is_flag=True, help="Read values: min/max/mean/std(ddof=0), NaN/Inf.")
 @click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
 @click.option("--depth", type=click.IntRange(min=0), help="Limit --tree to this depth.")
 @click.option(
