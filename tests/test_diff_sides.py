@@ -4,13 +4,16 @@ prefix alignment), and a key whose type changed between a field and a tensor."""
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from ckpttool.cli import cli
 from ckpttool.commands.diff.run import (
     DIFFER,
     IDENTICAL,
@@ -23,6 +26,7 @@ from ckpttool.commands.diff.run import (
 )
 from ckpttool.errors import InputError
 from tests.support.dcp_cases import DCP, DCP_PTH, DCP_SAFETENSORS
+from tests.support.helpers import FIXTURES
 
 NUM_MODEL = 12  # tensors of the DCP fixture's model (tied pair included)
 
@@ -360,3 +364,25 @@ def test_resume_files_labelled_apart_equal_outside_the_model_exit_0(tmp_path: Pa
     a["scheduler"] = {}
     report = diff(save(tmp_path / "a.pth", a), save(tmp_path / "b.pth", b))
     assert report.equal and statuses(report) == {IDENTICAL: 16}
+
+
+def test_fields_one_side_holds_are_summed_up_by_entry_unless_all() -> None:
+    """Issue 49 item 13: a model directory against a Trainer checkpoint printed every field of
+    the optimizer, scheduler, RNG, trainer state and training arguments as "(absent) -> ..."
+    (233 lines). Now one line per entry and side; ``--all`` and ``--json`` list them all."""
+    model = FIXTURES / "frameworks" / "hf_model"
+    trainer = FIXTURES / "frameworks" / "trainer_1proc" / "output" / "checkpoint-8"
+    runner = CliRunner()
+    data = json.loads(runner.invoke(cli, ["diff", str(model), str(trainer), "--quick", "--json"]).stdout)  # fmt: skip
+    only_b: dict[str, int] = {}
+    for entry in data["fields"]:
+        if entry["status"] == "only_b":
+            entry_name = entry["key"].split(".")[0]
+            only_b[entry_name] = only_b.get(entry_name, 0) + 1
+    assert only_b["optimizer"] > 3 and only_b["training_args"] > 3
+    text = runner.invoke(cli, ["diff", str(model), str(trainer), "--quick"])
+    assert text.exit_code == 1 and "(absent)" not in text.stdout
+    for entry_name, count in only_b.items():
+        assert f"{entry_name}: {count} fields only in B (--all or --json lists them)" in text.stdout
+    everything = runner.invoke(cli, ["diff", str(model), str(trainer), "--quick", "--all"])
+    assert everything.stdout.count("(absent)") == sum(only_b.values())

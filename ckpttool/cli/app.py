@@ -335,7 +335,9 @@ def show(
 )  # fmt: skip
 @click.option(
     "--all", "show_all", is_flag=True,
-    help="List every tensor, identical (and equal after rounding) ones too.",
+    help="List every tensor, identical (and equal after rounding) ones too, and every field "
+    "only one side holds (else more than 3 under one entry are one line: 'optimizer: 26 "
+    "fields only in B').",
 )  # fmt: skip
 @click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
 @map_options("A's tensor names and layout into B's (as edit --map)", "beside A or B")
