@@ -141,7 +141,7 @@ def _modules_text(modules: list[ModuleChange] | None) -> str:
     rows = [
         [
             group.group, str(group.tensors), str(group.changed), human_count(group.parameters),
-            _number(group.relative_change) + (f" ({group.unmeasured} not measured)" if group.unmeasured else ""),
+            _number(group.relative_change) + _unweighed(group),
         ]
         for group in modules
     ]  # fmt: skip
@@ -167,12 +167,21 @@ def _top_text(top: list[TensorDiff] | None) -> str:
     return with_bars(table(rows, TOP_HEADERS), changes, title="‖ΔW‖/‖W‖")
 
 
+def _unweighed(group: ModuleChange) -> str:
+    """What a group's relative change leaves out: tensors not measured, step counters."""
+    parts = [f"{group.unmeasured} not measured"] if group.unmeasured else []
+    if group.counters:
+        parts.append(f"{group.counters} step counter{'s' if group.counters > 1 else ''} left out")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def module_json(group: ModuleChange) -> dict[str, Any]:
     return {
         "group": group.group,
         "tensors": group.tensors,
         "changed": group.changed,
         "unmeasured": group.unmeasured,
+        "counters": group.counters,
         "parameters": group.parameters,
         "norm_a": math.sqrt(group.sum_sq_a),
         "diff_norm": math.sqrt(group.sum_sq_diff),
