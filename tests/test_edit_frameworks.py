@@ -191,3 +191,15 @@ def test_cast_optimizer_casts_a_trainer_checkpoints_optimizer_file_as_a_files(
     )
     for name in ("scheduler.pt", "trainer_state.json"):
         assert (out / name).read_bytes() == (TRAINER / name).read_bytes()
+
+
+def test_dtype_on_a_folder_reports_the_optimizer_state_it_keeps(tmp_path: Path) -> None:
+    """``--dtype`` keeps ``optimizer.pt`` as saved (copied) and says so as for a file: its
+    floating tensors (torch.load's of Trainer's own file) are the report's ``not_cast``."""
+    report = edit(TRAINER, tmp_path / "bf16", dtype="bf16")
+    saved = torch.load(TRAINER / "optimizer.pt", weights_only=True)["state"]
+    floating = {f"state.{i}.{n}" for i, s in saved.items() for n, v in s.items() if v.is_floating_point()}  # fmt: skip
+    assert floating and set(report.not_cast) == floating
+    assert (tmp_path / "bf16" / "optimizer.pt").read_bytes() == (
+        TRAINER / "optimizer.pt"
+    ).read_bytes()

@@ -104,6 +104,7 @@ def edit_directory(
             ]
             weights += optimizers
             operations = {**operations, "only_cast": {name: casts for name in optimizers}}
+        kept = _optimizer_state_kept(source, layout.members, leave_out, operations)
         reports: list[EditReport] = []
         if dry_run:
             with using(chosen() or 1):
@@ -113,7 +114,7 @@ def edit_directory(
                     ),
                     weights,
                 )
-            return _combined(source, output, layout.kind, reports, leave_out, False, True)
+            return _combined(source, output, layout.kind, reports, leave_out, False, True, kept)
         # under torchrun, the weights files are shared by the ranks, each written into rank
         # 0's staging directory; rank 0 alone does the rest
         with lead_staged(output) as stage:
@@ -139,10 +140,10 @@ def edit_directory(
                     (stage / rebuilt.index).write_bytes(rebuilt.content)
     except _Unchanged:
         assert layout is not None
-        return _combined(source, output, layout.kind, reports, leave_out, False, False)
+        return _combined(source, output, layout.kind, reports, leave_out, False, False, kept)
     except CkptError as error:
         raise name_file(error, str(source)) from None
-    return _combined(source, output, layout.kind, reports, leave_out, True, False)
+    return _combined(source, output, layout.kind, reports, leave_out, True, False, kept)
 
 
 #: The options of ``edit_file`` that an optimizer's file gets with ``--cast-optimizer``.
@@ -160,6 +161,21 @@ def _edit_member(source: Path, stage: Path, operations: dict[str, Any], name: st
     if not report.written:
         shutil.copyfile(source / name, target)  # nothing changed in this file
     return report
+
+
+def _optimizer_state_kept(
+    source: Path, members: Any, leave_out: tuple[str, ...], operations: dict[str, Any]
+) -> tuple[str, ...]:
+    """With ``--dtype`` and no ``--cast-optimizer``: the floating tensors of the directory's
+    optimizer files, which stay as saved (the file is copied), reported as a file's optimizer
+    state is (``not_cast``): one option, one report, on a file and on a folder."""
+    if operations.get("dtype") is None or operations.get("cast_optimizer"):
+        return ()
+    names = [m.name for m in members if m.role == OPTIMIZER and m.name not in leave_out]
+    options = {k: operations[k] for k in ("dtype", "keep_dtype") if k in operations}
+    return tuple(
+        key for name in names for key in edit_file(source / name, dry_run=True, **options).not_cast
+    )
 
 
 def _member_operations(operations: dict[str, Any], name: str) -> dict[str, Any]:
@@ -194,6 +210,7 @@ def _combined(
     files_dropped: tuple[str, ...],
     written: bool,
     dry_run: bool,
+    not_cast: tuple[str, ...] = (),
 ) -> EditReport:
     def joined(field: str) -> tuple[Any, ...]:
         return tuple(item for r in reports for item in getattr(r, field))
@@ -219,7 +236,7 @@ def _combined(
         compacted=joined("compacted"),
         cast=joined("cast"),
         dtype=next((r.dtype for r in reports if r.dtype), None),
-        not_cast=joined("not_cast"),
+        not_cast=joined("not_cast") + not_cast,
         underflow=joined("underflow"),
         mapped=joined("mapped"),
         dry_run=dry_run,
