@@ -221,7 +221,7 @@ def _echo_json(data: object) -> None:
 )  # fmt: skip
 @section_option()
 @component_option
-@click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")
+@click.option("--stats", is_flag=True, help="Read values: min/max/mean/std(ddof=0), NaN/Inf.")
 @click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
 @click.option("--depth", type=click.IntRange(min=0), help="Limit --tree to this depth.")
 @click.option(
@@ -335,7 +335,9 @@ def show(
 )  # fmt: skip
 @click.option(
     "--all", "show_all", is_flag=True,
-    help="List every tensor, identical (and equal after rounding) ones too.",
+    help="List every tensor, identical (and equal after rounding) ones too, and every field "
+    "only one side holds (else more than 3 under one entry are one line: 'optimizer: 26 "
+    "fields only in B').",
 )  # fmt: skip
 @click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
 @map_options("A's tensor names and layout into B's (as edit --map)", "beside A or B")
@@ -1217,13 +1219,20 @@ def repair_command(
 @map_options("the model's names and layout", "beside SRC")
 @click.option(
     "--dtype", type=click.Choice(["fp16", "bf16", "fp32"]),
-    help="Cast floating tensors (integer and float8 tensors are never cast).",
+    help="Cast the floating weights, on a file and on a directory alike (integer and float8 "
+    "tensors, step counters and an optimizer's state are never cast; values that become 0 "
+    "are reported).",
 )  # fmt: skip
 @click.option(
     "--keep-dtype", multiple=True, metavar="PATTERN",
     help="With --dtype: leave the tensors whose key matches alone (norms, routers); repeatable.",
 )  # fmt: skip
 @click.option("--allow-overflow", is_flag=True, help="With --dtype: write values too large as inf.")
+@click.option(
+    "--cast-optimizer", is_flag=True,
+    help="With --dtype: cast the optimizer's state too (its step counters never); a resumed "
+    "run then continues from the cast state.",
+)  # fmt: skip
 @click.option(
     "--compact", is_flag=True,
     help="Cut every storage to the bytes its tensors view (a view saved whole keeps only its "
@@ -1249,6 +1258,7 @@ def edit_command(
     dtype: str | None,
     keep_dtype: tuple[str, ...],
     allow_overflow: bool,
+    cast_optimizer: bool,
     compact: bool,
     dry_run: bool,
     force: bool,
@@ -1284,7 +1294,7 @@ def edit_command(
     report = lead_result(lambda: edit(
         src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
         use_ema=use_ema, map_name=map_name, map_params=_int_params(map_params), compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
-        in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
+        cast_optimizer=cast_optimizer, in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
     ))  # fmt: skip
     if as_json:
         _echo_json(edit_render.render_json(report))

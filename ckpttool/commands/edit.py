@@ -42,6 +42,7 @@ from ckpttool.errors import (
     name_file,
 )
 from ckpttool.formats.registry import recover_file
+from ckpttool.frameworks.registry import file_placeholders
 from ckpttool.io import units
 from ckpttool.model import edits
 from ckpttool.model.cast import CASTABLE, TARGETS, cast_array, stored_dtype
@@ -85,6 +86,10 @@ class EditReport:
     compacted: tuple[str, ...] = ()  # tensors whose storage was cut to the bytes they view
     cast: tuple[str, ...] = ()  # tensors cast to ``dtype``
     dtype: str | None = None  # the dtype tensors were cast to
+    # floating tensors --dtype left in their dtype: an optimizer's state (without
+    # --cast-optimizer) and step counters
+    not_cast: tuple[str, ...] = ()
+    underflow: tuple[tuple[str, int], ...] = ()  # (tensor, values the cast made 0)
     ema: str | None = None  # where --use-ema took the model's weights from
     ema_taken: int = 0  # model tensors given their EMA values
     ema_missing: tuple[str, ...] = ()  # model tensors the EMA does not hold (kept)
@@ -98,6 +103,15 @@ class EditReport:
             self.dropped or self.renamed or self.compacted or self.cast or self.ema_taken
             or self.mapped or self.files_dropped
         )  # fmt: skip
+
+
+def _refuse_placeholders(root: Any, source: Path) -> None:
+    """The edits that make or change weights (``--for-inference``, ``--use-ema``, ``--map``,
+    ``--dtype``) refused for a file whose model is 0-element placeholders (a DeepSpeed ZeRO-3
+    rank's model states): the result would pass for the weights."""
+    found = file_placeholders(root, str(source))
+    if found is not None:
+        raise InputError(found.refusal(list(found.shapes)))
 
 
 def default_output(src: Path) -> Path:
@@ -120,6 +134,7 @@ def edit_file(
     dtype: str | None = None,
     keep_dtype: list[str] | tuple[str, ...] = (),
     allow_overflow: bool = False,
+    cast_optimizer: bool = False,
     in_place: bool = False,
     backup: bool = False,
     dry_run: bool = False,
@@ -128,6 +143,8 @@ def edit_file(
     """Rewrite the checkpoint file ``src`` with the edits applied, in its own format, to ``dst``
     (default :func:`default_output`; ``in_place``: ``src`` itself, replaced atomically, kept as
     ``SRC.bak`` with ``backup``). Nothing is written when nothing changes or with ``dry_run``.
+    ``dtype`` casts the floating tensors but an optimizer's state and step counters
+    (:func:`~ckpttool.model.edits.cast_scope`); ``cast_optimizer``: the optimizer's state too.
     Raises a :class:`~ckpttool.errors.CkptError` naming ``src``."""
     source = Path(src)
     if in_place and dst is not None:
@@ -170,6 +187,8 @@ def edit_file(
             viewed = found.root if modules is None else modules.root
             whole_module = modules is not None and "" in modules.classes
             layout = detect_layout(viewed, found.format, PICKLED_MODULE if whole_module else None)
+            if for_inference or use_ema is not None or map_name is not None or dtype is not None:
+                _refuse_placeholders(found.root, source)
             log = edits.EditLog()
             root = found.root
             sources = _Sources(handle.fileno(), found.intact)
@@ -183,8 +202,11 @@ def edit_file(
             if map_name is not None:
                 spec = load_map(map_name, dict(map_params or {}), source.parent)
                 root = _apply_map(root, layout, spec, sources, log)
+            if cast_optimizer and dtype is None:
+                raise InputError("--cast-optimizer goes with --dtype")
             if dtype is not None:
-                root = _cast(root, dtype, list(keep_dtype), allow_overflow, sources, log)
+                castable = edits.cast_scope(root, optimizer=cast_optimizer)
+                root = _cast(root, dtype, list(keep_dtype), allow_overflow, sources, log, castable)
             if compact:
                 root, sources.regions = edits.compact(root, log)
             after = _tensors(root)
@@ -229,6 +251,10 @@ def edit_file(
         compacted=tuple(log.compacted),
         cast=tuple(log.cast),
         dtype=TARGETS.get(dtype, dtype) if dtype else None,
+        not_cast=tuple(log.not_cast),
+        underflow=tuple(
+            (key, sources.underflow[key]) for key in log.cast if sources.underflow.get(key)
+        ),
         ema=log.ema,
         ema_taken=len(log.ema_taken),
         ema_missing=tuple(log.ema_missing),
@@ -297,6 +323,7 @@ class _Sources:
         self.intact = intact
         self.regions: dict[str, tuple[str, int, int]] = {}
         self.derived: dict[str, Callable[[], bytes]] = {}
+        self.underflow: dict[str, int] = {}  # a cast tensor's values that became 0, by key
         self._last: tuple[str, bytes] | None = None  # the last derived bytes (the read-back)
 
     def read_range(self, storage_key: str, start: int, length: int) -> bytes:
@@ -332,11 +359,14 @@ def _cast(
     allow_overflow: bool,
     sources: _Sources,
     log: edits.EditLog,
+    castable: Callable[[str], bool] = lambda key: True,
 ) -> Any:
     """``root`` with every floating tensor (of a castable dtype) not matching ``keep`` cast to
     ``dtype`` (``fp16``/``bf16``/``fp32`` or a torch name), as new contiguous storages computed
     from the source's bytes at write time (one tensor in memory at a time). Tensors viewing the
-    same elements of one storage (tied weights) share the cast storage."""
+    same elements of one storage (tied weights) share the cast storage. ``castable``: which keys
+    may be cast (:func:`~ckpttool.model.edits.cast_scope`); the floating ones it refuses are
+    logged as not cast."""
     target = TARGETS.get(dtype, dtype)
     if target not in CASTABLE:
         raise InputError(f"--dtype {dtype}: expected one of {', '.join(TARGETS)}")
@@ -353,6 +383,9 @@ def _cast(
             or record.layout != "strided"
             or any(fnmatchcase(key, pattern) for pattern in keep)
         ):
+            return record
+        if not castable(key):
+            log.not_cast.append(key)
             return record
         view = (
             record.storage.key,
@@ -391,6 +424,7 @@ def _caster(
             flat, shape=record.shape, strides=[s * held.itemsize for s in record.stride]
         )
         out, counts = cast_array(np.ascontiguousarray(values), record.dtype, target)
+        sources.underflow[key] = counts.underflow  # set, not added: a storage may be made twice
         if counts.overflow and not allow_overflow:
             raise InputError(
                 f"--dtype: {counts.overflow:,} finite value(s) of {key!r} (largest "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -10,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.show_settings import part_settings, settings_of
 from ckpttool.errors import CkptError
-from ckpttool.frameworks.registry import framework_of
+from ckpttool.frameworks.base import Placeholders
+from ckpttool.frameworks.registry import file_placeholders, framework_of
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
     ChunkedStorageRecord,
@@ -309,6 +311,9 @@ def build_report(
             num_parameters = selected_elements if records else None
         elif selected_model:
             num_parameters = count_parameters(selected_model)
+    placeholders = file_placeholders(ckpt.root, ckpt.name)
+    if placeholders is not None:
+        num_parameters = _with_real_shapes(placeholders, infos, warnings, num_parameters)
     framework = framework_of(ckpt.details.get("layout"))
     real = framework.num_parameters(ckpt.details) if framework is not None else None
     if real is not None and not (section or pattern):
@@ -355,6 +360,34 @@ def build_report(
         parts=_selected_parts(ckpt, section),
         unreferenced=unreferenced,
     )
+
+
+def _with_real_shapes(
+    placeholders: Placeholders,
+    infos: list[TensorInfo],
+    warnings: list[str],
+    num_parameters: int | None,
+) -> int | None:
+    """A file's 0-element placeholders shown with the real shapes it records (each tensor's
+    note, one warning saying where the values are), and counted by them: ``num_parameters``
+    with each placeholder storage's real elements, once (a tied pair shares one)."""
+    listed = [info for info in infos if info.record.key in placeholders.shapes]
+    if not listed:
+        return num_parameters
+    seen: set[Any] = set()
+    extra = 0
+    for info in listed:
+        shape = placeholders.shapes[info.record.key]
+        info.notes.insert(0, f"placeholder of {list(shape)}: 0 elements stored")
+        storage = info.record.storage
+        identity = (
+            (storage.key, info.record.storage_offset) if storage is not None else info.record.key
+        )
+        if identity not in seen:
+            seen.add(identity)
+            extra += math.prod(shape)
+    warnings.insert(0, placeholders.refusal([info.record.key for info in listed]))
+    return (num_parameters or 0) + extra if num_parameters is not None else None
 
 
 def scalar_value(ckpt: Checkpoint, record: TensorRecord) -> Any:

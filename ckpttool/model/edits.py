@@ -63,6 +63,8 @@ class EditLog:
     rule_counts: list[int] = field(default_factory=list)  # keys each rename rule matched
     compacted: list[str] = field(default_factory=list)  # keys of tensors whose storage shrank
     cast: list[str] = field(default_factory=list)  # keys of tensors cast to another dtype
+    # floating tensors --dtype left alone as training state: optimizer state, step counters
+    not_cast: list[str] = field(default_factory=list)
     ema: str | None = None  # where --use-ema took the weights from
     ema_taken: list[str] = field(default_factory=list)  # model keys given their EMA values
     ema_missing: list[str] = field(default_factory=list)  # model tensors the EMA does not hold
@@ -115,6 +117,34 @@ def _in_dicts(root: Any, key: str) -> bool:
 def _literal(key: str) -> str:
     """``key`` as an ``fnmatch`` pattern that matches only itself."""
     return re.sub(r"([*?\[])", r"[\1]", key)
+
+
+#: The last key of a tensor ``--dtype`` never casts: an optimizer's per-parameter step counter
+#: (AdamW's is a float32 tensor: in bfloat16 it stops counting at 256, in float16 at 2048).
+COUNTER_NAMES = ("step",)
+
+
+def optimizer_states(root: Any) -> list[str]:
+    """The keys of the optimizer ``state_dict()`` s in ``root``, found by their structure
+    (:func:`ckpttool.model.structure.find_parts`): a resume file's ``optimizer``, a Lightning
+    ``.ckpt``'s ``optimizer_states.0``, ``""`` for a file that is one (Trainer's
+    ``optimizer.pt``)."""
+    return sorted(find_parts(root).optimizers)
+
+
+def cast_scope(root: Any, *, optimizer: bool) -> Any:
+    """Which tensors of ``root`` ``--dtype`` may cast, as a test of a tensor's key: never a step
+    counter (:data:`COUNTER_NAMES`), and an optimizer's state (:func:`optimizer_states`) only
+    when ``optimizer`` (``--cast-optimizer``): the model's weights are what a cast is for; a
+    resumed run needs its optimizer's state as it was saved."""
+    parts = [] if optimizer else optimizer_states(root)
+
+    def castable(key: str) -> bool:
+        if key.rpartition(".")[2] in COUNTER_NAMES:
+            return False
+        return not any(not p or key == p or key.startswith(p + ".") for p in parts)
+
+    return castable
 
 
 def drop(root: Any, patterns: list[str], log: EditLog) -> Any:

@@ -55,6 +55,7 @@ from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK
 from ckpttool.io.source import is_url, local_path
 from ckpttool.io.values import dense_record, read_array
+from ckpttool.model.dtypes import underflow_note
 from ckpttool.model.edits import EditLog, use_ema
 from ckpttool.model.records import TensorRecord
 from ckpttool.model.roles import layout_of
@@ -88,7 +89,7 @@ class ConvertReport:
     warnings: list[str] = field(default_factory=list)  # e.g. names kept with wrapper prefixes
     verified: bool = False
     directory: Path | None = None  # the model directory written, for a Hugging Face source
-    copied: list[str] = field(default_factory=list)  # its files copied byte for byte
+    copied: list[str] = field(default_factory=list)  # its files copied (config.json's dtype set)
 
 
 def convert(
@@ -185,11 +186,14 @@ def convert_with(
             with staged as staging:
                 counts = write(model_dir.moved(files, staging), sweep_in=target)
                 copied = model_dir.copy_files(output, staging)
+                retyped = model_dir.config_dtype(plan, staging, copied)
             report = _build_report(src_path, plan, files, counts, dtype=options.dtype,
                                    verified=verify)  # fmt: skip
             _name_remote_source(report, src, verify)
             report.directory = target
             report.copied = copied
+            if retyped is not None:
+                report.notes.append(retyped)
             return report
         check_targets(src_path, files, force)
         counts = write(files)
@@ -547,10 +551,7 @@ def _notes(plan: Plan, output_format: str, underflow: dict[str, int]) -> list[st
         names = [f"{e} ({n} values)" if n > 1 else e for e, n in entries.items()]
         notes.append(f"a .pth state dict holds tensors only; not written: {', '.join(names)}")
     if underflow:
-        target = plan.stored[0].dtype
-        shown = ", ".join(f"{name} ({count:,})" for name, count in list(underflow.items())[:5])
-        more = f" (+{len(underflow) - 5} more tensors)" if len(underflow) > 5 else ""
-        notes.append(f"values that became 0 in {target} (underflow): {shown}{more}")
+        notes.append(underflow_note(plan.stored[0].dtype, underflow))
     return notes
 
 

@@ -36,7 +36,7 @@ from ckpttool.commands.diff.match import (
     metadata_aliases,
     wrapper_note,
 )
-from ckpttool.commands.diff.sections import Part, choose_parts
+from ckpttool.commands.diff.sections import Part, choose_parts, compare_rest
 from ckpttool.commands.diff.values import (
     SameMeasures,
     ValueDiff,
@@ -56,7 +56,12 @@ from ckpttool.commands.mapped import (
     step_counts,
     with_derived,
 )
-from ckpttool.commands.selection import COMPONENT_OR_SECTION, Selection, side_section
+from ckpttool.commands.selection import (
+    COMPONENT_OR_SECTION,
+    Selection,
+    refuse_placeholders,
+    side_section,
+)
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import DEFAULT_VIEW, reported_layout, view_facts
@@ -266,6 +271,9 @@ def plan_diff(
         tensors_a = _mapped_side(ckpt_a, ckpt_b, tensors_a, selection, notes)
         aliases_a = {}  # declared under A's own names
     pairs = match_tensors(tensors_a, sel_b.tensors, aliases_a, aliases_b)
+    # a ZeRO-3 rank file's 0-element stand-ins would compare "identical": never as weights
+    refuse_placeholders(ckpt_a, [pair.a.key for pair in pairs if pair.a is not None])
+    refuse_placeholders(ckpt_b, [pair.b.key for pair in pairs if pair.b is not None])
     for pair in pairs:
         if pair.alias is not None:
             notes.append(alias_note(pair))
@@ -278,17 +286,30 @@ def plan_diff(
     fields, pairs = merge_type_changes(fields, pairs, part_a.prefixes, part_b.prefixes)
     if part_a.stored is not None or part_b.stored is not None:
         pairs, fields = _as_stored(pairs, fields, part_a.stored, part_b.stored)
+    # the layouts differ and only their weights were taken: the rest is compared too
+    rest_pairs, rest_fields = compare_rest(
+        ckpt_a, part_a, ckpt_b, part_b, {pair.key for pair in pairs}, notes
+    )
+    pairs += rest_pairs
+    fields += rest_fields
     if carries_metadata(ckpt_a.format) and carries_metadata(ckpt_b.format):
         fields += compare_fields(described_metadata(ckpt_a), described_metadata(ckpt_b))
     counters_a, counters_b = _counters(ckpt_a), _counters(ckpt_b)
     if counters_a is not None and counters_b is not None:  # two DeepSpeed tags
         fields += compare_fields(counters_a, counters_b)
-    side_a = _side(ckpt_a, part_a)
+    side_a, side_b = _side(ckpt_a, part_a), _side(ckpt_b, part_b)
     if selection.map is not None:
         side_a = replace(side_a, num_tensors=len(tensors_a), map=selection.map)
+    if rest_pairs:
+        side_a = replace(
+            side_a, num_tensors=side_a.num_tensors + sum(p.a is not None for p in rest_pairs)
+        )
+        side_b = replace(
+            side_b, num_tensors=side_b.num_tensors + sum(p.b is not None for p in rest_pairs)
+        )
     return DiffPlan(
         a=side_a,
-        b=_side(ckpt_b, part_b),
+        b=side_b,
         pairs=pairs,
         fields=fields,
         notes=notes,
