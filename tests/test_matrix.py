@@ -1,0 +1,335 @@
+"""Nothing lost and no quiet wrong answer (issue 49): every registered layout's fixture ×
+every command that takes it, intact and damaged, against the invariants of
+docs/development.md ("Invariants").
+
+The layouts and their fixtures are :data:`tests.support.matrix.TABLE`; a layout a registry
+adds joins every test here by being registered (``test_every_registered_layout_has_a_fixture``
+fails until the table names a fixture of it). Commands run in-process through click's
+``CliRunner`` (what a user runs, exit code and all) on copies in ``tmp_path``.
+
+:data:`KNOWN` lists the cases that fail today for a defect another item of issue 49 fixes:
+strict xfails, so that the fix's merge fails here until its entry is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+from ckpttool.cli import cli
+from tests.support import matrix
+from tests.support.matrix import TABLE, Fixture
+
+REPAIR = "#49 item repair (repair hides lost shards, verify skipping files)"
+EDIT_CAST = "#49 item semantics (edit --dtype casts optimizer state)"
+DIFF = "#49 item semantics (diff exit 0 / 'identical' on differing resume files)"
+SHOW = "#49 found by the matrix, unowned: show exits 0 on a directory with a data file lost"
+EDIT_DIR = "#49 found by the matrix, unowned: edit --dtype of a DCP framework folder"
+
+#: (layout, check) -> the item of issue 49 whose fix makes it pass. Delete an entry when its
+#: fix lands (a strict xfail that passes fails). A check is a test's name for it ("convert",
+#: "verify:deleted"...: see each test's ``cases``/``damaged_cases`` call).
+KNOWN: dict[tuple[str, str], str] = {
+    # verify says OK, repair says INTACT (exit 0), for a folder that lost a data file
+    ("torchtune", "verify:deleted"): REPAIR,
+    ("accelerate", "verify:deleted"): REPAIR,
+    ("torchtune", "repair:deleted"): REPAIR,
+    ("accelerate", "repair:deleted"): REPAIR,
+    ("hf_model", "repair:deleted"): REPAIR,  # DAMAGED, but not exit 1
+    # optimizer.state.*.step / exp_avg cast to bf16 with the model
+    ("torch-zip", "edit-dtype"): EDIT_CAST,
+    ("dcp", "edit-dtype"): EDIT_CAST,
+    # DeepSpeed: a changed model_states tensor, compared in the fp32 view only: "identical";
+    # Lightning sharded: a changed tensor of meta.pt (a callback's kth_value) is never compared
+    ("deepspeed", "diff-changed"): DIFF,
+    ("lightning_sharded", "diff-changed"): DIFF,
+    # show reads members' metadata only: a folder missing a member (or a run directory one of
+    # whose checkpoints lost a file or has one cut short) is shown, exit 0
+    **{
+        (layout, f"show:{how}"): SHOW
+        for layout, how in (
+            ("torchtitan_run", "truncated"), ("torchtune", "deleted"),
+            ("torchtune_run", "deleted"), ("sentence_transformers", "deleted"),
+            ("diffusers_pipeline", "deleted"), ("accelerate", "deleted"),
+            ("hf_trainer", "deleted"), ("hf_trainer_output", "truncated"),
+            ("hf_trainer_output", "deleted"), ("deepspeed", "deleted"),
+        )
+    },
+    # "tensors: 0 -> 0; nothing to change: nothing written", exit 0, for a folder of 30 tensors
+    ("lightning_sharded", "edit-dtype"): EDIT_DIR,
+    ("torchtitan", "edit-dtype"): EDIT_DIR,
+    # exit 2: "model.decoder...layer_norm_weight: not a tensor of this checkpoint"
+    ("megatron_torch_dist", "edit-dtype"): EDIT_DIR,
+}  # fmt: skip
+
+#: Layouts a command refuses as documented (exit 2, this message): not a loss, a refusal.
+REFUSED: dict[tuple[str, str], str] = {
+    **{
+        ("edit", layout): "edit does not rewrite"
+        for layout in (
+            "torchtune", "peft_adapter", "sentence_transformers", "diffusers_model",
+            "diffusers_ema", "diffusers_pipeline", "deepspeed", "megatron_legacy", "rank_set",
+        )
+    },
+    ("edit", "gguf"): "edit rewrites torch.save files",
+    ("repair", "gguf"): "not a file ckpttool can recover",
+}  # fmt: skip
+
+WITH_TENSORS = [f for f in TABLE if f.tensors and not f.collection]
+DAMAGES = ("truncated", "deleted")
+
+
+def cases(fixtures: list[Fixture], check: str) -> list[Any]:
+    """One pytest param per fixture, marked xfail where :data:`KNOWN` says so."""
+    params = []
+    for fixture in fixtures:
+        reason = KNOWN.get((fixture.layout, check))
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        params.append(pytest.param(fixture, id=fixture.id, marks=marks))
+    return params
+
+
+def damaged_cases(fixtures: list[Fixture], check: str) -> list[Any]:
+    """One param per fixture and way to damage it (a deleted file only where it has several)."""
+    params = []
+    for fixture in fixtures:
+        for damage in DAMAGES:
+            if damage == "deleted" and not _several_files(fixture):
+                continue
+            reason = KNOWN.get((fixture.layout, f"{check}:{damage}"))
+            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            params.append(pytest.param(fixture, damage, id=f"{fixture.id}-{damage}", marks=marks))
+    return params
+
+
+def _several_files(fixture: Fixture) -> bool:
+    if fixture.build is not None:
+        return False
+    return len(matrix.data_files(matrix.FIXTURES / fixture.path)) > 1
+
+
+def run(*args: Any, inputs: tuple[Path, ...] = ()) -> Result:
+    """The CLI on ``args``: no traceback, a documented exit code, an ``Error:`` line with
+    exit 2, and every path of ``inputs`` byte for byte as it was."""
+    before = {path: matrix.tree_hash(path) for path in inputs}
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        f"{args}: raised {result.exception!r}\n{result.output}"
+    )
+    assert "Traceback" not in result.output, result.output
+    assert result.exit_code in (0, 1, 2), (result.exit_code, result.output)
+    if result.exit_code == 2:
+        assert re.search(r"^Error: ", result.output, re.M), result.output
+    for path, hashes in before.items():
+        assert matrix.tree_hash(path) == hashes, f"{args}: changed {path}"
+    return result
+
+
+def refused(result: Result, command: str, fixture: Fixture) -> bool:
+    """Whether ``command`` refuses ``fixture``'s layout as :data:`REFUSED` says it does (then it
+    must have, with exit 2 and that message)."""
+    message = REFUSED.get((command, fixture.layout))
+    if message is None:
+        return False
+    assert result.exit_code == 2 and message in result.output, result.output
+    return True
+
+
+def damage(path: Path, how: str) -> Path:
+    """Damage the copy at ``path``; the file truncated or deleted."""
+    victim = matrix.truncate_one(path) if how == "truncated" else matrix.delete_one(path)
+    assert victim is not None
+    return victim
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    """The model's weights in the default view, as ckpttool's library loads them."""
+    import ckpttool
+
+    return dict(ckpttool.load_state_dict(str(path)))
+
+
+# --- the table against the registries ---------------------------------------------------------
+
+
+def test_every_registered_layout_has_a_fixture() -> None:
+    missing = matrix.registered_layouts() - {f.layout for f in TABLE}
+    assert not missing, (
+        f"registered layouts without a fixture in tests/support/matrix.py: {missing}"
+    )
+
+
+def test_the_table_names_registered_layouts_only() -> None:
+    assert {f.layout for f in TABLE} <= matrix.registered_layouts()
+
+
+@pytest.mark.parametrize("fixture", cases(list(TABLE), "detected"))
+def test_each_fixture_is_detected_as_its_layout(fixture: Fixture, tmp_path: Path) -> None:
+    path = fixture.copy_to(tmp_path)
+    result = run("show", "--json", path, inputs=(path,))
+    if fixture.refused is not None:  # refused by name: the format ckpttool reads no values of
+        assert result.exit_code == 2 and fixture.refused in result.output, result.output
+        return
+    shown = json.loads(result.stdout)
+    assert fixture.layout in (shown["format"], shown["layout"]), shown
+
+
+# --- show and verify ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture", cases(list(TABLE), "intact"))
+def test_show_and_verify_of_an_intact_fixture_exit_0(fixture: Fixture, tmp_path: Path) -> None:
+    path = fixture.copy_to(tmp_path)
+    shown = run("show", path, inputs=(path,))
+    verified = run("verify", path, inputs=(path,))
+    if fixture.refused is not None:  # show refuses it, verify reports it unreadable
+        assert shown.exit_code == 2 and fixture.refused in shown.output, shown.output
+        assert verified.exit_code == 1 and fixture.refused in verified.output, verified.output
+    elif fixture.collection:  # a run directory: show lists its checkpoints, verify asks for one
+        assert shown.exit_code == 0, shown.output
+        assert verified.exit_code == 2 and "name one of them" in verified.output, verified.output
+    else:
+        assert shown.exit_code == 0, shown.output
+        assert verified.exit_code == 0, verified.output
+
+
+@pytest.mark.parametrize(("fixture", "how"), damaged_cases(list(TABLE), "verify"))
+def test_verify_of_a_damaged_copy_fails_naming_the_file(
+    fixture: Fixture, how: str, tmp_path: Path
+) -> None:
+    path = fixture.copy_to(tmp_path)
+    victim = damage(path, how)
+    result = run("verify", path, inputs=(path,))
+    if fixture.collection and result.exit_code == 2 and "name one of them" in result.output:
+        return  # a run directory is refused whole: nothing read, nothing reported as clean
+    assert result.exit_code == 1, result.output
+    assert victim.name in result.output, result.output
+
+
+@pytest.mark.parametrize(("fixture", "how"), damaged_cases(list(TABLE), "show"))
+def test_show_of_a_damaged_copy_fails_naming_the_file(
+    fixture: Fixture, how: str, tmp_path: Path
+) -> None:
+    path = fixture.copy_to(tmp_path)
+    victim = damage(path, how)
+    result = run("show", path, inputs=(path,))
+    if fixture.collection and result.exit_code == 2 and "name one of them" in result.output:
+        return  # a run directory is refused whole: nothing read, nothing reported as clean
+    assert result.exit_code != 0, result.output
+    assert victim.name in result.output, result.output
+
+
+# --- diff -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture", cases(WITH_TENSORS, "diff-same"))
+def test_diff_with_an_identical_copy_exits_0(fixture: Fixture, tmp_path: Path) -> None:
+    a = fixture.copy_to(tmp_path / "a")
+    b = fixture.copy_to(tmp_path / "b")
+    result = run("diff", a, b, "--rtol", 0, "--atol", 0, inputs=(a, b))
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("fixture", cases(WITH_TENSORS, "diff-changed"))
+def test_diff_with_a_changed_copy_exits_1_and_names_both(fixture: Fixture, tmp_path: Path) -> None:
+    a = fixture.copy_to(tmp_path / "a")
+    b = fixture.copy_to(tmp_path / "b")
+    tensor, field = matrix.change_tensor_and_field(b)
+    assert tensor, "the matrix found no tensor to change"
+    result = run("diff", a, b, "--rtol", 0, "--atol", 0, "--json", inputs=(a, b))
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert any(t["status"] == "differ" for t in report["tensors"]), report["summary"]
+    if field is not None:
+        changed = [f["key"] for f in report["fields"] if f["status"] != "same"]
+        assert any(key == field or key.endswith("." + field) for key in changed), changed
+
+
+# --- convert, edit, repair, average, merge --------------------------------------------------
+
+
+def shown_tensors(path: Path) -> dict[str, str]:
+    """Every tensor ``show`` lists, by key: its dtype."""
+    shown = json.loads(run("show", "--json", path).stdout)
+    return {t["key"]: t["dtype"] for t in shown["tensors"]}
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(expected)
+    for key, tensor in expected.items():
+        assert got[key].dtype == tensor.dtype, key
+        assert torch.equal(got[key], tensor), key
+
+
+@pytest.mark.parametrize("fixture", cases(WITH_TENSORS, "convert"))
+def test_convert_writes_every_weight_and_it_loads(fixture: Fixture, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    src = fixture.copy_to(tmp_path / "in")
+    out = tmp_path / "out.safetensors"
+    result = run("convert", src, out, inputs=(src,))
+    assert result.exit_code == 0, result.output
+    loaded = load_file(str(out))  # safetensors' own loader reads it
+    assert loaded
+    assert_same_weights(weights(out), weights(src))
+
+
+@pytest.mark.parametrize("fixture", cases(WITH_TENSORS, "edit-dtype"))
+def test_edit_dtype_leaves_integers_and_optimizer_state_alone(
+    fixture: Fixture, tmp_path: Path
+) -> None:
+    src = fixture.copy_to(tmp_path / "in")
+    out = tmp_path / ("out" + (src.suffix if src.is_file() else ""))
+    result = run("edit", src, "--dtype", "bf16", "-o", out, inputs=(src,))
+    if refused(result, "edit", fixture):
+        return
+    assert result.exit_code == 0, result.output
+    before, after = shown_tensors(src), shown_tensors(out)
+    assert sorted(after) == sorted(before)
+    floating = {"float64", "float32", "float16", "bfloat16"}
+    for key, dtype in before.items():
+        if dtype not in floating or any("optim" in part for part in key.split(".")):
+            assert after[key] == dtype, (key, dtype, after[key])
+
+
+@pytest.mark.parametrize(("fixture", "how"), damaged_cases(WITH_TENSORS, "repair"))
+def test_repair_of_a_damaged_copy_exits_1_and_verify_still_fails(
+    fixture: Fixture, how: str, tmp_path: Path
+) -> None:
+    src = fixture.copy_to(tmp_path / "in")
+    damage(src, how)
+    out = ("-o", tmp_path / ("out" + src.suffix)) if src.is_file() else ()
+    result = run("repair", src, *out, inputs=(src,) if src.is_file() else ())
+    if refused(result, "repair", fixture):
+        return
+    assert result.exit_code == 1, result.output
+    verified = run("verify", src)
+    assert verified.exit_code == 1, verified.output
+
+
+@pytest.mark.parametrize("fixture", cases(WITH_TENSORS, "average"))
+def test_average_of_a_checkpoint_with_itself_gives_its_weights(
+    fixture: Fixture, tmp_path: Path
+) -> None:
+    src = fixture.copy_to(tmp_path / "in")
+    out = tmp_path / "avg.safetensors"
+    result = run("average", src, src, "-o", out, inputs=(src,))
+    assert result.exit_code == 0, result.output
+    assert_same_weights(weights(out), weights(src))
+
+
+@pytest.mark.parametrize("fixture", cases(WITH_TENSORS, "merge"))
+def test_merge_of_a_checkpoint_with_itself_gives_its_weights(
+    fixture: Fixture, tmp_path: Path
+) -> None:
+    src = fixture.copy_to(tmp_path / "in")
+    out = tmp_path / "merged.safetensors"
+    result = run("merge", src, src, "--method", "linear", "-o", out, inputs=(src,))
+    assert result.exit_code == 0, result.output
+    assert_same_weights(weights(out), weights(src))
