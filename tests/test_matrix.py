@@ -30,7 +30,6 @@ REPAIR = "#49 item repair (repair hides lost shards, verify skipping files)"
 EDIT_CAST = "#49 item semantics (edit --dtype casts optimizer state)"
 DIFF = "#49 item semantics (diff exit 0 / 'identical' on differing resume files)"
 SHOW = "#49 found by the matrix, unowned: show exits 0 on a directory with a data file lost"
-EDIT_DIR = "#49 found by the matrix, unowned: edit --dtype of a DCP framework folder"
 
 #: (layout, check) -> the item of issue 49 whose fix makes it pass. Delete an entry when its
 #: fix lands (a strict xfail that passes fails). A check is a test's name for it ("convert",
@@ -61,11 +60,6 @@ KNOWN: dict[tuple[str, str], str] = {
             ("hf_trainer_output", "deleted"), ("deepspeed", "deleted"),
         )
     },
-    # "tensors: 0 -> 0; nothing to change: nothing written", exit 0, for a folder of 30 tensors
-    ("lightning_sharded", "edit-dtype"): EDIT_DIR,
-    ("torchtitan", "edit-dtype"): EDIT_DIR,
-    # exit 2: "model.decoder...layer_norm_weight: not a tensor of this checkpoint"
-    ("megatron_torch_dist", "edit-dtype"): EDIT_DIR,
 }  # fmt: skip
 
 #: Layouts a command refuses as documented (exit 2, this message): not a loss, a refusal.
@@ -75,6 +69,9 @@ REFUSED: dict[tuple[str, str], str] = {
         for layout in (
             "torchtune", "peft_adapter", "sentence_transformers", "diffusers_model",
             "diffusers_ema", "diffusers_pipeline", "deepspeed", "megatron_legacy", "rank_set",
+            # a framework's DCP directory: refused by the framework, no longer edited as bare
+            # DCP (nothing cast, exit 0, or "not a tensor of this checkpoint")
+            "lightning_sharded", "torchtitan", "megatron_torch_dist",
         )
     },
     ("edit", "gguf"): "edit rewrites torch.save files",
