@@ -11,6 +11,7 @@ names a fixture for it.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,13 +123,41 @@ def truncate_one(path: Path) -> Path:
     return victim
 
 
+#: The roles of a framework directory's members that hold the model's weights (``show --json``'s
+#: ``details.members``): a deleted one loses weights, not an optional file (a Trainer's
+#: ``optimizer.pt`` is absent by choice with ``save_only_model``).
+WEIGHTS_ROLES = ("weights", "model_states", "format_data")
+
+
 def delete_one(path: Path) -> Path | None:
-    """Delete the largest data file of a directory of several; the file deleted (None: one)."""
+    """Delete the largest data file that holds weights (a shard, a rank's file) of a
+    directory of several; the file deleted (None: a file, or a directory of one)."""
     files = data_files(path)
     if path.is_file() or len(files) < 2:
         return None
-    files[0].unlink()
-    return files[0]
+    roles = _member_roles(path)
+    weights = [f for f in files if roles.get(f.relative_to(path).as_posix()) in WEIGHTS_ROLES]
+    indexed = {
+        name for index in path.glob("*.index.json")
+        for name in json.loads(index.read_text()).get("weight_map", {}).values()
+    }  # fmt: skip
+    shards = [f for f in weights if f.name in indexed]  # a shard an index names: surely needed
+    victim = (shards or weights or files)[0]
+    victim.unlink()
+    return victim
+
+
+def _member_roles(path: Path) -> dict[str, str]:
+    """A framework directory's members by name: their roles (empty: no framework's)."""
+    from ckpttool.checkpoint import open_checkpoint
+    from ckpttool.errors import CkptError
+
+    try:
+        with open_checkpoint(str(path)) as ckpt:
+            members = ckpt.details.get("members") or []
+    except CkptError:
+        return {}
+    return {m["name"]: m.get("role", "") for m in members if isinstance(m, dict)}
 
 
 def tree_hash(path: Path) -> dict[str, str]:
