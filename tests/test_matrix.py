@@ -30,6 +30,7 @@ from tests.support.matrix import TABLE, Fixture
 REPAIR = "#49 item repair (repair hides lost shards, verify skipping files)"
 EDIT_CAST = "#49 item semantics (edit --dtype casts optimizer state)"
 DIFF = "#49 item semantics (diff exit 0 / 'identical' on differing resume files)"
+CONFIG = "#49 item semantics (config dtype: convert --dtype keeps config.json's dtype)"
 
 #: (layout, check) -> the item of issue 49 whose fix makes it pass. Delete an entry when its
 #: fix lands (a strict xfail that passes fails). A check is a test's name for it ("convert",
@@ -44,6 +45,10 @@ KNOWN: dict[tuple[str, str], str] = {
     # Lightning sharded: a changed tensor of meta.pt (a callback's kth_value) is never compared
     ("deepspeed", "diff-changed"): DIFF,
     ("lightning_sharded", "diff-changed"): DIFF,
+    # convert --dtype bf16 into a model directory copies config.json as it is ("float32"):
+    # from_pretrained(dtype="auto") loads the bf16 weights as float32
+    ("hf_model", "from-pretrained"): CONFIG,
+    ("hf_trainer", "from-pretrained"): CONFIG,
 }  # fmt: skip
 
 #: Layouts a command refuses as documented (exit 2, this message): not a loss, a refusal.
@@ -325,3 +330,29 @@ def test_merge_of_a_checkpoint_with_itself_gives_its_weights(
     result = run("merge", src, src, "--method", "linear", "-o", out, inputs=(src,))
     assert result.exit_code == 0, result.output
     assert_same_weights(weights(out), weights(src))
+
+
+#: The layouts ``convert`` writes as a model directory (DST a directory): their consumer is
+#: transformers' ``from_pretrained``.
+MODEL_DIRECTORIES = [f for f in WITH_TENSORS if f.layout in ("hf_model", "hf_trainer")]
+
+
+@pytest.mark.parametrize("fixture", cases(MODEL_DIRECTORIES, "from-pretrained"))
+def test_a_converted_model_directory_loads_in_from_pretrained_in_its_dtype(
+    fixture: Fixture, tmp_path: Path
+) -> None:
+    import transformers
+
+    src = fixture.copy_to(tmp_path / "in")
+    out = tmp_path / "out"
+    result = run("convert", src, f"{out}/", "--dtype", "bf16", inputs=(src,))
+    assert result.exit_code == 0, result.output
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True, dtype="auto"
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.dtype == torch.bfloat16  # config.json says the dtype the weights are in
+    expected = weights(src)
+    loaded = model.state_dict()
+    for key, tensor in expected.items():
+        assert torch.equal(loaded[key], tensor.to(torch.bfloat16)), key
