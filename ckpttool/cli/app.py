@@ -245,7 +245,9 @@ def show(
 
     Reads torch.save files (zip and legacy), safetensors, plain pickles and
     torch.distributed.checkpoint directories (global shapes, chunks and their rank files).
-    Tensor bytes are read only with --stats.
+    Tensor bytes are read only with --stats. Exit 0 when shown, 1 when a framework's
+    directory is incomplete (a file its framework writes is missing: listed under missing:,
+    the rest shown), 2 on error.
 
     \b
     Examples:
@@ -285,14 +287,18 @@ def show(
         report = build_report(
             ckpt, section=section, pattern=pattern, stats=stats, all_fields=as_json
         )
+        # a directory missing a file its framework writes holds less than it should: found
+        incomplete = bool(ckpt.details.get("missing"))
     if as_json:
         for chunk in show_render.json_chunks(report):  # each tensor's line made as written
             click.echo(chunk, nl=False)
         click.echo()
-        return
-    click.echo(show_render.render_text(report))
-    for warning in report.warnings:
-        click.echo(f"warning: {warning}", err=True)
+    else:
+        click.echo(show_render.render_text(report))
+        for warning in report.warnings:
+            click.echo(f"warning: {warning}", err=True)
+    if incomplete:
+        sys.exit(1)
 
 
 @cli.command("diff")

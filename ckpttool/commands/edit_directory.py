@@ -22,7 +22,7 @@ from ckpttool.commands.edit_format_directory import edit_format_directory, lead_
 from ckpttool.errors import CkptError, InputError, OutputExistsError, name_file
 from ckpttool.formats.registry import directory_formats
 from ckpttool.frameworks.base import INDEX, MODEL_CONFIG, OPTIMIZER, WEIGHTS, config_with_dtype
-from ckpttool.frameworks.registry import detect_directory, framework_of
+from ckpttool.frameworks.registry import detect_before_format, detect_directory, framework_of
 from ckpttool.io import units
 from ckpttool.io.parallel import chosen, ordered_map, using
 
@@ -36,7 +36,11 @@ def edit(
     Hugging Face model directory ``src`` (:func:`edit_directory`)."""
     if Path(src).is_dir():
         fmt = next((f for f in directory_formats() if f.recognises_directory(src)), None)
-        if fmt is not None:  # under torchrun: its data files shared by the ranks
+        # a framework's directory over the format (Lightning sharded, torchtitan, Megatron
+        # torch_dist) is the framework's to edit or refuse: as the format's, its merged tree's
+        # keys are no keys of the format's files (nothing cast, or a key "not a tensor")
+        if fmt is not None and detect_before_format(str(src)) is None:
+            # under torchrun: its data files shared by the ranks
             return edit_format_directory(src, dst, fmt, **options)
         if options.get("dry_run"):
             units.lead_only()
