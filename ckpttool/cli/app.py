@@ -10,6 +10,7 @@ import contextlib
 import gc
 import io
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -40,7 +41,9 @@ from ckpttool.errors import (
     EXIT_INTERRUPTED,
     EXIT_PIPE_CLOSED,
     CkptError,
+    STOP_SIGNALS,
     InputError,
+    Stopped,
 )
 
 EXIT_CODES_HELP = """\b
@@ -51,7 +54,8 @@ Exit codes:
        repair: something stays lost or damaged
     2  error: missing/unreadable/corrupt/unsafe input, bad usage; verify/scan: a path
        could not be checked (or held no checkpoint) and nothing was found elsewhere
-  130  interrupted (Ctrl-C): files being written were removed, the inputs untouched
+  130  interrupted (Ctrl-C): files being written were removed, the inputs untouched;
+       SIGTERM (143) and SIGHUP (129) do the same
   141  stdout was closed early (| head): the output stops there, with no message"""
 
 
@@ -87,6 +91,10 @@ class CkptGroup(click.Group):
             except OSError as error:  # a disk or permission problem the library did not expect
                 where = f": {error.filename}" if error.filename else ""
                 _fail(f"{error.strerror or error}{where}", EXIT_ERROR)
+            except RuntimeError as error:  # Path.resolve() before Python 3.13 (then ELOOP)
+                if not str(error).startswith("Symlink loop from "):
+                    raise
+                _fail(str(error), EXIT_ERROR)
 
 
 @contextlib.contextmanager
@@ -106,8 +114,8 @@ def _stopped_quietly() -> Iterator[None]:
             _flush_stdout(failure_reported=True)
             raise
         _flush_stdout(failure_reported=False)
-    except KeyboardInterrupt:
-        _interrupted()
+    except KeyboardInterrupt as stop:
+        _interrupted(stop)
     except BrokenPipeError:
         _pipe_closed()
 
@@ -126,11 +134,33 @@ def _flush_stdout(*, failure_reported: bool) -> None:
             _fail(f"writing the output failed: {error.strerror or error}", EXIT_ERROR)
 
 
-def _interrupted() -> NoReturn:
+def _interrupted(stop: KeyboardInterrupt) -> NoReturn:
+    if isinstance(stop, Stopped):
+        click.echo(f"Error: interrupted ({stop.name})", err=True)
+        sys.exit(128 + stop.signal_number)
     # a terminal shows "^C" where the cursor is: the line starts on a line of its own
     lead = "\n" if sys.stderr.isatty() else ""
     click.echo(f"{lead}Error: interrupted", err=True)
     sys.exit(EXIT_INTERRUPTED)
+
+
+def _stop_like_ctrl_c() -> None:
+    """SIGTERM and SIGHUP raise :class:`~ckpttool.errors.Stopped` (a KeyboardInterrupt) in the
+    main thread, so that they take Ctrl-C's one path: every write's cleanup runs, the inputs
+    stay untouched, one line, exit 128 + signal. A signal ignored when the command started
+    (``nohup``) stays ignored. Once one arrived, further ones are ignored so that the cleanup
+    it started is not cut short (a second Ctrl-C still is; SIGKILL leaves only temp files the
+    next write sweeps). ``--jobs`` workers reset them (:mod:`ckpttool.io.parallel`); each
+    torchrun rank is a command of its own and runs this too."""
+
+    def stop(signal_number: int, frame: object) -> None:
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
+        raise Stopped(signal_number, signal.Signals(signal_number).name)
+
+    for number in STOP_SIGNALS:
+        if signal.getsignal(number) is not signal.SIG_IGN:
+            signal.signal(number, stop)
 
 
 def _pipe_closed() -> NoReturn:
@@ -174,6 +204,7 @@ GC_THRESHOLD = (100_000, 50, 100)
 
 def main() -> None:
     gc.set_threshold(*GC_THRESHOLD)
+    _stop_like_ctrl_c()
     _stdout_writes_all()
     with _stopped_quietly():  # the instants before click's main and after it
         cli(prog_name="ckpttool")

@@ -19,12 +19,13 @@ import ctypes
 import ctypes.util
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ckpttool.errors import OutputExistsError
+from ckpttool.errors import CLEANUP_SIGNALS, OutputExistsError
 
 #: Temp files are named ``.<target name>.<random>.ckpttool-tmp`` so that ``verify`` can find
 #: leftovers of interrupted writes next to a checkpoint.
@@ -34,6 +35,18 @@ TMP_SUFFIX = ".ckpttool-tmp"
 def temp_name_pattern(target: Path) -> str:
     """Glob pattern matching the temp files a write to ``target`` may leave after a crash."""
     return f".{target.name}.*{TMP_SUFFIX}"
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP held back (delivered at the end of the block) while a temp
+    file or directory is made and recorded for removal: one arriving in between would leave
+    it behind (the test that stops a write the instant its temp file appears caught it)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, CLEANUP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def fsync_dir(directory: Path) -> None:
@@ -79,10 +92,11 @@ def atomic_group(
     try:
         for target in targets:
             directory = target.parent if str(target.parent) else Path(".")
-            fd, tmp_name = tempfile.mkstemp(
-                prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=directory
-            )
-            temps.append((Path(tmp_name), target))
+            with signals_held():
+                fd, tmp_name = tempfile.mkstemp(
+                    prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=directory
+                )
+                temps.append((Path(tmp_name), target))
             handles.append(stack.enter_context(os.fdopen(fd, "wb")))
         yield handles
         for handle in handles:
@@ -154,7 +168,8 @@ def staged_directory(
         _fsync_tree(staging)
         replace_directory(staging, target, replace_existing)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
