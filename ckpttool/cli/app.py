@@ -1200,7 +1200,7 @@ def repair_command(
 @click.option(
     "--drop", multiple=True, metavar="PATTERN",
     help="Leave out the entries whose key matches (a glob: 'optimizer', 'model.lm_head.*'); "
-    "repeatable.",
+    "repeatable. A pattern (as for --keep, --rename) that matches no key is an error.",
 )  # fmt: skip
 @click.option(
     "--keep", multiple=True, metavar="PATTERN",

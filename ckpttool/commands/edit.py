@@ -89,6 +89,7 @@ class EditReport:
     mapped: tuple[tuple[str, str, str], ...] = ()  # (op, sources, targets) of each --map step
     dry_run: bool = False  # nothing was to be written
     files_dropped: tuple[str, ...] = ()  # a directory's member files left out
+    unmatched: tuple[str, ...] = ()  # patterns that matched nothing (``require_matches=False``)
 
     @property
     def changed(self) -> bool:
@@ -122,6 +123,7 @@ def edit_file(
     backup: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
+    require_matches: bool = True,
 ) -> EditReport:
     """Rewrite the checkpoint file ``src`` with the edits applied, in its own format, to ``dst``
     (default :func:`default_output`; ``in_place``: ``src`` itself, replaced atomically, kept as
@@ -178,6 +180,8 @@ def edit_file(
             root = edits.drop(root, list(drop), log)
             root = edits.keep(root, list(keep), log)
             root = edits.rename(root, list(rename), log)
+            if require_matches:
+                edits.refuse_unmatched(log.unmatched)
             if map_name is not None:
                 spec = load_map(map_name, dict(map_params or {}), source.parent)
                 root = _apply_map(root, layout, spec, sources, log)
@@ -231,6 +235,7 @@ def edit_file(
         ema_taken=len(log.ema_taken),
         ema_missing=tuple(log.ema_missing),
         mapped=tuple(log.mapped),
+        unmatched=tuple(log.unmatched),
         dry_run=dry_run,
         tensors_before=len(_viewed_tensors(found.root)),
         tensors_after=len(_viewed_tensors(root)),

@@ -26,6 +26,7 @@ from ckpttool.frameworks.base import INDEX, WEIGHTS
 from ckpttool.frameworks.registry import detect_directory, framework_of
 from ckpttool.io import units
 from ckpttool.io.parallel import chosen, ordered_map, using
+from ckpttool.model import edits
 
 #: The config keys transformers reads the weights' dtype from (``dtype`` since 4.56).
 DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -101,8 +102,12 @@ def edit_directory(
         if dry_run:
             with using(chosen() or 1):
                 reports = ordered_map(
-                    lambda name: edit_file(source / name, dry_run=True, **operations), weights
+                    lambda name: edit_file(
+                        source / name, dry_run=True, require_matches=False, **operations
+                    ),
+                    weights,
                 )
+            _refuse_unmatched_in_all(reports)
             return _combined(source, output, layout.kind, reports, leave_out, False, True)
         # under torchrun, the weights files are shared by the ranks, each written into rank
         # 0's staging directory; rank 0 alone does the rest
@@ -113,6 +118,7 @@ def edit_directory(
             # N times one file's edit, so 1 unless asked), the reports in the members' order
             with using(chosen() or 1):
                 reports = units.shared_map(edit_one, weights, sizes)
+            _refuse_unmatched_in_all(reports)
             units.lead_only()
             if not leave_out and not any(r.changed for r in reports):
                 raise _Unchanged
@@ -139,10 +145,17 @@ def _edit_member(source: Path, stage: Path, operations: dict[str, Any], name: st
     """One weights file edited into ``stage`` (copied as it is when nothing in it changes)."""
     target = stage / name
     target.parent.mkdir(parents=True, exist_ok=True)
-    report = edit_file(source / name, target, overwrite=True, **operations)
+    report = edit_file(source / name, target, overwrite=True, require_matches=False, **operations)
     if not report.written:
         shutil.copyfile(source / name, target)  # nothing changed in this file
     return report
+
+
+def _refuse_unmatched_in_all(reports: list[EditReport]) -> None:
+    """A pattern is checked against the whole directory: one that no weights file matched."""
+    if reports:
+        everywhere = set.intersection(*(set(r.unmatched) for r in reports))
+        edits.refuse_unmatched([u for u in reports[0].unmatched if u in everywhere])
 
 
 class _Unchanged(Exception):

@@ -88,6 +88,7 @@ def edit_format_directory(
             root = edits.drop(root, list(drop), log)
             root = edits.keep(root, list(keep), log)
             root = edits.rename(root, list(rename), log)
+            edits.refuse_unmatched(log.unmatched)
             after = _tensors(root)
             casts = _casts(after, dtype, list(keep_dtype), allow_overflow, log)
             changed = bool(log.dropped or log.renamed or log.cast)
