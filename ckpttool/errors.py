@@ -50,6 +50,15 @@ class InputError(CkptError):
     """The path given is not usable: missing, a directory, empty, unreadable."""
 
 
+class MissingFileError(InputError, FileNotFoundError):
+    """The path does not exist; a :class:`FileNotFoundError` too, so that a library caller's
+    ``except FileNotFoundError`` (or ``OSError``) sees it."""
+
+
+class UnreadableFileError(InputError, PermissionError):
+    """The path exists but may not be read; a :class:`PermissionError` too."""
+
+
 class EmptyFileError(InputError):
     """The file is there but holds no byte: a save that was interrupted (``verify``: a problem
     found, not a path it could not check)."""

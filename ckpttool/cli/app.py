@@ -84,6 +84,12 @@ class CkptGroup(click.Group):
                 return super().invoke(ctx)
             except CkptError as error:
                 _fail(str(error), error.exit_code)
+            except click.BadParameter as error:  # a path argument click checked (unreadable)
+                if not isinstance(error.param, click.Argument) or not isinstance(
+                    error.param.type, click.Path
+                ):
+                    raise
+                _fail(error.format_message(), EXIT_ERROR)
             except MemoryError:
                 _fail("out of memory while reading the file", EXIT_ERROR)
             except BrokenPipeError:  # stdout closed: _stopped_quietly's, not an error to print

@@ -50,8 +50,11 @@ def edit(
 
 
 def default_output(src: Path) -> Path:
-    """``NAME.edited`` beside the directory ``src``."""
-    return src.with_name(f"{src.name}.edited")
+    """``NAME.edited`` beside the directory ``src`` (``.``: the working directory's name)."""
+    named = src if src.name else src.resolve()
+    if not named.name:
+        raise InputError(f"{src}: has no name to derive an output's from; name an output")
+    return named.with_name(f"{named.name}.edited")
 
 
 def edit_directory(

@@ -60,6 +60,8 @@ def edit_format_directory(
         if in_place
         else Path(dst)
         if dst is not None
+        else source.resolve().with_name(f"{source.resolve().name}.edited")
+        if not source.name  # ".": the working directory's name
         else source.with_name(f"{source.name}.edited")
     )
     try:
