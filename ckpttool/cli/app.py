@@ -578,7 +578,12 @@ def trend_command(
 )  # fmt: skip
 @click.option("-o", "--output", metavar="OUT", help="Write to OUT instead of in place.")
 @force_option
-@click.option("--backup", is_flag=True, help="Keep the original as PATH.bak (never overwritten).")
+@click.option(
+    "--backup",
+    is_flag=True,
+    help="Keep the original as PATH.bak (never overwritten; one an interrupted run "
+    "left, the same bytes as PATH, is replaced).",
+)
 @click.option(
     "--in-place", is_flag=True,
     help="For a directory: replace it (default: write PATH.wsN, or -o OUT).",
@@ -1202,7 +1207,12 @@ def repair_command(
     "NAME.edited).",
 )  # fmt: skip
 @click.option("--in-place", is_flag=True, help="Replace SRC itself, atomically.")
-@click.option("--backup", is_flag=True, help="With --in-place: keep the original as SRC.bak.")
+@click.option(
+    "--backup",
+    is_flag=True,
+    help="With --in-place: keep the original as SRC.bak (never overwritten; one an "
+    "interrupted run left, the same bytes as SRC, is replaced).",
+)
 @click.option(
     "--drop", multiple=True, metavar="PATTERN",
     help="Leave out the entries whose key matches (a glob: 'optimizer', 'model.lm_head.*'); "

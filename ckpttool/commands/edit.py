@@ -43,6 +43,7 @@ from ckpttool.errors import (
 )
 from ckpttool.formats.registry import recover_file
 from ckpttool.io import units
+from ckpttool.io.atomic import clear_stale_backup
 from ckpttool.model import edits
 from ckpttool.model.cast import CASTABLE, TARGETS, cast_array, stored_dtype
 from ckpttool.model.mapping import MapSpec, load_map, plan
@@ -199,7 +200,12 @@ def edit_file(
                 raise OutputExistsError(
                     f"{output} already exists (pass overwrite=True to replace it)"
                 )
-            if write and backup_path is not None and os.path.lexists(backup_path):
+            if (
+                write
+                and backup_path is not None
+                and os.path.lexists(backup_path)
+                and not clear_stale_backup(source, backup_path, dry_run=dry_run)
+            ):
                 raise OutputExistsError(f"{backup_path} already exists: move it away first")
 
             # --jobs N, torchrun's ranks: the derived storages (casts...) shared by the workers

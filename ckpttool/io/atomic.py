@@ -49,6 +49,30 @@ def signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+def clear_stale_backup(original: Path, backup: Path, *, dry_run: bool = False) -> bool:
+    """Remove ``backup`` (not with ``dry_run``) where it is what an interrupted ``--backup``
+    rewrite left (killed before it could remove it): the original's own inode (the hard link a
+    backup is), or a copy of the same bytes. It holds nothing the original does not, and left
+    there it would refuse every later ``--backup``. Returns whether it was stale; any other
+    file at ``backup`` is kept (a backup is never overwritten) and the caller refuses."""
+    try:
+        if not (os.path.samefile(original, backup) or _same_bytes(original, backup)):
+            return False
+        if not dry_run:
+            backup.unlink()
+    except OSError:
+        return False
+    return True
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    if os.path.islink(b) or not os.path.isfile(b) or os.path.getsize(a) != os.path.getsize(b):
+        return False
+    import filecmp
+
+    return filecmp.cmp(a, b, shallow=False)
+
+
 def fsync_dir(directory: Path) -> None:
     """fsync a directory so that renames and creations inside it are durable."""
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
