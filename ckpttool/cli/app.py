@@ -40,8 +40,8 @@ from ckpttool.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_PIPE_CLOSED,
-    CkptError,
     STOP_SIGNALS,
+    CkptError,
     InputError,
     Stopped,
 )
