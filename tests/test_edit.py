@@ -158,9 +158,7 @@ def test_refusals_write_nothing(tmp_path: Path) -> None:
     # issue 49: a pattern that matches nothing is an error (it wrote an unchanged file, exit 0)
     with pytest.raises(InputError, match=r"--drop 'nothing.matches': matches no key"):
         edit_file(WEIGHTS, tmp_path / "o.pth", drop=["nothing.matches"])
-    report = edit_file(
-        WEIGHTS, tmp_path / "o.pth", drop=["nothing.matches"], require_matches=False
-    )
+    report = edit_file(WEIGHTS, tmp_path / "o.pth", drop=["nothing.matches"], require_matches=False)
     assert not report.changed and not report.written and not (tmp_path / "o.pth").exists()
     assert report.unmatched == ("--drop 'nothing.matches'",)
 

@@ -141,9 +141,7 @@ def test_a_symlink_loop_is_one_line(tmp_path: Path) -> None:
             result = CliRunner().invoke(cli, argv)
         finally:
             os.chdir(cwd)
-        assert (
-            (result.exit_code == 2
-            and result.exception is None)
-            or isinstance(result.exception, SystemExit)
+        assert (result.exit_code == 2 and result.exception is None) or isinstance(
+            result.exception, SystemExit
         ), result.exception
         assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1
