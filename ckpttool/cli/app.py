@@ -750,8 +750,8 @@ def convert_command(
     (or shards and model.safetensors.index.json), config.json and generation_config.json
     copied byte for byte, written all or nothing. DST defaults to SRC with a
     .safetensors suffix (.pth with --to pth), or NAME.converted.SUFFIX when that would be SRC
-    itself (c_ddp.pth --to pth writes c_ddp.converted.pth); a directory DST gets that name in
-    it. Tied tensors are stored once, their names kept in __metadata__. The output is written
+    itself (c_ddp.pth --to pth writes c_ddp.converted.pth); a directory DST (existing, or
+    ending in /: created) gets that name in it. Tied tensors are stored once, their names kept in __metadata__. The output is written
     atomically and read back before it replaces anything.
 
     \b
