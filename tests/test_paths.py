@@ -145,3 +145,39 @@ def test_a_symlink_loop_is_one_line(tmp_path: Path) -> None:
             result.exception, SystemExit
         ), result.exception
         assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1
+
+
+HF_SHARDED = FIXTURES / "frameworks" / "hf_sharded"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["edit", str(WEIGHTS), "--drop", "model.norm*", "-o", "{out}"], "pass --force"),
+        (["edit", str(HF_SHARDED), "--drop", "model.norm*", "-o", "{dir}"], "pass --force"),
+        (["repair", str(HF_SHARDED), "--fill-from", str(WEIGHTS)], "-o and --fill-from apply"),
+        (["edit", str(HF_SHARDED), "--drop", "x", "--in-place", "--backup"], "--backup applies"),
+    ],
+)
+def test_errors_speak_the_command_line_at_the_command_line(
+    tmp_path: Path, argv: list[str], flag: str
+) -> None:
+    """The library's messages said ``pass overwrite=True``, ``fill_from`` to a CLI user."""
+    (tmp_path / "out.pth").write_bytes(b"kept")
+    (tmp_path / "dir").mkdir()
+    argv = [a.format(out=tmp_path / "out.pth", dir=tmp_path / "dir") for a in argv]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 2, result.stderr
+    assert flag in result.stderr, result.stderr
+    for python in ("overwrite=True", "fill_from", "in_place"):
+        assert python not in result.stderr
+    assert (tmp_path / "out.pth").read_bytes() == b"kept"
+
+
+def test_every_library_phrase_the_cli_rewords_is_still_in_the_library() -> None:
+    from ckpttool.cli.app import CLI_WORDS
+
+    package = Path(__file__).resolve().parent.parent / "ckpttool"
+    text = "".join(p.read_text() for p in package.rglob("*.py") if p.name != "app.py")
+    for python, _ in CLI_WORDS:
+        assert python.lstrip("(") in text, python

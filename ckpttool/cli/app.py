@@ -83,7 +83,7 @@ class CkptGroup(click.Group):
             try:
                 return super().invoke(ctx)
             except CkptError as error:
-                _fail(str(error), error.exit_code)
+                _fail(_in_cli_words(str(error)), error.exit_code)
             except click.BadParameter as error:  # a path argument click checked (unreadable)
                 if not isinstance(error.param, click.Argument) or not isinstance(
                     error.param.type, click.Path
@@ -184,6 +184,23 @@ def _stdout_to_devnull() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
+
+
+#: The library's words for its options, as the command line spells them: a library error names
+#: the keyword argument a caller passes, and is read at the command line with the flag instead.
+CLI_WORDS = (
+    ("(pass overwrite=True", "(pass --force"),
+    ("pass in_place to", "pass --in-place to"),
+    ("give an output or in_place, not both", "give -o or --in-place, not both"),
+    ("an output path and fill_from apply", "-o and --fill-from apply"),
+    ("backup applies to", "--backup applies to"),
+)
+
+
+def _in_cli_words(message: str) -> str:
+    for python, flag in CLI_WORDS:
+        message = message.replace(python, flag)
+    return message
 
 
 def _fail(message: str, exit_code: int) -> NoReturn:
