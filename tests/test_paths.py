@@ -181,3 +181,52 @@ def test_every_library_phrase_the_cli_rewords_is_still_in_the_library() -> None:
     text = "".join(p.read_text() for p in package.rglob("*.py") if p.name != "app.py")
     for python, _ in CLI_WORDS:
         assert python.lstrip("(") in text, python
+
+
+IN_PLACE = {  # every command that rewrites its input in place: (fixture, its arguments)
+    "edit file": (RESUME, ["edit", "{link}", "--drop", "optimizer", "--in-place", "--backup"]),
+    "edit model directory": (HF_SHARDED, ["edit", "{link}", "--drop", "model.norm*", "--in-place"]),
+    "edit dcp directory": (
+        FIXTURES / "dcp" / "checkpoint",
+        ["edit", "{link}", "--for-inference", "--in-place"],
+    ),
+    "rescale-step file": (RESUME, ["rescale-step", "{link}", "--world-size", "2", "--backup"]),
+    "rescale-step directory": (
+        FIXTURES / "frameworks" / "accelerate_2proc" / "state",
+        ["rescale-step", "{link}", "--world-size", "1", "--in-place"],
+    ),
+}
+
+
+def _digests(path: Path) -> dict[str, bytes]:
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("case", sorted(IN_PLACE))
+def test_an_in_place_rewrite_through_a_symlink_keeps_the_link(tmp_path: Path, case: str) -> None:
+    """One rule (io/atomic.written_through): the file or directory the link names is replaced,
+    the link stays. ``edit --in-place`` replaced the link with a file, rescale-step wrote
+    through it."""
+    fixture, argv = IN_PLACE[case]
+    real = tmp_path / "real" / fixture.name
+    real.parent.mkdir()
+    if fixture.is_dir():
+        shutil.copytree(fixture, real)
+    else:
+        shutil.copyfile(fixture, real)
+    before = _digests(real)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    result = CliRunner().invoke(cli, [a.format(link=link) for a in argv])
+    assert result.exit_code == 0, result.stderr
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert _digests(real) != before  # the edit went to the file the link names
+    backup = link.with_name("link.bak")
+    if "--backup" in argv:
+        assert not backup.is_symlink() and _digests(backup) == before
+    leftovers = {p.name for p in tmp_path.iterdir()} - {"real", "link", "link.bak"}
+    assert not leftovers and sorted(os.listdir(real.parent)) == [fixture.name]

@@ -217,7 +217,9 @@ def edit_file(
             if write:
                 with _derived(sources, order, output, shared) as crcs:
                     if backup_path is not None:
-                        os.link(source, backup_path)  # the original's inode, kept by a new name
+                        # the original's inode, kept by a new name (the file a symlink
+                        # names: os.link would link the symlink itself)
+                        os.link(os.path.realpath(source), backup_path)
                     try:
                         write_checked(found, root, output, sources.read_range, sources.read, crcs)
                     except BaseException:

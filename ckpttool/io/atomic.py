@@ -1,5 +1,8 @@
 """The one durable, atomic file writer, and the one atomic directory replacement.
 
+A target that is a symlink is written through: the file or directory it points to is
+replaced, the link stays (:func:`written_through`).
+
 A crash at any moment leaves the target either as it was or complete: the bytes go to a temp
 file in the target's directory (a rename across file systems would be a copy), which is
 flushed and fsynced, then ``os.replace``-d over the target, and the directory is fsynced so the
@@ -82,6 +85,13 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def written_through(target: Path) -> Path:
+    """The path a write to ``target`` replaces: through a symlink, the file or directory it
+    points to, and the link stays (the one rule of every writer, an in-place rewrite as an
+    output: a shell's ``>`` and ``cp`` do the same); else ``target``."""
+    return Path(os.path.realpath(target)) if os.path.islink(target) else target
+
+
 @contextlib.contextmanager
 def atomic_write(target: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """Open a temp file for writing; on clean exit it atomically and durably becomes ``target``.
@@ -114,7 +124,7 @@ def atomic_group(
     temps: list[tuple[Path, Path]] = []
     handles: list[BinaryIO] = []
     try:
-        for target in targets:
+        for target in map(written_through, targets):
             directory = target.parent if str(target.parent) else Path(".")
             with signals_held():
                 fd, tmp_name = tempfile.mkstemp(
@@ -180,7 +190,11 @@ def staged_directory(
     """A temp directory beside ``target`` (in ``parent``, default its parent) that becomes
     ``target`` on a clean exit: its files and directories are fsynced, it gets the permissions
     of a new directory, it is renamed into place (:func:`replace_directory`) and the parent is
-    fsynced. Any exception removes it and leaves ``target`` as it was."""
+    fsynced. Any exception removes it and leaves ``target`` as it was. A symlink ``target`` is
+    written through (:func:`written_through`)."""
+    if os.path.islink(target):
+        target = written_through(target)
+        parent = target.parent
     if parent is None:
         parent = target.parent if str(target.parent) else Path(".")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=parent))
