@@ -157,19 +157,21 @@ HF_SHARDED = FIXTURES / "frameworks" / "hf_sharded"
         (["edit", str(HF_SHARDED), "--drop", "model.norm*", "-o", "{dir}"], "pass --force"),
         (["repair", str(HF_SHARDED), "--fill-from", str(WEIGHTS)], "-o and --fill-from apply"),
         (["edit", str(HF_SHARDED), "--drop", "x", "--in-place", "--backup"], "--backup applies"),
+        (["merge", str(WEIGHTS), str(WEIGHTS), "--method", "slerp", "-o", "{dir}/m.pth"], "--t"),
     ],
 )
 def test_errors_speak_the_command_line_at_the_command_line(
     tmp_path: Path, argv: list[str], flag: str
 ) -> None:
-    """The library's messages said ``pass overwrite=True``, ``fill_from`` to a CLI user."""
+    """The library's messages said ``pass overwrite=True``, ``fill_from``, ``got None`` to a
+    CLI user."""
     (tmp_path / "out.pth").write_bytes(b"kept")
     (tmp_path / "dir").mkdir()
     argv = [a.format(out=tmp_path / "out.pth", dir=tmp_path / "dir") for a in argv]
     result = CliRunner().invoke(cli, argv)
     assert result.exit_code == 2, result.stderr
     assert flag in result.stderr, result.stderr
-    for python in ("overwrite=True", "fill_from", "in_place"):
+    for python in ("overwrite=True", "fill_from", "in_place", "got None"):
         assert python not in result.stderr
     assert (tmp_path / "out.pth").read_bytes() == b"kept"
 
