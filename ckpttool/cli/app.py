@@ -155,8 +155,8 @@ def _stop_like_ctrl_c() -> None:
     main thread, so that they take Ctrl-C's one path: every write's cleanup runs, the inputs
     stay untouched, one line, exit 128 + signal. A signal ignored when the command started
     (``nohup``) stays ignored. Once one arrived, further ones are ignored so that the cleanup
-    it started is not cut short (a second Ctrl-C still is; SIGKILL leaves only temp files the
-    next write sweeps). ``--jobs`` workers reset them (:mod:`ckpttool.io.parallel`); each
+    it started is not cut short (a second Ctrl-C still is; SIGKILL leaves only temp files,
+    which ``verify`` reports and ``repair --clean`` removes). ``--jobs`` workers reset them (:mod:`ckpttool.io.parallel`); each
     torchrun rank is a command of its own and runs this too."""
 
     def stop(signal_number: int, frame: object) -> None:
@@ -166,7 +166,8 @@ def _stop_like_ctrl_c() -> None:
 
     for number in STOP_SIGNALS:
         if signal.getsignal(number) is not signal.SIG_IGN:
-            signal.signal(number, stop)
+            with contextlib.suppress(ValueError):  # main() called off the main thread
+                signal.signal(number, stop)
 
 
 def _pipe_closed() -> NoReturn:
