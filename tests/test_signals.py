@@ -97,3 +97,38 @@ def test_a_stopped_in_place_backup_edit_leaves_the_file_and_no_backup(
     assert exit_code == 143, stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pth"]
     assert _digest(source) == before
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_torchrun_rank_mid_convert_leaves_nothing(
+    tmp_path: Path, big_source: Path
+) -> None:
+    """A preemption (Slurm signals every task) of ``convert`` shared by two ranks: each rank
+    stops with its cleanup, no shard, part, temp file or made directory is left."""
+    from tests.test_distributed_convert import _free_port
+
+    shards = tmp_path / "shards"
+    port = str(_free_port())
+    command = [sys.executable, "-m", "ckpttool", "convert", str(big_source), f"{shards}/",
+               "--max-shard-size", "8MB", "--no-verify"]  # fmt: skip
+    ranks = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                         env=_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CKPTTOOL_DIST="1"))
+        for rank in range(2)
+    ]  # fmt: skip
+    deadline = time.monotonic() + scaled(120)
+    caught = False
+    while time.monotonic() < deadline and not caught and all(r.poll() is None for r in ranks):
+        caught = shards.is_dir() and any(p.name.startswith(".") for p in shards.iterdir())
+        if not caught:
+            time.sleep(0.001)
+    for rank in ranks:
+        rank.send_signal(signal.SIGTERM)
+    outputs = [rank.communicate(timeout=scaled(120)) for rank in ranks]
+    assert caught, "the write was not caught"
+    codes = [rank.returncode for rank in ranks]
+    assert 143 in codes and all(c in (143, 2) for c in codes), (codes, outputs)
+    for _, stderr in outputs:
+        assert b"Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
