@@ -156,8 +156,12 @@ def test_refusals_write_nothing(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="REGEX=REPLACEMENT"):
         edit_file(WEIGHTS, tmp_path / "o.pth", rename=["no-equals-sign"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.pth"]
-    report = edit_file(WEIGHTS, tmp_path / "o.pth", drop=["nothing.matches"])
+    # issue 49: a pattern that matches nothing is an error (it wrote an unchanged file, exit 0)
+    with pytest.raises(InputError, match=r"--drop 'nothing.matches': matches no key"):
+        edit_file(WEIGHTS, tmp_path / "o.pth", drop=["nothing.matches"])
+    report = edit_file(WEIGHTS, tmp_path / "o.pth", drop=["nothing.matches"], require_matches=False)
     assert not report.changed and not report.written and not (tmp_path / "o.pth").exists()
+    assert report.unmatched == ("--drop 'nothing.matches'",)
 
 
 def test_the_cli_reports_and_exits(tmp_path: Path) -> None:
@@ -372,9 +376,29 @@ def test_a_dropped_tensor_leaves_the_index_consistent(tmp_path: Path) -> None:
 def test_a_directory_edit_that_changes_nothing_writes_nothing(tmp_path: Path) -> None:
     from ckpttool.commands.edit_directory import edit
 
-    report = edit(HF_SHARDED, tmp_path / "same", drop=["no.such.*"])
+    report = edit(HF_SHARDED, tmp_path / "same", compact=True)
     assert not report.changed and not report.written and not (tmp_path / "same").exists()
     assert not list(tmp_path.iterdir())  # no staged directory left behind
+
+
+def test_a_directory_edit_pattern_is_matched_against_every_file(tmp_path: Path) -> None:
+    """Issue 49: a --drop pattern that no weights file matches is an error (it wrote nothing
+    and exited 0); one that matches in one shard only is an edit of that shard."""
+    from ckpttool.commands.edit_directory import edit
+
+    with pytest.raises(InputError, match=r"--drop 'no.such.\*': matches no key"):
+        edit(HF_SHARDED, tmp_path / "same", drop=["no.such.*"])
+    with pytest.raises(InputError, match=r"--rename 'no.such=x': matches no key"):
+        edit(HF_SHARDED, tmp_path / "same", rename=["no.such=x"], dry_run=True)
+    assert not list(tmp_path.iterdir())  # no staged directory left behind
+    shards = sorted(p.name for p in HF_SHARDED.glob("*.safetensors"))
+    assert len(shards) > 1
+    from safetensors import safe_open
+
+    with safe_open(str(HF_SHARDED / shards[-1]), "pt") as handle:
+        only_in_last = next(iter(handle.keys()))
+    report = edit(HF_SHARDED, tmp_path / "out", drop=[only_in_last])
+    assert report.written and report.dropped == (only_in_last,)
 
 
 def test_convert_takes_edits_drop_and_rename(tmp_path: Path) -> None:

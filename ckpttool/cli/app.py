@@ -10,6 +10,7 @@ import contextlib
 import gc
 import io
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -39,8 +40,10 @@ from ckpttool.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_PIPE_CLOSED,
+    STOP_SIGNALS,
     CkptError,
     InputError,
+    Stopped,
 )
 
 EXIT_CODES_HELP = """\b
@@ -51,7 +54,8 @@ Exit codes:
        repair: something stays lost or damaged
     2  error: missing/unreadable/corrupt/unsafe input, bad usage; verify/scan: a path
        could not be checked (or held no checkpoint) and nothing was found elsewhere
-  130  interrupted (Ctrl-C): files being written were removed, the inputs untouched
+  130  interrupted (Ctrl-C): files being written were removed, the inputs untouched;
+       SIGTERM (143) and SIGHUP (129) do the same
   141  stdout was closed early (| head): the output stops there, with no message"""
 
 
@@ -79,7 +83,13 @@ class CkptGroup(click.Group):
             try:
                 return super().invoke(ctx)
             except CkptError as error:
-                _fail(str(error), error.exit_code)
+                _fail(_in_cli_words(str(error)), error.exit_code)
+            except click.BadParameter as error:  # a path argument click checked (unreadable)
+                if not isinstance(error.param, click.Argument) or not isinstance(
+                    error.param.type, click.Path
+                ):
+                    raise
+                _fail(error.format_message(), EXIT_ERROR)
             except MemoryError:
                 _fail("out of memory while reading the file", EXIT_ERROR)
             except BrokenPipeError:  # stdout closed: _stopped_quietly's, not an error to print
@@ -87,6 +97,10 @@ class CkptGroup(click.Group):
             except OSError as error:  # a disk or permission problem the library did not expect
                 where = f": {error.filename}" if error.filename else ""
                 _fail(f"{error.strerror or error}{where}", EXIT_ERROR)
+            except RuntimeError as error:  # Path.resolve() before Python 3.13 (then ELOOP)
+                if not str(error).startswith("Symlink loop from "):
+                    raise
+                _fail(str(error), EXIT_ERROR)
 
 
 @contextlib.contextmanager
@@ -106,8 +120,8 @@ def _stopped_quietly() -> Iterator[None]:
             _flush_stdout(failure_reported=True)
             raise
         _flush_stdout(failure_reported=False)
-    except KeyboardInterrupt:
-        _interrupted()
+    except KeyboardInterrupt as stop:
+        _interrupted(stop)
     except BrokenPipeError:
         _pipe_closed()
 
@@ -126,11 +140,34 @@ def _flush_stdout(*, failure_reported: bool) -> None:
             _fail(f"writing the output failed: {error.strerror or error}", EXIT_ERROR)
 
 
-def _interrupted() -> NoReturn:
+def _interrupted(stop: KeyboardInterrupt) -> NoReturn:
+    if isinstance(stop, Stopped):
+        click.echo(f"Error: interrupted ({stop.name})", err=True)
+        sys.exit(128 + stop.signal_number)
     # a terminal shows "^C" where the cursor is: the line starts on a line of its own
     lead = "\n" if sys.stderr.isatty() else ""
     click.echo(f"{lead}Error: interrupted", err=True)
     sys.exit(EXIT_INTERRUPTED)
+
+
+def _stop_like_ctrl_c() -> None:
+    """SIGTERM and SIGHUP raise :class:`~ckpttool.errors.Stopped` (a KeyboardInterrupt) in the
+    main thread, so that they take Ctrl-C's one path: every write's cleanup runs, the inputs
+    stay untouched, one line, exit 128 + signal. A signal ignored when the command started
+    (``nohup``) stays ignored. Once one arrived, further ones are ignored so that the cleanup
+    it started is not cut short (a second Ctrl-C still is; SIGKILL leaves only temp files,
+    which ``verify`` reports and ``repair --clean`` removes). ``--jobs`` workers reset them (:mod:`ckpttool.io.parallel`); each
+    torchrun rank is a command of its own and runs this too."""
+
+    def stop(signal_number: int, frame: object) -> None:
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
+        raise Stopped(signal_number, signal.Signals(signal_number).name)
+
+    for number in STOP_SIGNALS:
+        if signal.getsignal(number) is not signal.SIG_IGN:
+            with contextlib.suppress(ValueError):  # main() called off the main thread
+                signal.signal(number, stop)
 
 
 def _pipe_closed() -> NoReturn:
@@ -148,6 +185,23 @@ def _stdout_to_devnull() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
+
+
+#: The library's words for its options, as the command line spells them: a library error names
+#: the keyword argument a caller passes, and is read at the command line with the flag instead.
+CLI_WORDS = (
+    ("(pass overwrite=True", "(pass --force"),
+    ("pass in_place to", "pass --in-place to"),
+    ("give an output or in_place, not both", "give -o or --in-place, not both"),
+    ("an output path and fill_from apply", "-o and --fill-from apply"),
+    ("backup applies to", "--backup applies to"),
+)
+
+
+def _in_cli_words(message: str) -> str:
+    for python, flag in CLI_WORDS:
+        message = message.replace(python, flag)
+    return message
 
 
 def _fail(message: str, exit_code: int) -> NoReturn:
@@ -174,6 +228,7 @@ GC_THRESHOLD = (100_000, 50, 100)
 
 def main() -> None:
     gc.set_threshold(*GC_THRESHOLD)
+    _stop_like_ctrl_c()
     _stdout_writes_all()
     with _stopped_quietly():  # the instants before click's main and after it
         cli(prog_name="ckpttool")
@@ -549,7 +604,12 @@ def trend_command(
 )  # fmt: skip
 @click.option("-o", "--output", metavar="OUT", help="Write to OUT instead of in place.")
 @force_option
-@click.option("--backup", is_flag=True, help="Keep the original as PATH.bak (never overwritten).")
+@click.option(
+    "--backup",
+    is_flag=True,
+    help="Keep the original as PATH.bak (never overwritten; one an interrupted run "
+    "left, the same bytes as PATH, is replaced).",
+)
 @click.option(
     "--in-place", is_flag=True,
     help="For a directory: replace it (default: write PATH.wsN, or -o OUT).",
@@ -716,11 +776,11 @@ def convert_command(
     (or shards and model.safetensors.index.json), config.json and generation_config.json
     copied byte for byte, written all or nothing. DST defaults to SRC with a
     .safetensors suffix (.pth with --to pth), or NAME.converted.SUFFIX when that would be SRC
-    itself (c_ddp.pth --to pth writes c_ddp.converted.pth); a directory DST gets that name in
-    it. Tied tensors are stored once, their names kept in __metadata__. The output is written
-    atomically and read back before it replaces anything. A file with no model weights (only
-    optimizer, RNG or scheduler state: torchtune's recipe_state.pt) is refused (exit 2) unless
-    --section or --filter picks its tensors.
+    itself (c_ddp.pth --to pth writes c_ddp.converted.pth); a directory DST (existing, or
+    ending in /: created) gets that name in it. Tied tensors are stored once, their names kept
+    in __metadata__. The output is written atomically and read back before it replaces
+    anything. A file with no model weights (only optimizer, RNG or scheduler state: torchtune's
+    recipe_state.pt) is refused (exit 2) unless --section or --filter picks its tensors.
 
     \b
     Examples:
@@ -1201,11 +1261,16 @@ def repair_command(
     "NAME.edited).",
 )  # fmt: skip
 @click.option("--in-place", is_flag=True, help="Replace SRC itself, atomically.")
-@click.option("--backup", is_flag=True, help="With --in-place: keep the original as SRC.bak.")
+@click.option(
+    "--backup",
+    is_flag=True,
+    help="With --in-place: keep the original as SRC.bak (never overwritten; one an "
+    "interrupted run left, the same bytes as SRC, is replaced).",
+)
 @click.option(
     "--drop", multiple=True, metavar="PATTERN",
     help="Leave out the entries whose key matches (a glob: 'optimizer', 'model.lm_head.*'); "
-    "repeatable.",
+    "repeatable. A pattern (as for --keep, --rename) that matches no key is an error.",
 )  # fmt: skip
 @click.option(
     "--keep", multiple=True, metavar="PATTERN",

@@ -44,6 +44,7 @@ from ckpttool.errors import (
 from ckpttool.formats.registry import recover_file
 from ckpttool.frameworks.registry import file_placeholders
 from ckpttool.io import units
+from ckpttool.io.atomic import clear_stale_backup
 from ckpttool.model import edits
 from ckpttool.model.cast import CASTABLE, TARGETS, cast_array, stored_dtype
 from ckpttool.model.mapping import MapSpec, load_map, plan
@@ -96,6 +97,7 @@ class EditReport:
     mapped: tuple[tuple[str, str, str], ...] = ()  # (op, sources, targets) of each --map step
     dry_run: bool = False  # nothing was to be written
     files_dropped: tuple[str, ...] = ()  # a directory's member files left out
+    unmatched: tuple[str, ...] = ()  # patterns that matched nothing (``require_matches=False``)
 
     @property
     def changed(self) -> bool:
@@ -139,6 +141,7 @@ def edit_file(
     backup: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
+    require_matches: bool = True,
 ) -> EditReport:
     """Rewrite the checkpoint file ``src`` with the edits applied, in its own format, to ``dst``
     (default :func:`default_output`; ``in_place``: ``src`` itself, replaced atomically, kept as
@@ -199,6 +202,8 @@ def edit_file(
             root = edits.drop(root, list(drop), log)
             root = edits.keep(root, list(keep), log)
             root = edits.rename(root, list(rename), log)
+            if require_matches:
+                edits.refuse_unmatched(log.unmatched)
             if map_name is not None:
                 spec = load_map(map_name, dict(map_params or {}), source.parent)
                 root = _apply_map(root, layout, spec, sources, log)
@@ -219,7 +224,12 @@ def edit_file(
                 raise OutputExistsError(
                     f"{output} already exists (pass overwrite=True to replace it)"
                 )
-            if write and backup_path is not None and os.path.lexists(backup_path):
+            if (
+                write
+                and backup_path is not None
+                and os.path.lexists(backup_path)
+                and not clear_stale_backup(source, backup_path, dry_run=dry_run)
+            ):
                 raise OutputExistsError(f"{backup_path} already exists: move it away first")
 
             # --jobs N, torchrun's ranks: the derived storages (casts...) shared by the workers
@@ -231,7 +241,9 @@ def edit_file(
             if write:
                 with _derived(sources, order, output, shared) as crcs:
                     if backup_path is not None:
-                        os.link(source, backup_path)  # the original's inode, kept by a new name
+                        # the original's inode, kept by a new name (the file a symlink
+                        # names: os.link would link the symlink itself)
+                        os.link(os.path.realpath(source), backup_path)
                     try:
                         write_checked(found, root, output, sources.read_range, sources.read, crcs)
                     except BaseException:
@@ -259,6 +271,7 @@ def edit_file(
         ema_taken=len(log.ema_taken),
         ema_missing=tuple(log.ema_missing),
         mapped=tuple(log.mapped),
+        unmatched=tuple(log.unmatched),
         dry_run=dry_run,
         tensors_before=len(_viewed_tensors(found.root)),
         tensors_after=len(_viewed_tensors(root)),

@@ -25,6 +25,7 @@ from ckpttool.frameworks.base import INDEX, MODEL_CONFIG, OPTIMIZER, WEIGHTS, co
 from ckpttool.frameworks.registry import detect_before_format, detect_directory, framework_of
 from ckpttool.io import units
 from ckpttool.io.parallel import chosen, ordered_map, using
+from ckpttool.model import edits
 
 
 def edit(
@@ -49,8 +50,11 @@ def edit(
 
 
 def default_output(src: Path) -> Path:
-    """``NAME.edited`` beside the directory ``src``."""
-    return src.with_name(f"{src.name}.edited")
+    """``NAME.edited`` beside the directory ``src`` (``.``: the working directory's name)."""
+    named = src if src.name else src.resolve()
+    if not named.name:
+        raise InputError(f"{src}: has no name to derive an output's from; name an output")
+    return named.with_name(f"{named.name}.edited")
 
 
 def edit_directory(
@@ -114,10 +118,14 @@ def edit_directory(
             with using(chosen() or 1):
                 reports = ordered_map(
                     lambda name: edit_file(
-                        source / name, dry_run=True, **_member_operations(operations, name)
+                        source / name,
+                        dry_run=True,
+                        require_matches=False,
+                        **_member_operations(operations, name),
                     ),
                     weights,
                 )
+            _refuse_unmatched_in_all(reports, weights, operations)
             return _combined(source, output, layout.kind, reports, leave_out, False, True, kept)
         # under torchrun, the weights files are shared by the ranks, each written into rank
         # 0's staging directory; rank 0 alone does the rest
@@ -128,6 +136,7 @@ def edit_directory(
             # N times one file's edit, so 1 unless asked), the reports in the members' order
             with using(chosen() or 1):
                 reports = units.shared_map(edit_one, weights, sizes)
+            _refuse_unmatched_in_all(reports, weights, operations)
             units.lead_only()
             if not leave_out and not any(r.changed for r in reports):
                 raise _Unchanged
@@ -160,7 +169,11 @@ def _edit_member(source: Path, stage: Path, operations: dict[str, Any], name: st
     target = stage / name
     target.parent.mkdir(parents=True, exist_ok=True)
     report = edit_file(
-        source / name, target, overwrite=True, **_member_operations(operations, name)
+        source / name,
+        target,
+        overwrite=True,
+        require_matches=False,
+        **_member_operations(operations, name),
     )
     if not report.written:
         shutil.copyfile(source / name, target)  # nothing changed in this file
@@ -189,6 +202,18 @@ def _member_operations(operations: dict[str, Any], name: str) -> dict[str, Any]:
     if name in only_cast:
         return dict(only_cast[name])
     return {k: v for k, v in operations.items() if k != "only_cast"}
+
+
+def _refuse_unmatched_in_all(
+    reports: list[EditReport], names: list[str], operations: dict[str, Any]
+) -> None:
+    """A pattern is checked against the whole directory: one that no weights file matched (an
+    optimizer file that ``--cast-optimizer`` only casts is matched against no pattern)."""
+    only_cast = operations.get("only_cast") or {}
+    matched = [r for r, name in zip(reports, names) if name not in only_cast]
+    if matched:
+        everywhere = set.intersection(*(set(r.unmatched) for r in matched))
+        edits.refuse_unmatched([u for u in matched[0].unmatched if u in everywhere])
 
 
 class _Unchanged(Exception):

@@ -62,6 +62,8 @@ def edit_format_directory(
         if in_place
         else Path(dst)
         if dst is not None
+        else source.resolve().with_name(f"{source.resolve().name}.edited")
+        if not source.name  # ".": the working directory's name
         else source.with_name(f"{source.name}.edited")
     )
     try:
@@ -90,6 +92,7 @@ def edit_format_directory(
             root = edits.drop(root, list(drop), log)
             root = edits.keep(root, list(keep), log)
             root = edits.rename(root, list(rename), log)
+            edits.refuse_unmatched(log.unmatched)
             after = _tensors(root)
             if cast_optimizer and dtype is None:
                 raise InputError("--cast-optimizer goes with --dtype")

@@ -57,6 +57,10 @@ class VerifyResult:
 
 def leftover_temp_files(path: Path) -> list[str]:
     """Temp files an interrupted save left beside ``path`` (ckpttool's and MiniMind's)."""
+    if not path.name:  # ".", "./", "/": the directory's own name, if it has one
+        path = path.resolve()
+        if not path.name:
+            return []
     directory = path.parent if str(path.parent) else Path(".")
     found = sorted(directory.glob(temp_name_pattern(path)))
     minimind_tmp = path.with_name(path.name + ".tmp")  # MiniMind: torch.save(tmp); os.replace

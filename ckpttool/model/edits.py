@@ -69,6 +69,7 @@ class EditLog:
     ema_taken: list[str] = field(default_factory=list)  # model keys given their EMA values
     ema_missing: list[str] = field(default_factory=list)  # model tensors the EMA does not hold
     mapped: list[tuple[str, str, str]] = field(default_factory=list)  # --map: op, from, to
+    unmatched: list[str] = field(default_factory=list)  # "--drop 'PATTERN'" that matched nothing
 
 
 def inference_drops(root: Any, layout: str) -> list[str]:
@@ -152,7 +153,16 @@ def drop(root: Any, patterns: list[str], log: EditLog) -> Any:
     crossing dots)."""
     if not patterns:
         return root
-    return _filter(root, "", lambda key, _: any(fnmatchcase(key, p) for p in patterns), log)
+    matched: set[str] = set()
+
+    def unwanted(key: str, _: Any) -> bool:
+        hits = [p for p in patterns if fnmatchcase(key, p)]
+        matched.update(hits)
+        return bool(hits)
+
+    out = _filter(root, "", unwanted, log)
+    log.unmatched += [f"--drop {p!r}" for p in patterns if p not in matched]
+    return out
 
 
 def keep(root: Any, patterns: list[str], log: EditLog) -> Any:
@@ -160,10 +170,18 @@ def keep(root: Any, patterns: list[str], log: EditLog) -> Any:
     if not patterns:
         return root
 
-    def unwanted(key: str, node: Any) -> bool:
-        return isinstance(node, TensorRecord) and not any(fnmatchcase(key, p) for p in patterns)
+    matched: set[str] = set()
 
-    return _filter(root, "", unwanted, log)
+    def unwanted(key: str, node: Any) -> bool:
+        if not isinstance(node, TensorRecord):
+            return False
+        hits = [p for p in patterns if fnmatchcase(key, p)]
+        matched.update(hits)
+        return not hits
+
+    out = _filter(root, "", unwanted, log)
+    log.unmatched += [f"--keep {p!r}" for p in patterns if p not in matched]
+    return out
 
 
 def _filter(node: Any, key: str, unwanted: Any, log: EditLog) -> Any:
@@ -219,7 +237,20 @@ def rename(root: Any, rules: list[str], log: EditLog) -> Any:
         return root
     compiled = compile_rules(rules)
     log.rule_counts = [0] * len(compiled)
-    return _rename(root, "", compiled, log)
+    out = _rename(root, "", compiled, log)
+    log.unmatched += [f"--rename {r!r}" for r, n in zip(rules, log.rule_counts) if not n]
+    return out
+
+
+def refuse_unmatched(unmatched: list[str] | tuple[str, ...]) -> None:
+    """A ``--drop``/``--keep``/``--rename`` pattern that matched no key is an error, not an
+    edit that quietly did nothing (or, for ``--keep``, dropped every tensor): a typo, or the
+    keys are named otherwise (``ckpttool show`` lists them)."""
+    if unmatched:
+        raise InputError(
+            f"{', '.join(unmatched)}: matches no key in the checkpoint (ckpttool show lists "
+            "them); nothing was written"
+        )
 
 
 def compile_rules(rules: list[str] | tuple[str, ...]) -> list[tuple[re.Pattern[str], str]]:

@@ -32,8 +32,10 @@ from ckpttool.commands.convert.output import (
     FORMATS,
     OutFile,
     check_targets,
+    names_directory,
     parse_size,
     plan_outputs,
+    remove_created,
     writes_pth,
 )
 from ckpttool.commands.convert.plan import FIELD_PREFIX, Plan, Planned, build_plan
@@ -195,8 +197,12 @@ def convert_with(
             if retyped is not None:
                 report.notes.append(retyped)
             return report
-        check_targets(src_path, files, force)
-        counts = write(files)
+        created = check_targets(src_path, files, force, make_directory=names_directory(dst))
+        try:
+            counts = write(files)
+        except BaseException:  # Ctrl-C, SIGTERM, an error: no empty DIR/ left behind
+            remove_created(created, files[0].target.parent)
+            raise
     report = _build_report(src_path, plan, files, counts, dtype=options.dtype, verified=verify)
     _name_remote_source(report, src, verify)
     return report
