@@ -58,6 +58,7 @@ class _Found:
 
     title: str
     damage: list[str] = field(default_factory=list)
+    stays: list[str] = field(default_factory=list)  # the damage no action mends
     checkpoints: list[CheckpointState] = field(default_factory=list)
     newest_complete: str | None = None
     actions: list[RepairAction] = field(default_factory=list)
@@ -101,6 +102,7 @@ def repair_directory(
         newest_complete=found.newest_complete,
         actions=tuple(found.actions),
         dry_run=dry_run,
+        unrepaired=tuple(found.stays),
     )
 
 
@@ -117,7 +119,9 @@ def _examine(directory: Path, *, quarantine: bool, clean: bool) -> _Found:
         single = _single_title(path) if index is None else titles[0]
         if single is not None:
             titles[:1] = [single]
-            found.damage += _verify(path)
+            problems = _verify(path)
+            found.damage += problems
+            found.stays += problems
         else:
             run = checkpoint_files(directory)
             if run is None:
@@ -135,6 +139,7 @@ def _examine(directory: Path, *, quarantine: bool, clean: bool) -> _Found:
 
 def _index(found: _Found, directory: Path, index: IndexRepair) -> None:
     found.damage += index.damage
+    found.stays += index.damage if index.content is None else index.stays
     if index.content is not None:
         found.index_content = index.content
         found.actions.append(
@@ -189,10 +194,13 @@ def _run(found: _Found, directory: Path, run: RunLayout, *, quarantine: bool) ->
         )
         if problems:
             found.damage.append(_incomplete_line(name, problems))
+            if not (quarantine and run.aside is not None):  # else moved aside, below
+                found.stays.append(found.damage[-1])
     newest = next((name for name in reversed(run.checkpoints) if complete[name]), None)
     found.newest_complete = str(directory / newest) if newest is not None else None
     if newest is None and run.checkpoints:
         found.damage.append("no checkpoint is complete: there is none to resume from")
+        found.stays.append(found.damage[-1])
     if run.pointer is not None:
         _pointer(found, directory, run, complete, newest)
     if quarantine and run.aside is not None:
@@ -235,6 +243,7 @@ def _pointer(
         return
     found.damage.append(f"{pointer}: {why}")
     if newest is None:
+        found.stays.append(found.damage[-1])
         return
     found.pointer_content = newest.encode()
     found.actions.append(
@@ -273,7 +282,9 @@ def _leftovers(found: _Found, directory: Path, *, clean: bool) -> None:
             if what is None:
                 continue
             found.damage.append(f"{relative}: leftover temp file of {what}")
-            if clean:
+            if not clean:
+                found.stays.append(found.damage[-1])
+            else:
                 found.removals.append(here / name)
                 found.actions.append(
                     RepairAction("remove", str(here / name), f"leftover temp file of {what}")

@@ -457,6 +457,8 @@ class IndexRepair:
     content: bytes | None  # the rebuilt index; None when the index is right as it is
     changes: str = ""  # one line: what the rebuilt index changes
     lost: tuple[str, ...] = ()  # tensors the old index names that no shard holds any more
+    #: The damage lines the rewritten index does not mend (lost tensors: they stay listed).
+    stays: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

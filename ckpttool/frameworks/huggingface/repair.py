@@ -7,8 +7,11 @@ every tensor, the shard that holds it, with ``metadata.total_size`` (huggingface
 transformers 4.5x, ``metadata.total_parameters``. Rebuilt, it names each tensor the shards hold
 (found by reading their headers: a safetensors header, a ``.bin`` shard's pickle; no tensor
 bytes but those of a tensor stored twice, compared); the old metadata is kept with
-``total_size`` recomputed. A tensor only a vanished shard held is lost: the new index cannot
-name it, and the directory stays incomplete.
+``total_size`` recomputed. A tensor the old index names and no shard holds is lost, and the
+index is the only record of it: the rebuilt index keeps naming it where the old one did (and
+keeps the old ``total_size``, the whole model's), so that ``verify`` still reports it and
+``from_pretrained`` fails on the missing shard instead of filling the tensor with random
+values. Its damage line is one the rewrite does not mend (``IndexRepair.stays``).
 
 Auto-resume (``trainer_utils.get_last_checkpoint``) takes the highest ``checkpoint-N`` that
 matches ``^checkpoint-(\\d+)$`` whatever it holds; rotation (``sort_checkpoints``,
@@ -133,30 +136,37 @@ def _rebuild(directory: str, files: set[str], index_name: str, shards: list[str]
     new_map, duplicates = _choose(directory, holders, old_map)
     damage += duplicates
     lost = sorted(key for key in old_map if key not in new_map)
-    damage += _lost_lines(old_map, lost, gone, index_name)
+    stays = _lost_lines(old_map, lost, gone, index_name)
+    damage += stays
     if old is not None:
         damage += _stale_lines(old_map, new_map, index_name)
     kept = old.get("metadata") if old is not None else None
     metadata: dict[str, object] = dict(kept) if isinstance(kept, dict) else {}
     old_size = metadata.get("total_size")
     seen = {(stored[key].shard, stored[key].storage): stored[key].storage_bytes for key in new_map}
-    total_size = sum(seen.values())
+    total_size = sum(seen.values()) if not lost or old_size is None else old_size
     size_wrong = old is not None and old_size is not None and old_size != total_size
     if size_wrong and not damage:
         damage.append(f"{index_name}: total_size is {old_size}, the shards hold {total_size}")
-    unchanged = old is not None and new_map == old_map and not size_wrong
-    if unchanged:  # damage the index cannot mend (a tensor twice, kept where it was named)
-        return IndexRepair(index_name, tuple(damage), None)
     if not new_map:
         damage.append(f"no shard holds a tensor: no {index_name} is written")
         return IndexRepair(index_name, tuple(damage), None, lost=tuple(lost))
+    new_map |= {key: old_map[key] for key in lost}  # the only record of them: kept (docstring)
+    unchanged = old is not None and new_map == old_map and not size_wrong
+    if unchanged:  # damage the index cannot mend (a tensor twice, kept where it was named)
+        return IndexRepair(index_name, tuple(damage), None, lost=tuple(lost))
     metadata["total_size"] = total_size
     content = json.dumps({"metadata": metadata, "weight_map": new_map}, indent=2, sort_keys=True)
-    changes = _changes(old is not None, old_map, new_map, len(candidates))
+    changes = _changes(old is not None, old_map, new_map, lost, len(candidates))
     if old_size != total_size:
         changes += f"; total_size {old_size} -> {total_size}" if old is not None else ""
     return IndexRepair(
-        index_name, tuple(damage), (content + "\n").encode(), changes, lost=tuple(lost)
+        index_name,
+        tuple(damage),
+        (content + "\n").encode(),
+        changes,
+        lost=tuple(lost),
+        stays=tuple(stays),
     )
 
 
@@ -247,8 +257,9 @@ def _lost_lines(old_map: dict[str, str], lost: list[str], gone: list[str], index
         else:
             why = f"{shard}: does not hold what {index} lists there, nor does any other shard"
         lines.append(
-            f"{why}: {_count(keys)} lost ({_names(keys)}); the rebuilt index cannot name them and "
-            "the directory is incomplete (it will not load as the full model)"
+            f"{why}: {_count(keys)} lost ({_names(keys)}); the index keeps naming them, the only "
+            "record of them: the directory stays incomplete (verify reports them; put the shard "
+            "back, or take them from another copy of the model)"
         )
     lines += [f"{shard}: listed in {index} but missing" for shard in gone if shard not in by_shard]
     return lines
@@ -269,15 +280,18 @@ def _stale_lines(old_map: dict[str, str], new_map: dict[str, str], index: str) -
     return lines
 
 
-def _changes(had_index: bool, old_map: dict[str, str], new_map: dict[str, str], shards: int) -> str:
+def _changes(
+    had_index: bool, old_map: dict[str, str], new_map: dict[str, str], lost: list[str], shards: int
+) -> str:
     if not had_index:
         return f"written from the headers of {shards} shards: {_count(list(new_map))}"
     moved = sum(1 for key, shard in new_map.items() if key in old_map and old_map[key] != shard)
     added = sum(1 for key in new_map if key not in old_map)
-    removed = sum(1 for key in old_map if key not in new_map)
+    kept = f"; {len(lost)} lost, kept where the old index named them" if lost else ""
     return (
-        f"weight_map rebuilt from the headers of {shards} shards: {_count(list(new_map))}, "
-        f"{moved} moved to the shard that holds them, {added} added, {removed} removed (lost)"
+        f"weight_map rebuilt from the headers of {shards} shards: "
+        f"{_count(list(new_map))}, {moved} moved to the shard that holds them, {added} added, "
+        f"0 removed{kept}"
     )
 
 
