@@ -258,7 +258,7 @@ def show(
     """
     from ckpttool.checkpoint import open_checkpoint
     from ckpttool.commands.selection import side_section
-    from ckpttool.commands.show import build_report
+    from ckpttool.commands.show import build_report, check_collection
     from ckpttool.errors import CheckpointCollectionError
     from ckpttool.render import show as show_render
     from ckpttool.render import show_tree
@@ -266,6 +266,7 @@ def show(
     try:
         ckpt = open_checkpoint(path)
     except CheckpointCollectionError as collection:  # a Trainer output_dir: list what it holds
+        check_collection(collection.layout)
         listing = show_render.collection_json(collection.layout)
         if as_json:
             _echo_json(listing)

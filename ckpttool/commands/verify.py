@@ -10,8 +10,9 @@ that interrupted saves left next to the file. Problems are collected, not
 raised, so one run lists all of them; with several paths, one that cannot be checked at all
 (missing, unreadable) gets its own verdict and the others are still checked. A file that is
 there but is no checkpoint of any format (empty, a few bytes, unrecognised) is a problem found:
-an interrupted save leaves such files. A plain directory (no checkpoint layout) is walked as
-``scan`` walks it: each checkpoint file (and checkpoint directory) in it gets its own verdict.
+an interrupted save leaves such files. A plain directory (no checkpoint layout), and a directory
+of several checkpoints (a Trainer ``output_dir``), is walked as ``scan`` walks it: each
+checkpoint file (and checkpoint directory) in it gets its own verdict.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ckpttool.commands.selection import find_part, in_folder, unknown_component
 from ckpttool.errors import (
     EXIT_ERROR,
     EXIT_FOUND,
+    CheckpointCollectionError,
     CkptError,
     EmptyFileError,
     InputError,
@@ -201,7 +203,9 @@ def verify(
     for raw in paths:
         try:
             results.append(verify_file(raw, values=values, progress=progress, component=component))
-        except NotADirectoryCheckpointError as error:
+        except (NotADirectoryCheckpointError, CheckpointCollectionError) as error:
+            # a plain directory, or a Trainer output_dir: each checkpoint in it, as its parent's
+            # walk finds them
             if component is not None:  # a plain directory has no parts
                 results.append(_unchecked(raw, error))
                 continue

@@ -110,7 +110,10 @@ def read_safetensors(handle: BinaryIO, file_size: int, *, strict: bool) -> Parse
         position = max(position, end)
     data_size = file_size - data_start
     if position > data_size:
-        problems.append(f"tensors extend {position - data_size:,} bytes past the end of the file")
+        problems.append(
+            f"tensors extend {position - data_size:,} bytes past the end of the file (cut short: "
+            "ckpttool repair salvages the tensors it still holds)"
+        )
     elif position < data_size:
         problems.append(f"{data_size - position:,} trailing bytes after the last tensor")
     if problems and strict:
