@@ -100,7 +100,10 @@ def test_fill_from_a_model_directory_finds_the_tensors_its_files_hold(tmp_path: 
     cut = _cut(HF_MODEL / "model.safetensors", tmp_path, 6000, "model.safetensors")
     report = repair_file(cut, tmp_path / "repaired.safetensors", fill_from=HF_MODEL)
     assert report.lost == () and report.filled and report.exit_code == 0
-    got, want = _safetensors(tmp_path / "repaired.safetensors"), _safetensors(HF_MODEL / "model.safetensors")
+    got, want = (
+        _safetensors(tmp_path / "repaired.safetensors"),
+        _safetensors(HF_MODEL / "model.safetensors"),
+    )
     assert got.keys() == want.keys()
     assert all(_same_bits(got[key], want[key]) for key in want)
 
@@ -133,3 +136,52 @@ def test_a_cut_file_s_message_names_repair(tmp_path: Path) -> None:
     safetensors_cut = _cut(HF_MODEL / "model.safetensors", tmp_path, 6000, "model.safetensors")
     (result,) = verify([safetensors_cut])
     assert any("ckpttool repair" in problem for problem in result.problems)
+
+
+# ------------------------------------------------------- leftovers of interrupted writes
+
+
+STATE_DICT = Path(__file__).parent / "fixtures" / "ckpttool" / "pretrain_32.pth"
+
+
+def test_verify_of_a_folder_names_orphan_temp_files_staged_directories_and_stray_backups(
+    tmp_path: Path,
+) -> None:
+    """Old: exit 0 with the stray backup reported OK as a checkpoint, the staged directory
+    verified as a broken model directory, and the temp file whose target is gone not named."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    shutil.copy(STATE_DICT, folder / "pretrain_32.pth")
+    (folder / "pretrain_32.pth.bak").hardlink_to(folder / "pretrain_32.pth")  # killed --backup
+    orphan = folder / ".gone.pth.k2j3.ckpttool-tmp"
+    orphan.write_bytes(b"PK\x03\x04partial")
+    staged = folder / ".out.a8b9.ckpttool-tmp"
+    staged.mkdir()
+    (staged / "model.safetensors").write_bytes(b"partial")
+    shutil.copy(STATE_DICT, folder / "kept.pth")
+    torch.save({"w": torch.zeros(2)}, folder / "kept.pth.bak")  # a finished backup: the user's
+    result = run("verify", "--json", folder)
+    assert result.exit_code == 1, result.output
+    entries = {Path(f["path"]).name: f for f in json.loads(result.output)["files"]}
+    assert sorted(entries) == [
+        "kept.pth",
+        "kept.pth.bak",
+        "pretrain_32.pth",
+        "pretrain_32.pth.bak",
+        "run",
+    ]
+    (stray,) = entries["pretrain_32.pth.bak"]["problems"]
+    assert stray.startswith("stray backup: a second name of pretrain_32.pth (the same file)")
+    assert entries["kept.pth.bak"]["ok"] and entries["pretrain_32.pth"]["ok"]
+    assert entries["run"]["leftover_temp_files"] == [str(orphan), str(staged)]
+
+
+def test_verify_of_a_model_directory_names_a_staged_directory_inside_it(tmp_path: Path) -> None:
+    """Old: OK: only temp files named after a member were seen."""
+    model = tmp_path / "model"
+    shutil.copytree(HF_MODEL, model)
+    staged = model / ".out.x1.ckpttool-tmp"  # a staged convert output, say
+    staged.mkdir()
+    result = verify_file(model)
+    assert result.leftovers == [str(staged)] and not result.ok
+    assert run("verify", model).exit_code == 1
