@@ -162,6 +162,23 @@ def test_a_lost_shard_stays_named_when_the_index_is_rebuilt_for_another_reason(
     assert again.actions == () and again.exit_code == 1 and again.unrepaired
 
 
+@pytest.mark.parametrize("case", sorted(SHARDED))
+def test_a_numbered_shard_gone_with_the_index_writes_no_index(case: str, tmp_path: Path) -> None:
+    """Issue 49: with the index gone too, nothing says what the shard held; an index of the
+    other shards would make from_pretrained fill those weights at random. The names' numbering
+    shows it is gone: no index is written, and repair exits 1."""
+    index_name = SHARDED[case]
+    model = _copy(FRAMEWORKS / case, tmp_path)
+    shards = sorted(p.name for p in model.iterdir() if "-of-" in p.name)
+    (model / shards[1]).unlink()
+    (model / index_name).unlink()
+    before = _snapshot(model)
+    report = repair(model)
+    assert report.damage[1].startswith(f"{shards[1]}: missing (the shards are numbered 1 to 3)")
+    assert report.actions == () and report.exit_code == 1 and report.unrepaired == report.damage
+    assert _snapshot(model) == before
+
+
 def test_an_index_listing_a_key_in_the_wrong_shard_and_missing_one_is_rebuilt(
     tmp_path: Path,
 ) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ from ckpttool.io.source import is_url, join
 
 #: Where Trainer's auto-resume and rotation never look (module docstring).
 ASIDE_PREFIX = "incomplete-"
+#: A shard's number and the count of shards in its name (``-00002-of-00003``).
+SHARD_NUMBER = re.compile(r"-(\d+)-of-(\d+)(?=\.)")
 #: How many tensor names a damage line gives before "and N more".
 SHOWN = 3
 
@@ -124,6 +127,16 @@ def _rebuild(directory: str, files: set[str], index_name: str, shards: list[str]
             for name in shards
             if name not in named
         ]
+    missing = _numbering_gaps(shards) if old is None else []
+    if missing:  # without the index nothing says what they held: an index without them would
+        # make from_pretrained load the model with those weights random
+        damage += [
+            f"{name}: missing (the shards are numbered 1 to {len(shards) + len(missing)}), and no "
+            f"readable {index_name} says what it held: no index is written, so that the model "
+            "does not load without its tensors; put the shard back"
+            for name in missing
+        ]
+        return IndexRepair(index_name, tuple(damage), None)
     candidates = sorted(set(shards) | (set(named) - set(gone)))
     holders, stored, unreadable = _read_shards(directory, candidates)
     if unreadable:  # its tensors may be salvaged: the index is not rebuilt without them
@@ -168,6 +181,23 @@ def _rebuild(directory: str, files: set[str], index_name: str, shards: list[str]
         lost=tuple(lost),
         stays=tuple(stays),
     )
+
+
+def _numbering_gaps(shards: list[str]) -> list[str]:
+    """The shard names missing from a numbered set (``model-00002-of-00003.safetensors`` when
+    the first and third are there), by the ``-of-N`` the names share; [] when they share none."""
+    numbered = [SHARD_NUMBER.search(name) for name in shards]
+    totals = {m.group(2) for m in numbered if m is not None}
+    if len(totals) != 1 or None in numbered:
+        return []
+    total = totals.pop()
+    present = {int(m.group(1)) for m in numbered if m is not None}
+    example = shards[0]
+    return [
+        SHARD_NUMBER.sub(f"-{n:0{len(total)}d}-of-{total}", example)
+        for n in range(1, int(total) + 1)
+        if n not in present
+    ]
 
 
 def _read_shards(
