@@ -185,3 +185,28 @@ def test_verify_of_a_model_directory_names_a_staged_directory_inside_it(tmp_path
     result = verify_file(model)
     assert result.leftovers == [str(staged)] and not result.ok
     assert run("verify", model).exit_code == 1
+
+
+def test_repair_of_a_directory_exits_1_for_damage_it_leaves_even_when_it_changed_something(
+    tmp_path: Path,
+) -> None:
+    """Old: exit 0 once the index was rewritten, though a temp file it did not remove stayed."""
+    from ckpttool.commands.repair import repair
+
+    model = tmp_path / "model"
+    shutil.copytree(FRAMEWORKS / "hf_sharded", model)
+    (model / "model.safetensors.index.json").unlink()
+    (model / "model.safetensors.index.json.tmp").write_bytes(b"{")
+    report = repair(model)
+    assert report.written and [a.action for a in report.actions] == ["rewrite index"]
+    assert report.unrepaired == (
+        "model.safetensors.index.json.tmp: leftover temp file of a save interrupted before it "
+        "renamed its temp file",
+    )
+    assert report.exit_code == 1
+    result = run("repair", model)  # the index is right now; the temp file still stays
+    assert result.exit_code == 1 and "damage (stays): model.safetensors.index.json.tmp" in (
+        result.output
+    )
+    cleaned = repair(model, clean=True)
+    assert cleaned.unrepaired == () and cleaned.exit_code == 0
