@@ -136,6 +136,11 @@ def test_a_cut_file_s_message_names_repair(tmp_path: Path) -> None:
     safetensors_cut = _cut(HF_MODEL / "model.safetensors", tmp_path, 6000, "model.safetensors")
     (result,) = verify([safetensors_cut])
     assert any("ckpttool repair" in problem for problem in result.problems)
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.arange(4096.0)}, legacy, _use_new_zipfile_serialization=False)
+    legacy_cut = _cut(legacy, tmp_path, legacy.stat().st_size // 2, "legacy_cut.pt")
+    shown = run("show", legacy_cut)
+    assert shown.exit_code == 2 and "ckpttool repair salvages" in shown.output
 
 
 # ------------------------------------------------------- leftovers of interrupted writes

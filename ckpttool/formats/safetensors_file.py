@@ -15,7 +15,7 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckpttool.errors import CorruptCheckpointError, InputError
+from ckpttool.errors import CUT_HINT, CorruptCheckpointError, InputError
 from ckpttool.formats.base import FileFormat, OutTensor, Parsed, Recovered
 from ckpttool.model.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES
 from ckpttool.model.records import (
@@ -111,8 +111,7 @@ def read_safetensors(handle: BinaryIO, file_size: int, *, strict: bool) -> Parse
     data_size = file_size - data_start
     if position > data_size:
         problems.append(
-            f"tensors extend {position - data_size:,} bytes past the end of the file (cut short: "
-            "ckpttool repair salvages the tensors it still holds)"
+            f"tensors extend {position - data_size:,} bytes past the end of the file{CUT_HINT}"
         )
     elif position < data_size:
         problems.append(f"{data_size - position:,} trailing bytes after the last tensor")
