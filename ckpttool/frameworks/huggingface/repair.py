@@ -83,9 +83,10 @@ class _Stored:
     storage_bytes: int
 
 
-def rebuild_index(directory: str) -> IndexRepair | None:
+def rebuild_index(directory: str, *, keep_lost: bool = True) -> IndexRepair | None:
     """The weights index of ``directory`` (safetensors first, as transformers loads them) as its
-    shards say it should be; None when it holds no sharded weights and no index."""
+    shards say it should be; None when it holds no sharded weights and no index. ``keep_lost``
+    False: tensors no shard holds are dropped from it (``edit`` dropped them on purpose)."""
     if is_url(directory) or not os.path.isdir(directory):
         return None
     files = list_files(directory)
@@ -95,11 +96,13 @@ def rebuild_index(directory: str) -> IndexRepair | None:
     ):
         shards = [name for name in files if pattern.match(name)]
         if index_name in files or shards:
-            return _rebuild(directory, set(files), index_name, shards)
+            return _rebuild(directory, set(files), index_name, shards, keep_lost)
     return None
 
 
-def _rebuild(directory: str, files: set[str], index_name: str, shards: list[str]) -> IndexRepair:
+def _rebuild(
+    directory: str, files: set[str], index_name: str, shards: list[str], keep_lost: bool
+) -> IndexRepair:
     damage: list[str] = []
     old: dict[str, object] | None = None
     old_map: dict[str, str] = {}
@@ -157,6 +160,8 @@ def _rebuild(directory: str, files: set[str], index_name: str, shards: list[str]
     metadata: dict[str, object] = dict(kept) if isinstance(kept, dict) else {}
     old_size = metadata.get("total_size")
     seen = {(stored[key].shard, stored[key].storage): stored[key].storage_bytes for key in new_map}
+    if not keep_lost:
+        lost = []
     total_size = sum(seen.values()) if not lost or old_size is None else old_size
     size_wrong = old is not None and old_size is not None and old_size != total_size
     if size_wrong and not damage:
@@ -317,11 +322,12 @@ def _changes(
         return f"written from the headers of {shards} shards: {_count(list(new_map))}"
     moved = sum(1 for key, shard in new_map.items() if key in old_map and old_map[key] != shard)
     added = sum(1 for key in new_map if key not in old_map)
+    removed = sum(1 for key in old_map if key not in new_map)
     kept = f"; {len(lost)} lost, kept where the old index named them" if lost else ""
     return (
         f"weight_map rebuilt from the headers of {shards} shards: "
         f"{_count(list(new_map))}, {moved} moved to the shard that holds them, {added} added, "
-        f"0 removed{kept}"
+        f"{removed} removed{kept}"
     )
 
 
