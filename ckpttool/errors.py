@@ -20,6 +20,9 @@ EXIT_INTERRUPTED = 130
 #: what a shell reports for a program SIGPIPE killed (``cat``, ``git log``), in every output mode.
 EXIT_PIPE_CLOSED = 141
 
+#: What a message about a file cut short or torn adds: the command that salvages the rest.
+CUT_HINT = " (cut short: ckpttool repair salvages what it still holds)"
+
 
 class Stopped(KeyboardInterrupt):
     """SIGTERM or SIGHUP (a ``timeout``, a ``kill``, a Slurm or Kubernetes preemption, a closed

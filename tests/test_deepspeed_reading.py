@@ -234,7 +234,8 @@ def test_verify_goes_on_past_an_unreadable_rank_file(tmp_path: Path) -> None:
     assert problems == [
         "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt: corrupt or truncated zip archive "
         "(File is not a zip file (no end of central directory record)); an interrupted torch.save "
-        "leaves files like this: use the previous checkpoint",
+        "leaves files like this: use the previous checkpoint, or salvage what it still holds "
+        "with ckpttool repair",
         "incomplete: global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing (written "
         "by the framework; its resume needs it)",
     ]

@@ -315,7 +315,7 @@ def show(
     """
     from ckpttool.checkpoint import open_checkpoint
     from ckpttool.commands.selection import side_section
-    from ckpttool.commands.show import build_report
+    from ckpttool.commands.show import build_report, check_collection
     from ckpttool.errors import CheckpointCollectionError
     from ckpttool.render import show as show_render
     from ckpttool.render import show_tree
@@ -323,6 +323,7 @@ def show(
     try:
         ckpt = open_checkpoint(path)
     except CheckpointCollectionError as collection:  # a Trainer output_dir: list what it holds
+        check_collection(collection.layout)
         listing = show_render.collection_json(collection.layout)
         if as_json:
             _echo_json(listing)
@@ -1228,8 +1229,9 @@ def repair_command(
     incomplete ones aside); leftover temp files are listed (--clean removes them).
 
     Exit 0 when nothing is lost (SRC intact, or all of it recovered), 1 when something stays
-    lost or damaged (tensors lost, --dry-run, damage left as it is, or the output failed its
-    read-back and was removed), 2 on an error (nothing recoverable, bad input: nothing written).
+    lost or damaged (tensors lost, --dry-run, damage left as it is, marked "(stays)": a
+    directory's lost tensors stay named in its index, or the output failed its read-back and
+    was removed), 2 on an error (nothing recoverable, bad input: nothing written).
 
     \b
     Examples:
@@ -1411,12 +1413,15 @@ def verify_command(
     names, truncation), every storage's size against the pickle's claims, every tensor's
     extent, safetensors header rules, legacy storage sizes; for a torch.distributed.checkpoint
     directory, every rank file present and of the right size and every chunk's archive; temp
-    files left next to the file by an interrupted save.
+    files left next to the file by an interrupted save, or anywhere in a directory, and stray
+    NAME.bak backups. In a model directory, files named like checkpoints that it does not
+    load (a pytorch_model.bin beside model.safetensors) are verified too.
 
     Each path gets its own verdict and the run goes on: a path that cannot be checked at all
     (missing, unreadable) gets an "Error: PATH: ..." line on stderr; a file that is there but
     is no checkpoint (empty, torn, unrecognised) is a problem. A directory that is no
-    checkpoint layout is walked: each checkpoint in it gets its verdict. --component NAME checks
+    checkpoint layout, or a Trainer output_dir, is walked: each checkpoint in it gets its
+    verdict. --component NAME checks
     only that part's files of a multi-component folder (a pipeline's unet). Exit 0 when every
     path was checked and is clean, 1 when a problem (or a leftover temp file) was found in any
     (this wins), 2 when some path could not be checked. --json always prints the JSON report.

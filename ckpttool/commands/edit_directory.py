@@ -148,7 +148,7 @@ def edit_directory(
                 shutil.copyfile(path, stage / name)
             _config_dtype(stage / MODEL_CONFIG, reports)
             if index is not None:
-                rebuilt = framework.rebuild_index(str(stage))
+                rebuilt = framework.rebuild_index(str(stage), keep_lost=False)
                 if rebuilt is not None and rebuilt.content is not None:
                     (stage / rebuilt.index).write_bytes(rebuilt.content)
     except _Unchanged:

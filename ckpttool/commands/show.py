@@ -478,6 +478,29 @@ def show(
         return build_report(ckpt, section=section, pattern=pattern, stats=stats)
 
 
+def check_collection(layout: Any) -> None:
+    """A directory of several checkpoints (a Trainer ``output_dir``; ``layout`` is its
+    :class:`~ckpttool.frameworks.base.FrameworkDirectory`): each checkpoint that holds every
+    file its resume needs is opened as ``show`` opens one, and one whose files do not read (a
+    torn ``model.safetensors``) is marked incomplete with why, in its ``missing``: "complete"
+    must not be said of a checkpoint ``show`` itself cannot open. Structure only: ``verify``
+    checks the bytes."""
+    from ckpttool.io.source import join
+
+    for entry in layout.details.get("checkpoints", []):
+        if not entry.get("complete"):
+            continue
+        path = join(layout.directory, entry["name"])
+        try:
+            with open_checkpoint(path, strict=False, refuse_dangerous=False) as ckpt:
+                problems = list(ckpt.problems)
+        except CkptError as error:
+            problems = [str(error).removeprefix(f"{path}: ").removeprefix(f"{path}/")]
+        if problems:
+            entry["complete"] = False
+            entry["missing"] = [*entry.get("missing", []), *(f"damaged: {p}" for p in problems)]
+
+
 def unreferenced_bytes(records: list[TensorRecord]) -> tuple[int, int]:
     """(bytes, storages): what the file stores that no tensor views. A tensor saved as a view
     keeps its whole storage (``torch.save(big[:10])`` stores all of ``big``)."""

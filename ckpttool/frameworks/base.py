@@ -483,6 +483,8 @@ class IndexRepair:
     content: bytes | None  # the rebuilt index; None when the index is right as it is
     changes: str = ""  # one line: what the rebuilt index changes
     lost: tuple[str, ...] = ()  # tensors the old index names that no shard holds any more
+    #: The damage lines the rewritten index does not mend (lost tensors: they stay listed).
+    stays: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -638,9 +640,12 @@ class Framework:
             f"edit does not rewrite a {layout.title}; give one of its files, or convert it"
         )
 
-    def rebuild_index(self, directory: str) -> IndexRepair | None:
+    def rebuild_index(self, directory: str, *, keep_lost: bool = True) -> IndexRepair | None:
         """``repair``: the weights index of ``directory`` rebuilt from its shards' headers, when
         it holds this framework's sharded weights (with or without an index); None otherwise.
+        ``keep_lost``: tensors the old index names and no shard holds stay named (repair: the
+        index is their only record); False drops them (``edit``: dropped or renamed on
+        purpose, the shards are the truth).
         Raises a :class:`~ckpttool.errors.CkptError` when the shards cannot be reconciled (one
         tensor stored twice with different bytes). Writes nothing."""
         return None

@@ -141,7 +141,8 @@ def open_zip(handle: BinaryIO) -> ZipIndex:
     except ZIP_ERRORS as error:
         raise CorruptCheckpointError(
             f"corrupt or truncated zip archive ({error}); an interrupted torch.save leaves "
-            "files like this: use the previous checkpoint"
+            "files like this: use the previous checkpoint, or salvage what it still holds with "
+            "ckpttool repair"
         ) from None
 
 
