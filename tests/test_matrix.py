@@ -27,15 +27,12 @@ from ckpttool.cli import cli
 from tests.support import matrix
 from tests.support.matrix import TABLE, Fixture
 
-REPAIR = "#49 item repair (repair hides lost shards, verify skipping files)"
 DIFF = "#49 item semantics (diff exit 0 / 'identical' on differing resume files)"
 
 #: (layout, check) -> the item of issue 49 whose fix makes it pass. Delete an entry when its
 #: fix lands (a strict xfail that passes fails). A check is a test's name for it ("convert",
 #: "verify:deleted"...: see each test's ``cases``/``damaged_cases`` call).
 KNOWN: dict[tuple[str, str], str] = {
-    # repair says DAMAGED of a Hugging Face directory that lost a shard, but exits 0
-    ("hf_model", "repair:deleted"): REPAIR,
     # DeepSpeed: a changed model_states tensor, compared in the fp32 view only: "identical";
     # Lightning sharded: a changed tensor of meta.pt (a callback's kth_value) is never compared
     ("deepspeed", "diff-changed"): DIFF,
@@ -175,9 +172,10 @@ def test_show_and_verify_of_an_intact_fixture_exit_0(fixture: Fixture, tmp_path:
     if fixture.refused is not None:  # show refuses it, verify reports it unreadable
         assert shown.exit_code == 2 and fixture.refused in shown.output, shown.output
         assert verified.exit_code == 1 and fixture.refused in verified.output, verified.output
-    elif fixture.collection:  # a run directory: show lists its checkpoints, verify asks for one
+    elif fixture.collection:  # a run directory: show lists its checkpoints, verify checks each
         assert shown.exit_code == 0, shown.output
-        assert verified.exit_code == 2 and "name one of them" in verified.output, verified.output
+        assert verified.exit_code == 0, verified.output
+        assert ": OK (" in verified.output, verified.output  # each of its checkpoints checked
     else:
         assert shown.exit_code == 0, shown.output
         assert verified.exit_code == 0, verified.output

@@ -138,10 +138,11 @@ def delete_one(path: Path) -> Path | None:
     roles = _member_roles(path)
     weights = [f for f in files if roles.get(f.relative_to(path).as_posix()) in WEIGHTS_ROLES]
     indexed = {
-        name for index in path.glob("*.index.json")
+        index.parent / name for index in path.rglob("*.index.json")
         for name in json.loads(index.read_text()).get("weight_map", {}).values()
     }  # fmt: skip
-    shards = [f for f in weights if f.name in indexed]  # a shard an index names: surely needed
+    # a shard an index names (in a run directory: one of its checkpoints'): surely needed
+    shards = [f for f in (weights or files) if f in indexed]
     victim = (shards or weights or files)[0]
     victim.unlink()
     return victim
