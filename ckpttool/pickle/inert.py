@@ -85,6 +85,14 @@ INERT: dict[str, tuple[str, str]] = {
     "omegaconf.nodes.EnumNode": (CLASS, _OMEGA),
     "omegaconf.nodes.PathNode": (CLASS, _OMEGA),
     "omegaconf.nodes.BytesNode": (CLASS, _OMEGA),
+    # torchao's quantized tensors carry their settings as enums
+    "torchao.quantization.quant_primitives.ZeroPointDomain": (CALL, _ENUM),
+    "torchao.quantization.quant_primitives.MappingType": (CALL, _ENUM),
+    "torchao.quantization.quant_primitives.TorchAODType": (CALL, _ENUM),
+    "torchao.quantization.quantize_.common.kernel_preference.KernelPreference": (CALL, _ENUM),
+    # peft's configs
+    "peft.utils.peft_types.PeftType": (CALL, _ENUM),
+    "peft.utils.peft_types.TaskType": (CALL, _ENUM),
     # Lightning
     "lightning_fabric.utilities.data.AttributeDict": (CLASS, "a dict of hyperparameters"),
     "pytorch_lightning.utilities.parsing.AttributeDict": (CLASS, "a dict of hyperparameters"),
