@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.support.adversarial import legacy_stream, torch_zip
+from tests.support.adversarial import global_reduce_p2, legacy_stream, torch_zip
 
 P4 = b"\x80\x04"
 
@@ -83,6 +83,22 @@ def _computed_names(marker: Path) -> bytes:
     module = call(g("_codecs", "encode"), s("cbfvk"), s("rot13"))  # "posix"
     name = call(g("_codecs", "encode"), s("flfgrz"), s("rot13"))  # "system"
     return _pickle(module + name + b"\x93" + b"(" + s(f"touch {marker}") + b"tR")
+
+
+def _zip_bad_crc(marker: Path) -> bytes:
+    """A torch zip whose data.pkl's CRC-32 (local header and directory) is wrong: torch's
+    reader runs the pickle all the same."""
+    data = bytearray(torch_zip(global_reduce_p2(marker)))
+    crc = data[14:18]
+    wrong = bytes(b ^ 0xFF for b in crc)
+    return bytes(data).replace(bytes(crc), wrong)
+
+
+def _zip_local_name_differs(marker: Path) -> bytes:
+    """data.pkl's local header names another file than its directory entry: torch's reader
+    goes by the directory."""
+    data = torch_zip(global_reduce_p2(marker))
+    return data.replace(b"archive/data.pkl", b"archivX/data.pkl", 1)
 
 
 #: name -> builder(marker) -> file bytes; every one runs its payload under torch.load.
@@ -162,6 +178,8 @@ HOSTILE: dict[str, Callable[[Path], bytes]] = {
     "ext2_in_legacy_stream.pt": lambda m: legacy_stream(_ext(2, 301, m)),
     "computed_stack_global.pt": _computed_names,
     "computed_stack_global_in_zip.pt": lambda m: torch_zip(_computed_names(m)),
+    "zip_bad_crc.pt": _zip_bad_crc,
+    "zip_local_name_differs.pt": _zip_local_name_differs,
     "mailcap_in_zip.pt": lambda m: torch_zip(
         _pickle(
             call(

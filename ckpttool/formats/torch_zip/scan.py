@@ -80,10 +80,12 @@ class _Walk:
             where = (*place, info.filename)
             limit = self.budget if depth or role != "pickle" else None
             try:  # bounded: a deflated record could inflate to gigabytes
+                # as torch's reader reads it: a bad CRC-32 or a local header naming another
+                # file does not stop torch.load from running the pickle
                 if limit is None:
-                    data = read_record(handle, info, archive, file_size)
+                    data = read_record(handle, info, archive, file_size, as_torch=True)
                 else:
-                    data = read_record(handle, info, archive, file_size, limit=limit)
+                    data = read_record(handle, info, archive, file_size, limit, as_torch=True)
             except CkptError as error:  # not scanned: the file could not be (fully) checked
                 findings.problems.append(f"{_place(where)}: unreadable ({error})")
                 continue
