@@ -206,3 +206,48 @@ def test_a_lightning_checkpoint_exits_0(tmp_path: Path) -> None:
         trainer.fit(Model(), data)
     code, report = _scan(tmp_path)
     assert code == 0 and len(report["files"]) == 1, report
+
+
+def test_a_checkpoint_wrapped_in_an_archive_is_scanned_or_reported(
+    hostile: tuple[Path, Path, dict[str, Any]], benign: Path, tmp_path: Path
+) -> None:
+    """gzip, bzip2, xz and tar wrappers are opened (standard library) and what they hold is
+    scanned, each finding named by its place; a 7z archive (the nullifAI pattern) is reported
+    "archive not scanned", exit 1, in file and directory mode. A live case (proven above)
+    unpacked from each is what torch.load would then run."""
+    import bz2
+    import gzip
+    import lzma
+    import tarfile
+
+    files, markers, _ = hostile
+    live = (files / "mailcap_findmatch.pt").read_bytes()
+    folder = tmp_path / "wrapped"
+    folder.mkdir()
+    (folder / "model.pt.gz").write_bytes(gzip.compress(live))
+    (folder / "model.pt.bz2").write_bytes(bz2.compress(live))
+    (folder / "model.pt.xz").write_bytes(lzma.compress(live))
+    with tarfile.open(folder / "bundle.tar.gz", "w:gz") as archive:
+        archive.add(benign / "omegaconf.pt", "ok/omegaconf.pt")
+        archive.add(files / "mailcap_findmatch.pt", "ok/model.pt")
+    # a 7z archive's signature and header: no standard-library module opens it
+    (folder / "model.7z").write_bytes(b"7z\xbc\xaf\x27\x1c\x00\x04" + bytes(24) + live)
+    for path in sorted(folder.iterdir()):
+        code, report = _scan(path)
+        (entry,) = report["files"]
+        assert code == 1 and _dangerous(entry), entry
+        assert entry["format"] == "archive"
+        if path.suffix == ".7z":
+            assert entry["notes"][0].startswith("archive not scanned: a 7z archive")
+        else:
+            place = "ok/model.pt" if path.name == "bundle.tar.gz" else "model.pt"
+            assert entry["places"]["mailcap.findmatch"] == [place]
+    code, report = _scan(folder)
+    assert code == 1 and report["skipped"] == []
+    assert all(_dangerous(entry) for entry in report["files"]) and len(report["files"]) == 5
+    text = CliRunner().invoke(cli, ["scan", str(folder / "model.7z")]).output
+    assert "archive not scanned" in text
+    with tarfile.open(tmp_path / "benign.tgz", "w:gz") as archive:
+        archive.add(benign / "omegaconf.pt", "omegaconf.pt")
+    assert _scan(tmp_path / "benign.tgz")[0] == 0
+    assert not list(markers.iterdir())

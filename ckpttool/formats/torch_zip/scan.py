@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ckpttool.errors import CkptError
-from ckpttool.formats.base import Findings
+from ckpttool.formats.base import PLACE_SEPARATOR, Findings
 from ckpttool.formats.torch_zip import kinds
 from ckpttool.formats.torch_zip.reader import ambiguous_names, open_zip, read_record
 from ckpttool.formats.torch_zip.zip_index import ZipIndex, ZipMember, case_collision, fold
@@ -31,8 +31,6 @@ ZIP_MAGIC = b"PK\x03\x04"
 MAX_DEPTH = 4
 #: Bytes of nested members read in all for one file: past it, a member is "could not scan".
 MAX_NESTED_BYTES = 256 << 20
-#: How a finding's place inside an archive is written.
-PLACE_SEPARATOR = " › "
 #: Protocols a torch.package pickle may start with (``\x80`` then the protocol).
 _PROTOCOLS = frozenset(range(2, 6))
 
