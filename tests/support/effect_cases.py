@@ -10,6 +10,7 @@ tests.support.effect_cases DIR`` writes them (markers under ``DIR/markers``).
 
 from __future__ import annotations
 
+import base64
 import datetime
 import functools
 import struct
@@ -101,6 +102,23 @@ def _zip_local_name_differs(marker: Path) -> bytes:
     return data.replace(b"archive/data.pkl", b"archivX/data.pkl", 1)
 
 
+def binbytes(data: bytes) -> bytes:
+    return b"B" + struct.pack("<I", len(data)) + data
+
+
+def _npy_with_pickle(marker: Path) -> bytes:
+    """An ``.npy`` of object dtype: ``numpy.lib.format.read_array(f, True)`` unpickles its
+    data, a payload."""
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    header = {"descr": "|O", "fortran_order": False, "shape": (1,)}
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.getvalue() + global_reduce_p2(marker)
+
+
 #: name -> builder(marker) -> file bytes; every one runs its payload under torch.load.
 HOSTILE: dict[str, Callable[[Path], bytes]] = {
     "fx_exec_with_source.pt": lambda m: _pickle(
@@ -178,6 +196,32 @@ HOSTILE: dict[str, Callable[[Path], bytes]] = {
     "ext2_in_legacy_stream.pt": lambda m: legacy_stream(_ext(2, 301, m)),
     "computed_stack_global.pt": _computed_names,
     "computed_stack_global_in_zip.pt": lambda m: torch_zip(_computed_names(m)),
+    # bytes handed to a loader: torch.load of a hostile archive, unpickling of an .npy
+    "load_from_bytes.pt": lambda m: _pickle(
+        call(g("torch.storage", "_load_from_bytes"), binbytes(torch_zip(global_reduce_p2(m))))
+    ),
+    "load_from_bytes_base64.pt": lambda m: _pickle(
+        call(
+            g("torch.storage", "_load_from_bytes"),
+            call(
+                g("base64", "b64decode"),
+                s(base64.b64encode(torch_zip(global_reduce_p2(m))).decode()),
+            ),
+        )
+    ),
+    "deserialize_torch_artifact.pt": lambda m: _pickle(
+        call(
+            g("torch._export.serde.serialize", "deserialize_torch_artifact"),
+            binbytes(torch_zip(global_reduce_p2(m))),
+        )
+    ),
+    "npy_read_array.pt": lambda m: _pickle(
+        call(
+            g("numpy.lib.format", "read_array"),
+            call(g("io", "BytesIO"), binbytes(_npy_with_pickle(m))),
+            b"\x88",
+        )
+    ),
     "zip_bad_crc.pt": _zip_bad_crc,
     "zip_local_name_differs.pt": _zip_local_name_differs,
     "mailcap_in_zip.pt": lambda m: torch_zip(
