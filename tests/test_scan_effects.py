@@ -116,6 +116,9 @@ def test_no_command_runs_a_case(hostile: tuple[Path, Path, dict[str, Any]]) -> N
         (b"(cmypkg\nConfig\no.", set(), {"mypkg.Config"}),
         # INST likewise
         (b"(K\x01imypkg\nConfig\n.", {"mypkg.Config"}, set()),
+        # getattr(CLASS, 'name') is read as the name CLASS.name, judged as any global: called
+        (b"\x80\x02cbuiltins\ngetattr\ncmypkg\nTool\nX\x03\x00\x00\x00run\x86R"
+         b"X\x01\x00\x00\x00a\x85R.", {"mypkg.Tool.run"}, {"mypkg.Tool"}),
         # a known-inert class (a dataclass of settings) called: its __post_init__ runs
         (b"\x80\x02ctransformers.training_args\nTrainingArguments\n)R.",
          {"transformers.training_args.TrainingArguments"}, set()),
