@@ -1465,9 +1465,13 @@ def verify_command(
 def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) -> None:
     """List every global the pickles reference, classed safe / unknown / dangerous.
 
-    Runs nothing: the pickle is walked by ckpttool's own reader. Directories are scanned
+    Runs nothing: the pickle is walked by ckpttool's own reader. A global is judged by what
+    the pickle does with it: a call of anything not known to be inert is dangerous, a class
+    only named or built by pickle's default mechanism unknown. Directories are scanned
     recursively (only files that positively are not pickles, such as text, JSON or images,
-    are skipped). Each path is scanned on its own.
+    are skipped). Each path is scanned on its own. A gzip, bzip2, xz or tar archive is opened
+    and each file in it scanned; a 7z, RAR or zstd archive is a finding ("archive not
+    scanned").
     Exit 0 when only safe data constructs are referenced, 1 when something unknown or
     dangerous is (this wins over 2), 2 when a path could not be scanned (missing, not a
     checkpoint, unreadable) or a directory holds no checkpoint: scanning nothing is not clean.
