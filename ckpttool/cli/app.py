@@ -142,7 +142,12 @@ def _flush_stdout(*, failure_reported: bool) -> None:
 
 def _interrupted(stop: KeyboardInterrupt) -> NoReturn:
     if isinstance(stop, Stopped):
-        click.echo(f"Error: interrupted ({stop.name})", err=True)
+        from ckpttool.io.units import launched_ranks
+
+        # torchrun stops the other ranks with SIGTERM when one fails, and names the failure
+        # itself: a rank stopped so cleans up without a line of its own (one error, not N)
+        if launched_ranks() is None:
+            click.echo(f"Error: interrupted ({stop.name})", err=True)
         sys.exit(128 + stop.signal_number)
     # a terminal shows "^C" where the cursor is: the line starts on a line of its own
     lead = "\n" if sys.stderr.isatty() else ""
