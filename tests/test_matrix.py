@@ -28,7 +28,6 @@ from tests.support import matrix
 from tests.support.matrix import TABLE, Fixture
 
 REPAIR = "#49 item repair (repair hides lost shards, verify skipping files)"
-DIFF = "#49 item semantics (diff exit 0 / 'identical' on differing resume files)"
 
 #: (layout, check) -> the item of issue 49 whose fix makes it pass. Delete an entry when its
 #: fix lands (a strict xfail that passes fails). A check is a test's name for it ("convert",
@@ -36,10 +35,6 @@ DIFF = "#49 item semantics (diff exit 0 / 'identical' on differing resume files)
 KNOWN: dict[tuple[str, str], str] = {
     # repair says DAMAGED of a Hugging Face directory that lost a shard, but exits 0
     ("hf_model", "repair:deleted"): REPAIR,
-    # DeepSpeed: a changed model_states tensor, compared in the fp32 view only: "identical";
-    # Lightning sharded: a changed tensor of meta.pt (a callback's kth_value) is never compared
-    ("deepspeed", "diff-changed"): DIFF,
-    ("lightning_sharded", "diff-changed"): DIFF,
 }  # fmt: skip
 
 #: Layouts a command refuses as documented (exit 2, this message): not a loss, a refusal.

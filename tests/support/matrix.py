@@ -204,6 +204,19 @@ def change_tensor_and_field(path: Path) -> tuple[bool, str | None]:
     return changed, field
 
 
+def _bump(tensor: object) -> None:
+    """Change a floating tensor's first element: +1, or 0 where +1 leaves it as it was (an
+    infinity, a value too large for +1 to show: a callback's ``kth_value`` of ``inf``)."""
+    import torch
+
+    flat = tensor.view(-1)  # type: ignore[attr-defined]
+    with torch.no_grad():
+        old = flat[0].item()
+        flat[0] = old + 1
+        if flat[0].item() == old or flat[0].item() != flat[0].item():
+            flat[0] = 0.0 if old != 0 else 1.0
+
+
 def _first_float(obj: object) -> object:
     import torch
 
@@ -247,8 +260,7 @@ def _rewrite_pickle(file: Path, *, tensor: bool) -> str | None:
         found = _first_float(obj)
         if found is None:
             return None
-        with torch.no_grad():
-            found.view(-1)[0] += 1  # type: ignore[attr-defined]
+        _bump(found)
         key = "tensor"
     else:
         key = _change_field(obj)  # type: ignore[assignment]
@@ -269,7 +281,7 @@ def _change_safetensors(file: Path) -> bool:
     found = _first_float(dict(sorted(loaded.items())))
     if found is None:
         return False
-    found.view(-1)[0] += 1  # type: ignore[attr-defined]
+    _bump(found)
     save_file(loaded, str(file), metadata=metadata)
     return True
 
@@ -285,7 +297,7 @@ def _change_dcp(directory: Path, *, tensor: bool, field: bool) -> tuple[bool, st
     obj = torch.load(whole, weights_only=False)
     found = _first_float(obj) if tensor else None
     if found is not None:
-        found.view(-1)[0] += 1  # type: ignore[attr-defined]
+        _bump(found)
     key = _change_field(obj) if field else None
     torch.save(obj, whole)
     for old in (*directory.glob("*.distcp"), directory / ".metadata"):
