@@ -232,6 +232,47 @@ def test_diff_with_a_changed_copy_exits_1_and_names_both(fixture: Fixture, tmp_p
         assert any(key == field or key.endswith("." + field) for key in changed), changed
 
 
+#: The layouts whose fixture keeps a non-tensor field in a pickled file (the matrix's
+#: :func:`~tests.support.matrix.remove_field` deletes one; DCP's are not rewritten here).
+PICKLED_FIELDS = (
+    "lightning_sharded", "accelerate", "hf_trainer", "deepspeed", "megatron_torch_dist",
+    "megatron_legacy", "torch-zip",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fixture", cases([f for f in WITH_TENSORS if f.layout in PICKLED_FIELDS], "diff-field-gone")
+)
+def test_diff_with_a_copy_missing_a_field_exits_1_and_names_it(
+    fixture: Fixture, tmp_path: Path
+) -> None:
+    """Two checkpoints of one kind: a field only one holds is a difference, not a note."""
+    a = fixture.copy_to(tmp_path / "a")
+    b = fixture.copy_to(tmp_path / "b")
+    field = matrix.remove_field(b)
+    assert field is not None, "the fixture keeps no pickled field: drop it from PICKLED_FIELDS"
+    result = run("diff", a, b, "--json", inputs=(a, b))
+    assert result.exit_code == 1, result.output
+    changed = [f["key"] for f in json.loads(result.stdout)["fields"] if f["status"] != "same"]
+    assert any(key == field or key.endswith("." + field) for key in changed), changed
+
+
+@pytest.mark.parametrize("fixture", cases(WITH_TENSORS, "diff-weights-file"))
+def test_diff_against_its_weights_file_exits_0_naming_what_was_not_compared(
+    fixture: Fixture, tmp_path: Path
+) -> None:
+    """README's "Check a weights file against its resume file": what only the checkpoint's
+    kind holds (an optimizer, counters, a config) is named in a note, not compared; what both
+    hold (the weights) compared equal: exit 0."""
+    src = fixture.copy_to(tmp_path / "in")
+    out = tmp_path / "weights.safetensors"
+    assert run("convert", src, out, inputs=(src,)).exit_code == 0
+    result = run("diff", src, out, "--rtol", 0, "--atol", 0, inputs=(src, out))
+    assert result.exit_code == 0, result.output
+    if len(shown_tensors(src)) > len(weights(out)):  # it holds more than its weights
+        assert re.search(r"^note: not compared: A's ", result.stderr, re.M), result.stderr
+
+
 # --- convert, edit, repair, average, merge --------------------------------------------------
 
 

@@ -249,6 +249,40 @@ def _change_field(obj: object) -> str | None:
     return None
 
 
+def remove_field(path: Path) -> str | None:
+    """Delete one non-tensor field (an int, float or string in a dict, the first
+    :func:`_change_field` would change) from the first pickled file of the copy at ``path``
+    that has one, rewritten by torch.save; its key (None: no pickled file holds one)."""
+    import zipfile
+
+    import torch
+
+    for file in sorted(data_files(path), key=str):
+        if file.suffix not in PICKLE_SUFFIXES:
+            continue
+        obj = torch.load(file, map_location="cpu", weights_only=False)
+        key = _delete_field(obj)
+        if key is not None:
+            torch.save(obj, file, _use_new_zipfile_serialization=zipfile.is_zipfile(file))
+            return key
+    return None
+
+
+def _delete_field(obj: object) -> str | None:
+    if not isinstance(obj, dict):
+        return None
+    for key, value in obj.items():
+        if isinstance(value, int | float | str) and not isinstance(value, bool):
+            if isinstance(key, str):
+                del obj[key]
+                return key
+    for value in obj.values():
+        found = _delete_field(value)
+        if found is not None:
+            return found
+    return None
+
+
 def _rewrite_pickle(file: Path, *, tensor: bool) -> str | None:
     """torch.load, change (a tensor or a field), torch.save in the file's own container."""
     import zipfile
