@@ -415,3 +415,46 @@ def test_a_converted_model_directory_loads_in_from_pretrained_in_its_dtype(
     loaded = model.state_dict()
     for key, tensor in expected.items():
         assert torch.equal(loaded[key], tensor.to(torch.bfloat16)), key
+
+
+# --- the damaged-input column: diff, convert, average, merge --------------------------------
+
+
+def damaged_column_cases() -> list[Any]:
+    """Every command that reads a checkpoint's tensors into a verdict or an output, of every
+    layout's damaged copies."""
+    return [
+        pytest.param(command, *param.values, id=f"{command}-{param.id}", marks=param.marks)
+        for command in ("diff", "convert", *COMBINES)
+        for param in damaged_cases(WITH_TENSORS, command)
+    ]
+
+
+@pytest.mark.parametrize(("command", "fixture", "how"), damaged_column_cases())
+def test_a_damaged_copy_fails_naming_it_and_nothing_is_written(
+    command: str, fixture: Fixture, how: str, tmp_path: Path
+) -> None:
+    """Of a damaged copy (a data file cut to half, or deleted), ``diff`` against the intact
+    fixture, ``convert``, ``average`` and ``merge`` exit non-zero (1: a difference found, 2:
+    an error) naming the damaged file, or for a ``diff`` the tensors it lost; no output is
+    written and the inputs are untouched."""
+    src = fixture.copy_to(tmp_path / "in")
+    intact = fixture.copy_to(tmp_path / "intact")
+    victim = damage(src, how)
+    adapter = fixture.layout == "peft_adapter"
+    out = tmp_path / ("out" if adapter else "out.safetensors")
+    if command == "diff":
+        args: tuple[Any, ...] = ("diff", src, intact, "--json")
+    elif command == "convert":
+        args = ("convert", src, out)
+    else:
+        args = (command, src, intact, *COMBINES[command], "-o", out)
+    result = run(*args, inputs=(src, intact))
+    assert result.exit_code in (1, 2), result.output
+    if command == "diff" and result.exit_code == 1:  # read, and compared: what it lost
+        report = json.loads(result.stdout)
+        lost = [t["key"] for t in report["tensors"] if t["status"] == "only_b"]
+        assert lost or names(result.output, victim), report["summary"]
+    else:
+        assert result.exit_code == 2 and names(result.output, victim), result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "intact"]
