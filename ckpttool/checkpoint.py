@@ -77,9 +77,7 @@ def open_checkpoint(
     the files as stored. The opened view's ``details["view"]`` holds its
     :class:`~ckpttool.frameworks.base.ViewFacts`.
     """
-    return _open(
-        os.fspath(path), strict, refuse_dangerous, track_spans, allow_ambiguous, view, {}
-    )
+    return _open(os.fspath(path), strict, refuse_dangerous, track_spans, allow_ambiguous, view, {})
 
 
 #: ``details`` key of a view the door opened: the path it was asked for and the detections

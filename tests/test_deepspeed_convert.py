@@ -246,7 +246,9 @@ def test_diff_tag_against_its_converted_weights(tmp_path: Path) -> None:
     assert report.equal and not report.fields
     assert {entry.status for entry in report.tensors} == {IDENTICAL}
     # the tag's files hold more than the weights file's kind does: named, not compared
-    assert any(note.startswith("not compared: A's files beyond its weights view") for note in report.notes), report.notes
+    assert any(
+        note.startswith("not compared: A's files beyond its weights view") for note in report.notes
+    ), report.notes
     result = CliRunner().invoke(cli, ["diff", str(source / "global_step2"), str(converted)])
     assert result.exit_code == 1  # another tag: the weights differ
 

@@ -272,10 +272,10 @@ def _delete_field(obj: object) -> str | None:
     if not isinstance(obj, dict):
         return None
     for key, value in obj.items():
-        if isinstance(value, int | float | str) and not isinstance(value, bool):
-            if isinstance(key, str):
-                del obj[key]
-                return key
+        scalar = isinstance(value, int | float | str) and not isinstance(value, bool)
+        if scalar and isinstance(key, str):
+            del obj[key]
+            return key
     for value in obj.values():
         found = _delete_field(value)
         if found is not None:
