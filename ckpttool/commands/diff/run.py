@@ -59,7 +59,6 @@ from ckpttool.commands.mapped import (
 from ckpttool.commands.selection import (
     COMPONENT_OR_SECTION,
     Selection,
-    placeholders_of,
     refuse_placeholders,
     side_section,
 )
@@ -266,7 +265,6 @@ def plan_diff(
     section_b: str | None = None,
     component_a: str | None = None,
     component_b: str | None = None,
-    as_stored: bool = False,
 ) -> DiffPlan:
     """Match tensors and compare fields, from metadata alone (no tensor bytes are read).
     ``section_a``/``section_b`` override ``selection.section`` for one side, as
@@ -275,9 +273,7 @@ def plan_diff(
     ``selection.map``, A's tensors are mapped first; ``ckpt_a`` must then be a
     :class:`~ckpttool.commands.mapped.DerivedCheckpoint` (:func:`with_derived`), which reads
     the tensors the map computes. Two sides opened as a framework's view (the default view of
-    :func:`open_side`) are also compared as their files store them (:func:`plan_stored`);
-    ``as_stored``: this is that plan (a ZeRO-3 rank file's placeholders are left out, their
-    values being the view's, rather than refused)."""
+    :func:`open_side`) are also compared as their files store them (:func:`plan_stored`)."""
     selection = selection or Selection()
     if selection.component is not None and selection.section is not None:
         raise InputError(COMPONENT_OR_SECTION)
@@ -296,8 +292,6 @@ def plan_diff(
         aliases_a = {}  # declared under A's own names
     pairs = match_tensors(tensors_a, sel_b.tensors, aliases_a, aliases_b)
     # a ZeRO-3 rank file's 0-element stand-ins would compare "identical": never as weights
-    if as_stored:
-        pairs = _without_placeholders(ckpt_a, ckpt_b, pairs, notes)
     refuse_placeholders(ckpt_a, [pair.a.key for pair in pairs if pair.a is not None])
     refuse_placeholders(ckpt_b, [pair.b.key for pair in pairs if pair.b is not None])
     for pair in pairs:
@@ -373,7 +367,7 @@ def plan_stored(ckpt_a: Checkpoint, ckpt_b: Checkpoint, notes: list[str]) -> Sto
         files_a.close()
         raise
     try:
-        plan = plan_diff(files_a, files_b, as_stored=True)
+        plan = plan_diff(files_a, files_b)
     except BaseException:
         files_a.close()
         files_b.close()
@@ -384,28 +378,6 @@ def plan_stored(ckpt_a: Checkpoint, ckpt_b: Checkpoint, notes: list[str]) -> Sto
     )
     notes.extend(plan.notes)
     return StoredPlan(files_a, files_b, plan)
-
-
-def _without_placeholders(
-    ckpt_a: Checkpoint, ckpt_b: Checkpoint, pairs: list[TensorPair], notes: list[str]
-) -> list[TensorPair]:
-    """``pairs`` without those of a placeholder (a ZeRO-3 rank file's 0-element stand-in, whose
-    values the view compares), with a note of how many."""
-    found_a, found_b = placeholders_of(ckpt_a), placeholders_of(ckpt_b)
-    stand_ins_a = found_a.shapes if found_a is not None else {}
-    stand_ins_b = found_b.shapes if found_b is not None else {}
-    kept = [
-        pair for pair in pairs
-        if not (pair.a is not None and pair.a.key in stand_ins_a)
-        and not (pair.b is not None and pair.b.key in stand_ins_b)
-    ]  # fmt: skip
-    if len(kept) < len(pairs):
-        left = len(pairs) - len(kept)
-        notes.append(
-            f"{left} placeholder{'s' * (left != 1)} of the files as stored not compared there "
-            "(their values are the view's)"
-        )
-    return kept
 
 
 def _mapped_side(
