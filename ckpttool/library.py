@@ -30,6 +30,7 @@ from ckpttool.commands.selection import (
     add_recorded_aliases,
     component_section,
     dequantized_subclasses,
+    refuse_incomplete,
     refuse_placeholders,
     refuse_without_model,
     select,
@@ -460,6 +461,7 @@ def load_state_dict(
     strip = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix or ())
     with open(path_or_url, view=view) as handle:
         ckpt = handle.checkpoint
+        refuse_incomplete(ckpt)  # as convert: a lost file's tensors would be missing
         if component is not None:
             if section not in ("model", None):
                 raise InputError(COMPONENT_OR_SECTION)

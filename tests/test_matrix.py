@@ -27,17 +27,10 @@ from ckpttool.cli import cli
 from tests.support import matrix
 from tests.support.matrix import TABLE, Fixture
 
-DIFF = "#49 item semantics (diff exit 0 / 'identical' on differing resume files)"
-
 #: (layout, check) -> the item of issue 49 whose fix makes it pass. Delete an entry when its
 #: fix lands (a strict xfail that passes fails). A check is a test's name for it ("convert",
 #: "verify:deleted"...: see each test's ``cases``/``damaged_cases`` call).
-KNOWN: dict[tuple[str, str], str] = {
-    # DeepSpeed: a changed model_states tensor, compared in the fp32 view only: "identical";
-    # Lightning sharded: a changed tensor of meta.pt (a callback's kth_value) is never compared
-    ("deepspeed", "diff-changed"): DIFF,
-    ("lightning_sharded", "diff-changed"): DIFF,
-}  # fmt: skip
+KNOWN: dict[tuple[str, str], str] = {}  # (empty: every case of issue 49 holds)
 
 #: Layouts a command refuses as documented (exit 2, this message): not a loss, a refusal.
 REFUSED: dict[tuple[str, str], str] = {
@@ -235,6 +228,47 @@ def test_diff_with_a_changed_copy_exits_1_and_names_both(fixture: Fixture, tmp_p
         assert any(key == field or key.endswith("." + field) for key in changed), changed
 
 
+#: The layouts whose fixture keeps a non-tensor field in a pickled file (the matrix's
+#: :func:`~tests.support.matrix.remove_field` deletes one; DCP's are not rewritten here).
+PICKLED_FIELDS = (
+    "lightning_sharded", "accelerate", "hf_trainer", "deepspeed", "megatron_torch_dist",
+    "megatron_legacy", "torch-zip",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fixture", cases([f for f in WITH_TENSORS if f.layout in PICKLED_FIELDS], "diff-field-gone")
+)
+def test_diff_with_a_copy_missing_a_field_exits_1_and_names_it(
+    fixture: Fixture, tmp_path: Path
+) -> None:
+    """Two checkpoints of one kind: a field only one holds is a difference, not a note."""
+    a = fixture.copy_to(tmp_path / "a")
+    b = fixture.copy_to(tmp_path / "b")
+    field = matrix.remove_field(b)
+    assert field is not None, "the fixture keeps no pickled field: drop it from PICKLED_FIELDS"
+    result = run("diff", a, b, "--json", inputs=(a, b))
+    assert result.exit_code == 1, result.output
+    changed = [f["key"] for f in json.loads(result.stdout)["fields"] if f["status"] != "same"]
+    assert any(key == field or key.endswith("." + field) for key in changed), changed
+
+
+@pytest.mark.parametrize("fixture", cases(WITH_TENSORS, "diff-weights-file"))
+def test_diff_against_its_weights_file_exits_0_naming_what_was_not_compared(
+    fixture: Fixture, tmp_path: Path
+) -> None:
+    """README's "Check a weights file against its resume file": what only the checkpoint's
+    kind holds (an optimizer, counters, a config) is named in a note, not compared; what both
+    hold (the weights) compared equal: exit 0."""
+    src = fixture.copy_to(tmp_path / "in")
+    out = tmp_path / "weights.safetensors"
+    assert run("convert", src, out, inputs=(src,)).exit_code == 0
+    result = run("diff", src, out, "--rtol", 0, "--atol", 0, inputs=(src, out))
+    assert result.exit_code == 0, result.output
+    if len(shown_tensors(src)) > len(weights(out)):  # it holds more than its weights
+        assert re.search(r"^note: not compared: A's ", result.stderr, re.M), result.stderr
+
+
 # --- convert, edit, repair, average, merge --------------------------------------------------
 
 
@@ -377,3 +411,46 @@ def test_a_converted_model_directory_loads_in_from_pretrained_in_its_dtype(
     loaded = model.state_dict()
     for key, tensor in expected.items():
         assert torch.equal(loaded[key], tensor.to(torch.bfloat16)), key
+
+
+# --- the damaged-input column: diff, convert, average, merge --------------------------------
+
+
+def damaged_column_cases() -> list[Any]:
+    """Every command that reads a checkpoint's tensors into a verdict or an output, of every
+    layout's damaged copies."""
+    return [
+        pytest.param(command, *param.values, id=f"{command}-{param.id}", marks=param.marks)
+        for command in ("diff", "convert", *COMBINES)
+        for param in damaged_cases(WITH_TENSORS, command)
+    ]
+
+
+@pytest.mark.parametrize(("command", "fixture", "how"), damaged_column_cases())
+def test_a_damaged_copy_fails_naming_it_and_nothing_is_written(
+    command: str, fixture: Fixture, how: str, tmp_path: Path
+) -> None:
+    """Of a damaged copy (a data file cut to half, or deleted), ``diff`` against the intact
+    fixture, ``convert``, ``average`` and ``merge`` exit non-zero (1: a difference found, 2:
+    an error) naming the damaged file, or for a ``diff`` the tensors it lost; no output is
+    written and the inputs are untouched."""
+    src = fixture.copy_to(tmp_path / "in")
+    intact = fixture.copy_to(tmp_path / "intact")
+    victim = damage(src, how)
+    adapter = fixture.layout == "peft_adapter"
+    out = tmp_path / ("out" if adapter else "out.safetensors")
+    if command == "diff":
+        args: tuple[Any, ...] = ("diff", src, intact, "--json")
+    elif command == "convert":
+        args = ("convert", src, out)
+    else:
+        args = (command, src, intact, *COMBINES[command], "-o", out)
+    result = run(*args, inputs=(src, intact))
+    assert result.exit_code in (1, 2), result.output
+    if command == "diff" and result.exit_code == 1:  # read, and compared: what it lost
+        report = json.loads(result.stdout)
+        lost = [t["key"] for t in report["tensors"] if t["status"] == "only_b"]
+        assert lost or names(result.output, victim), report["summary"]
+    else:
+        assert result.exit_code == 2 and names(result.output, victim), result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "intact"]

@@ -453,9 +453,12 @@ def diff_command(
     Any two inputs ckpttool reads (torch zip, legacy, safetensors, DCP directories). A resume
     file against a plain state dict compares the resume file's model. When the two sides share
     no tensor key but one side's keys are the other's under one extra prefix (model.,
-    model_state_dict., module.), they are aligned there, with a note. Values are streamed one
-    tensor pair at a time. The table lists the tensors that differ (--all: every tensor).
-    Exits 0 when equal within tolerance, 1 when they differ, 2 on error.
+    model_state_dict., module.), they are aligned there, with a note. Two DeepSpeed tags are
+    compared as their fp32 weights and as their files store them (module copies, optimizer
+    states, counters, client state); what only one side's kind holds is named in a note, not
+    compared. Values are streamed one tensor pair at a time. The table lists the tensors that
+    differ (--all: every tensor). Exits 0 when every tensor and field both hold is equal within
+    tolerance, 1 when they differ, 2 on error.
 
     \b
     Examples:

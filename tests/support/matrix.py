@@ -205,6 +205,19 @@ def change_tensor_and_field(path: Path) -> tuple[bool, str | None]:
     return changed, field
 
 
+def _bump(tensor: object) -> None:
+    """Change a floating tensor's first element: +1, or 0 where +1 leaves it as it was (an
+    infinity, a value too large for +1 to show: a callback's ``kth_value`` of ``inf``)."""
+    import torch
+
+    flat = tensor.view(-1)  # type: ignore[attr-defined]
+    with torch.no_grad():
+        old = flat[0].item()
+        flat[0] = old + 1
+        if flat[0].item() == old or flat[0].item() != flat[0].item():
+            flat[0] = 0.0 if old != 0 else 1.0
+
+
 def _first_float(obj: object) -> object:
     import torch
 
@@ -237,6 +250,40 @@ def _change_field(obj: object) -> str | None:
     return None
 
 
+def remove_field(path: Path) -> str | None:
+    """Delete one non-tensor field (an int, float or string in a dict, the first
+    :func:`_change_field` would change) from the first pickled file of the copy at ``path``
+    that has one, rewritten by torch.save; its key (None: no pickled file holds one)."""
+    import zipfile
+
+    import torch
+
+    for file in sorted(data_files(path), key=str):
+        if file.suffix not in PICKLE_SUFFIXES:
+            continue
+        obj = torch.load(file, map_location="cpu", weights_only=False)
+        key = _delete_field(obj)
+        if key is not None:
+            torch.save(obj, file, _use_new_zipfile_serialization=zipfile.is_zipfile(file))
+            return key
+    return None
+
+
+def _delete_field(obj: object) -> str | None:
+    if not isinstance(obj, dict):
+        return None
+    for key, value in obj.items():
+        scalar = isinstance(value, int | float | str) and not isinstance(value, bool)
+        if scalar and isinstance(key, str):
+            del obj[key]
+            return key
+    for value in obj.values():
+        found = _delete_field(value)
+        if found is not None:
+            return found
+    return None
+
+
 def _rewrite_pickle(file: Path, *, tensor: bool) -> str | None:
     """torch.load, change (a tensor or a field), torch.save in the file's own container."""
     import zipfile
@@ -248,8 +295,7 @@ def _rewrite_pickle(file: Path, *, tensor: bool) -> str | None:
         found = _first_float(obj)
         if found is None:
             return None
-        with torch.no_grad():
-            found.view(-1)[0] += 1  # type: ignore[attr-defined]
+        _bump(found)
         key = "tensor"
     else:
         key = _change_field(obj)  # type: ignore[assignment]
@@ -270,7 +316,7 @@ def _change_safetensors(file: Path) -> bool:
     found = _first_float(dict(sorted(loaded.items())))
     if found is None:
         return False
-    found.view(-1)[0] += 1  # type: ignore[attr-defined]
+    _bump(found)
     save_file(loaded, str(file), metadata=metadata)
     return True
 
@@ -286,7 +332,7 @@ def _change_dcp(directory: Path, *, tensor: bool, field: bool) -> tuple[bool, st
     obj = torch.load(whole, weights_only=False)
     found = _first_float(obj) if tensor else None
     if found is not None:
-        found.view(-1)[0] += 1  # type: ignore[attr-defined]
+        _bump(found)
     key = _change_field(obj) if field else None
     torch.save(obj, whole)
     for old in (*directory.glob("*.distcp"), directory / ".metadata"):

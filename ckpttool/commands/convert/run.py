@@ -40,7 +40,7 @@ from ckpttool.commands.convert.output import (
 )
 from ckpttool.commands.convert.plan import FIELD_PREFIX, Plan, Planned, build_plan
 from ckpttool.commands.mapped import DerivedCheckpoint, with_derived
-from ckpttool.commands.selection import Selection, with_component
+from ckpttool.commands.selection import Selection, refuse_incomplete, with_component
 from ckpttool.errors import (
     CkptError,
     InputError,
@@ -221,6 +221,7 @@ def _planned(
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     src_path = _local_name(src, dst)
     with open_checkpoint(src, view=DEFAULT_VIEW) as opened:
+        refuse_incomplete(opened)  # a lost file's tensors would be missing from the output
         choice = with_component(opened, choice)
         ckpt, edited = _edited(opened, choice)
         plan = build_plan(ckpt, choice, options, keep_kinds=writes_pth(dst, to))
