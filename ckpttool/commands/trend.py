@@ -241,6 +241,7 @@ def trend(
             plan = plan_diff(
                 ckpt_a, ckpt_b, Selection(),
                 section_a=points[before].section, section_b=points[after].section,
+                as_stored=False,  # the weights a run trains, as the view gives them
             )  # fmt: skip
             return run_diff(ckpt_a, ckpt_b, plan, norms=True, progress=advance)
 

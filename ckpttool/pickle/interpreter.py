@@ -963,7 +963,9 @@ def _op_ext(size: int) -> Callable[[SafeUnpickler, int], bool]:
     def handler(u: SafeUnpickler, pos: int) -> bool:
         if u.refuse_dangerous:
             raise CorruptCheckpointError(f"unsupported pickle at byte {pos}: {what}")
-        code = int.from_bytes(u._take(size), "little")
+        code = int.from_bytes(u._take(size), "little", signed=size == 4)  # as pickle reads it
+        if code <= 0:  # pickle stops here ("EXT specifies code <= 0"), having run nothing
+            raise CorruptCheckpointError(f"invalid pickle at byte {pos}: EXT{size} code {code}")
         u._push(u.unresolved(f"EXT{size} code {code} (copyreg extension registry)"), pos)
         return False
 

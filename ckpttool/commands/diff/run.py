@@ -265,6 +265,7 @@ def plan_diff(
     section_b: str | None = None,
     component_a: str | None = None,
     component_b: str | None = None,
+    as_stored: bool = True,
 ) -> DiffPlan:
     """Match tensors and compare fields, from metadata alone (no tensor bytes are read).
     ``section_a``/``section_b`` override ``selection.section`` for one side, as
@@ -273,7 +274,8 @@ def plan_diff(
     ``selection.map``, A's tensors are mapped first; ``ckpt_a`` must then be a
     :class:`~ckpttool.commands.mapped.DerivedCheckpoint` (:func:`with_derived`), which reads
     the tensors the map computes. Two sides opened as a framework's view (the default view of
-    :func:`open_side`) are also compared as their files store them (:func:`plan_stored`)."""
+    :func:`open_side`) are also compared as their files store them (:func:`plan_stored`),
+    unless ``as_stored`` is False (``trend`` follows the weights of the view alone)."""
     selection = selection or Selection()
     if selection.component is not None and selection.section is not None:
         raise InputError(COMPONENT_OR_SECTION)
@@ -318,7 +320,8 @@ def plan_diff(
         section_a, section_b, component_a, component_b, selection.section,
         selection.component, selection.map,
     )  # fmt: skip
-    stored = None if any(name is not None for name in named) else plan_stored(ckpt_a, ckpt_b, notes)
+    whole = as_stored and not any(name is not None for name in named)
+    stored = plan_stored(ckpt_a, ckpt_b, notes) if whole else None
     counters_a, counters_b = _counters(ckpt_a), _counters(ckpt_b)
     if stored is None and counters_a is not None and counters_b is not None:  # two DeepSpeed tags
         fields += compare_fields(counters_a, counters_b)  # (else the files' own fields have them)
