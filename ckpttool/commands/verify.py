@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool.checkpoint import CHECKPOINT_SUFFIXES, Checkpoint, open_checkpoint
+from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.selection import find_part, in_folder, unknown_component
 from ckpttool.errors import (
     EXIT_ERROR,
@@ -33,6 +33,7 @@ from ckpttool.errors import (
     NotADirectoryCheckpointError,
 )
 from ckpttool.formats.registry import find_format
+from ckpttool.frameworks.base import CHECKPOINT_SUFFIXES
 from ckpttool.io.atomic import temp_name_pattern
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import is_url

@@ -43,6 +43,11 @@ def check_directory(
     checked by ``verify_file`` (``verify``'s own, handed in: this module is below it). With
     ``folder`` (a part's, ``verify --component``), only the members and missing files there."""
     details = ckpt.details
+    framework = framework_of(details.get("layout"))
+    if framework is not None:  # members that are no files of their own (a zip's)
+        members_checked = framework.verify_members(ckpt, progress)
+        if members_checked is not None:
+            return members_checked[0], members_checked[1] + framework.verify_checks(details)
     directory = str(details.get("directory", ckpt.name))
     problems: list[str] = []
     # a member the layout already reported (an empty rank file) is not verified again
@@ -78,7 +83,6 @@ def check_directory(
         f"{len(members)} member file{'s' * (len(members) != 1)} verified one by one",
         f"{title}: completeness rules",
     ]
-    framework = framework_of(details.get("layout"))
     if framework is not None:
         checked += framework.verify_checks(details)
     return problems, checked

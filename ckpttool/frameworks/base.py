@@ -54,6 +54,7 @@ from ckpttool.io.source import is_url, join, read_small
 
 if TYPE_CHECKING:
     from ckpttool.formats.base import Checkpoint
+    from ckpttool.io.progress import ProgressCallback
     from ckpttool.model.rescaling import DirectoryPlan, DirectoryRescaleReport, RescaleRequest
 
 # Roles a member file can have.
@@ -81,6 +82,18 @@ COLLECTION = "hf_trainer_output"
 #: Where a folder of several model folders lists its named parts (``details[PARTS]``: dicts with
 #: ``name``, ``folder``, ``type``, ``prefix``, ``section`` and ``tensors``; frameworks/parts.py).
 PARTS = "parts"
+
+#: Names of files that are usually checkpoints (what ``show DIR`` lists of a plain directory,
+#: and the parts of a folder or zip of checkpoint files).
+CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar")
+
+
+def one_series(names: list[str]) -> bool:
+    """Whether checkpoint file ``names`` (two or more) are one series: names that differ only by
+    their numbers (``ckpt-100.pt``, ``ckpt-200.pt``), a run's checkpoints (``trend`` follows
+    them) rather than the parts of one checkpoint."""
+    return len(names) > 1 and len({re.sub(r"\d+", "#", name) for name in names}) == 1
+
 
 #: How large a JSON member may be (an index of a million tensors is ~60 MB).
 MAX_JSON_BYTES = 256 << 20
@@ -127,6 +140,12 @@ class FrameworkDirectory:
     # what the framework found while detecting (its own type), so that opening a view or a
     # rescale does not probe the directory again
     found: object = field(default=None, repr=False, compare=False)
+    #: How a member that is no file of its own is opened (a member of a zip archive: its byte
+    #: range read as a file), given its name, ``strict`` and ``refuse_dangerous``; None: each
+    #: member is a file of the directory, opened by :func:`open_member`
+    opener: Callable[[str, bool, bool], Checkpoint] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def read_json(self, name: str) -> object:
         """The JSON member ``name``, parsed once."""
@@ -551,6 +570,14 @@ class Framework:
     def num_parameters(self, details: dict[str, Any]) -> int | None:
         """4. The model's real parameter count when the framework knows it better than the
         stored tensors tell (ZeRO-3 stores placeholders and flat partitions); None otherwise."""
+        return None
+
+    def verify_members(
+        self, ckpt: Checkpoint, progress: ProgressCallback | None
+    ) -> tuple[list[str], list[str]] | None:
+        """4. (problems, what was checked) of the members of a layout whose members are no
+        files of their own (a zip archive's), verified by the framework; None: ``verify``
+        checks each member file as a file (the default)."""
         return None
 
     def verify_checks(self, details: dict[str, Any]) -> list[str]:
