@@ -217,7 +217,8 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
             f"{name}: is a directory, but not a checkpoint layout ckpttool knows (a Hugging Face "
             "model or Trainer checkpoint, a PEFT adapter, an accelerate save_state folder, a "
             "DeepSpeed save or tag directory, a Megatron save, a torchtitan or torchtune "
-            "checkpoint, a set of per-rank state dicts, a DCP directory); "
+            "checkpoint, a set of per-rank state dicts, a DCP directory, a folder of differently "
+            "named checkpoint files without subfolders); "
             f"{_files_seen(name)}"
         )
     if layout.collection:

@@ -1,7 +1,8 @@
 """A folder or a zip archive of checkpoint files that no other plug-in names, read as one
 checkpoint whose parts are its files.
 
-The rule (docs/formats.md, "Containers of checkpoint files"): a folder holding two or more
+The rule (docs/formats.md, "Containers of checkpoint files"): a folder without subfolders (a
+tree of folders is checkpoints in several places, which ``verify`` walks) holding two or more
 files named like checkpoints (:data:`~ckpttool.frameworks.base.CHECKPOINT_SUFFIXES`) that are
 not one series (names that differ only by their numbers, ``ckpt-100.pt``, ``ckpt-200.pt``: a
 run, which ``trend`` follows) and that no framework before this one knows; or a zip archive no
@@ -36,7 +37,7 @@ from ckpttool.frameworks.base import (
     list_files,
     one_series,
 )
-from ckpttool.io.source import is_dir, is_url, join
+from ckpttool.io.source import is_dir, is_url, join, list_dirs
 
 if TYPE_CHECKING:
     from ckpttool.formats.base import Checkpoint
@@ -114,6 +115,8 @@ def _folder(path: str) -> FrameworkDirectory | None:
     names = [n for n in files if n.endswith(CHECKPOINT_SUFFIXES)]
     if len(names) < 2 or one_series(names):
         return None
+    if any(not name.startswith(".") for name in list_dirs(path)):
+        return None  # a tree of folders: checkpoints in several places, which verify walks
     layout = FrameworkDirectory(
         kind=CHECKPOINT_PARTS,
         title="folder of checkpoint files",
