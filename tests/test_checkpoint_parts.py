@@ -86,7 +86,7 @@ def test_load_state_dict_component_of_an_sb3_zip(sb3_zip: Path) -> None:
     expected = _policy_state(sb3_zip)
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[key], value) for key, value in expected.items())
-    with pytest.raises(InputError, match="component 'data' .* has no weights"):
+    with pytest.raises(InputError, match=r"component 'data' .* has no weights"):
         ckpttool.load_state_dict(sb3_zip, component="data")
 
 
@@ -96,9 +96,9 @@ def test_verify_checks_each_member_and_finds_a_damaged_one(sb3_zip: Path, tmp_pa
     assert "3 checkpoint members verified one by one" in clean.stdout
     damaged = tmp_path / "model.zip"
     data = bytearray(sb3_zip.read_bytes())
-    with zipfile.ZipFile(sb3_zip) as archive:
+    with zipfile.ZipFile(sb3_zip) as archive, sb3_zip.open("rb") as handle:
         info = archive.getinfo("policy.pth")
-        offset = container_files._locate(open(sb3_zip, "rb"), info, len(data)).offset
+        offset = container_files._locate(handle, info, len(data)).offset
     with zipfile.ZipFile(sb3_zip) as outer, outer.open("policy.pth") as member:
         inner = zipfile.ZipFile(member)
         record = next(i for i in inner.infolist() if "/data/" in i.filename and i.file_size >= 8)
@@ -136,7 +136,7 @@ def test_a_zip_without_checkpoint_members_keeps_its_refusal(tmp_path: Path) -> N
     path = tmp_path / "notes.zip"
     with zipfile.ZipFile(path, "w") as out:
         out.writestr("readme.txt", "hello")
-    with pytest.raises(NotACheckpointError, match="a zip archive with no data.pkl"):
+    with pytest.raises(NotACheckpointError, match=r"a zip archive with no data\.pkl"):
         open_checkpoint(path)
 
 
@@ -182,8 +182,10 @@ def test_a_folder_of_one_series_stays_a_run(tmp_path: Path) -> None:
         torch.save({"w": torch.full((4,), float(step))}, run_dir / f"ckpt-{step}.pt")
     shown = run("show", run_dir)
     assert shown.exit_code == 2
-    assert "2 checkpoint files: ckpt-100.pt, ckpt-200.pt (one run's checkpoints: `ckpttool " \
+    assert (
+        "2 checkpoint files: ckpt-100.pt, ckpt-200.pt (one run's checkpoints: `ckpttool "
         "trend` follows them); name one of them" in shown.stderr
+    )
     converted = run("convert", run_dir, tmp_path / "out.safetensors")
     assert converted.exit_code == 2 and "name one of them" in converted.stderr
     trended = run("trend", "--json", run_dir)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,8 @@ from ckpttool.commands.repair_report import CheckpointState, RepairAction, Repai
 from ckpttool.commands.verify import verify_file
 from ckpttool.errors import CkptError, InputError, NotADirectoryCheckpointError, name_file
 from ckpttool.formats.registry import directory_format_of
-from ckpttool.frameworks.base import IndexRepair, RunLayout
+from ckpttool.frameworks.base import STEP as STEP  # trend orders its points by it too
+from ckpttool.frameworks.base import IndexRepair, RunLayout, files_run
 from ckpttool.frameworks.registry import detect_directory, frameworks
 from ckpttool.io.atomic import TMP_SUFFIX, atomic_write, fsync_dir
 
@@ -45,11 +45,6 @@ TEMP_FILES = (
 )
 #: Temp directories: ckpttool's staged directories (io/atomic.py), named like its temp files.
 TEMP_DIRECTORIES = ((f".*{TMP_SUFFIX}", "an interrupted ckpttool write"),)
-#: A plain directory of checkpoint files: an incomplete one is renamed NAME.incomplete.
-ASIDE_SUFFIX = ".incomplete"
-FILES_TITLE = "directory of checkpoint files"
-#: The step in a checkpoint file's name: its last number (``step_1000.pt``, ``epoch=3-step=90``).
-STEP = re.compile(r"(\d+)(?!.*\d)")
 
 
 @dataclass
@@ -166,16 +161,7 @@ def checkpoint_files(directory: Path) -> RunLayout | None:
     """A plain directory's checkpoint files, oldest first: by the step in their names when each
     has a different one, else by modification time."""
     names = checkpoint_names(str(directory))
-    if not names:
-        return None
-    steps = [STEP.search(Path(name).stem) for name in names]
-    numbers = [int(m.group(1)) for m in steps if m is not None]
-    if len(numbers) == len(names) and len(set(numbers)) == len(names):
-        order = sorted(zip(numbers, names))
-        ordered = tuple(name for _, name in order)
-    else:
-        ordered = tuple(sorted(names, key=lambda n: (os.stat(directory / n).st_mtime_ns, n)))
-    return RunLayout(FILES_TITLE, ordered, aside=lambda name: name + ASIDE_SUFFIX)
+    return files_run(str(directory), names) if names else None
 
 
 def _run(found: _Found, directory: Path, run: RunLayout, *, quarantine: bool) -> None:

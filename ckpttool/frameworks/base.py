@@ -496,6 +496,28 @@ class RunLayout:
     aside: Callable[[str], str] | None = None
 
 
+#: A plain directory of checkpoint files: an incomplete one is renamed NAME.incomplete.
+ASIDE_SUFFIX = ".incomplete"
+FILES_TITLE = "directory of checkpoint files"
+#: The step in a checkpoint file's name: its last number (``step_1000.pt``, ``epoch=3-step=90``).
+STEP = re.compile(r"(\d+)(?!.*\d)")
+
+
+def files_run(directory: str, names: list[str]) -> RunLayout:
+    """The checkpoint files ``names`` of a plain ``directory`` as a run, oldest first (what
+    ``repair`` judges one by one): by the step in their names when each has a different one,
+    else by modification time."""
+    steps = [STEP.search(Path(name).stem) for name in names]
+    numbers = [int(m.group(1)) for m in steps if m is not None]
+    if len(numbers) == len(names) and len(set(numbers)) == len(names):
+        order = sorted(zip(numbers, names))
+        ordered = tuple(name for _, name in order)
+    else:
+        mtime = {name: os.stat(os.path.join(directory, name)).st_mtime_ns for name in names}
+        ordered = tuple(sorted(names, key=lambda n: (mtime[n], n)))
+    return RunLayout(FILES_TITLE, ordered, aside=lambda name: name + ASIDE_SUFFIX)
+
+
 class Framework:
     """One framework's directory checkpoints. Subclass it in the framework's folder, and list
     the instance in :mod:`ckpttool.frameworks.registry`. Every hook but :meth:`detect` has a
