@@ -191,3 +191,24 @@ def test_a_folder_of_one_series_stays_a_run(tmp_path: Path) -> None:
     trended = run("trend", "--json", run_dir)
     assert trended.exit_code == 0, trended.output
     assert len(json.loads(trended.stdout)["checkpoints"]) == 2
+
+
+def test_scan_walks_each_checkpoint_member_of_a_zip(sb3_zip: Path, tmp_path: Path) -> None:
+    """The members a zip of checkpoint files holds are torch.load-ed by whoever reads it: scan
+    walks each, naming where a global is (before, a zip without data.pkl scanned clean)."""
+    listed = json.loads(run("scan", "--json", sb3_zip).stdout)["files"][0]
+    assert "policy.pth › archive/data.pkl" in listed["places"]["torch._utils._rebuild_tensor_v2"]
+    inner = tmp_path / "inner.pth"
+    with zipfile.ZipFile(inner, "w") as out:  # a torch.save zip whose pickle calls os.system
+        out.writestr("archive/data.pkl", b"\x80\x02cos\nsystem\nX\x02\x00\x00\x00idq\x01\x85R.")
+        out.writestr("archive/version", b"3\n")
+    hostile = tmp_path / "model.zip"
+    with zipfile.ZipFile(sb3_zip) as source, zipfile.ZipFile(hostile, "w") as out:
+        for info in source.infolist():
+            data = inner.read_bytes() if info.filename == "policy.pth" else source.read(info)
+            out.writestr(info.filename, data)
+    result = run("scan", hostile)
+    assert result.exit_code == 1, result.output
+    assert "os.system in policy.pth › archive/data.pkl" in result.stdout
+    shown = run("show", hostile)
+    assert shown.exit_code == 2 and "the pickle calls os.system" in shown.stderr

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
+from ckpttool.formats.base import CHECKPOINT_SUFFIXES as _CHECKPOINT_SUFFIXES
 from ckpttool.io.source import is_url, join, read_small
 
 if TYPE_CHECKING:
@@ -83,9 +84,8 @@ COLLECTION = "hf_trainer_output"
 #: ``name``, ``folder``, ``type``, ``prefix``, ``section`` and ``tensors``; frameworks/parts.py).
 PARTS = "parts"
 
-#: Names of files that are usually checkpoints (what ``show DIR`` lists of a plain directory,
-#: and the parts of a folder or zip of checkpoint files).
-CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar")
+#: Names of files that are usually checkpoints (the format floor's, where scan needs them too).
+CHECKPOINT_SUFFIXES = _CHECKPOINT_SUFFIXES
 
 
 def one_series(names: list[str]) -> bool:
