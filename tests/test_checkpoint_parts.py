@@ -212,3 +212,20 @@ def test_scan_walks_each_checkpoint_member_of_a_zip(sb3_zip: Path, tmp_path: Pat
     assert "os.system in policy.pth › archive/data.pkl" in result.stdout
     shown = run("show", hostile)
     assert shown.exit_code == 2 and "the pickle calls os.system" in shown.stderr
+
+
+@pytest.mark.parametrize("command", [["edit", "--for-inference", "-o"], ["repair", "-o"]])
+def test_edit_and_repair_refuse_a_zip_of_checkpoint_files_as_such(
+    sb3_zip: Path, tmp_path: Path, command: list[str]
+) -> None:
+    """They rewrite one checkpoint file: a zip of them is refused for what it is (before: "data.pkl
+    is lost", as if a torch.save file were damaged), and nothing is written."""
+    out = tmp_path / "out.zip"
+    result = run(command[0], sb3_zip, *command[1:], out)
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (
+        f"Error: {sb3_zip}: a zip of checkpoint files, not one torch.save file: this command "
+        "rewrites one checkpoint file (unzip it and name one; convert --component NAME takes a "
+        "part)\n"
+    )
+    assert not out.exists()
