@@ -30,6 +30,7 @@ from ckpttool.errors import CorruptCheckpointError, InputError
 from ckpttool.frameworks.base import (
     CHECKPOINT_SUFFIXES,
     CONFIG,
+    CUSTOM,
     OTHER,
     PARTS,
     FrameworkDirectory,
@@ -43,8 +44,9 @@ if TYPE_CHECKING:
     from ckpttool.formats.base import Checkpoint
 
 CHECKPOINT_PARTS = "checkpoint_parts"
-#: The role of a member that is a part's checkpoint file.
-PART = "part"
+#: The role of a member that is a part's checkpoint file: the role of a checkpoint file the
+#: layout gives no other (``show --json``'s vocabulary of roles)
+PART = CUSTOM
 #: A compressed zip member is inflated into memory up to this size; a larger one is refused
 #: (the reader never holds a whole checkpoint in memory: unzip the archive first).
 MAX_INFLATED = 64 << 20
