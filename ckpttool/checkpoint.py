@@ -78,11 +78,36 @@ def open_checkpoint(
     the files as stored. The opened view's ``details["view"]`` holds its
     :class:`~ckpttool.frameworks.base.ViewFacts`.
     """
-    name = os.fspath(path)
-    known: Known = {}
+    return _open(os.fspath(path), strict, refuse_dangerous, track_spans, allow_ambiguous, view, {})
+
+
+#: ``details`` key of a view the door opened: the path it was asked for and the detections
+#: that found the view (:data:`Known`), for :func:`open_files_of`.
+DETECTED = "detected"
+
+
+def open_files_of(view: Checkpoint) -> Checkpoint:
+    """The files as stored of the directory ``view`` (a framework's view, opened by
+    :func:`open_checkpoint`) was opened from, from the detections that found the view
+    (nothing detected twice): what ``diff`` compares beyond a view assembled from some of them."""
+    name, known = view.details.get(DETECTED, (view.name, {}))
+    return _open(name, True, True, False, False, None, known)
+
+
+def _open(
+    name: str,
+    strict: bool,
+    refuse_dangerous: bool,
+    track_spans: bool,
+    allow_ambiguous: bool,
+    view: str | None,
+    known: Known,
+) -> Checkpoint:
+    """:func:`open_checkpoint`, with the detections already made for ``name`` in ``known``."""
     if view is not None:
         opened = _open_view(name, view, known)
         if opened is not None:
+            opened.details[DETECTED] = (name, known)
             return opened
     if is_url(name):
         from ckpttool.io.remote import is_directory

@@ -7,6 +7,8 @@ a traceback.
 
 from __future__ import annotations
 
+import signal
+
 #: Exit code for "the command could not do its job" (bad input, unreadable file, refused file).
 EXIT_ERROR = 2
 #: Exit code for "the command ran and found a difference or a problem" (diff, verify, scan).
@@ -18,6 +20,28 @@ EXIT_INTERRUPTED = 130
 #: what a shell reports for a program SIGPIPE killed (``cat``, ``git log``), in every output mode.
 EXIT_PIPE_CLOSED = 141
 
+#: What a message about a file cut short or torn adds: the command that salvages the rest.
+CUT_HINT = " (cut short: ckpttool repair salvages what it still holds)"
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a ``timeout``, a ``kill``, a Slurm or Kubernetes preemption, a closed
+    terminal), raised where Ctrl-C raises :class:`KeyboardInterrupt`: a subclass, so every
+    cleanup that runs for Ctrl-C (temp files, staged directories, a created output directory)
+    runs for it too. The command exits ``128 + signal`` (SIGTERM 143, SIGHUP 129)."""
+
+    def __init__(self, signal_number: int, name: str) -> None:
+        super().__init__(name)
+        self.signal_number = signal_number
+        self.name = name
+
+
+#: The signals the CLI turns into :class:`Stopped` (:func:`ckpttool.cli.app.main`).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: Every signal that stops a command with its cleanup: what a write holds back in the instant
+#: between making a temp file and recording it for removal (:mod:`ckpttool.io.atomic`).
+CLEANUP_SIGNALS = (signal.SIGINT, *STOP_SIGNALS)
+
 
 class CkptError(Exception):
     """Base class of every error ckpttool raises on purpose."""
@@ -27,6 +51,15 @@ class CkptError(Exception):
 
 class InputError(CkptError):
     """The path given is not usable: missing, a directory, empty, unreadable."""
+
+
+class MissingFileError(InputError, FileNotFoundError):
+    """The path does not exist; a :class:`FileNotFoundError` too, so that a library caller's
+    ``except FileNotFoundError`` (or ``OSError``) sees it."""
+
+
+class UnreadableFileError(InputError, PermissionError):
+    """The path exists but may not be read; a :class:`PermissionError` too."""
 
 
 class EmptyFileError(InputError):

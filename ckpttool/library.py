@@ -30,6 +30,8 @@ from ckpttool.commands.selection import (
     add_recorded_aliases,
     component_section,
     dequantized_subclasses,
+    refuse_incomplete,
+    refuse_placeholders,
     refuse_without_model,
     select,
 )
@@ -121,7 +123,11 @@ class CheckpointHandle:
         return _moved(tensor, device, dtype)
 
     def _tensor(self, record: TensorRecord) -> torch.Tensor:
-        """The tensor of ``record``; errors name the file (as the command line's do)."""
+        """The tensor of ``record``; errors name the file (as the command line's do). A
+        0-element placeholder for values the file does not hold (a DeepSpeed ZeRO-3 rank's
+        model states) is refused, never given as the weight."""
+        if record.numel == 0:
+            refuse_placeholders(self._ckpt, [record.key])
         try:
             return self._build(record)
         except CkptError as error:
@@ -455,6 +461,7 @@ def load_state_dict(
     strip = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix or ())
     with open(path_or_url, view=view) as handle:
         ckpt = handle.checkpoint
+        refuse_incomplete(ckpt)  # as convert: a lost file's tensors would be missing
         if component is not None:
             if section not in ("model", None):
                 raise InputError(COMPONENT_OR_SECTION)
@@ -488,6 +495,7 @@ def load_state_dict(
                     f"{ckpt.name}: no tensor {shown}{more} in the selected weights"
                 )
             records = {key: records[key] for key in keys}
+        refuse_placeholders(ckpt, [record.key for record in records.values()])  # all, at once
         out: dict[str, torch.Tensor] = {}
         for key, record in records.items():
             if dequantize and record.quant is not None:

@@ -85,7 +85,12 @@ def expected_tensors(source: Path, **options: Any) -> dict[str, Any]:
     return {name: flat[key] for name, key in names.items()}
 
 
-WEIGHTS = [p for p in fixture_files()]
+# a ZeRO-3 rank's model states holds 0-element placeholders: refused by convert
+# (tests/test_deepspeed_placeholders.py)
+WEIGHTS = [
+    p for p in fixture_files()
+    if not (p.name.startswith("zero_pp_rank_") and p.name.endswith("_model_states.pt"))
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("source", WEIGHTS, ids=fixture_id)

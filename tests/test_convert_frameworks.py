@@ -123,7 +123,7 @@ def test_text_output_names_the_directory_and_the_copied_files(tmp_path: Path) ->
     assert result.stdout.splitlines() == [
         f"wrote model directory {tmp_path / 'out'} (safetensors, 20 tensors, 22.4 KB)",
         f"  from      {source} (Hugging Face model directory, section 'model')",
-        "  files     model.safetensors; copied byte for byte: config.json, generation_config.json",
+        "  files     model.safetensors; copied: config.json, generation_config.json",
         "  aliases   lm_head.weight -> model.embed_tokens.weight; stored once",
         "  verified  every tensor read back bit for bit, sizes as expected",
     ]
@@ -203,3 +203,38 @@ def test_from_pretrained_loads_the_output_equal_and_tied(
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_dtype_is_written_into_the_config_so_from_pretrained_loads_it(
+    tmp_path: Path, dtype: str
+) -> None:
+    """Issue 49 item 8: ``convert MODEL_DIR OUT/ --dtype bf16`` kept ``config.json``'s
+    ``dtype: float32``, so ``from_pretrained`` loaded the weights back as float32. The config
+    now says the dtype, as ``edit --dtype`` of the directory writes it (the one helper), and
+    every other entry is the source's."""
+    torch = pytest.importorskip("torch")
+    target = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    out = tmp_path / "out"
+    convert(FRAMEWORKS / "hf_model", out, dtype=dtype)
+    config = json.loads((out / "config.json").read_text())
+    source = json.loads((FRAMEWORKS / "hf_model" / "config.json").read_text())
+    assert source["dtype"] == "float32" and config["dtype"] == str(target).removeprefix("torch.")
+    assert {k: v for k, v in config.items() if k != "dtype"} == {
+        k: v for k, v in source.items() if k != "dtype"
+    }
+    model = _load(out)
+    assert {p.dtype for p in model.parameters()} == {target}
+    original = _load(FRAMEWORKS / "hf_model").state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, original[key].to(target)), key
+    edited = tmp_path / "edited"
+    from ckpttool.commands.edit_directory import edit
+
+    edit(FRAMEWORKS / "hf_model", edited, dtype=dtype)
+    assert json.loads((edited / "config.json").read_text()) == config
+    kept = tmp_path / "kept"
+    convert(FRAMEWORKS / "hf_model", kept, dtype="fp32")  # already float32: nothing cast
+    assert (kept / "config.json").read_bytes() == (
+        FRAMEWORKS / "hf_model" / "config.json"
+    ).read_bytes()

@@ -234,7 +234,8 @@ def test_verify_goes_on_past_an_unreadable_rank_file(tmp_path: Path) -> None:
     assert problems == [
         "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt: corrupt or truncated zip archive "
         "(File is not a zip file (no end of central directory record)); an interrupted torch.save "
-        "leaves files like this: use the previous checkpoint",
+        "leaves files like this: use the previous checkpoint, or salvage what it still holds "
+        "with ckpttool repair",
         "incomplete: global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing (written "
         "by the framework; its resume needs it)",
     ]
@@ -267,7 +268,7 @@ def test_show_refuses_a_broken_tag_in_one_line(name: str, message: str) -> None:
 @pytest.mark.parametrize("name", ["optim_missing", "latest_missing", "model_states_missing_z3"])
 def test_show_reads_an_incomplete_tag_and_says_what_is_missing(name: str) -> None:
     result = run("show", str(damaged(name)))
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # shown, and found incomplete (issue 49)
     assert "missing:    " in result.output
     assert "complete:   no" in result.output
 

@@ -264,3 +264,27 @@ def test_identical_tensors_over_several_blocks_are_measured_as_they_are_compared
     other = a["model.layers.1.mlp.up_proj.weight"].double()
     assert changed.norm_a == pytest.approx(float(other.norm()), rel=1e-12)
     assert changed.diff_norm == pytest.approx(1.0, rel=1e-6)
+
+
+def test_optimizer_groups_are_not_their_step_counters() -> None:
+    """Issue 49 item 13: between two Trainer checkpoints every optimizer group read 1, the
+    change of its ``step`` counter (4 -> 8, one element that outweighs the moments). The
+    counters are left out and counted; the moments make the group's change (torch's values of
+    Trainer's own ``optimizer.pt`` are the oracle)."""
+    output = Path(__file__).resolve().parent / "fixtures/frameworks/trainer_1proc/output"
+    report = diff(output / "checkpoint-4", output / "checkpoint-8", norms=True)
+    groups = {g.group: g for g in by_module(report) if g.group.startswith("optimizer.state.")}
+    before = torch.load(output / "checkpoint-4/optimizer.pt", weights_only=True)["state"]
+    after = torch.load(output / "checkpoint-8/optimizer.pt", weights_only=True)["state"]
+    assert {int(before[i]["step"]) for i in before} == {4}  # the counter alone would read 1
+    assert sum(g.counters for g in groups.values()) == len(before)
+    for name, group in groups.items():
+        first, _, last = name.removeprefix("optimizer.state.").partition("..")
+        indices = range(int(first), int(last or first) + 1)
+        moments = [(before[i][m].double(), after[i][m].double()) for i in indices
+                   for m in ("exp_avg", "exp_avg_sq")]  # fmt: skip
+        diff_sq = sum(float(((b - a) ** 2).sum()) for a, b in moments)
+        base_sq = sum(float((a**2).sum()) for a, _ in moments)
+        assert group.counters == len(indices)
+        assert math.isclose(group.relative_change, math.sqrt(diff_sq / base_sq), rel_tol=1e-9), name
+        assert group.relative_change != 1.0

@@ -3,13 +3,17 @@ prefix alignment), and a key whose type changed between a field and a tensor."""
 
 from __future__ import annotations
 
+import copy
+import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from ckpttool.cli import cli
 from ckpttool.commands.diff.run import (
     DIFFER,
     IDENTICAL,
@@ -22,6 +26,7 @@ from ckpttool.commands.diff.run import (
 )
 from ckpttool.errors import InputError
 from tests.support.dcp_cases import DCP, DCP_PTH, DCP_SAFETENSORS
+from tests.support.helpers import FIXTURES
 
 NUM_MODEL = 12  # tensors of the DCP fixture's model (tied pair included)
 
@@ -163,7 +168,9 @@ def test_a_dict_whose_model_part_is_named_by_its_role_compares_that_part(
     assert (report.a.section, report.a.auto_section) == ("model", True)
     assert report.notes == [
         "A (training checkpoint) and B (plain state dict) are different kinds: comparing A's "
-        "'model' section with all of B (use --section-a/--section-b to choose)"
+        "'model' section with all of B (use --section-a/--section-b to choose)",
+        "not compared: A's step (outside its 'model' section): the other side holds nothing "
+        "under those names",
     ]
 
 
@@ -200,7 +207,8 @@ def test_a_two_rank_dcp_checkpoint_aligns_with_the_same_model_as_one_file(
     report = diff(DCP, ddp)
     assert report.equal and statuses(report) == {IDENTICAL: NUM_MODEL}
     assert (report.a.format, report.a.section, report.b.prefix) == ("dcp", "model", "module.")
-    assert report.notes[-1] == "B's tensor keys are A's with the prefix 'module.': compared without it"  # fmt: skip
+    assert report.notes[-2] == "B's tensor keys are A's with the prefix 'module.': compared without it"  # fmt: skip
+    assert report.notes[-1].startswith("not compared: A's optimizer, epoch, step")
     import torch.distributed.checkpoint as dcp
 
     directory = tmp_path / "model_step"
@@ -300,3 +308,81 @@ def test_many_candidate_prefixes_cost_linear_time_and_make_a_short_note() -> Non
     big = {f"model.layer{i}": record(f"model.layer{i}", i) for i in range(9000)}
     other = {f"layer{i}": record(f"layer{i}", -i) for i in range(9000)}
     assert extra_prefixes({**big, "model": record("model", 0)}, other, {}, {}) == ["model."]
+
+
+def _resume_dicts(epoch_b: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Issue 49 item 7: a run's resume dict with its ``scheduler`` (labelled "resume
+    checkpoint") and the same run's dict without one ("MiniMind-style"), written by a real
+    AdamW and StepLR; B's ``epoch`` is ``epoch_b``."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    for _ in range(3):
+        net(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    common = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "step": 3}
+    with_scheduler = {**common, "scheduler": scheduler.state_dict(), "epoch": 1}
+    return with_scheduler, copy.deepcopy({**common, "epoch": epoch_b})
+
+
+def test_resume_files_labelled_apart_compare_everything_both_hold(tmp_path: Path) -> None:
+    """Two resume dicts whose labels differ: not "identical" (it was, exit 0): the epoch and the
+    scheduler only A holds are reported, the optimizer states are compared too."""
+    a, b = _resume_dicts(epoch_b=0)
+    report = diff(save(tmp_path / "a.pth", a), save(tmp_path / "b.pth", b))
+    assert not report.equal
+    changed = {entry.key: (entry.status, entry.a, entry.b) for entry in report.fields}
+    assert changed["epoch"] == ("changed", 1, 0)
+    assert changed["scheduler.last_epoch"] == ("only_a", 3, None)
+    # the model's 4 tensors and AdamW's 3 states of each of its 4 parameters
+    assert statuses(report) == {IDENTICAL: 4 + 12}
+    assert any(e.key == "optimizer.state.0.exp_avg_sq" for e in report.tensors)
+    assert (report.a.num_tensors, report.b.num_tensors) == (16, 16)
+    assert report.notes[-1] == (
+        "also compared, under the files' own keys: what both hold outside those sections "
+        "(A: optimizer, step, scheduler, epoch; B: optimizer, step, epoch)"
+    )
+
+
+def test_resume_files_labelled_apart_differ_in_an_optimizer_state(tmp_path: Path) -> None:
+    a, b = _resume_dicts(epoch_b=1)
+    del a["scheduler"]["last_epoch"]  # the scheduler: A's alone, reported as such
+    b["optimizer"]["state"][0]["exp_avg"] = b["optimizer"]["state"][0]["exp_avg"] + 1
+    report = diff(save(tmp_path / "a.pth", a), save(tmp_path / "b.pth", b))
+    assert not report.equal
+    assert {e.key: e.status for e in report.tensors}["optimizer.state.0.exp_avg"] == DIFFER
+    assert all(entry.key.startswith("scheduler.") for entry in report.fields)
+
+
+def test_resume_files_labelled_apart_equal_outside_the_model_exit_0(tmp_path: Path) -> None:
+    """The same run with an empty ``scheduler`` in one and none in the other: exit 0 only
+    because every tensor and field both hold was compared equal."""
+    a, b = _resume_dicts(epoch_b=1)
+    a["scheduler"] = {}
+    report = diff(save(tmp_path / "a.pth", a), save(tmp_path / "b.pth", b))
+    assert report.equal and statuses(report) == {IDENTICAL: 16}
+
+
+def test_fields_one_side_holds_are_summed_up_by_entry_unless_all() -> None:
+    """Issue 49 item 13: a model directory against a Trainer checkpoint printed every field of
+    the optimizer, scheduler, RNG, trainer state and training arguments as "(absent) -> ..."
+    (233 lines). Now one line per entry and side; ``--all`` and ``--json`` list them all."""
+    model = FIXTURES / "frameworks" / "hf_model"
+    trainer = FIXTURES / "frameworks" / "trainer_1proc" / "output" / "checkpoint-8"
+    runner = CliRunner()
+    data = json.loads(runner.invoke(cli, ["diff", str(model), str(trainer), "--quick", "--json"]).stdout)  # fmt: skip
+    only_b: dict[str, int] = {}
+    for entry in data["fields"]:
+        if entry["status"] == "only_b":
+            entry_name = entry["key"].split(".")[0]
+            only_b[entry_name] = only_b.get(entry_name, 0) + 1
+    assert only_b["optimizer"] > 3 and only_b["training_args"] > 3
+    text = runner.invoke(cli, ["diff", str(model), str(trainer), "--quick"])
+    assert text.exit_code == 1 and "(absent)" not in text.stdout
+    for entry_name, count in only_b.items():
+        assert f"{entry_name}: {count} fields only in B (--all or --json lists them)" in text.stdout
+    everything = runner.invoke(cli, ["diff", str(model), str(trainer), "--quick", "--all"])
+    assert everything.stdout.count("(absent)") == sum(only_b.values())

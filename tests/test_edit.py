@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,8 +156,12 @@ def test_refusals_write_nothing(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="REGEX=REPLACEMENT"):
         edit_file(WEIGHTS, tmp_path / "o.pth", rename=["no-equals-sign"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.pth"]
-    report = edit_file(WEIGHTS, tmp_path / "o.pth", drop=["nothing.matches"])
+    # issue 49: a pattern that matches nothing is an error (it wrote an unchanged file, exit 0)
+    with pytest.raises(InputError, match=r"--drop 'nothing.matches': matches no key"):
+        edit_file(WEIGHTS, tmp_path / "o.pth", drop=["nothing.matches"])
+    report = edit_file(WEIGHTS, tmp_path / "o.pth", drop=["nothing.matches"], require_matches=False)
     assert not report.changed and not report.written and not (tmp_path / "o.pth").exists()
+    assert report.unmatched == ("--drop 'nothing.matches'",)
 
 
 def test_the_cli_reports_and_exits(tmp_path: Path) -> None:
@@ -371,9 +376,29 @@ def test_a_dropped_tensor_leaves_the_index_consistent(tmp_path: Path) -> None:
 def test_a_directory_edit_that_changes_nothing_writes_nothing(tmp_path: Path) -> None:
     from ckpttool.commands.edit_directory import edit
 
-    report = edit(HF_SHARDED, tmp_path / "same", drop=["no.such.*"])
+    report = edit(HF_SHARDED, tmp_path / "same", compact=True)
     assert not report.changed and not report.written and not (tmp_path / "same").exists()
     assert not list(tmp_path.iterdir())  # no staged directory left behind
+
+
+def test_a_directory_edit_pattern_is_matched_against_every_file(tmp_path: Path) -> None:
+    """Issue 49: a --drop pattern that no weights file matches is an error (it wrote nothing
+    and exited 0); one that matches in one shard only is an edit of that shard."""
+    from ckpttool.commands.edit_directory import edit
+
+    with pytest.raises(InputError, match=r"--drop 'no.such.\*': matches no key"):
+        edit(HF_SHARDED, tmp_path / "same", drop=["no.such.*"])
+    with pytest.raises(InputError, match=r"--rename 'no.such=x': matches no key"):
+        edit(HF_SHARDED, tmp_path / "same", rename=["no.such=x"], dry_run=True)
+    assert not list(tmp_path.iterdir())  # no staged directory left behind
+    shards = sorted(p.name for p in HF_SHARDED.glob("*.safetensors"))
+    assert len(shards) > 1
+    from safetensors import safe_open
+
+    with safe_open(str(HF_SHARDED / shards[-1]), "pt") as handle:
+        only_in_last = next(iter(handle.keys()))
+    report = edit(HF_SHARDED, tmp_path / "out", drop=[only_in_last])
+    assert report.written and report.dropped == (only_in_last,)
 
 
 def test_convert_takes_edits_drop_and_rename(tmp_path: Path) -> None:
@@ -394,3 +419,100 @@ def test_convert_takes_edits_drop_and_rename(tmp_path: Path) -> None:
     assert all(_same(written[k], v) for k, v in expected.items())
     with pytest.raises(InputError, match="would both be named"):
         convert(MINIMIND, tmp_path / "x.safetensors", rename=[r"layers\.\d+=L"])
+
+
+def _adamw_resume(path: Path, grad_scale: float = 1.0) -> dict[str, Any]:
+    """A resume dict as a training loop saves it: a real AdamW's state after 3 steps (its
+    ``step`` counters are float32 tensors), a scheduler, the epoch."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    for _ in range(3):
+        (net(torch.randn(2, 4)).sum() * grad_scale).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    state = {
+        "model": net.state_dict(), "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(), "epoch": 1, "step": 3,
+    }  # fmt: skip
+    torch.save(state, path)
+    return state
+
+
+def test_dtype_casts_a_resume_files_model_and_leaves_its_optimizer_state(tmp_path: Path) -> None:
+    """Issue 49 item 3: ``--dtype bf16`` cast AdamW's ``step`` counters (a resumed run's step
+    then freezes at 256) and its moments, silently. Now the model only, the rest said."""
+    source = tmp_path / "resume.pth"
+    original = _adamw_resume(source)
+    report = edit_file(source, tmp_path / "bf16.pth", dtype="bf16")
+    edited = torch.load(tmp_path / "bf16.pth", weights_only=True)
+    for key, value in original["model"].items():
+        assert _same(edited["model"][key], value.to(torch.bfloat16)), key
+    for index, state in original["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert _same(edited["optimizer"]["state"][index][name], value), (index, name)
+    assert set(report.cast) == {f"model.{key}" for key in original["model"]}
+    assert len(report.not_cast) == 12 and all(k.startswith("optimizer.") for k in report.not_cast)
+    text = CliRunner().invoke(cli, ["edit", str(source), "--dtype", "bf16", "-o", str(tmp_path / "cli.pth")])  # fmt: skip
+    assert text.exit_code == 0
+    assert "not cast: 8 tensor(s) of optimizer state" in text.output
+    assert "not cast: 4 step counter(s)" in text.output
+
+
+def test_dtype_leaves_a_lightning_files_optimizer_states_alone(tmp_path: Path) -> None:
+    """The optimizer's state is found by its structure: Lightning keeps it in a list."""
+    edit_file(LIGHTNING, tmp_path / "bf16.ckpt", dtype="bf16")
+    original = torch.load(LIGHTNING, weights_only=False)
+    edited = torch.load(tmp_path / "bf16.ckpt", weights_only=False)
+    assert {v.dtype for v in edited["state_dict"].values() if v.is_floating_point()} == {
+        torch.bfloat16
+    }
+    moments = [
+        (value, edited["optimizer_states"][0]["state"][index][name])
+        for index, state in original["optimizer_states"][0]["state"].items()
+        for name, value in state.items()
+    ]
+    assert moments and all(_same(after, before) for before, after in moments)
+
+
+def test_cast_optimizer_casts_its_state_never_its_counters_and_reports_underflow(
+    tmp_path: Path,
+) -> None:
+    """``--cast-optimizer``: the moments too, the ``step`` counters never; values fp16 makes 0
+    (small second moments) are reported as convert reports them."""
+    source = tmp_path / "resume.pth"
+    original = _adamw_resume(source, grad_scale=1e-6)  # squared gradients ~1e-12: below fp16
+    out = tmp_path / "fp16.pth"
+    report = edit_file(source, out, dtype="fp16", cast_optimizer=True)
+    edited = torch.load(out, weights_only=True)
+    for index, state in original["optimizer"]["state"].items():
+        after = edited["optimizer"]["state"][index]
+        assert _same(after["step"], state["step"]) and after["step"].dtype == torch.float32
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert _same(after[name], state[name].to(torch.float16)), (index, name)
+    assert set(report.not_cast) == {f"optimizer.state.{i}.step" for i in range(4)}
+    zeros = {
+        f"optimizer.state.{index}.{name}": int(
+            ((value != 0) & (value.to(torch.float16) == 0)).sum()
+        )
+        for index, state in original["optimizer"]["state"].items()
+        for name, value in state.items()
+        if name != "step"
+    }
+    assert dict(report.underflow) == {k: n for k, n in zeros.items() if n}
+    assert sum(zeros.values()) > 0
+    result = CliRunner().invoke(
+        cli, ["edit", str(source), "--dtype", "fp16", "--cast-optimizer", "-o", str(tmp_path / "c.pth")]
+    )  # fmt: skip
+    assert result.exit_code == 0
+    assert "note: values that became 0 in float16 (underflow): optimizer.state.0." in result.output
+
+
+def test_cast_optimizer_without_dtype_is_refused_in_one_line(tmp_path: Path) -> None:
+    source = tmp_path / "resume.pth"
+    _adamw_resume(source)
+    result = CliRunner().invoke(cli, ["edit", str(source), "--cast-optimizer", "-o", str(tmp_path / "o.pth")])  # fmt: skip
+    assert result.exit_code == 2 and not (tmp_path / "o.pth").exists()
+    assert result.output.strip().splitlines()[-1].endswith("--cast-optimizer goes with --dtype")

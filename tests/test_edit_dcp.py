@@ -181,3 +181,22 @@ def test_other_files_in_the_directory_are_kept(tmp_path: Path) -> None:
     assert (target / "train_config.yaml").read_text() == "lr: 0.001\n"
     assert (target / "notes" / "README").read_text() == "run 7\n"
     assert "optimizer" not in _torch_load_dcp(target, tmp_path)
+
+
+def test_dtype_casts_the_model_and_leaves_the_optimizer_state(tmp_path: Path) -> None:
+    """Issue 49 item 3, in a DCP directory: the model cast, the optimizer's state as saved."""
+    out = tmp_path / "bf16"
+    report = edit(DCP, out, dtype="bf16")
+    loaded = _torch_load_dcp(out, tmp_path)
+    reference = torch.load(GATHERED, weights_only=True)
+    for key, value in reference["model"].items():
+        assert _same(loaded["model"][key], value.to(torch.bfloat16)), key
+    moments = [
+        (loaded["optimizer"]["state"][index][name], value)
+        for index, state in reference["optimizer"]["state"].items()
+        for name, value in state.items()
+        if isinstance(value, torch.Tensor)
+    ]
+    assert moments and all(_same(after, before) for after, before in moments)
+    assert report.not_cast and all(k.startswith("optimizer.") for k in report.not_cast)
+    assert all(k.startswith("model.") for k in report.cast)

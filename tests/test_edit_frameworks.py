@@ -163,3 +163,43 @@ def test_in_place_replaces_the_trainer_checkpoint_whole(tmp_path: Path) -> None:
         "config.json", "generation_config.json", "model.safetensors",
     }  # fmt: skip
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-8"]
+
+
+def test_cast_optimizer_casts_a_trainer_checkpoints_optimizer_file_as_a_files(
+    tmp_path: Path,
+) -> None:
+    """Issue 49 item 3: one option, one meaning on a file and on a folder. ``--dtype`` leaves
+    ``optimizer.pt`` as saved (above); ``--cast-optimizer`` casts its moments as it casts a
+    resume file's, never its ``step`` counters."""
+    out = tmp_path / "bf16"
+    report = edit(TRAINER, out, dtype="bf16", cast_optimizer=True)
+    original = torch.load(TRAINER / "optimizer.pt", weights_only=True)
+    edited = torch.load(out / "optimizer.pt", weights_only=True)
+    assert edited["param_groups"] == original["param_groups"]
+    for index, state in original["state"].items():
+        for name, value in state.items():
+            expected = value if name == "step" else value.to(torch.bfloat16)
+            assert _same(edited["state"][index][name], expected), (index, name)
+    steps = {f"state.{i}.step" for i in original["state"]}
+    assert set(report.not_cast) == steps
+    assert {k for k in report.cast if k.startswith("state.")} == {
+        f"state.{i}.{n}" for i, s in original["state"].items() for n in s if n != "step"
+    }
+    assert _same(
+        load_file(out / "model.safetensors")["model.embed_tokens.weight"],
+        load_file(TRAINER / "model.safetensors")["model.embed_tokens.weight"].to(torch.bfloat16),
+    )
+    for name in ("scheduler.pt", "trainer_state.json"):
+        assert (out / name).read_bytes() == (TRAINER / name).read_bytes()
+
+
+def test_dtype_on_a_folder_reports_the_optimizer_state_it_keeps(tmp_path: Path) -> None:
+    """``--dtype`` keeps ``optimizer.pt`` as saved (copied) and says so as for a file: its
+    floating tensors (torch.load's of Trainer's own file) are the report's ``not_cast``."""
+    report = edit(TRAINER, tmp_path / "bf16", dtype="bf16")
+    saved = torch.load(TRAINER / "optimizer.pt", weights_only=True)["state"]
+    floating = {f"state.{i}.{n}" for i, s in saved.items() for n, v in s.items() if v.is_floating_point()}  # fmt: skip
+    assert floating and set(report.not_cast) == floating
+    assert (tmp_path / "bf16" / "optimizer.pt").read_bytes() == (
+        TRAINER / "optimizer.pt"
+    ).read_bytes()

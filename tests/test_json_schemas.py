@@ -146,7 +146,8 @@ def test_every_schema_field_is_documented_on_the_command_page(command: str) -> N
     ids=lambda args: "-".join(str(a).rsplit("/", 1)[-1] for a in args),
 )
 def test_show_json_matches_its_schema(args: list[Any]) -> None:
-    data = run_json("show", *args)
+    incomplete = "half_written" in str(args[0])  # shown whole, exit 1 (issue 49)
+    data = run_json("show", *args, exit_code=1 if incomplete else 0)
     assert_valid("show", data)
     assert data["num_tensors"] == len(data["tensors"])
 
@@ -625,7 +626,7 @@ def test_repair_json_of_a_trainer_run_with_an_incomplete_checkpoint(tmp_path: Pa
 @pytest.mark.parametrize(
     "options",
     [["--for-inference"], ["--drop", "optimizer.*", "--keep", "model.*"], ["--rename", "layers=blocks"],
-     ["--drop", "no.such.key"]],
+     ["--compact"]],  # nothing to compact: nothing to change
     ids=["for-inference", "drop-keep", "rename", "nothing"],
 )  # fmt: skip
 def test_edit_json_matches_its_schema(tmp_path: Path, options: list[str]) -> None:

@@ -163,7 +163,11 @@ def test_every_fixture_through_a_reading_command(command: str) -> None:
 
 
 def test_every_fixture_diffed_with_itself() -> None:
-    sweep("diff", lambda path: [path, path], refused_or_collection)
+    """A ZeRO-3 rank's model states (0-element placeholders, whose values its folder holds)
+    is refused: "identical" would be no answer (tests/test_deepspeed_placeholders.py)."""
+    sweep("diff", lambda path: [path, path], lambda path: refused_or_collection(path) or (
+        path.name.startswith("zero_pp_rank_") and path.name.endswith("_model_states.pt")
+    ))  # fmt: skip
 
 
 def test_every_fixture_converted(tmp_path: Path) -> None:

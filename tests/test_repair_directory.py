@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -106,8 +107,15 @@ def test_a_stale_index_after_a_shard_was_renamed_is_rebuilt(tmp_path: Path) -> N
     _assert_same_weights(_weights(model), _weights(FRAMEWORKS / "hf_sharded"))
 
 
-def test_a_shard_that_is_gone_loses_its_tensors_and_says_so(tmp_path: Path) -> None:
+def test_a_shard_that_is_gone_stays_lost_and_the_model_does_not_load_random_weights(
+    tmp_path: Path,
+) -> None:
+    """Issue 49: the index is the only record of what a deleted shard held. repair keeps it,
+    exits 1 naming the lost tensors, verify still reports the shard, and from_pretrained fails
+    on it instead of filling the weights with random values."""
     pytest.importorskip("transformers")
+    from ckpttool.commands.verify import verify_file
+
     model = _copy(FRAMEWORKS / "hf_sharded", tmp_path)
     (model / "model-00002-of-00003.safetensors").unlink()
     original = json.loads((model / SAFE_INDEX).read_text())
@@ -118,21 +126,57 @@ def test_a_shard_that_is_gone_loses_its_tensors_and_says_so(tmp_path: Path) -> N
         f"model-00002-of-00003.safetensors: listed in {SAFE_INDEX} but missing: "
         f"{len(lost)} tensors lost ({', '.join(lost[:3])} and {len(lost) - 3} more)"
     )
-    assert "the directory is incomplete" in line
-    assert f"{len(lost)} removed (lost)" in report.actions[0].detail
+    assert "the directory stays incomplete" in line
+    assert report.unrepaired == (line,) and report.exit_code == 1
+    assert json.loads((model / SAFE_INDEX).read_text()) == original  # the record is kept
+    assert "model-00002-of-00003.safetensors: listed in" in " ".join(verify_file(model).problems)
+    with pytest.raises(OSError, match=re.escape("model-00002-of-00003.safetensors")):
+        _weights(model)
+
+
+def test_a_lost_shard_stays_named_when_the_index_is_rebuilt_for_another_reason(
+    tmp_path: Path,
+) -> None:
+    """A shard renamed (mended: its tensors are found) and another deleted (not: lost): the
+    rewritten index names the lost tensors where the old one did, total_size stays the whole
+    model's, and repair exits 1."""
+    model = _copy(FRAMEWORKS / "hf_sharded", tmp_path)
+    (model / "model-00001-of-00003.safetensors").rename(model / "model-00001-of-00004.safetensors")
+    (model / "model-00002-of-00003.safetensors").unlink()
+    original = json.loads((model / SAFE_INDEX).read_text())
+    lost = sorted(k for k, v in original["weight_map"].items() if "00002" in v)
+    report = repair(model)
+    (action,) = report.actions
+    assert action.detail.endswith(f"; {len(lost)} lost, kept where the old index named them")
     rebuilt = json.loads((model / SAFE_INDEX).read_text())
-    assert rebuilt["weight_map"] == {
-        k: v for k, v in original["weight_map"].items() if k not in lost
+    assert {k: v for k, v in rebuilt["weight_map"].items() if k in lost} == {
+        k: original["weight_map"][k] for k in lost
     }
-    assert rebuilt["metadata"]["total_size"] < original["metadata"]["total_size"]
-    # transformers now loads what is left, and names exactly the lost tensors as missing
-    state, loading = _weights(model, info=True)
-    assert sorted(loading["missing_keys"]) == lost
-    complete = _weights(FRAMEWORKS / "hf_sharded")
-    _assert_same_weights(
-        {k: v for k, v in state.items() if k not in lost},
-        {k: v for k, v in complete.items() if k not in lost},
+    assert rebuilt["weight_map"].keys() == original["weight_map"].keys()
+    assert rebuilt["metadata"] == original["metadata"]
+    assert report.written and report.exit_code == 1
+    assert [d for d in report.unrepaired if "lost" in d] and not any(
+        "wrong shard" in d for d in report.unrepaired
     )
+    again = repair(model)
+    assert again.actions == () and again.exit_code == 1 and again.unrepaired
+
+
+@pytest.mark.parametrize("case", sorted(SHARDED))
+def test_a_numbered_shard_gone_with_the_index_writes_no_index(case: str, tmp_path: Path) -> None:
+    """Issue 49: with the index gone too, nothing says what the shard held; an index of the
+    other shards would make from_pretrained fill those weights at random. The names' numbering
+    shows it is gone: no index is written, and repair exits 1."""
+    index_name = SHARDED[case]
+    model = _copy(FRAMEWORKS / case, tmp_path)
+    shards = sorted(p.name for p in model.iterdir() if "-of-" in p.name)
+    (model / shards[1]).unlink()
+    (model / index_name).unlink()
+    before = _snapshot(model)
+    report = repair(model)
+    assert report.damage[1].startswith(f"{shards[1]}: missing (the shards are numbered 1 to 3)")
+    assert report.actions == () and report.exit_code == 1 and report.unrepaired == report.damage
+    assert _snapshot(model) == before
 
 
 def test_an_index_listing_a_key_in_the_wrong_shard_and_missing_one_is_rebuilt(

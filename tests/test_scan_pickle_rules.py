@@ -278,8 +278,10 @@ def test_getattr_of_an_unknown_class_is_that_class_attribute_unknown() -> None:
           for name in (b"__reduce__", b"__globals__", b"__builtins__", b"__class__", b"__private",
                        b"_Model__private", b"not an identifier", b"")],
         # a non-constant name (built by a call), getattr of an object built from the file
-        (_GETATTR + b"cmypkg\nModel\ncmypkg\nname\n)R\x86R.", {"builtins.getattr"}),
-        (_GETATTR + b"cmypkg\nModel\n)R" + b"X\x03\x00\x00\x00run\x86R.", {"builtins.getattr"}),
+        # (the calls that build them are calls of unknown globals: dangerous by effect)
+        (_GETATTR + b"cmypkg\nModel\ncmypkg\nname\n)R\x86R.", {"builtins.getattr", "mypkg.name"}),
+        (_GETATTR + b"cmypkg\nModel\n)R" + b"X\x03\x00\x00\x00run\x86R.",
+         {"builtins.getattr", "mypkg.Model"}),
         # nested constants that reach os: getattr(getattr(Model, 'os'), 'system') is
         # mypkg.Model.os.system (the inner getattr resolves; the outer one stays dangerous)
         (b"\x80\x02cbuiltins\ngetattr\nq\x00h\x00cmypkg\nModel\nX\x02\x00\x00\x00os"

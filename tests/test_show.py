@@ -7,8 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 from ckpttool.checkpoint import open_checkpoint
+from ckpttool.cli import cli
 from ckpttool.io.values import _minifloat_table, as_float, numpy_code, stats_unavailable
 from ckpttool.model.records import (
     OpaqueObject,
@@ -401,3 +403,18 @@ def test_scalar_fields_as_first_written() -> None:
             assert list(scalar_fields(ckpt.root).items()) == list(
                 _scalar_fields_reference(ckpt.root).items()
             ), path
+
+
+def test_stats_std_is_the_population_std_and_the_header_says_so(tmp_path: Path) -> None:
+    """Issue 49 item 13: ``--stats``'s std divides by N (ddof=0), which nothing said; torch's
+    default ``tensor.std()`` divides by N - 1. Both differ on [1, 2, 4]: the header names it."""
+    values = torch.tensor([1.0, 2.0, 4.0])
+    torch.save({"w": values}, tmp_path / "w.pth")
+    result = CliRunner().invoke(cli, ["show", str(tmp_path / "w.pth"), "--stats"])
+    assert result.exit_code == 0
+    header = next(line for line in result.output.splitlines() if line.startswith("key "))
+    assert header.split()[5:9] == ["min", "max", "mean", "std(ddof=0)"]
+    row = next(line for line in result.output.splitlines() if line.startswith("w "))
+    population = values.std(unbiased=False).item()
+    assert population != values.std().item()
+    assert row.split()[9] == f"{population:.4g}"  # after "12 B", min, max, mean

@@ -69,6 +69,20 @@ def test_verify_a_missing_shard(tmp_path: Path) -> None:
     assert "incomplete: model-00001-of-00002.* is missing" in result.stdout
 
 
+def test_a_shard_the_index_lists_and_the_directory_lacks_is_missing(tmp_path: Path) -> None:
+    """Issue 49: with its only shard gone, no shard name tells the count; the index does (verify
+    said OK, show exit 0)."""
+    copy = Path(shutil.copytree(ROOT / "output/epoch_0", tmp_path / "epoch_0"))
+    (copy / "model-00001-of-00001.safetensors").unlink()
+    missing = "model-00001-of-00001.safetensors (listed in model.safetensors.index.json)"
+    result = CliRunner().invoke(cli, ["verify", str(copy)])
+    assert result.exit_code == 1
+    assert f"incomplete: {missing} is missing" in result.stdout
+    shown = CliRunner().invoke(cli, ["show", str(copy)])
+    assert shown.exit_code == 1
+    assert f"missing:    {missing}" in shown.stdout
+
+
 def test_verify_a_recipe_state_of_another_epoch(tmp_path: Path) -> None:
     copy = Path(shutil.copytree(ROOT / "flat", tmp_path / "flat"))
     (copy / "hf_model_0001_0.pt").rename(copy / "hf_model_0001_1.pt")

@@ -11,8 +11,12 @@ builders (:func:`tests.support.adversarial.write_benign`, :data:`tests.support.c
 and every torch file among the repository's fixtures. Learns which hostile files are live by
 loading each with ``torch.load(weights_only=False)`` in a throwaway child
 (:mod:`tests.workers.liveness_worker`), then asks each scanner about every file, in file mode:
-ckpttool, and picklescan, modelscan and fickling where installed (``pip install picklescan
-modelscan fickling``; they are not dependencies of ckpttool). Prints, per tool, the live files
+ckpttool, and picklescan, modelscan, fickling and modelaudit where installed (in a venv of
+their own, never ckpttool's: ``python -m venv /work/scanners-venv``, a ``.pth`` file naming
+ckpttool's venv's site-packages so torch is found, ``pip install picklescan modelscan fickling
+modelaudit``, then run this module with that venv's Python; they are not dependencies of
+ckpttool). Issue 50's corpus (:mod:`tests.support.effect_cases`) is part of the hostile side,
+and its benign libraries' files and a transformers Trainer folder of the benign side. Prints, per tool, the live files
 it flags (as dangerous, or with a warning), those it passes as clean, those it fails on, and
 the benign files it flags; then, per class of the corpus, how many live files each tool
 misses (``--details``: their names, and the benign files each tool calls dangerous).
@@ -80,6 +84,23 @@ def modelscan_verdict(path: Path) -> str:
     return ERROR if result["errors"] else CLEAN
 
 
+def modelaudit_verdict(path: Path) -> str:
+    from modelaudit.core import scan_model_directory_or_file
+
+    result = scan_model_directory_or_file(str(path))
+    issues = result.get("issues", []) if isinstance(result, dict) else result.issues
+    severities = {str(_field(issue, "severity")).lower().rpartition(".")[2] for issue in issues}
+    if severities & {"critical", "error"}:
+        return DANGEROUS
+    if "warning" in severities:
+        return WARNING
+    return CLEAN
+
+
+def _field(item: object, name: str) -> object:
+    return item.get(name) if isinstance(item, dict) else getattr(item, name, None)
+
+
 def fickling_verdict(path: Path) -> str:
     import fickling
     from fickling.analysis import Severity
@@ -97,6 +118,7 @@ TOOLS: dict[str, tuple[str | None, Callable[[Path], str]]] = {
     "picklescan": ("picklescan", picklescan_verdict),
     "modelscan": ("modelscan", modelscan_verdict),
     "fickling": ("fickling", fickling_verdict),
+    "modelaudit": ("modelaudit", modelaudit_verdict),
 }
 
 
@@ -120,10 +142,26 @@ CONTAINER_CLASSES = {
 }
 
 
+#: Classes of issue 50's corpus (:mod:`tests.support.effect_cases`) by file name prefix.
+EFFECT_CLASSES = {
+    "ext": "issue 50: EXT codes after copyreg.add_extension",
+    "computed_": "issue 50: STACK_GLOBAL names computed at load time",
+    "zip_": "issue 50: zips torch reads and a strict reader refuses",
+    "load_from_bytes": "issue 50: bytes handed to a loader",
+    "deserialize_": "issue 50: bytes handed to a loader",
+    "npy_": "issue 50: bytes handed to a loader",
+}
+
+
 def file_class(name: str) -> str:
     """The corpus class of a hostile file, by its name."""
-    from tests.support import adversarial, containers
+    from tests.support import adversarial, containers, effect_cases
 
+    if name in effect_cases.HOSTILE:
+        return next(
+            (c for prefix, c in EFFECT_CLASSES.items() if name.startswith(prefix)),
+            "issue 50: callables on no block-list that run code or touch files",
+        )
     if name in containers.HOSTILE:
         return next(c for prefix, c in CONTAINER_CLASSES.items() if name.startswith(prefix))
     stem, _, suffix = name.partition(".")
@@ -142,7 +180,7 @@ def build(work: Path) -> tuple[list[Path], list[Path], dict[str, list[Path]]]:
     The hostile files are the pickle-level corpus and the container-level one, in one folder,
     each with its own marker; the benign ones, those both corpora's builders write with torch
     and every torch file among the fixtures."""
-    from tests.support import adversarial, containers
+    from tests.support import adversarial, containers, effect_cases
 
     hostile, markers = work / "hostile", work / "markers"
     hostile.mkdir(parents=True)
@@ -152,6 +190,8 @@ def build(work: Path) -> tuple[list[Path], list[Path], dict[str, list[Path]]]:
         built = adversarial.hostile_pickles(lambda name: markers / name)
         assert not built.keys() & containers.HOSTILE.keys()
         built |= {name: make(markers / name) for name, make in containers.HOSTILE.items()}
+        assert not built.keys() & effect_cases.HOSTILE.keys()
+        built |= {name: make(markers / name) for name, make in effect_cases.HOSTILE.items()}
         for name, data in built.items():
             (hostile / name).write_bytes(data)
         benign = {"adversarial.write_benign": adversarial.write_benign(work / "benign")}
@@ -161,6 +201,12 @@ def build(work: Path) -> tuple[list[Path], list[Path], dict[str, list[Path]]]:
             path = work / "benign-containers" / name
             path.write_bytes(make_benign())
             benign["containers.BENIGN"].append(path)
+        (work / "benign-libraries").mkdir()
+        benign["effect_cases.write_benign"] = effect_cases.write_benign(work / "benign-libraries")
+        trainer = effect_cases.write_trainer_folder(work / "trainer")
+        benign["a Trainer folder"] = sorted(
+            p for p in trainer.rglob("*") if p.is_file() and p.suffix in (*FIXTURE_SUFFIXES, ".pth")
+        )
     worker = [sys.executable, "-m", "tests.workers.liveness_worker", str(hostile), str(markers)]
     liveness = json.loads(subprocess.run(worker, cwd=REPO, capture_output=True, check=True).stdout)
     for marker in markers.iterdir():
@@ -201,10 +247,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{', '.join(p.name for p in dead)}), {len(benign)} benign files ("
               + ", ".join(f"{len(p)} {s}" for s, p in benign_by_source.items()) + ")\n")  # fmt: skip
         print(
-            "| tool | live files flagged | live passed as clean | live: tool failed "
-            "| benign flagged dangerous | benign with a warning |"
+            "| tool | live files flagged | of them dangerous | live passed as clean "
+            "| live: tool failed | benign flagged dangerous | benign with a warning |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         missed_by_tool: dict[str, set[Path]] = {}
         false_alarms: dict[str, list[Path]] = {}
         for name, (module, tool) in TOOLS.items():
@@ -213,16 +259,17 @@ def main(argv: list[str] | None = None) -> None:
                 try:
                     __import__(module)
                 except ImportError:
-                    print(f"| {name} | not installed | | | | |")
+                    print(f"| {name} | not installed | | | | | |")
                     continue
                 label = f"{name} {importlib.metadata.version(module)}"
             on_live, on_benign = verdicts(tool, live), verdicts(tool, benign)
             flagged = sum(v in (DANGEROUS, WARNING) for v in on_live.values())
+            dangerous = sum(v == DANGEROUS for v in on_live.values())
             clean = sum(v == CLEAN for v in on_live.values())
             failed = sum(v == ERROR for v in on_live.values())
             false_alarm = sum(v == DANGEROUS for v in on_benign.values())
             warned = sum(v == WARNING for v in on_benign.values())
-            print(f"| {label} | {flagged} / {len(live)} | {clean} | {failed} "
+            print(f"| {label} | {flagged} / {len(live)} | {dangerous} | {clean} | {failed} "
                   f"| {false_alarm} / {len(benign)} | {warned} |")  # fmt: skip
             missed_by_tool[label] = {p for p, v in on_live.items() if v in (CLEAN, ERROR)}
             false_alarms[label] = sorted(p for p, v in on_benign.items() if v == DANGEROUS)

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import io
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -39,8 +40,10 @@ from ckpttool.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_PIPE_CLOSED,
+    STOP_SIGNALS,
     CkptError,
     InputError,
+    Stopped,
 )
 
 EXIT_CODES_HELP = """\b
@@ -51,7 +54,8 @@ Exit codes:
        repair: something stays lost or damaged
     2  error: missing/unreadable/corrupt/unsafe input, bad usage; verify/scan: a path
        could not be checked (or held no checkpoint) and nothing was found elsewhere
-  130  interrupted (Ctrl-C): files being written were removed, the inputs untouched
+  130  interrupted (Ctrl-C): files being written were removed, the inputs untouched;
+       SIGTERM (143) and SIGHUP (129) do the same
   141  stdout was closed early (| head): the output stops there, with no message"""
 
 
@@ -79,7 +83,13 @@ class CkptGroup(click.Group):
             try:
                 return super().invoke(ctx)
             except CkptError as error:
-                _fail(str(error), error.exit_code)
+                _fail(_in_cli_words(str(error)), error.exit_code)
+            except click.BadParameter as error:  # a path argument click checked (unreadable)
+                if not isinstance(error.param, click.Argument) or not isinstance(
+                    error.param.type, click.Path
+                ):
+                    raise
+                _fail(error.format_message(), EXIT_ERROR)
             except MemoryError:
                 _fail("out of memory while reading the file", EXIT_ERROR)
             except BrokenPipeError:  # stdout closed: _stopped_quietly's, not an error to print
@@ -87,6 +97,10 @@ class CkptGroup(click.Group):
             except OSError as error:  # a disk or permission problem the library did not expect
                 where = f": {error.filename}" if error.filename else ""
                 _fail(f"{error.strerror or error}{where}", EXIT_ERROR)
+            except RuntimeError as error:  # Path.resolve() before Python 3.13 (then ELOOP)
+                if not str(error).startswith("Symlink loop from "):
+                    raise
+                _fail(str(error), EXIT_ERROR)
 
 
 @contextlib.contextmanager
@@ -106,8 +120,8 @@ def _stopped_quietly() -> Iterator[None]:
             _flush_stdout(failure_reported=True)
             raise
         _flush_stdout(failure_reported=False)
-    except KeyboardInterrupt:
-        _interrupted()
+    except KeyboardInterrupt as stop:
+        _interrupted(stop)
     except BrokenPipeError:
         _pipe_closed()
 
@@ -126,11 +140,39 @@ def _flush_stdout(*, failure_reported: bool) -> None:
             _fail(f"writing the output failed: {error.strerror or error}", EXIT_ERROR)
 
 
-def _interrupted() -> NoReturn:
+def _interrupted(stop: KeyboardInterrupt) -> NoReturn:
+    if isinstance(stop, Stopped):
+        from ckpttool.io.units import launched_ranks
+
+        # torchrun stops the other ranks with SIGTERM when one fails, and names the failure
+        # itself: a rank stopped so cleans up without a line of its own (one error, not N)
+        if launched_ranks() is None:
+            click.echo(f"Error: interrupted ({stop.name})", err=True)
+        sys.exit(128 + stop.signal_number)
     # a terminal shows "^C" where the cursor is: the line starts on a line of its own
     lead = "\n" if sys.stderr.isatty() else ""
     click.echo(f"{lead}Error: interrupted", err=True)
     sys.exit(EXIT_INTERRUPTED)
+
+
+def _stop_like_ctrl_c() -> None:
+    """SIGTERM and SIGHUP raise :class:`~ckpttool.errors.Stopped` (a KeyboardInterrupt) in the
+    main thread, so that they take Ctrl-C's one path: every write's cleanup runs, the inputs
+    stay untouched, one line, exit 128 + signal. A signal ignored when the command started
+    (``nohup``) stays ignored. Once one arrived, further ones are ignored so that the cleanup
+    it started is not cut short (a second Ctrl-C still is; SIGKILL leaves only temp files,
+    which ``verify`` reports and ``repair --clean`` removes). ``--jobs`` workers reset them (:mod:`ckpttool.io.parallel`); each
+    torchrun rank is a command of its own and runs this too."""
+
+    def stop(signal_number: int, frame: object) -> None:
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
+        raise Stopped(signal_number, signal.Signals(signal_number).name)
+
+    for number in STOP_SIGNALS:
+        if signal.getsignal(number) is not signal.SIG_IGN:
+            with contextlib.suppress(ValueError):  # main() called off the main thread
+                signal.signal(number, stop)
 
 
 def _pipe_closed() -> NoReturn:
@@ -148,6 +190,23 @@ def _stdout_to_devnull() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
+
+
+#: The library's words for its options, as the command line spells them: a library error names
+#: the keyword argument a caller passes, and is read at the command line with the flag instead.
+CLI_WORDS = (
+    ("(pass overwrite=True", "(pass --force"),
+    ("pass in_place to", "pass --in-place to"),
+    ("give an output or in_place, not both", "give -o or --in-place, not both"),
+    ("an output path and fill_from apply", "-o and --fill-from apply"),
+    ("backup applies to", "--backup applies to"),
+)
+
+
+def _in_cli_words(message: str) -> str:
+    for python, flag in CLI_WORDS:
+        message = message.replace(python, flag)
+    return message
 
 
 def _fail(message: str, exit_code: int) -> NoReturn:
@@ -174,6 +233,7 @@ GC_THRESHOLD = (100_000, 50, 100)
 
 def main() -> None:
     gc.set_threshold(*GC_THRESHOLD)
+    _stop_like_ctrl_c()
     _stdout_writes_all()
     with _stopped_quietly():  # the instants before click's main and after it
         cli(prog_name="ckpttool")
@@ -221,7 +281,7 @@ def _echo_json(data: object) -> None:
 )  # fmt: skip
 @section_option()
 @component_option
-@click.option("--stats", is_flag=True, help="Read values: min/max/mean/std, NaN/Inf counts.")
+@click.option("--stats", is_flag=True, help="Read values: min/max/mean/std(ddof=0), NaN/Inf.")
 @click.option("--tree", is_flag=True, help="Print the nesting of the object tree instead.")
 @click.option("--depth", type=click.IntRange(min=0), help="Limit --tree to this depth.")
 @click.option(
@@ -245,7 +305,9 @@ def show(
 
     Reads torch.save files (zip and legacy), safetensors, plain pickles and
     torch.distributed.checkpoint directories (global shapes, chunks and their rank files).
-    Tensor bytes are read only with --stats.
+    Tensor bytes are read only with --stats. Exit 0 when shown, 1 when a framework's
+    directory is incomplete (a file its framework writes is missing: listed under missing:,
+    the rest shown), 2 on error.
 
     \b
     Examples:
@@ -258,7 +320,7 @@ def show(
     """
     from ckpttool.checkpoint import open_checkpoint
     from ckpttool.commands.selection import side_section
-    from ckpttool.commands.show import build_report
+    from ckpttool.commands.show import build_report, check_collection
     from ckpttool.errors import CheckpointCollectionError
     from ckpttool.render import show as show_render
     from ckpttool.render import show_tree
@@ -266,6 +328,7 @@ def show(
     try:
         ckpt = open_checkpoint(path)
     except CheckpointCollectionError as collection:  # a Trainer output_dir: list what it holds
+        check_collection(collection.layout)
         listing = show_render.collection_json(collection.layout)
         if as_json:
             _echo_json(listing)
@@ -285,14 +348,18 @@ def show(
         report = build_report(
             ckpt, section=section, pattern=pattern, stats=stats, all_fields=as_json
         )
+        # a directory missing a file its framework writes holds less than it should: found
+        incomplete = bool(ckpt.details.get("missing"))
     if as_json:
         for chunk in show_render.json_chunks(report):  # each tensor's line made as written
             click.echo(chunk, nl=False)
         click.echo()
-        return
-    click.echo(show_render.render_text(report))
-    for warning in report.warnings:
-        click.echo(f"warning: {warning}", err=True)
+    else:
+        click.echo(show_render.render_text(report))
+        for warning in report.warnings:
+            click.echo(f"warning: {warning}", err=True)
+    if incomplete:
+        sys.exit(1)
 
 
 @cli.command("diff")
@@ -335,7 +402,9 @@ def show(
 )  # fmt: skip
 @click.option(
     "--all", "show_all", is_flag=True,
-    help="List every tensor, identical (and equal after rounding) ones too.",
+    help="List every tensor, identical (and equal after rounding) ones too, and every field "
+    "only one side holds (else more than 3 under one entry are one line: 'optimizer: 26 "
+    "fields only in B').",
 )  # fmt: skip
 @click.option("--quick", is_flag=True, help="Structure, dtypes, shapes, fields; read no values.")
 @map_options("A's tensor names and layout into B's (as edit --map)", "beside A or B")
@@ -384,9 +453,12 @@ def diff_command(
     Any two inputs ckpttool reads (torch zip, legacy, safetensors, DCP directories). A resume
     file against a plain state dict compares the resume file's model. When the two sides share
     no tensor key but one side's keys are the other's under one extra prefix (model.,
-    model_state_dict., module.), they are aligned there, with a note. Values are streamed one
-    tensor pair at a time. The table lists the tensors that differ (--all: every tensor).
-    Exits 0 when equal within tolerance, 1 when they differ, 2 on error.
+    model_state_dict., module.), they are aligned there, with a note. Two DeepSpeed tags are
+    compared as their fp32 weights and as their files store them (module copies, optimizer
+    states, counters, client state); what only one side's kind holds is named in a note, not
+    compared. Values are streamed one tensor pair at a time. The table lists the tensors that
+    differ (--all: every tensor). Exits 0 when every tensor and field both hold is equal within
+    tolerance, 1 when they differ, 2 on error.
 
     \b
     Examples:
@@ -541,7 +613,12 @@ def trend_command(
 )  # fmt: skip
 @click.option("-o", "--output", metavar="OUT", help="Write to OUT instead of in place.")
 @force_option
-@click.option("--backup", is_flag=True, help="Keep the original as PATH.bak (never overwritten).")
+@click.option(
+    "--backup",
+    is_flag=True,
+    help="Keep the original as PATH.bak (never overwritten; one an interrupted run "
+    "left, the same bytes as PATH, is replaced).",
+)
 @click.option(
     "--in-place", is_flag=True,
     help="For a directory: replace it (default: write PATH.wsN, or -o OUT).",
@@ -708,11 +785,11 @@ def convert_command(
     (or shards and model.safetensors.index.json), config.json and generation_config.json
     copied byte for byte, written all or nothing. DST defaults to SRC with a
     .safetensors suffix (.pth with --to pth), or NAME.converted.SUFFIX when that would be SRC
-    itself (c_ddp.pth --to pth writes c_ddp.converted.pth); a directory DST gets that name in
-    it. Tied tensors are stored once, their names kept in __metadata__. The output is written
-    atomically and read back before it replaces anything. A file with no model weights (only
-    optimizer, RNG or scheduler state: torchtune's recipe_state.pt) is refused (exit 2) unless
-    --section or --filter picks its tensors.
+    itself (c_ddp.pth --to pth writes c_ddp.converted.pth); a directory DST (existing, or
+    ending in /: created) gets that name in it. Tied tensors are stored once, their names kept
+    in __metadata__. The output is written atomically and read back before it replaces
+    anything. A file with no model weights (only optimizer, RNG or scheduler state: torchtune's
+    recipe_state.pt) is refused (exit 2) unless --section or --filter picks its tensors.
 
     \b
     Examples:
@@ -1160,8 +1237,9 @@ def repair_command(
     incomplete ones aside); leftover temp files are listed (--clean removes them).
 
     Exit 0 when nothing is lost (SRC intact, or all of it recovered), 1 when something stays
-    lost or damaged (tensors lost, --dry-run, damage left as it is, or the output failed its
-    read-back and was removed), 2 on an error (nothing recoverable, bad input: nothing written).
+    lost or damaged (tensors lost, --dry-run, damage left as it is, marked "(stays)": a
+    directory's lost tensors stay named in its index, or the output failed its read-back and
+    was removed), 2 on an error (nothing recoverable, bad input: nothing written).
 
     \b
     Examples:
@@ -1193,11 +1271,16 @@ def repair_command(
     "NAME.edited).",
 )  # fmt: skip
 @click.option("--in-place", is_flag=True, help="Replace SRC itself, atomically.")
-@click.option("--backup", is_flag=True, help="With --in-place: keep the original as SRC.bak.")
+@click.option(
+    "--backup",
+    is_flag=True,
+    help="With --in-place: keep the original as SRC.bak (never overwritten; one an "
+    "interrupted run left, the same bytes as SRC, is replaced).",
+)
 @click.option(
     "--drop", multiple=True, metavar="PATTERN",
     help="Leave out the entries whose key matches (a glob: 'optimizer', 'model.lm_head.*'); "
-    "repeatable.",
+    "repeatable. A pattern (as for --keep, --rename) that matches no key is an error.",
 )  # fmt: skip
 @click.option(
     "--keep", multiple=True, metavar="PATTERN",
@@ -1217,13 +1300,20 @@ def repair_command(
 @map_options("the model's names and layout", "beside SRC")
 @click.option(
     "--dtype", type=click.Choice(["fp16", "bf16", "fp32"]),
-    help="Cast floating tensors (integer and float8 tensors are never cast).",
+    help="Cast the floating weights, on a file and on a directory alike (integer and float8 "
+    "tensors, step counters and an optimizer's state are never cast; values that become 0 "
+    "are reported).",
 )  # fmt: skip
 @click.option(
     "--keep-dtype", multiple=True, metavar="PATTERN",
     help="With --dtype: leave the tensors whose key matches alone (norms, routers); repeatable.",
 )  # fmt: skip
 @click.option("--allow-overflow", is_flag=True, help="With --dtype: write values too large as inf.")
+@click.option(
+    "--cast-optimizer", is_flag=True,
+    help="With --dtype: cast the optimizer's state too (its step counters never); a resumed "
+    "run then continues from the cast state.",
+)  # fmt: skip
 @click.option(
     "--compact", is_flag=True,
     help="Cut every storage to the bytes its tensors view (a view saved whole keeps only its "
@@ -1249,6 +1339,7 @@ def edit_command(
     dtype: str | None,
     keep_dtype: tuple[str, ...],
     allow_overflow: bool,
+    cast_optimizer: bool,
     compact: bool,
     dry_run: bool,
     force: bool,
@@ -1284,7 +1375,7 @@ def edit_command(
     report = lead_result(lambda: edit(
         src, dst, drop=drop, keep=keep, rename=rename, for_inference=for_inference,
         use_ema=use_ema, map_name=map_name, map_params=_int_params(map_params), compact=compact, dtype=dtype, keep_dtype=keep_dtype, allow_overflow=allow_overflow,
-        in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
+        cast_optimizer=cast_optimizer, in_place=in_place, backup=backup, dry_run=dry_run, overwrite=force,
     ))  # fmt: skip
     if as_json:
         _echo_json(edit_render.render_json(report))
@@ -1330,12 +1421,15 @@ def verify_command(
     names, truncation), every storage's size against the pickle's claims, every tensor's
     extent, safetensors header rules, legacy storage sizes; for a torch.distributed.checkpoint
     directory, every rank file present and of the right size and every chunk's archive; temp
-    files left next to the file by an interrupted save.
+    files left next to the file by an interrupted save, or anywhere in a directory, and stray
+    NAME.bak backups. In a model directory, files named like checkpoints that it does not
+    load (a pytorch_model.bin beside model.safetensors) are verified too.
 
     Each path gets its own verdict and the run goes on: a path that cannot be checked at all
     (missing, unreadable) gets an "Error: PATH: ..." line on stderr; a file that is there but
     is no checkpoint (empty, torn, unrecognised) is a problem. A directory that is no
-    checkpoint layout is walked: each checkpoint in it gets its verdict. --component NAME checks
+    checkpoint layout, or a Trainer output_dir, is walked: each checkpoint in it gets its
+    verdict. --component NAME checks
     only that part's files of a multi-component folder (a pipeline's unet). Exit 0 when every
     path was checked and is clean, 1 when a problem (or a leftover temp file) was found in any
     (this wins), 2 when some path could not be checked. --json always prints the JSON report.
@@ -1379,9 +1473,13 @@ def verify_command(
 def scan_command(paths: tuple[str, ...], allow: tuple[str, ...], as_json: bool) -> None:
     """List every global the pickles reference, classed safe / unknown / dangerous.
 
-    Runs nothing: the pickle is walked by ckpttool's own reader. Directories are scanned
+    Runs nothing: the pickle is walked by ckpttool's own reader. A global is judged by what
+    the pickle does with it: a call of anything not known to be inert is dangerous, a class
+    only named or built by pickle's default mechanism unknown. Directories are scanned
     recursively (only files that positively are not pickles, such as text, JSON or images,
-    are skipped). Each path is scanned on its own.
+    are skipped). Each path is scanned on its own. A gzip, bzip2, xz or tar archive is opened
+    and each file in it scanned; a 7z, RAR or zstd archive is a finding ("archive not
+    scanned").
     Exit 0 when only safe data constructs are referenced, 1 when something unknown or
     dangerous is (this wins over 2), 2 when a path could not be scanned (missing, not a
     checkpoint, unreadable) or a directory holds no checkpoint: scanning nothing is not clean.

@@ -29,7 +29,7 @@ from ckpttool.commands.convert.plan import Plan, Planned, build_plan
 from ckpttool.commands.convert.run import tensor_bytes, write_outputs
 from ckpttool.commands.diff.run import open_side
 from ckpttool.commands.mapped import DerivedCheckpoint, with_derived
-from ckpttool.commands.selection import Selection
+from ckpttool.commands.selection import Selection, refuse_incomplete
 from ckpttool.errors import InputError, OverflowRefusedError
 from ckpttool.io.parallel import AheadMap
 from ckpttool.io.progress import ProgressCallback
@@ -150,6 +150,8 @@ def write_combined(
     notes: list[str] = []
     with ExitStack() as stack:
         opened = [stack.enter_context(open_side(item.path)) for item in inputs]
+        for ckpt in opened:  # a lost shard's tensors would be combined from the others alone
+            refuse_incomplete(ckpt)
         plans, opened = _plans(inputs, opened, choice, ConversionOptions(dtype=dtype), notes)
         plan = plans[0]
         found, mixed = sources(inputs, plans, extra_ok=choice.pattern is not None)

@@ -42,7 +42,9 @@ from ckpttool.errors import (
     name_file,
 )
 from ckpttool.formats.registry import recover_file
+from ckpttool.frameworks.registry import file_placeholders
 from ckpttool.io import units
+from ckpttool.io.atomic import clear_stale_backup
 from ckpttool.model import edits
 from ckpttool.model.cast import CASTABLE, TARGETS, cast_array, stored_dtype
 from ckpttool.model.mapping import MapSpec, load_map, plan
@@ -85,12 +87,17 @@ class EditReport:
     compacted: tuple[str, ...] = ()  # tensors whose storage was cut to the bytes they view
     cast: tuple[str, ...] = ()  # tensors cast to ``dtype``
     dtype: str | None = None  # the dtype tensors were cast to
+    # floating tensors --dtype left in their dtype: an optimizer's state (without
+    # --cast-optimizer) and step counters
+    not_cast: tuple[str, ...] = ()
+    underflow: tuple[tuple[str, int], ...] = ()  # (tensor, values the cast made 0)
     ema: str | None = None  # where --use-ema took the model's weights from
     ema_taken: int = 0  # model tensors given their EMA values
     ema_missing: tuple[str, ...] = ()  # model tensors the EMA does not hold (kept)
     mapped: tuple[tuple[str, str, str], ...] = ()  # (op, sources, targets) of each --map step
     dry_run: bool = False  # nothing was to be written
     files_dropped: tuple[str, ...] = ()  # a directory's member files left out
+    unmatched: tuple[str, ...] = ()  # patterns that matched nothing (``require_matches=False``)
 
     @property
     def changed(self) -> bool:
@@ -98,6 +105,15 @@ class EditReport:
             self.dropped or self.renamed or self.compacted or self.cast or self.ema_taken
             or self.mapped or self.files_dropped
         )  # fmt: skip
+
+
+def _refuse_placeholders(root: Any, source: Path) -> None:
+    """The edits that make or change weights (``--for-inference``, ``--use-ema``, ``--map``,
+    ``--dtype``) refused for a file whose model is 0-element placeholders (a DeepSpeed ZeRO-3
+    rank's model states): the result would pass for the weights."""
+    found = file_placeholders(root, str(source))
+    if found is not None:
+        raise InputError(found.refusal(list(found.shapes)))
 
 
 def default_output(src: Path) -> Path:
@@ -120,14 +136,18 @@ def edit_file(
     dtype: str | None = None,
     keep_dtype: list[str] | tuple[str, ...] = (),
     allow_overflow: bool = False,
+    cast_optimizer: bool = False,
     in_place: bool = False,
     backup: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
+    require_matches: bool = True,
 ) -> EditReport:
     """Rewrite the checkpoint file ``src`` with the edits applied, in its own format, to ``dst``
     (default :func:`default_output`; ``in_place``: ``src`` itself, replaced atomically, kept as
     ``SRC.bak`` with ``backup``). Nothing is written when nothing changes or with ``dry_run``.
+    ``dtype`` casts the floating tensors but an optimizer's state and step counters
+    (:func:`~ckpttool.model.edits.cast_scope`); ``cast_optimizer``: the optimizer's state too.
     Raises a :class:`~ckpttool.errors.CkptError` naming ``src``."""
     source = Path(src)
     if in_place and dst is not None:
@@ -170,6 +190,8 @@ def edit_file(
             viewed = found.root if modules is None else modules.root
             whole_module = modules is not None and "" in modules.classes
             layout = detect_layout(viewed, found.format, PICKLED_MODULE if whole_module else None)
+            if for_inference or use_ema is not None or map_name is not None or dtype is not None:
+                _refuse_placeholders(found.root, source)
             log = edits.EditLog()
             root = found.root
             sources = _Sources(handle.fileno(), found.intact)
@@ -180,11 +202,16 @@ def edit_file(
             root = edits.drop(root, list(drop), log)
             root = edits.keep(root, list(keep), log)
             root = edits.rename(root, list(rename), log)
+            if require_matches:
+                edits.refuse_unmatched(log.unmatched)
             if map_name is not None:
                 spec = load_map(map_name, dict(map_params or {}), source.parent)
                 root = _apply_map(root, layout, spec, sources, log)
+            if cast_optimizer and dtype is None:
+                raise InputError("--cast-optimizer goes with --dtype")
             if dtype is not None:
-                root = _cast(root, dtype, list(keep_dtype), allow_overflow, sources, log)
+                castable = edits.cast_scope(root, optimizer=cast_optimizer)
+                root = _cast(root, dtype, list(keep_dtype), allow_overflow, sources, log, castable)
             if compact:
                 root, sources.regions = edits.compact(root, log)
             after = _tensors(root)
@@ -197,7 +224,12 @@ def edit_file(
                 raise OutputExistsError(
                     f"{output} already exists (pass overwrite=True to replace it)"
                 )
-            if write and backup_path is not None and os.path.lexists(backup_path):
+            if (
+                write
+                and backup_path is not None
+                and os.path.lexists(backup_path)
+                and not clear_stale_backup(source, backup_path, dry_run=dry_run)
+            ):
                 raise OutputExistsError(f"{backup_path} already exists: move it away first")
 
             # --jobs N, torchrun's ranks: the derived storages (casts...) shared by the workers
@@ -209,7 +241,9 @@ def edit_file(
             if write:
                 with _derived(sources, order, output, shared) as crcs:
                     if backup_path is not None:
-                        os.link(source, backup_path)  # the original's inode, kept by a new name
+                        # the original's inode, kept by a new name (the file a symlink
+                        # names: os.link would link the symlink itself)
+                        os.link(os.path.realpath(source), backup_path)
                     try:
                         write_checked(found, root, output, sources.read_range, sources.read, crcs)
                     except BaseException:
@@ -229,10 +263,15 @@ def edit_file(
         compacted=tuple(log.compacted),
         cast=tuple(log.cast),
         dtype=TARGETS.get(dtype, dtype) if dtype else None,
+        not_cast=tuple(log.not_cast),
+        underflow=tuple(
+            (key, sources.underflow[key]) for key in log.cast if sources.underflow.get(key)
+        ),
         ema=log.ema,
         ema_taken=len(log.ema_taken),
         ema_missing=tuple(log.ema_missing),
         mapped=tuple(log.mapped),
+        unmatched=tuple(log.unmatched),
         dry_run=dry_run,
         tensors_before=len(_viewed_tensors(found.root)),
         tensors_after=len(_viewed_tensors(root)),
@@ -297,6 +336,7 @@ class _Sources:
         self.intact = intact
         self.regions: dict[str, tuple[str, int, int]] = {}
         self.derived: dict[str, Callable[[], bytes]] = {}
+        self.underflow: dict[str, int] = {}  # a cast tensor's values that became 0, by key
         self._last: tuple[str, bytes] | None = None  # the last derived bytes (the read-back)
 
     def read_range(self, storage_key: str, start: int, length: int) -> bytes:
@@ -332,11 +372,14 @@ def _cast(
     allow_overflow: bool,
     sources: _Sources,
     log: edits.EditLog,
+    castable: Callable[[str], bool] = lambda key: True,
 ) -> Any:
     """``root`` with every floating tensor (of a castable dtype) not matching ``keep`` cast to
     ``dtype`` (``fp16``/``bf16``/``fp32`` or a torch name), as new contiguous storages computed
     from the source's bytes at write time (one tensor in memory at a time). Tensors viewing the
-    same elements of one storage (tied weights) share the cast storage."""
+    same elements of one storage (tied weights) share the cast storage. ``castable``: which keys
+    may be cast (:func:`~ckpttool.model.edits.cast_scope`); the floating ones it refuses are
+    logged as not cast."""
     target = TARGETS.get(dtype, dtype)
     if target not in CASTABLE:
         raise InputError(f"--dtype {dtype}: expected one of {', '.join(TARGETS)}")
@@ -353,6 +396,9 @@ def _cast(
             or record.layout != "strided"
             or any(fnmatchcase(key, pattern) for pattern in keep)
         ):
+            return record
+        if not castable(key):
+            log.not_cast.append(key)
             return record
         view = (
             record.storage.key,
@@ -391,6 +437,7 @@ def _caster(
             flat, shape=record.shape, strides=[s * held.itemsize for s in record.stride]
         )
         out, counts = cast_array(np.ascontiguousarray(values), record.dtype, target)
+        sources.underflow[key] = counts.underflow  # set, not added: a storage may be made twice
         if counts.overflow and not allow_overflow:
             raise InputError(
                 f"--dtype: {counts.overflow:,} finite value(s) of {key!r} (largest "

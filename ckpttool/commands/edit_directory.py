@@ -12,7 +12,6 @@ that becomes the output whole, or nothing.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 from pathlib import Path
@@ -22,13 +21,11 @@ from ckpttool.commands.edit import EditReport, edit_file
 from ckpttool.commands.edit_format_directory import edit_format_directory, lead_staged
 from ckpttool.errors import CkptError, InputError, OutputExistsError, name_file
 from ckpttool.formats.registry import directory_formats
-from ckpttool.frameworks.base import INDEX, WEIGHTS
-from ckpttool.frameworks.registry import detect_directory, framework_of
+from ckpttool.frameworks.base import INDEX, MODEL_CONFIG, OPTIMIZER, WEIGHTS, config_with_dtype
+from ckpttool.frameworks.registry import detect_before_format, detect_directory, framework_of
 from ckpttool.io import units
 from ckpttool.io.parallel import chosen, ordered_map, using
-
-#: The config keys transformers reads the weights' dtype from (``dtype`` since 4.56).
-DTYPE_KEYS = ("torch_dtype", "dtype")
+from ckpttool.model import edits
 
 
 def edit(
@@ -40,7 +37,11 @@ def edit(
     Hugging Face model directory ``src`` (:func:`edit_directory`)."""
     if Path(src).is_dir():
         fmt = next((f for f in directory_formats() if f.recognises_directory(src)), None)
-        if fmt is not None:  # under torchrun: its data files shared by the ranks
+        # a framework's directory over the format (Lightning sharded, torchtitan, Megatron
+        # torch_dist) is the framework's to edit or refuse: as the format's, its merged tree's
+        # keys are no keys of the format's files (nothing cast, or a key "not a tensor")
+        if fmt is not None and detect_before_format(str(src)) is None:
+            # under torchrun: its data files shared by the ranks
             return edit_format_directory(src, dst, fmt, **options)
         if options.get("dry_run"):
             units.lead_only()
@@ -49,8 +50,11 @@ def edit(
 
 
 def default_output(src: Path) -> Path:
-    """``NAME.edited`` beside the directory ``src``."""
-    return src.with_name(f"{src.name}.edited")
+    """``NAME.edited`` beside the directory ``src`` (``.``: the working directory's name)."""
+    named = src if src.name else src.resolve()
+    if not named.name:
+        raise InputError(f"{src}: has no name to derive an output's from; name an output")
+    return named.with_name(f"{named.name}.edited")
 
 
 def edit_directory(
@@ -97,13 +101,32 @@ def edit_directory(
                 raise OutputExistsError(f"{output} already exists (pass overwrite=True)")
         weights = [m.name for m in layout.members if m.role == WEIGHTS]
         index = next((m.name for m in layout.members if m.role == INDEX), None)
+        if operations.get("cast_optimizer"):
+            if operations.get("dtype") is None:
+                raise InputError("--cast-optimizer goes with --dtype")
+            # the optimizer's files cast as a file's optimizer part is: the same option, the
+            # same tensors (its step counters never)
+            casts = {k: operations.get(k) for k in _CAST_OPTIONS if k in operations}
+            optimizers = [
+                m.name for m in layout.members if m.role == OPTIMIZER and m.name not in leave_out
+            ]
+            weights += optimizers
+            operations = {**operations, "only_cast": {name: casts for name in optimizers}}
+        kept = _optimizer_state_kept(source, layout.members, leave_out, operations)
         reports: list[EditReport] = []
         if dry_run:
             with using(chosen() or 1):
                 reports = ordered_map(
-                    lambda name: edit_file(source / name, dry_run=True, **operations), weights
+                    lambda name: edit_file(
+                        source / name,
+                        dry_run=True,
+                        require_matches=False,
+                        **_member_operations(operations, name),
+                    ),
+                    weights,
                 )
-            return _combined(source, output, layout.kind, reports, leave_out, False, True)
+            _refuse_unmatched_in_all(reports, weights, operations)
+            return _combined(source, output, layout.kind, reports, leave_out, False, True, kept)
         # under torchrun, the weights files are shared by the ranks, each written into rank
         # 0's staging directory; rank 0 alone does the rest
         with lead_staged(output) as stage:
@@ -113,6 +136,7 @@ def edit_directory(
             # N times one file's edit, so 1 unless asked), the reports in the members' order
             with using(chosen() or 1):
                 reports = units.shared_map(edit_one, weights, sizes)
+            _refuse_unmatched_in_all(reports, weights, operations)
             units.lead_only()
             if not leave_out and not any(r.changed for r in reports):
                 raise _Unchanged
@@ -122,27 +146,74 @@ def edit_directory(
                     continue
                 (stage / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, stage / name)
-            _config_dtype(stage / "config.json", reports)
+            _config_dtype(stage / MODEL_CONFIG, reports)
             if index is not None:
-                rebuilt = framework.rebuild_index(str(stage))
+                rebuilt = framework.rebuild_index(str(stage), keep_lost=False)
                 if rebuilt is not None and rebuilt.content is not None:
                     (stage / rebuilt.index).write_bytes(rebuilt.content)
     except _Unchanged:
         assert layout is not None
-        return _combined(source, output, layout.kind, reports, leave_out, False, False)
+        return _combined(source, output, layout.kind, reports, leave_out, False, False, kept)
     except CkptError as error:
         raise name_file(error, str(source)) from None
-    return _combined(source, output, layout.kind, reports, leave_out, True, False)
+    return _combined(source, output, layout.kind, reports, leave_out, True, False, kept)
+
+
+#: The options of ``edit_file`` that an optimizer's file gets with ``--cast-optimizer``.
+_CAST_OPTIONS = ("dtype", "keep_dtype", "allow_overflow", "cast_optimizer")
 
 
 def _edit_member(source: Path, stage: Path, operations: dict[str, Any], name: str) -> EditReport:
-    """One weights file edited into ``stage`` (copied as it is when nothing in it changes)."""
+    """One weights file (or, ``--cast-optimizer``, optimizer file: ``only_cast``) edited into
+    ``stage`` (copied as it is when nothing in it changes)."""
     target = stage / name
     target.parent.mkdir(parents=True, exist_ok=True)
-    report = edit_file(source / name, target, overwrite=True, **operations)
+    report = edit_file(
+        source / name,
+        target,
+        overwrite=True,
+        require_matches=False,
+        **_member_operations(operations, name),
+    )
     if not report.written:
         shutil.copyfile(source / name, target)  # nothing changed in this file
     return report
+
+
+def _optimizer_state_kept(
+    source: Path, members: Any, leave_out: tuple[str, ...], operations: dict[str, Any]
+) -> tuple[str, ...]:
+    """With ``--dtype`` and no ``--cast-optimizer``: the floating tensors of the directory's
+    optimizer files, which stay as saved (the file is copied), reported as a file's optimizer
+    state is (``not_cast``): one option, one report, on a file and on a folder."""
+    if operations.get("dtype") is None or operations.get("cast_optimizer"):
+        return ()
+    names = [m.name for m in members if m.role == OPTIMIZER and m.name not in leave_out]
+    options = {k: operations[k] for k in ("dtype", "keep_dtype") if k in operations}
+    return tuple(
+        key for name in names for key in edit_file(source / name, dry_run=True, **options).not_cast
+    )
+
+
+def _member_operations(operations: dict[str, Any], name: str) -> dict[str, Any]:
+    """The operations for the member file ``name``: an optimizer's file (``only_cast``) is
+    cast only."""
+    only_cast = operations.get("only_cast") or {}
+    if name in only_cast:
+        return dict(only_cast[name])
+    return {k: v for k, v in operations.items() if k != "only_cast"}
+
+
+def _refuse_unmatched_in_all(
+    reports: list[EditReport], names: list[str], operations: dict[str, Any]
+) -> None:
+    """A pattern is checked against the whole directory: one that no weights file matched (an
+    optimizer file that ``--cast-optimizer`` only casts is matched against no pattern)."""
+    only_cast = operations.get("only_cast") or {}
+    matched = [r for r, name in zip(reports, names) if name not in only_cast]
+    if matched:
+        everywhere = set.intersection(*(set(r.unmatched) for r in matched))
+        edits.refuse_unmatched([u for u in matched[0].unmatched if u in everywhere])
 
 
 class _Unchanged(Exception):
@@ -152,21 +223,12 @@ class _Unchanged(Exception):
 def _config_dtype(config: Path, reports: list[EditReport]) -> None:
     """``config.json`` saying the dtype the weights were cast to, without an FP8
     ``quantization_config`` once its weights are dequantized."""
-    dtypes = {r.dtype for r in reports if r.cast}
+    dtypes = {r.dtype for r in reports if r.cast and r.dtype}
     if not config.is_file() or not dtypes:
         return
-    data = json.loads(config.read_text())
     (dtype,) = dtypes
-    for key in DTYPE_KEYS:
-        if key in data:
-            data[key] = dtype
-    if not any(key in data for key in DTYPE_KEYS):
-        data["torch_dtype"] = dtype
-    quantization = data.get("quantization_config")
     scales = any(d.endswith(("_scale_inv", "_scale")) for r in reports for d in r.dropped)
-    if isinstance(quantization, dict) and quantization.get("quant_method") == "fp8" and scales:
-        del data["quantization_config"]
-    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    config_with_dtype(config, dtype, dequantized=scales)
 
 
 def _combined(
@@ -177,6 +239,7 @@ def _combined(
     files_dropped: tuple[str, ...],
     written: bool,
     dry_run: bool,
+    not_cast: tuple[str, ...] = (),
 ) -> EditReport:
     def joined(field: str) -> tuple[Any, ...]:
         return tuple(item for r in reports for item in getattr(r, field))
@@ -202,6 +265,8 @@ def _combined(
         compacted=joined("compacted"),
         cast=joined("cast"),
         dtype=next((r.dtype for r in reports if r.dtype), None),
+        not_cast=joined("not_cast") + not_cast,
+        underflow=joined("underflow"),
         mapped=joined("mapped"),
         dry_run=dry_run,
     )

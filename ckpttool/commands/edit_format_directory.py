@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -46,6 +47,7 @@ def edit_format_directory(
     dtype: str | None = None,
     keep_dtype: list[str] | tuple[str, ...] = (),
     allow_overflow: bool = False,
+    cast_optimizer: bool = False,
     in_place: bool = False,
     backup: bool = False,
     dry_run: bool = False,
@@ -60,6 +62,8 @@ def edit_format_directory(
         if in_place
         else Path(dst)
         if dst is not None
+        else source.resolve().with_name(f"{source.resolve().name}.edited")
+        if not source.name  # ".": the working directory's name
         else source.with_name(f"{source.name}.edited")
     )
     try:
@@ -88,8 +92,13 @@ def edit_format_directory(
             root = edits.drop(root, list(drop), log)
             root = edits.keep(root, list(keep), log)
             root = edits.rename(root, list(rename), log)
+            edits.refuse_unmatched(log.unmatched)
             after = _tensors(root)
-            casts = _casts(after, dtype, list(keep_dtype), allow_overflow, log)
+            if cast_optimizer and dtype is None:
+                raise InputError("--cast-optimizer goes with --dtype")
+            castable = edits.cast_scope(root, optimizer=cast_optimizer)
+            underflow: dict[str, int] = {}
+            casts = _casts(after, dtype, list(keep_dtype), allow_overflow, log, castable, underflow)
             changed = bool(log.dropped or log.renamed or log.cast)
             write = changed and not dry_run
             ranks = units.sharing()
@@ -102,6 +111,8 @@ def edit_format_directory(
                     with using(chosen() or 1):
                         fmt.rewrite_directory(source, root, stage, casts)
                     units.lead_only()
+                    # the read-back casts every piece again, on rank 0: its counts are whole
+                    underflow.clear()
                     _read_back(ckpt, stage, root, after, casts)
     except CkptError as error:
         raise name_file(error, str(source)) from None
@@ -116,6 +127,8 @@ def edit_format_directory(
         rules=tuple(zip(rename, log.rule_counts)),
         cast=tuple(log.cast),
         dtype=target if log.cast else None,
+        not_cast=tuple(log.not_cast),
+        underflow=tuple((key, underflow[key]) for key in log.cast if underflow.get(key)),
         dry_run=dry_run,
         tensors_before=len(before),
         tensors_after=len(after),
@@ -172,15 +185,20 @@ def _casts(
     keep: list[str],
     allow_overflow: bool,
     log: edits.EditLog,
+    castable: Callable[[str], bool],
+    underflow: dict[str, int],
 ) -> dict[str, tuple[str, Callable[[Any], bytes]]]:
     """The tensors ``--dtype`` casts (floating, not already ``dtype``, matching no ``keep``
-    pattern), each with the function that casts a piece of it."""
+    pattern, ``castable``: not an optimizer's state or a counter,
+    :func:`~ckpttool.model.edits.cast_scope`), each with the function that casts a piece of
+    it and adds the piece's values that became 0 to ``underflow``."""
     if dtype is None:
         return {}
     target = TARGETS.get(dtype, dtype)
     if target not in CASTABLE:
         raise InputError(f"--dtype {dtype}: expected one of {', '.join(TARGETS)}")
     casts = {}
+    lock = threading.Lock()  # --jobs: pieces cast on several threads
     for key, record in tensors.items():
         if (
             record.dtype not in CASTABLE
@@ -188,16 +206,29 @@ def _casts(
             or any(fnmatchcase(key, pattern) for pattern in keep)
         ):
             continue
-        casts[key] = (target, _caster(key, record.dtype, target, allow_overflow))
+        if not castable(key):
+            log.not_cast.append(key)
+            continue
+        casts[key] = (target, _caster(key, record.dtype, target, allow_overflow, underflow, lock))
         log.cast.append(key)
     return casts
 
 
-def _caster(key: str, source: str, target: str, allow_overflow: bool) -> Callable[[Any], bytes]:
+def _caster(
+    key: str,
+    source: str,
+    target: str,
+    allow_overflow: bool,
+    underflow: dict[str, int],
+    lock: threading.Lock,
+) -> Callable[[Any], bytes]:
     def cast(values: Any) -> bytes:
         import numpy as np
 
         out, counts = cast_array(np.ascontiguousarray(values), source, target)
+        if counts.underflow:
+            with lock:
+                underflow[key] = underflow.get(key, 0) + counts.underflow
         if counts.overflow and not allow_overflow:
             raise InputError(
                 f"--dtype: {counts.overflow:,} finite value(s) of {key!r} (largest "

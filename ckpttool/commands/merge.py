@@ -181,7 +181,9 @@ def _weights(
     if method == "slerp":
         if models != 1:
             raise InputError(f"--method slerp merges two models: BASE and one MODEL; got {models}")
-        if t is None or not 0.0 <= t <= 1.0:
+        if t is None:
+            raise InputError("--method slerp needs --t, between 0 and 1")
+        if not 0.0 <= t <= 1.0:
             raise InputError(f"--method slerp needs --t between 0 and 1; got {t}")
         if weights is not None:
             raise InputError("--method slerp takes --t, not --weights")

@@ -152,7 +152,7 @@ def repair_file(
         source=str(source),
         kind="file",
         format=found.format,
-        damage=tuple(found.damage),
+        damage=(*found.damage, *pruned.notes),
         recovered=len(kept),
         lost=tuple(pruned.lost.values()),
         dropped=tuple(pruned.dropped),
@@ -171,9 +171,20 @@ class _Fill:
     """The checkpoint lost tensors are taken from (``fill_from``), read by key."""
 
     def __init__(self, name: str, ckpt: Checkpoint) -> None:
+        from ckpttool.commands.show import weights_section
+
         self.name = name
         self.ckpt = ckpt
-        self.records = {record.key: record for record in ckpt.tensors()}
+        records = ckpt.tensors()
+        self.records = {record.key: record for record in records}
+        # a directory's weights also by the keys their files store them under (a model
+        # directory's 'model.model.norm.weight' as 'model.norm.weight'), as a file of them has
+        section = weights_section(ckpt)
+        if section is not None:
+            prefix = f"{section}."
+            for record in records:
+                if record.key.startswith(prefix):
+                    self.records.setdefault(record.key.removeprefix(prefix), record)
         self.taken: dict[str, TensorRecord] = {}  # filled storage key -> the record read
 
     def take(self, record: TensorRecord, key: str) -> TensorRecord | str:
@@ -243,6 +254,7 @@ class _Pruned:
         self.dropped: dict[str, None] = {}
         self.filled: dict[str, FilledTensor] = {}
         self._fills: dict[str, TensorRecord | str] = {}
+        self.notes: list[str] = []  # what the left-out entries mean for a resume
 
     def is_lost(self, record: TensorRecord) -> bool:
         parts = record.parts or (record,)
@@ -283,6 +295,7 @@ class _Pruned:
                 child_key = join_key(key, str(name))
                 if optimizer and name == "state":
                     out[name] = self.prune_entries(value, child_key)
+                    self.note_optimizer(key, node, len(value) - len(out[name]))
                     continue
                 child = self.prune(value, child_key)
                 if child is _DROP:
@@ -340,6 +353,26 @@ class _Pruned:
                 self.lose(record, k, filler)
             self.drop(entry, entry_key)
         return out
+
+    def note_optimizer(self, key: str, optimizer: dict[Any, Any], left_out: int) -> None:
+        """Say how much of an optimizer's per-parameter state the output keeps when entries
+        were left out: a resume from it restarts their moments from zero."""
+        if not left_out:
+            return
+        groups = optimizer.get("param_groups")
+        params = sum(
+            len(group["params"])
+            for group in (groups if isinstance(groups, (list, tuple)) else [])
+            if isinstance(group, dict) and isinstance(group.get("params"), (list, tuple))
+        )
+        kept = len(optimizer["state"]) - left_out
+        of = f" of the {params} parameters" if params else ""
+        self.notes.append(
+            f"{key or 'optimizer'}: the repaired file keeps the optimizer state of {kept}{of}; "
+            f"{left_out} entr{'ies' if left_out != 1 else 'y'} lost or left out, so a resume "
+            "starts those parameters' state afresh (momentum and moments at zero): take them "
+            "from the previous checkpoint with --fill-from"
+        )
 
     def lose(self, record: TensorRecord, key: str, reason: str = "") -> None:
         self.lost.setdefault(

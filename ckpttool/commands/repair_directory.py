@@ -19,32 +19,21 @@ file is written or removed: a damaged file is repaired on its own (``repair FILE
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import shutil
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpttool.checkpoint import checkpoint_names
 from ckpttool.commands.repair_report import CheckpointState, RepairAction, RepairReport
-from ckpttool.commands.verify import verify_file
+from ckpttool.commands.verify import temp_files_under, verify_file
 from ckpttool.errors import CkptError, InputError, NotADirectoryCheckpointError, name_file
 from ckpttool.formats.registry import directory_format_of
 from ckpttool.frameworks.base import STEP as STEP  # trend orders its points by it too
 from ckpttool.frameworks.base import IndexRepair, RunLayout, files_run
 from ckpttool.frameworks.registry import detect_directory, frameworks
-from ckpttool.io.atomic import TMP_SUFFIX, atomic_write, fsync_dir
+from ckpttool.io.atomic import atomic_write, fsync_dir
 
-#: Temp files any write-then-rename leaves when interrupted, by name, and what left them; the
-#: frameworks add their own (``Framework.temp_files``).
-TEMP_FILES = (
-    (f".*{TMP_SUFFIX}", "an interrupted ckpttool write"),
-    # torch DCP's FileSystemWriter (.metadata.tmp), MiniMind's torch.save(NAME.tmp) + replace
-    ("*.tmp", "a save interrupted before it renamed its temp file"),
-)
-#: Temp directories: ckpttool's staged directories (io/atomic.py), named like its temp files.
-TEMP_DIRECTORIES = ((f".*{TMP_SUFFIX}", "an interrupted ckpttool write"),)
 
 
 @dataclass
@@ -53,6 +42,7 @@ class _Found:
 
     title: str
     damage: list[str] = field(default_factory=list)
+    stays: list[str] = field(default_factory=list)  # the damage no action mends
     checkpoints: list[CheckpointState] = field(default_factory=list)
     newest_complete: str | None = None
     actions: list[RepairAction] = field(default_factory=list)
@@ -96,6 +86,7 @@ def repair_directory(
         newest_complete=found.newest_complete,
         actions=tuple(found.actions),
         dry_run=dry_run,
+        unrepaired=tuple(found.stays),
     )
 
 
@@ -112,7 +103,9 @@ def _examine(directory: Path, *, quarantine: bool, clean: bool) -> _Found:
         single = _single_title(path) if index is None else titles[0]
         if single is not None:
             titles[:1] = [single]
-            found.damage += _verify(path)
+            problems = _verify(path)
+            found.damage += problems
+            found.stays += problems
         else:
             run = checkpoint_files(directory)
             if run is None:
@@ -130,6 +123,7 @@ def _examine(directory: Path, *, quarantine: bool, clean: bool) -> _Found:
 
 def _index(found: _Found, directory: Path, index: IndexRepair) -> None:
     found.damage += index.damage
+    found.stays += index.damage if index.content is None else index.stays
     if index.content is not None:
         found.index_content = index.content
         found.actions.append(
@@ -175,10 +169,13 @@ def _run(found: _Found, directory: Path, run: RunLayout, *, quarantine: bool) ->
         )
         if problems:
             found.damage.append(_incomplete_line(name, problems))
+            if not (quarantine and run.aside is not None):  # else moved aside, below
+                found.stays.append(found.damage[-1])
     newest = next((name for name in reversed(run.checkpoints) if complete[name]), None)
     found.newest_complete = str(directory / newest) if newest is not None else None
     if newest is None and run.checkpoints:
         found.damage.append("no checkpoint is complete: there is none to resume from")
+        found.stays.append(found.damage[-1])
     if run.pointer is not None:
         _pointer(found, directory, run, complete, newest)
     if quarantine and run.aside is not None:
@@ -221,6 +218,7 @@ def _pointer(
         return
     found.damage.append(f"{pointer}: {why}")
     if newest is None:
+        found.stays.append(found.damage[-1])
         return
     found.pointer_content = newest.encode()
     found.actions.append(
@@ -243,32 +241,17 @@ def _free(target: Path, taken: set[Path]) -> Path:
 
 
 def _leftovers(found: _Found, directory: Path, *, clean: bool) -> None:
-    """Temp files of interrupted writes anywhere under ``directory``: listed; ``clean``:
-    removed. A temp directory (ckpttool's staged directory) is one leftover."""
-    by_path = [rule for framework in frameworks() for rule in framework.temp_files]
-    for root, subdirectories, names in os.walk(directory):
-        here = Path(root)
-        for name in sorted([*subdirectories, *names]):
-            relative = (here / name).relative_to(directory).as_posix()
-            if name in subdirectories:
-                what = _matching(TEMP_DIRECTORIES, name)
-                if what is not None:
-                    subdirectories.remove(name)  # one leftover, not its files
-            else:
-                what = _matching(TEMP_FILES, name) or _matching(by_path, relative)
-            if what is None:
-                continue
-            found.damage.append(f"{relative}: leftover temp file of {what}")
-            if clean:
-                found.removals.append(here / name)
-                found.actions.append(
-                    RepairAction("remove", str(here / name), f"leftover temp file of {what}")
-                )
-
-
-def _matching(rules: Sequence[tuple[str, str]], name: str) -> str | None:
-    """What left the temp file ``name``, by the first rule whose glob it matches."""
-    return next((what for pattern, what in rules if fnmatch.fnmatchcase(name, pattern)), None)
+    """Temp files of interrupted writes anywhere under ``directory`` (verify's rules:
+    :func:`~ckpttool.commands.verify.temp_files_under`): listed; ``clean``: removed. A temp
+    directory (ckpttool's staged directory) is one leftover."""
+    for path, what in temp_files_under(directory):
+        relative = path.relative_to(directory).as_posix()
+        found.damage.append(f"{relative}: leftover temp file of {what}")
+        if not clean:
+            found.stays.append(found.damage[-1])
+        else:
+            found.removals.append(path)
+            found.actions.append(RepairAction("remove", str(path), f"leftover temp file of {what}"))
 
 
 def _apply(found: _Found) -> None:

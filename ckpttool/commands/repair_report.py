@@ -63,6 +63,9 @@ class RepairReport:
     newest_complete: str | None = None  # a run directory's newest complete checkpoint
     actions: tuple[RepairAction, ...] = ()  # what was (dry run: would be) changed
     dry_run: bool = False  # nothing was to be written
+    #: A directory's damage lines that stay after the actions (with ``dry_run``: would stay):
+    #: tensors lost for good, incomplete checkpoints not moved aside, temp files not removed.
+    unrepaired: tuple[str, ...] = ()
 
     @property
     def damaged(self) -> bool:
@@ -73,6 +76,6 @@ class RepairReport:
         """0: nothing is lost (the source was intact, or all of it was recovered and written);
         1 (:data:`~ckpttool.errors.EXIT_FOUND`): something stays lost or damaged (tensors lost
         or left out, a dry run, damage no action fixed)."""
-        if self.lost or self.dropped or (self.damaged and not self.written):
+        if self.lost or self.dropped or self.unrepaired or (self.damaged and not self.written):
             return EXIT_FOUND
         return 0

@@ -16,13 +16,14 @@ and one it gives up on is walked for the pickles ``torch.load`` would still run.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckpttool.checkpoint import checkpoint_names, open_checkpoint
 from ckpttool.errors import AmbiguousFileError, CkptError, NotACheckpointError, UnsafePickleError
-from ckpttool.formats.base import Findings
+from ckpttool.formats.base import PLACE_SEPARATOR, Findings
 from ckpttool.formats.registry import directory_format_of, salvage, scan_findings
 from ckpttool.io.source import is_url
 from ckpttool.io.units import shared_map
@@ -85,7 +86,7 @@ class ScanReport:
         return any(f.flagged or f.notes for f in self.files)
 
 
-def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
+def scan_file(path: Path | str, allow: Iterable[str] = (), depth: int = 0) -> FileScan:
     allowed = set(allow)
     try:
         found = scan_findings(path, _is_directory_checkpoint(path))
@@ -96,6 +97,9 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
     except AmbiguousFileError as error:  # a zip directory that reads two ways
         return FileScan(str(path), None, notes=[f"ambiguous: {error.reason}"])
     except NotACheckpointError as error:
+        wrapped = _scan_wrapper(path, allow, depth)
+        if wrapped is not None:
+            return wrapped
         return FileScan(str(path), None, error=_without_path(error, path), not_a_checkpoint=True)
     except CkptError as error:
         return FileScan(str(path), None, error=_without_path(error, path))
@@ -114,6 +118,111 @@ def scan_file(path: Path | str, allow: Iterable[str] = ()) -> FileScan:
         error="; ".join(found.problems) or None,
         places=places,
     )
+
+
+#: Archives that may wrap a checkpoint (published scanner bypasses ship a checkpoint in a 7z
+#: archive: nullifAI), by signature: those a standard-library module opens, and the rest.
+_OPENED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz"}
+_NOT_OPENED = {b"7z\xbc\xaf\x27\x1c": "7z", b"Rar!\x1a\x07": "RAR", b"\x28\xb5\x2f\xfd": "zstd"}
+#: Bytes unpacked from one wrapper at most, and wrappers inside wrappers (a .tar.gz is two).
+MAX_UNPACKED = 256 << 20
+MAX_WRAPPERS = 3
+ARCHIVE_NOT_SCANNED = "archive not scanned"
+
+
+def _scan_wrapper(path: Path | str, allow: Iterable[str], depth: int) -> FileScan | None:
+    """A local file that is an archive wrapping files (gzip, bzip2, xz, tar; 7z, RAR, zstd):
+    each file it holds scanned as a file of its own, its findings named by their place, or,
+    for a kind no standard-library module opens, one finding ``archive not scanned`` (exit 1:
+    what it holds is unknown). None for anything else."""
+    if isinstance(path, str) and is_url(path):
+        return None
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(512)
+    except OSError:
+        return None
+    kind = next((k for sig, k in _NOT_OPENED.items() if head.startswith(sig)), None)
+    if kind is not None:
+        note = f"{ARCHIVE_NOT_SCANNED}: a {kind} archive; unpack it and scan what it holds"
+        return FileScan(str(path), "archive", notes=[note])
+    opened = next((k for sig, k in _OPENED.items() if head.startswith(sig)), None)
+    tar = head[257:262] == b"ustar"
+    if opened is None and not tar:
+        return None
+    if depth >= MAX_WRAPPERS:
+        return FileScan(str(path), "archive", error=f"archives nested over {MAX_WRAPPERS} deep")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ckpttool-scan-") as folder:
+        try:
+            members = _unpack(Path(path), opened, Path(folder))
+        except (OSError, EOFError, ValueError) as error:  # tarfile, gzip, lzma errors
+            return FileScan(str(path), "archive", error=f"archive not readable: {error}")
+        inner = [(name, scan_file(file, allow, depth + 1)) for name, file in members]
+    scans = [(name, found) for name, found in inner if not found.not_a_checkpoint]
+    if not scans:
+        return None  # it holds no checkpoint: skipped as before
+    return _merge(str(path), scans)
+
+
+def _unpack(path: Path, compression: str | None, folder: Path) -> list[tuple[str, Path]]:
+    """The files a wrapper holds, written under ``folder``: (name inside, file)."""
+    import bz2
+    import gzip
+    import lzma
+    import tarfile
+
+    openers: dict[str, Callable[[Path], Any]] = {
+        "gzip": gzip.GzipFile, "bzip2": bz2.BZ2File, "xz": lzma.LZMAFile,
+    }  # fmt: skip
+    if compression is not None:  # one compressed stream: a tar inside, or one file
+        with openers[compression](path) as stream:
+            data = stream.read(MAX_UNPACKED + 1)
+        if len(data) > MAX_UNPACKED:
+            raise ValueError(f"unpacks to over {MAX_UNPACKED:,} bytes")
+        unpacked = folder / "0"
+        unpacked.write_bytes(data)
+        name = path.name.rsplit(".", 1)[0] or "0"
+        if data[257:262] != b"ustar":
+            return [(name, unpacked)]
+        path = unpacked
+    out, total = [], 0
+    with tarfile.open(path, "r:") as archive:
+        for index, member in enumerate(archive):
+            if not member.isfile():
+                continue
+            total += member.size
+            if total > MAX_UNPACKED:
+                raise ValueError(f"unpacks to over {MAX_UNPACKED:,} bytes")
+            source = archive.extractfile(member)
+            if source is None:
+                continue
+            target = folder / f"m{index}"
+            target.write_bytes(source.read())
+            out.append((member.name, target))
+    return out
+
+
+def _merge(path: str, scans: list[tuple[str, FileScan]]) -> FileScan:
+    """One wrapper's report from those of the files it holds, each finding named by place."""
+    counts: dict[tuple[str, Verdict, str | None], int] = {}
+    places: dict[str, list[str]] = {}
+    notes: list[str] = []
+    errors: list[str] = []
+    for name, found in scans:
+        for use in found.globals:
+            key = (use.qualname, use.verdict, use.written_as)
+            counts[key] = counts.get(key, 0) + use.count
+            inner = found.places.get(use.qualname) or [""]
+            where = [f"{name}{PLACE_SEPARATOR}{p}" if p else name for p in inner]
+            listed = places.setdefault(use.qualname, [])
+            listed.extend(w for w in where if w not in listed)
+        notes.extend(f"{name}: {note}" for note in found.notes)
+        if found.error is not None:
+            errors.append(f"{name}: {found.error}")
+    uses = [GlobalUse(q, v, c, w) for (q, v, w), c in sorted(counts.items())]
+    return FileScan(path, "archive", uses, notes, "; ".join(errors) or None, places=places)
 
 
 def _read(path: Path | str) -> Findings:

@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckpttool.checkpoint import Checkpoint
-from ckpttool.errors import InputError, LayoutError, SameKeyError
+from ckpttool.errors import CorruptCheckpointError, InputError, LayoutError, SameKeyError
 from ckpttool.formats.registry import carries_metadata
-from ckpttool.frameworks.base import PARTS
+from ckpttool.frameworks.base import PARTS, Placeholders
+from ckpttool.frameworks.registry import file_placeholders
 from ckpttool.model.records import (
     TensorRecord,
     paths_of,
@@ -395,3 +396,36 @@ def add_recorded_aliases(
         if name not in named:
             named[name] = replace(stored[target], key=alias)
     return {alias for alias in declared if alias in ckpt.metadata}
+
+
+def placeholders_of(ckpt: Checkpoint) -> Placeholders | None:
+    """The tensors of ``ckpt`` that are 0-element placeholders for values it does not hold
+    (a DeepSpeed ZeRO-3 rank's ``model_states.pt`` read alone), with their real shapes; None:
+    none."""
+    return file_placeholders(ckpt.root, ckpt.name)
+
+
+def refuse_incomplete(ckpt: Checkpoint) -> None:
+    """Raise :class:`CorruptCheckpointError` naming the files a framework directory lacks (a
+    shard an index lists, a module's or component's weights, the model weights of a training
+    state folder: ``details["missing"]``, what ``show`` and ``verify`` report): a command that
+    writes or combines its tensors would quietly leave theirs out."""
+    missing = [str(name) for name in ckpt.details.get("missing") or ()]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CorruptCheckpointError(
+            f"{ckpt.name}: incomplete: no {missing[0]}{more}; its tensors would be missing from "
+            "the output (ckpttool verify lists what it lacks)"
+        )
+
+
+def refuse_placeholders(ckpt: Checkpoint, keys: Iterable[str]) -> None:
+    """Raise :class:`InputError` (one line: which tensors, where their values are) when any of
+    ``keys`` (tensor keys of ``ckpt``, as stored) is a placeholder: it is never written,
+    returned or compared as a weight."""
+    found = placeholders_of(ckpt)
+    if found is None:
+        return
+    hit = [key for key in keys if key in found.shapes]
+    if hit:
+        raise InputError(f"{ckpt.name}: {found.refusal(hit)}")

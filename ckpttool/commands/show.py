@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -10,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.show_settings import part_settings, settings_of
 from ckpttool.errors import CkptError
-from ckpttool.frameworks.registry import framework_of
+from ckpttool.frameworks.base import Placeholders
+from ckpttool.frameworks.registry import file_placeholders, framework_of
 from ckpttool.model.records import (
     ELEMENTS_PER_BYTE,
     ChunkedStorageRecord,
@@ -309,6 +311,9 @@ def build_report(
             num_parameters = selected_elements if records else None
         elif selected_model:
             num_parameters = count_parameters(selected_model)
+    placeholders = file_placeholders(ckpt.root, ckpt.name)
+    if placeholders is not None:
+        num_parameters = _with_real_shapes(placeholders, infos, warnings, num_parameters)
     framework = framework_of(ckpt.details.get("layout"))
     real = framework.num_parameters(ckpt.details) if framework is not None else None
     if real is not None and not (section or pattern):
@@ -355,6 +360,34 @@ def build_report(
         parts=_selected_parts(ckpt, section),
         unreferenced=unreferenced,
     )
+
+
+def _with_real_shapes(
+    placeholders: Placeholders,
+    infos: list[TensorInfo],
+    warnings: list[str],
+    num_parameters: int | None,
+) -> int | None:
+    """A file's 0-element placeholders shown with the real shapes it records (each tensor's
+    note, one warning saying where the values are), and counted by them: ``num_parameters``
+    with each placeholder storage's real elements, once (a tied pair shares one)."""
+    listed = [info for info in infos if info.record.key in placeholders.shapes]
+    if not listed:
+        return num_parameters
+    seen: set[Any] = set()
+    extra = 0
+    for info in listed:
+        shape = placeholders.shapes[info.record.key]
+        info.notes.insert(0, f"placeholder of {list(shape)}: 0 elements stored")
+        storage = info.record.storage
+        identity = (
+            (storage.key, info.record.storage_offset) if storage is not None else info.record.key
+        )
+        if identity not in seen:
+            seen.add(identity)
+            extra += math.prod(shape)
+    warnings.insert(0, placeholders.refusal([info.record.key for info in listed]))
+    return (num_parameters or 0) + extra if num_parameters is not None else None
 
 
 def scalar_value(ckpt: Checkpoint, record: TensorRecord) -> Any:
@@ -443,6 +476,29 @@ def show(
     """Describe the checkpoint at ``path``. Reads tensor bytes only when ``stats`` is set."""
     with open_checkpoint(path) as ckpt:
         return build_report(ckpt, section=section, pattern=pattern, stats=stats)
+
+
+def check_collection(layout: Any) -> None:
+    """A directory of several checkpoints (a Trainer ``output_dir``; ``layout`` is its
+    :class:`~ckpttool.frameworks.base.FrameworkDirectory`): each checkpoint that holds every
+    file its resume needs is opened as ``show`` opens one, and one whose files do not read (a
+    torn ``model.safetensors``) is marked incomplete with why, in its ``missing``: "complete"
+    must not be said of a checkpoint ``show`` itself cannot open. Structure only: ``verify``
+    checks the bytes."""
+    from ckpttool.io.source import join
+
+    for entry in layout.details.get("checkpoints", []):
+        if not entry.get("complete"):
+            continue
+        path = join(layout.directory, entry["name"])
+        try:
+            with open_checkpoint(path, strict=False, refuse_dangerous=False) as ckpt:
+                problems = list(ckpt.problems)
+        except CkptError as error:
+            problems = [str(error).removeprefix(f"{path}: ").removeprefix(f"{path}/")]
+        if problems:
+            entry["complete"] = False
+            entry["missing"] = [*entry.get("missing", []), *(f"damaged: {p}" for p in problems)]
 
 
 def unreferenced_bytes(records: list[TensorRecord]) -> tuple[int, int]:

@@ -10,12 +10,14 @@ that interrupted saves left next to the file. Problems are collected, not
 raised, so one run lists all of them; with several paths, one that cannot be checked at all
 (missing, unreadable) gets its own verdict and the others are still checked. A file that is
 there but is no checkpoint of any format (empty, a few bytes, unrecognised) is a problem found:
-an interrupted save leaves such files. A plain directory (no checkpoint layout) is walked as
-``scan`` walks it: each checkpoint file (and checkpoint directory) in it gets its own verdict.
+an interrupted save leaves such files. A plain directory (no checkpoint layout), and a directory
+of several checkpoints (a Trainer ``output_dir``), is walked as ``scan`` walks it: each
+checkpoint file (and checkpoint directory) in it gets its own verdict.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from ckpttool.commands.selection import find_part, in_folder, unknown_component
 from ckpttool.errors import (
     EXIT_ERROR,
     EXIT_FOUND,
+    CheckpointCollectionError,
     CkptError,
     EmptyFileError,
     InputError,
@@ -34,7 +37,7 @@ from ckpttool.errors import (
 )
 from ckpttool.formats.registry import find_format
 from ckpttool.frameworks.base import CHECKPOINT_SUFFIXES
-from ckpttool.io.atomic import temp_name_pattern
+from ckpttool.io.atomic import TMP_SUFFIX, temp_name_pattern
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import is_url
 from ckpttool.io.values import tensor_stats
@@ -56,8 +59,74 @@ class VerifyResult:
         return self.error is None and not self.problems and not self.leftovers
 
 
+#: Temp files any write-then-rename leaves when interrupted, by name, and what left them; the
+#: frameworks add their own (``Framework.temp_files``, matched against the path under the
+#: directory walked).
+TEMP_FILES = (
+    (f".*{TMP_SUFFIX}", "an interrupted ckpttool write"),
+    # torch DCP's FileSystemWriter (.metadata.tmp), MiniMind's torch.save(NAME.tmp) + replace
+    ("*.tmp", "a save interrupted before it renamed its temp file"),
+)
+#: Temp directories: ckpttool's staged directories (io/atomic.py), named like its temp files.
+TEMP_DIRECTORIES = ((f".*{TMP_SUFFIX}", "an interrupted ckpttool write"),)
+#: The name ``edit`` and ``rescale-step --backup`` keep the original under: a hard link made
+#: before the write, removed when the write fails (:func:`stray_backup`).
+BACKUP_SUFFIX = ".bak"
+
+
+def temp_files_under(directory: Path) -> list[tuple[Path, str]]:
+    """Temp files of interrupted writes anywhere under ``directory``, with what left each, in
+    walk order; a temp directory (ckpttool's staged directory) is one, not its files."""
+    from ckpttool.frameworks.registry import frameworks
+
+    by_path = [rule for framework in frameworks() for rule in framework.temp_files]
+    found = []
+    for root, subdirectories, names in os.walk(directory):
+        here = Path(root)
+        for name in sorted([*subdirectories, *names]):
+            relative = (here / name).relative_to(directory).as_posix()
+            if name in subdirectories:
+                what = _matching(TEMP_DIRECTORIES, name)
+                if what is not None:
+                    subdirectories.remove(name)  # one leftover, not its files
+            else:
+                what = _matching(TEMP_FILES, name) or _matching(by_path, relative)
+            if what is not None:
+                found.append((here / name, what))
+    return found
+
+
+def _matching(rules: Sequence[tuple[str, str]], name: str) -> str | None:
+    """What left the temp file ``name``, by the first rule whose glob it matches."""
+    return next((what for pattern, what in rules if fnmatch.fnmatchcase(name, pattern)), None)
+
+
+def stray_backup(path: Path) -> str | None:
+    """Why ``NAME.bak`` is a stray backup, or None: a second name of ``NAME`` itself (the hard
+    link ``--backup`` makes before writing, left by a write that was killed before it replaced
+    ``NAME``). A backup the write completed is another file: the user's, not a problem."""
+    if not path.name.endswith(BACKUP_SUFFIX):
+        return None
+    original = path.with_name(path.name.removesuffix(BACKUP_SUFFIX))
+    try:
+        same = original.is_file() and os.path.samefile(path, original)
+    except OSError:
+        return None
+    if not same:
+        return None
+    return (
+        f"stray backup: a second name of {original.name} (the same file), left by an edit or "
+        f"rescale-step --backup killed before it replaced {original.name}, which is unchanged; "
+        "delete it"
+    )
+
+
 def leftover_temp_files(path: Path) -> list[str]:
     """Temp files an interrupted save left beside ``path`` (ckpttool's and MiniMind's)."""
+    if not path.name:  # ".", "./", "/": the directory's own name, if it has one
+        path = path.resolve()
+        if not path.name:
+            return []
     directory = path.parent if str(path.parent) else Path(".")
     found = sorted(directory.glob(temp_name_pattern(path)))
     minimind_tmp = path.with_name(path.name + ".tmp")  # MiniMind: torch.save(tmp); os.replace
@@ -106,6 +175,9 @@ def verify_file(
             result.problems.extend(_non_finite(ckpt, records))
             result.checked.append("values: NaN/Inf in floating tensors")
         ckpt.check_unchanged()  # a remote file replaced while it was checked: no verdict
+    if isinstance(path, Path) and path.is_dir():  # and those inside no member claimed
+        said = " ".join(result.problems)
+        result.leftovers += [str(p) for p, _ in temp_files_under(path) if str(p) not in said]
     return result
 
 
@@ -202,7 +274,9 @@ def verify(
     for raw in paths:
         try:
             results.append(verify_file(raw, values=values, progress=progress, component=component))
-        except NotADirectoryCheckpointError as error:
+        except (NotADirectoryCheckpointError, CheckpointCollectionError) as error:
+            # a plain directory, or a Trainer output_dir: each checkpoint in it, as its parent's
+            # walk finds them
             if component is not None:  # a plain directory has no parts
                 results.append(_unchecked(raw, error))
                 continue
@@ -227,6 +301,9 @@ def _verify_directory_files(
     for path in _checkpoints_under(directory):
         try:
             results.append(verify_file(path, values=values, progress=progress))
+            stray = stray_backup(path)
+            if stray is not None:
+                results[-1].problems.append(stray)
         except (EmptyFileError, NotACheckpointError) as error:
             if path.name.endswith(CHECKPOINT_SUFFIXES):
                 results.append(_unreadable(path, error))
@@ -235,6 +312,14 @@ def _verify_directory_files(
     if not results:
         message = f"{directory}: a directory holding no checkpoint file ckpttool reads"
         results.append(_unchecked(directory, type(refusal)(message)))
+    named = {left for result in results for left in result.leftovers}
+    said = " ".join(problem for result in results for problem in result.problems)
+    orphans = [
+        str(p) for p, _ in temp_files_under(directory) if str(p) not in named and str(p) not in said
+    ]
+    if orphans:  # temp files no checkpoint here claims (its target gone, a staged directory)
+        results.append(VerifyResult(str(directory), "directory", leftovers=orphans))
+        results[-1].checked.append("temp files of interrupted writes under it")
     return results
 
 
@@ -248,6 +333,8 @@ def _checkpoints_under(directory: Path) -> list[Path]:
     found = []
     for root, subdirectories, names in os.walk(directory):
         here = Path(root)
+        # ckpttool's staged directories are leftovers (temp_files_under), not checkpoints
+        subdirectories[:] = [s for s in subdirectories if not _matching(TEMP_DIRECTORIES, s)]
         if here != directory:
             try:
                 layout = detect_directory(str(here))  # a Trainer output_dir: its checkpoints

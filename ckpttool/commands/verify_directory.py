@@ -7,7 +7,10 @@ order. The layout's
 completeness rules come from :mod:`ckpttool.frameworks.base` (an index naming a missing shard, a
 shard the index does not list, a tensor in two shards, a Trainer checkpoint without
 ``trainer_state.json``, a rank without its RNG file...): each missing file is a problem,
-because the framework's own resume would fail on it or resume inexactly.
+because the framework's own resume would fail on it or resume inexactly. A file the layout does
+not use but that is named like a checkpoint (a ``pytorch_model.bin`` or an ``extra.pth`` beside
+``model.safetensors``) is verified as well, and named as such: a torn one is a problem, not a
+file passed over in silence.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.commands.selection import in_folder
 from ckpttool.errors import CkptError
+from ckpttool.frameworks.base import CHECKPOINT_SUFFIXES, OTHER
 from ckpttool.frameworks.registry import framework_of
 from ckpttool.io.parallel import serialized
 from ckpttool.io.progress import ProgressCallback
@@ -28,7 +32,7 @@ if TYPE_CHECKING:
 
 #: Member roles that are not checkpoint files of their own (read as JSON, or not read).
 NOT_CHECKPOINTS = (
-    "index", "trainer_state", "config", "other", "latest", "script",
+    "index", "trainer_state", "config", OTHER, "latest", "script",
     "format_data",  # a DCP data file: the directory format checked it when the layout was read
 )  # fmt: skip
 
@@ -52,13 +56,18 @@ def check_directory(
     problems: list[str] = []
     # a member the layout already reported (an empty rank file) is not verified again
     named = {problem.split(": ", 1)[0] for problem in ckpt.problems}
-    members = [
+    candidates = [
         m
         for m in details.get("members", [])
-        if m.get("role") not in NOT_CHECKPOINTS
-        and m.get("name") not in named
-        and in_folder(m["name"], folder)
+        if m.get("name") not in named and in_folder(m["name"], folder)
     ]
+    members = [m for m in candidates if m.get("role") not in NOT_CHECKPOINTS]
+    # files the layout does not read, named like checkpoints: verified too (module docstring)
+    unused = [
+        m for m in candidates
+        if m.get("role") == OTHER and m["name"].endswith(CHECKPOINT_SUFFIXES)
+    ]  # fmt: skip
+    members += unused
     shared_progress = serialized(progress)
 
     def check(member: dict[str, Any]) -> list[str]:
@@ -79,10 +88,14 @@ def check_directory(
         if in_folder(missing.split(" (", 1)[0], folder)  # "2_Dense/ (module 2, Dense)"
     ]
     title = details.get("layout_title", "directory")
+    used = len(members) - len(unused)
     checked = [
-        f"{len(members)} member file{'s' * (len(members) != 1)} verified one by one",
+        f"{used} member file{'s' * (used != 1)} verified one by one",
         f"{title}: completeness rules",
     ]
+    if unused:
+        names = ", ".join(m["name"] for m in unused)
+        checked.append(f"also verified, though the {title} does not load them: {names}")
     if framework is not None:
         checked += framework.verify_checks(details)
     return problems, checked

@@ -81,6 +81,10 @@ class Parsed:
     objects: Any = None
 
 
+#: How a finding's place inside an archive is written: ``data/sample_inputs/model.pt › model/data.pkl``.
+PLACE_SEPARATOR = " › "
+
+
 @dataclass
 class Findings:
     """What ``scan`` found in one checkpoint, walked by its format's own :meth:`FileFormat.scan`."""

@@ -255,6 +255,8 @@ def scan_findings(path: Any, directory: bool) -> Findings | None:
     if directory:
         fmt = next(directory_formats()) if is_url(os.fspath(path)) else directory_format_of(path)
         return fmt.scan(path, open_any) if fmt is not None else None
+    if not is_url(os.fspath(path)) and not os.path.isfile(path):
+        return None  # a FIFO would block the hook's read: the reader refuses it in one line
     for fmt in file_formats():
         found = fmt.scan(path, open_any)
         if found is not None:
@@ -277,7 +279,10 @@ def recover_file(handle: BinaryIO, file_size: int) -> Recovered | None:
 
 def salvage(path: Any, error: CkptError) -> tuple[str, Any, list[str], list[str]] | None:
     """``scan``'s walk of a file every reader refused (``error``): (format, globals, notes,
-    problems), or None when the file is positively something else (the error stands)."""
+    problems), or None when the file is positively something else, or no regular file at all
+    (the error stands: a FIFO would block the read, ``/dev/zero`` never ends)."""
+    if not is_url(os.fspath(path)) and not os.path.isfile(path):
+        return None
 
     def other_format(head: bytes, size: int) -> bool:  # a zip, or safetensors: no pickle
         safetensors = format_by_id("safetensors")

@@ -15,7 +15,7 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckpttool.errors import CorruptCheckpointError, InputError
+from ckpttool.errors import CUT_HINT, CorruptCheckpointError, InputError
 from ckpttool.formats.base import FileFormat, OutTensor, Parsed, Recovered
 from ckpttool.model.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES
 from ckpttool.model.records import (
@@ -110,7 +110,9 @@ def read_safetensors(handle: BinaryIO, file_size: int, *, strict: bool) -> Parse
         position = max(position, end)
     data_size = file_size - data_start
     if position > data_size:
-        problems.append(f"tensors extend {position - data_size:,} bytes past the end of the file")
+        problems.append(
+            f"tensors extend {position - data_size:,} bytes past the end of the file{CUT_HINT}"
+        )
     elif position < data_size:
         problems.append(f"{data_size - position:,} trailing bytes after the last tensor")
     if problems and strict:

@@ -271,6 +271,31 @@ def read_json(path: str) -> object:
         raise CorruptCheckpointError(f"{path}: not valid JSON ({error})") from None
 
 
+#: A model directory's config (transformers, diffusers), and the keys in it transformers
+#: reads the weights' dtype from (``dtype`` since 4.56; ``torch_dtype`` before).
+MODEL_CONFIG = "config.json"
+DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def config_with_dtype(config: Path, dtype: str, *, dequantized: bool = False) -> None:
+    """Rewrite the model config ``config`` to say the dtype its weights were cast to (every
+    dtype key it has; ``torch_dtype`` when it has none), so that ``from_pretrained`` loads them
+    in it; without an FP8 ``quantization_config`` once its weights are ``dequantized``. The one
+    place ``edit --dtype`` and ``convert --dtype`` of a model directory bring it in line."""
+    data = json.loads(config.read_text())
+    if not isinstance(data, dict):
+        return
+    for key in DTYPE_KEYS:
+        if key in data:
+            data[key] = dtype
+    if not any(key in data for key in DTYPE_KEYS):
+        data["torch_dtype"] = dtype
+    quantization = data.get("quantization_config")
+    if dequantized and isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
+        del data["quantization_config"]
+    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def open_member(
     path: str | os.PathLike[str],
     *,
@@ -477,6 +502,8 @@ class IndexRepair:
     content: bytes | None  # the rebuilt index; None when the index is right as it is
     changes: str = ""  # one line: what the rebuilt index changes
     lost: tuple[str, ...] = ()  # tensors the old index names that no shard holds any more
+    #: The damage lines the rewritten index does not mend (lost tensors: they stay listed).
+    stays: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -516,6 +543,23 @@ def files_run(directory: str, names: list[str]) -> RunLayout:
         mtime = {name: os.stat(os.path.join(directory, name)).st_mtime_ns for name in names}
         ordered = tuple(sorted(names, key=lambda n: (mtime[n], n)))
     return RunLayout(FILES_TITLE, ordered, aside=lambda name: name + ASIDE_SUFFIX)
+@dataclass(frozen=True)
+class Placeholders:
+    """Tensors of one file that stand for values the file does not hold: 0-element placeholders
+    where the file records the real shape (a DeepSpeed ZeRO-3 rank's ``model_states.pt``). No
+    command writes, returns or compares them as weights (:meth:`refusal`)."""
+
+    shapes: dict[str, tuple[int, ...]]  # tensor key -> the real shape the file records
+    what: str  # what the file is: "a DeepSpeed ZeRO-3 rank's model states"
+    where: str  # where the values are, and what to read instead (one clause)
+
+    def refusal(self, keys: list[str]) -> str:
+        """The one-line error for a command asked to use ``keys`` (placeholders) as weights."""
+        shown = ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+        return (
+            f"{self.what}: {len(keys)} tensor(s) hold 0 elements standing for the real ones "
+            f"({shown}); {self.where}"
+        )
 
 
 class Framework:
@@ -580,6 +624,12 @@ class Framework:
         between the files (an index naming the wrong shard, ranks that disagree)."""
         return []
 
+    def file_placeholders(self, root: Any, path: str) -> Placeholders | None:
+        """The placeholders in one file of this framework read alone (``root``, its tree;
+        ``path``, its name), asked by :func:`ckpttool.frameworks.registry.file_placeholders`
+        when the file's top level holds this framework's mark; None: it holds none."""
+        return None
+
     def show_lines(self, details: dict[str, Any]) -> list[str]:
         """4. Lines ``show`` prints under the header, from the checkpoint's ``details``."""
         return []
@@ -637,9 +687,12 @@ class Framework:
             f"edit does not rewrite a {layout.title}; give one of its files, or convert it"
         )
 
-    def rebuild_index(self, directory: str) -> IndexRepair | None:
+    def rebuild_index(self, directory: str, *, keep_lost: bool = True) -> IndexRepair | None:
         """``repair``: the weights index of ``directory`` rebuilt from its shards' headers, when
         it holds this framework's sharded weights (with or without an index); None otherwise.
+        ``keep_lost``: tensors the old index names and no shard holds stay named (repair: the
+        index is their only record); False drops them (``edit``: dropped or renamed on
+        purpose, the shards are the truth).
         Raises a :class:`~ckpttool.errors.CkptError` when the shards cannot be reconciled (one
         tensor stored twice with different bytes). Writes nothing."""
         return None

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ckpttool.formats.base import Parsed
-    from ckpttool.frameworks.base import Framework, FrameworkDirectory
+    from ckpttool.frameworks.base import Framework, FrameworkDirectory, Placeholders
 
 #: (import string, the layouts it detects), in detection order.
 FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -59,6 +59,13 @@ BEFORE_DIRECTORY_FORMATS: frozenset[str] = frozenset({
     "ckpttool.frameworks.megatron.framework:FRAMEWORK",
 })  # fmt: skip
 
+#: (a top-level key of a single file, the framework that may find placeholders in it:
+#: :meth:`~ckpttool.frameworks.base.Framework.file_placeholders`): the key is looked up before
+#: the framework is imported, so a file without it imports none.
+FILE_MARKS: tuple[tuple[str, str], ...] = (
+    ("param_shapes", "ckpttool.frameworks.deepspeed.framework:FRAMEWORK"),
+)
+
 _loaded: dict[str, Framework] = {}
 
 
@@ -75,6 +82,19 @@ def frameworks() -> Iterator[Framework]:
     """Every framework, in detection order (each imported when reached)."""
     for spec, _ in FRAMEWORKS:
         yield load(spec)
+
+
+def file_placeholders(root: object, path: str) -> Placeholders | None:
+    """The 0-element placeholders of the single file ``path`` (its tree ``root``) that a
+    framework recognises by its mark (:data:`FILE_MARKS`); None: none."""
+    if not isinstance(root, dict):
+        return None
+    for mark, spec in FILE_MARKS:
+        if mark in root:
+            found = load(spec).file_placeholders(root, path)
+            if found is not None:
+                return found
+    return None
 
 
 def framework_of(layout: object) -> Framework | None:

@@ -1,5 +1,8 @@
 """The one durable, atomic file writer, and the one atomic directory replacement.
 
+A target that is a symlink is written through: the file or directory it points to is
+replaced, the link stays (:func:`written_through`).
+
 A crash at any moment leaves the target either as it was or complete: the bytes go to a temp
 file in the target's directory (a rename across file systems would be a copy), which is
 flushed and fsynced, then ``os.replace``-d over the target, and the directory is fsynced so the
@@ -19,12 +22,13 @@ import ctypes
 import ctypes.util
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ckpttool.errors import OutputExistsError
+from ckpttool.errors import CLEANUP_SIGNALS, OutputExistsError
 
 #: Temp files are named ``.<target name>.<random>.ckpttool-tmp`` so that ``verify`` can find
 #: leftovers of interrupted writes next to a checkpoint.
@@ -36,6 +40,42 @@ def temp_name_pattern(target: Path) -> str:
     return f".{target.name}.*{TMP_SUFFIX}"
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP held back (delivered at the end of the block) while a temp
+    file or directory is made and recorded for removal: one arriving in between would leave
+    it behind (the test that stops a write the instant its temp file appears caught it)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, CLEANUP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def clear_stale_backup(original: Path, backup: Path, *, dry_run: bool = False) -> bool:
+    """Remove ``backup`` (not with ``dry_run``) where it is what an interrupted ``--backup``
+    rewrite left (killed before it could remove it): the original's own inode (the hard link a
+    backup is), or a copy of the same bytes. It holds nothing the original does not, and left
+    there it would refuse every later ``--backup``. Returns whether it was stale; any other
+    file at ``backup`` is kept (a backup is never overwritten) and the caller refuses."""
+    try:
+        if not (os.path.samefile(original, backup) or _same_bytes(original, backup)):
+            return False
+        if not dry_run:
+            backup.unlink()
+    except OSError:
+        return False
+    return True
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    if os.path.islink(b) or not os.path.isfile(b) or os.path.getsize(a) != os.path.getsize(b):
+        return False
+    import filecmp
+
+    return filecmp.cmp(a, b, shallow=False)
+
+
 def fsync_dir(directory: Path) -> None:
     """fsync a directory so that renames and creations inside it are durable."""
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -43,6 +83,13 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def written_through(target: Path) -> Path:
+    """The path a write to ``target`` replaces: through a symlink, the file or directory it
+    points to, and the link stays (the one rule of every writer, an in-place rewrite as an
+    output: a shell's ``>`` and ``cp`` do the same); else ``target``."""
+    return Path(os.path.realpath(target)) if os.path.islink(target) else target
 
 
 @contextlib.contextmanager
@@ -77,12 +124,13 @@ def atomic_group(
     temps: list[tuple[Path, Path]] = []
     handles: list[BinaryIO] = []
     try:
-        for target in targets:
+        for target in map(written_through, targets):
             directory = target.parent if str(target.parent) else Path(".")
-            fd, tmp_name = tempfile.mkstemp(
-                prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=directory
-            )
-            temps.append((Path(tmp_name), target))
+            with signals_held():
+                fd, tmp_name = tempfile.mkstemp(
+                    prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=directory
+                )
+                temps.append((Path(tmp_name), target))
             handles.append(stack.enter_context(os.fdopen(fd, "wb")))
         yield handles
         for handle in handles:
@@ -142,7 +190,11 @@ def staged_directory(
     """A temp directory beside ``target`` (in ``parent``, default its parent) that becomes
     ``target`` on a clean exit: its files and directories are fsynced, it gets the permissions
     of a new directory, it is renamed into place (:func:`replace_directory`) and the parent is
-    fsynced. Any exception removes it and leaves ``target`` as it was."""
+    fsynced. Any exception removes it and leaves ``target`` as it was. A symlink ``target`` is
+    written through (:func:`written_through`)."""
+    if os.path.islink(target):
+        target = written_through(target)
+        parent = target.parent
     if parent is None:
         parent = target.parent if str(target.parent) else Path(".")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=parent))
@@ -154,7 +206,8 @@ def staged_directory(
         _fsync_tree(staging)
         replace_directory(staging, target, replace_existing)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
 
 

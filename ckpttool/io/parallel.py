@@ -131,6 +131,8 @@ def _start_worker() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which ends them
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as a closed terminal does
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the CLI's handler: it ends a worker
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked at the fork)
     _setting.jobs = 1  # nested maps run in this worker
 

@@ -16,7 +16,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
-from ckpttool.errors import EmptyFileError, InputError
+from ckpttool.errors import EmptyFileError, InputError, MissingFileError, UnreadableFileError
 from ckpttool.io.urls import SETTINGS as SETTINGS
 from ckpttool.io.urls import RemoteSettings as RemoteSettings
 from ckpttool.io.urls import is_url as is_url
@@ -193,7 +193,9 @@ def open_local(path: str) -> BinaryIO:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+        raise MissingFileError(f"{path}: no such file") from None
+    except PermissionError as error:
+        raise UnreadableFileError(f"{path}: cannot access ({error.strerror})") from None
     except OSError as error:
         raise InputError(f"{path}: cannot access ({error.strerror})") from None
     if stat.S_ISDIR(mode):
@@ -202,6 +204,8 @@ def open_local(path: str) -> BinaryIO:
         raise InputError(f"{path}: not a regular file")
     try:
         handle = open(path, "rb")  # noqa: SIM115 - owned by the caller
+    except PermissionError as error:
+        raise UnreadableFileError(f"{path}: cannot open ({error.strerror})") from None
     except OSError as error:
         raise InputError(f"{path}: cannot open ({error.strerror})") from None
     if os.fstat(handle.fileno()).st_size == 0:

@@ -162,7 +162,8 @@ ONE_THREAD = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def _start_worker() -> None:
-    """A worker process's set-up: Ctrl-C ignored (the parent stops the workers); freed
+    """A worker process's set-up: Ctrl-C and SIGHUP ignored, SIGTERM ends it (the parent stops
+    the workers, and cleans up, :func:`ckpttool.cli.app._stop_like_ctrl_c`); freed
     buffers kept for reuse (:mod:`ckpttool.io.memory`: the worker is ckpttool's own process,
     and a fresh one, so the parent's setting is not inherited); numerical libraries on one
     thread (:data:`ONE_THREAD`, where the user has not set them), before they are loaded."""
@@ -171,6 +172,8 @@ def _start_worker() -> None:
     from ckpttool.io.memory import reuse_freed_memory
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as a closed terminal does
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the CLI's handler: it ends a worker
     reuse_freed_memory()
     for name in ONE_THREAD:
         os.environ.setdefault(name, "1")

@@ -173,6 +173,8 @@ class TensorStats:
 
 def tensor_stats(ckpt: RecordReader, record: TensorRecord) -> TensorStats:
     """min/max/mean/std over finite values, and NaN/Inf counts, in float64, chunk by chunk.
+    ``std`` is the population standard deviation (ddof=0: divided by N, NumPy's ``std()``,
+    torch's ``std(unbiased=False)``).
 
     Every dtype with numeric values is decoded (bfloat16, float8/float4, complex as |z|, bool as
     0/1); :func:`stats_unavailable` names the ones that cannot be, for which this raises

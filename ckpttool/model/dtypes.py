@@ -143,4 +143,13 @@ __all__ = [
     "TARGETS",
     "TORCH_DTYPES",
     "Dtype",
+    "underflow_note",
 ]
+
+
+def underflow_note(target: str, underflow: dict[str, int]) -> str:
+    """The note ``convert --dtype`` and ``edit --dtype`` give for values a cast made zero:
+    ``underflow`` is each tensor's count (non-zero values that became 0 in ``target``)."""
+    shown = ", ".join(f"{name} ({count:,})" for name, count in list(underflow.items())[:5])
+    more = f" (+{len(underflow) - 5} more tensors)" if len(underflow) > 5 else ""
+    return f"values that became 0 in {target} (underflow): {shown}{more}"

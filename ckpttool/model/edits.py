@@ -63,10 +63,13 @@ class EditLog:
     rule_counts: list[int] = field(default_factory=list)  # keys each rename rule matched
     compacted: list[str] = field(default_factory=list)  # keys of tensors whose storage shrank
     cast: list[str] = field(default_factory=list)  # keys of tensors cast to another dtype
+    # floating tensors --dtype left alone as training state: optimizer state, step counters
+    not_cast: list[str] = field(default_factory=list)
     ema: str | None = None  # where --use-ema took the weights from
     ema_taken: list[str] = field(default_factory=list)  # model keys given their EMA values
     ema_missing: list[str] = field(default_factory=list)  # model tensors the EMA does not hold
     mapped: list[tuple[str, str, str]] = field(default_factory=list)  # --map: op, from, to
+    unmatched: list[str] = field(default_factory=list)  # "--drop 'PATTERN'" that matched nothing
 
 
 def inference_drops(root: Any, layout: str) -> list[str]:
@@ -117,12 +120,49 @@ def _literal(key: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", key)
 
 
+#: The last key of a tensor ``--dtype`` never casts: an optimizer's per-parameter step counter
+#: (AdamW's is a float32 tensor: in bfloat16 it stops counting at 256, in float16 at 2048).
+COUNTER_NAMES = ("step",)
+
+
+def optimizer_states(root: Any) -> list[str]:
+    """The keys of the optimizer ``state_dict()`` s in ``root``, found by their structure
+    (:func:`ckpttool.model.structure.find_parts`): a resume file's ``optimizer``, a Lightning
+    ``.ckpt``'s ``optimizer_states.0``, ``""`` for a file that is one (Trainer's
+    ``optimizer.pt``)."""
+    return sorted(find_parts(root).optimizers)
+
+
+def cast_scope(root: Any, *, optimizer: bool) -> Any:
+    """Which tensors of ``root`` ``--dtype`` may cast, as a test of a tensor's key: never a step
+    counter (:data:`COUNTER_NAMES`), and an optimizer's state (:func:`optimizer_states`) only
+    when ``optimizer`` (``--cast-optimizer``): the model's weights are what a cast is for; a
+    resumed run needs its optimizer's state as it was saved."""
+    parts = [] if optimizer else optimizer_states(root)
+
+    def castable(key: str) -> bool:
+        if key.rpartition(".")[2] in COUNTER_NAMES:
+            return False
+        return not any(not p or key == p or key.startswith(p + ".") for p in parts)
+
+    return castable
+
+
 def drop(root: Any, patterns: list[str], log: EditLog) -> Any:
     """``root`` without the dict entries whose key matches a pattern (``fnmatch``, ``*``
     crossing dots)."""
     if not patterns:
         return root
-    return _filter(root, "", lambda key, _: any(fnmatchcase(key, p) for p in patterns), log)
+    matched: set[str] = set()
+
+    def unwanted(key: str, _: Any) -> bool:
+        hits = [p for p in patterns if fnmatchcase(key, p)]
+        matched.update(hits)
+        return bool(hits)
+
+    out = _filter(root, "", unwanted, log)
+    log.unmatched += [f"--drop {p!r}" for p in patterns if p not in matched]
+    return out
 
 
 def keep(root: Any, patterns: list[str], log: EditLog) -> Any:
@@ -130,10 +170,18 @@ def keep(root: Any, patterns: list[str], log: EditLog) -> Any:
     if not patterns:
         return root
 
-    def unwanted(key: str, node: Any) -> bool:
-        return isinstance(node, TensorRecord) and not any(fnmatchcase(key, p) for p in patterns)
+    matched: set[str] = set()
 
-    return _filter(root, "", unwanted, log)
+    def unwanted(key: str, node: Any) -> bool:
+        if not isinstance(node, TensorRecord):
+            return False
+        hits = [p for p in patterns if fnmatchcase(key, p)]
+        matched.update(hits)
+        return not hits
+
+    out = _filter(root, "", unwanted, log)
+    log.unmatched += [f"--keep {p!r}" for p in patterns if p not in matched]
+    return out
 
 
 def _filter(node: Any, key: str, unwanted: Any, log: EditLog) -> Any:
@@ -189,7 +237,20 @@ def rename(root: Any, rules: list[str], log: EditLog) -> Any:
         return root
     compiled = compile_rules(rules)
     log.rule_counts = [0] * len(compiled)
-    return _rename(root, "", compiled, log)
+    out = _rename(root, "", compiled, log)
+    log.unmatched += [f"--rename {r!r}" for r, n in zip(rules, log.rule_counts) if not n]
+    return out
+
+
+def refuse_unmatched(unmatched: list[str] | tuple[str, ...]) -> None:
+    """A ``--drop``/``--keep``/``--rename`` pattern that matched no key is an error, not an
+    edit that quietly did nothing (or, for ``--keep``, dropped every tensor): a typo, or the
+    keys are named otherwise (``ckpttool show`` lists them)."""
+    if unmatched:
+        raise InputError(
+            f"{', '.join(unmatched)}: matches no key in the checkpoint (ckpttool show lists "
+            "them); nothing was written"
+        )
 
 
 def compile_rules(rules: list[str] | tuple[str, ...]) -> list[tuple[re.Pattern[str], str]]:

@@ -25,6 +25,8 @@ FORMATS = {
     "torch-tar": "torch's pre-0.4 tar format (scan only: its pickles are walked, never opened)",
     "torch-export": "a torch.export archive (.pt2): its weights and tensor constants, read by FQN",
     "torch-package": "a torch.package archive (scan only: never opened as a checkpoint)",
+    "archive": "an archive wrapping files: gzip, bzip2, xz, tar (scan only: each file it holds is "
+    "scanned), 7z, RAR, zstd (scan: not opened, a finding)",
 }
 
 #: Every layout a command reports.

@@ -57,7 +57,8 @@ from ckpttool.pickle.emulation import (
 )
 from ckpttool.pickle.frames import ambiguous, check_frame, ends_an_opcode
 from ckpttool.pickle.hooks import ELIDED, CompactCall, Redo
-from ckpttool.pickle.policy import Verdict, classify_global, python3_name
+from ckpttool.pickle.inert import CLASS, inert_kind
+from ckpttool.pickle.policy import UNRESOLVED, Verdict, classify_global, python3_name
 from ckpttool.pickle.tensor_call import OPCODES as TENSOR_CALL_OPCODES
 from ckpttool.pickle.tensor_call import tensor_call
 
@@ -204,6 +205,10 @@ class SafeUnpickler:
             self.result.globals_seen, Verdict.SAFE, Verdict.DANGEROUS, Verdict.UNKNOWN,
             classify_global,
         )  # fmt: skip
+        # globals a call makes dangerous (unknown ones, classes known inert only as data):
+        # id(ref) -> (ref, its entry in globals_seen); and the entries by qualname, for BUILD
+        self.judged: dict[int, tuple[GlobalRef, int]] = {}
+        self.judged_names: dict[str, list[int]] = {}
 
     # -- reading primitives ---------------------------------------------------------------
     def _take(self, n: int) -> memoryview:
@@ -264,15 +269,47 @@ class SafeUnpickler:
             return ref
         if verdict is Verdict.DANGEROUS and self.refuse_dangerous:
             raise _refused(f"{module}.{name}")
-        return global_value(module, name)
+        value = global_value(module, name)
+        self._judge_by_effect(value, verdict)
+        return value
 
-    def call(self, func: Any, args: Any, new: bool = False) -> Any:
-        """What ``func(*args)`` builds (``new``: ``NEWOBJ``'s ``func.__new__(func, *args)``)."""
+    def _judge_by_effect(self, ref: Any, verdict: Verdict) -> None:
+        """Remember a global named last (the last entry of ``globals_seen``) whose verdict a
+        call of it changes: an unknown one, or a class known inert only as data."""
+        if isinstance(ref, GlobalRef) and (
+            verdict is Verdict.UNKNOWN
+            or (verdict is Verdict.SAFE and inert_kind(ref.qualname) == CLASS)
+        ):
+            index = len(self.result.globals_seen) - 1
+            self.judged[id(ref)] = (ref, index)
+            self.judged_names.setdefault(ref.qualname, []).append(index)
+
+    def _called(self, index: int) -> None:
+        """The global at ``globals_seen[index]`` is called: it runs whatever it does."""
+        module, name, _ = self.result.globals_seen[index]
+        self.result.globals_seen[index] = (module, name, Verdict.DANGEROUS)
+
+    def unresolved(self, what: str) -> GlobalRef:
+        """What a static reading cannot resolve (an ``EXT1`` code, a name computed at load
+        time, a call of an object the pickle built): a dangerous pseudo-global
+        ``<unresolved>.WHAT``, and a name the walk goes on with."""
+        self.result.globals_seen.append((UNRESOLVED, what, Verdict.DANGEROUS))
+        return GlobalRef(UNRESOLVED, what)
+
+    def call(self, func: Any, args: Any, new: bool = False, effect: bool = True) -> Any:
+        """What ``func(*args)`` builds (``new``: ``NEWOBJ``'s ``func.__new__(func, *args)``).
+        ``effect``: the opcode runs ``func`` (``REDUCE``, ``NEWOBJ_EX`` with keywords,
+        ``OBJ``/``INST`` with arguments), which makes an unknown ``func`` dangerous; ``NEWOBJ``
+        and an argument-less ``OBJ`` only construct."""
         if not isinstance(args, tuple):
             raise _bad(self.pos, "call arguments are not a tuple")
         if not isinstance(func, GlobalRef):
+            if not self.refuse_dangerous:  # scan: what it runs cannot be known statically
+                self.unresolved(f"a call of an object the pickle built ({type(func).__name__})")
             if not isinstance(func, OpaqueObject):
-                raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
+                if self.refuse_dangerous:
+                    raise _bad(self.pos, f"call of a non-global ({type(func).__name__})")
+                return OpaqueObject(UNRESOLVED, ())
             # an object the file built, called (cloudpickle's ``_builtin_type('MethodType')``):
             # nothing is called; what it would build is as opaque as what it was built from
             result = CalledObject(f"{func.cls}(...)", (func, *args), new=new)
@@ -282,10 +319,15 @@ class SafeUnpickler:
             raise Redo  # the emulation would have seen the objects a record replaced
         if self.contextual.refs:
             resolved = self.contextual.call(func, args, _verdict_of)
-            if resolved is not None:
-                return resolved  # getattr(namespace, 'name'): the global it names
+            if resolved is not None:  # getattr(namespace, 'name'): the global it names
+                self._judge_by_effect(resolved, self.result.globals_seen[-1][2])
+                return resolved
             if self.refuse_dangerous and self.contextual.refused(func):
                 raise _refused(func.qualname)
+        if effect and self.judged:
+            judged = self.judged.get(id(func))
+            if judged is not None and judged[0] is func:
+                self._called(judged[1])
         result = emulate_call(self.call, func, args)
         if isinstance(result, _MUTABLE):  # what BUILD may then touch
             self.created.add(id(result))
@@ -316,6 +358,13 @@ class SafeUnpickler:
                 f"refusing to read: the pickle uses BUILD to modify {name}, an object it did "
                 "not create (an attack on the reading process; nothing was modified)"
             )
+        if (
+            isinstance(obj, OpaqueObject)
+            and obj.cls in self.judged_names
+            and not _default_state(state)
+        ):  # only a __setstate__ takes such a state: BUILD calls it
+            for index in self.judged_names[obj.cls]:
+                self._called(index)
         set_state(obj, state, self.pos)
         return obj
 
@@ -821,15 +870,31 @@ def _op_stack_global(u: SafeUnpickler, pos: int) -> bool:
     name, _ = u._pop()
     module, start = u._pop()
     if not isinstance(module, str) or not isinstance(name, str):
-        raise _bad(pos, "STACK_GLOBAL with non-string names")
+        if u.refuse_dangerous:
+            raise _bad(pos, "STACK_GLOBAL with non-string names")
+        # names an earlier call computes (_codecs.encode, getattr...): torch.load imports them
+        u._push(u.unresolved(f"STACK_GLOBAL at byte {pos} of names computed at load time"), start)
+        return False
     u._push(u._global(module, name), start)
     return False
+
+
+def _default_state(state: Any) -> bool:
+    """A state pickle's default ``BUILD`` sets without a ``__setstate__``: a ``__dict__``, or
+    ``(__dict__ or None, slots)``."""
+    if isinstance(state, dict) or state is None:
+        return True
+    return (
+        isinstance(state, tuple)
+        and len(state) == 2
+        and all(part is None or isinstance(part, dict) for part in state)
+    )
 
 
 def _op_newobj(u: SafeUnpickler, pos: int) -> bool:
     args, _ = u._pop()
     cls, start = u._pop()
-    u._push(u.call(cls, args, new=True), start)
+    u._push(u.call(cls, args, new=True, effect=False), start)
     return False
 
 
@@ -837,7 +902,7 @@ def _op_newobj_ex(u: SafeUnpickler, pos: int) -> bool:
     kwargs, _ = u._pop()
     args, _ = u._pop()
     cls, start = u._pop()
-    result = u.call(cls, args, new=True)
+    result = u.call(cls, args, new=True, effect=bool(kwargs))
     if isinstance(result, OpaqueObject) and kwargs:
         result.state = {"__kwargs__": kwargs}
     u._push(result, start)
@@ -849,7 +914,7 @@ def _op_inst(u: SafeUnpickler, pos: int) -> bool:
     name = u._line().decode("utf-8")
     cls = u._global(module, name)
     items, _, mark_pos = u._pop_mark()
-    u._push(u.call(cls, tuple(items)), mark_pos)
+    u._push(u.call(cls, tuple(items), effect=bool(items)), mark_pos)
     return False
 
 
@@ -857,7 +922,7 @@ def _op_obj(u: SafeUnpickler, pos: int) -> bool:
     items, _, mark_pos = u._pop_mark()
     if not items:
         raise _bad(pos, "OBJ without a class")
-    u._push(u.call(items[0], tuple(items[1:])), mark_pos)
+    u._push(u.call(items[0], tuple(items[1:]), effect=len(items) > 1), mark_pos)
     return False
 
 
@@ -885,6 +950,22 @@ def _no_persistent_load() -> CorruptCheckpointError:
 def _op_unsupported(what: str) -> Callable[[SafeUnpickler, int], bool]:
     def handler(u: SafeUnpickler, pos: int) -> bool:
         raise CorruptCheckpointError(f"unsupported pickle at byte {pos}: {what}")
+
+    return handler
+
+
+def _op_ext(size: int) -> Callable[[SafeUnpickler, int], bool]:
+    """EXT1/EXT2/EXT4: a global looked up in ``copyreg``'s extension registry, which the
+    loading process (or the pickle itself, calling ``copyreg.add_extension``) fills: unknowable
+    statically. Refused, or in scan mode a dangerous ``<unresolved>`` name."""
+    what = f"EXT{size} (copyreg extension registry)"
+
+    def handler(u: SafeUnpickler, pos: int) -> bool:
+        if u.refuse_dangerous:
+            raise CorruptCheckpointError(f"unsupported pickle at byte {pos}: {what}")
+        code = int.from_bytes(u._take(size), "little")
+        u._push(u.unresolved(f"EXT{size} code {code} (copyreg extension registry)"), pos)
+        return False
 
     return handler
 
@@ -973,9 +1054,9 @@ DISPATCH: dict[int, Callable[[SafeUnpickler, int], bool]] = {
     ord("o"): _op_obj,
     0x81: _op_newobj,
     0x92: _op_newobj_ex,
-    0x82: _op_unsupported("EXT1 (copyreg extension registry)"),
-    0x83: _op_unsupported("EXT2 (copyreg extension registry)"),
-    0x84: _op_unsupported("EXT4 (copyreg extension registry)"),
+    0x82: _op_ext(1),
+    0x83: _op_ext(2),
+    0x84: _op_ext(4),
     0x97: _op_unsupported("NEXT_BUFFER (out-of-band buffers)"),
     0x98: _op_unsupported("READONLY_BUFFER (out-of-band buffers)"),
 }

@@ -4,14 +4,18 @@ When the walker gives up on a pickle (a limit the C unpickler does not have, an 
 does not read), ``torch.load`` may go on and import what follows. ``scan`` then reads the rest
 of the opcodes linearly, without interpreting them, and reports every name a ``GLOBAL`` or
 ``INST`` spells and every ``STACK_GLOBAL`` whose two names are strings pushed just before it
-(directly or through the memo): a lower bound of what follows, next to "could not scan".
+(directly or through the memo): a lower bound of what follows, next to "could not scan". A
+``STACK_GLOBAL`` whose names it cannot see and an ``EXT1``/``EXT2``/``EXT4`` code are
+reported as ``<unresolved>`` names (dangerous: what they import is decided at load time).
 """
 
 from __future__ import annotations
 
 from ckpttool.pickle.frames import _FIXED, _LINE, _PREFIXED, _TWO_LINES, _UNKNOWN, STOP
+from ckpttool.pickle.policy import UNRESOLVED
 
 _STRINGS_PREFIXED = frozenset(b"X\x8c\x8dTU")
+_EXTS = frozenset(b"\x82\x83\x84")
 _PUTS = {ord("q"): 1, ord("r"): 4}
 _GETS = {ord("h"): 1, ord("j"): 4}
 MAX_OPCODES = 10_000_000
@@ -66,8 +70,16 @@ def linear_globals(data: bytes | bytearray, start: int = 0) -> list[tuple[str, s
                 memo[index] = pushed[-1] if pushed else None
             elif op in _GETS:
                 value = memo.get(int.from_bytes(data[pos + 1 : nxt], "little"))
-            elif op == 0x93 and len(pushed) >= 2 and pushed[-2] and pushed[-1]:
-                names.append((str(pushed[-2]), str(pushed[-1])))
+            elif op == 0x93:
+                if len(pushed) >= 2 and pushed[-2] and pushed[-1]:
+                    names.append((str(pushed[-2]), str(pushed[-1])))
+                else:  # names computed at load time, or pushed where this read cannot see
+                    names.append((UNRESOLVED, f"STACK_GLOBAL at byte {pos} of unresolved names"))
+            elif op in _EXTS:
+                code = int.from_bytes(data[pos + 1 : nxt], "little")
+                names.append(
+                    (UNRESOLVED, f"EXT{nxt - pos - 1} code {code} (copyreg extension registry)")
+                )
         if op == ord("0") and pushed:
             pushed.pop()
         elif op not in _PUTS and op not in (0x94, ord("p")):

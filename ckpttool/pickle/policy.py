@@ -18,9 +18,11 @@ from ckpttool.model.data_records import DISTRIBUTED_RECORDS as DISTRIBUTED_RECOR
 from ckpttool.model.data_records import is_data_record
 from ckpttool.pickle.callables import torch_function
 from ckpttool.pickle.emulation import is_emulated
+from ckpttool.pickle.inert import inert_kind
 
 __all__ = [
     "RENAMED_MODULES",
+    "UNRESOLVED",
     "Verdict",
     "classify_global",
     "is_data_record",
@@ -173,6 +175,18 @@ _DANGEROUS_NAMES = frozenset(
         "copyreg.__newobj_ex__",
     }
 )
+#: The module of the pseudo-global a walk records for what a static reading cannot resolve
+#: (an ``EXT1`` code, a ``STACK_GLOBAL`` whose names are computed at load time, a call of an
+#: object the pickle built): ``<unresolved>.EXT1 code 240``, always dangerous.
+UNRESOLVED = "<unresolved>"
+#: Attributes that reach a module's or a function's namespace: a dotted name through one
+#: (``torch._utils.__builtins__.get``: protocol 4's ``find_class`` follows dots) is dangerous.
+_NAMESPACE_ATTRIBUTES = frozenset(
+    {"__builtins__", "__globals__", "__dict__", "__class__", "__subclasses__", "__base__",
+     "__bases__", "__mro__", "__code__", "__closure__", "__func__", "__self__", "__module__",
+     "__loader__", "__spec__", "__import__", "__getattribute__", "__reduce__", "__reduce_ex__",
+     "__init_subclass__", "__call__", "__getattr__", "__setattr__", "__delattr__"}
+)  # fmt: skip
 #: py2 module names classed under their Python 3 names in every protocol (see ``python3_name``)
 RENAMED_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg", "_compat_pickle": "pickle"}
 
@@ -199,13 +213,30 @@ def python3_name(module: str, name: str, protocol: int) -> tuple[str, str]:
     return RENAMED_MODULES.get(module, module), name
 
 
+def _through_namespace(name: str) -> bool:
+    """Whether a dotted name reaches through a namespace attribute. A module's own
+    ``__dict__`` as the whole value (dill's encoding of a function's globals) is a name, not a
+    path: what a file then does with it is a call, judged by its effect."""
+    parts = name.split(".")
+    if parts[-1] == "__dict__":
+        parts = parts[:-1]
+    return any(part in _NAMESPACE_ATTRIBUTES for part in parts)
+
+
 def classify_global(module: str, name: str) -> Verdict:
-    """SAFE (emulated data construct), DANGEROUS (code execution) or UNKNOWN."""
+    """SAFE (emulated data construct, known data record or inert global), DANGEROUS (code
+    execution) or UNKNOWN, by the name alone: a *call* of an unknown global, or of a class
+    :mod:`ckpttool.pickle.inert` knows only as data, is made dangerous by the walk
+    (:meth:`ckpttool.pickle.interpreter.SafeUnpickler.call`)."""
     module = RENAMED_MODULES.get(module, module)
     qualname = f"{module}.{name}"
+    if module == UNRESOLVED or _through_namespace(name):
+        return Verdict.DANGEROUS
     if is_emulated(qualname):
         return Verdict.SAFE
     if is_data_record(qualname) or torch_function(qualname) is not None:
+        return Verdict.SAFE
+    if inert_kind(qualname) is not None:  # builtins.print among them: before the block-list
         return Verdict.SAFE
     root = module.split(".")[0]
     if (

@@ -58,7 +58,7 @@ def render_text(report: ConvertReport) -> str:
     lines.append(f"  from      {report.source} ({layout}{section})")
     if report.directory is not None:
         written = [path.name for path in report.outputs]
-        copied = f"; copied byte for byte: {', '.join(report.copied)}" if report.copied else ""
+        copied = f"; copied: {', '.join(report.copied)}" if report.copied else ""
         lines.append(f"  files     {_some(written)}{copied}")
     if report.cast:
         casts = ", ".join(f"{kind.replace('->', ' -> ')} ({n})" for kind, n in report.cast.items())

@@ -58,6 +58,36 @@ def field_line(entry: FieldDiff) -> str:
     return f"{entry.key}: {a} -> {b}"
 
 
+#: More fields than this that only one side holds under one top-level entry are one line
+#: (``optimizer: 26 fields only in B``) unless ``--all``: a Trainer checkpoint against its
+#: model directory held 213 "(absent)" lines.
+ONE_SIDED_SHOWN = 3
+
+
+def _field_lines(fields: list[FieldDiff], show_all: bool) -> list[str]:
+    """A line per field (:func:`field_line`); without ``show_all``, the fields one side alone
+    holds summed up by top-level entry and side where there are more than
+    :data:`ONE_SIDED_SHOWN`, in the place of the first."""
+    if show_all:
+        return [field_line(entry) for entry in fields]
+    groups: dict[tuple[str, str], list[FieldDiff]] = {}
+    for entry in fields:
+        if entry.status in (ONLY_A, ONLY_B):
+            groups.setdefault((entry.key.split(".")[0], entry.status), []).append(entry)
+    lines: list[str] = []
+    for entry in fields:
+        group = groups.get((entry.key.split(".")[0], entry.status), [])
+        if len(group) <= ONE_SIDED_SHOWN or entry.status not in (ONLY_A, ONLY_B):
+            lines.append(field_line(entry))
+        elif entry is group[0]:
+            side = "A" if entry.status == ONLY_A else "B"
+            lines.append(
+                f"{entry.key.split('.')[0]}: {len(group)} fields only in {side} "
+                "(--all or --json lists them)"
+            )
+    return lines
+
+
 def _typed(value: object, record: TensorRecord | None) -> str:
     if record is None:
         return f"{short(value, 40)} ({'None' if value is None else type(value).__name__})"
@@ -81,7 +111,7 @@ def render_text(
     """Field changes, then a table of the tensors that differ (all with ``show_all``), then
     the one-line summary. ``modules`` (``--by-module``) replaces the tensor table with the
     rollup by module group; ``top`` (``--top N``) adds the most changed tensors."""
-    lines = [field_line(entry) for entry in report.fields]
+    lines = _field_lines(report.fields, show_all)
     rows = [_row(entry) for entry in report.tensors if show_all or not _hidden(entry)]
     if modules is not None or top is not None:
         rows = []
@@ -111,7 +141,7 @@ def _modules_text(modules: list[ModuleChange] | None) -> str:
     rows = [
         [
             group.group, str(group.tensors), str(group.changed), human_count(group.parameters),
-            _number(group.relative_change) + (f" ({group.unmeasured} not measured)" if group.unmeasured else ""),
+            _number(group.relative_change) + _unweighed(group),
         ]
         for group in modules
     ]  # fmt: skip
@@ -137,12 +167,21 @@ def _top_text(top: list[TensorDiff] | None) -> str:
     return with_bars(table(rows, TOP_HEADERS), changes, title="‖ΔW‖/‖W‖")
 
 
+def _unweighed(group: ModuleChange) -> str:
+    """What a group's relative change leaves out: tensors not measured, step counters."""
+    parts = [f"{group.unmeasured} not measured"] if group.unmeasured else []
+    if group.counters:
+        parts.append(f"{group.counters} step counter{'s' if group.counters > 1 else ''} left out")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def module_json(group: ModuleChange) -> dict[str, Any]:
     return {
         "group": group.group,
         "tensors": group.tensors,
         "changed": group.changed,
         "unmeasured": group.unmeasured,
+        "counters": group.counters,
         "parameters": group.parameters,
         "norm_a": math.sqrt(group.sum_sq_a),
         "diff_norm": math.sqrt(group.sum_sq_diff),

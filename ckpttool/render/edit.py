@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ckpttool.commands.edit import EditReport
+from ckpttool.model.dtypes import underflow_note
+from ckpttool.model.edits import COUNTER_NAMES
 from ckpttool.model.roles import LAYOUT_TITLES
 from ckpttool.model.text import human_size
 
@@ -30,6 +32,16 @@ def render_text(report: EditReport) -> str:
             lines.append(f"  kept (not in the EMA): {', '.join(report.ema_missing[:5])}")
     if report.cast:
         lines.append(f"  cast: {len(report.cast)} tensor(s) to {report.dtype}")
+    counters = sum(key.rpartition(".")[2] in COUNTER_NAMES for key in report.not_cast)
+    if len(report.not_cast) > counters:
+        lines.append(
+            f"  not cast: {len(report.not_cast) - counters} tensor(s) of optimizer state, kept "
+            "as a resumed run needs them (--cast-optimizer casts them)"
+        )
+    if counters:
+        lines.append(f"  not cast: {counters} step counter(s)")
+    if report.underflow:
+        lines.append(f"  note: {underflow_note(report.dtype or '', dict(report.underflow))}")
     if report.compacted:
         lines.append(f"  compact: {len(report.compacted)} tensor(s) kept only the bytes they view")
     lines.append(
@@ -61,6 +73,8 @@ def render_json(report: EditReport) -> dict[str, Any]:
         "compacted": list(report.compacted),
         "cast": list(report.cast),
         "dtype": report.dtype,
+        "not_cast": list(report.not_cast),
+        "underflow": dict(report.underflow),
         "ema": report.ema,
         "ema_taken": report.ema_taken,
         "ema_missing": list(report.ema_missing),

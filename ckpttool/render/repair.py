@@ -13,13 +13,16 @@ SHOWN = 20
 
 
 def render_text(report: RepairReport) -> str:
-    """The verdict line, then the damage, each lost / left out / filled tensor, a run
-    directory's checkpoints, and what was (or, with ``dry_run``, would be) written or changed."""
+    """The verdict line, then the damage (what no action mends marked ``(stays)``), each lost /
+    left out / filled tensor, a run directory's checkpoints, and what was (or, with
+    ``dry_run``, would be) written or changed."""
     kind = report.format
     if not report.damaged:
         return f"{report.source}: INTACT ({kind}): nothing to repair"
     lines = [f"{report.source}: DAMAGED ({kind})"]
-    lines += [f"  damage: {line}" for line in report.damage]
+    stays = set(report.unrepaired)
+    mark = " (would stay)" if report.dry_run else " (stays)"
+    lines += [f"  damage{mark * (line in stays)}: {line}" for line in report.damage]
     for state in report.checkpoints:
         verdict = "complete" if state.complete else "INCOMPLETE: " + "; ".join(state.missing)
         lines.append(f"  checkpoint: {state.path}: {verdict}")
@@ -83,4 +86,5 @@ def render_json(report: RepairReport) -> dict[str, Any]:
         "output": report.output,
         "written": report.written,
         "dry_run": report.dry_run,
+        "unrepaired": list(report.unrepaired),
     }  # fmt: skip

@@ -6,7 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from ckpttool.commands.scan import ScanReport
+from ckpttool.commands.scan import ARCHIVE_NOT_SCANNED, ScanReport
 from ckpttool.pickle.policy import Verdict
 from ckpttool.render.text import plural
 
@@ -26,7 +26,7 @@ def render_text(report: ScanReport) -> str:
                 if use.qualname in scanned.places:
                     name += f" in {', '.join(scanned.places[use.qualname])}"
                 rows.append([scanned.path, name, use.verdict, use.count])
-        rows.extend([scanned.path, "-", Verdict.DANGEROUS, note] for note in scanned.notes)
+        rows.extend([scanned.path, "-", _note_verdict(note), note] for note in scanned.notes)
     rows.extend(
         [directory, "-", "no checkpoint found", "no file in it is a checkpoint"]
         for directory in report.empty
@@ -44,6 +44,11 @@ def render_text(report: ScanReport) -> str:
     table = tabulate(rows, headers=["file", "global", "verdict", "count / detail"],
                      disable_numparse=True)  # fmt: skip
     return f"{table}\n{summary}"
+
+
+def _note_verdict(note: str) -> str:
+    """A note's verdict column: dangerous, or an archive ``scan`` could not open."""
+    return ARCHIVE_NOT_SCANNED if note.startswith(ARCHIVE_NOT_SCANNED) else Verdict.DANGEROUS
 
 
 def render_json(report: ScanReport) -> dict[str, Any]:

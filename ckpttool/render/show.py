@@ -254,7 +254,8 @@ def render_text(report: ShowReport) -> str:
         rows.append(row)
     headers = ["key", "dtype", "shape", "numel", "size", "notes"]
     if any(info.stats is not None or info.stats_unavailable for info in report.tensors):
-        headers[5:5] = ["min", "max", "mean", "std", "nan", "inf"]
+        # the population standard deviation (divided by N): named so in the header
+        headers[5:5] = ["min", "max", "mean", "std(ddof=0)", "nan", "inf"]
     # tabulate's text (text.table): None is an empty cell
     lines.append(table(rows, headers))
     return "\n".join(lines)

@@ -92,6 +92,9 @@ def test_resume_against_weights_says_which_section() -> None:
     assert result.stderr == (
         "note: A (MiniMind-style resume checkpoint) and B (plain state dict) are different kinds: "
         "comparing A's 'model' section with all of B (use --section-a/--section-b to choose)\n"
+        # exit 0 compares the weights; what only A's kind holds is named, never passed over
+        "note: not compared: A's optimizer, epoch, step, world_size, wandb_id, scaler (outside "
+        "its 'model' section): the other side holds nothing under those names\n"
     )
 
 
@@ -353,9 +356,11 @@ def test_dcp_directory_aligns_with_a_plain_file_of_its_model(tmp_path: Path) -> 
     result = run(FIXTURES / "dcp/checkpoint", tmp_path / "ddp.pth")
     assert result.exit_code == 0
     assert result.stdout == "12 identical, 0 differ within tolerance, 0 differ, 0 only in A, 0 only in B\n"  # fmt: skip
-    assert result.stderr.splitlines()[-1] == (
-        "note: B's tensor keys are A's with the prefix 'module.': compared without it"
-    )
+    assert result.stderr.splitlines()[-2:] == [
+        "note: B's tensor keys are A's with the prefix 'module.': compared without it",
+        "note: not compared: A's optimizer, epoch, step, world_size (outside its 'model' "
+        "section): the other side holds nothing under those names",
+    ]
     data = json.loads(run(FIXTURES / "dcp/checkpoint", tmp_path / "ddp.pth", "--json").stdout)
     assert data["b"]["prefix"] == "module." and data["a"]["section"] == "model"
     torch.save({"model": model, "step": 1200}, tmp_path / "nested.pth")
@@ -364,6 +369,8 @@ def test_dcp_directory_aligns_with_a_plain_file_of_its_model(tmp_path: Path) -> 
     assert nested.exit_code == 0 and nested.stderr == (
         "note: A (training checkpoint) and B (plain state dict) are different kinds: comparing "
         "A's 'model' section with all of B (use --section-a/--section-b to choose)\n"
+        "note: not compared: A's step (outside its 'model' section): the other side holds "
+        "nothing under those names\n"
     )
 
 

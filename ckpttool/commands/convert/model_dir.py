@@ -7,7 +7,8 @@ and DST names a directory (an existing one, a path ending in ``/``, or a path wi
 suffix), the output is a model directory as transformers' ``save_pretrained`` writes it:
 ``model.safetensors`` (or ``model-00001-of-0000N.safetensors`` shards and
 ``model.safetensors.index.json`` with ``--max-shard-size``), and the source's ``config.json``
-and ``generation_config.json`` copied byte for byte.
+and ``generation_config.json`` copied byte for byte, but for ``config.json``'s dtype after
+``--dtype`` (:func:`config_dtype`: ``from_pretrained`` loads the weights in the dtype it says).
 
 Tied weights are stored under the name transformers keeps: it drops the output embedding
 (``lm_head.weight``) and ties it back to the input embedding from the config's
@@ -31,7 +32,13 @@ from ckpttool.checkpoint import Checkpoint
 from ckpttool.commands.convert.output import INDEX_SUFFIX, OutFile
 from ckpttool.commands.convert.plan import FIELD_PREFIX, Plan
 from ckpttool.errors import InputError, OutputExistsError
-from ckpttool.frameworks.base import MAX_JSON_BYTES, ModelDirectoryOutput, list_files
+from ckpttool.frameworks.base import (
+    MAX_JSON_BYTES,
+    MODEL_CONFIG,
+    ModelDirectoryOutput,
+    config_with_dtype,
+    list_files,
+)
 from ckpttool.frameworks.registry import framework_of
 from ckpttool.io.atomic import staged_directory as _staged
 from ckpttool.io.source import join, read_small
@@ -145,6 +152,22 @@ def copy_files(output: ModelDirectoryOutput, staging: Path) -> list[str]:
             raise InputError(f"{name} did not copy byte for byte")
         copied.append(name)
     return copied
+
+
+def config_dtype(plan: Plan, staging: Path, copied: list[str]) -> str | None:
+    """The copied ``config.json`` saying the dtype ``plan`` casts the weights to (``--dtype``),
+    as ``edit --dtype`` of a model directory says it
+    (:func:`~ckpttool.frameworks.base.config_with_dtype`), fsynced; as copied when nothing is
+    cast. Returns the note that says so (None: copied as it was)."""
+    cast = {p.dtype for p in plan.stored if p.dtype != p.record.dtype}
+    if MODEL_CONFIG not in copied or len(cast) != 1:
+        return None
+    (dtype,) = cast
+    config = staging / MODEL_CONFIG
+    config_with_dtype(config, dtype)
+    with open(config, "rb+") as handle:
+        os.fsync(handle.fileno())
+    return f"{MODEL_CONFIG}: its dtype set to {dtype}, the weights' (from_pretrained loads them so)"
 
 
 def moved(files: list[OutFile], target: Path) -> list[OutFile]:

@@ -113,8 +113,8 @@ def plan_outputs(
         path = default_output(src, src.parent, to)
     else:
         path = Path(dst)
-        if path.is_dir() and shard_size is None:
-            path = default_output(src, path, to)
+        if (path.is_dir() or names_directory(dst)) and shard_size is None:
+            path = default_output(src, path, to)  # a missing DIR/ is made by check_targets
     if shard_size is None:
         kind = _output_format(path, to)
         out = OutFile(path, kind, list(plan.stored), dict(plan.aliases))
@@ -128,7 +128,7 @@ def plan_outputs(
         )
     if path.name.endswith(INDEX_SUFFIX):
         directory, stem = path.parent, path.name[: -len(INDEX_SUFFIX)]
-    elif path.is_dir() or not path.suffix or str(dst).endswith(("/", os.sep)):
+    elif path.is_dir() or not path.suffix or names_directory(dst):
         directory, stem = path, "model"  # created by check_targets if missing
     elif path.suffix.lower() == ".safetensors":
         directory, stem = path.parent, path.stem
@@ -179,10 +179,19 @@ def _metadata(src: Path, plan: Plan, aliases: dict[str, str]) -> dict[str, str]:
     return metadata
 
 
-def check_targets(src: Path, files: list[OutFile], force: bool) -> None:
+def names_directory(dst: str | os.PathLike[str] | None) -> bool:
+    """Whether DST ends in ``/``: a directory, never a file of that name."""
+    return dst is not None and os.fspath(dst).endswith(("/", os.sep))
+
+
+def check_targets(
+    src: Path, files: list[OutFile], force: bool, *, make_directory: bool = False
+) -> Path | None:
     """Refuse to overwrite the source, or an existing output without ``force``.
 
-    A shard directory that does not exist yet is created once everything else is checked.
+    A shard directory that does not exist yet (or, with ``make_directory``, the directory of
+    one output file: DST ``DIR/``) is created once everything else is checked; the first
+    directory created is returned, for :func:`remove_created` should the write fail.
     """
     for target in (f.target for f in files):
         if _is_source(target, src):
@@ -195,6 +204,25 @@ def check_targets(src: Path, files: list[OutFile], force: bool) -> None:
     if directory.exists() and not directory.is_dir():
         raise InputError(f"{directory}: not a directory")
     if not directory.exists():
-        if len(files) == 1:
+        if len(files) == 1 and not make_directory:
             raise InputError(f"{directory}: no such directory for the output")
+        created = directory
+        while not created.parent.exists():
+            created = created.parent
         directory.mkdir(parents=True, exist_ok=True)  # torchrun's ranks check it at once
+        return created
+    return None
+
+
+def remove_created(created: Path | None, directory: Path) -> None:
+    """After a failed or interrupted write: the directories :func:`check_targets` made, from
+    ``directory`` up to ``created``, removed where empty (another rank's files stay)."""
+    if created is None:
+        return
+    for path in (directory, *directory.parents):
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        if path == created:
+            return

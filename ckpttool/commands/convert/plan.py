@@ -29,6 +29,7 @@ from ckpttool.commands.selection import (
     Selection,
     add_recorded_aliases,
     dequantized_subclasses,
+    refuse_placeholders,
     refuse_without_model,
     select,
     wrapper_hint,
@@ -151,6 +152,8 @@ def build_plan(
         named = _renamed(named, choice.rename, notes)
     if choice.map is not None:
         named = _mapped(ckpt, named, choice, notes, decode=options.dequantize)
+    # a ZeRO-3 rank file's 0-element stand-ins: never written as the weights
+    refuse_placeholders(ckpt, [r.key for r in named.values()])
     warnings = [] if ignore_wrappers else _wrapper_warning(named)
     kept = {k for k, r in named.items() if keep_kinds and _keeps(r, densify, dequantize)}
     _refuse_unwritable(

@@ -32,13 +32,15 @@ from ckpttool.commands.convert.output import (
     FORMATS,
     OutFile,
     check_targets,
+    names_directory,
     parse_size,
     plan_outputs,
+    remove_created,
     writes_pth,
 )
 from ckpttool.commands.convert.plan import FIELD_PREFIX, Plan, Planned, build_plan
 from ckpttool.commands.mapped import DerivedCheckpoint, with_derived
-from ckpttool.commands.selection import Selection, with_component
+from ckpttool.commands.selection import Selection, refuse_incomplete, with_component
 from ckpttool.errors import (
     CkptError,
     InputError,
@@ -55,6 +57,7 @@ from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.read_batch import BLOCK
 from ckpttool.io.source import is_url, local_path
 from ckpttool.io.values import dense_record, read_array
+from ckpttool.model.dtypes import underflow_note
 from ckpttool.model.edits import EditLog, use_ema
 from ckpttool.model.records import TensorRecord
 from ckpttool.model.roles import layout_of
@@ -88,7 +91,7 @@ class ConvertReport:
     warnings: list[str] = field(default_factory=list)  # e.g. names kept with wrapper prefixes
     verified: bool = False
     directory: Path | None = None  # the model directory written, for a Hugging Face source
-    copied: list[str] = field(default_factory=list)  # its files copied byte for byte
+    copied: list[str] = field(default_factory=list)  # its files copied (config.json's dtype set)
 
 
 def convert(
@@ -185,14 +188,21 @@ def convert_with(
             with staged as staging:
                 counts = write(model_dir.moved(files, staging), sweep_in=target)
                 copied = model_dir.copy_files(output, staging)
+                retyped = model_dir.config_dtype(plan, staging, copied)
             report = _build_report(src_path, plan, files, counts, dtype=options.dtype,
                                    verified=verify)  # fmt: skip
             _name_remote_source(report, src, verify)
             report.directory = target
             report.copied = copied
+            if retyped is not None:
+                report.notes.append(retyped)
             return report
-        check_targets(src_path, files, force)
-        counts = write(files)
+        created = check_targets(src_path, files, force, make_directory=names_directory(dst))
+        try:
+            counts = write(files)
+        except BaseException:  # Ctrl-C, SIGTERM, an error: no empty DIR/ left behind
+            remove_created(created, files[0].target.parent)
+            raise
     report = _build_report(src_path, plan, files, counts, dtype=options.dtype, verified=verify)
     _name_remote_source(report, src, verify)
     return report
@@ -211,6 +221,7 @@ def _planned(
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     src_path = _local_name(src, dst)
     with open_checkpoint(src, view=DEFAULT_VIEW) as opened:
+        refuse_incomplete(opened)  # a lost file's tensors would be missing from the output
         choice = with_component(opened, choice)
         ckpt, edited = _edited(opened, choice)
         plan = build_plan(ckpt, choice, options, keep_kinds=writes_pth(dst, to))
@@ -547,10 +558,7 @@ def _notes(plan: Plan, output_format: str, underflow: dict[str, int]) -> list[st
         names = [f"{e} ({n} values)" if n > 1 else e for e, n in entries.items()]
         notes.append(f"a .pth state dict holds tensors only; not written: {', '.join(names)}")
     if underflow:
-        target = plan.stored[0].dtype
-        shown = ", ".join(f"{name} ({count:,})" for name, count in list(underflow.items())[:5])
-        more = f" (+{len(underflow) - 5} more tensors)" if len(underflow) > 5 else ""
-        notes.append(f"values that became 0 in {target} (underflow): {shown}{more}")
+        notes.append(underflow_note(plan.stored[0].dtype, underflow))
     return notes
 
 

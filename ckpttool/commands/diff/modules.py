@@ -5,7 +5,8 @@ on both sides folded: ``layers.#.mlp.up_proj``; any other numbered module its ow
 ``sqrt(sum ‖B - A‖²) / sqrt(sum ‖A‖²)`` over its measured tensors, so a large matrix weighs
 more than a bias, and a group's value is what one would get by flattening all of its tensors
 into one vector. The sums need ‖A‖ of identical tensors too, which ``diff`` measures only when
-asked (``norms=True``, which ``--by-module`` sets).
+asked (``norms=True``, which ``--by-module`` sets). A step counter (an optimizer's per-parameter
+``step``) is not weighed in: its one element, 4 -> 8, would be the group's whole change.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from ckpttool.commands.diff.run import IDENTICAL, DiffReport, TensorDiff
+from ckpttool.model.edits import COUNTER_NAMES
 from ckpttool.model.modules import ModuleGroups
 from ckpttool.model.records import TensorRecord
 
@@ -26,6 +28,7 @@ class ModuleChange:
     tensors: int = 0  # tensors in the group (both sides, or one)
     changed: int = 0  # tensors whose values, dtype, shape or presence differ
     unmeasured: int = 0  # tensors with no measure (one side only, a shape change, no numbers)
+    counters: int = 0  # step counters, not weighed into the change (``COUNTER_NAMES``)
     parameters: int = 0  # elements of the measured tensors
     sum_sq_a: float = 0.0
     sum_sq_diff: float = 0.0
@@ -64,6 +67,9 @@ def by_module(report: DiffReport) -> list[ModuleChange]:
         if entry.status != IDENTICAL:
             group.changed += 1
         values = entry.values
+        if entry.key.rpartition(".")[2] in COUNTER_NAMES:
+            group.counters += 1
+            continue
         if values is None or not values.measured:  # (identical ones: measured with norms)
             group.unmeasured += 1
             continue

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
-from ckpttool.checkpoint import Checkpoint, open_checkpoint
+from ckpttool.checkpoint import Checkpoint, open_checkpoint, open_files_of
 from ckpttool.commands.diff import values as diff_values
 from ckpttool.commands.diff.match import (
     ALIASES_KEY,
@@ -36,7 +36,7 @@ from ckpttool.commands.diff.match import (
     metadata_aliases,
     wrapper_note,
 )
-from ckpttool.commands.diff.sections import Part, choose_parts
+from ckpttool.commands.diff.sections import Part, choose_parts, compare_rest
 from ckpttool.commands.diff.values import (
     SameMeasures,
     ValueDiff,
@@ -56,7 +56,12 @@ from ckpttool.commands.mapped import (
     step_counts,
     with_derived,
 )
-from ckpttool.commands.selection import COMPONENT_OR_SECTION, Selection, side_section
+from ckpttool.commands.selection import (
+    COMPONENT_OR_SECTION,
+    Selection,
+    refuse_placeholders,
+    side_section,
+)
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.registry import carries_metadata
 from ckpttool.frameworks.base import DEFAULT_VIEW, reported_layout, view_facts
@@ -118,11 +123,30 @@ class DiffPlan:
     pairs: list[TensorPair]
     fields: list[FieldDiff]
     notes: list[str]
+    # both sides are a framework's view assembled from some of their files (DeepSpeed ZeRO's
+    # fp32 weights): their files as stored, compared too (:func:`plan_stored`)
+    stored: StoredPlan | None = None
 
     @property
     def value_bytes(self) -> int:
         """Bytes read from both files when values are compared (for a progress bar)."""
-        return sum(_value_bytes(pair) for pair in self.pairs)
+        own = sum(_value_bytes(pair) for pair in self.pairs)
+        return own + (self.stored.plan.value_bytes if self.stored is not None else 0)
+
+
+@dataclass
+class StoredPlan:
+    """The files as stored of two sides opened as a view, and the plan that compares them
+    whole: what the view does not cover (a ZeRO directory's 16-bit module weights, buffers,
+    client state, counters) is compared there. :func:`run_diff` closes both."""
+
+    a: Checkpoint
+    b: Checkpoint
+    plan: DiffPlan
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
 
 
 @dataclass
@@ -248,7 +272,8 @@ def plan_diff(
     :func:`~ckpttool.commands.selection.component_section`). With
     ``selection.map``, A's tensors are mapped first; ``ckpt_a`` must then be a
     :class:`~ckpttool.commands.mapped.DerivedCheckpoint` (:func:`with_derived`), which reads
-    the tensors the map computes."""
+    the tensors the map computes. Two sides opened as a framework's view (the default view of
+    :func:`open_side`) are also compared as their files store them (:func:`plan_stored`)."""
     selection = selection or Selection()
     if selection.component is not None and selection.section is not None:
         raise InputError(COMPONENT_OR_SECTION)
@@ -266,6 +291,9 @@ def plan_diff(
         tensors_a = _mapped_side(ckpt_a, ckpt_b, tensors_a, selection, notes)
         aliases_a = {}  # declared under A's own names
     pairs = match_tensors(tensors_a, sel_b.tensors, aliases_a, aliases_b)
+    # a ZeRO-3 rank file's 0-element stand-ins would compare "identical": never as weights
+    refuse_placeholders(ckpt_a, [pair.a.key for pair in pairs if pair.a is not None])
+    refuse_placeholders(ckpt_b, [pair.b.key for pair in pairs if pair.b is not None])
     for pair in pairs:
         if pair.alias is not None:
             notes.append(alias_note(pair))
@@ -278,21 +306,78 @@ def plan_diff(
     fields, pairs = merge_type_changes(fields, pairs, part_a.prefixes, part_b.prefixes)
     if part_a.stored is not None or part_b.stored is not None:
         pairs, fields = _as_stored(pairs, fields, part_a.stored, part_b.stored)
+    # the layouts differ and only their weights were taken: the rest is compared too
+    rest_pairs, rest_fields = compare_rest(
+        ckpt_a, part_a, ckpt_b, part_b, {pair.key for pair in pairs}, notes
+    )
+    pairs += rest_pairs
+    fields += rest_fields
     if carries_metadata(ckpt_a.format) and carries_metadata(ckpt_b.format):
         fields += compare_fields(described_metadata(ckpt_a), described_metadata(ckpt_b))
+    named = (
+        section_a, section_b, component_a, component_b, selection.section,
+        selection.component, selection.map,
+    )  # fmt: skip
+    stored = None if any(name is not None for name in named) else plan_stored(ckpt_a, ckpt_b, notes)
     counters_a, counters_b = _counters(ckpt_a), _counters(ckpt_b)
-    if counters_a is not None and counters_b is not None:  # two DeepSpeed tags
-        fields += compare_fields(counters_a, counters_b)
-    side_a = _side(ckpt_a, part_a)
+    if stored is None and counters_a is not None and counters_b is not None:  # two DeepSpeed tags
+        fields += compare_fields(counters_a, counters_b)  # (else the files' own fields have them)
+    side_a, side_b = _side(ckpt_a, part_a), _side(ckpt_b, part_b)
     if selection.map is not None:
         side_a = replace(side_a, num_tensors=len(tensors_a), map=selection.map)
+    if rest_pairs:
+        side_a = replace(
+            side_a, num_tensors=side_a.num_tensors + sum(p.a is not None for p in rest_pairs)
+        )
+        side_b = replace(
+            side_b, num_tensors=side_b.num_tensors + sum(p.b is not None for p in rest_pairs)
+        )
     return DiffPlan(
         a=side_a,
-        b=_side(ckpt_b, part_b),
+        b=side_b,
         pairs=pairs,
         fields=fields,
         notes=notes,
+        stored=stored,
     )
+
+
+def plan_stored(ckpt_a: Checkpoint, ckpt_b: Checkpoint, notes: list[str]) -> StoredPlan | None:
+    """The plan that compares two sides' files as stored when either was opened as a
+    framework's view (its tensors assembled from some of its files: DeepSpeed ZeRO's fp32
+    weights, from the optimizer states), so that what the view leaves out is compared too; None
+    when neither is a view. When only one is, or they are views of different layouts, nothing
+    of the other side is like those files: a note names what was not compared."""
+    facts_a, facts_b = view_facts(ckpt_a), view_facts(ckpt_b)
+    if facts_a is None and facts_b is None:
+        return None
+    if facts_a is None or facts_b is None or facts_a.layout != facts_b.layout:
+        for label, facts in (("A", facts_a), ("B", facts_b)):
+            if facts is not None:
+                notes.append(
+                    f"not compared: {label}'s files beyond its {facts.name} view (the "
+                    f"{facts.layout} checkpoint's other tensors and fields): the other side is "
+                    "not of its kind"
+                )
+        return None
+    files_a = open_files_of(ckpt_a)
+    try:
+        files_b = open_files_of(ckpt_b)
+    except BaseException:
+        files_a.close()
+        raise
+    try:
+        plan = plan_diff(files_a, files_b)
+    except BaseException:
+        files_a.close()
+        files_b.close()
+        raise
+    notes.append(
+        f"also compared: both {facts_a.layout} checkpoints' files as stored ({len(plan.pairs)} "
+        f"tensors and their fields, keyed as show lists them), beyond the {facts_a.name} view"
+    )
+    notes.extend(plan.notes)
+    return StoredPlan(files_a, files_b, plan)
 
 
 def _mapped_side(
@@ -356,7 +441,31 @@ def run_diff(
     fields = list(plan.fields)
     if not quick:
         fields = [_read_tensor_field(ckpt_a, ckpt_b, entry) for entry in fields]
+    if plan.stored is not None:
+        stored = plan.stored
+        try:
+            files = run_diff(
+                stored.a, stored.b, stored.plan, rtol=rtol, atol=atol, quick=quick,
+                rounded=rounded, norms=norms, progress=progress,
+            )  # fmt: skip
+        finally:
+            stored.close()
+        tensors += _stored_keys(files.tensors, {entry.key for entry in tensors})
+        fields += files.fields
+        notes += [note for note in files.notes if note not in notes]
     return DiffReport(plan.a, plan.b, rtol, atol, quick, notes, fields, tensors, rounded=rounded)
+
+
+#: What the files as stored's verdicts are keyed under when a key equals one of the view's.
+STORED_PREFIX = "files:"
+
+
+def _stored_keys(entries: list[TensorDiff], view_keys: set[str]) -> list[TensorDiff]:
+    """The files as stored's verdicts, keyed as ``show`` lists them, or all under
+    :data:`STORED_PREFIX` when one of those keys is also a key of the view's."""
+    if not any(entry.key in view_keys for entry in entries):
+        return entries
+    return [replace(entry, key=STORED_PREFIX + entry.key) for entry in entries]
 
 
 WINDOW = 256  # pairs whose small tensors are read together (ckpttool.io.read_batch)

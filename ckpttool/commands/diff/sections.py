@@ -16,6 +16,10 @@ Split from :mod:`ckpttool.commands.diff.run`, whose job is comparing. The rules,
    keys against plain ones; :func:`ckpttool.commands.diff.match.extra_prefixes`), they are aligned
    there, with a note: by taking that subtree as the side's section when it is one, else by
    removing the prefix from that side's keys. Two candidate prefixes are not guessed between.
+4. A label never narrows what is compared silently: when rule 2 took each side's weights, what
+   both sides hold outside them (a resume file's optimizer, scheduler, epoch...) is compared
+   too, keyed as the files key it (:func:`compare_rest`); when only one side holds more than
+   its weights (a resume file against a plain state dict), a note names what was not compared.
 
 Two framework directories compared whole whose weights files fill the same section (two
 Trainer ``checkpoint-N/``, two model directories) key those tensors as the files store them,
@@ -31,12 +35,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.checkpoint import Checkpoint
-from ckpttool.commands.diff.match import extra_prefixes, metadata_aliases
+from ckpttool.commands.diff.match import (
+    FieldDiff,
+    TensorPair,
+    compare_fields,
+    extra_prefixes,
+    match_tensors,
+    merge_type_changes,
+    metadata_aliases,
+)
 from ckpttool.commands.selection import Selected, Selection, select
 from ckpttool.commands.show import weights_section
 from ckpttool.errors import InputError
-from ckpttool.model.records import tensors
-from ckpttool.model.roles import LAYOUT_TITLES, layout_of, model_section
+from ckpttool.model.records import TensorRecord, tensors
+from ckpttool.model.roles import LAYOUT_TITLES, layout_of, model_section, scalar_fields
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,7 @@ class Part:
     # a framework directory: the section its weights files fill, when the part compared holds
     # tensors of it; their records carry the keys the files store (see stored_section)
     stored: str | None = None
+    by_kind: bool = False  # the layouts differ: the section is the side's weights (rule 2)
 
 
 def choose_parts(
@@ -67,7 +80,7 @@ def choose_parts(
     section = selection.section
     layout_a = layout_of(ckpt_a)
     layout_b = layout_of(ckpt_b)
-    auto = False
+    auto = by_kind = False
     named_a = section_a if section_a is not None else section
     named_b = section_b if section_b is not None else section
     if named_a is not None or named_b is not None:
@@ -81,7 +94,7 @@ def choose_parts(
         ):
             section_a = section_b = None  # same kind of file: compare all of it
         else:
-            auto = True
+            auto = by_kind = True
             notes.append(
                 f"A ({LAYOUT_TITLES.get(layout_a, layout_a)}) and B "
                 f"({LAYOUT_TITLES.get(layout_b, layout_b)}) are different kinds: comparing "
@@ -104,11 +117,11 @@ def choose_parts(
     return (
         Part(
             layout_a, sel_a, auto or sel_a.auto, (*prefixes, *prefix_a), _first(prefix_a),
-            _stored_in(ckpt_a, sel_a),
+            _stored_in(ckpt_a, sel_a), by_kind,
         ),
         Part(
             layout_b, sel_b, auto or sel_b.auto, (*prefixes, *prefix_b), _first(prefix_b),
-            _stored_in(ckpt_b, sel_b),
+            _stored_in(ckpt_b, sel_b), by_kind,
         ),
     )  # fmt: skip
 
@@ -289,3 +302,103 @@ def _subtree(ckpt: Checkpoint, selection: Selected, prefix: str) -> str | None:
 
 def _part(label: str, section: str | None) -> str:
     return f"{label}'s {section!r} section" if section else f"all of {label}"
+
+
+@dataclass(frozen=True)
+class Rest:
+    """What one side holds outside the section compared."""
+
+    tensors: dict[str, TensorRecord]  # keyed as the file keys them
+    tree: dict[Any, Any]  # the root without the section (its fields)
+    entries: tuple[str, ...]  # the top-level entries that hold them ("optimizer", "epoch")
+
+
+def compare_rest(
+    ckpt_a: Checkpoint,
+    part_a: Part,
+    ckpt_b: Checkpoint,
+    part_b: Part,
+    keys: set[str],
+    notes: list[str],
+) -> tuple[list[TensorPair], list[FieldDiff]]:
+    """Rule 4: when the parts are each side's weights (the layouts differ), the tensors and
+    fields both sides hold outside them, paired by the keys the files use (``keys``: those
+    the weights' pairs already take), when the two sides name at least one such entry alike
+    (``optimizer``, ``epoch``); else a note naming what was not compared, and nothing (a
+    resume file against a plain state dict, a torchtitan ``step-N/``'s training state against
+    a model directory's ``config``)."""
+    if not part_a.by_kind:
+        return [], []
+    rest_a = _rest(ckpt_a, part_a.selection.section)
+    rest_b = _rest(ckpt_b, part_b.selection.section)
+    if rest_a is None and rest_b is None:
+        return [], []
+    if rest_a is None or rest_b is None or not set(rest_a.entries) & set(rest_b.entries):
+        held = [
+            f"{label}'s {_listed(rest.entries)} (outside its {section!r} section)"
+            for label, rest, section in (
+                ("A", rest_a, part_a.selection.section), ("B", rest_b, part_b.selection.section)
+            )
+            if rest is not None
+        ]  # fmt: skip
+        notes.append(
+            f"not compared: {' and '.join(held)}: "
+            + ("the other side holds nothing under those names" if len(held) == 1
+               else "the two sides hold nothing under the same names")
+        )  # fmt: skip
+        return [], []
+    clash = sorted((rest_a.tensors.keys() | rest_b.tensors.keys()) & keys)
+    if clash:
+        notes.append(
+            f"not compared: A's {_listed(rest_a.entries)} and B's {_listed(rest_b.entries)}, "
+            f"outside the sections compared: {clash[0]!r} is also a key of the weights "
+            "(use --section-a/--section-b to compare them)"
+        )
+        return [], []
+    pairs = match_tensors(rest_a.tensors, rest_b.tensors)
+    fields = compare_fields(rest_a.tree, rest_b.tree)
+    fields, pairs = merge_type_changes(fields, pairs, (), ())
+    notes.append(
+        f"also compared, under the files' own keys: what both hold outside those sections (A: "
+        f"{_listed(rest_a.entries)}; B: {_listed(rest_b.entries)})"
+    )
+    return pairs, fields
+
+
+def _rest(ckpt: Checkpoint, section: str | None) -> Rest | None:
+    """What ``ckpt`` holds outside ``section`` (None: nothing, or the side is compared whole)."""
+    root = ckpt.root
+    if section is None or not isinstance(root, dict):
+        return None
+    tree = _without(root, section.split("."))
+    if tree is None:
+        return None
+    start = section + "."
+    kept = {r.key: r for r in ckpt.tensors() if r.key != section and not r.key.startswith(start)}
+    fields = scalar_fields(tree)
+    held = [*kept, *fields]
+    entries = tuple(
+        str(name)
+        for name in tree
+        if any(key == str(name) or key.startswith(f"{name}.") for key in held)
+    )
+    return Rest(kept, tree, entries) if entries else None
+
+
+def _without(node: dict[Any, Any], path: list[str]) -> dict[Any, Any] | None:
+    """A shallow copy of ``node`` without the entry at ``path`` (None: no such entry)."""
+    head, *tail = path
+    if head not in node:
+        return None
+    if not tail:
+        return {key: value for key, value in node.items() if key != head}
+    child = node[head]
+    if not isinstance(child, dict):
+        return None
+    pruned = _without(child, tail)
+    return None if pruned is None else {**node, head: pruned}
+
+
+def _listed(entries: tuple[str, ...]) -> str:
+    shown = ", ".join(entries[:8])
+    return shown + (f" and {len(entries) - 8} more" if len(entries) > 8 else "")

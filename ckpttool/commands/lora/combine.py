@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from ckpttool.checkpoint import open_checkpoint
 from ckpttool.commands.lora.extract import CONFIG_NAME, PREFIX, check_output, write_adapter
-from ckpttool.commands.lora.merge import Adapter, read_adapter
+from ckpttool.commands.lora.merge import ADAPTER, Adapter, read_adapter
 from ckpttool.errors import InputError
 
 #: What to do instead, for a combination an adapter cannot hold.
@@ -49,8 +50,12 @@ class CombinedAdapter:
 
 
 def is_adapter(path: str) -> bool:
-    """``path`` is a local adapter directory (PEFT's ``adapter_config.json`` in it)."""
-    return (Path(path) / CONFIG_NAME).is_file()
+    """``path`` is a local directory whose checkpoint, as the door reads it, is an adapter (a
+    folder that also holds a whole model, as torchtune's ``epoch_N/``, is its model)."""
+    if not (Path(path) / CONFIG_NAME).is_file():
+        return False  # (no adapter config: no need to open it)
+    with open_checkpoint(path) as ckpt:
+        return isinstance(ckpt.details.get(ADAPTER), dict)
 
 
 def all_adapters(paths: Sequence[str]) -> bool:

@@ -46,7 +46,7 @@ from ckpttool.formats.registry import (
     holds_weights_only,
     verify_rewrite,
 )
-from ckpttool.io.atomic import atomic_group
+from ckpttool.io.atomic import atomic_group, clear_stale_backup
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.model.lr_schedule import rescale_scheduler
 from ckpttool.model.rescaling import RescalePlan, RescaleTarget, describe_repeats
@@ -226,7 +226,7 @@ def rescale_file(
     in_place = _same_file(path, written_to)
     backup_path = path.with_name(path.name + ".bak") if backup else None
     _check_request(path, written_to, in_place=in_place, backup_path=backup_path,
-                   overwrite=overwrite, batch_size=target.batch_size)  # fmt: skip
+                   overwrite=overwrite, batch_size=target.batch_size, dry_run=dry_run)  # fmt: skip
     try:
         return _rescale_file(path, written_to, target, in_place=in_place,
                              backup_path=backup_path, dry_run=dry_run, progress=progress)  # fmt: skip
@@ -297,11 +297,17 @@ def _check_request(
     backup_path: Path | None,
     overwrite: bool,
     batch_size: int | None,
+    dry_run: bool,
 ) -> None:
-    """The refusals that need no reading of the file: the options and the paths."""
+    """The refusals that need no reading of the file: the options and the paths (a stale
+    backup, :func:`~ckpttool.io.atomic.clear_stale_backup`, is removed, not refused)."""
     if backup_path is not None and not in_place:
         raise InputError("--backup applies to in-place rewrites; with -o the original is kept")
-    if backup_path is not None and os.path.lexists(backup_path):
+    if (
+        backup_path is not None
+        and os.path.lexists(backup_path)
+        and not clear_stale_backup(path, backup_path, dry_run=dry_run)
+    ):
         raise OutputExistsError(
             f"{backup_path} already exists: move it away first (it is never overwritten)"
         )

@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
-from ckpttool.errors import CorruptCheckpointError
+from ckpttool.errors import CUT_HINT, CorruptCheckpointError
 from ckpttool.formats.base import Parsed
 from ckpttool.io.source import read_range, source_of
 from ckpttool.model.records import ITEMSIZE, StorageRecord, fits_int64
@@ -135,12 +135,13 @@ def _read_legacy(
             raise CorruptCheckpointError(f"legacy storage {key!r} is not used by the object")
         count_bytes = read_range(source_of(handle), 8, offset)
         if len(count_bytes) != 8:
-            raise CorruptCheckpointError(f"file truncated before storage {key!r}")
+            raise CorruptCheckpointError(f"file truncated before storage {key!r}{CUT_HINT}")
         (count,) = struct.unpack("<q", count_bytes)
         nbytes = count * ITEMSIZE.get(claimed[key][0], 1)
         if count < 0 or offset + 8 + nbytes > file_size:
             raise CorruptCheckpointError(
-                f"legacy storage {key!r} claims {max(count, 0):,} elements but the file ends first"
+                f"legacy storage {key!r} claims {max(count, 0):,} elements but the file ends "
+                f"first{CUT_HINT}"
             )
         spans[key] = (offset + 8, nbytes)
         offset += 8 + nbytes

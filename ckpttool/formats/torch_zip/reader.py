@@ -141,7 +141,8 @@ def open_zip(handle: BinaryIO) -> ZipIndex:
     except ZIP_ERRORS as error:
         raise CorruptCheckpointError(
             f"corrupt or truncated zip archive ({error}); an interrupted torch.save leaves "
-            "files like this: use the previous checkpoint"
+            "files like this: use the previous checkpoint, or salvage what it still holds with "
+            "ckpttool repair"
         ) from None
 
 
@@ -319,8 +320,10 @@ def read_record(
     archive: ZipIndex,
     file_size: int,
     limit: int = MAX_DATA_PKL,
+    as_torch: bool = False,
 ) -> bytes:
-    """A small record's bytes (data.pkl, byteorder), CRC-checked, within bounded memory.
+    """A small record's bytes (data.pkl, byteorder), CRC-checked, within bounded memory
+    (``as_torch``: read as ``torch.load`` reads it, :meth:`ZipIndex.read`).
 
     Refused before anything is allocated: a size the file cannot hold (stored) or an inflated
     size over ``MAX_INFLATED`` (compressed), and anything over ``limit``.
@@ -339,7 +342,7 @@ def read_record(
             f"{MAX_INFLATED:,}); torch never compresses records: a re-zipped or hostile file"
         )
     try:
-        return archive.read(info)
+        return archive.read(info, as_torch)
     except ZIP_ERRORS as error:
         raise CorruptCheckpointError(f"cannot read {name}: {error}") from None
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ckpttool.errors import CkptError
-from ckpttool.formats.base import CHECKPOINT_SUFFIXES, Findings
+from ckpttool.formats.base import CHECKPOINT_SUFFIXES, PLACE_SEPARATOR, Findings
 from ckpttool.formats.torch_zip import kinds
 from ckpttool.formats.torch_zip.reader import ambiguous_names, open_zip, read_record
 from ckpttool.formats.torch_zip.zip_index import ZipIndex, ZipMember, case_collision, fold
@@ -31,8 +31,6 @@ ZIP_MAGIC = b"PK\x03\x04"
 MAX_DEPTH = 4
 #: Bytes of nested members read in all for one file: past it, a member is "could not scan".
 MAX_NESTED_BYTES = 256 << 20
-#: How a finding's place inside an archive is written.
-PLACE_SEPARATOR = " › "
 #: Protocols a torch.package pickle may start with (``\x80`` then the protocol).
 _PROTOCOLS = frozenset(range(2, 6))
 
@@ -80,10 +78,12 @@ class _Walk:
             where = (*place, info.filename)
             limit = self.budget if depth or role != "pickle" else None
             try:  # bounded: a deflated record could inflate to gigabytes
+                # as torch's reader reads it: a bad CRC-32 or a local header naming another
+                # file does not stop torch.load from running the pickle
                 if limit is None:
-                    data = read_record(handle, info, archive, file_size)
+                    data = read_record(handle, info, archive, file_size, as_torch=True)
                 else:
-                    data = read_record(handle, info, archive, file_size, limit=limit)
+                    data = read_record(handle, info, archive, file_size, limit, as_torch=True)
             except CkptError as error:  # not scanned: the file could not be (fully) checked
                 findings.problems.append(f"{_place(where)}: unreadable ({error})")
                 continue

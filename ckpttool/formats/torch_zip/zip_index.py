@@ -304,9 +304,13 @@ class ZipIndex:
         """``member``'s local header as it is, for a caller that compares it (``verify``)."""
         return parse_local_header(self._handle, member)
 
-    def data_offset(self, member: ZipMember) -> int:
-        """Where ``member``'s bytes start, from its local header (checked against the entry)."""
-        header = read_local_header(self._handle, member)
+    def data_offset(self, member: ZipMember, as_torch: bool = False) -> int:
+        """Where ``member``'s bytes start, from its local header (checked against the entry;
+        ``as_torch``: whatever name it gives, as miniz reads it)."""
+        if as_torch:
+            header = parse_local_header(self._handle, member)
+        else:
+            header = read_local_header(self._handle, member)
         either = header.flags | member.flag_bits  # zipfile goes by the directory's; either will do
         if either & (_ENCRYPTED | _STRONG_ENCRYPTION):
             raise BadZipError(f"{member.filename}: the member is encrypted")
@@ -314,9 +318,15 @@ class ZipIndex:
             raise BadZipError(f"{member.filename}: compressed patched data is not supported")
         return header.data_start
 
-    def read(self, member: ZipMember) -> bytes:
-        """A member's bytes, inflated and CRC-checked (callers bound ``file_size`` first)."""
-        start = self.data_offset(member)
+    def read(self, member: ZipMember, as_torch: bool = False) -> bytes:
+        """A member's bytes, inflated and CRC-checked (callers bound ``file_size`` first).
+
+        ``as_torch`` reads them as torch's reader (miniz) does for ``torch.load``: the local
+        header's name is not compared with the directory's and the CRC-32 is not checked
+        (``torch.load`` runs a ``data.pkl`` whose CRC is wrong, or whose local header names
+        another file: measured with torch 2.13). ``scan`` reads so, to walk the pickle torch
+        runs."""
+        start = self.data_offset(member, as_torch)
         if start + member.compress_size > self.size:
             raise BadZipError(f"{member.filename}: the file ends inside this member")
         raw = self._pread(start, member.compress_size)
@@ -333,7 +343,7 @@ class ZipIndex:
             raise BadZipError(
                 f"{member.filename}: compression method {member.compress_type} is not supported"
             )
-        if self.crc_computed and crc32(data) != member.CRC:
+        if self.crc_computed and not as_torch and crc32(data) != member.CRC:
             raise BadZipError(f"Bad CRC-32 for file {member.filename!r}")
         return data
 

@@ -14,6 +14,7 @@ import math
 import os
 from typing import Any
 
+from ckpttool.frameworks.base import Placeholders
 from ckpttool.frameworks.deepspeed.files import (
     DTYPE_PREFIXES,
     MODEL_STATES,
@@ -21,6 +22,7 @@ from ckpttool.frameworks.deepspeed.files import (
     OPTIM_STATES_FILE,
     record_value,
 )
+from ckpttool.io.source import is_dir, list_names
 from ckpttool.model.records import TensorRecord
 
 
@@ -379,3 +381,52 @@ def _partition_sizes(
                 f"parameters need {needed}"
             )
     return out, problems
+
+
+def placeholders(root: dict[str, Any], path: str) -> Placeholders | None:
+    """The 0-element placeholders of one ZeRO-3 ``model_states.pt`` read alone: each entry of
+    its ``module`` that holds no element where ``param_shapes`` (or ``frozen_param_shapes``, or
+    its owner's, for a ``shared_params`` alias or a tensor viewing the owner's storage) records
+    a real shape."""
+    module = root.get("module")
+    if not isinstance(module, dict):
+        return None
+    real: dict[str, tuple[int, ...]] = {}
+    groups = root.get("param_shapes")
+    for group in groups if isinstance(groups, list) else ():
+        real.update({str(k): shape for k, v in _items(group) if (shape := _shape(v))})
+    real.update({str(k): shape for k, v in _items(root.get("frozen_param_shapes")) if (shape := _shape(v))})  # fmt: skip
+    for alias, owner in _items(root.get("shared_params")):
+        if owner in real:
+            real[str(alias)] = real[owner]
+    empty = {
+        str(name): record
+        for name, record in module.items()
+        if isinstance(record, TensorRecord) and record.numel == 0 and record.storage is not None
+    }
+    # a tied parameter is the placeholder of its owner's storage (rank 0 alone records it in
+    # shared_params)
+    owners = {(r.storage, r.storage_offset): n for n, r in empty.items() if n in real}
+    for name, record in empty.items():
+        owner = owners.get((record.storage, record.storage_offset))
+        if name not in real and owner is not None:
+            real[name] = real[owner]
+    shapes = {
+        f"module.{name}": real[name] for name in empty if name in real and _numel(real[name]) > 0
+    }
+    if not shapes:
+        return None
+    folder = os.path.dirname(path) or "."
+    siblings = is_dir(folder) and any(OPTIM_STATES_FILE.match(name) for name in list_names(folder))
+    where = (
+        f"their values are partitioned over the ranks' optimizer states beside it: read its "
+        f"folder instead (ckpttool convert {folder} OUT; ckpttool show {folder})"
+        if siblings
+        else "their values are partitioned over the ranks' *_optim_states.pt files of its "
+        "tag folder, which are not beside it"
+    )
+    return Placeholders(shapes, "a DeepSpeed ZeRO-3 rank's model states", where)
+
+
+def _items(node: Any) -> list[tuple[Any, Any]]:
+    return list(node.items()) if isinstance(node, dict) else []

@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import InputError, NotZeroError
-from ckpttool.frameworks.base import WEIGHTS_VIEW, Framework, FrameworkDirectory, RunLayout
+from ckpttool.frameworks.base import (
+    WEIGHTS_VIEW,
+    Framework,
+    FrameworkDirectory,
+    Placeholders,
+    RunLayout,
+)
 from ckpttool.frameworks.deepspeed import files
 from ckpttool.model.roles import DEEPSPEED
 
@@ -53,6 +59,11 @@ class DeepSpeed(Framework):
         summary, problems = summarize(root, details)
         details[DEEPSPEED] = summary
         return problems
+
+    def file_placeholders(self, root: Any, path: str) -> Placeholders | None:
+        from ckpttool.frameworks.deepspeed.checks import placeholders
+
+        return placeholders(root, path)
 
     def show_lines(self, details: dict[str, Any]) -> list[str]:
         from ckpttool.frameworks.deepspeed.show import deepspeed_lines

@@ -126,10 +126,10 @@ class HuggingFace(Framework):
             return ()
         return tuple(m.name for m in layout.members if m.role in TRAINER_TRAINING_ROLES)
 
-    def rebuild_index(self, directory: str) -> IndexRepair | None:
+    def rebuild_index(self, directory: str, *, keep_lost: bool = True) -> IndexRepair | None:
         from ckpttool.frameworks.huggingface.repair import rebuild_index
 
-        return rebuild_index(directory)
+        return rebuild_index(directory, keep_lost=keep_lost)
 
     def run_layout(self, directory: str) -> RunLayout | None:
         from ckpttool.frameworks.huggingface.repair import run_layout

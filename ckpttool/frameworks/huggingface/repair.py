@@ -7,8 +7,11 @@ every tensor, the shard that holds it, with ``metadata.total_size`` (huggingface
 transformers 4.5x, ``metadata.total_parameters``. Rebuilt, it names each tensor the shards hold
 (found by reading their headers: a safetensors header, a ``.bin`` shard's pickle; no tensor
 bytes but those of a tensor stored twice, compared); the old metadata is kept with
-``total_size`` recomputed. A tensor only a vanished shard held is lost: the new index cannot
-name it, and the directory stays incomplete.
+``total_size`` recomputed. A tensor the old index names and no shard holds is lost, and the
+index is the only record of it: the rebuilt index keeps naming it where the old one did (and
+keeps the old ``total_size``, the whole model's), so that ``verify`` still reports it and
+``from_pretrained`` fails on the missing shard instead of filling the tensor with random
+values. Its damage line is one the rewrite does not mend (``IndexRepair.stays``).
 
 Auto-resume (``trainer_utils.get_last_checkpoint``) takes the highest ``checkpoint-N`` that
 matches ``^checkpoint-(\\d+)$`` whatever it holds; rotation (``sort_checkpoints``,
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -45,6 +49,8 @@ from ckpttool.io.source import is_url, join
 
 #: Where Trainer's auto-resume and rotation never look (module docstring).
 ASIDE_PREFIX = "incomplete-"
+#: A shard's number and the count of shards in its name (``-00002-of-00003``).
+SHARD_NUMBER = re.compile(r"-(\d+)-of-(\d+)(?=\.)")
 #: How many tensor names a damage line gives before "and N more".
 SHOWN = 3
 
@@ -77,9 +83,10 @@ class _Stored:
     storage_bytes: int
 
 
-def rebuild_index(directory: str) -> IndexRepair | None:
+def rebuild_index(directory: str, *, keep_lost: bool = True) -> IndexRepair | None:
     """The weights index of ``directory`` (safetensors first, as transformers loads them) as its
-    shards say it should be; None when it holds no sharded weights and no index."""
+    shards say it should be; None when it holds no sharded weights and no index. ``keep_lost``
+    False: tensors no shard holds are dropped from it (``edit`` dropped them on purpose)."""
     if is_url(directory) or not os.path.isdir(directory):
         return None
     files = list_files(directory)
@@ -89,11 +96,13 @@ def rebuild_index(directory: str) -> IndexRepair | None:
     ):
         shards = [name for name in files if pattern.match(name)]
         if index_name in files or shards:
-            return _rebuild(directory, set(files), index_name, shards)
+            return _rebuild(directory, set(files), index_name, shards, keep_lost)
     return None
 
 
-def _rebuild(directory: str, files: set[str], index_name: str, shards: list[str]) -> IndexRepair:
+def _rebuild(
+    directory: str, files: set[str], index_name: str, shards: list[str], keep_lost: bool
+) -> IndexRepair:
     damage: list[str] = []
     old: dict[str, object] | None = None
     old_map: dict[str, str] = {}
@@ -121,6 +130,16 @@ def _rebuild(directory: str, files: set[str], index_name: str, shards: list[str]
             for name in shards
             if name not in named
         ]
+    missing = _numbering_gaps(shards) if old is None else []
+    if missing:  # without the index nothing says what they held: an index without them would
+        # make from_pretrained load the model with those weights random
+        damage += [
+            f"{name}: missing (the shards are numbered 1 to {len(shards) + len(missing)}), and no "
+            f"readable {index_name} says what it held: no index is written, so that the model "
+            "does not load without its tensors; put the shard back"
+            for name in missing
+        ]
+        return IndexRepair(index_name, tuple(damage), None)
     candidates = sorted(set(shards) | (set(named) - set(gone)))
     holders, stored, unreadable = _read_shards(directory, candidates)
     if unreadable:  # its tensors may be salvaged: the index is not rebuilt without them
@@ -133,31 +152,57 @@ def _rebuild(directory: str, files: set[str], index_name: str, shards: list[str]
     new_map, duplicates = _choose(directory, holders, old_map)
     damage += duplicates
     lost = sorted(key for key in old_map if key not in new_map)
-    damage += _lost_lines(old_map, lost, gone, index_name)
+    stays = _lost_lines(old_map, lost, gone, index_name)
+    damage += stays
     if old is not None:
         damage += _stale_lines(old_map, new_map, index_name)
     kept = old.get("metadata") if old is not None else None
     metadata: dict[str, object] = dict(kept) if isinstance(kept, dict) else {}
     old_size = metadata.get("total_size")
     seen = {(stored[key].shard, stored[key].storage): stored[key].storage_bytes for key in new_map}
-    total_size = sum(seen.values())
+    if not keep_lost:
+        lost = []
+    total_size = sum(seen.values()) if not lost or old_size is None else old_size
     size_wrong = old is not None and old_size is not None and old_size != total_size
     if size_wrong and not damage:
         damage.append(f"{index_name}: total_size is {old_size}, the shards hold {total_size}")
-    unchanged = old is not None and new_map == old_map and not size_wrong
-    if unchanged:  # damage the index cannot mend (a tensor twice, kept where it was named)
-        return IndexRepair(index_name, tuple(damage), None)
     if not new_map:
         damage.append(f"no shard holds a tensor: no {index_name} is written")
         return IndexRepair(index_name, tuple(damage), None, lost=tuple(lost))
+    new_map |= {key: old_map[key] for key in lost}  # the only record of them: kept (docstring)
+    unchanged = old is not None and new_map == old_map and not size_wrong
+    if unchanged:  # damage the index cannot mend (a tensor twice, kept where it was named)
+        return IndexRepair(index_name, tuple(damage), None, lost=tuple(lost))
     metadata["total_size"] = total_size
     content = json.dumps({"metadata": metadata, "weight_map": new_map}, indent=2, sort_keys=True)
-    changes = _changes(old is not None, old_map, new_map, len(candidates))
+    changes = _changes(old is not None, old_map, new_map, lost, len(candidates))
     if old_size != total_size:
         changes += f"; total_size {old_size} -> {total_size}" if old is not None else ""
     return IndexRepair(
-        index_name, tuple(damage), (content + "\n").encode(), changes, lost=tuple(lost)
+        index_name,
+        tuple(damage),
+        (content + "\n").encode(),
+        changes,
+        lost=tuple(lost),
+        stays=tuple(stays),
     )
+
+
+def _numbering_gaps(shards: list[str]) -> list[str]:
+    """The shard names missing from a numbered set (``model-00002-of-00003.safetensors`` when
+    the first and third are there), by the ``-of-N`` the names share; [] when they share none."""
+    numbered = [SHARD_NUMBER.search(name) for name in shards]
+    totals = {m.group(2) for m in numbered if m is not None}
+    if len(totals) != 1 or None in numbered:
+        return []
+    total = totals.pop()
+    present = {int(m.group(1)) for m in numbered if m is not None}
+    example = shards[0]
+    return [
+        SHARD_NUMBER.sub(f"-{n:0{len(total)}d}-of-{total}", example)
+        for n in range(1, int(total) + 1)
+        if n not in present
+    ]
 
 
 def _read_shards(
@@ -247,8 +292,9 @@ def _lost_lines(old_map: dict[str, str], lost: list[str], gone: list[str], index
         else:
             why = f"{shard}: does not hold what {index} lists there, nor does any other shard"
         lines.append(
-            f"{why}: {_count(keys)} lost ({_names(keys)}); the rebuilt index cannot name them and "
-            "the directory is incomplete (it will not load as the full model)"
+            f"{why}: {_count(keys)} lost ({_names(keys)}); the index keeps naming them, the only "
+            "record of them: the directory stays incomplete (verify reports them; put the shard "
+            "back, or take them from another copy of the model)"
         )
     lines += [f"{shard}: listed in {index} but missing" for shard in gone if shard not in by_shard]
     return lines
@@ -269,15 +315,19 @@ def _stale_lines(old_map: dict[str, str], new_map: dict[str, str], index: str) -
     return lines
 
 
-def _changes(had_index: bool, old_map: dict[str, str], new_map: dict[str, str], shards: int) -> str:
+def _changes(
+    had_index: bool, old_map: dict[str, str], new_map: dict[str, str], lost: list[str], shards: int
+) -> str:
     if not had_index:
         return f"written from the headers of {shards} shards: {_count(list(new_map))}"
     moved = sum(1 for key, shard in new_map.items() if key in old_map and old_map[key] != shard)
     added = sum(1 for key in new_map if key not in old_map)
     removed = sum(1 for key in old_map if key not in new_map)
+    kept = f"; {len(lost)} lost, kept where the old index named them" if lost else ""
     return (
-        f"weight_map rebuilt from the headers of {shards} shards: {_count(list(new_map))}, "
-        f"{moved} moved to the shard that holds them, {added} added, {removed} removed (lost)"
+        f"weight_map rebuilt from the headers of {shards} shards: "
+        f"{_count(list(new_map))}, {moved} moved to the shard that holds them, {added} added, "
+        f"{removed} removed{kept}"
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 
+from ckpttool.errors import CkptError
 from ckpttool.frameworks.base import (
     CONFIG,
     INDEX,
@@ -160,16 +161,42 @@ def _epoch_directory(path: str, files: dict[str, int], epoch: int) -> FrameworkD
         "recipe_state": said,
     }
     layout.found = recipe  # read by check_tree: the recipe state saved with these weights
+    # the shards an index lists and the directory lacks (the count in the names below cannot
+    # tell when every shard of a name is gone)
+    listed = [
+        f"{name} (listed in {index})"
+        for index in SHARD_INDEXES
+        if index in files
+        for name in _listed_shards(layout, index)
+        if name not in files
+    ]
+    layout.missing += listed
     shards = [SHARD.match(n) for n in files]
     counts = {int(m.group(2)) for m in shards if m}
     if len(counts) == 1:
         (count,) = counts
         have = {int(m.group(1)) for m in shards if m}
         layout.missing += [
-            f"model-{i:05d}-of-{count:05d}.*" for i in range(1, count + 1) if i not in have
+            f"model-{i:05d}-of-{count:05d}.*"
+            for i in range(1, count + 1)
+            if i not in have
+            and not any(n.startswith(f"model-{i:05d}-of-{count:05d}.") for n in listed)
         ]
     layout.complete = not layout.missing
     return layout
+
+
+def _listed_shards(layout: FrameworkDirectory, index: str) -> list[str]:
+    """The file names the index ``index`` of ``layout`` maps tensors to (a broken index: none
+    here; reading the checkpoint reports it)."""
+    try:
+        mapping = layout.read_json(index)
+    except CkptError:
+        return []
+    weight_map = mapping.get("weight_map") if isinstance(mapping, dict) else None
+    if not isinstance(weight_map, dict):
+        return []
+    return sorted({name for name in weight_map.values() if isinstance(name, str)})
 
 
 def _flat_directory(path: str, files: dict[str, int], epochs: list[int]) -> FrameworkDirectory:

@@ -70,7 +70,8 @@ class Torchtune(Framework):
         if "torchtune" not in details:
             return []
         return [
-            "torchtune: every model-NNNNN-of-MMMMM shard present; recipe_state's epochs_run "
+            "torchtune: every model-NNNNN-of-MMMMM shard present, and every file its index "
+            "lists; recipe_state's epochs_run "
             "follows the epoch of the weights beside it"
         ]
 
