@@ -170,9 +170,17 @@ def test_a_folder_of_differently_named_checkpoint_files_is_one_of_parts(
     written = load_file(out)
     assert written.keys() == expected.keys()
     assert all(torch.equal(written[k], v) for k, v in expected.items())
+    # verify walks a folder of parts file by file (each part is a checkpoint file of its own)
     verified = run("verify", parts_folder)
     assert verified.exit_code == 0, verified.output
-    assert "2 member files verified one by one" in verified.stdout
+    assert f"{parts_folder / 'encoder.pt'}: OK (torch-zip)" in verified.stdout
+    assert f"{parts_folder / 'decoder.pt'}: OK (torch-zip)" in verified.stdout
+    assert "member files verified one by one" not in verified.stdout
+    (parts_folder / "decoder.pt").write_bytes(b"")  # a torn part: its own verdict names it
+    torn = run("verify", parts_folder)
+    assert torn.exit_code == 1, torn.output
+    assert f"{parts_folder / 'encoder.pt'}: OK (torch-zip)" in torn.stdout
+    assert f"{parts_folder / 'decoder.pt'}: PROBLEMS" in torn.stdout
 
 
 def test_a_folder_of_one_series_stays_a_run(tmp_path: Path) -> None:

@@ -35,7 +35,6 @@ from ckpttool.frameworks.registry import detect_directory, frameworks
 from ckpttool.io.atomic import atomic_write, fsync_dir
 
 
-
 @dataclass
 class _Found:
     """What the directory holds and what is wrong with it; nothing written yet."""

@@ -22,6 +22,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.selection import find_part, in_folder, unknown_component
@@ -155,6 +156,10 @@ def verify_file(
         result.problems.append(_without_path(error, path))
         return result
     with ckpt:
+        if component is None and _walked(ckpt.format, ckpt.details):
+            raise NotADirectoryCheckpointError(
+                f"{path}: a folder of checkpoint files: each verified on its own"
+            )
         result.format = ckpt.format
         folder = None if component is None else component_folder(ckpt, component)
         records = _records(ckpt, folder)
@@ -195,6 +200,14 @@ def _format_checks(
 
         return check_directory(ckpt, progress, verify_file, folder)
     return [], []
+
+
+def _walked(fmt: str, details: dict[str, Any]) -> bool:
+    """A directory whose framework has ``verify`` walk it file by file (a folder of parts)."""
+    from ckpttool.frameworks.registry import framework_of
+
+    framework = framework_of(details.get("layout")) if fmt == "directory" else None
+    return framework is not None and framework.verified_file_by_file(details)
 
 
 def component_folder(ckpt: Checkpoint, name: str) -> str:
@@ -338,7 +351,13 @@ def _checkpoints_under(directory: Path) -> list[Path]:
         if here != directory:
             try:
                 layout = detect_directory(str(here))  # a Trainer output_dir: its checkpoints
-                known = layout is not None and not layout.collection
+                known = (
+                    layout is not None
+                    and not layout.collection
+                    and not _walked(
+                        "directory", {"layout": layout.kind, "layout_title": layout.title}
+                    )
+                )
             except CkptError:  # a framework's layout, damaged: verify says what is wrong
                 known = True
             if known or directory_format_of(here) is not None:  # DCP

@@ -543,6 +543,8 @@ def files_run(directory: str, names: list[str]) -> RunLayout:
         mtime = {name: os.stat(os.path.join(directory, name)).st_mtime_ns for name in names}
         ordered = tuple(sorted(names, key=lambda n: (mtime[n], n)))
     return RunLayout(FILES_TITLE, ordered, aside=lambda name: name + ASIDE_SUFFIX)
+
+
 @dataclass(frozen=True)
 class Placeholders:
     """Tensors of one file that stand for values the file does not hold: 0-element placeholders
@@ -651,6 +653,12 @@ class Framework:
         files of their own (a zip archive's), verified by the framework; None: ``verify``
         checks each member file as a file (the default)."""
         return None
+
+    def verified_file_by_file(self, details: dict[str, Any]) -> bool:
+        """4. Whether ``verify`` of this checkpoint (its ``details``) walks its folder as a plain
+        directory, each checkpoint file a verdict of its own (a folder of parts: its files are
+        checkpoints of their own), rather than giving it one verdict (the default)."""
+        return False
 
     def verify_checks(self, details: dict[str, Any]) -> list[str]:
         """4. What ``verify`` checked of the directory beyond its members and completeness, as

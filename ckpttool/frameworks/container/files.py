@@ -52,6 +52,7 @@ PART = CUSTOM
 MAX_INFLATED = 64 << 20
 #: More members than this is no archive of checkpoint parts (a bound on what detection reads).
 MAX_MEMBERS = 10_000
+FOLDER_TITLE = "folder of checkpoint files"
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra field length
 
 
@@ -121,7 +122,7 @@ def _folder(path: str) -> FrameworkDirectory | None:
         return None  # a tree of folders: checkpoints in several places, which verify walks
     layout = FrameworkDirectory(
         kind=CHECKPOINT_PARTS,
-        title="folder of checkpoint files",
+        title=FOLDER_TITLE,
         directory=path,
         members=[],
     )

@@ -57,6 +57,11 @@ class CheckpointParts(Framework):
             return None
         return files_run(directory, [m.name for m in layout.members if m.role == files.PART])
 
+    def verified_file_by_file(self, details: dict[str, Any]) -> bool:
+        """A folder's parts are checkpoint files of their own: ``verify`` gives each its verdict
+        (a zip archive's members are checked as the archive, one verdict)."""
+        return details.get("layout_title") == files.FOLDER_TITLE
+
     def verify_checks(self, details: dict[str, Any]) -> list[str]:
         return [
             f"{details.get('layout_title')}: each checkpoint file read by its own format as a part"
@@ -65,7 +70,7 @@ class CheckpointParts(Framework):
     def verify_members(
         self, ckpt: Checkpoint, progress: ProgressCallback | None
     ) -> tuple[list[str], list[str]] | None:
-        if not ckpt.details.get("layout_title", "").startswith("zip"):
+        if self.verified_file_by_file(ckpt.details):
             return None  # a folder's parts are files: verify checks each as a file
         from ckpttool.frameworks.container.verify import verify_archive
 
