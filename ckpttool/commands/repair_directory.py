@@ -31,7 +31,11 @@ from ckpttool.errors import CkptError, InputError, NotADirectoryCheckpointError,
 from ckpttool.formats.registry import directory_format_of
 from ckpttool.frameworks.base import STEP as STEP  # trend orders its points by it too
 from ckpttool.frameworks.base import IndexRepair, RunLayout, files_run
-from ckpttool.frameworks.registry import detect_directory, frameworks
+from ckpttool.frameworks.registry import (
+    detect_directory,
+    frameworks,
+    verified_file_by_file,
+)
 from ckpttool.io.atomic import atomic_write, fsync_dir
 
 
@@ -131,13 +135,14 @@ def _index(found: _Found, directory: Path, index: IndexRepair) -> None:
 
 
 def _single_title(path: str) -> str | None:
-    """The title of one checkpoint directory ckpttool knows (not a run of several), or None."""
+    """The title of one checkpoint directory ckpttool knows (not a run of several), or None
+    (a folder of parts, each file a checkpoint of its own, is a run of files too)."""
     try:
         layout = detect_directory(path)
     except CkptError:  # a framework's layout, damaged: verify says what is wrong
         return "checkpoint directory"
     if layout is not None:
-        return layout.title
+        return None if verified_file_by_file(layout) else layout.title
     fmt = directory_format_of(path)
     return f"{fmt.id} directory" if fmt is not None else None
 

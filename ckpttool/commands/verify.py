@@ -22,7 +22,6 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.selection import find_part, in_folder, unknown_component
@@ -156,7 +155,7 @@ def verify_file(
         result.problems.append(_without_path(error, path))
         return result
     with ckpt:
-        if component is None and _walked(ckpt.format, ckpt.details):
+        if component is None and ckpt.format == "directory" and _file_by_file(ckpt):
             raise NotADirectoryCheckpointError(
                 f"{path}: a folder of checkpoint files: each verified on its own"
             )
@@ -186,6 +185,13 @@ def verify_file(
     return result
 
 
+def _file_by_file(ckpt: Checkpoint) -> bool:
+    """A directory whose framework has ``verify`` walk it file by file (a folder of parts)."""
+    from ckpttool.frameworks.registry import verified_file_by_file
+
+    return verified_file_by_file(ckpt.details)
+
+
 def _format_checks(
     ckpt: Checkpoint, progress: ProgressCallback | None, folder: str | None = None
 ) -> tuple[list[str], list[str]]:
@@ -200,14 +206,6 @@ def _format_checks(
 
         return check_directory(ckpt, progress, verify_file, folder)
     return [], []
-
-
-def _walked(fmt: str, details: dict[str, Any]) -> bool:
-    """A directory whose framework has ``verify`` walk it file by file (a folder of parts)."""
-    from ckpttool.frameworks.registry import framework_of
-
-    framework = framework_of(details.get("layout")) if fmt == "directory" else None
-    return framework is not None and framework.verified_file_by_file(details)
 
 
 def component_folder(ckpt: Checkpoint, name: str) -> str:
@@ -341,7 +339,7 @@ def _checkpoints_under(directory: Path) -> list[Path]:
     framework directory is one input, not its files); hidden files are left out (an
     interrupted save's temp files are reported beside the checkpoint they were meant for)."""
     from ckpttool.formats.registry import directory_format_of
-    from ckpttool.frameworks.registry import detect_directory
+    from ckpttool.frameworks.registry import detect_directory, verified_file_by_file
 
     found = []
     for root, subdirectories, names in os.walk(directory):
@@ -354,9 +352,7 @@ def _checkpoints_under(directory: Path) -> list[Path]:
                 known = (
                     layout is not None
                     and not layout.collection
-                    and not _walked(
-                        "directory", {"layout": layout.kind, "layout_title": layout.title}
-                    )
+                    and not verified_file_by_file(layout)  # a folder of parts: its files
                 )
             except CkptError:  # a framework's layout, damaged: verify says what is wrong
                 known = True

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ckpttool.formats.base import Parsed
@@ -104,6 +104,16 @@ def framework_of(layout: object) -> Framework | None:
         if layout in layouts:
             return load(spec)
     return None
+
+
+def verified_file_by_file(found: FrameworkDirectory | dict[str, Any]) -> bool:
+    """Whether ``verify`` and ``repair`` take the checkpoint (a detected layout, or an opened
+    directory's ``details``) as a plain directory, file by file (a folder of parts): its
+    framework's :meth:`~ckpttool.frameworks.base.Framework.verified_file_by_file`."""
+    if not isinstance(found, dict):
+        found = {"layout": found.kind, "layout_title": found.title}
+    framework = framework_of(found.get("layout"))
+    return framework is not None and framework.verified_file_by_file(found)
 
 
 def detect_directory(

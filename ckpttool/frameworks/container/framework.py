@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.frameworks.base import PARTS, Framework, FrameworkDirectory, RunLayout, files_run
+from ckpttool.frameworks.base import PARTS, Framework, FrameworkDirectory
 from ckpttool.frameworks.container import files
-from ckpttool.io.source import is_dir
 from ckpttool.model.records import tensors
 
 if TYPE_CHECKING:
@@ -48,14 +47,6 @@ class CheckpointParts(Framework):
             lines.append(f"  {part['name']:<20} {part['file']:<24} {part['type'] or '?':<18} "
                          f"{held} (key prefix {part['prefix']!r})")  # fmt: skip
         return lines
-
-    def run_layout(self, directory: str) -> RunLayout | None:
-        """A folder of parts is also its files, each a checkpoint of its own: ``repair`` judges
-        each as one of a run's (an incomplete one moved aside), ``trend`` follows them."""
-        layout = files.detect(directory) if is_dir(directory) else None
-        if layout is None:
-            return None
-        return files_run(directory, [m.name for m in layout.members if m.role == files.PART])
 
     def verified_file_by_file(self, details: dict[str, Any]) -> bool:
         """A folder's parts are checkpoint files of their own: ``verify`` gives each its verdict
