@@ -7,6 +7,7 @@ one checkpoint of named parts; a folder of one series of checkpoint files stays 
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from ckpttool.checkpoint import open_checkpoint
 from ckpttool.cli import cli
 from ckpttool.errors import InputError, NotACheckpointError
 from ckpttool.frameworks.container import files as container_files
+from tests.support.helpers import FIXTURES
 
 
 def run(*args: object) -> Result:
@@ -237,3 +239,38 @@ def test_edit_and_repair_refuse_a_zip_of_checkpoint_files_as_such(
         "part)\n"
     )
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("fixture", "title"),
+    [
+        ("frameworks/trainer_1proc/output/checkpoint-8", "Hugging Face Trainer checkpoint"),
+        ("frameworks/accelerate_1proc/state", "accelerate save_state folder"),
+    ],
+)
+def test_a_framework_folder_missing_its_weights_stays_the_framework_s(
+    fixture: str, title: str, tmp_path: Path
+) -> None:
+    """The container is asked last and never claims a framework's folder, whole or missing a
+    file: repair of a Trainer checkpoint or accelerate folder whose weights file is gone reports
+    the damage and exits 1 (before: the container's run of files, "INTACT", exit 0); verify too."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / fixture, src)
+    (src / "model.safetensors").unlink()
+    repaired = run("repair", src, "--dry-run")
+    assert repaired.exit_code == 1, repaired.output
+    assert f"DAMAGED ({title})" in repaired.stdout
+    assert (
+        "the model weights (model.safetensors or pytorch_model.bin) is missing" in repaired.stdout
+    )
+    verified = run("verify", src)
+    assert verified.exit_code == 1, verified.output
+    assert "model.safetensors" in verified.stdout
+
+
+def test_a_folder_of_parts_is_repaired_as_its_files(parts_folder: Path) -> None:
+    """repair of a folder of parts judges each file as one of a run's (not the folder as one
+    checkpoint, which verify walks file by file)."""
+    intact = run("repair", parts_folder, "--dry-run")
+    assert intact.exit_code == 0, intact.output
+    assert "INTACT (directory of checkpoint files)" in intact.stdout
