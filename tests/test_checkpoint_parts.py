@@ -274,3 +274,17 @@ def test_a_folder_of_parts_is_repaired_as_its_files(parts_folder: Path) -> None:
     intact = run("repair", parts_folder, "--dry-run")
     assert intact.exit_code == 0, intact.output
     assert "INTACT (directory of checkpoint files)" in intact.stdout
+
+
+def test_verify_walks_a_folder_of_parts_inside_a_tree_file_by_file(tmp_path: Path) -> None:
+    """A folder of parts under a directory verify walks is walked too, a verdict per file (not
+    one input that verify then could not check)."""
+    parts = tmp_path / "runs" / "parts"
+    parts.mkdir(parents=True)
+    torch.save({"w": torch.zeros(2)}, parts / "encoder.pt")
+    torch.save({"w": torch.ones(2)}, parts / "decoder.pt")
+    torch.save({"w": torch.ones(3)}, tmp_path / "runs" / "best.pt")
+    verified = run("verify", tmp_path / "runs")
+    assert verified.exit_code == 0, verified.output
+    for path in (parts / "encoder.pt", parts / "decoder.pt", tmp_path / "runs" / "best.pt"):
+        assert f"{path}: OK (torch-zip)" in verified.stdout
