@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from ckpttool.errors import (
     CheckpointCollectionError,
     InputError,
+    NotACheckpointError,
     NotADirectoryCheckpointError,
 )
 from ckpttool.formats.base import Checkpoint
@@ -129,7 +130,31 @@ def _open(
     if is_framework_path(name):
         return _open_directory(name, strict, refuse_dangerous, known)
     handle = open_local(name)
-    return open_file(name, handle, strict, refuse_dangerous, track_spans, allow_ambiguous)
+    try:
+        return open_file(name, handle, strict, refuse_dangerous, track_spans, allow_ambiguous)
+    except NotACheckpointError:
+        archive = _archive_of_parts(name, strict, refuse_dangerous, known)
+        if archive is None:
+            raise
+        return archive
+
+
+def _archive_of_parts(
+    name: str, strict: bool, refuse_dangerous: bool, known: Known
+) -> Checkpoint | None:
+    """A local file no format reads, as an archive of checkpoint files a framework knows (a zip
+    of ``.pth`` members: its named parts); None when none does (asked after every format, so
+    that a file a format reads is never read as an archive)."""
+    from ckpttool.frameworks.registry import detect_archive, read_directory
+
+    found = detect_archive(name, known)
+    if found is None:
+        return None
+    layout, framework = found
+    parsed, size = read_directory(
+        layout, framework, strict=strict, refuse_dangerous=refuse_dangerous
+    )
+    return as_checkpoint(name, parsed, None, size, tensors(parsed.root))
 
 
 def _framework_over_format(name: str, known: Known) -> bool:
@@ -217,7 +242,8 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
             f"{name}: is a directory, but not a checkpoint layout ckpttool knows (a Hugging Face "
             "model or Trainer checkpoint, a PEFT adapter, an accelerate save_state folder, a "
             "DeepSpeed save or tag directory, a Megatron save, a torchtitan or torchtune "
-            "checkpoint, a set of per-rank state dicts, a DCP directory); "
+            "checkpoint, a set of per-rank state dicts, a DCP directory, a folder of differently "
+            "named checkpoint files without subfolders); "
             f"{_files_seen(name)}"
         )
     if layout.collection:
@@ -231,13 +257,11 @@ def _open_directory(name: str, strict: bool, refuse_dangerous: bool, known: Know
     return as_checkpoint(name, parsed, None, size, tensors(parsed.root))
 
 
-#: Names of files that are usually checkpoints (what ``show DIR`` lists of a plain directory).
-CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar")
-
-
 def checkpoint_names(directory: str) -> list[str]:
     """The files directly in ``directory`` named like checkpoints, sorted (names only: nothing
     is opened)."""
+    from ckpttool.frameworks.base import CHECKPOINT_SUFFIXES
+
     try:
         entries = os.listdir(directory)
     except OSError:
@@ -256,9 +280,12 @@ def _files_seen(directory: str, most: int = 8) -> str:
         return (
             "it holds no file named like a checkpoint (*.pth, *.pt, *.bin, *.ckpt, *.safetensors)"
         )
+    from ckpttool.frameworks.base import one_series
+
     shown = ", ".join(names[:most]) + (f" (+{len(names) - most} more)" if len(names) > most else "")
+    run = " (one run's checkpoints: `ckpttool trend` follows them)" if one_series(names) else ""
     return (
-        f"it holds {len(names)} checkpoint file{'s' if len(names) != 1 else ''}: {shown}; "
+        f"it holds {len(names)} checkpoint file{'s' if len(names) != 1 else ''}: {shown}{run}; "
         "name one of them (verify and scan take the whole directory)"
     )
 

@@ -24,11 +24,13 @@ def test_detection_order() -> None:
     Trainer checkpoint-N/ of a PEFT model holds an adapter, not the weights), sentence-transformers
     (its root module is a Hugging Face model directory) and diffusers, accelerate before
     Hugging Face (its folders hold a model.safetensors too), DeepSpeed next (a Trainer
-    checkpoint-N/ of a DeepSpeed run holds a global_stepN/), Megatron, and per-rank sets last
-    (any directory of *rank<N>.pt files)."""
+    checkpoint-N/ of a DeepSpeed run holds a global_stepN/), Megatron, per-rank sets (any
+    directory of *rank<N>.pt files), and the generic container of checkpoint files last (any
+    folder of differently named ones: after every framework that names its files)."""
     assert [f.name for f in frameworks()] == [
         "lightning_sharded", "torchtitan", "torchtune", "peft", "sentence_transformers",
         "diffusers", "accelerate", "huggingface", "deepspeed", "megatron", "rank_set",
+        "checkpoint_parts",
     ]  # fmt: skip
 
 

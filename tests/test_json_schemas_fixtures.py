@@ -44,8 +44,16 @@ COLLECTIONS = ("frameworks/trainer_1proc/half_written", "frameworks/trainer_1pro
                "frameworks/torchtitan/checkpoint", "frameworks/torchtune/output")  # fmt: skip
 
 
+#: Folders refused themselves, not their files: a folder of checkpoint files is one checkpoint of
+#: parts (docs/formats.md, "Containers"), and this one holds the TorchScript archive above,
+#: refused in one line naming it.
+REFUSED_FOLDERS = {"special": "a folder of parts one of which is a TorchScript archive"}
+
+
 def refused(path: Path) -> bool:
-    return any(name(path) == where or name(path).startswith(where + "/") for where in REFUSED)
+    return name(path) in REFUSED_FOLDERS or any(
+        name(path) == where or name(path).startswith(where + "/") for where in REFUSED
+    )
 
 
 def refused_or_collection(path: Path) -> bool:

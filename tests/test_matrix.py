@@ -44,6 +44,7 @@ REFUSED: dict[tuple[str, str], str] = {
             "lightning_sharded", "torchtitan", "megatron_torch_dist",
         )
     },
+    ("edit", "checkpoint_parts"): "edit does not rewrite a folder of checkpoint files",
     ("edit", "gguf"): "edit rewrites torch.save files",
     ("repair", "gguf"): "not a file ckpttool can recover",
 }  # fmt: skip
@@ -76,7 +77,7 @@ def damaged_cases(fixtures: list[Fixture], check: str) -> list[Any]:
 
 
 def _several_files(fixture: Fixture) -> bool:
-    if fixture.build is not None:
+    if fixture.build is not None or not fixture.records_files:
         return False
     return len(matrix.data_files(matrix.FIXTURES / fixture.path)) > 1
 

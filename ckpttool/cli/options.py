@@ -35,7 +35,8 @@ def component_option(command: F) -> F:
     return click.option(
         "--component", metavar="NAME",
         help="Only the part NAME of a multi-component folder (a pipeline's unet; a "
-        "sentence-transformers module by number or folder): --section of that part.",
+        "sentence-transformers module by number or folder; a file of a zip or folder of "
+        "checkpoint files, by its name less the suffix): --section of that part.",
     )(command)  # fmt: skip
 
 

@@ -20,7 +20,6 @@ file is written or removed: a damaged file is repaired on its own (``repair FILE
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,15 +29,14 @@ from ckpttool.commands.repair_report import CheckpointState, RepairAction, Repai
 from ckpttool.commands.verify import temp_files_under, verify_file
 from ckpttool.errors import CkptError, InputError, NotADirectoryCheckpointError, name_file
 from ckpttool.formats.registry import directory_format_of
-from ckpttool.frameworks.base import IndexRepair, RunLayout
-from ckpttool.frameworks.registry import detect_directory, frameworks
+from ckpttool.frameworks.base import STEP as STEP  # trend orders its points by it too
+from ckpttool.frameworks.base import IndexRepair, RunLayout, files_run
+from ckpttool.frameworks.registry import (
+    detect_directory,
+    frameworks,
+    verified_file_by_file,
+)
 from ckpttool.io.atomic import atomic_write, fsync_dir
-
-#: A plain directory of checkpoint files: an incomplete one is renamed NAME.incomplete.
-ASIDE_SUFFIX = ".incomplete"
-FILES_TITLE = "directory of checkpoint files"
-#: The step in a checkpoint file's name: its last number (``step_1000.pt``, ``epoch=3-step=90``).
-STEP = re.compile(r"(\d+)(?!.*\d)")
 
 
 @dataclass
@@ -137,13 +135,14 @@ def _index(found: _Found, directory: Path, index: IndexRepair) -> None:
 
 
 def _single_title(path: str) -> str | None:
-    """The title of one checkpoint directory ckpttool knows (not a run of several), or None."""
+    """The title of one checkpoint directory ckpttool knows (not a run of several), or None
+    (a folder of parts, each file a checkpoint of its own, is a run of files too)."""
     try:
         layout = detect_directory(path)
     except CkptError:  # a framework's layout, damaged: verify says what is wrong
         return "checkpoint directory"
     if layout is not None:
-        return layout.title
+        return None if verified_file_by_file(layout) else layout.title
     fmt = directory_format_of(path)
     return f"{fmt.id} directory" if fmt is not None else None
 
@@ -160,16 +159,7 @@ def checkpoint_files(directory: Path) -> RunLayout | None:
     """A plain directory's checkpoint files, oldest first: by the step in their names when each
     has a different one, else by modification time."""
     names = checkpoint_names(str(directory))
-    if not names:
-        return None
-    steps = [STEP.search(Path(name).stem) for name in names]
-    numbers = [int(m.group(1)) for m in steps if m is not None]
-    if len(numbers) == len(names) and len(set(numbers)) == len(names):
-        order = sorted(zip(numbers, names))
-        ordered = tuple(name for _, name in order)
-    else:
-        ordered = tuple(sorted(names, key=lambda n: (os.stat(directory / n).st_mtime_ns, n)))
-    return RunLayout(FILES_TITLE, ordered, aside=lambda name: name + ASIDE_SUFFIX)
+    return files_run(str(directory), names) if names else None
 
 
 def _run(found: _Found, directory: Path, run: RunLayout, *, quarantine: bool) -> None:

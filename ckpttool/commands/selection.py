@@ -105,7 +105,8 @@ def find_part(ckpt: Checkpoint, name: str) -> dict[str, Any] | None:
     if not isinstance(parts, list) or not parts:
         raise InputError(
             f"{ckpt.name}: no components to pick {name!r} from (components are the parts of a "
-            "diffusers pipeline or sentence-transformers model folder)"
+            "diffusers pipeline or sentence-transformers model folder, or the files of a zip or "
+            "folder of checkpoint files)"
         )
     for part in parts:
         if name in (part["name"], part.get("folder") or part["name"]):

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool.checkpoint import CHECKPOINT_SUFFIXES, Checkpoint, open_checkpoint
+from ckpttool.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.commands.selection import find_part, in_folder, unknown_component
 from ckpttool.errors import (
     EXIT_ERROR,
@@ -36,6 +36,7 @@ from ckpttool.errors import (
     NotADirectoryCheckpointError,
 )
 from ckpttool.formats.registry import find_format
+from ckpttool.frameworks.base import CHECKPOINT_SUFFIXES
 from ckpttool.io.atomic import TMP_SUFFIX, temp_name_pattern
 from ckpttool.io.progress import ProgressCallback
 from ckpttool.io.source import is_url
@@ -154,6 +155,10 @@ def verify_file(
         result.problems.append(_without_path(error, path))
         return result
     with ckpt:
+        if component is None and ckpt.format == "directory" and _file_by_file(ckpt):
+            raise NotADirectoryCheckpointError(
+                f"{path}: a folder of checkpoint files: each verified on its own"
+            )
         result.format = ckpt.format
         folder = None if component is None else component_folder(ckpt, component)
         records = _records(ckpt, folder)
@@ -178,6 +183,13 @@ def verify_file(
         said = " ".join(result.problems)
         result.leftovers += [str(p) for p, _ in temp_files_under(path) if str(p) not in said]
     return result
+
+
+def _file_by_file(ckpt: Checkpoint) -> bool:
+    """A directory whose framework has ``verify`` walk it file by file (a folder of parts)."""
+    from ckpttool.frameworks.registry import verified_file_by_file
+
+    return verified_file_by_file(ckpt.details)
 
 
 def _format_checks(
@@ -327,7 +339,7 @@ def _checkpoints_under(directory: Path) -> list[Path]:
     framework directory is one input, not its files); hidden files are left out (an
     interrupted save's temp files are reported beside the checkpoint they were meant for)."""
     from ckpttool.formats.registry import directory_format_of
-    from ckpttool.frameworks.registry import detect_directory
+    from ckpttool.frameworks.registry import detect_directory, verified_file_by_file
 
     found = []
     for root, subdirectories, names in os.walk(directory):
@@ -337,7 +349,11 @@ def _checkpoints_under(directory: Path) -> list[Path]:
         if here != directory:
             try:
                 layout = detect_directory(str(here))  # a Trainer output_dir: its checkpoints
-                known = layout is not None and not layout.collection
+                known = (
+                    layout is not None
+                    and not layout.collection
+                    and not verified_file_by_file(layout)  # a folder of parts: its files
+                )
             except CkptError:  # a framework's layout, damaged: verify says what is wrong
                 known = True
             if known or directory_format_of(here) is not None:  # DCP

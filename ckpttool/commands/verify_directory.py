@@ -18,10 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.checkpoint import CHECKPOINT_SUFFIXES
 from ckpttool.commands.selection import in_folder
 from ckpttool.errors import CkptError
-from ckpttool.frameworks.base import OTHER
+from ckpttool.frameworks.base import CHECKPOINT_SUFFIXES, OTHER
 from ckpttool.frameworks.registry import framework_of
 from ckpttool.io.parallel import serialized
 from ckpttool.io.progress import ProgressCallback
@@ -48,6 +47,11 @@ def check_directory(
     checked by ``verify_file`` (``verify``'s own, handed in: this module is below it). With
     ``folder`` (a part's, ``verify --component``), only the members and missing files there."""
     details = ckpt.details
+    framework = framework_of(details.get("layout"))
+    if framework is not None:  # members that are no files of their own (a zip's)
+        members_checked = framework.verify_members(ckpt, progress)
+        if members_checked is not None:
+            return members_checked[0], members_checked[1] + framework.verify_checks(details)
     directory = str(details.get("directory", ckpt.name))
     problems: list[str] = []
     # a member the layout already reported (an empty rank file) is not verified again
@@ -92,7 +96,6 @@ def check_directory(
     if unused:
         names = ", ".join(m["name"] for m in unused)
         checked.append(f"also verified, though the {title} does not load them: {names}")
-    framework = framework_of(details.get("layout"))
     if framework is not None:
         checked += framework.verify_checks(details)
     return problems, checked

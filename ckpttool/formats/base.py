@@ -37,6 +37,11 @@ if TYPE_CHECKING:
     from ckpttool.io.read_batch import InOrder
     from ckpttool.pickle.scan import Counts, Written
 
+#: Names of files that are usually checkpoints: what ``show DIR`` lists of a plain directory,
+#: the parts of a folder or zip of checkpoint files, and the members of such a zip that whoever
+#: reads it hands to ``torch.load`` (``scan``).
+CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar")
+
 
 @dataclass
 class Parsed:

@@ -50,10 +50,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import CkptError, CorruptCheckpointError, InputError, name_file
+from ckpttool.formats.base import CHECKPOINT_SUFFIXES as _CHECKPOINT_SUFFIXES
 from ckpttool.io.source import is_url, join, read_small
 
 if TYPE_CHECKING:
     from ckpttool.formats.base import Checkpoint
+    from ckpttool.io.progress import ProgressCallback
     from ckpttool.model.rescaling import DirectoryPlan, DirectoryRescaleReport, RescaleRequest
 
 # Roles a member file can have.
@@ -81,6 +83,17 @@ COLLECTION = "hf_trainer_output"
 #: Where a folder of several model folders lists its named parts (``details[PARTS]``: dicts with
 #: ``name``, ``folder``, ``type``, ``prefix``, ``section`` and ``tensors``; frameworks/parts.py).
 PARTS = "parts"
+
+#: Names of files that are usually checkpoints (the format floor's, where scan needs them too).
+CHECKPOINT_SUFFIXES = _CHECKPOINT_SUFFIXES
+
+
+def one_series(names: list[str]) -> bool:
+    """Whether checkpoint file ``names`` (two or more) are one series: names that differ only by
+    their numbers (``ckpt-100.pt``, ``ckpt-200.pt``), a run's checkpoints (``trend`` follows
+    them) rather than the parts of one checkpoint."""
+    return len(names) > 1 and len({re.sub(r"\d+", "#", name) for name in names}) == 1
+
 
 #: How large a JSON member may be (an index of a million tensors is ~60 MB).
 MAX_JSON_BYTES = 256 << 20
@@ -127,6 +140,12 @@ class FrameworkDirectory:
     # what the framework found while detecting (its own type), so that opening a view or a
     # rescale does not probe the directory again
     found: object = field(default=None, repr=False, compare=False)
+    #: How a member that is no file of its own is opened (a member of a zip archive: its byte
+    #: range read as a file), given its name, ``strict`` and ``refuse_dangerous``; None: each
+    #: member is a file of the directory, opened by :func:`open_member`
+    opener: Callable[[str, bool, bool], Checkpoint] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def read_json(self, name: str) -> object:
         """The JSON member ``name``, parsed once."""
@@ -504,6 +523,28 @@ class RunLayout:
     aside: Callable[[str], str] | None = None
 
 
+#: A plain directory of checkpoint files: an incomplete one is renamed NAME.incomplete.
+ASIDE_SUFFIX = ".incomplete"
+FILES_TITLE = "directory of checkpoint files"
+#: The step in a checkpoint file's name: its last number (``step_1000.pt``, ``epoch=3-step=90``).
+STEP = re.compile(r"(\d+)(?!.*\d)")
+
+
+def files_run(directory: str, names: list[str]) -> RunLayout:
+    """The checkpoint files ``names`` of a plain ``directory`` as a run, oldest first (what
+    ``repair`` judges one by one): by the step in their names when each has a different one,
+    else by modification time."""
+    steps = [STEP.search(Path(name).stem) for name in names]
+    numbers = [int(m.group(1)) for m in steps if m is not None]
+    if len(numbers) == len(names) and len(set(numbers)) == len(names):
+        order = sorted(zip(numbers, names))
+        ordered = tuple(name for _, name in order)
+    else:
+        mtime = {name: os.stat(os.path.join(directory, name)).st_mtime_ns for name in names}
+        ordered = tuple(sorted(names, key=lambda n: (mtime[n], n)))
+    return RunLayout(FILES_TITLE, ordered, aside=lambda name: name + ASIDE_SUFFIX)
+
+
 @dataclass(frozen=True)
 class Placeholders:
     """Tensors of one file that stand for values the file does not hold: 0-element placeholders
@@ -604,6 +645,20 @@ class Framework:
         """4. The model's real parameter count when the framework knows it better than the
         stored tensors tell (ZeRO-3 stores placeholders and flat partitions); None otherwise."""
         return None
+
+    def verify_members(
+        self, ckpt: Checkpoint, progress: ProgressCallback | None
+    ) -> tuple[list[str], list[str]] | None:
+        """4. (problems, what was checked) of the members of a layout whose members are no
+        files of their own (a zip archive's), verified by the framework; None: ``verify``
+        checks each member file as a file (the default)."""
+        return None
+
+    def verified_file_by_file(self, details: dict[str, Any]) -> bool:
+        """4. Whether ``verify`` of this checkpoint (its ``details``) walks its folder as a plain
+        directory, each checkpoint file a verdict of its own (a folder of parts: its files are
+        checkpoints of their own), rather than giving it one verdict (the default)."""
+        return False
 
     def verify_checks(self, details: dict[str, Any]) -> list[str]:
         """4. What ``verify`` checked of the directory beyond its members and completeness, as

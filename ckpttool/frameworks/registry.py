@@ -13,14 +13,16 @@ directory, with ``modules.json`` beside it); diffusers next (``model_index.json`
 ``config.json`` beside ``diffusion_pytorch_model*``: no other framework's names); accelerate next (its folders hold a ``model.safetensors`` like a model
 directory does); DeepSpeed next (a Trainer ``checkpoint-N/`` of a DeepSpeed run holds a
 ``global_stepN/`` too); Megatron next (``mp_rank_XX/`` folders, or a DCP directory with
-``metadata.json``); per-rank sets last (a directory of ``*rank<N>.pt`` files).
+``metadata.json``); per-rank sets next (a directory of ``*rank<N>.pt`` files); the generic
+container of checkpoint files last (a folder of differently named checkpoint files that no
+framework above names: each file a part).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ckpttool.formats.base import Parsed
@@ -39,7 +41,14 @@ FRAMEWORKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ckpttool.frameworks.deepspeed.framework:FRAMEWORK", ("deepspeed",)),
     ("ckpttool.frameworks.megatron.framework:FRAMEWORK", ("megatron_torch_dist", "megatron_legacy")),
     ("ckpttool.frameworks.rank_set.framework:FRAMEWORK", ("rank_set",)),
+    ("ckpttool.frameworks.container.framework:FRAMEWORK", ("checkpoint_parts",)),
 )  # fmt: skip
+
+#: The frameworks that also read a file no format reads as an archive of checkpoint files (a zip
+#: of ``.pth`` members): the door asks them after every format has refused the file.
+READS_ARCHIVES: frozenset[str] = frozenset({
+    "ckpttool.frameworks.container.framework:FRAMEWORK",
+})  # fmt: skip
 
 #: The frameworks whose layouts are directories a directory format reads too (a DCP directory
 #: with a file of the framework's own beside it, or a DCP directory named as the framework
@@ -97,6 +106,16 @@ def framework_of(layout: object) -> Framework | None:
     return None
 
 
+def verified_file_by_file(found: FrameworkDirectory | dict[str, Any]) -> bool:
+    """Whether ``verify`` and ``repair`` take the checkpoint (a detected layout, or an opened
+    directory's ``details``) as a plain directory, file by file (a folder of parts): its
+    framework's :meth:`~ckpttool.frameworks.base.Framework.verified_file_by_file`."""
+    if not isinstance(found, dict):
+        found = {"layout": found.kind, "layout_title": found.title}
+    framework = framework_of(found.get("layout"))
+    return framework is not None and framework.verified_file_by_file(found)
+
+
 def detect_directory(
     path: str, known: dict[str, FrameworkDirectory | None] | None = None
 ) -> FrameworkDirectory | None:
@@ -120,6 +139,20 @@ def detect_before_format(
             layout = detect_once(load(spec), path, known)
             if layout is not None:
                 return layout
+    return None
+
+
+def detect_archive(
+    path: str, known: dict[str, FrameworkDirectory | None] | None = None
+) -> tuple[FrameworkDirectory, Framework] | None:
+    """The layout of the file ``path``, which no format reads, as an archive of checkpoint files
+    by a framework of :data:`READS_ARCHIVES`, with that framework (None: none knows it)."""
+    for spec, _ in FRAMEWORKS:
+        if spec in READS_ARCHIVES:
+            framework = load(spec)
+            layout = detect_once(framework, path, known)
+            if layout is not None:
+                return layout, framework
     return None
 
 

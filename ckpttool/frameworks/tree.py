@@ -76,6 +76,8 @@ def read_directory(
                         )
                         if member.indexes_directory
                         else open_member(path, strict=strict, refuse_dangerous=refuse_dangerous)
+                        if layout.opener is None
+                        else layout.opener(member.name, strict, refuse_dangerous)
                     )
                 except (CorruptCheckpointError, InputError, NotACheckpointError) as error:
                     if strict:

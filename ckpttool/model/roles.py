@@ -67,10 +67,11 @@ SENTENCE_TRANSFORMERS = "sentence_transformers"  # modules.json: frameworks.sent
 DIFFUSERS_MODEL = "diffusers_model"  # config.json + diffusion_pytorch_model*: frameworks.diffusers
 DIFFUSERS_EMA = "diffusers_ema"  # EMAModel.save_pretrained: frameworks.diffusers
 DIFFUSERS_PIPELINE = "diffusers_pipeline"  # model_index.json + components: frameworks.diffusers
+CHECKPOINT_PARTS = "checkpoint_parts"  # a zip or folder of checkpoint files: frameworks.container
 DECLARED_LAYOUTS = (
     HF_MODEL, HF_TRAINER, ACCELERATE, DEEPSPEED, PEFT_ADAPTER, PICKLED_MODULE, RANK_SET,
     LIGHTNING_SHARDED, TORCHTITAN, TORCHTUNE, MEGATRON_DIST, MEGATRON_LEGACY,
-    SENTENCE_TRANSFORMERS, DIFFUSERS_MODEL, DIFFUSERS_EMA, DIFFUSERS_PIPELINE,
+    SENTENCE_TRANSFORMERS, DIFFUSERS_MODEL, DIFFUSERS_EMA, DIFFUSERS_PIPELINE, CHECKPOINT_PARTS,
 )  # fmt: skip
 
 LAYOUT_TITLES = {
@@ -102,6 +103,7 @@ LAYOUT_TITLES = {
     DIFFUSERS_MODEL: "diffusers model folder",
     DIFFUSERS_EMA: "diffusers EMAModel save",
     DIFFUSERS_PIPELINE: "diffusers pipeline folder",
+    CHECKPOINT_PARTS: "checkpoint files as named parts (a zip or folder of them)",
 }
 
 RESUME_KEYS = ("model", "optimizer", "epoch", "step")

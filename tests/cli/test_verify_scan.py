@@ -197,8 +197,10 @@ def test_verify_a_plain_directory_verifies_each_checkpoint_in_it(tmp_path: Path)
 
 
 def test_show_of_a_plain_directory_names_the_checkpoint_files_in_it(tmp_path: Path) -> None:
-    shutil.copy(RESUME, tmp_path / "resume.pth")
-    shutil.copy(FIXTURES / "safetensors/model.safetensors", tmp_path / "weights.safetensors")
+    """A run's checkpoints (names that differ only by a number) are no container of parts
+    (tests/test_checkpoint_parts.py): show names them, and trend."""
+    shutil.copy(RESUME, tmp_path / "resume-100.pth")
+    shutil.copy(RESUME, tmp_path / "resume-200.pth")
     (tmp_path / "README.md").write_text("notes\n")
     result = run("show", tmp_path)
     assert result.exit_code == 2
@@ -206,9 +208,10 @@ def test_show_of_a_plain_directory_names_the_checkpoint_files_in_it(tmp_path: Pa
         f"Error: {tmp_path}: is a directory, but not a checkpoint layout ckpttool knows (a "
         "Hugging Face model or Trainer checkpoint, a PEFT adapter, an accelerate save_state "
         "folder, a DeepSpeed save or tag directory, a Megatron save, a torchtitan or torchtune "
-        "checkpoint, a set of per-rank state dicts, a DCP "
-        "directory); it holds 2 checkpoint files: resume.pth, weights.safetensors; name one of "
-        "them (verify and scan take the whole directory)"
+        "checkpoint, a set of per-rank state dicts, a DCP directory, a folder of differently "
+        "named checkpoint files without subfolders); it holds 2 checkpoint files: "
+        "resume-100.pth, resume-200.pth (one run's checkpoints: `ckpttool trend` follows them); "
+        "name one of them (verify and scan take the whole directory)"
     ]
 
 

@@ -34,6 +34,9 @@ class Fixture:
     collection: bool = False  # a run directory of several checkpoints (show, verify only)
     build: Callable[[], bytes] | None = None  # a generated file (no committed fixture)
     refused: str | None = None  # what show says refusing it (a format ckpttool reads no values of)
+    #: the layout records which files it holds, so a deleted one is damage it can see; a folder
+    #: of parts records none (a part deleted leaves a smaller folder of parts: docs/formats.md)
+    records_files: bool = True
 
     @property
     def id(self) -> str:
@@ -76,6 +79,8 @@ TABLE: tuple[Fixture, ...] = (
     Fixture("megatron_torch_dist", "frameworks/megatron/tp2/iter_0000010"),
     Fixture("megatron_legacy", "frameworks/megatron/legacy_tp2/iter_0000010"),
     Fixture("rank_set", "frameworks/rank_sets/fsdp2"),
+    # a folder of differently named checkpoint files (frameworks/container), each file a part
+    Fixture("checkpoint_parts", "wrapped", records_files=False),
     # roles.DECLARED_LAYOUTS beyond the frameworks'
     Fixture("pickled_module", "frameworks/tutorial/whole_model.pt"),
     # formats (ckpttool/formats/registry.py), by id

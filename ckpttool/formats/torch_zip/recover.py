@@ -18,10 +18,10 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, NamedTuple
 
-from ckpttool.errors import LayoutError, NotACheckpointError, UnrecoverableError
-from ckpttool.formats.base import OutTensor, Recovered
+from ckpttool.errors import CkptError, LayoutError, NotACheckpointError, UnrecoverableError
+from ckpttool.formats.base import CHECKPOINT_SUFFIXES, OutTensor, Recovered
 from ckpttool.formats.torch_zip.kinds import TORCH_ZIP, archive_kind, has_pt2_folders
-from ckpttool.formats.torch_zip.reader import ZIP_ERRORS, find_data_pkl, refuse_other_kind
+from ckpttool.formats.torch_zip.reader import ZIP_ERRORS, find_data_pkl, open_zip, refuse_other_kind
 from ckpttool.formats.torch_zip.writer import (
     CopiedStorage,
     NumpyArray,
@@ -200,6 +200,14 @@ def _crc(fd: int, start: int, size: int) -> int:
     return crc
 
 
+def _listed(handle: BinaryIO, found: dict[str, Any]) -> list[str]:
+    """The record names the walk found, and those the zip's directory lists when it reads."""
+    try:
+        return [*found, *open_zip(handle).namelist()]
+    except CkptError:
+        return list(found)
+
+
 def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
     """The tree of a damaged torch.save archive and the storages whose bytes check out."""
     fd = handle.fileno()
@@ -219,6 +227,11 @@ def recover_torch_zip(handle: BinaryIO, file_size: int) -> Recovered:
     except NotACheckpointError:
         if has_pt2_folders(by_name):  # a .pt2 cut before its archive_format record
             refuse_other_kind([f"{next(iter(by_name)).split('/', 1)[0]}/archive_format"])
+        if any(fold(name).endswith(CHECKPOINT_SUFFIXES) for name in _listed(handle, by_name)):
+            raise NotACheckpointError(  # stable-baselines3's model.zip: no data.pkl to lose
+                "a zip of checkpoint files, not one torch.save file: this command rewrites one "
+                "checkpoint file (unzip it and name one; convert --component NAME takes a part)"
+            ) from None
         pkl_name = ""
     pkl = by_name.get(pkl_name)
     if pkl is None or not pkl.intact:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ckpttool.errors import CkptError
-from ckpttool.formats.base import PLACE_SEPARATOR, Findings
+from ckpttool.formats.base import CHECKPOINT_SUFFIXES, PLACE_SEPARATOR, Findings
 from ckpttool.formats.torch_zip import kinds
 from ckpttool.formats.torch_zip.reader import ambiguous_names, open_zip, read_record
 from ckpttool.formats.torch_zip.zip_index import ZipIndex, ZipMember, case_collision, fold
@@ -187,6 +187,16 @@ def _roles(
             return "sniff"
 
         return package_role
+    if not any(fold(name).endswith("data.pkl") for name in archive.namelist()):
+        # no torch.save file: a zip of checkpoint files (stable-baselines3's model.zip), whose
+        # reader torch.load-s each member named like one (docs/formats.md, "Containers")
+        return lambda info: (
+            "pickle"
+            if pickled(info)
+            else "load"
+            if fold(info.filename).endswith(CHECKPOINT_SUFFIXES)
+            else None
+        )
     return lambda info: "pickle" if pickled(info) else None
 
 

@@ -34,7 +34,9 @@ def check_torch_zip(
     """A torch zip file's records: the problems found (central directory vs local headers, the
     CRC of every record, streamed; each names the tensors stored in the record), and the
     storage records no tensor uses (not an error: a note). The directory is read once."""
-    remote = ckpt._handle if hasattr(ckpt._handle, "plan") else None  # its blocks: no refetch
+    # a remote file (its blocks: no refetch), or a window of another file (a zip's member): the
+    # open handle, which its name cannot reopen
+    remote = ckpt._handle if hasattr(ckpt._handle, "read_range") else None
     with open_source(ckpt.name) if remote is None else nullcontext(remote) as handle:
         archive = open_zip(handle)
         problems = check_archive(source_of(handle), archive, 0, progress, record_owners(ckpt))

@@ -1,0 +1,1 @@
+"""Folders and zip archives of checkpoint files that no other plug-in names: each file a part."""
