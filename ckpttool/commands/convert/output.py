@@ -18,6 +18,7 @@ from pathlib import Path
 from ckpttool.commands.convert.plan import Plan, Planned
 from ckpttool.commands.selection import ALIASES_KEY, SOURCE_KEY, VERSION_KEY
 from ckpttool.errors import InputError, OutputExistsError
+from ckpttool.io.units import launched_ranks
 from ckpttool.model.records import ITEMSIZE
 from ckpttool.version import __version__
 
@@ -211,6 +212,10 @@ def check_targets(
             created = created.parent
         directory.mkdir(parents=True, exist_ok=True)  # torchrun's ranks check it at once
         return created
+    if launched_ranks() is not None and not any(directory.iterdir()):
+        # another rank of this run made it a moment ago: whichever rank stops last removes it
+        # (an empty directory a user made for the output goes too, on a failed write)
+        return directory
     return None
 
 
